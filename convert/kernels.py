@@ -1,0 +1,225 @@
+"""Pure NumPy kernels: 4-bit dequantization, nested absmax, rounding to bf16/fp16. No I/O.
+
+Numerics (verified bit for bit against bitsandbytes 0.50.2, see docs/bnb-format.md):
+
+- 4-bit: ``y[i] = round_to_dtype(fp32(quant_map[code[i]]) * fp32(absmax[i // blocksize]))``, one
+  round-to-nearest-even from the fp32 product; blocks run over the flat index. Code i is the high
+  nibble of byte i // 2 when i is even, the low nibble when odd. Matches bitsandbytes
+  ``functional.dequantize_4bit`` (generic kernel in ``backends/default/ops.py``, and CUDA).
+- nested absmax (double quantization), two roundings:
+  ``absmax[j] = fp32(fp32(nested_quant_map[u8[j]] * nested_absmax[j // nested_blocksize]) + offset)``,
+  matching ``functional.dequantize_blockwise`` followed by ``+= offset`` in ``dequantize_4bit``.
+
+Speed: the codes of one byte are looked up as a pair (one 8-byte gather per byte), the product is
+one in-place multiply on a ``(n_blocks, blocksize)`` view, and rounding to bf16/fp16 is done with
+integer arithmetic on the fp32 bits; work is cut into cache-sized pieces.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "BF16",
+    "dequantize_4bit",
+    "dequantize_nested_absmax",
+    "pair_lut",
+    "round_float32",
+    "unpack_4bit",
+]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+#: Elements per inner piece: small enough that the fp32 temporaries stay in L2 cache.
+PIECE = 1 << 16
+
+
+def unpack_4bit(packed: npt.NDArray[np.uint8], n: int | None = None) -> npt.NDArray[np.uint8]:
+    """Split packed bytes into 4-bit codes.
+
+    Args:
+        packed: ``uint8[m]``; byte k holds code 2k in its high nibble and code 2k+1 in its low one.
+        n: number of codes wanted (<= 2m; default 2m).
+
+    Returns:
+        ``uint8[n]`` codes in 0..15.
+    """
+    packed = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    codes = np.empty((packed.size, 2), dtype=np.uint8)
+    np.right_shift(packed, 4, out=codes[:, 0])
+    np.bitwise_and(packed, 15, out=codes[:, 1])
+    flat = codes.reshape(-1)
+    return flat if n is None else flat[:n]
+
+
+def pair_lut(quant_map: npt.NDArray[np.float32]) -> npt.NDArray[np.uint64]:
+    """The 256-entry table byte -> (quant_map[hi], quant_map[lo]) as two fp32 packed in one uint64.
+
+    Args:
+        quant_map: ``float32[16]``.
+
+    Returns:
+        ``uint64[256]``; ``lut[packed].view(float32)`` is the flat sequence of table values.
+    """
+    qm = np.asarray(quant_map, dtype=np.float32).reshape(16)
+    idx = np.arange(256)
+    pairs = np.empty((256, 2), dtype=np.float32)
+    pairs[:, 0] = qm[idx >> 4]
+    pairs[:, 1] = qm[idx & 15]
+    return pairs.view(np.uint64).reshape(256)
+
+
+def _round_bf16_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16], tmp: npt.NDArray[np.uint32]) -> None:
+    """fp32 bits -> bf16 bits, round to nearest even, for finite inputs (in place on u)."""
+    np.right_shift(u, 16, out=tmp)
+    np.bitwise_and(tmp, 1, out=tmp)
+    np.add(tmp, 0x7FFF, out=tmp)
+    np.add(u, tmp, out=u)
+    np.right_shift(u, 16, out=out, casting="unsafe")
+
+
+def _round_f16_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16]) -> None:
+    """fp32 bits -> IEEE half bits, round to nearest even (overflow -> inf, subnormals exact).
+
+    Finite inputs only. The method of F. Giesen's ``float_to_half_fast3_rtne`` (public domain).
+    """
+    sign = np.right_shift(u, 16) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    # normal half range: rebias the exponent and round the mantissa to 10 bits
+    odd = np.right_shift(a, 13) & np.uint32(1)
+    norm = a + np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)  # wraps for small a: masked below
+    norm += odd
+    norm >>= np.uint32(13)
+    # subnormal half range: let the FPU round x + 0.5 (ulp 2^-24)
+    magic = np.uint32(((127 - 15) + (23 - 10) + 1) << 23)
+    sub = (a.view(np.float32) + magic.view(np.float32)).view(np.uint32) - magic
+    res = np.where(a < np.uint32(113 << 23), sub, norm)
+    res = np.where(a >= np.uint32((127 + 16) << 23), np.uint32(0x7C00), res)
+    np.bitwise_or(res, sign, out=out, casting="unsafe")
+
+
+def round_float32(x: npt.NDArray[np.float32], dtype: np.dtype | str) -> np.ndarray:
+    """Round fp32 values to ``dtype`` with one round-to-nearest-even.
+
+    Args:
+        x: ``float32[...]`` (finite values take the fast integer path; NaN/inf go through ml_dtypes).
+        dtype: ``bfloat16``, ``float16`` or ``float32`` (NumPy dtype or name).
+
+    Returns:
+        array of ``dtype`` with x's shape (x itself for float32).
+    """
+    dt = np.dtype(ml_dtypes.bfloat16) if str(dtype) == "bfloat16" else np.dtype(dtype)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if dt == np.float32:
+        return x
+    if not np.isfinite(x).all():
+        return x.astype(dt)
+    out = np.empty(x.shape, dtype=np.uint16)
+    u = x.reshape(-1).view(np.uint32).copy()
+    if dt == BF16:
+        _round_bf16_bits(u, out.reshape(-1), np.empty_like(u))
+    elif dt == np.float16:
+        _round_f16_bits(u, out.reshape(-1))
+    else:
+        raise ValueError(f"cannot round to {dt}")
+    return out.view(dt)
+
+
+def dequantize_4bit(
+    packed: npt.NDArray[np.uint8],
+    absmax: npt.NDArray[np.float32],
+    quant_map: npt.NDArray[np.float32],
+    blocksize: int,
+    n: int,
+    out_dtype: np.dtype | str,
+    out: np.ndarray | None = None,
+    lut: npt.NDArray[np.uint64] | None = None,
+) -> np.ndarray:
+    """Dequantize n 4-bit codes that start at a block boundary.
+
+    Matches bitsandbytes ``functional.dequantize_4bit`` (generic kernel): one fp32 product
+    ``quant_map[code] * absmax[block]``, one round-to-nearest-even to ``out_dtype``.
+
+    Args:
+        packed: ``uint8[ceil(n/2)]`` packed codes (high nibble = even element).
+        absmax: ``float32[ceil(n/blocksize)]`` resolved absmax (finite).
+        quant_map: ``float32[16]`` the NF4 or FP4 table.
+        blocksize: elements per absmax value (even).
+        n: number of elements.
+        out_dtype: ``bfloat16``, ``float16`` or ``float32``.
+        out: optional ``out_dtype[n]`` destination.
+        lut: optional :func:`pair_lut` of ``quant_map`` (saves rebuilding it per call).
+
+    Returns:
+        ``out_dtype[n]``, flat.
+    """
+    dt = np.dtype(ml_dtypes.bfloat16) if str(out_dtype) == "bfloat16" else np.dtype(out_dtype)
+    if out is None:
+        out = np.empty(n, dtype=dt)
+    if lut is None:
+        lut = pair_lut(quant_map)
+    packed = packed.reshape(-1)
+    absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
+    piece = max(blocksize, (PIECE // blocksize) * blocksize)
+    tmp = np.empty(piece, dtype=np.uint32) if dt == BF16 else None
+    out_bits = out.view(np.uint16) if dt.itemsize == 2 else None
+    for s in range(0, n, piece):
+        e = min(n, s + piece)
+        m = e - s
+        vals = np.take(lut, packed[s // 2 : (e + 1) // 2], mode="clip").view(np.float32)[:m]
+        nb_full = m // blocksize
+        b0 = s // blocksize
+        if nb_full:
+            body = vals[: nb_full * blocksize].reshape(nb_full, blocksize)
+            np.multiply(body, absmax[b0 : b0 + nb_full, None], out=body)
+        if m > nb_full * blocksize:
+            tail = vals[nb_full * blocksize :]
+            np.multiply(tail, absmax[b0 + nb_full], out=tail)
+        if dt == np.float32:
+            out[s:e] = vals
+        elif dt == BF16:
+            assert tmp is not None and out_bits is not None
+            _round_bf16_bits(vals.view(np.uint32), out_bits[s:e], tmp[:m])
+        else:
+            assert out_bits is not None
+            _round_f16_bits(vals.view(np.uint32), out_bits[s:e])
+    return out
+
+
+def dequantize_nested_absmax(
+    codes: npt.NDArray[np.uint8],
+    nested_absmax: npt.NDArray[np.float32],
+    nested_quant_map: npt.NDArray[np.float32],
+    nested_blocksize: int,
+    offset: float,
+    nested_dtype: str = "float32",
+) -> npt.NDArray[np.float32]:
+    """Undo double quantization of absmax.
+
+    ``absmax[j] = fp32(fp32(nested_quant_map[codes[j]] * nested_absmax[j // nested_blocksize]) + offset)``:
+    two roundings, as bitsandbytes ``dequantize_blockwise`` then ``absmax += offset``. When
+    ``nested_dtype`` is not float32 each step is rounded to it.
+
+    Args:
+        codes: ``uint8[n_blocks]`` 8-bit codes (the stored ``absmax``).
+        nested_absmax: ``float32[ceil(n_blocks / nested_blocksize)]`` (f16/bf16 are upcast).
+        nested_quant_map: ``float32[256]`` the signed dynamic map.
+        nested_blocksize: codes per nested_absmax value (256 in bitsandbytes).
+        offset: the fp32 mean that was subtracted.
+        nested_dtype: ``float32``, ``bfloat16`` or ``float16``.
+
+    Returns:
+        ``float32[n_blocks]`` resolved absmax.
+    """
+    codes = np.asarray(codes, dtype=np.uint8).reshape(-1)
+    n = codes.size
+    vals = np.asarray(nested_quant_map, dtype=np.float32).reshape(-1)[codes]
+    scale = np.repeat(np.asarray(nested_absmax, dtype=np.float32).reshape(-1), nested_blocksize)[:n]
+    prod = vals * scale
+    off = np.float32(offset)
+    if nested_dtype != "float32":
+        prod = round_float32(prod, nested_dtype).astype(np.float32)
+        off = np.float32(round_float32(np.array([off], np.float32), nested_dtype).astype(np.float32)[0])
+        return round_float32(prod + off, nested_dtype).astype(np.float32)
+    return prod + off

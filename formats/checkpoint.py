@@ -1,0 +1,314 @@
+"""Finding a checkpoint's weight files and presenting them as one name -> tensor map.
+
+Accepted inputs:
+
+- a single weight file (``.safetensors``; other containers register in :data:`READERS`);
+- a model directory holding ``model.safetensors``, or shards plus ``model.safetensors.index.json``
+  (``{"metadata": {...}, "weight_map": {tensor: shard file}}``, as transformers writes it); a
+  layer's parts may sit in different shards.
+
+Directory rules, each raising :class:`~formats.errors.CheckpointError`:
+
+=======  ==========================================================================================
+CKPT-001 the index is valid JSON with a ``weight_map`` object of strings
+CKPT-002 every shard the index names exists
+CKPT-003 every tensor the index names is in the shard it names; every shard tensor is in the index
+CKPT-004 no shard-named weight file (``model-00001-of-00002.safetensors``) is left out of the index
+CKPT-005 the directory holds weights at all
+CKPT-006 a tensor name appears in only one file
+CKPT-007 config.json, when present, is a JSON object
+=======  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from .dtypes import DType
+from .errors import CheckpointError, UnsupportedError
+from .safetensors import SafetensorsReader
+
+__all__ = [
+    "READERS",
+    "WEIGHT_SUFFIXES",
+    "Checkpoint",
+    "ContainerReader",
+    "TensorRecord",
+    "open_checkpoint",
+]
+
+
+class _Info(Protocol):
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class ContainerReader(Protocol):
+    """What a container module (safetensors, torch pickle, ...) provides for one file."""
+
+    path: Path
+    tensors: dict[str, Any]  # name -> object with dtype: DType, shape, nbytes
+
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]: ...
+
+    def array(self, name: str) -> np.ndarray: ...
+
+    def release(self, name: str, start: int = 0, stop: int | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: File suffix -> reader class. Other container modules add themselves here.
+READERS: dict[str, Callable[[Path], ContainerReader]] = {".safetensors": SafetensorsReader}
+#: Index file names, per container, in order of preference.
+INDEX_NAMES: list[tuple[str, str]] = [("model.safetensors.index.json", ".safetensors")]
+#: Single-file weight names, in order of preference.
+SINGLE_NAMES: list[str] = ["model.safetensors"]
+#: Suffixes that mark a weight file (never copied as an extra file).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+_SHARD_RE = re.compile(r".*-\d{5}-of-\d{5}\.[A-Za-z]+$")
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor of a checkpoint: its header facts and zero-copy access to its bytes.
+
+    Attributes:
+        name: the tensor name.
+        dtype: its dtype row.
+        shape: dimensions in elements.
+        nbytes: bytes on disk.
+        reader: the container reader holding it.
+    """
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    reader: ContainerReader = field(repr=False, compare=False)
+
+    @property
+    def file(self) -> str:
+        """The file the tensor is stored in."""
+        return os.fspath(self.reader.path)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (a Python int)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def raw(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]:
+        """Zero-copy ``uint8`` view of bytes [start, stop) of the tensor."""
+        return self.reader.raw(self.name, start, stop)
+
+    def array(self) -> np.ndarray:
+        """Zero-copy view with the tensor's dtype and shape."""
+        return self.reader.array(self.name)
+
+    def release(self, start: int = 0, stop: int | None = None) -> None:
+        """Drop consumed pages of bytes [start, stop) from the resident set."""
+        self.reader.release(self.name, start, stop)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint opened for reading (never modified).
+
+    Attributes:
+        source: the path given (file or directory).
+        is_dir: whether it is a model directory.
+        files: the weight files, in index order.
+        tensors: name -> :class:`TensorRecord`, in file order.
+        config: ``config.json`` as a dict, or None.
+        extra_files: other top-level files of a directory (tokenizer, generation config, ...).
+        readers: the open container readers.
+    """
+
+    source: Path
+    is_dir: bool
+    files: list[Path]
+    tensors: dict[str, TensorRecord]
+    config: dict[str, Any] | None = None
+    extra_files: list[Path] = field(default_factory=list)
+    readers: list[ContainerReader] = field(default_factory=list, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of tensor data."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def close(self) -> None:
+        """Close every reader."""
+        for r in self.readers:
+            r.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_file(path: Path) -> ContainerReader:
+    reader = READERS.get(path.suffix.lower())
+    if reader is None:
+        raise UnsupportedError(
+            f"no reader for '{path.suffix}' files",
+            path=path, expected=sorted(READERS), found=path.suffix or "(no suffix)",
+        )
+    return reader(path)
+
+
+def _records(reader: ContainerReader, names: list[str] | None = None) -> dict[str, TensorRecord]:
+    out: dict[str, TensorRecord] = {}
+    for name in names if names is not None else list(reader.tensors):
+        info = reader.tensors[name]
+        out[name] = TensorRecord(name, info.dtype, tuple(info.shape), info.nbytes, reader)
+    return out
+
+
+def _load_json(path: Path, rule: str, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{what} is not valid JSON ({exc})", path=path, rule=rule) from None
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a weight file or a model directory.
+
+    Args:
+        path: a weight file, or a directory with ``model.safetensors`` or an index and shards.
+
+    Returns:
+        a :class:`Checkpoint`; close it (or use ``with``) when done.
+
+    Raises:
+        CheckpointError: a CKPT-xxx rule.
+        SafetensorsError: a shard breaks the container format.
+        UnsupportedError: a file type without a reader.
+        FileNotFoundError: the path does not exist.
+    """
+    src = Path(path)
+    if not src.exists():
+        raise FileNotFoundError(f"'{src}' does not exist")
+    if src.is_file():
+        reader = _open_file(src)
+        return Checkpoint(src, False, [src], _records(reader), readers=[reader])
+
+    config = None
+    cfg_path = src / "config.json"
+    if cfg_path.is_file():
+        config = _load_json(cfg_path, "CKPT-007", "config.json")
+        if not isinstance(config, dict):
+            raise CheckpointError("config.json must be a JSON object", path=cfg_path, rule="CKPT-007")
+    extra = sorted(
+        p for p in src.iterdir()
+        if p.is_file() and not p.name.endswith(".index.json") and p.suffix.lower() not in WEIGHT_SUFFIXES
+        and not p.name.startswith(".")
+    )
+    readers: list[ContainerReader] = []
+    try:
+        for index_name, suffix in INDEX_NAMES:
+            index_path = src / index_name
+            if index_path.is_file():
+                files, tensors = _open_index(src, index_path, suffix, readers)
+                return Checkpoint(src, True, files, tensors, config, extra, readers)
+        for single in SINGLE_NAMES:
+            single_path = src / single
+            if single_path.is_file():
+                reader = _open_file(single_path)
+                readers.append(reader)
+                stray = _stray_shards(src, {single_path.name})
+                if stray:
+                    raise CheckpointError(
+                        "shard files present but no index names them", path=src, rule="CKPT-004",
+                        expected="model.safetensors.index.json", found=stray,
+                    )
+                return Checkpoint(src, True, [single_path], _records(reader), config, extra, readers)
+        candidates = sorted(p.name for p in src.iterdir() if p.suffix.lower() in READERS)
+        raise CheckpointError(
+            "no weights found", path=src, rule="CKPT-005",
+            expected=" or ".join([n for n, _ in INDEX_NAMES] + SINGLE_NAMES),
+            found=candidates or "no weight files",
+            hint="point at the model directory or at one weight file",
+        )
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+
+
+def _stray_shards(root: Path, named: set[str]) -> list[str]:
+    return sorted(
+        p.name for p in root.iterdir()
+        if p.suffix.lower() in READERS and _SHARD_RE.match(p.name) and p.name not in named
+    )
+
+
+def _open_index(
+    root: Path, index_path: Path, suffix: str, readers: list[ContainerReader]
+) -> tuple[list[Path], dict[str, TensorRecord]]:
+    index = _load_json(index_path, "CKPT-001", "the index")
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+        raise CheckpointError(
+            "index must hold a 'weight_map' object mapping tensor names to shard files",
+            path=index_path, rule="CKPT-001",
+        )
+    shard_names: list[str] = []
+    for shard in wmap.values():
+        if shard not in shard_names:
+            shard_names.append(shard)
+    stray = _stray_shards(root, set(shard_names))
+    if stray:
+        raise CheckpointError(
+            "shard file is not named by the index", path=index_path, rule="CKPT-004",
+            expected=f"only {shard_names}", found=stray,
+        )
+    tensors: dict[str, TensorRecord] = {}
+    files: list[Path] = []
+    for shard in shard_names:
+        shard_path = root / shard
+        if os.sep in shard or (os.altsep and os.altsep in shard) or shard in ("", ".", ".."):
+            raise CheckpointError("index names a shard outside the directory", path=index_path,
+                                  rule="CKPT-002", found=shard)
+        if not shard_path.is_file():
+            raise CheckpointError(
+                "index names a shard that does not exist", path=index_path, rule="CKPT-002",
+                expected=f"a file '{shard}'", found="none",
+                hint="the download is incomplete; fetch the missing shard",
+            )
+        reader = _open_file(shard_path)
+        readers.append(reader)
+        files.append(shard_path)
+        for name in reader.tensors:
+            if wmap.get(name) != shard:
+                raise CheckpointError(
+                    "shard holds a tensor the index does not map to it", path=shard_path,
+                    tensor=name, rule="CKPT-003", expected=shard, found=wmap.get(name),
+                )
+    for name, shard in wmap.items():
+        reader = readers[shard_names.index(shard)]
+        if name not in reader.tensors:
+            raise CheckpointError(
+                "index names a tensor that is not in its shard", path=reader.path, tensor=name,
+                rule="CKPT-003", expected=f"'{name}' in {shard}", found="absent",
+            )
+    for reader in readers:
+        for name, rec in _records(reader).items():
+            tensors[name] = rec
+    return files, tensors

@@ -1,0 +1,468 @@
+"""The safetensors container: a validating reader with zero-copy memory-mapped views, and a streaming writer.
+
+Byte layout (https://github.com/huggingface/safetensors, "Format")::
+
+    [0, 8)            N: unsigned little-endian 64-bit header length in bytes
+    [8, 8 + N)        header: UTF-8 JSON object
+                        {"__metadata__": {str: str},                       (optional)
+                         "<name>": {"dtype": "BF16", "shape": [d0, ...],
+                                    "data_offsets": [begin, end]}, ...}
+                      padded with spaces (0x20) so that 8 + N is a multiple of 8 (we write it so;
+                      we accept any N)
+    [8 + N, EOF)      data area; a tensor's bytes are [8 + N + begin, 8 + N + end), row-major,
+                      little-endian
+
+Rules the reader enforces before anything is allocated (all sizes are Python ints, so no
+fixed-width overflow), each raising :class:`~formats.errors.SafetensorsError`:
+
+=======  =============================================================================
+ST-001   the file holds at least 8 bytes
+ST-002   N <= file size - 8 and N <= MAX_HEADER_BYTES (100 MiB)
+ST-003   the header is UTF-8 JSON whose top level is an object of objects, names unique
+ST-004   the file is a safetensors file at all (text pointer, HTML, zip, pickle named)
+ST-005   dtype is a known safetensors code
+ST-006   shape is a list of non-negative integers
+ST-007   data_offsets is [begin, end], integers, 0 <= begin <= end
+ST-008   end - begin == prod(shape) * itemsize
+ST-009   tensors do not overlap and leave no gap; together they cover [0, data size)
+ST-010   the data area is as long as the header says (a truncated file is named as such)
+ST-011   __metadata__ is an object of strings
+=======  =============================================================================
+
+Reading never copies tensor data: :meth:`SafetensorsReader.raw` and :meth:`SafetensorsReader.array`
+return read-only NumPy views into one ``mmap`` of the file (``np.frombuffer``, the same mapping
+``np.memmap`` makes), and :meth:`SafetensorsReader.release` drops consumed pages from the process
+(``madvise(MADV_DONTNEED)``) so a streaming pass keeps its resident set bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .dtypes import DType, by_code
+from .errors import SafetensorsError
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "TensorInfo",
+    "build_header",
+    "sniff",
+]
+
+#: Largest header accepted, in bytes (the Rust library's own limit is 100 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in a safetensors file.
+
+    Attributes:
+        name: the tensor name from the header.
+        dtype: its row of the dtype table.
+        shape: dimensions in elements.
+        start: absolute byte offset of the first byte in the file.
+        nbytes: length in bytes (= prod(shape) * itemsize, checked).
+    """
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (a Python int)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def sniff(head: bytes) -> str | None:
+    """Say what a file that is not safetensors looks like, from its first bytes.
+
+    Returns a short description ("a Git LFS pointer file", "an HTML page", "a zip archive (a PyTorch
+    .bin/.pt checkpoint?)", "a pickle", "a text file") or None when nothing is recognised.
+    """
+    if head.startswith(b"version https://git-lfs"):
+        return "a Git LFS pointer file (the real file was never downloaded)"
+    stripped = head.lstrip().lower()
+    if stripped.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
+        return "an HTML page (an error page saved instead of the file?)"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (a PyTorch .bin/.pt checkpoint?)"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a pickle (a legacy PyTorch checkpoint?)"
+    if head[:1] in (b"{", b"["):
+        return "a JSON text file"
+    if head and all(32 <= c < 127 or c in (9, 10, 13) for c in head[:64]):
+        return "a text file"
+    return None
+
+
+def _fail(path: str, rule: str, message: str, **kw: Any) -> SafetensorsError:
+    return SafetensorsError(message, path=path, rule=rule, **kw)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _parse_header(path: str, header_bytes: bytes, data_size: int) -> tuple[dict[str, str], list[TensorInfo]]:
+    try:
+        text = header_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(path, "ST-003", f"header is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as dup:
+        raise SafetensorsError(
+            "tensor name appears twice in the header", path=path, tensor=dup.key, rule="ST-003"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise _fail(path, "ST-003", f"header is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    if not isinstance(obj, dict):
+        raise _fail(path, "ST-003", "header must be a JSON object", expected="object", found=type(obj).__name__)
+
+    metadata: dict[str, str] = {}
+    infos: list[tuple[int, int, str, DType, tuple[int, ...]]] = []
+    for name, entry in obj.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in entry.items()
+            ):
+                raise _fail(path, "ST-011", "__metadata__ must be an object mapping strings to strings")
+            metadata = dict(entry)
+            continue
+        if not isinstance(entry, dict):
+            raise SafetensorsError(
+                "tensor entry must be an object with dtype, shape and data_offsets",
+                path=path, tensor=name, rule="ST-003", found=type(entry).__name__,
+            )
+        code = entry.get("dtype")
+        dt = by_code(code) if isinstance(code, str) else None
+        if dt is None:
+            raise SafetensorsError(
+                "unknown dtype", path=path, tensor=name, rule="ST-005",
+                expected="a safetensors dtype code such as 'BF16', 'F16', 'F32', 'U8'", found=code,
+            )
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise SafetensorsError(
+                "shape must be a list of non-negative integers",
+                path=path, tensor=name, rule="ST-006", found=shape,
+            )
+        offsets = entry.get("data_offsets")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or offsets[0] < 0
+            or offsets[1] < offsets[0]
+        ):
+            raise SafetensorsError(
+                "data_offsets must be [begin, end] with 0 <= begin <= end",
+                path=path, tensor=name, rule="ST-007", found=offsets,
+            )
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        want = numel * dt.itemsize
+        if end - begin != want:
+            raise SafetensorsError(
+                f"byte span must equal prod(shape) * itemsize for {code} {shape}",
+                path=path, tensor=name, rule="ST-008", expected=want, found=end - begin,
+            )
+        infos.append((begin, end, name, dt, tuple(shape)))
+
+    infos.sort(key=lambda t: (t[0], t[1]))
+    cursor = 0
+    prev_name: str | None = None
+    for begin, end, name, _dt, _shape in infos:
+        if begin < cursor:
+            raise SafetensorsError(
+                f"data overlaps tensor '{prev_name}'", path=path, tensor=name, rule="ST-009",
+                expected=f"begin >= {cursor}", found=begin,
+            )
+        if begin > cursor:
+            raise SafetensorsError(
+                "gap in the data area before this tensor", path=path, tensor=name, rule="ST-009",
+                expected=f"begin == {cursor}", found=begin,
+            )
+        cursor = end
+        prev_name = name
+    if cursor > data_size:
+        raise _fail(
+            path, "ST-010", "file is truncated: the data area is shorter than the header says",
+            expected=f"{cursor} data bytes", found=data_size,
+            hint="the download or copy was cut short; fetch the file again",
+        )
+    if cursor < data_size:
+        raise _fail(
+            path, "ST-009", "data area has trailing bytes no tensor covers",
+            expected=f"{cursor} data bytes", found=data_size,
+        )
+    return metadata, [TensorInfo(name, dt, shape, begin, end - begin) for begin, end, name, dt, shape in infos]
+
+
+class SafetensorsReader:
+    """A validated, memory-mapped safetensors file.
+
+    The header is parsed and checked against every ST rule when the reader is created; tensor data
+    is never read until a view of it is used.
+
+    Args:
+        path: the ``.safetensors`` file. Opened read-only; never modified.
+
+    Attributes:
+        path: the file.
+        metadata: the ``__metadata__`` object (empty if absent).
+        tensors: name -> :class:`TensorInfo`, in data-offset order; ``start`` is absolute.
+        header_size: 8 + N, the offset of the data area.
+
+    Raises:
+        SafetensorsError: any ST-xxx rule (see the module docstring).
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        spath = os.fspath(path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                what = sniff(head)
+                raise _fail(
+                    spath, "ST-001", "file is shorter than the 8-byte header length",
+                    expected=">= 8 bytes", found=f"{size} bytes",
+                    hint=f"it looks like {what}" if what else None,
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                f.seek(0)
+                what = sniff(f.read(512))
+                if what is not None:
+                    raise _fail(
+                        spath, "ST-004", f"not a safetensors file: it looks like {what}",
+                        hint="check that the file was downloaded completely (git lfs pull, or download again)",
+                    )
+                limit = min(size - 8, MAX_HEADER_BYTES)
+                raise _fail(
+                    spath, "ST-002", "header length is larger than the file or the limit",
+                    expected=f"<= {limit}", found=n,
+                )
+            header_bytes = f.read(n)
+        self.header_size = 8 + n
+        self.file_size = size
+        try:
+            self.metadata, infos = _parse_header(spath, header_bytes, size - self.header_size)
+        except SafetensorsError as exc:
+            what = sniff(head + header_bytes[:504])
+            if exc.rule == "ST-003" and what is not None and not header_bytes.lstrip().startswith(b"{"):
+                raise _fail(spath, "ST-004", f"not a safetensors file: it looks like {what}") from None
+            raise
+        self.tensors: dict[str, TensorInfo] = {
+            i.name: TensorInfo(i.name, i.dtype, i.shape, i.start + self.header_size, i.nbytes) for i in infos
+        }
+        self._mmap: mmap.mmap | None = None
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsReader('{self.path}', {len(self.tensors)} tensors)"
+
+    def _map(self) -> mmap.mmap:
+        if self._mmap is None:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._mmap
+
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]:
+        """Zero-copy read-only view of a tensor's bytes.
+
+        Args:
+            name: tensor name.
+            start, stop: byte range inside the tensor (default: all of it).
+
+        Returns:
+            ``uint8[stop - start]`` view into the file mapping.
+        """
+        info = self.tensors[name]
+        stop = info.nbytes if stop is None else stop
+        if not 0 <= start <= stop <= info.nbytes:
+            raise IndexError(f"byte range [{start}, {stop}) outside tensor '{name}' of {info.nbytes} bytes")
+        if stop == start:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(self._map(), dtype=np.uint8, count=stop - start, offset=info.start + start)
+
+    def array(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view of a tensor with its dtype and shape (``BF16`` -> ml_dtypes.bfloat16)."""
+        info = self.tensors[name]
+        if info.nbytes == 0:
+            return np.empty(info.shape, dtype=info.dtype.numpy)
+        return np.frombuffer(
+            self._map(), dtype=info.dtype.numpy, count=info.numel, offset=info.start
+        ).reshape(info.shape)
+
+    def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """Drop the pages of a consumed byte range of a tensor from this process's resident set.
+
+        Only whole pages inside the range are released; data stays readable (it is re-read from the
+        page cache or disk on the next access).
+        """
+        if self._mmap is None:
+            return
+        info = self.tensors[name]
+        stop = info.nbytes if stop is None else stop
+        lo = -(-(info.start + start) // _PAGE) * _PAGE
+        hi = ((info.start + stop) // _PAGE) * _PAGE
+        if hi > lo:
+            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def close(self) -> None:
+        """Unmap the file. Views handed out before must no longer be used."""
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes when it does
+            self._mmap = None
+
+
+def build_header(
+    entries: Iterable[tuple[str, DType, Sequence[int]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """Build a safetensors header for tensors laid out in the given order.
+
+    Args:
+        entries: (name, dtype, shape) per tensor, in file order.
+        metadata: the ``__metadata__`` object.
+
+    Returns:
+        (the 8-byte length + padded JSON header, [(name, begin, end)] data offsets in bytes).
+    """
+    obj: dict[str, Any] = {}
+    if metadata:
+        obj["__metadata__"] = dict(metadata)
+    spans: list[tuple[str, int, int]] = []
+    cursor = 0
+    for name, dt, shape in entries:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        end = cursor + numel * dt.itemsize
+        obj[name] = {"dtype": dt.code, "shape": [int(d) for d in shape], "data_offsets": [cursor, end]}
+        spans.append((name, cursor, end))
+        cursor = end
+    text = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text, spans
+
+
+class SafetensorsWriter:
+    """Streams tensors into a safetensors file whose header is known in advance.
+
+    The header (from the plan) is written first; then each tensor's bytes are appended in order
+    with :meth:`write`, in as many pieces as wanted. :meth:`close` checks every byte arrived.
+
+    Args:
+        path: the file to create (the caller picks a temporary name and renames it when verified).
+        entries: (name, dtype, shape) per tensor, in the order they will be written.
+        metadata: ``__metadata__`` (transformers wants ``{"format": "pt"}``).
+
+    Raises:
+        ValueError: more or fewer bytes than planned are written for a tensor.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        entries: Sequence[tuple[str, DType, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        header, self._spans = build_header(entries, metadata)
+        self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 - closed in close()
+        self._file.write(header)
+        self._index = 0
+        self._written = 0  # bytes of the current tensor
+        self.nbytes = len(header) + (self._spans[-1][2] if self._spans else 0)
+
+    def write(self, data: np.ndarray | bytes | memoryview) -> None:
+        """Append bytes of the current tensor (C-contiguous arrays are written without a copy)."""
+        buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else data
+        n = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+        while n:
+            if self._index >= len(self._spans):
+                raise ValueError(f"'{self.path}': more data written than planned")
+            name, begin, end = self._spans[self._index]
+            room = end - begin - self._written
+            take = min(room, n)
+            self._file.write(buf[:take])
+            buf = buf[take:]
+            n -= take
+            self._written += take
+            if self._written == end - begin:
+                self._index += 1
+                self._written = 0
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._index < len(self._spans) and self._spans[self._index][1] == self._spans[self._index][2]:
+            self._index += 1
+
+    @property
+    def current(self) -> str | None:
+        """Name of the tensor the next byte belongs to (None when complete)."""
+        self._skip_empty()
+        return self._spans[self._index][0] if self._index < len(self._spans) else None
+
+    def close(self, fsync: bool = True) -> None:
+        """Flush (and fsync) the file and check that every planned byte was written."""
+        self._skip_empty()
+        try:
+            if self._index != len(self._spans):
+                name = self._spans[self._index][0]
+                raise ValueError(f"'{self.path}': tensor '{name}' incomplete when closing")
+            self._file.flush()
+            if fsync:
+                os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+    def abort(self) -> None:
+        """Close without checks (the caller removes the file)."""
+        self._file.close()
