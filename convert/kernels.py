@@ -167,11 +167,13 @@ def dequantize_4bit(
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
     piece = max(blocksize, (PIECE // blocksize) * blocksize)
     tmp = np.empty(piece, dtype=np.uint32) if dt == BF16 else None
+    pairs = np.empty(piece // 2 + 1, dtype=np.uint64)
     out_bits = out.view(np.uint16) if dt.itemsize == 2 else None
     for s in range(0, n, piece):
         e = min(n, s + piece)
         m = e - s
-        vals = np.take(lut, packed[s // 2 : (e + 1) // 2], mode="clip").view(np.float32)[:m]
+        src = packed[s // 2 : (e + 1) // 2]
+        vals = np.take(lut, src, out=pairs[: src.size], mode="clip").view(np.float32)[:m]
         nb_full = m // blocksize
         b0 = s // blocksize
         if nb_full:
