@@ -32,6 +32,7 @@ result for the whole tensor, byte for byte.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -55,10 +56,12 @@ __all__ = [
     "QuantSettings",
     "QuantizedLayerArrays",
     "QuantReport",
+    "ReportAccumulator",
     "blockwise_absmax",
     "double_quantize_absmax",
     "dynamic_map_lut",
     "encode_4bit",
+    "encode_8bit",
     "iter_block_chunks",
     "layer_tensors",
     "quantization_report",
@@ -66,6 +69,8 @@ __all__ = [
     "quantize_blockwise_8bit",
     "quantize_bounds",
     "quantize_layer",
+    "resolve_nested",
+    "stored_nbytes",
     "torch_mean_float32",
     "torch_sum_float32",
 ]
@@ -432,9 +437,7 @@ def quantize_blockwise_8bit(
     """8-bit blockwise quantization with a 256-value map, as bnb's CPU C kernel does it.
 
     Matches bitsandbytes ``functional.quantize_blockwise`` on CPU (``cquantize_blockwise_cpu_fp32``):
-    per block ``m = max|v|``; ``t = clip(v * fp32(1/m), -1, 1)``;
-    ``i16 = uint16(fp32(fp32(fp32((t + 1) * 0.5) * 65535) + 0.5))``; ``code = LUT[i16]``
-    (:func:`dynamic_map_lut`); a block with m == 0 gets code 0 throughout.
+    per block ``m = max|v|``, then :func:`encode_8bit`.
 
     Args:
         v: ``float32[n]`` values (for double quantization: ``absmax - offset``).
@@ -449,12 +452,32 @@ def quantize_blockwise_8bit(
     nb = -(-n // blocksize)
     padded = np.zeros(nb * blocksize, dtype=_F32)
     padded[:n] = v
-    blocks = padded.reshape(nb, blocksize)
-    m = np.abs(blocks).max(axis=1)
-    zero = m == 0
-    with np.errstate(divide="ignore"):
-        recip = _F32(1) / np.where(zero, _F32(1), m)
-    t = blocks * recip[:, None]
+    m = np.abs(padded.reshape(nb, blocksize)).max(axis=1)
+    return encode_8bit(v, np.repeat(m, blocksize)[:n], code), m
+
+
+def encode_8bit(
+    v: npt.ArrayLike, scale: npt.NDArray[np.float32], code: npt.NDArray[np.float32] = DYNAMIC_MAP_SIGNED
+) -> npt.NDArray[np.uint8]:
+    """8-bit codes of values whose block maxima are known (any slice of a blockwise quantization).
+
+    ``t = clip(v * fp32(1/m), -1, 1)``; ``i16 = uint16(fp32(fp32(fp32((t + 1) * 0.5) * 65535) + 0.5))``
+    (truncating; no fused multiply-add); ``code = LUT[i16]`` (:func:`dynamic_map_lut`); a value
+    whose block has m == 0 gets code 0.
+
+    Args:
+        v: ``float32[n]`` values.
+        scale: ``float32[n]`` the max |v| of each value's block.
+        code: ``float32[256]`` the map.
+
+    Returns:
+        ``uint8[n]``.
+    """
+    v = _flat_f32(v)
+    scale = _flat_f32(scale)
+    zero = scale == 0
+    recip = _F32(1) / np.where(zero, _F32(1), scale)
+    t = v * recip
     np.clip(t, -1, 1, out=t)
     t += _F32(1)
     t *= _F32(0.5)
@@ -462,7 +485,29 @@ def quantize_blockwise_8bit(
     t += _F32(0.5)
     codes = dynamic_map_lut(code)[t.astype(np.uint16)]
     codes[zero] = 0
-    return codes.reshape(-1)[:n], m
+    return codes
+
+
+def resolve_nested(
+    codes: npt.NDArray[np.uint8], scale: npt.NDArray[np.float32], offset: float,
+    code: npt.NDArray[np.float32] = DYNAMIC_MAP_SIGNED,
+) -> npt.NDArray[np.float32]:
+    """absmax back from 8-bit codes, for any slice: ``fp32(fp32(code[c] * scale) + offset)``.
+
+    The same two roundings as :func:`convert.kernels.dequantize_nested_absmax` (bnb
+    ``dequantize_blockwise`` then ``+= offset``), with the nested absmax given per value.
+
+    Args:
+        codes: ``uint8[n]``.
+        scale: ``float32[n]`` each value's ``nested_absmax``.
+        offset: the nested offset (an fp32 value).
+        code: ``float32[256]`` the map.
+
+    Returns:
+        ``float32[n]``.
+    """
+    prod = np.asarray(code, dtype=_F32)[np.asarray(codes, dtype=np.uint8)] * _flat_f32(scale)
+    return (prod + _F32(offset)).astype(_F32)
 
 
 def double_quantize_absmax(
@@ -679,6 +724,100 @@ class QuantReport:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+class ReportAccumulator:
+    """Collects the :class:`QuantReport` figures of one weight chunk by chunk (thread-safe).
+
+    Chunk results are kept per chunk start and summed in order at the end, so the figures do not
+    depend on which thread finished first.
+
+    Args:
+        name: the weight name.
+        state: its QuantState (numel, blocksize).
+        absmax_median: median of the layer's fp32 absmax (outlier threshold base).
+        absmax_max: largest absmax.
+        outlier_factor: a block is an outlier when its absmax exceeds this many medians.
+    """
+
+    def __init__(self, name: str, state: QuantState, absmax_median: float, absmax_max: float,
+                 outlier_factor: float = 10.0) -> None:
+        self.name = name
+        self.state = state
+        self.median = absmax_median
+        self.max = absmax_max
+        self.threshold = outlier_factor * absmax_median if absmax_median > 0 else math.inf
+        self._parts: dict[int, tuple[float, float, int, int, int, int, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, start: int, x: np.ndarray, y: npt.NDArray[np.float32],
+            block_absmax: npt.NDArray[np.float32]) -> None:
+        """Add elements [start, start + len(x)) of the flat weight.
+
+        Args:
+            start: first element, on a block boundary.
+            x: the original values (any float dtype), flat.
+            y: ``float32`` the dequantized values of the same elements.
+            block_absmax: ``float32`` the fp32 absmax of the blocks these elements cover.
+        """
+        bs = self.state.blocksize
+        err2 = ref2 = 0.0
+        nonzero = zeroed = out_nonzero = out_zeroed = 0
+        is_out = np.asarray(block_absmax) > self.threshold
+        n_out = int(is_out.sum())
+        step = max(bs, (_PIECE // bs) * bs)
+        for a in range(0, x.size, step):
+            b = min(x.size, a + step)
+            xf = _flat_f32(x[a:b]).astype(np.float64)
+            yf = y[a:b].astype(np.float64)
+            d = xf - yf
+            err2 += float(np.dot(d, d))
+            ref2 += float(np.dot(xf, xf))
+            nz = xf != 0
+            zz = nz & (yf == 0)
+            nonzero += int(nz.sum())
+            zeroed += int(zz.sum())
+            blk = is_out[a // bs : -(-b // bs)]
+            if blk.any():
+                mask = np.repeat(blk, bs)[: b - a]
+                out_nonzero += int((nz & mask).sum())
+                out_zeroed += int((zz & mask).sum())
+        with self._lock:
+            self._parts[start] = (err2, ref2, nonzero, zeroed, out_nonzero, out_zeroed, n_out)
+
+    def result(self, stored_bytes: int) -> QuantReport:
+        """The report, given the bytes the layer's packed, absmax and nested_absmax tensors take."""
+        err2 = ref2 = 0.0
+        nonzero = zeroed = out_nonzero = out_zeroed = n_out = 0
+        for k in sorted(self._parts):
+            e, r, nz, zz, onz, ozz, no = self._parts[k]
+            err2 += e
+            ref2 += r
+            nonzero += nz
+            zeroed += zz
+            out_nonzero += onz
+            out_zeroed += ozz
+            n_out += no
+        n = self.state.numel
+        return QuantReport(
+            name=self.name,
+            numel=n,
+            rel_error=math.sqrt(err2 / ref2) if ref2 > 0 else 0.0,
+            bits_per_weight=8 * stored_bytes / n,
+            absmax_median=self.median,
+            absmax_max=self.max,
+            outlier_blocks=n_out,
+            outlier_zero_share=out_zeroed / out_nonzero if out_nonzero else 0.0,
+            zero_share=zeroed / nonzero if nonzero else 0.0,
+            outlier=n_out > 0,
+        )
+
+
+def stored_nbytes(state: QuantState) -> int:
+    """Bytes of a layer's packed codes, absmax and nested_absmax (the size-dependent tensors)."""
+    if state.nested:
+        return state.packed_nbytes + state.n_blocks + 4 * state.n_nested_blocks
+    return state.packed_nbytes + 4 * state.n_blocks
+
+
 def quantization_report(
     name: str,
     source: Callable[[int, int], np.ndarray] | np.ndarray,
@@ -716,41 +855,12 @@ def quantization_report(
     else:
         resolved = np.asarray(arrays.absmax, dtype=_F32)
     stats = arrays.absmax_f32
-    median = float(np.median(stats)) if stats.size else 0.0
-    is_out = stats > outlier_factor * median if median > 0 else np.zeros(stats.size, dtype=bool)
+    acc = ReportAccumulator(name, st, float(np.median(stats)) if stats.size else 0.0,
+                            float(stats.max()) if stats.size else 0.0, outlier_factor)
     qmap = QUANT_TABLES[st.quant_type]
-    err2 = ref2 = 0.0
-    nonzero = zeroed = out_nonzero = out_zeroed = 0
     for a, b in iter_block_chunks(n, bs, max_elements):
-        x = _flat_f32(read(a, b))
-        y = dequantize_4bit(arrays.packed[a // 2 : (b + 1) // 2], resolved[a // bs : -(-b // bs)], qmap,
-                            bs, b - a, "float32")
-        d = x.astype(np.float64) - y
-        err2 += float(np.dot(d, d))
-        ref2 += float(np.dot(x.astype(np.float64), x))
-        nz = x != 0
-        zz = nz & (y == 0)
-        nonzero += int(nz.sum())
-        zeroed += int(zz.sum())
-        blk = is_out[a // bs : -(-b // bs)]
-        if blk.any():
-            mask = np.repeat(blk, bs)[: b - a]
-            out_nonzero += int((nz & mask).sum())
-            out_zeroed += int((zz & mask).sum())
-    stored = st.packed_nbytes + np.asarray(arrays.absmax).nbytes
-    if arrays.nested_absmax is not None:
-        stored += arrays.nested_absmax.nbytes
-    n_out = int(is_out.sum())
-    return QuantReport(
-        name=name,
-        numel=n,
-        rel_error=math.sqrt(err2 / ref2) if ref2 > 0 else 0.0,
-        bits_per_weight=8 * stored / n,
-        absmax_median=median,
-        absmax_max=float(stats.max()) if stats.size else 0.0,
-        outlier_blocks=n_out,
-        outlier_zero_share=out_zeroed / out_nonzero if out_nonzero else 0.0,
-        zero_share=zeroed / nonzero if nonzero else 0.0,
-        outlier=n_out > 0,
-    )
-
+        x = read(a, b)
+        blocks = slice(a // bs, -(-b // bs))
+        y = dequantize_4bit(arrays.packed[a // 2 : (b + 1) // 2], resolved[blocks], qmap, bs, b - a, "float32")
+        acc.add(a, np.asarray(x).reshape(-1), y, stats[blocks])
+    return acc.result(stored_nbytes(st))
