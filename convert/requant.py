@@ -540,6 +540,8 @@ def make_quant_plan(
     report: bool = True,
     outlier_factor: float = 10.0,
     prepass: bool = True,
+    piece_elements: int | None = None,
+    cache_bytes: int | None = None,
 ) -> tuple[Plan, QuantPlanInfo]:
     """Turn a dequantization plan (``--to auto`` + hooks) into a 4-bit plan.
 
@@ -556,6 +558,8 @@ def make_quant_plan(
         outlier_factor: the report's outlier threshold, in layer medians of absmax.
         prepass: read each nested layer once now, so its QuantState JSON length is known (needed
             before writing; ``False`` for ``--dry-run``, which then shows an estimated length).
+        piece_elements: elements read from a source at a time (default: from ``max_memory``).
+        cache_bytes: bytes of fp32 absmax kept between passes (default: ``max_memory / 8``).
 
     Returns:
         (the new plan, a :class:`QuantPlanInfo`).
@@ -567,8 +571,10 @@ def make_quant_plan(
     from .pipeline import chunk_elements
 
     info = QuantPlanInfo()
-    piece = max(settings.blocksize, chunk_elements(settings.blocksize, max_memory, max(1, threads)) // 2)
-    budget = _Budget(max(0, max_memory // 8))
+    if piece_elements is None:
+        piece_elements = chunk_elements(settings.blocksize, max_memory, max(1, threads)) // 2
+    piece = max(settings.blocksize, piece_elements)
+    budget = _Budget(max(0, max_memory // 8 if cache_bytes is None else cache_bytes))
     grouped: list[list[PlannedTensor]] = []
     heads_kept: list[str] = []
     for t in plan.tensors:
