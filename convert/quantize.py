@@ -228,6 +228,44 @@ def encode_4bit(
     return out
 
 
+_TABLE_CACHE: dict[bytes, tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None] = {}
+
+
+def _code_tables(
+    mid: npt.NDArray[np.float32], order: npt.NDArray[np.uint8]
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None:
+    """Tables that replace ``order[searchsorted(mid, s, side="left")]`` by lookups on s's top 16 bits.
+
+    The fp32 values sharing their top 16 bits form one interval ("bucket"). For bucket h:
+    ``lo[h] = order[count(mid < bucket start)]``; if a midpoint m lies in the bucket, ``thr[h] = m`` and
+    ``hi[h]`` is the next code, so ``code = hi[h] if s > thr[h] else lo[h]`` equals the search exactly
+    (ties, s == m, stay low). Returns None when a bucket holds two midpoints (not the case for the
+    NF4 and FP4 tables), and the caller searches instead.
+    """
+    key = mid.tobytes() + order.tobytes()
+    if key in _TABLE_CACHE:
+        return _TABLE_CACHE[key]
+    h = np.arange(65536, dtype=np.uint32)
+    first = (h << 16).view(np.float32)
+    last = ((h << 16) | 0xFFFF).view(np.float32)
+    start = np.minimum(first, last)  # negative buckets run downwards
+    stop = np.maximum(first, last)
+    base = np.searchsorted(mid, start, side="left")  # count(mid < start)
+    inside = np.searchsorted(mid, stop, side="right") - base  # midpoints in [start, stop]
+    tables: tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None = None
+    finite = np.isfinite(start) & np.isfinite(stop)
+    if int(inside[finite].max()) <= 1:
+        thr = np.full(65536, np.inf, dtype=np.float32)
+        has = finite & (inside == 1)
+        thr[has] = mid[base[has]]
+        top = mid.size
+        lo = order[np.minimum(base, top)].astype(np.uint8)
+        hi = order[np.minimum(base + 1, top)].astype(np.uint8)
+        tables = (thr, lo, hi)
+    _TABLE_CACHE[key] = tables
+    return tables
+
+
 def _pack_codes(
     s: npt.NDArray[np.float32],
     mid: npt.NDArray[np.float32],
@@ -235,8 +273,14 @@ def _pack_codes(
     is_nf4: bool,
     out: npt.NDArray[np.uint8],
 ) -> None:
-    idx = np.searchsorted(mid, s, side="left").astype(np.uint8)
-    codes = idx if is_nf4 else order[idx]
+    tables = _code_tables(mid, order)
+    if tables is not None:
+        thr, lo, hi = tables
+        h = np.right_shift(s.view(np.uint32), 16)
+        codes = np.where(s > thr[h], hi[h], lo[h])
+    else:
+        idx = np.searchsorted(mid, s, side="left").astype(np.uint8)
+        codes = idx if is_nf4 else order[idx]
     pairs = codes.reshape(-1, 2)
     np.left_shift(pairs[:, 0], 4, out=out)
     np.bitwise_or(out, pairs[:, 1], out=out)

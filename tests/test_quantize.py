@@ -393,3 +393,23 @@ def test_parity_bitsandbytes_quantize_4bit() -> None:
         assert ours["w"].tobytes() == packed.numpy().tobytes()
         for key, ref in state.as_dict(packed=True).items():
             assert ours[f"w.{key}"].tobytes() == ref.numpy().tobytes(), (shape, key)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_bucket_tables_equal_the_search(quant_type: str) -> None:
+    """The 16-bit bucket lookup gives searchsorted(midpoints, s, 'left') at every bucket edge, around
+    every midpoint and on random values."""
+    from convert.quantize import _code_tables, _pack_codes
+
+    mid, order = quantize_bounds(quant_type)
+    assert _code_tables(mid, order) is not None
+    h = np.arange(65536, dtype=np.uint32)
+    edges = np.concatenate([(h << 16), (h << 16) | 0xFFFF, (h << 16) | 0x8000]).view(np.float32)
+    near = np.concatenate([np.nextafter(mid, np.float32(-2)), mid, np.nextafter(mid, np.float32(2))])
+    rand = np.random.default_rng(0).uniform(-1, 1, 1 << 20).astype(np.float32)
+    s = np.concatenate([edges[np.isfinite(edges)], near, rand])
+    s = np.clip(s, -1, 1).astype(np.float32)[: s.size // 2 * 2]
+    got = np.empty(s.size // 2, np.uint8)
+    _pack_codes(s, mid, order, quant_type == "nf4", got)
+    codes = order[np.searchsorted(mid, s, side="left")]
+    assert got.tolist() == ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8).tolist()
