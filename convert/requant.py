@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState
+from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, Int8Layer, QuantizedLayer, QuantState
 from formats.dtypes import BY_CODE, BY_NAME, DType
 from formats.errors import UsageError
 
@@ -571,6 +571,8 @@ def make_quant_plan(
     from .pipeline import chunk_elements
 
     info = QuantPlanInfo()
+    old_qc = _input_quantization_config(plan)
+    skip = list(dict.fromkeys([*skip, *(old_qc.get("llm_int8_skip_modules") or [])]))
     if piece_elements is None:
         piece_elements = chunk_elements(settings.blocksize, max_memory, max(1, threads)) // 2
     piece = max(settings.blocksize, piece_elements)
@@ -578,7 +580,7 @@ def make_quant_plan(
     grouped: list[list[PlannedTensor]] = []
     heads_kept: list[str] = []
     for t in plan.tensors:
-        was_q = isinstance(t.source, Dequant4Source) or type(t.source).__name__.startswith("Int8")
+        was_q = isinstance(getattr(t.source, "layer", None), (QuantizedLayer, Int8Layer))
         ok, why = should_quantize(t.name, t.shape, t.dtype, was_quantized=was_q, skip=skip, include=include)
         if not ok:
             info.kept[t.name] = why
@@ -629,10 +631,26 @@ def make_quant_plan(
         info.skip_modules = sorted(set(user_skip) | set(heads_kept))
     if new.config is not None:
         cfg = dict(new.config)
-        compute = _compute_dtype(cfg, info.jobs, plan)
+        compute = old_qc.get("bnb_4bit_compute_dtype") or _compute_dtype(cfg, info.jobs, plan)
         cfg["quantization_config"] = quantization_config(settings, compute, info.skip_modules)
         new.config = cfg
     return new, info
+
+
+def _input_quantization_config(plan: Plan) -> dict[str, Any]:
+    """The input's bnb ``quantization_config`` (its skip list and compute dtype carry over), or {}."""
+    cfg = plan.checkpoint.config
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "bitsandbytes":
+        return {}
+    out: dict[str, Any] = {}
+    skip = qc.get("llm_int8_skip_modules")
+    if isinstance(skip, list) and all(isinstance(x, str) for x in skip):
+        out["llm_int8_skip_modules"] = skip
+    compute = qc.get("bnb_4bit_compute_dtype")
+    if isinstance(compute, str) and compute.replace("torch.", "") in ("bfloat16", "float16", "float32"):
+        out["bnb_4bit_compute_dtype"] = compute.replace("torch.", "")
+    return out
 
 
 def _compute_dtype(cfg: dict[str, Any], jobs: list[_LayerJob], plan: Plan) -> str:

@@ -143,6 +143,29 @@ def test_skip_modules_go_into_the_config(tmp_out: Path) -> None:
         assert f"model.layers.{layer}.mlp.up_proj.weight.absmax" in got
 
 
+def test_input_skip_list_and_compute_dtype_carry_over(tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main([str(ORIG), "--to", "nf4", "--skip-modules", "mlp.down_proj", "-o", str(first), "-q"]) == 0
+    cfg = json.loads((first / "config.json").read_text())
+    cfg["quantization_config"]["bnb_4bit_compute_dtype"] = "float16"
+    (first / "config.json").write_text(json.dumps(cfg))
+    assert main([str(first), "--to", "fp4", "--no-double-quant", "-o", str(second), "-q"]) == 0
+    qc = json.loads((second / "config.json").read_text())["quantization_config"]
+    assert qc["llm_int8_skip_modules"] == ["lm_head", "mlp.down_proj"]
+    assert qc["bnb_4bit_compute_dtype"] == "float16"
+    assert qc["bnb_4bit_quant_type"] == "fp4"
+    got = load_all(second / "model.safetensors")
+    assert "model.layers.0.mlp.down_proj.weight.absmax" not in got
+    assert "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__fp4" in got
+
+
+def test_including_the_head_drops_it_from_the_skip_list(tmp_out: Path) -> None:
+    assert main([str(ORIG), "--to", "nf4", "--include", "lm_head", "-o", str(tmp_out), "-q"]) == 0
+    qc = json.loads((tmp_out / "config.json").read_text())["quantization_config"]
+    assert qc["llm_int8_skip_modules"] == []  # a list: transformers then converts lm_head too
+    assert "lm_head.weight.absmax" in load_all(tmp_out / "model.safetensors")
+
+
 def test_report_file(tmp_out: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     assert main([str(ORIG), "--to", "nf4", "--report", str(report), "-o", str(tmp_out), "-q"]) == 0
