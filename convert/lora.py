@@ -143,11 +143,10 @@ def lora_delta_rows(
     if b == rows and b - a < ROW_ALIGN and a >= ROW_ALIGN:
         a -= ROW_ALIGN
     if transposed:
-        # (B @ A).T == A.T @ B.T element for element (same dot products, same order)
-        full = np.matmul(lora_A[:, a:b].T, lora_B.T)
+        # PEFT transposes B @ A; A.T @ B.T can round differently in a BLAS's edge tiles
+        out = np.ascontiguousarray(np.matmul(lora_B, lora_A[:, a:b])[:, start - a : stop - a].T)
     else:
-        full = np.matmul(lora_B[a:b], lora_A)
-    out = full[start - a : stop - a]  # a row slice of a fresh C-ordered product: contiguous
+        out = np.matmul(lora_B[a:b], lora_A)[start - a : stop - a]  # row slice of a C-ordered array
     out *= np.float32(scale)
     return out
 
@@ -353,7 +352,8 @@ class TensorMerge:
                 v = w + delta
                 axis = 0 if op.transposed else 1
                 norm = np.sqrt(np.square(v, dtype=np.float64).sum(axis=axis)).astype(np.float32)
-                factor = self._arr(i, "m", op.magnitude) / norm
+                mag = self._arr(i, "m", op.magnitude)
+                factor = (mag if op.transposed else mag[start:stop]) / norm
                 v *= factor[None, :] if op.transposed else factor[:, None]
                 x = round_float32(v, dt)
             else:
@@ -483,6 +483,7 @@ def plan_merge(adapters: Sequence[Adapter], base: Mapping[str, Sequence[int]]) -
                         mod.full_kind[param],
                         "linear",
                         rec.shape,
+                        replacement=rec,
                         keys=(rec.name,),
                     )
                 )

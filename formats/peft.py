@@ -913,12 +913,12 @@ def _check_module(wfile: Path, cfg: LoraConfig, mod: AdapterModule) -> None:
         )
     if a.shape[0] != r:
         raise AdapterError(
-            "LoRA rank in the weights differs from the config",
+            "LoRA rank (lora_A rows) differs from the config",
             path=wfile,
             tensor=a.name,
             rule="LORA-010",
-            expected=f"r = {r}" + (" (rank_pattern)" if r != cfg.r else ""),
-            found=f"r = {a.shape[0]}",
+            expected=r,
+            found=a.shape[0],
             hint="check r and rank_pattern in adapter_config.json",
         )
     if cfg.use_dora:
