@@ -73,6 +73,9 @@ class Source:
     def release(self, start: int, stop: int) -> None:
         """Elements [start, stop) are written: drop their input pages."""
 
+    def finish(self) -> None:
+        """The whole tensor is written: drop caches and any input pages still held."""
+
     def _add_stats(self, local: npt.NDArray[np.int64]) -> None:
         if local.any():
             with self._lock:
@@ -147,6 +150,14 @@ class Dequant4Source(Source):
 
     def release(self, start: int, stop: int) -> None:
         self.layer.packed.release(start // 2, stop // 2)
+
+    def finish(self) -> None:
+        with self._lock:
+            self._absmax = None
+        layer = self.layer
+        for t in (layer.packed, layer.absmax, layer.nested_absmax):
+            if t is not None:
+                t.release()
 
 
 class CastSource(Source):
