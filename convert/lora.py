@@ -157,7 +157,6 @@ class _OpStats:
     base_sq: float = 0.0
     quant_err_sq: float = 0.0
     has_original: bool = False
-    out_sq: float = 0.0
 
 
 class MergeStats:
@@ -178,6 +177,15 @@ class MergeStats:
         if key not in self._ops:
             self._ops[key] = (op, _OpStats())
         return self._ops[key][1]
+
+    def add(self, other: MergeStats) -> None:
+        """Add another accumulator's figures (one chunk's) to this one."""
+        for key, (op, st) in other._ops.items():
+            mine = self._get(op, key[1])
+            mine.delta_sq += st.delta_sq
+            mine.base_sq += st.base_sq
+            mine.quant_err_sq += st.quant_err_sq
+            mine.has_original = mine.has_original or st.has_original
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per (tensor, op): tensor, adapter, kind, source, rank, alpha, scale, delta_norm,

@@ -641,3 +641,136 @@ def test_fan_in_fan_out_matches_peft_gpt2(peft_env, tmp_path: Path) -> None:
     name = "transformer.h.0.attn.c_attn.weight"
     assert_bits_equal(got[name], want[name])
     assert not np.array_equal(bits(got[name]), bits(base[name]))
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def _cli(args: list[str]) -> int:
+    from convert.cli import main
+
+    return main(args)
+
+
+MODELS_DIR = FIXTURES / "models"
+
+
+@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_nf4_dq_sharded", "llama_nf4_dq_qsbf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cli_merge_is_bit_exact(tmp_path: Path, model: str, threads: int) -> None:
+    out = tmp_path / "out"
+    rc = _cli([str(MODELS_DIR / model), "--to", "bf16", "--merge-lora", str(LORA / "adapter"), "-o", str(out),
+               "-q", "--threads", str(threads), "--max-memory", "64MiB"])
+    assert rc == 0
+    from .conftest import assert_same_tensors, load_all
+
+    assert_same_tensors(load_all(out), read_safetensors(LORA / "merged_reference/model.safetensors"))
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (LORA / "merged_reference/config.json").read_text())
+
+
+@pytest.mark.parametrize("to,dtype", [("fp32", np.dtype(np.float32)), ("fp16", np.dtype(np.float16)),
+                                      ("auto", BF)])
+def test_cli_merge_composes_with_every_output_dtype(tmp_path: Path, to: str, dtype: np.dtype) -> None:
+    from .conftest import load_all
+
+    src = str(MODELS_DIR / "llama_nf4_dq")
+    assert _cli([src, "--to", to, "-o", str(tmp_path / "plain"), "-q"]) == 0
+    assert _cli([src, "--to", to, "--merge-lora", str(LORA / "adapter"), "-o", str(tmp_path / "merged"), "-q"]) == 0
+    plain, merged = load_all(tmp_path / "plain"), load_all(tmp_path / "merged")
+    ad = read_safetensors(LORA / "adapter/adapter_model.safetensors")
+    for k, w in plain.items():
+        m = k[: -len(".weight")]
+        if m in ATTN:
+            assert w.dtype == dtype
+            want = expected_linear(w, ad[f"{P}{m}.lora_A.weight"], ad[f"{P}{m}.lora_B.weight"], 2.0)
+        else:
+            want = w
+        assert_bits_equal(merged[k], want)
+
+
+def test_cli_report_original_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = tmp_path / "merge.json"
+    rc = _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
+               "-o", str(tmp_path / "out"), "--report", str(rep), "--original",
+               str(MODELS_DIR / "llama_orig_bf16"), "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    data = json.loads(rep.read_text())
+    assert summary["lora_merge"] == data
+    rows = {r["tensor"]: r for r in data["tensors"]}
+    assert sorted(rows) == sorted(f"{m}.weight" for m in ATTN)
+    base = base_tensors()
+    orig = read_safetensors(MODELS_DIR / "llama_orig_bf16/model.safetensors")
+    for name, r in rows.items():
+        assert (r["rank"], r["scale"], r["kind"]) == (8, 2.0, "lora")
+        w = base[name].astype(np.float64)
+        assert r["base_norm"] == pytest.approx(np.linalg.norm(w), rel=1e-12)
+        assert r["quant_error"] == pytest.approx(np.linalg.norm(orig[name].astype(np.float64) - w), rel=1e-12)
+        assert r["ratio"] == pytest.approx(r["delta_norm"] / r["base_norm"], rel=1e-12)
+
+
+def test_cli_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
+                 "-o", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "|BA|*s" in err and "model.layers.1.self_attn.v_proj.weight" in err
+
+
+def test_cli_resized_vocabulary_updates_config(tmp_path: Path) -> None:
+    rng = np.random.default_rng(22)
+    t = attn_adapter(rng, {})
+    emb = (rng.standard_normal((1010, 256)) * 0.02).astype(BF)
+    t[f"{P}model.embed_tokens.weight"] = emb
+    t[f"{P}lm_head.weight"] = emb[::-1].copy()
+    d = write_adapter(tmp_path / "a", {}, t)
+    out = tmp_path / "out"
+    assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(d), "-o", str(out), "-q"]) == 0
+    from .conftest import load_all
+
+    got = load_all(out)
+    assert_bits_equal(got["model.embed_tokens.weight"], emb)
+    assert_bits_equal(got["lm_head.weight"], emb[::-1].copy())
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 1010
+
+
+def test_cli_adapters_apply_in_order(tmp_path: Path) -> None:
+    rng = np.random.default_rng(23)
+    t2 = attn_adapter(rng, {})
+    d2 = write_adapter(tmp_path / "a2", {"r": 8, "lora_alpha": 4}, t2)
+    out = tmp_path / "out"
+    assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
+                 "--merge-lora", str(d2), "-o", str(out), "-q"]) == 0
+    from .conftest import load_all
+
+    got = load_all(out)
+    ref = read_safetensors(LORA / "merged_reference/model.safetensors")
+    for m in ATTN:
+        want = expected_linear(ref[f"{m}.weight"], t2[f"{P}{m}.lora_A.weight"], t2[f"{P}{m}.lora_B.weight"], 0.5)
+        assert_bits_equal(got[f"{m}.weight"], want)
+
+
+def test_cli_errors_leave_no_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(24)
+    t = attn_adapter(rng, {})
+    a, b = lora_pair(rng, 8, 256, 256)
+    t[f"{P}model.layers.7.self_attn.q_proj.lora_A.weight"] = a
+    t[f"{P}model.layers.7.self_attn.q_proj.lora_B.weight"] = b
+    d = write_adapter(tmp_path / "a", {}, t)
+    out = tmp_path / "out"
+    assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(d), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "LORA-007" in err and f"'{P}model.layers.7.self_attn.q_proj.lora_A.weight'" in err
+    assert not out.exists()
+    assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--report", str(tmp_path / "r.json"),
+                 "-o", str(out)]) == 2
+    assert "--report needs --merge-lora" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_dry_run_shows_the_merge(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
+                 "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if "layers.0.self_attn.q_proj.weight" in ln)
+    assert "dequant nf4" in line and "+ lora" in line
