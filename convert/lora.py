@@ -275,8 +275,12 @@ class TensorMerge:
         return f"TensorMerge('{self.name}', {[(op.kind, op.source) for op in self.ops]})"
 
     def release(self) -> None:
-        """Drop the cached fp32 copies of the adapter tensors."""
+        """Drop the cached fp32 copies of the adapter tensors and their pages of the adapter file."""
         self._cache.clear()
+        for op in self.ops:
+            for rec in (op.lora_A, op.lora_B, op.magnitude, op.replacement):
+                if rec is not None:
+                    rec.release()
 
     def _arr(self, i: int, what: str, rec: TensorRecord) -> npt.NDArray[np.float32]:
         key = (i, what)
