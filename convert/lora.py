@@ -439,6 +439,9 @@ class MergePlan:
     def new_stats(self) -> MergeStats:
         """A :class:`MergeStats` with this plan's shape changes and notes filled in."""
         stats = MergeStats()
+        for tm in self.tensors.values():  # report rows in plan order, whatever order chunks finish in
+            for i, op in enumerate(tm.ops):
+                stats._get(op, i)
         stats.shape_changes = dict(self.shape_changes)
         for adapter, key, reason in self.ignored:
             stats.notes.append(f"{adapter}: {key}: {reason}")
