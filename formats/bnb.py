@@ -665,7 +665,7 @@ def _build_layer(
         pass
     elif len(state_keys) > 1:
         raise _err(weight, base, "BNB-009", "more than one packed quant_state", found=sorted(state_keys))
-    if state_keys:
+    elif state_keys:
         st = comps[state_keys[0]]
         text = bytes(st.raw())
         try:

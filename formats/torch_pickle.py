@@ -405,6 +405,7 @@ class TorchPickleReader:
         self.file_size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
             head = f.read(512)
+            f.seek(0)
             if head.startswith(b"PK\x03\x04"):
                 self.layout = "zip"
                 obj = self._load_zip(f)
