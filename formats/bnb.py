@@ -543,7 +543,7 @@ def _build_int8(base: str, weight: TensorLike, scb: TensorLike, fmt: Any) -> Int
             raise UnsupportedError(
                 "only the row weight_format of int8 layers is supported", path=weight.file,
                 tensor=base + "_format", rule="BNB-016", expected="0 (row)",
-                found=f"{code!r} ({layout})" if layout != code else repr(code),
+                found=f"{code!r} ({layout or 'unknown'})" if layout != code else repr(code),
                 hint="col32/col_turing/col_ampere are GPU tile layouts written by bitsandbytes < 0.45; "
                      "load the model with a current bitsandbytes and save it again",
             )

@@ -129,7 +129,7 @@ class Emitter:
             raise TypeError(type(obj))
 
     def emit_tensor(self, t: Tensor) -> None:
-        arr = np.ascontiguousarray(t.array)
+        arr = np.array(t.array, order="C")  # keeps 0-dim tensors 0-dim
         key = t.key if t.key is not None else self._ids.setdefault(id(t.array), str(len(self._ids)))
         self.storages[key] = arr
         shape = t.shape if t.shape is not None else arr.shape
