@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from convert.kernels import dequantize_4bit, dequantize_int8, dequantize_nested_absmax
 from formats.bnb import Int8Layer, QuantizedLayer
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from .conftest import FIXTURES, bits
+
+__all__ = ["FIXTURES", "bits", "dequant"]
 
 
 def dequant(layer: QuantizedLayer | Int8Layer, dtype: str) -> np.ndarray:
@@ -29,7 +29,3 @@ def dequant(layer: QuantizedLayer | Int8Layer, dtype: str) -> np.ndarray:
     out = dequantize_4bit(layer.packed.raw(), absmax, layer.quant_map.array(), st.blocksize, st.numel, dtype)
     return out.reshape(st.shape)
 
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """The raw bits of a float array, for bit-for-bit comparison."""
-    return np.ascontiguousarray(a).view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])

@@ -8,12 +8,13 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-from bnb_helpers import FIXTURES, bits, dequant
-from torchsave_helpers import Tensor, save_zip
 
 from formats.bnb import BnbLayerError, ConstTensor, QuantizedLayer, group_layers
 from formats.checkpoint import open_checkpoint
 from formats.safetensors import SafetensorsReader
+
+from .bnb_helpers import FIXTURES, bits, dequant
+from .torchsave_helpers import Tensor, save_zip
 
 FP4 = FIXTURES / "models" / "llama_fp4_nodq"
 NF4DQ = FIXTURES / "models" / "llama_nf4_dq"

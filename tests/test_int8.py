@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
-from bnb_helpers import FIXTURES, bits, dequant
-from torchsave_helpers import Tensor, save_zip
 
+from convert.cli import main
 from convert.kernels import INT8_SCALE, dequantize_int8
+from convert.plan import Int8Source
 from formats.bnb import BnbLayerError, ConstTensor, Int8Layer, group_layers
 from formats.checkpoint import open_checkpoint
+from formats.dtypes import BY_NAME
 from formats.errors import UnsupportedError
 from formats.safetensors import SafetensorsReader
+
+from .bnb_helpers import FIXTURES, bits, dequant
+from .conftest import assert_same_tensors, load_all
+from .torchsave_helpers import Tensor, save_zip
 
 PEER = FIXTURES / "peer"
 MODEL = FIXTURES / "models" / "llama_int8"
@@ -143,3 +150,59 @@ def test_bad_int8_shapes_and_dtypes():
     with pytest.raises(BnbLayerError) as ei:
         group_layers({"m.SCB": ConstTensor("m.SCB", SCB, "f")})
     assert ei.value.rule == "BNB-010"
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+@pytest.mark.parametrize("to", ["bf16", "auto"])
+def test_cli_converts_llama_int8_bit_for_bit(tmp_path, to):
+    out = tmp_path / "out"
+    assert main([str(MODEL), "--to", to, "-o", str(out), "-q"]) == 0
+    assert_same_tensors(load_all(out), load_all(MODEL / "reference" / "dequantized.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert (out / "tokenizer.json").read_bytes() == (MODEL / "tokenizer.json").read_bytes()
+
+
+def test_cli_int8_single_file_fp32(tmp_path):
+    out = tmp_path / "peer.safetensors"
+    q = PEER / "llama_1b_int8.q.safetensors"
+    assert main([str(q), "--to", "fp32", "-o", str(out), "-q", "--threads", "2"]) == 0
+    want = SafetensorsReader(PEER / "llama_1b_int8.dq.safetensors").array("layer.weight.f32")
+    got = load_all(out)
+    assert list(got) == ["layer.weight"]
+    assert np.array_equal(bits(got["layer.weight"]), bits(want))
+
+
+def test_int8_source_row_chunks_and_fp16_stats():
+    w = np.array([[127, -127, 1], [0, 5, -5], [100, 100, 100]], dtype=np.int8)
+    scb = np.array([70000.0, 1.0, 1e-9], dtype=np.float32)
+    layer = group_layers({"m.weight": ConstTensor("m.weight", w, "f"),
+                          "m.SCB": ConstTensor("m.SCB", scb, "f")})[0]["m.weight"]
+    src = Int8Source(layer)
+    assert (src.unit, src.numel, src.kind) == (3, 9, "dequant int8 row")
+    f16 = BY_NAME["float16"]
+    got = np.concatenate([src.produce(0, 3, f16), src.produce(3, 9, f16)])
+    assert np.array_equal(bits(got), bits(dequantize_int8(w, scb, "float16").reshape(-1)))
+    assert src.stats.tolist() == [2, 3]  # +-70000 overflow; 1e-9 * 100 / 127 flushes to zero
+    src.finish()
+
+
+def test_cli_dry_run_names_the_int8_kind(tmp_path, capsys):
+    assert main([str(MODEL), "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    hows = {t["name"]: t["how"] for f in plan["files"] for t in f["tensors"]}
+    assert hows["model.layers.0.mlp.down_proj.weight"] == "dequant int8 row"
+    assert "model.layers.0.mlp.down_proj.SCB" not in hows
+
+
+def test_cli_refuses_col_formats(tmp_path, capsys):
+    q = SafetensorsReader(PEER / "llama_1b_int8.q.safetensors")
+    obj = {n: Tensor(np.array(q.array(n))) for n in q.tensors}
+    obj["layer.weight_format"] = Tensor(np.array(2, np.uint8))
+    path = save_zip(tmp_path / "col.bin", obj)
+    assert main([str(path), "--to", "bf16", "-o", str(tmp_path / "o.safetensors"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "BNB-016" in err and "2 (col_turing)" in err
+    assert not (tmp_path / "o.safetensors").exists()

@@ -16,8 +16,18 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from bnb_helpers import FIXTURES, bits, dequant
-from torchsave_helpers import (
+
+import formats.torch_pickle as tp
+from convert.cli import main
+from formats.bnb import BnbLayerError, QuantizedLayer, group_layers
+from formats.checkpoint import open_checkpoint
+from formats.errors import ConvertBnbError, TorchPickleError, UnsafePickleError
+from formats.safetensors import SafetensorsReader
+from formats.torch_pickle import PickledObject, TensorRef, TorchPickleReader
+
+from .bnb_helpers import FIXTURES, bits, dequant
+from .conftest import assert_same_tensors, load_all
+from .torchsave_helpers import (
     Emitter,
     Global,
     NewObj,
@@ -29,13 +39,6 @@ from torchsave_helpers import (
     save_zip_raw_pickle,
     size,
 )
-
-import formats.torch_pickle as tp
-from formats.bnb import BnbLayerError, QuantizedLayer, group_layers
-from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError, TorchPickleError, UnsafePickleError
-from formats.safetensors import SafetensorsReader
-from formats.torch_pickle import PickledObject, TensorRef, TorchPickleReader
 
 SINGLE = FIXTURES / "single"
 NAME = "nf4_bs32_dq_bfloat16_37x51_normal"
@@ -471,3 +474,51 @@ def test_malformed_legacy_quant_state(tmp_path, state, part):
         group_layers(ckpt.tensors, ckpt.values)
     assert ei.value.rule == "BNB-017" and part in str(ei.value)
     assert ei.value.tensor == "layer.weight.quant_state"
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_converts_llama_nf4_dq_bin_bit_for_bit(tmp_path):
+    out = tmp_path / "out"
+    src = MODELS / "llama_nf4_dq_bin"
+    assert main([str(src), "--to", "bf16", "-o", str(out), "-q"]) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert_same_tensors(load_all(out), load_all(MODELS / "llama_nf4_dq" / "reference" / "dequantized.safetensors"))
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert not (out / "pytorch_model.bin").exists()
+
+
+def test_cli_converts_the_q_pt_file(tmp_path):
+    out = tmp_path / "o.safetensors"
+    assert main([str(SINGLE / f"{NAME}.q.pt"), "--to", "bf16", "-o", str(out), "-q"]) == 0
+    got = load_all(out)["layer.weight"]
+    assert got.shape == (37, 51) and np.array_equal(bits(got), bits(_dq(NAME)))
+
+
+def test_cli_legacy_list_quant_state_and_notes(tmp_path, capsys):
+    t = _layer_tensors(NAME)
+    state = [Tensor(t["layer.weight.absmax"]), size(37, 51), dtype_global("bfloat16"), 32,
+             [Tensor(np.array(np.float32(_offset(NAME)))), _state2("list7", t)], "nf4"]
+    src = save_legacy(tmp_path / "old.pt", {"layer.weight": Tensor(t["layer.weight"]),
+                                            "layer.weight.quant_state": state})
+    out = tmp_path / "o.safetensors"
+    assert main([str(src), "-o", str(out)]) == 0  # --to auto: the QuantState dtype (bf16)
+    got = load_all(out)
+    assert list(got) == ["layer.weight"] and np.array_equal(bits(got["layer.weight"]), bits(_dq(NAME)))
+    err = capsys.readouterr().err
+    assert "note: QuantState read from a legacy list QuantState (bitsandbytes < 0.41) (1 layer, e.g. " \
+           "layer.weight)" in err
+
+
+def test_cli_refuses_a_hostile_bin_and_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    d = tmp_path / "model"
+    d.mkdir()
+    save_zip_raw_pickle(d / "pytorch_model.bin", pickle.dumps(_Payload(os.system, (f"touch '{marker}'",)),
+                                                              protocol=2))
+    (d / "config.json").write_text("{}")
+    assert main([str(d), "--to", "bf16", "-o", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "PT-003" in err and "found 'posix.system'" in err and "pytorch_model.bin" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
