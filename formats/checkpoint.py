@@ -243,14 +243,16 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     )
     readers: list[ContainerReader] = []
     try:
+        # per container in order of preference (safetensors before torch pickles): index, then single
         for index_name, suffix in INDEX_NAMES:
             index_path = src / index_name
             if index_path.is_file():
                 files, tensors = _open_index(src, index_path, suffix, readers)
                 return Checkpoint(src, True, files, tensors, config, extra, readers)
-        for single in SINGLE_NAMES:
-            single_path = src / single
-            if single_path.is_file():
+            for single in (n for n in SINGLE_NAMES if n.endswith(suffix)):
+                single_path = src / single
+                if not single_path.is_file():
+                    continue
                 reader = _open_file(single_path)
                 readers.append(reader)
                 stray = _stray_shards(src, {single_path.name}, single_path.suffix.lower())

@@ -95,6 +95,9 @@ __all__ = [
 MAX_PICKLE_BYTES = 256 * 1024 * 1024
 #: Largest non-contiguous tensor copied into memory, in bytes; larger ones are refused (PT-007).
 MAX_COPY_BYTES = 64 * 1024 * 1024
+#: Most containers and scalars walked in the non-tensor values (a pickle can share one list many
+#: times over, which would otherwise expand exponentially).
+MAX_VALUE_NODES = 1_000_000
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
 _PAGE = mmap.PAGESIZE
@@ -143,8 +146,17 @@ class _Refused(Exception):
     pass
 
 
+class _NoBuild:
+    """Stand-ins the pickle may not modify: BUILD (``__setstate__``) is refused."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Refused(f"BUILD on {type(self).__name__.lstrip('_')} is not allowed")
+
+
 @dataclass(frozen=True)
-class _StorageType:
+class _StorageType(_NoBuild):
     dtype: DType
     name: str
 
@@ -153,7 +165,7 @@ class _StorageType:
 
 
 @dataclass
-class _Storage:
+class _Storage(_NoBuild):
     key: str
     dtype: DType
     numel: int  # elements of dtype
@@ -162,7 +174,7 @@ class _Storage:
 
 
 @dataclass
-class _Tensor:
+class _Tensor(_NoBuild):
     storage: _Storage
     offset: int
     size: tuple[int, ...]
@@ -448,12 +460,12 @@ class TorchPickleReader:
             infos = {i.filename: i for i in zf.infolist()}
             pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkls) != 1:
-                found = "none" if not pkls else pkls
-                if "constants.pkl" in " ".join(infos) or any(n.endswith("/code/") for n in infos):
-                    found = "a TorchScript archive"
                 raise self._fail("PT-001", "zip archive is not a torch.save checkpoint",
-                                 expected="exactly one '<archive>/data.pkl'", found=found)
+                                 expected="exactly one '<archive>/data.pkl'", found=pkls or "none")
             prefix = pkls[0][: -len("data.pkl")]
+            if prefix + "constants.pkl" in infos or any(n.startswith(prefix + "code/") for n in infos):
+                raise self._fail("PT-001", "a TorchScript archive (torch.jit.save), not a state dict",
+                                 hint="save model.state_dict() with torch.save, or use safetensors")
             bo = infos.get(prefix + "byteorder")
             if bo is not None:
                 order = zf.read(bo).strip()
@@ -597,6 +609,7 @@ class TorchPickleReader:
     # ------------------------------------------------------------------------------- flattening
 
     def _collect(self, obj: Any) -> None:
+        self._budget = MAX_VALUE_NODES
         if not isinstance(obj, dict):
             raise self._fail("PT-009", "the checkpoint is not a state dict", expected="a dict of tensors",
                              found=type(obj).__name__ if not isinstance(obj, _Tensor) else "a single tensor")
@@ -609,8 +622,15 @@ class TorchPickleReader:
         if name in self.tensors or name in self.values:
             raise self._fail("PT-009", "a name appears twice after flattening nested dicts", tensor=name)
 
+    def _spend(self, name: str) -> None:
+        self._budget -= 1
+        if self._budget < 0:
+            raise self._fail("PT-009", "the pickle holds too many values", tensor=name,
+                             expected=f"<= {MAX_VALUE_NODES} containers and scalars")
+
     def _flatten(self, obj: dict[Any, Any], prefix: str) -> None:
         for k, v in obj.items():
+            self._spend(prefix + str(k))
             if not isinstance(k, str):
                 raise self._fail("PT-009", "state dict keys must be strings", found=repr(k)[:60])
             name = prefix + k
@@ -624,6 +644,7 @@ class TorchPickleReader:
                 self.values[name] = self._value(v, name)
 
     def _value(self, v: Any, name: str) -> Any:
+        self._spend(name)
         if isinstance(v, _Tensor):
             self._add_name(name)
             self._add_tensor(name, v)

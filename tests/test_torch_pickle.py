@@ -522,3 +522,51 @@ def test_cli_refuses_a_hostile_bin_and_runs_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "PT-003" in err and "found 'posix.system'" in err and "pytorch_model.bin" in err
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_build_on_a_rebuilt_tensor_is_refused(tmp_path):
+    em = Emitter()
+    em.out.write(b"\x80\x02}(")
+    em.emit("w")
+    em.emit_tensor(Tensor(ARR))
+    em.emit({"size": "not a size"})
+    em.out.write(b"bu.")
+    path = save_zip(tmp_path / "ok.pt", {"w": Tensor(ARR)})  # for the storage record
+    with zipfile.ZipFile(path) as zf:
+        storage = zf.read("archive/data/0")
+    with zipfile.ZipFile(tmp_path / "b.pt", "w") as zf:
+        zf.writestr("archive/data.pkl", em.out.getvalue())
+        zf.writestr("archive/data/0", storage)
+    _expect(tmp_path / "b.pt", "PT-004", "BUILD on Tensor is not allowed")
+
+
+def test_self_referencing_and_exponentially_shared_values_are_refused(tmp_path):
+    loop = b"\x80\x02}(X\x01\x00\x00\x00x]q\x00h\x00au."
+    _expect(save_zip_raw_pickle(tmp_path / "loop.pt", loop), "PT-009", "nested too deeply")
+    blob = b"\x80\x02}(X\x01\x00\x00\x00x]K\x01aq\x000"
+    for i in range(1, 41):  # list i = [list i-1, list i-1]: 2**40 leaves
+        blob += b"](h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"eq" + bytes([i]) + b"0"
+    blob += b"h\x28u."
+    _expect(save_zip_raw_pickle(tmp_path / "bomb.pt", blob), "PT-009", "too many values")
+
+
+def test_torchscript_archive_is_named(tmp_path):
+    with zipfile.ZipFile(tmp_path / "ts.pt", "w") as zf:
+        zf.writestr("m/data.pkl", b"\x80\x02}.")
+        zf.writestr("m/constants.pkl", b"\x80\x02).")
+        zf.writestr("m/code/__torch__.py", "")
+    _expect(tmp_path / "ts.pt", "PT-001", "TorchScript archive")
+
+
+def test_safetensors_index_preferred_over_bin_index(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    save_zip(d / "pytorch_model-00001-of-00001.bin", {"x": Tensor(ARR)})
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {"x": "pytorch_model-00001-of-00001.bin"}}))
+    (d / "model.safetensors").write_bytes((SINGLE / f"{NAME}.q.safetensors").read_bytes())
+    with open_checkpoint(d) as ckpt:
+        assert [p.name for p in ckpt.files] == ["model.safetensors"]
+    (d / "model.safetensors").unlink()
+    with open_checkpoint(d) as ckpt:
+        assert [p.name for p in ckpt.files] == ["pytorch_model-00001-of-00001.bin"]
