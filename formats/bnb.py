@@ -68,7 +68,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .dtypes import BY_CODE, DType
+from .dtypes import DType, by_numpy
 from .errors import BnbLayerError, UnsupportedError
 from .torch_pickle import PickledObject, TensorRef
 
@@ -299,7 +299,7 @@ class ConstTensor:
         self.name = name
         self._array = np.ascontiguousarray(array)
         self._array.setflags(write=False)
-        self.dtype: DType = next(r for r in BY_CODE.values() if r.numpy == self._array.dtype)
+        self.dtype: DType = by_numpy(self._array.dtype)
         self.shape: tuple[int, ...] = tuple(self._array.shape)
         self.nbytes: int = self._array.nbytes
         self._file = file
