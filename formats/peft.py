@@ -88,7 +88,7 @@ __all__ = [
 ]
 
 ADAPTER_CONFIG = "adapter_config.json"
-#: Weight file names, in order of preference (``.bin`` needs a registered pickle reader).
+#: Weight file names, in order of preference (``.bin`` goes through the reader registered for it).
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 #: The exact prefix PEFT puts before every module name of a LoRA adapter.
 KEY_PREFIX = "base_model.model."

@@ -660,7 +660,7 @@ def _cli(args: list[str]) -> int:
 MODELS_DIR = FIXTURES / "models"
 
 
-@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_nf4_dq_sharded", "llama_nf4_dq_qsbf16"])
+@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_nf4_dq_sharded", "llama_nf4_dq_qsbf16", "llama_nf4_dq_bin"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cli_merge_is_bit_exact(tmp_path: Path, model: str, threads: int) -> None:
     out = tmp_path / "out"
@@ -674,12 +674,13 @@ def test_cli_merge_is_bit_exact(tmp_path: Path, model: str, threads: int) -> Non
         (LORA / "merged_reference/config.json").read_text())
 
 
+@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_fp4_nodq", "llama_int8"])
 @pytest.mark.parametrize("to,dtype", [("fp32", np.dtype(np.float32)), ("fp16", np.dtype(np.float16)),
                                       ("auto", BF)])
-def test_cli_merge_composes_with_every_output_dtype(tmp_path: Path, to: str, dtype: np.dtype) -> None:
+def test_cli_merge_composes_with_every_output_dtype(tmp_path: Path, to: str, dtype: np.dtype, model: str) -> None:
     from .conftest import load_all
 
-    src = str(MODELS_DIR / "llama_nf4_dq")
+    src = str(MODELS_DIR / model)
     assert _cli([src, "--to", to, "-o", str(tmp_path / "plain"), "-q"]) == 0
     assert _cli([src, "--to", to, "--merge-lora", str(LORA / "adapter"), "-o", str(tmp_path / "merged"), "-q"]) == 0
     plain, merged = load_all(tmp_path / "plain"), load_all(tmp_path / "merged")
@@ -779,3 +780,18 @@ def test_cli_dry_run_shows_the_merge(capsys: pytest.CaptureFixture[str]) -> None
     text = capsys.readouterr().out
     line = next(ln for ln in text.splitlines() if "layers.0.self_attn.q_proj.weight" in ln)
     assert "dequant nf4" in line and "+ lora" in line
+
+
+def test_adapter_model_bin(peft_env, tmp_path: Path) -> None:
+    """PEFT's save_pretrained(safe_serialization=False) writes adapter_model.bin (a torch zip pickle)."""
+    torch = peft_env
+    d = tmp_path / "bin"
+    d.mkdir()
+    shutil.copy(LORA / "adapter/adapter_config.json", d / "adapter_config.json")
+    tensors = read_safetensors(LORA / "adapter/adapter_model.safetensors")
+    torch.save({k: torch.from_numpy(v.copy()) for k, v in tensors.items()}, d / "adapter_model.bin")
+    base = base_tensors()
+    got = merge_all([d], base)
+    want = read_safetensors(LORA / "merged_reference/model.safetensors")
+    for k in want:
+        assert_bits_equal(np.asarray(got[k]), want[k])
