@@ -65,7 +65,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -670,12 +670,12 @@ class Adapter:
             module = name[: -len(".weight")]
             if not cfg.is_targeted(module):
                 continue
-            mod = self.modules.get(module)
-            if mod is None or mod.lora_A is None or mod.lora_B is None:
+            found = self.modules.get(module)
+            if found is None or found.lora_A is None or found.lora_B is None:
                 missing = (
                     "lora_A and lora_B"
-                    if mod is None or not mod.has_lora
-                    else ("lora_A" if mod.lora_A is None else "lora_B")
+                    if found is None or not found.has_lora
+                    else ("lora_A" if found.lora_A is None else "lora_B")
                 )
                 raise AdapterError(
                     f"module is targeted by the adapter config but the adapter has no {missing} for it",
@@ -830,8 +830,8 @@ def _group(
                 mod.full_kind[ak.param] = "saved_layer"
 
     for ak, rec in copies:
-        mod = modules.get(ak.module)
-        saved = mod.full.get(ak.param) if mod is not None else None
+        owner = modules.get(ak.module)
+        saved = owner.full.get(ak.param) if owner is not None else None
         if ak.kind == "original":
             if saved is None:
                 raise AdapterError(
@@ -956,10 +956,3 @@ def _check_module(wfile: Path, cfg: LoraConfig, mod: AdapterModule) -> None:
             expected="use_dora: true",
             found=False,
         )
-
-
-def iter_keys(adapters: Iterable[Adapter]) -> Iterable[tuple[Adapter, str]]:
-    """Every (adapter, key) pair, in order (for reports)."""
-    for ad in adapters:
-        for key in ad.tensors:
-            yield ad, key
