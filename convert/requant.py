@@ -681,8 +681,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize matching tensors whatever the rules say (e.g. a 1-D tensor of a test file)")
     g.add_argument("--requantize", action="store_true",
                    help="re-quantize bnb layers even when they already have the asked settings")
-    g.add_argument("--report", type=Path, metavar="FILE",
-                   help="write the per-tensor report (relative error, bits/weight, outlier blocks) as JSON")
+    g.add_argument("--quant-report", type=Path, metavar="FILE",
+                   help="write the per-tensor quantization report (relative error, bits/weight, outlier "
+                   "blocks) as JSON")
     g.add_argument("--torch-threads", type=int, default=TORCH_NUM_THREADS, metavar="N",
                    help="reproduce torch.mean as with this many torch threads, for layers with 32768+ "
                    f"blocks (bnb's nested offset on CPU; default: {TORCH_NUM_THREADS})")
@@ -736,9 +737,14 @@ def run(args: argparse.Namespace, checkpoint: Any) -> dict[str, Any] | None:
         summary["notes"].append(f"relative error: mean {np.mean(errs):.4f}, max {max(errs):.4f}; "
                                 f"{len(flagged)} of {len(reports)} layers have outlier blocks "
                                 f"(absmax > 10x the layer median)")
-    if args.report is not None:
-        args.report.write_text(json.dumps(reports, indent=2) + "\n")
+    if args.quant_report is not None:
+        args.quant_report.write_text(json.dumps(reports, indent=2) + "\n")
+    for result_hook in cli.RESULT_HOOKS:  # e.g. the --merge-lora report, keyed by the hooked plan
+        result_hook(args, plan, summary)
     return summary
+
+
+run.merges_lora = True  # type: ignore[attr-defined]  # --merge-lora composes: its hook runs first
 
 
 cli.PARSER_HOOKS.append(add_arguments)

@@ -72,7 +72,7 @@ def make(layers: int, out: Path) -> None:
 def run(src: Path, max_memory: str, threads: int | None, to: str) -> dict[str, object]:
     out = src.with_name(src.name + f"-{to}")
     cmd = [sys.executable, "-m", "convert", str(src), "--to", to, "-o", str(out), "--overwrite",
-           "--max-memory", max_memory, "--json", "--report", str(src.with_name(src.name + "-report.json"))]
+           "--max-memory", max_memory, "--json", "--quant-report", str(src.with_name(src.name + "-report.json"))]
     if threads:
         cmd += ["--threads", str(threads)]
     t0 = time.perf_counter()

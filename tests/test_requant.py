@@ -168,7 +168,7 @@ def test_including_the_head_drops_it_from_the_skip_list(tmp_out: Path) -> None:
 
 def test_report_file(tmp_out: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    assert main([str(ORIG), "--to", "nf4", "--report", str(report), "-o", str(tmp_out), "-q"]) == 0
+    assert main([str(ORIG), "--to", "nf4", "--quant-report", str(report), "-o", str(tmp_out), "-q"]) == 0
     rows = {r["name"]: r for r in json.loads(report.read_text())}
     assert len(rows) == 14
     down = rows["model.layers.0.mlp.down_proj.weight"]
