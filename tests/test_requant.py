@@ -99,6 +99,33 @@ def test_requantize_round_trip_keeps_codes(tmp_out: Path, capsys: pytest.Capture
     assert 0 < max(errors) < 0.005
 
 
+def test_merged_lora_model_as_nf4_in_one_command(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--merge-lora + --to nf4: merged layers are bnb's quantization of PEFT's merge (merged_reference),
+    the layers the adapter does not touch are copied from the 4-bit base unchanged."""
+    from convert.quantize import layer_tensors, quantize_layer
+
+    lora = MODELS.parent / "lora"
+    assert main([str(MODELS / "llama_nf4_dq"), "--merge-lora", str(lora / "adapter"), "--to", "nf4",
+                 "-o", str(tmp_out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["quantized"], summary["passthrough"]) == (4, 10)
+    assert "lora_merge" in summary
+    got = load_all(tmp_out / "model.safetensors")
+    base = load_all(MODELS / "llama_nf4_dq/model.safetensors")
+    merged = load_all(lora / "merged_reference/model.safetensors")
+    assert sorted(got) == sorted(base)
+    for name, values in merged.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            want = layer_tensors(name, quantize_layer(values, "bfloat16", QuantSettings()))
+        elif f"{name}.absmax" in base:
+            want = {k: v for k, v in base.items() if k.startswith(f"{name}")}
+        else:
+            want = {name: values}
+        for k, v in want.items():
+            assert got[k].tobytes() == v.tobytes(), k
+    assert (tmp_out / "config.json").read_bytes() == (MODELS / "llama_nf4_dq/config.json").read_bytes()
+
+
 def test_fp4_from_nf4_checkpoint_loads_as_fp4(tmp_out: Path) -> None:
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "fp4", "--no-double-quant", "--blocksize", "128",
                  "-o", str(tmp_out), "-q"]) == 0
