@@ -51,7 +51,7 @@ import numpy.typing as npt
 
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, Int8Layer, QuantizedLayer, QuantState
 from formats.dtypes import BY_CODE, BY_NAME, DType
-from formats.errors import UsageError
+from formats.errors import UnsupportedError, UsageError
 
 from . import cli
 from .plan import Dequant4Source, Plan, PlannedTensor, Source, _shard, make_plan
@@ -246,6 +246,17 @@ class _LayerJob:
             x = x.view(self.natural.numpy)
         return x
 
+    def _absmax_of(self, x: np.ndarray, start: int) -> npt.NDArray[np.float32]:
+        """blockwise_absmax of elements starting at ``start``, errors naming this tensor and file."""
+        try:
+            return blockwise_absmax(x, self.bs)
+        except UnsupportedError as exc:
+            am = np.abs(np.asarray(x, dtype=np.float32))
+            bad = start // self.bs + int(np.flatnonzero(~np.isfinite(am))[0]) // self.bs
+            raise UnsupportedError(exc.reason, path=_source_file(self.inner), tensor=self.name, rule=exc.rule,
+                                   expected=exc.expected, found=f"non-finite value in block {bad}",
+                                   hint=exc.hint) from None
+
     def _pieces(self, a: int, b: int) -> list[tuple[int, int]]:
         return [(s, min(b, s + self.piece)) for s in range(a, b, self.piece)]
 
@@ -257,7 +268,7 @@ class _LayerJob:
         a, b = ba * self.bs, min(self.n, bb * self.bs)
         parts = []
         for s, e in self._pieces(a, b):
-            parts.append(blockwise_absmax(self.read(s, e), self.bs))
+            parts.append(self._absmax_of(self.read(s, e), s))
         return np.concatenate(parts) if parts else np.empty(0, np.float32)
 
     def full_absmax(self) -> npt.NDArray[np.float32]:
@@ -311,7 +322,7 @@ class _LayerJob:
         out = []
         for s, e in self._pieces(a, b):
             x = self.read(s, e)
-            am = blockwise_absmax(x, self.bs)
+            am = self._absmax_of(x, s)
             packed = encode_4bit(x, am, self.bs, self.settings.quant_type, self.bounds)
             out.append(packed)
             if acc is not None:
@@ -342,6 +353,20 @@ class _LayerJob:
                 self.budget.give(self._cached)
                 self._cached = 0
         self.inner.finish()
+
+
+def _source_file(src: Any) -> str | None:
+    """The input file behind a source, when it has one (for error messages)."""
+    for _ in range(4):
+        for attr in ("record", "layer"):
+            obj = getattr(src, attr, None)
+            rec = getattr(obj, "packed", obj) if attr == "layer" else obj
+            if rec is not None and hasattr(rec, "file"):
+                return str(rec.file)
+        src = getattr(src, "inner", None)
+        if src is None:
+            break
+    return None
 
 
 class _JobSource(Source):

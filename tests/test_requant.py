@@ -237,7 +237,9 @@ def test_non_finite_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFi
     x[2, 3] = np.inf
     save_file({"proj.weight": x}, str(src))
     assert main([str(src), "--to", "nf4", "-o", str(tmp_path / "o.safetensors")]) == 2
-    assert "QNT-003 the tensor to quantize holds NaN or infinite values" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"Failed to read '{src}': tensor 'proj.weight': QNT-003 the tensor to quantize holds NaN" in err
+    assert "found 'non-finite value in block 2'" in err
     assert not (tmp_path / "o.safetensors").exists()
 
 
