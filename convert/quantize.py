@@ -216,15 +216,14 @@ def encode_4bit(
             e = min(nb_full, b + piece)
             blk = _flat_f32(x[b * blocksize : e * blocksize]).reshape(e - b, blocksize)
             recip = _F32(1) / np.maximum(absmax[b:e], ABSMAX_FLOOR)
-            s = blk * recip[:, None]
+            s: npt.NDArray[np.float32] = np.multiply(blk, recip[:, None], dtype=_F32)
             np.clip(s, -1, 1, out=s)
             _pack_codes(s.reshape(-1), mid, order, is_nf4, out[b * blocksize // 2 : e * blocksize // 2])
         if m > nb_full * blocksize:
             tail = _flat_f32(x[nb_full * blocksize :])
-            s = np.clip(tail / absmax[-1], -1, 1)
-            if s.size % 2:
-                s = np.concatenate([s, np.zeros(1, _F32)])
-            _pack_codes(s, mid, order, is_nf4, out[nb_full * blocksize // 2 :])
+            t = np.zeros(tail.size + tail.size % 2, dtype=_F32)  # an odd count pads with 0.0
+            np.clip(np.divide(tail, absmax[-1], dtype=_F32), -1, 1, out=t[: tail.size])
+            _pack_codes(t, mid, order, is_nf4, out[nb_full * blocksize // 2 :])
     return out
 
 
@@ -886,11 +885,10 @@ def quantization_report(
     """
     st = arrays.state
     n, bs = st.numel, st.blocksize
+    read: Callable[[int, int], np.ndarray]
     if isinstance(source, np.ndarray):
         flat = source.reshape(-1)
-
-        def read(a: int, b: int) -> np.ndarray:
-            return flat[a:b]
+        read = lambda a, b: flat[a:b]  # noqa: E731
     else:
         read = source
     if st.nested:

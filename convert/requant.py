@@ -757,7 +757,7 @@ def run(args: argparse.Namespace, checkpoint: Any) -> dict[str, Any] | None:
     summary["passthrough"] = len(info.passthrough)
     summary["report"] = reports
     if reports:
-        errs = [r["rel_error"] for r in reports]
+        errs = [float(j.report.rel_error) for j in info.jobs if j.report is not None]
         flagged = [r["name"] for r in reports if r["outlier"]]
         summary["notes"].append(f"relative error: mean {np.mean(errs):.4f}, max {max(errs):.4f}; "
                                 f"{len(flagged)} of {len(reports)} layers have outlier blocks "
