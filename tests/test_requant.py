@@ -83,6 +83,35 @@ def test_bnb_layers_in_the_same_settings_pass_through(src: str, args: list[str],
     assert (tmp_out / "config.json").read_bytes() == (MODELS / want / "config.json").read_bytes()
 
 
+def test_bin_checkpoint_passes_through(tmp_out: Path) -> None:
+    assert main([str(MODELS / "llama_nf4_dq_bin"), "--to", "nf4", "-o", str(tmp_out), "-q"]) == 0
+    assert (tmp_out / "model.safetensors").read_bytes() == (MODELS / "llama_nf4_dq/model.safetensors").read_bytes()
+
+
+def test_int8_checkpoint_to_nf4_quantizes_its_exact_dequantization(tmp_out: Path) -> None:
+    from convert.quantize import layer_tensors, quantize_layer
+
+    assert main([str(MODELS / "llama_int8"), "--to", "nf4", "-o", str(tmp_out), "-q"]) == 0
+    got = load_all(tmp_out / "model.safetensors")
+    ref = load_all(MODELS / "llama_int8/reference/dequantized.safetensors")
+    n_layers = 0
+    for name, values in ref.items():
+        if f"{name}.absmax" in got:
+            n_layers += 1
+            for k, v in layer_tensors(name, quantize_layer(values, "bfloat16", QuantSettings())).items():
+                assert got[k].tobytes() == v.tobytes(), k
+        else:
+            assert got[name].tobytes() == values.tobytes(), name
+    assert n_layers == 14
+
+
+def test_sharded_output_holds_the_same_tensors(tmp_out: Path) -> None:
+    assert main([str(ORIG), "--to", "nf4", "--max-shard-size", "500KB", "-o", str(tmp_out), "-q"]) == 0
+    index = json.loads((tmp_out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 4
+    assert_same_tensors(load_all(tmp_out), load_all(MODELS / "llama_nf4_dq/model.safetensors"))
+
+
 def test_requantize_round_trip_keeps_codes(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "nf4", "--requantize", "-o", str(tmp_out),
                  "--json"]) == 0
