@@ -301,7 +301,7 @@ class _LayerJob:
         """The stored 8-bit absmax codes of blocks [ba, bb)."""
         nested_absmax, offset = self.nested()
         am = self.absmax_blocks(ba, bb)
-        scale = np.repeat(nested_absmax, NESTED_BLOCKSIZE)[ba:bb]
+        scale = nested_absmax[np.arange(ba, bb) // NESTED_BLOCKSIZE]
         return encode_8bit(am - np.float32(offset), scale)
 
     def _accumulator(self) -> ReportAccumulator | None:
@@ -336,7 +336,7 @@ class _LayerJob:
         if self.settings.nested:
             nested_absmax, offset = self.nested()
             ba = s // self.bs
-            scale = np.repeat(nested_absmax, NESTED_BLOCKSIZE)[ba : ba + am.size]
+            scale = nested_absmax[np.arange(ba, ba + am.size) // NESTED_BLOCKSIZE]
             am = resolve_nested(encode_8bit(am - np.float32(offset), scale), scale, offset)
         return dequantize_4bit(packed, am, QUANT_TABLES[self.settings.quant_type], self.bs, e - s, "float32")
 
@@ -411,6 +411,8 @@ class _AbsmaxSource(_JobSource):
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         if self.job.settings.nested:
             return self.job.absmax_codes(start, stop)
+        if start == 0 and stop == self.numel:  # the usual single chunk: one pass, cached for the codes
+            return self.job.full_absmax()
         return self.job.absmax_blocks(start, stop)
 
 
