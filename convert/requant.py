@@ -89,6 +89,8 @@ SAFETENSORS_DTYPE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F1
                            "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 _HEADS = ("lm_head", "embed_out", "score", "classifier", "qa_outputs")
 _EMBED_EXACT = ("wte", "wpe", "shared")
+#: Elements released beyond each piece read (covers 64 KiB of fault-around at 4 bits per element).
+_RELEASE_MARGIN = 1 << 17
 _U8 = BY_CODE["U8"]
 _F32 = BY_CODE["F32"]
 
@@ -241,7 +243,9 @@ class _LayerJob:
     def read(self, a: int, b: int) -> np.ndarray:
         """Elements [a, b) of the flat weight in its natural dtype (a on an aligned boundary)."""
         x = np.asarray(self.inner.produce(a, b, self.natural)).reshape(-1)
-        self.inner.release(a, b)
+        # release a margin too: the kernel maps pages around each fault ("fault-around", 64 KiB),
+        # which re-maps pages of the previous piece that were released already
+        self.inner.release(max(0, a - _RELEASE_MARGIN), min(self.n, b + _RELEASE_MARGIN))
         if x.dtype != self.natural.numpy:  # a copying source hands out raw bytes
             x = x.view(self.natural.numpy)
         return x
