@@ -413,3 +413,4 @@ def test_bucket_tables_equal_the_search(quant_type: str) -> None:
     _pack_codes(s, mid, order, quant_type == "nf4", got)
     codes = order[np.searchsorted(mid, s, side="left")]
     assert got.tolist() == ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8).tolist()
+
