@@ -764,10 +764,16 @@ def run(args: argparse.Namespace, checkpoint: Any) -> dict[str, Any] | None:
     summary["report"] = reports
     if reports:
         errs = [float(j.report.rel_error) for j in info.jobs if j.report is not None]
-        flagged = [r["name"] for r in reports if r["outlier"]]
+        done = [j.report for j in info.jobs if j.report is not None]
+        flagged = sorted((r for r in done if r.outlier), key=lambda r: -r.outlier_zero_share)
         summary["notes"].append(f"relative error: mean {np.mean(errs):.4f}, max {max(errs):.4f}; "
                                 f"{len(flagged)} of {len(reports)} layers have outlier blocks "
                                 f"(absmax > 10x the layer median)")
+        if flagged:
+            worst = ", ".join(f"{r.name} ({r.outlier_blocks} blocks, {100 * r.outlier_zero_share:.0f}% "
+                              f"of their weights -> 0)" for r in flagged[:3])
+            summary["notes"].append(f"most affected: {worst}"
+                                    + ("; all layers in --quant-report" if args.quant_report is None else ""))
     if args.quant_report is not None:
         args.quant_report.write_text(json.dumps(reports, indent=2) + "\n")
     for result_hook in cli.RESULT_HOOKS:  # e.g. the --merge-lora report, keyed by the hooked plan
