@@ -644,6 +644,8 @@ def make_quant_plan(
             else:  # estimate for the plan listing: the offset's repr is 17-22 characters
                 json_len = len(settings.state(job.shape, job.natural.name, 0.0).to_json()) + 17
         grouped[i] = _job_tensors(job, settings, json_len)
+        if settings.nested and not prepass:
+            grouped[i][-1].source.kind = "quant_state JSON (length estimated: the offset is not read yet)"
 
     tensors: list[PlannedTensor] = [t for g in grouped for t in g]
     if plan.checkpoint.is_dir:
