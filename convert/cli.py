@@ -17,7 +17,7 @@ from typing import Any
 
 from formats.errors import ConvertBnbError, UsageError
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size", "resolve_source"]
 
 _EXAMPLES = """\
 examples:
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES.format(subcommands=", ".join(sorted(SUBCOMMANDS)) or "none"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("src", metavar="SRC", help="a .safetensors file or a model directory")
+    p.add_argument("src", metavar="SRC", help="a .safetensors file, a model directory or a Hub repo id org/name")
     p.add_argument("--to", default="auto", choices=list(TARGETS) + list(EXTRA_TARGETS),
                    metavar="TARGET",
                    help="output: auto (each tensor's QuantState dtype), bf16, fp16, fp32"
@@ -97,6 +97,22 @@ EXTRA_TARGETS: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any]]] = 
 PARSER_HOOKS: list[Callable[[argparse.ArgumentParser], None]] = []
 #: Functions ``(args, plan) -> plan`` applied after planning (e.g. LoRA merge).
 PLAN_HOOKS: list[Callable[[argparse.Namespace, Any], Any]] = []
+#: Functions ``(args) -> Path | None`` turning a SRC that is no local path into one (Hub repo ids).
+SOURCE_HOOKS: list[Callable[[argparse.Namespace], Path | None]] = []
+
+
+def resolve_source(args: argparse.Namespace) -> Path:
+    """A SRC that does not exist locally, through :data:`SOURCE_HOOKS` (e.g. ``org/name`` on the Hub).
+
+    Raises:
+        UsageError: no hook knows SRC.
+    """
+    for hook in SOURCE_HOOKS:
+        found = hook(args)
+        if found is not None:
+            return found
+    raise UsageError("SRC does not exist", path=args.src,
+                     hint="give a .safetensors file, a model directory or a Hub repo id org/name")
 
 
 def _human(n: float) -> str:
@@ -133,7 +149,7 @@ def _convert(args: argparse.Namespace) -> int:
         raise UsageError("--threads must be at least 1", found=args.threads)
     src = Path(args.src)
     if not src.exists():
-        raise UsageError("SRC does not exist", path=src, hint="give a .safetensors file or a model directory")
+        src = resolve_source(args)
     with open_checkpoint(src) as ckpt:
         if args.to in EXTRA_TARGETS:
             summary = EXTRA_TARGETS[args.to](args, ckpt)
@@ -228,7 +244,7 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = []
+PLUGINS: list[str] = ["convert.hub", "convert.inspection"]
 
 
 if __name__ == "__main__":  # pragma: no cover
