@@ -244,7 +244,7 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = ["convert.hub", "convert.inspection"]
+PLUGINS: list[str] = ["convert.hub", "convert.batch", "convert.inspection"]
 
 
 if __name__ == "__main__":  # pragma: no cover
