@@ -196,7 +196,8 @@ def test_check_disk_counts_the_download_and_the_output(tmp_path: Path) -> None:
 
 
 def test_download_plan_counts_only_uncached_files() -> None:
-    plan = DownloadPlan("org/m", None, NF4, [RepoFile("model.safetensors", 100, False), RepoFile("config.json", 7, True),
-                                               RepoFile("model[1].json", None, False)])
+    files = [RepoFile("model.safetensors", 100, False), RepoFile("config.json", 7, True),
+             RepoFile("model[1].json", None, False)]
+    plan = DownloadPlan("org/m", None, NF4, files)
     assert plan.download_bytes == 100
     assert plan.allow_patterns == ["model.safetensors", "config.json", "model[[]1].json"]
