@@ -48,25 +48,22 @@ Pushing
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from formats.errors import ConvertBnbError, OutputExistsError, UsageError
 
 from . import __version__
+
+if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI start-up
+    import subprocess
+    from concurrent.futures import Future
 
 __all__ = [
     "STATE_DIR",
@@ -190,6 +187,8 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
 
 
 def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path) -> Job | None:
+    import shlex
+
     try:
         tokens = shlex.split(text, comments=True)
     except ValueError as exc:
@@ -278,6 +277,8 @@ def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> li
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     """Hex sha256 of a file, read in ``chunk``-byte pieces."""
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -339,6 +340,8 @@ def job_key(job: Job, source: str, commit: str | None) -> dict[str, Any]:
 
 
 def _remove(p: Path) -> None:
+    import shutil
+
     if p.is_dir() and not p.is_symlink():
         shutil.rmtree(p)
     elif p.exists() or p.is_symlink():
@@ -676,6 +679,8 @@ def worker_main(argv: list[str]) -> int:
     Exit codes: 0 done, 2 the job failed on its input (error in the state file), 1 internal error,
     130 interrupted.
     """
+    import signal
+
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     signal.signal(signal.SIGTERM, _worker_sigterm)
     pause = None
@@ -740,6 +745,10 @@ def run_batch(
     Raises:
         UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, or ``n_jobs`` < 1.
     """
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     if n_jobs < 1:
         raise UsageError("--jobs must be at least 1", found=n_jobs)
     per_memory = max_memory // n_jobs
