@@ -393,7 +393,7 @@ def _resolve(job: Job, out: Path | None, download: bool = True) -> tuple[Path, s
     if job.is_repo:
         from .hub import resolve_repo
 
-        hub = resolve_repo(job.src, job.revision, out=out, to=job.to, download=download)
+        hub = resolve_repo(job.src, job.revision, out=out, to=job.to, download=download, progress=False)
         return hub.path, job.src, hub.commit, hub
     if job.revision:
         raise UsageError(f"{job.where}: a revision applies to Hub repos, but SRC is a local path", found=job.src)

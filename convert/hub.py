@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +102,7 @@ class RepoFile:
     Attributes:
         name: path in the repo (top level).
         size: bytes (the LFS object's size for LFS files), or None when the Hub did not say.
-        cached: already in the local cache (nothing to download).
+        cached: in the local cache before this run (nothing to download).
     """
 
     name: str
@@ -265,7 +266,11 @@ def plan_download(
         sizes = {s.rfilename: (s.lfs.size if getattr(s, "lfs", None) else s.size) for s in info.siblings or []}
         top = [n for n in sizes if "/" not in n]
 
+        fetched: set[str] = set()
+
         def read_index(name: str) -> Any:
+            if not isinstance(try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=commit), str):
+                fetched.add(name)  # fetched now (a few KB) to learn the shards: counted as downloaded
             path = hf_hub_download(repo_id, name, revision=commit, cache_dir=cache_dir)
             return json.loads(Path(path).read_text(encoding="utf-8"))
 
@@ -282,7 +287,7 @@ def plan_download(
     files = []
     for n in wanted:
         hit = try_to_load_from_cache(repo_id, n, cache_dir=cache_dir, revision=commit)
-        files.append(RepoFile(n, sizes.get(n), isinstance(hit, str)))
+        files.append(RepoFile(n, sizes.get(n), isinstance(hit, str) and n not in fetched))
     return DownloadPlan(repo_id, revision, commit, files, [w for w in weights if not w.endswith(".json")])
 
 
@@ -332,6 +337,40 @@ def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int
     return total
 
 
+def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None) -> list[str]:
+    """Offline: exactly the files a conversion needs, from the tree listing huggingface_hub cached online.
+
+    huggingface_hub checks the cached snapshot against that listing for the patterns given, so they
+    must name what we fetched, not every weight-like file of the repo. Without a cached listing (a
+    cache filled by hand, or an older huggingface_hub) it checks nothing, and
+    :func:`formats.checkpoint.open_checkpoint` finds missing shards (CKPT-002).
+    """
+    import huggingface_hub
+
+    fallback = ["config.json"]
+    get_tree = getattr(huggingface_hub, "get_cached_repo_tree", None)
+    if get_tree is None:
+        return fallback
+    try:
+        tree = get_tree(repo_id, revision=revision, cache_dir=cache_dir)
+    except Exception as exc:  # noqa: BLE001 - no cached listing: nothing for huggingface_hub to check
+        if _is_hub_exception(exc) or isinstance(exc, OSError):
+            return fallback
+        raise
+    top = [f.path for f in tree if "/" not in f.path]
+
+    def read_index(name: str) -> Any:
+        hit = huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=revision)
+        if not isinstance(hit, str):
+            raise HubError("the repo's index is not in the cache", path=name, rule="CKPT-002",
+                           hint="HF_HUB_OFFLINE is set; run once online to fetch it")
+        return json.loads(Path(hit).read_text(encoding="utf-8"))
+
+    weights = choose_weight_files(top, read_index)
+    small = [n for n in top if n not in weights and any(fnmatch.fnmatch(n, p) for p in SMALL_FILE_PATTERNS)]
+    return [glob.escape(n) for n in weights + small]
+
+
 def _remote_output_estimate(plan: DownloadPlan, to: str) -> int | None:
     """Output estimate from the safetensors headers the Hub serves (range requests, no weights)."""
     if not any(w.endswith(".safetensors") for w in plan.weight_files):
@@ -364,7 +403,7 @@ def check_disk(
     out: str | os.PathLike[str] | None = None,
     out_bytes: int | None = None,
     *,
-    disk_usage: Callable[[Path], Any] = shutil.disk_usage,
+    disk_usage: Callable[[Path], Any] | None = None,
 ) -> None:
     """The disk pre-flight of a repo conversion: room for the download, and the output when they share a disk.
 
@@ -373,7 +412,7 @@ def check_disk(
         cache_dir: the cache directory (need not exist yet).
         out: the output path (need not exist yet), or None.
         out_bytes: the estimated output bytes, or None when unknown.
-        disk_usage: ``shutil.disk_usage``-like function (tests pass a fake).
+        disk_usage: ``shutil.disk_usage``-like function (default: ``shutil.disk_usage``).
 
     Raises:
         DiskSpaceError: the free space is smaller than what the run needs, naming both figures.
@@ -386,7 +425,7 @@ def check_disk(
             need += out_bytes
     if need <= 0:
         return
-    free = int(disk_usage(cache).free)
+    free = int((disk_usage or shutil.disk_usage)(cache).free)
     if free < need:
         raise DiskSpaceError(
             "not enough free disk space for the download" + (" and the output" if need > download_bytes else ""),
@@ -406,6 +445,7 @@ def resolve_repo(
     out: str | os.PathLike[str] | None = None,
     to: str = "auto",
     download: bool = True,
+    progress: bool = True,
 ) -> HubSource:
     """Fetch (or find in the cache) what a conversion of ``repo_id`` needs; return the snapshot directory.
 
@@ -417,6 +457,7 @@ def resolve_repo(
         to: the ``--to`` value, for the output estimate.
         download: False resolves the commit only (from the cache, or the Hub when online) and
             returns the snapshot path without fetching (it may not exist yet).
+        progress: show huggingface_hub's progress bars (False disables them for this process).
 
     Returns:
         the :class:`HubSource`.
@@ -436,13 +477,21 @@ def resolve_repo(
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
         return HubSource(repo_id, revision, plan.commit, snap, 0)
+    if not progress:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     if plan is not None:
         est = _remote_output_estimate(plan, to) if out is not None else None
         check_disk(plan.download_bytes, cache, out, est)
         patterns: list[str] = plan.allow_patterns
     else:
-        patterns = list(_WEIGHT_GLOBS) + [p for p in SMALL_FILE_PATTERNS]
+        patterns = _offline_patterns(repo_id, revision, cache_dir)
     try:
+        if not progress:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
     except Exception as exc:
         if _is_hub_exception(exc):
@@ -470,7 +519,8 @@ def _source_hook(args: argparse.Namespace) -> Path | None:
     to = getattr(args, "to", "auto")
     if getattr(args, "output", None) is None and hasattr(args, "output"):
         args.output = default_repo_output(repo, to)
-    src = resolve_repo(repo, rev, out=getattr(args, "output", None), to=to)
+    quiet = getattr(args, "quiet", False) or getattr(args, "json", False) or not sys.stderr.isatty()
+    src = resolve_repo(repo, rev, out=getattr(args, "output", None), to=to, progress=not quiet)
     args.hub_source = src
     return src.path
 

@@ -335,3 +335,49 @@ def test_summary_table_rows() -> None:
     assert lines[1].split() == ["a", "converted", "2/0", "2.0", "KiB", "0.0s", "@ffffffffff"]
     assert lines[2].split() == ["b", "failed", "0/0", "-", "0.0s", "boom"]
     assert lines[3] == "1 converted, 1 failed of 2 jobs"
+
+
+# ---------------------------------------------------------------- online: fetch and push through a local fake Hub
+
+
+def test_online_batch_fetches_converts_and_pushes(tmp_path: Path) -> None:
+    from .fakehub import FakeHub
+
+    hub = FakeHub()
+    hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
+    url = hub.start()
+    try:
+        env = offline_env(tmp_path, tmp_path / "hub")
+        del env["HF_HUB_OFFLINE"]
+        env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        jobs = tmp_path / "jobs.txt"
+        jobs.write_text("org/a --max-shard-size 1MB\n")
+        out = tmp_path / "out"
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--private", "--json")
+        assert r.returncode == 0, r.stderr + (out / ".convert-bnb" / "a-bf16.log").read_text()
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"], res["commit"]) == ("converted", "me/a-bf16", A)
+        assert hub.created == [{"repo_id": "me/a-bf16", "private": True, "type": "model"}]
+        assert len(hub.commits) == 1
+        assert hub.commits[0]["summary"] == "convert-bnb 0.1.0: org/a --to bf16"
+        repo = hub.repos["me/a-bf16"]
+        pushed = repo["commits"][repo["refs"]["main"]]
+        assert {k: v for k, v in pushed.items() if k != "README.md"} == _files(out / "a-bf16")
+        state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+        assert state["pushed"] == {"repo": "me/a-bf16", "key": state["key"], "commit": hub.commits[0]["commit"]}
+        card = pushed["README.md"].decode()
+        assert card == _dry_run_card(jobs, out, env)  # what --dry-run showed is what was pushed
+        assert card.startswith("---\nbase_model: org/a\n") and f"- commit: {A}" in card
+        # a re-run neither converts nor pushes again
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--private", "--json")
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"]) == ("skipped", "me/a-bf16")
+        assert len(hub.commits) == 1 and len(hub.created) == 1
+    finally:
+        hub.stop()
+
+
+def _dry_run_card(jobs: Path, out: Path, env: dict[str, str]) -> str:
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)[0]["card"]

@@ -201,3 +201,93 @@ def test_download_plan_counts_only_uncached_files() -> None:
     plan = DownloadPlan("org/m", None, NF4, files)
     assert plan.download_bytes == 100
     assert plan.allow_patterns == ["model.safetensors", "config.json", "model[[]1].json"]
+
+
+# ---------------------------------------------------------------- online, against a local fake Hub server
+
+
+NEEDED = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors",
+          "model-00002-of-00004.safetensors", "model-00003-of-00004.safetensors",
+          "model-00004-of-00004.safetensors", "model.safetensors.index.json", "tokenizer.json",
+          "tokenizer.model", "tokenizer_config.json"]
+
+
+@pytest.fixture
+def fakehub(tmp_path: Path):
+    from .fakehub import FakeHub
+
+    hub = FakeHub()
+    files: dict[str, Path | bytes] = {p.name: p for p in (MODELS / "llama_nf4_dq_sharded").iterdir() if p.is_file()}
+    files.update({"pytorch_model.bin": b"\0" * 5000, "README.md": b"# card", "onnx/model.onnx": b"\1" * 300,
+                  "onnx/config.json": b"{}"})  # none of these is needed
+    hub.add("org/sharded", commit_sha("online-1"), files)
+    hub.add("org/sharded", commit_sha("online-2"),
+            {p.name: p for p in (MODELS / "llama_fp4_nodq").iterdir() if p.is_file()}, refs=("v2",))
+    url = hub.start()
+    env = offline_env(tmp_path, tmp_path / "hub")
+    del env["HF_HUB_OFFLINE"]
+    env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_HUB_ETAG_TIMEOUT="30", HF_HUB_DOWNLOAD_TIMEOUT="30")
+    yield hub, env
+    hub.stop()
+
+
+def test_online_fetches_exactly_what_the_conversion_needs(fakehub, tmp_path: Path) -> None:
+    hub, env = fakehub
+    r = run_cli(["org/sharded", "--to", "bf16", "-o", str(tmp_path / "out"), "--json"], env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(set(hub.full_downloads)) == sorted(f"org/sharded/{n}" for n in NEEDED)
+    assert len(hub.full_downloads) == len(NEEDED)  # each file once
+    sizes = sum((MODELS / "llama_nf4_dq_sharded" / n).stat().st_size for n in NEEDED)
+    notes = json.loads(r.stdout)["notes"]
+    assert notes == [f"source: Hub repo org/sharded@{commit_sha('online-1')} ({sizes} bytes downloaded)"]
+    assert r.stderr == ""  # --json: no progress bars
+    assert_same_tensors(load_all(tmp_path / "out"), _bf16_reference("llama_nf4_dq_sharded"))
+    snap = tmp_path / "hub" / "models--org--sharded" / "snapshots" / commit_sha("online-1")
+    assert sorted(p.name for p in snap.iterdir()) == sorted(NEEDED)
+    # again: everything is cached, nothing is downloaded
+    before = list(hub.full_downloads)
+    r = run_cli(["org/sharded", "--to", "fp32", "-o", str(tmp_path / "out2"), "--json"], env)
+    assert r.returncode == 0, r.stderr
+    assert hub.full_downloads == before
+    assert json.loads(r.stdout)["notes"] == [f"source: Hub repo org/sharded@{commit_sha('online-1')}"]
+    # and offline from the same cache (huggingface_hub checks the snapshot against the cached tree listing)
+    off = dict(env, HF_HUB_OFFLINE="1")
+    r = run_cli(["org/sharded", "--to", "bf16", "-o", str(tmp_path / "out3")], off)
+    assert r.returncode == 0, r.stderr
+    assert_same_tensors(load_all(tmp_path / "out3"), _bf16_reference("llama_nf4_dq_sharded"))
+
+
+def test_online_revision_and_errors(fakehub, tmp_path: Path) -> None:
+    hub, env = fakehub
+    r = run_cli(["org/sharded", "--revision", "v2", "--to", "bf16", "-o", str(tmp_path / "o")], env)
+    assert r.returncode == 0, r.stderr
+    assert_same_tensors(load_all(tmp_path / "o"), _bf16_reference("llama_fp4_nodq"))
+    r = run_cli(["org/nothing", "--to", "bf16", "-o", str(tmp_path / "o2")], env)
+    assert r.returncode == 2
+    assert "cannot fetch Hub repo 'org/nothing' at revision 'main' (RepositoryNotFoundError" in r.stderr
+    assert "Hint: check the repo id; for a private or gated repo set HF_TOKEN" in r.stderr
+    r = run_cli(["org/sharded", "--revision", "v9", "--to", "bf16", "-o", str(tmp_path / "o3")], env)
+    assert r.returncode == 2
+    assert "(RevisionNotFoundError" in r.stderr
+
+
+def test_online_disk_preflight_counts_download_and_output(fakehub, tmp_path: Path) -> None:
+    hub, env = fakehub
+    code = (
+        "import shutil, sys, collections\n"
+        "U = collections.namedtuple('U', 'total used free')\n"
+        "shutil.disk_usage = lambda p: U(10**9, 10**9 - 3_000_000, 3_000_000)\n"
+        "from convert.cli import main\n"
+        f"sys.exit(main(['org/sharded', '--to', 'bf16', '-o', {str(tmp_path / 'out')!r}]))\n"
+    )
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    download = sum((MODELS / "llama_nf4_dq_sharded" / n).stat().st_size for n in NEEDED)
+    need = download + 3975680  # + the bf16 output, estimated from the safetensors headers the Hub serves
+    assert (f"not enough free disk space for the download and the output (expected '>= {need} bytes free "
+            f"({download} to download + 3975680 of output)', found '3000000 bytes free')") in r.stderr
+    assert hub.full_downloads == ["org/sharded/model.safetensors.index.json"]  # only to learn the shards
+    assert not (tmp_path / "out").exists()
