@@ -457,7 +457,8 @@ def run_job(spec: dict[str, Any], pause: Callable[[int], None] | None = None) ->
         if spec.get("push_to_hub"):
             result.pushed = _push(job, final, state, state_path, spec, commit, _quant_summary(src))
     except BaseException as exc:
-        state["status"] = "failed" if state.get("status") != "done" else "done"
+        if state.get("status") != "done":  # a failed push leaves a finished conversion done
+            state["status"] = "failed"
         state["error"] = str(exc) or type(exc).__name__
         if state.get("version"):
             _save_state(state_path, state)
@@ -798,8 +799,9 @@ def run_batch(
 
     results: dict[str, JobResult] = {}
     pool = ThreadPoolExecutor(max_workers=n_jobs)
+    futures: dict[Future[JobResult], Job] = {}
     try:
-        futures: dict[Future[JobResult], Job] = {pool.submit(one, j): j for j in jobs}
+        futures.update({pool.submit(one, j): j for j in jobs})
         for fut in as_completed(futures):
             results[futures[fut].name] = fut.result()
     except BaseException:

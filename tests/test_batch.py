@@ -381,3 +381,38 @@ def _dry_run_card(jobs: Path, out: Path, env: dict[str, str]) -> str:
     r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)[0]["card"]
+
+
+def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name a\n"
+                    f"{MODELS / 'llama_fp4_nodq'} --max-shard-size 1MB --name c\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--max-memory", "256MiB",
+           "--to", "bf16", "--pause-at", "c:2", "--jobs", "2", "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / ".convert-bnb" / "c.paused").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # the batch only: it must stop its workers itself
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert "convert-bnb: interrupted" in err
+    state = json.loads((out / ".convert-bnb" / "c.json").read_text())
+    assert (state["status"], state["error"], len(state["shards"])) == ("failed", "signal 15", 2)
+    assert not list((out / ".convert-bnb" / "c.partial").glob(".*"))  # no temporaries left behind
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert (res["c"]["status"], res["c"]["shards_reused"], res["c"]["shards_written"]) == ("converted", 2, 3)
+    straight = tmp_path / "straight"
+    assert main([str(MODELS / "llama_fp4_nodq"), "--to", "bf16", "--max-shard-size", "1MB", "-o", str(straight),
+                 "--quiet"]) == 0
+    assert _files(out / "c") == _files(straight)
