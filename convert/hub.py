@@ -241,7 +241,7 @@ def plan_download(
     repo_id: str,
     revision: str | None = None,
     *,
-    cache_dir: str | os.PathLike[str] | None = None,
+    cache_dir: str | Path | None = None,
 ) -> DownloadPlan | None:
     """Ask the Hub which files a conversion of ``repo_id`` needs and which are not cached yet.
 
@@ -263,7 +263,10 @@ def plan_download(
     try:
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
         commit = str(info.sha)
-        sizes = {s.rfilename: (s.lfs.size if getattr(s, "lfs", None) else s.size) for s in info.siblings or []}
+        sizes: dict[str, int | None] = {}
+        for sib in info.siblings or []:
+            lfs = getattr(sib, "lfs", None)
+            sizes[sib.rfilename] = lfs.size if lfs is not None else sib.size
         top = [n for n in sizes if "/" not in n]
 
         fetched: set[str] = set()
@@ -337,7 +340,7 @@ def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int
     return total
 
 
-def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None) -> list[str]:
+def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path | None) -> list[str]:
     """Offline: exactly the files a conversion needs, from the tree listing huggingface_hub cached online.
 
     huggingface_hub checks the cached snapshot against that listing for the patterns given, so they
@@ -399,8 +402,8 @@ def _existing(path: Path) -> Path:
 
 def check_disk(
     download_bytes: int,
-    cache_dir: str | os.PathLike[str],
-    out: str | os.PathLike[str] | None = None,
+    cache_dir: str | Path,
+    out: str | Path | None = None,
     out_bytes: int | None = None,
     *,
     disk_usage: Callable[[Path], Any] | None = None,
@@ -441,8 +444,8 @@ def resolve_repo(
     repo_id: str,
     revision: str | None = None,
     *,
-    cache_dir: str | os.PathLike[str] | None = None,
-    out: str | os.PathLike[str] | None = None,
+    cache_dir: str | Path | None = None,
+    out: str | Path | None = None,
     to: str = "auto",
     download: bool = True,
     progress: bool = True,

@@ -90,10 +90,10 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     from .plan import TARGETS, make_plan
 
     opts = options or InspectOptions()
-    layers, plain = group_layers(ckpt.tensors)
+    layers, plain = group_layers(ckpt.tensors)  # type: ignore[arg-type]  # as convert.plan
     by_kind: dict[str, int] = {}
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
-    int8_groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    int8_groups: dict[tuple[str, str], dict[str, Any]] = {}
     for layer in layers.values():
         if isinstance(layer, QuantizedLayer):
             st = layer.state
@@ -122,10 +122,10 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
             known |= {t.name for t in (layer.nested_absmax, layer.nested_quant_map) if t is not None}
             b["quant_state"] += sum(ckpt.tensors[c].nbytes for c in layer.components if c not in known)
         elif isinstance(layer, Int8Layer):
-            key = (layer.weight.dtype.code, layer.scb.dtype.code)
-            g = int8_groups.get(key)
+            key8 = (layer.weight.dtype.code, layer.scb.dtype.code)
+            g = int8_groups.get(key8)
             if g is None:
-                g = int8_groups[key] = {
+                g = int8_groups[key8] = {
                     "weight_dtype": layer.weight.dtype.code, "scale_dtype": layer.scb.dtype.code,
                     "layers": 0, "elements": 0, "bytes": {"int8_weight": 0, "int8_scale": 0}, "names": [],
                 }
