@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES.format(subcommands=", ".join(sorted(SUBCOMMANDS)) or "none"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("src", metavar="SRC", help="a .safetensors file, a model directory or a Hub repo id org/name")
+    p.add_argument("src", metavar="SRC",
+                   help="a .safetensors / .bin / .pt file, a model directory (pickles are read "
+                        "without running code) or a Hub repo id org/name")
     p.add_argument("--to", default="auto", choices=list(TARGETS) + list(EXTRA_TARGETS),
                    metavar="TARGET",
                    help="output: auto (each tensor's QuantState dtype), bf16, fp16, fp32"
@@ -115,6 +117,12 @@ def resolve_source(args: argparse.Namespace) -> Path:
                      hint="give a .safetensors file, a model directory or a Hub repo id org/name")
 
 
+#: Functions ``(args)`` that validate option combinations before anything is opened.
+CHECK_HOOKS: list[Callable[[argparse.Namespace], None]] = []
+#: Functions ``(args, plan, summary)`` called after a run (e.g. the LoRA merge report); may add to summary.
+RESULT_HOOKS: list[Callable[[argparse.Namespace, Any, dict[str, Any]], None]] = []
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -147,6 +155,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
+    for check in CHECK_HOOKS:
+        check(args)
     src = Path(args.src)
     if not src.exists():
         src = resolve_source(args)
@@ -168,6 +178,8 @@ def _convert(args: argparse.Namespace) -> int:
                 plan, out, threads=args.threads, max_memory=args.max_memory, overwrite=args.overwrite,
                 progress=not args.quiet and not args.json and sys.stderr.isatty(), verify=args.verify,
             ).to_dict()
+            for result_hook in RESULT_HOOKS:
+                result_hook(args, plan, summary)
     if args.json:
         print(json.dumps(summary, indent=2))
     elif not args.quiet:
@@ -244,7 +256,7 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = ["convert.hub", "convert.batch", "convert.inspection"]
+PLUGINS: list[str] = ["convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection"]
 
 
 if __name__ == "__main__":  # pragma: no cover

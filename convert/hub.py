@@ -528,11 +528,16 @@ def _source_hook(args: argparse.Namespace) -> Path | None:
     return src.path
 
 
+def _check_hook(args: argparse.Namespace) -> None:
+    """Before anything is opened or fetched: ``--revision`` needs a repo id."""
+    if getattr(args, "revision", None) and os.path.exists(str(args.src)):
+        raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=args.src)
+
+
 def _plan_hook(args: argparse.Namespace, plan: Any) -> Any:
     src: HubSource | None = getattr(args, "hub_source", None)
     if src is None:
-        if getattr(args, "revision", None):
-            raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=args.src)
+        _check_hook(args)  # when the CLI has no CHECK_HOOKS
         return plan
     note = f"source: Hub repo {src.repo_id}@{src.commit}"
     if src.downloaded_bytes:
@@ -551,6 +556,9 @@ def _register() -> None:
     hooks = getattr(cli, "SOURCE_HOOKS", None)
     if hooks is not None and _source_hook not in hooks:
         hooks.append(_source_hook)
+    checks = getattr(cli, "CHECK_HOOKS", None)
+    if checks is not None and _check_hook not in checks:
+        checks.append(_check_hook)
 
 
 _register()

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "AdapterError",
     "BnbLayerError",
     "CheckpointError",
     "ConvertBnbError",
@@ -27,6 +28,8 @@ __all__ = [
     "HubError",
     "OutputExistsError",
     "SafetensorsError",
+    "TorchPickleError",
+    "UnsafePickleError",
     "UnsupportedError",
     "UsageError",
     "VerificationError",
@@ -101,12 +104,27 @@ class SafetensorsError(ConvertBnbError, ValueError):
     """A ``.safetensors`` file breaks the container format (header, dtype, shape, offsets, size)."""
 
 
+class TorchPickleError(ConvertBnbError, ValueError):
+    """A PyTorch ``.bin``/``.pt`` checkpoint breaks the container format (zip, records, pickle, views)."""
+
+
+class UnsafePickleError(TorchPickleError):
+    """A pickle names a global outside the allow-list; nothing was imported or called.
+
+    ``found`` holds the refused ``module.name``.
+    """
+
+
 class CheckpointError(ConvertBnbError, ValueError):
     """A model directory is inconsistent: index JSON, missing shards, no weights, config."""
 
 
 class BnbLayerError(ConvertBnbError, ValueError):
     """A bitsandbytes layer (packed weight + QuantState) breaks a BNB-xxx rule."""
+
+
+class AdapterError(ConvertBnbError, ValueError):
+    """A PEFT adapter breaks a LORA-xxx rule: its config, its keys, or its fit to the base model."""
 
 
 class UnsupportedError(ConvertBnbError, ValueError):
