@@ -292,6 +292,25 @@ def test_parse_text_json_yaml(tmp_path: Path) -> None:
         [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in text]
 
 
+def test_local_file_job_writes_one_file(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_fp4_nodq' / 'model.safetensors'} --to fp32\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)
+    assert (res["name"], res["status"], res["shards_written"]) == ("model-fp32.safetensors", "converted", 1)
+    assert main([str(MODELS / "llama_fp4_nodq" / "model.safetensors"), "--to", "fp32", "-o",
+                 str(tmp_path / "direct.safetensors"), "--quiet"]) == 0
+    assert (out / "model-fp32.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+    before = (out / "model-fp32.safetensors").stat()
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "skipped"
+    after = (out / "model-fp32.safetensors").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
 def test_local_paths_become_absolute(tmp_path: Path) -> None:
     t = tmp_path / "j.txt"
     t.write_text(f"{MODELS / 'llama_nf4_dq'} --name x\n{MODELS / 'llama_fp4_nodq' / 'model.safetensors'}\n")

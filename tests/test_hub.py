@@ -35,6 +35,7 @@ def cache(tmp_path: Path) -> Path:
     add_model_dir(c, "org/llama-nf4", MODELS / "llama_nf4_dq", NF4, refs=("main",))
     add_model_dir(c, "org/llama-nf4", MODELS / "llama_fp4_nodq", FP4, refs=("v2",))
     add_model_dir(c, "org/llama-sharded", MODELS / "llama_nf4_dq_sharded", commit_sha("sharded"))
+    add_model_dir(c, "org/llama-bin", MODELS / "llama_nf4_dq_bin", commit_sha("bin"))
     return c
 
 
@@ -68,6 +69,7 @@ def test_repo_id_end_to_end_offline_default_output(cache: Path, tmp_path: Path) 
         (["org/llama-nf4", "--revision", NF4], "llama_nf4_dq"),  # a commit sha, no refs needed
         (["org/llama-nf4", "--revision", FP4], "llama_fp4_nodq"),
         (["org/llama-sharded"], "llama_nf4_dq_sharded"),  # index + shards
+        (["org/llama-bin"], "llama_nf4_dq_bin"),  # a legacy pytorch_model.bin
     ],
 )
 def test_revisions_and_shards_resolve_to_the_right_snapshot(cache: Path, tmp_path: Path, args: list[str],
@@ -166,6 +168,9 @@ def test_choose_weight_files_reads_the_index() -> None:
     assert got[0] == "model.safetensors.index.json"
     assert sorted(got[1:]) == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     assert choose_weight_files(["model.safetensors", "config.json"], lambda n: {}) == ["model.safetensors"]
+    assert choose_weight_files(["pytorch_model.bin", "config.json"], lambda n: {}) == ["pytorch_model.bin"]
+    both = ["pytorch_model.bin", "model.safetensors", "config.json"]
+    assert choose_weight_files(both, lambda n: {}) == ["model.safetensors"]  # never both
     with pytest.raises(HubError) as ei:
         choose_weight_files(["config.json", "model.gguf"], lambda n: {})
     assert ei.value.rule == "CKPT-005"
