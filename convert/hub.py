@@ -473,6 +473,10 @@ def resolve_repo(
 
     if not _REPO_RE.match(repo_id):
         raise UsageError("not a Hub repo id", found=repo_id, expected="'org/name'")
+    if not progress:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
     plan = plan_download(repo_id, revision, cache_dir=cache_dir)
     if plan is not None and not download:
@@ -480,10 +484,6 @@ def resolve_repo(
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
         return HubSource(repo_id, revision, plan.commit, snap, 0)
-    if not progress:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
     if plan is not None:
         est = _remote_output_estimate(plan, to) if out is not None else None
         check_disk(plan.download_bytes, cache, out, est)
@@ -491,10 +491,6 @@ def resolve_repo(
     else:
         patterns = _offline_patterns(repo_id, revision, cache_dir)
     try:
-        if not progress:
-            from huggingface_hub.utils import disable_progress_bars
-
-            disable_progress_bars()
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
     except Exception as exc:
         if _is_hub_exception(exc):
