@@ -27,6 +27,7 @@ class FakeHub:
         self.repos: dict[str, dict[str, dict]] = {}
         self.downloads: list[str] = []  # "repo/path" per GET of file content (full or ranged)
         self.full_downloads: list[str] = []  # "repo/path" per GET of a whole file
+        self.auth: set[str | None] = set()  # Authorization headers seen
         self.created: list[dict] = []  # create_repo calls
         self.commits: list[dict] = []  # commits pushed
         self.url = ""
@@ -78,6 +79,7 @@ class FakeHub:
                 self._handle(head=False)
 
             def do_POST(self) -> None:  # noqa: N802
+                hub.auth.add(self.headers.get("Authorization"))
                 path = unquote(urlparse(self.path).path)
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if path == "/api/repos/create":
@@ -118,6 +120,7 @@ class FakeHub:
                 return self._not_found("Unknown")
 
             def _handle(self, head: bool) -> None:
+                hub.auth.add(self.headers.get("Authorization"))
                 path = unquote(urlparse(self.path).path)
                 m = re.match(r"^/api/models/([^/]+/[^/]+)(?:/revision/(.+))?$", path)
                 if m:

@@ -377,6 +377,7 @@ def test_online_batch_fetches_converts_and_pushes(tmp_path: Path) -> None:
         (res,) = json.loads(r.stdout)
         assert (res["status"], res["pushed"], res["commit"]) == ("converted", "me/a-bf16", A)
         assert hub.created == [{"repo_id": "me/a-bf16", "private": True, "type": "model"}]
+        assert hub.auth == {"Bearer hf_fake_token_for_the_local_server"}  # HF_TOKEN on every request
         assert len(hub.commits) == 1
         assert hub.commits[0]["summary"] == "convert-bnb 0.1.0: org/a --to bf16"
         repo = hub.repos["me/a-bf16"]

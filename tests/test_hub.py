@@ -246,6 +246,7 @@ def test_online_fetches_exactly_what_the_conversion_needs(fakehub, tmp_path: Pat
     notes = json.loads(r.stdout)["notes"]
     assert notes == [f"source: Hub repo org/sharded@{commit_sha('online-1')} ({sizes} bytes downloaded)"]
     assert r.stderr == ""  # --json: no progress bars
+    assert hub.auth == {None}  # no HF_TOKEN, no stored login: anonymous
     assert_same_tensors(load_all(tmp_path / "out"), _bf16_reference("llama_nf4_dq_sharded"))
     snap = tmp_path / "hub" / "models--org--sharded" / "snapshots" / commit_sha("online-1")
     assert sorted(p.name for p in snap.iterdir()) == sorted(NEEDED)
