@@ -926,6 +926,20 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     from .cli import parse_size
     from .plan import TARGETS
 
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = """\
+examples:
+  convert-bnb batch jobs.txt --out-dir out/ --to bf16 --jobs 2 --max-memory 4GiB
+  convert-bnb batch jobs.txt --out-dir out/ --push-to-hub my-org --dry-run   card + upload plan, no work
+
+jobs.txt:
+  # one job per line; options override the command line's
+  unsloth/llama-3-8b-bnb-4bit
+  unsloth/mistral-7b-bnb-4bit@main --to fp16 --max-shard-size 2GB
+  ./local-model-bnb-4bit --name local-bf16
+
+Re-running the same command skips finished jobs and finished shards (state in OUT/.convert-bnb/).
+"""
     p.add_argument("jobs_file", metavar="JOBS",
                    help="text file (one 'SRC[@REVISION] [--to T] [--max-shard-size S] [--name N]' per line, "
                    "# comments) or a JSON/YAML list")

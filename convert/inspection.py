@@ -297,6 +297,12 @@ def format_report(report: dict[str, Any]) -> str:
 def _add_args(p: argparse.ArgumentParser) -> None:
     from .cli import parse_size
 
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = """\
+examples:
+  convert-bnb inspect ./model-bnb-4bit                 layers by settings, bytes by kind, output sizes
+  convert-bnb inspect unsloth/llama-3-8b-bnb-4bit --stats --json
+"""
     p.add_argument("src", metavar="SRC", help="a .safetensors file, a model directory or a Hub repo id org/name")
     p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
     p.add_argument("--stats", action="store_true", help="also read the absmax vectors and flag outlier layers")
