@@ -744,12 +744,9 @@ def run_batch(
         one :class:`JobResult` per job, in job order.
 
     Raises:
-        UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, or ``n_jobs`` < 1.
+        UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, ``n_jobs`` < 1, or
+            another batch is running with the same ``out_dir``.
     """
-    import subprocess
-    import threading
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
     if n_jobs < 1:
         raise UsageError("--jobs must be at least 1", found=n_jobs)
     per_memory = max_memory // n_jobs
@@ -760,6 +757,42 @@ def run_batch(
     per_threads = max(1, (threads or os.cpu_count() or 1) // n_jobs)
     work = out_dir / STATE_DIR
     work.mkdir(parents=True, exist_ok=True)
+    lock = _lock_out_dir(work)
+    try:
+        return _run_jobs(jobs, out_dir, work, n_jobs, per_memory, per_threads, verify, push_to_hub, private,
+                         pause_at, on_done)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _lock_out_dir(work: Path) -> Any:
+    """Hold ``OUT/.convert-bnb/lock`` for the run: two batches never write the same out dir at once.
+
+    Raises:
+        UsageError: another batch holds the lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        return None
+    f = open(work / "lock", "a+")  # noqa: SIM115 - held until the run ends
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UsageError("another convert-bnb batch is running with this --out-dir", path=work.parent,
+                         action="write", hint="wait for it to finish, or use another --out-dir") from None
+    return f
+
+
+def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, per_memory: int, per_threads: int,
+              verify: bool, push_to_hub: str | None, private: bool, pause_at: tuple[str, int] | None,
+              on_done: Callable[[JobResult], None] | None) -> list[JobResult]:
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     procs: set[subprocess.Popen[bytes]] = set()
     lock = threading.Lock()
 

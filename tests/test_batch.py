@@ -436,3 +436,19 @@ def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> 
     assert main([str(MODELS / "llama_fp4_nodq"), "--to", "bf16", "--max-shard-size", "1MB", "-o", str(straight),
                  "--quiet"]) == 0
     assert _files(out / "c") == _files(straight)
+
+
+def test_one_batch_per_out_dir(tmp_path: Path) -> None:
+    import fcntl
+
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'}\n")
+    out = tmp_path / "out"
+    (out / ".convert-bnb").mkdir(parents=True)
+    with open(out / ".convert-bnb" / "lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        r = _batch(jobs, out, offline_env(tmp_path))
+    assert r.returncode == 2
+    assert "another convert-bnb batch is running with this --out-dir" in r.stderr
+    r = _batch(jobs, out, offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
