@@ -19,7 +19,8 @@ JOBS file
 Layout under DIR
     ``DIR/NAME/`` is a finished output (``NAME`` defaults to ``<repo name>-<to>``, as the main job);
     ``DIR/.convert-bnb/NAME.json`` the job's state file, ``NAME.partial/`` its unfinished output,
-    ``NAME.log`` the worker's stderr.
+    ``NAME.log`` the worker's stderr, ``NAME.spec.json`` what the worker was asked to do, and
+    ``lock`` (held with ``flock`` while a batch runs: one batch per DIR at a time).
 
 Running
     Each job runs in its own worker process (``--jobs N`` at a time; one job's crash cannot stop
