@@ -250,6 +250,9 @@ def format_report(report: dict[str, Any]) -> str:
     """The human-readable text of :func:`inspect_checkpoint`'s report."""
     lines = [f"{report['source']}: {len(report['files'])} weight file(s), {report['tensors']} tensors, "
              f"{_human(report['total_bytes'])} of tensor data"]
+    hub = report.get("hub")
+    if hub is not None:
+        lines.insert(0, f"Hub repo {hub['repo']} at {hub['revision'] or 'main'} = commit {hub['commit']}")
     if report["quantized"]:
         lines.append("4-bit layers by settings:")
         for g in report["quantized"]:

@@ -231,3 +231,5 @@ def test_inspect_a_hub_repo_offline(tmp_path: Path) -> None:
     rep = json.loads(r.stdout)
     assert rep["hub"] == {"repo": "org/llama-fp4", "revision": None, "commit": commit_sha("fp4")}
     assert [(g["quant_type"], g["blocksize"], g["nested"]) for g in rep["quantized"]] == [("fp4", 64, False)]
+    r = run_cli(["inspect", "org/llama-fp4"], offline_env(tmp_path, cache))
+    assert r.stdout.splitlines()[0] == f"Hub repo org/llama-fp4 at main = commit {commit_sha('fp4')}"
