@@ -756,7 +756,7 @@ def run(args: argparse.Namespace, checkpoint: Any) -> dict[str, Any] | None:
     if args.dry_run:
         print(json.dumps(qplan.to_dict(), indent=2) if args.json else qplan.describe())
         return None
-    out = args.output or default_output(Path(args.src), settings.quant_type)
+    out = args.output or default_output(Path(checkpoint.source), settings.quant_type)
     summary = run_plan(qplan, out, threads=args.threads, max_memory=args.max_memory, overwrite=args.overwrite,
                        progress=not args.quiet and not args.json and sys.stderr.isatty(),
                        verify=args.verify).to_dict()
