@@ -654,7 +654,8 @@ def make_quant_plan(
         shards = [list(range(len(tensors)))]
     for shard in shards:
         shard.sort(key=lambda k: safetensors_order_key(tensors[k].name, tensors[k].dtype))
-    new = Plan(plan.checkpoint, settings.quant_type, tensors, shards, plan.config, list(plan.notes))
+    new = Plan(checkpoint=plan.checkpoint, to=settings.quant_type, tensors=tensors, shards=shards,
+               config=plan.config, notes=list(plan.notes))
     user_skip = list(dict.fromkeys(skip))
     # transformers leaves the head out only while llm_int8_skip_modules is null: once patterns are
     # given (or the head is quantized on request), the list must name every kept head itself
