@@ -330,3 +330,27 @@ def test_output_loads_in_transformers_with_bnb_logits(tmp_out: Path) -> None:
     with torch.no_grad():
         logits = model(ids).logits.float().numpy()
     assert np.array_equal(logits, ref["logits_quantized"].astype(np.float32))
+
+
+def test_parity_transformers_quantizes_a_model_with_large_layers(tmp_path: Path) -> None:
+    """Optional: transformers + bitsandbytes quantize a fresh model whose MLP layers have 45056 blocks
+    (past torch's 32768-element split of the mean over threads); our files equal theirs byte for byte."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
+                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=1000,
+                                   max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "orig")
+    bnb_cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                              bnb_4bit_use_double_quant=True,
+                                              bnb_4bit_compute_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "orig", quantization_config=bnb_cfg,
+                                                              dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bnb")
+    threads = str(torch.get_num_threads())
+    assert main([str(tmp_path / "orig"), "--to", "nf4", "--torch-threads", threads, "-o", str(tmp_path / "ours"),
+                 "-q"]) == 0
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "bnb" / f).read_bytes(), f
