@@ -75,6 +75,7 @@ __all__ = [
     "SAFETENSORS_DTYPE_ORDER",
     "QuantPlanInfo",
     "add_arguments",
+    "check_arguments",
     "make_quant_plan",
     "matches_module",
     "quantization_config",
@@ -702,11 +703,11 @@ def _compute_dtype(cfg: dict[str, Any], jobs: list[_LayerJob], plan: Plan) -> st
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``--to nf4|fp4`` options (a :data:`convert.cli.PARSER_HOOKS` entry)."""
     g = p.add_argument_group("4-bit output (--to nf4 | fp4)")
-    g.add_argument("--blocksize", type=int, default=64, choices=[32, 64, 128, 256, 512, 1024, 2048, 4096],
+    g.add_argument("--blocksize", type=int, default=None, choices=[32, 64, 128, 256, 512, 1024, 2048, 4096],
                    metavar="N", help="elements per absmax block, 32..4096 (default: 64, as transformers)")
-    g.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=None,
                    help="8-bit quantize absmax (bnb_4bit_use_double_quant; default: on)")
-    g.add_argument("--quant-storage", default="uint8", choices=list(QUANT_STORAGES),
+    g.add_argument("--quant-storage", default=None, choices=list(QUANT_STORAGES),
                    help="dtype the packed bytes are stored as (bnb_4bit_quant_storage; default: uint8)")
     g.add_argument("--skip-modules", action="append", default=[], metavar="PATTERN",
                    help="keep matching modules unquantized (transformers llm_int8_skip_modules matching; "
@@ -718,9 +719,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-report", type=Path, metavar="FILE",
                    help="write the per-tensor quantization report (relative error, bits/weight, outlier "
                    "blocks) as JSON")
-    g.add_argument("--torch-threads", type=int, default=TORCH_NUM_THREADS, metavar="N",
+    g.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="reproduce torch.mean as with this many torch threads, for layers with 32768+ "
                    f"blocks (bnb's nested offset on CPU; default: {TORCH_NUM_THREADS})")
+
+
+_OPTIONS = ("blocksize", "double_quant", "quant_storage", "skip_modules", "include", "requantize", "quant_report",
+            "torch_threads")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """CHECK_HOOK: the 4-bit options mean nothing for other targets; refuse them rather than ignore them.
+
+    Raises:
+        UsageError: a 4-bit option with ``--to`` other than nf4/fp4, or ``--torch-threads`` below 1.
+    """
+    if getattr(args, "to", None) in ("nf4", "fp4"):
+        if args.torch_threads is not None and args.torch_threads < 1:
+            raise UsageError("--torch-threads must be at least 1", found=args.torch_threads)
+        return
+    for opt in _OPTIONS:
+        value = getattr(args, opt, None)
+        if value is not None and value != [] and not (opt == "requantize" and value is False):
+            flag = "--" + opt.replace("_", "-")
+            raise UsageError(f"{flag} needs --to nf4 or --to fp4", expected="--to nf4|fp4",
+                             found=f"--to {getattr(args, 'to', None)}")
 
 
 def _patterns(values: list[str]) -> list[str]:
@@ -736,10 +759,14 @@ def run(args: argparse.Namespace, checkpoint: Any) -> dict[str, Any] | None:
     from .pipeline import run_plan
     from .plan import default_output
 
-    if args.torch_threads < 1:
-        raise UsageError("--torch-threads must be at least 1", found=args.torch_threads)
-    settings = QuantSettings(args.to, args.blocksize, args.double_quant, args.quant_storage,
-                             num_threads=args.torch_threads)
+    check_arguments(args)
+    settings = QuantSettings(
+        args.to,
+        64 if args.blocksize is None else args.blocksize,
+        True if args.double_quant is None else args.double_quant,
+        args.quant_storage or "uint8",
+        num_threads=TORCH_NUM_THREADS if args.torch_threads is None else args.torch_threads,
+    )
     threads = max(1, args.threads or os.cpu_count() or 1)
     plan = make_plan(checkpoint, "auto", max_shard_size=args.max_shard_size)
     for hook in cli.PLAN_HOOKS:
@@ -788,5 +815,6 @@ run.merges_lora = True  # type: ignore[attr-defined]  # --merge-lora composes: i
 
 
 cli.PARSER_HOOKS.append(add_arguments)
+cli.CHECK_HOOKS.append(check_arguments)
 cli.EXTRA_TARGETS["nf4"] = run
 cli.EXTRA_TARGETS["fp4"] = run

@@ -246,6 +246,15 @@ def test_dry_run_writes_nothing(tmp_out: Path, capsys: pytest.CaptureFixture[str
     assert not tmp_out.exists()
 
 
+@pytest.mark.parametrize("opt", [["--blocksize", "128"], ["--no-double-quant"], ["--quant-storage", "bfloat16"],
+                                 ["--skip-modules", "q_proj"], ["--include", "x"], ["--requantize"],
+                                 ["--torch-threads", "4"], ["--quant-report", "r.json"]])
+def test_4bit_options_need_a_4bit_target(opt: list[str], tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", *opt, "-o", str(tmp_out)]) == 2
+    assert f"{opt[0]} needs --to nf4 or --to fp4" in capsys.readouterr().err
+    assert not tmp_out.exists()
+
+
 def test_quant_storage_that_does_not_fit_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o.safetensors"
     # 3 elements -> 2 packed bytes fit bf16, but float32 needs 4
