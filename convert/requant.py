@@ -741,7 +741,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     for opt in _OPTIONS:
         value = getattr(args, opt, None)
         if value is not None and value != [] and not (opt == "requantize" and value is False):
-            flag = "--" + opt.replace("_", "-")
+            flag = "--no-double-quant" if value is False else "--" + opt.replace("_", "-")
             raise UsageError(f"{flag} needs --to nf4 or --to fp4", expected="--to nf4|fp4",
                              found=f"--to {getattr(args, 'to', None)}")
 
