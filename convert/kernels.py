@@ -23,6 +23,7 @@ import numpy.typing as npt
 
 __all__ = [
     "BF16",
+    "count_f16_loss",
     "dequantize_4bit",
     "dequantize_nested_absmax",
     "pair_lut",
@@ -135,6 +136,7 @@ def dequantize_4bit(
     out_dtype: np.dtype | str,
     out: np.ndarray | None = None,
     lut: npt.NDArray[np.uint64] | None = None,
+    stats: npt.NDArray[np.int64] | None = None,
 ) -> np.ndarray:
     """Dequantize n 4-bit codes that start at a block boundary.
 
@@ -150,6 +152,8 @@ def dequantize_4bit(
         out_dtype: ``bfloat16``, ``float16`` or ``float32``.
         out: optional ``out_dtype[n]`` destination.
         lut: optional :func:`pair_lut` of ``quant_map`` (saves rebuilding it per call).
+        stats: optional ``int64[2]``; for float16 output, adds the number of values that overflowed
+            to inf and of non-zero values that flushed to zero.
 
     Returns:
         ``out_dtype[n]``, flat.
@@ -163,11 +167,13 @@ def dequantize_4bit(
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
     piece = max(blocksize, (PIECE // blocksize) * blocksize)
     tmp = np.empty(piece, dtype=np.uint32) if dt == BF16 else None
+    pairs = np.empty(piece // 2 + 1, dtype=np.uint64)
     out_bits = out.view(np.uint16) if dt.itemsize == 2 else None
     for s in range(0, n, piece):
         e = min(n, s + piece)
         m = e - s
-        vals = np.take(lut, packed[s // 2 : (e + 1) // 2], mode="clip").view(np.float32)[:m]
+        src = packed[s // 2 : (e + 1) // 2]
+        vals = np.take(lut, src, out=pairs[: src.size], mode="clip").view(np.float32)[:m]
         nb_full = m // blocksize
         b0 = s // blocksize
         if nb_full:
@@ -184,7 +190,16 @@ def dequantize_4bit(
         else:
             assert out_bits is not None
             _round_f16_bits(vals.view(np.uint32), out_bits[s:e])
+            if stats is not None:
+                count_f16_loss(vals, out[s:e], stats)
     return out
+
+
+def count_f16_loss(x: npt.NDArray[np.float32], y: npt.NDArray[np.float16], stats: npt.NDArray[np.int64]) -> None:
+    """Add to ``stats`` [overflow to inf, non-zero flushed to zero] for fp32 ``x`` rounded to fp16 ``y``."""
+    yb = y.view(np.uint16) & np.uint16(0x7FFF)
+    stats[0] += int(np.count_nonzero((yb == 0x7C00) & np.isfinite(x)))
+    stats[1] += int(np.count_nonzero((yb == 0) & (x != 0)))
 
 
 def dequantize_nested_absmax(

@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .dtypes import BY_NAME, DType
+from .dtypes import DType
 from .errors import BnbLayerError
 
 __all__ = [

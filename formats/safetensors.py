@@ -423,8 +423,10 @@ class SafetensorsWriter:
 
     def write(self, data: np.ndarray | bytes | memoryview) -> None:
         """Append bytes of the current tensor (C-contiguous arrays are written without a copy)."""
-        buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else data
-        n = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+        if isinstance(data, np.ndarray):
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        buf = memoryview(data).cast("B")
+        n = buf.nbytes
         while n:
             if self._index >= len(self._spans):
                 raise ValueError(f"'{self.path}': more data written than planned")

@@ -1,0 +1,7 @@
+"""``python -m convert`` runs the ``convert-bnb`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,421 @@
+"""From an opened checkpoint and options to an ordered list of output tensors, before any data is read.
+
+A :class:`Plan` names every output tensor (name, dtype, shape, bytes) with the :class:`Source` that
+produces it, groups them into shards, and carries the edited ``config.json``. ``--dry-run`` prints
+it; :mod:`convert.pipeline` runs it.
+
+A :class:`Source` produces a tensor's flat elements ``[start, stop)`` in the output dtype. Chunk
+boundaries must be multiples of ``Source.unit`` (a 4-bit layer's blocksize), so every chunk starts on
+a block and a byte boundary. Sources read their input through zero-copy views and release consumed
+pages with :meth:`Source.release`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from formats.bnb import Int8Layer, QuantizedLayer, group_layers
+from formats.checkpoint import Checkpoint, TensorRecord
+from formats.dtypes import BY_NAME, DType
+from formats.errors import BnbLayerError, UnsupportedError, UsageError
+
+from . import kernels
+
+__all__ = [
+    "TARGETS",
+    "CastSource",
+    "Dequant4Source",
+    "Plan",
+    "PlannedTensor",
+    "Source",
+    "make_plan",
+    "strip_quantization_config",
+]
+
+#: ``--to`` values of the safetensors output and the dtype they mean (None = per tensor).
+TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class Source:
+    """Produces one output tensor in chunks.
+
+    Attributes:
+        name: the output tensor name.
+        numel: number of elements.
+        unit: chunk boundaries (in elements) must be multiples of this.
+        in_nbytes: bytes of input this source reads.
+        kind: a short label for the plan ("dequant nf4", "cast", "copy", ...).
+        stats: ``int64[2]`` fp16 overflow / flush-to-zero counts, added to by :meth:`produce`.
+    """
+
+    name: str
+    numel: int
+    unit: int = 1
+    in_nbytes: int = 0
+    kind: str = ""
+
+    def __init__(self) -> None:
+        self.stats = np.zeros(2, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:  # pragma: no cover - abstract
+        """Elements [start, stop) of the flat tensor as ``dtype.numpy[stop - start]``."""
+        raise NotImplementedError
+
+    def release(self, start: int, stop: int) -> None:
+        """Elements [start, stop) are written: drop their input pages."""
+
+    def finish(self) -> None:
+        """The whole tensor is written: drop caches and any input pages still held."""
+
+    def _add_stats(self, local: npt.NDArray[np.int64]) -> None:
+        if local.any():
+            with self._lock:
+                self.stats += local
+
+
+class Dequant4Source(Source):
+    """A bitsandbytes 4-bit layer, dequantized (bnb-format.md §2)."""
+
+    def __init__(self, layer: QuantizedLayer) -> None:
+        super().__init__()
+        self.layer = layer
+        st = layer.state
+        self.name = layer.name
+        self.numel = st.numel
+        self.unit = st.blocksize
+        self.in_nbytes = sum(
+            t.nbytes for t in (layer.packed, layer.absmax, layer.quant_map, layer.nested_absmax,
+                               layer.nested_quant_map) if t is not None
+        )
+        self.kind = f"dequant {st.quant_type} bs{st.blocksize}" + (" nested" if st.nested else "")
+        self._absmax: npt.NDArray[np.float32] | None = None
+        self._quant_map = np.array(layer.quant_map.array(), dtype=np.float32).reshape(-1)
+        self._lut = kernels.pair_lut(self._quant_map)
+
+    def absmax(self) -> npt.NDArray[np.float32]:
+        """The resolved fp32 absmax, ``float32[n_blocks]`` (nested quantization undone), cached.
+
+        Raises:
+            BnbLayerError: BNB-012 when a value is not finite.
+        """
+        with self._lock:
+            if self._absmax is None:
+                self._absmax = self._resolve()
+            return self._absmax
+
+    def _resolve(self) -> npt.NDArray[np.float32]:
+        layer, st = self.layer, self.layer.state
+        if st.nested:
+            assert layer.nested_absmax is not None and layer.nested_quant_map is not None
+            assert st.nested_blocksize is not None and st.nested_offset is not None
+            absmax = kernels.dequantize_nested_absmax(
+                layer.absmax.array().reshape(-1),
+                layer.nested_absmax.array().reshape(-1),
+                layer.nested_quant_map.array().reshape(-1),
+                st.nested_blocksize,
+                st.nested_offset,
+                st.nested_dtype or "float32",
+            )
+        else:
+            absmax = np.ascontiguousarray(layer.absmax.array().reshape(-1), dtype=np.float32)
+        finite = np.isfinite(absmax)
+        if not finite.all():
+            j = int(np.argmin(finite))
+            raise BnbLayerError(
+                "absmax must be finite", path=layer.absmax.file, tensor=layer.absmax.name, rule="BNB-012",
+                expected="finite values", found=f"{absmax[j]} at block {j}",
+            )
+        return absmax
+
+    def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
+        st = self.layer.state
+        packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
+        absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
+        local = np.zeros(2, dtype=np.int64)
+        out = kernels.dequantize_4bit(
+            packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy, lut=self._lut,
+            stats=local if dtype.name == "float16" else None,
+        )
+        self._add_stats(local)
+        return out
+
+    def release(self, start: int, stop: int) -> None:
+        self.layer.packed.release(start // 2, stop // 2)
+
+    def finish(self) -> None:
+        with self._lock:
+            self._absmax = None
+        layer = self.layer
+        for t in (layer.packed, layer.absmax, layer.nested_absmax):
+            if t is not None:
+                t.release()
+
+
+class CastSource(Source):
+    """A plain (not quantized) tensor, copied or cast to a float output dtype (one rounding)."""
+
+    def __init__(self, record: TensorRecord, out_dtype: DType) -> None:
+        super().__init__()
+        self.record = record
+        self.name = record.name
+        self.numel = record.numel
+        self.in_nbytes = record.nbytes
+        self.kind = "copy" if out_dtype == record.dtype else f"cast {record.dtype.name}->{out_dtype.name}"
+
+    def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
+        item = self.record.dtype.itemsize
+        if dtype == self.record.dtype:
+            return np.array(self.record.raw(start * item, stop * item))
+        flat = self.record.raw(start * item, stop * item).view(self.record.dtype.numpy)
+        x = flat.astype(np.float32)
+        out = kernels.round_float32(x, dtype.name)
+        if dtype.name == "float16":
+            local = np.zeros(2, dtype=np.int64)
+            kernels.count_f16_loss(x, out, local)
+            self._add_stats(local)
+        return out
+
+    def release(self, start: int, stop: int) -> None:
+        item = self.record.dtype.itemsize
+        self.record.release(start * item, stop * item)
+
+
+@dataclass
+class PlannedTensor:
+    """One output tensor.
+
+    Attributes:
+        name: output name.
+        dtype: output dtype row.
+        shape: output shape, in elements.
+        source: what produces its elements.
+    """
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    source: Source
+
+    @property
+    def numel(self) -> int:
+        """Elements (a Python int)."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Output bytes."""
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class Plan:
+    """Everything a conversion will write, known before any tensor data is read.
+
+    Attributes:
+        checkpoint: the opened input.
+        to: the ``--to`` value.
+        tensors: output tensors in write order.
+        shards: the output files as lists of indices into ``tensors`` (one file for a file input).
+        config: the output ``config.json`` (None when the input has none).
+        notes: things the user should know (per-run warnings), as text.
+    """
+
+    checkpoint: Checkpoint
+    to: str
+    tensors: list[PlannedTensor]
+    shards: list[list[int]] = field(default_factory=list)
+    config: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def out_nbytes(self) -> int:
+        """Bytes of tensor data to write."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def in_nbytes(self) -> int:
+        """Bytes of tensor data to read."""
+        return sum(t.source.in_nbytes for t in self.tensors)
+
+    def shard_names(self) -> list[str]:
+        """Output file names, transformers style (``model.safetensors`` or ``model-0000i-of-0000n``)."""
+        n = len(self.shards)
+        if n <= 1:
+            return ["model.safetensors"]
+        return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (``--dry-run --json``)."""
+        names = self.shard_names()
+        return {
+            "source": str(self.checkpoint.source),
+            "to": self.to,
+            "in_bytes": self.in_nbytes,
+            "out_bytes": self.out_nbytes,
+            "files": [
+                {
+                    "file": names[i],
+                    "bytes": sum(self.tensors[j].nbytes for j in shard),
+                    "tensors": [
+                        {
+                            "name": self.tensors[j].name,
+                            "dtype": self.tensors[j].dtype.name,
+                            "shape": list(self.tensors[j].shape),
+                            "bytes": self.tensors[j].nbytes,
+                            "how": self.tensors[j].source.kind,
+                        }
+                        for j in shard
+                    ],
+                }
+                for i, shard in enumerate(self.shards)
+            ],
+            "notes": list(self.notes),
+        }
+
+    def describe(self) -> str:
+        """A human-readable table of the plan (``--dry-run``)."""
+        d = self.to_dict()
+        lines = [f"{d['source']} -> --to {self.to}: {len(self.tensors)} tensors, "
+                 f"{_human(d['in_bytes'])} in, {_human(d['out_bytes'])} out"]
+        for f in d["files"]:
+            lines.append(f"  {f['file']}  ({_human(f['bytes'])})")
+            for t in f["tensors"]:
+                lines.append(f"    {t['name']:<60} {t['dtype']:<9} {str(t['shape']):<16} {t['how']}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.1f} {unit}" if unit != "B" else f"{n} B"
+        x /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def strip_quantization_config(config: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    """A copy of a transformers config without any ``quantization_config`` (nested configs too).
+
+    Args:
+        config: the input ``config.json`` object.
+        dtype: when given, the ``dtype`` / ``torch_dtype`` fields are set to it (where present; a
+            top-level ``dtype`` is added when neither is).
+
+    Returns:
+        the edited copy (the input is not modified).
+    """
+
+    def walk(obj: Any, top: bool) -> Any:
+        if isinstance(obj, dict):
+            out = {k: walk(v, False) for k, v in obj.items() if k != "quantization_config"}
+            if dtype is not None:
+                present = [k for k in ("dtype", "torch_dtype") if k in out]
+                for k in present:
+                    out[k] = dtype
+                if top and not present:
+                    out["dtype"] = dtype
+            return out
+        if isinstance(obj, list):
+            return [walk(v, False) for v in obj]
+        return copy.deepcopy(obj)
+
+    return walk(config, True)
+
+
+def _output_dtype(to: str, natural: DType) -> DType:
+    want = TARGETS[to]
+    if want is None or not natural.is_float:
+        return natural
+    return BY_NAME[want]
+
+
+def make_plan(
+    checkpoint: Checkpoint,
+    to: str = "auto",
+    max_shard_size: int = 5 * 10**9,
+) -> Plan:
+    """Plan the dequantization of a checkpoint to safetensors.
+
+    Args:
+        checkpoint: the opened input.
+        to: ``auto`` (each tensor keeps its QuantState dtype / own dtype), ``bf16``, ``fp16``, ``fp32``.
+        max_shard_size: largest output shard in bytes (directory outputs), as transformers.
+
+    Returns:
+        the :class:`Plan`.
+
+    Raises:
+        UsageError: an unknown ``to``.
+        BnbLayerError: a layer breaks a BNB rule.
+        UnsupportedError: a layer kind without a kernel.
+    """
+    if to not in TARGETS:
+        raise UsageError(f"unknown --to value '{to}'", expected=sorted(TARGETS), found=to)
+    layers, plain = group_layers(checkpoint.tensors)
+    tensors: list[PlannedTensor] = []
+    q_dtypes: set[str] = set()
+    for name, rec in checkpoint.tensors.items():
+        layer = layers.get(name)
+        if isinstance(layer, QuantizedLayer):
+            natural = BY_NAME[layer.state.dtype]
+            q_dtypes.add(natural.name)
+            out = _output_dtype(to, natural)
+            tensors.append(PlannedTensor(name, out, layer.state.shape, Dequant4Source(layer)))
+        elif isinstance(layer, Int8Layer):
+            tensors.append(_int8_tensor(layer, to))
+        elif name in plain:
+            out = _output_dtype(to, rec.dtype)
+            tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
+    plan = Plan(checkpoint, to, tensors)
+    if checkpoint.is_dir:
+        plan.shards = _shard(tensors, max_shard_size)
+    else:
+        plan.shards = [list(range(len(tensors)))]
+    if checkpoint.config is not None:
+        out_dtype = TARGETS[to] or (q_dtypes.pop() if len(q_dtypes) == 1 else None)
+        plan.config = strip_quantization_config(checkpoint.config, out_dtype)
+    return plan
+
+
+def _int8_tensor(layer: Int8Layer, to: str) -> PlannedTensor:
+    """Hook for LLM.int8 layers (bnb-format.md §4); replaced when their kernel is registered."""
+    if INT8_SOURCE is None:
+        raise UnsupportedError(
+            "LLM.int8 layers are not supported yet", path=layer.weight.file, tensor=layer.name,
+        )
+    return INT8_SOURCE(layer, to)
+
+
+#: Factory ``(Int8Layer, to) -> PlannedTensor`` for 8-bit layers, set where the int8 kernel lives.
+INT8_SOURCE: Any = None
+
+
+def _shard(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[int]]:
+    """Split like transformers: start a new shard when the next tensor would pass the limit."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, t in enumerate(tensors):
+        if shards[-1] and size + t.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += t.nbytes
+    return shards
+
+
+def default_output(src: Path, to: str) -> Path:
+    """Where the output goes when ``-o`` is not given: next to SRC, with a suffix."""
+    suffix = "dequantized" if to == "auto" else to
+    if src.is_dir():
+        return src.with_name(f"{src.name}-{suffix}")
+    return src.with_name(f"{src.stem}-{suffix}.safetensors")

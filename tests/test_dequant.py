@@ -1,0 +1,190 @@
+"""Dequantization, bit for bit against files written by the real bitsandbytes 0.50.2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from convert.cli import main
+from convert.kernels import dequantize_4bit, dequantize_nested_absmax, round_float32, unpack_4bit
+from formats.bnb import group_layers
+from formats.checkpoint import open_checkpoint
+
+from .conftest import MODELS, PEER, REFERENCES, SINGLE, assert_same_tensors, bits, load_all, manifest
+
+SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+SINGLES = manifest()["single"]
+
+
+@pytest.mark.parametrize("entry", SINGLES, ids=[e["name"] for e in SINGLES])
+def test_single_fixture_bit_exact_through_cli(entry: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    q = SINGLE / f"{entry['name']}.q.safetensors"
+    assert main([str(q), "--to", SHORT[entry["dtype"]], "-o", str(out), "-q"]) == 0
+    got = load_all(out)
+    want = load_all(SINGLE / f"{entry['name']}.dq.safetensors")
+    assert list(got) == ["layer.weight"]
+    assert got["layer.weight"].dtype == want["layer.weight"].dtype
+    assert got["layer.weight"].shape == tuple(entry["shape"])
+    assert np.count_nonzero(bits(got["layer.weight"]) != bits(want["layer.weight"])) == 0
+
+
+@pytest.mark.parametrize("entry", [e for e in SINGLES if e["nested"]], ids=lambda e: e["name"])
+def test_nested_absmax_matches_bnb(entry: dict) -> None:
+    with open_checkpoint(SINGLE / f"{entry['name']}.q.safetensors") as ck:
+        layers, _ = group_layers(ck.tensors)
+        layer = layers["layer.weight"]
+        st = layer.state
+        got = dequantize_nested_absmax(
+            layer.absmax.array(), layer.nested_absmax.array(), layer.nested_quant_map.array(),
+            st.nested_blocksize, st.nested_offset, st.nested_dtype,
+        )
+    want = load_all(SINGLE / f"{entry['name']}.dq.safetensors")["layer.weight.absmax_resolved_f32"]
+    assert np.array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("entry", [e for e in SINGLES if e.get("bnb_cpu_dispatch_value_mismatches_vs_generic")],
+                         ids=lambda e: e["name"])
+def test_differs_from_bnb_cpu_dispatch_where_that_is_wrong(entry: dict, tmp_path: Path) -> None:
+    """Where bnb's own AVX512 CPU kernel is wrong (rows not a multiple of blocksize), we are not."""
+    out = tmp_path / "o.safetensors"
+    assert main([str(SINGLE / f"{entry['name']}.q.safetensors"), "--to", "auto", "-o", str(out), "-q"]) == 0
+    dq = load_all(SINGLE / f"{entry['name']}.dq.safetensors")
+    got = load_all(out)["layer.weight"]
+    assert np.array_equal(bits(got), bits(dq["layer.weight"]))
+    assert np.count_nonzero(bits(got) != bits(dq["layer.weight.bnb_cpu_dispatch"])) > 0
+
+
+PEERS = sorted(p.name.split(".")[0] for p in PEER.glob("*.q.safetensors") if "int8" not in p.name)
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_peer_checkpoints_match_bnb_cuda_kernel(name: str, tmp_path: Path) -> None:
+    """Real Hub weights dequantized by bnb's CUDA kernel: equal, except that CUDA writes -0.0 where
+    the FP4 table (and bnb's generic kernel) has +0.0 -- the same value."""
+    out = tmp_path / "o.safetensors"
+    assert main([str(PEER / f"{name}.q.safetensors"), "--to", "bf16", "-o", str(out), "-q"]) == 0
+    got = bits(load_all(out)["layer.weight"])
+    want = bits(load_all(PEER / f"{name}.dq.safetensors")["layer.weight"])
+    differ = got != want
+    both_zero = ((got & 0x7FFF) == 0) & ((want & 0x7FFF) == 0)
+    assert np.count_nonzero(differ & ~both_zero) == 0
+    if name.endswith("nf4") or "nf4" in name:
+        assert np.count_nonzero(differ) == 0
+
+
+@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_fp4_nodq", "llama_nf4_dq_sharded", "llama_nf4_dq_qsbf16"])
+def test_model_directory_bit_exact(model: str, tmp_out: Path) -> None:
+    assert main([str(MODELS / model), "--to", "bf16", "-o", str(tmp_out), "-q"]) == 0
+    assert_same_tensors(load_all(tmp_out), load_all(REFERENCES[model]))
+    config = json.loads((tmp_out / "config.json").read_text())
+    assert "quantization_config" not in json.dumps(config)
+    assert config["dtype"] == "bfloat16"
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_out / name).read_bytes() == (MODELS / model / name).read_bytes()
+    assert not (tmp_out / "reference").exists()
+
+
+def test_thread_counts_give_identical_bytes(tmp_path: Path) -> None:
+    outs = []
+    for n in (1, 2, 3):
+        out = tmp_path / f"t{n}"
+        # a tiny memory cap forces many chunks per tensor
+        assert main([str(MODELS / "llama_nf4_dq"), "--to", "fp16", "-o", str(out), "-q",
+                     "--threads", str(n), "--max-memory", "64MiB"]) == 0
+        outs.append((out / "model.safetensors").read_bytes())
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_sharded_output_and_index(tmp_out: Path) -> None:
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(tmp_out), "-q",
+                 "--max-shard-size", "1MB"]) == 0
+    index = json.loads((tmp_out / "model.safetensors.index.json").read_text())
+    shards = sorted({v for v in index["weight_map"].values()})
+    assert shards == sorted(p.name for p in tmp_out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    tensors = load_all(tmp_out)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    assert_same_tensors(tensors, load_all(REFERENCES["llama_nf4_dq"]))
+
+
+def test_to_fp32_and_auto(tmp_path: Path) -> None:
+    ref = load_all(REFERENCES["llama_nf4_dq"])
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "fp32", "-o", str(tmp_path / "f32"), "-q"]) == 0
+    got = load_all(tmp_path / "f32")
+    for k, v in ref.items():
+        assert got[k].dtype == np.float32
+        # bf16 is exactly representable in fp32: rounding the fp32 result to bf16 gives the reference
+        assert np.array_equal(bits(round_float32(got[k], "bfloat16")), bits(v)), k
+    assert main([str(MODELS / "llama_nf4_dq"), "-o", str(tmp_path / "auto"), "-q"]) == 0
+    assert_same_tensors(load_all(tmp_path / "auto"), ref)
+
+
+def test_fp16_overflow_is_counted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bf16 tensor with values past float16's range: the summary counts them."""
+    from formats.dtypes import BY_CODE
+    from formats.safetensors import SafetensorsWriter
+
+    src = tmp_path / "big.safetensors"
+    x = np.array([1e5, -7e4, 1.0, 1e-9, 0.0, 3e-8], dtype=np.float32).astype(ml_dtypes.bfloat16)
+    w = SafetensorsWriter(src, [("w", BY_CODE["BF16"], x.shape)])
+    w.write(x)
+    w.close()
+    assert main([str(src), "--to", "fp16", "-o", str(tmp_path / "o.safetensors"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["fp16_overflow"] == 2
+    assert summary["fp16_underflow"] == 1  # 1e-9 -> 0; 3e-8 stays a subnormal
+
+
+def test_round_float32_matches_numpy_and_ml_dtypes() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = x[np.isfinite(x)]
+    edge = np.arange(0x477FE000, 0x47800100, dtype=np.uint32).view(np.float32)  # around 65504..inf
+    sub = np.arange(0x33000000, 0x38800010, 97, dtype=np.uint32).view(np.float32)  # fp16 subnormals
+    x = np.concatenate([x, edge, -edge, sub, -sub])
+    with np.errstate(over="ignore"):
+        assert np.array_equal(bits(round_float32(x, "float16")), bits(x.astype(np.float16)))
+    assert np.array_equal(bits(round_float32(x, "bfloat16")), bits(x.astype(ml_dtypes.bfloat16)))
+
+
+def test_unpack_high_nibble_is_even_element() -> None:
+    assert unpack_4bit(np.array([0xA5, 0x0F], dtype=np.uint8)).tolist() == [10, 5, 0, 15]
+    assert unpack_4bit(np.array([0x12], dtype=np.uint8), 1).tolist() == [1]
+
+
+def test_product_rounded_once_not_twice() -> None:
+    """fp32(code) * fp32(absmax) rounded once; casting code and absmax to bf16 first differs."""
+    from formats.bnb import NF4_TABLE
+
+    rng = np.random.default_rng(1)
+    absmax = rng.uniform(0.001, 0.1, 64).astype(np.float32)
+    packed = rng.integers(0, 256, 64 * 32, dtype=np.uint8)
+    got = dequantize_4bit(packed, absmax, NF4_TABLE, 64, 64 * 64, "bfloat16")
+    codes = unpack_4bit(packed).reshape(64, 64)
+    want = (NF4_TABLE[codes] * absmax[:, None]).astype(ml_dtypes.bfloat16).reshape(-1)
+    assert np.array_equal(bits(got), bits(want))
+    bf = ml_dtypes.bfloat16
+    twice = (NF4_TABLE[codes].astype(bf).astype(np.float32) * absmax.astype(bf).astype(np.float32)[:, None])
+    assert np.count_nonzero(bits(got) != bits(twice.astype(bf).reshape(-1))) > 100
+
+
+def test_output_loads_in_transformers_with_reference_logits(tmp_out: Path) -> None:
+    """Optional: where torch and transformers are installed, the output is a plain model whose
+    logits equal the reference's `logits_dequantized`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(tmp_out), "-q"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_out), dtype=torch.bfloat16)
+    assert getattr(model.config, "quantization_config", None) is None
+    ref = load_all(MODELS / "llama_nf4_dq/reference/logits.safetensors")
+    ids = torch.from_numpy(ref["input_ids"].astype(np.int64))
+    with torch.no_grad():
+        logits = model(ids).logits.float().numpy()
+    want = ref["logits_dequantized"].astype(np.float32)
+    assert logits.shape == want.shape
+    assert np.array_equal(logits, want)
