@@ -31,8 +31,9 @@ biases stay F32, and a matrix whose rows are not a multiple of the 32-element bl
 F16. Every tensor written reports the error it adds relative to the float weight it was given
 (:class:`TensorReport`): zero for F32, one rounding for F16/BF16, a second quantization for Q types.
 
-Memory: :func:`write_gguf` asks each source for its array only when its turn comes and converts
-it in row chunks (``chunk_elements``), so one source tensor plus one chunk is resident at a time.
+Memory: :func:`write_gguf` asks each source for its values only when its turn comes, by row ranges
+when the source offers them (:class:`SourceTensor` ``rows``), and converts them in row chunks
+(``chunk_elements``), so at most ``threads + 1`` chunks (or one whole source array) are resident.
 
 Rules, each raising :class:`~formats.errors.UnsupportedError` (or ``CheckpointError`` for missing
 files) before any weight is read:
@@ -55,7 +56,9 @@ import json
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -328,16 +331,23 @@ def parse_output_type(spec: str | None) -> str:
 class SourceTensor:
     """One float tensor offered for writing.
 
+    Give ``produce`` (the whole array at once) or ``rows`` (a range of rows at a time, so the
+    tensor is never whole in memory); when both are given ``rows`` is used.
+
     Attributes:
         name: the Hugging Face tensor name (``model.layers.0.mlp.up_proj.weight``).
         shape: its shape in elements (PyTorch order, rows first).
-        produce: returns the values: any float dtype (float32, float16, bfloat16), ``shape``;
-            called once, when the tensor is written.
+        produce: returns the values, any float dtype (float32, float16, bfloat16), ``shape``.
+        rows: ``rows(r0, r1)`` returns rows [r0, r1) as a float array of ``(r1 - r0, *shape[1:])``
+            (a 1-D tensor is one row); may be called from several threads at once.
+        done: called once the tensor is written (e.g. to drop its input pages).
     """
 
     name: str
     shape: tuple[int, ...]
-    produce: Callable[[], np.ndarray]
+    produce: Callable[[], np.ndarray] | None = None
+    rows: Callable[[int, int], np.ndarray] | None = None
+    done: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -427,9 +437,7 @@ def _hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) ->
             hp["rope_theta"] = theta
     heads = hp.get("num_attention_heads")
     hidden = hp.get("hidden_size")
-    derived_head_dim = (
-        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
-    )
+    derived_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
     for key, default in arch.config_defaults.items():
         if hp.get(key) is not None:
             continue
@@ -500,15 +508,11 @@ def _llama3_rope_freqs(hp: Mapping[str, Any]) -> npt.NDArray[np.float32] | None:
         return None
     base = float(rope.get("rope_theta", hp.get("rope_theta", 10000.0)))
     dim = int(hp["@head_dim"])
-    freqs = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(
-        np.float32
-    )
+    freqs = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
     factor = float(rope.get("factor", 8.0))
     low = float(rope.get("low_freq_factor", 1.0))
     high = float(rope.get("high_freq_factor", 4.0))
-    old_ctx = float(
-        hp.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192))
-    )
+    old_ctx = float(hp.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192)))
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     out = []
     for f in freqs:
@@ -675,9 +679,7 @@ def plan_gguf(
     _add_tokenizer(scratch, Path(tokenizer_dir), arch, hp)
 
     metadata = {
-        k: (v.value, v.type, v.sub_type)
-        for k, v in scratch.kv_data[0].items()
-        if k != gguf.Keys.General.ARCHITECTURE
+        k: (v.value, v.type, v.sub_type) for k, v in scratch.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE
     }
     return GGUFPlan(arch, out_name, file_type, metadata, planned, generated)
 
@@ -749,9 +751,7 @@ def _sentencepiece_vocab(tok_dir: Path, vocab_size: int | None) -> tuple[list[by
     return tokens, scores, types
 
 
-def _bpe_vocab(
-    tok_json: Mapping[str, Any], vocab_size: int | None, path: Path
-) -> tuple[list[str], list[int]]:
+def _bpe_vocab(tok_json: Mapping[str, Any], vocab_size: int | None, path: Path) -> tuple[list[str], list[int]]:
     """TextModel.get_vocab_base, from tokenizer.json alone (no transformers)."""
     model = tok_json.get("model") or {}
     vocab: dict[str, int] = dict(model.get("vocab") or {})
@@ -827,9 +827,7 @@ def _add_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, arch: Architecture, hp: Ma
         w.add_token_types(types)
         gguf.SpecialVocab(tok_dir, load_merges=True).add_to_gguf(w, quiet=True)
     else:
-        wanted = " or ".join(
-            {"sentencepiece": "tokenizer.model", "bpe": "tokenizer.json"}[t] for t in arch.tokenizers
-        )
+        wanted = " or ".join({"sentencepiece": "tokenizer.model", "bpe": "tokenizer.json"}[t] for t in arch.tokenizers)
         raise CheckpointError(
             "no tokenizer next to the weights",
             path=tok_dir,
@@ -887,9 +885,44 @@ class TensorReport:
 
 def _permutation(rows: int, heads: int) -> npt.NDArray[np.intp]:
     """Row order of LlamaModel.permute: out[r] = in[perm[r]] for ``reshape(heads, 2, rows/heads/2)
-    .swapaxes(1, 2)``."""
+    .swapaxes(1, 2)``; rows stay inside their head's block of rows/heads."""
     half = rows // heads // 2
     return np.arange(rows).reshape(heads, 2, half).swapaxes(1, 2).reshape(-1)
+
+
+@dataclass
+class _Chunk:
+    data: np.ndarray
+    max_err: float
+    sq_err: float
+    sq_ref: float
+
+
+def _convert_chunk(
+    t: PlannedTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str
+) -> _Chunk:
+    """Rows of one tensor: float32, the architecture's transforms, encode, measure the added error."""
+    if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
+        raise UnsupportedError(
+            "source array is not a float array",
+            path=path,
+            tensor=t.source,
+            rule="GGUF-007",
+            expected="a float dtype",
+            found=str(x_in.dtype),
+            action="write",
+        )
+    x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
+    if t.offset:
+        x = x + np.float32(t.offset)  # never in place: x may be the caller's array
+    data = np.ascontiguousarray(gguf.quants.quantize(x, t.ggml_type))
+    max_err = sq_err = 0.0
+    if not exact and x.size:
+        err = gguf.quants.dequantize(data, t.ggml_type).reshape(x.shape) - x
+        max_err = float(np.max(np.abs(err)))
+        sq_err = float(np.dot(err.reshape(-1).astype(np.float64), err.reshape(-1).astype(np.float64)))
+    xf = x.reshape(-1).astype(np.float64)
+    return _Chunk(data, max_err, sq_err, float(np.dot(xf, xf)))
 
 
 def write_gguf(
@@ -897,23 +930,27 @@ def write_gguf(
     path: str | os.PathLike[str],
     sources: Mapping[str, Callable[[], np.ndarray]] | Iterable[SourceTensor],
     *,
-    chunk_elements: int = 1 << 22,
+    chunk_elements: int = 1 << 20,
+    threads: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> list[TensorReport]:
-    """Write the planned GGUF file, reading one source tensor at a time.
+    """Write the planned GGUF file, streaming one tensor at a time in row chunks.
 
     Header, key/value pairs and tensor infos go through ``GGUFWriter`` (``write_header_to_file``,
-    ``write_kv_data_to_file``, ``write_ti_data_to_file``); tensor data is then appended in row
-    chunks with the writer's 32-byte padding, so a tensor is never held in more than its source
-    array plus one chunk (``chunk_elements`` float32 values) of conversion buffers.
+    ``write_kv_data_to_file``, ``write_ti_data_to_file``); tensor data is then appended chunk by
+    chunk with the writer's 32-byte padding (``GGUFWriter.write_tensor_data`` wants a whole tensor).
+    Chunks are converted by ``threads`` workers and written in order, so the bytes do not depend on
+    the thread count or the chunk size; at most ``threads + 1`` chunks are in flight.
 
     Args:
         plan: from :func:`plan_gguf`.
         path: the file to create or overwrite (the caller picks a temporary name and renames it
             after :func:`verify_gguf`).
-        sources: Hugging Face name -> callable returning the float array, or
-            :class:`SourceTensor` records; each is called once, in plan order.
-        chunk_elements: elements converted per step (rounded to whole rows).
+        sources: Hugging Face name -> callable returning the whole float array, or
+            :class:`SourceTensor` records (whole arrays or row ranges); used in plan order.
+        chunk_elements: elements converted per chunk (rounded to whole rows, and to whole heads
+            for permuted q/k).
+        threads: worker threads converting chunks.
         progress: called with the bytes written after each chunk.
 
     Returns:
@@ -923,15 +960,18 @@ def write_gguf(
         UnsupportedError: GGUF-007 (a source has another shape or a non-float dtype).
         KeyError: a planned tensor has no source.
     """
-    producers: dict[str, Callable[[], np.ndarray]] = (
-        dict(sources) if isinstance(sources, Mapping) else {s.name: s.produce for s in sources}
-    )
+    spath = os.fspath(path)
+    if isinstance(sources, Mapping):
+        records = {name: SourceTensor(name, (), produce=fn) for name, fn in sources.items()}
+    else:
+        records = {s.name: s for s in sources}
     w = gguf.GGUFWriter(path=None, arch=plan.arch.name)
     for key, (value, vtype, sub_type) in plan.metadata.items():
         w.add_key_value(key, value, vtype, sub_type)
     for t in plan.tensors:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.ggml_type)
     reports: list[TensorReport] = []
+    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
     try:
         w.write_header_to_file(path=Path(path))
         w.write_kv_data_to_file()
@@ -940,15 +980,15 @@ def write_gguf(
         fout = w.fout[0]
         w.write_padding(fout, fout.tell())
         for t in plan.tensors:
-            if t.source is None:
-                values: np.ndarray = plan.generated[t.name]
-            else:
-                values = producers[t.source]()
-            reports.append(_write_tensor(fout, t, values, chunk_elements, progress, path))
-            del values
+            rec = records[t.source] if t.source is not None else None
+            reports.append(_write_tensor(fout, t, rec, plan, chunk_elements, pool, threads, progress, spath))
             w.write_padding(fout, t.nbytes)
+            if rec is not None and rec.done is not None:
+                rec.done()
         w.flush()
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         w.close()
     return reports
 
@@ -956,56 +996,86 @@ def write_gguf(
 def _write_tensor(
     fout: Any,
     t: PlannedTensor,
-    values: np.ndarray,
+    rec: SourceTensor | None,
+    plan: GGUFPlan,
     chunk_elements: int,
+    pool: ThreadPoolExecutor | None,
+    threads: int,
     progress: Callable[[int], None] | None,
-    path: str | os.PathLike[str],
+    path: str,
 ) -> TensorReport:
-    if tuple(values.shape) != t.shape or not (
-        np.issubdtype(values.dtype, np.floating) or values.dtype.name == "bfloat16"
-    ):
-        raise UnsupportedError(
-            "source array does not match the plan",
-            path=os.fspath(path),
-            tensor=t.source,
-            rule="GGUF-007",
-            expected=f"float {list(t.shape)}",
-            found=f"{values.dtype} {list(values.shape)}",
-            action="write",
-        )
     rows = t.shape[0] if t.shape else 1
     cols = t.numel // rows if rows else 0
-    src = values.reshape(rows, cols)
+    whole: np.ndarray | None = None
+    if rec is None or rec.rows is None:
+        whole = plan.generated[t.name] if rec is None else rec.produce() if rec.produce is not None else None
+        if whole is None or tuple(whole.shape) != t.shape:
+            raise UnsupportedError(
+                "source array does not match the plan",
+                path=path,
+                tensor=t.source,
+                rule="GGUF-007",
+                expected=f"float {list(t.shape)}",
+                found=None if whole is None else f"{whole.dtype} {list(whole.shape)}",
+                action="write",
+            )
+        whole = whole.reshape(rows, cols)
     perm = _permutation(rows, t.permute_heads) if t.permute_heads else None
+    align = rows // t.permute_heads if t.permute_heads else 1
     step = max(1, chunk_elements // max(cols, 1))
-    max_err = 0.0
-    sq_err = 0.0
-    sq_ref = 0.0
+    step = -(-step // align) * align
+    exact = t.ggml_type == GT.F32
+
+    def task(r0: int, r1: int) -> _Chunk:
+        if whole is not None:
+            x = whole[r0:r1]
+        else:
+            assert rec is not None and rec.rows is not None
+            x = rec.rows(r0, r1)
+            if tuple(x.shape) != (r1 - r0, *t.shape[1:]) and x.size != (r1 - r0) * cols:
+                raise UnsupportedError(
+                    "source rows do not match the plan",
+                    path=path,
+                    tensor=t.source,
+                    rule="GGUF-007",
+                    expected=f"{r1 - r0} x {cols} values",
+                    found=f"{x.dtype} {list(x.shape)}",
+                    action="write",
+                )
+            x = x.reshape(r1 - r0, cols)
+        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path)
+
+    max_err = sq_err = sq_ref = 0.0
     written = 0
-    exact = t.ggml_type == GT.F32 and values.dtype.itemsize <= 4
+    pending: deque[Future[_Chunk]] = deque()
+
+    def drain() -> None:
+        nonlocal max_err, sq_err, sq_ref, written
+        c = pending.popleft().result()
+        fout.write(memoryview(c.data).cast("B"))
+        written += c.data.nbytes
+        max_err = max(max_err, c.max_err)
+        sq_err += c.sq_err
+        sq_ref += c.sq_ref
+        if progress is not None:
+            progress(c.data.nbytes)
+
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        chunk = src[perm[r0:r1]] if perm is not None else src[r0:r1]
-        x = np.ascontiguousarray(chunk, dtype=np.float32)
-        if t.offset:
-            x = x + np.float32(t.offset)
-        data = gguf.quants.quantize(x, t.ggml_type)
-        data = np.ascontiguousarray(data)
-        fout.write(memoryview(data).cast("B"))
-        written += data.nbytes
-        if not exact:
-            back = gguf.quants.dequantize(data, t.ggml_type).reshape(x.shape)
-            err = back.astype(np.float64) - x
-            if err.size:
-                max_err = max(max_err, float(np.max(np.abs(err))))
-            sq_err += float(np.sum(err * err))
-        sq_ref += float(np.sum(np.square(x, dtype=np.float64)))
-        if progress is not None:
-            progress(data.nbytes)
+        if pool is None:
+            fut: Future[_Chunk] = Future()
+            fut.set_result(task(r0, r1))
+        else:
+            fut = pool.submit(task, r0, r1)
+        pending.append(fut)
+        if len(pending) > threads:
+            drain()
+    while pending:
+        drain()
     if written != t.nbytes:
         raise VerificationError(
             "tensor byte count differs from the plan",
-            path=os.fspath(path),
+            path=path,
             tensor=t.name,
             rule="GGUF-008",
             expected=t.nbytes,
@@ -1016,14 +1086,7 @@ def _write_tensor(
     rms_err = math.sqrt(sq_err / n)
     rms_ref = math.sqrt(sq_ref / n)
     return TensorReport(
-        t.name,
-        t.source,
-        t.ggml_type,
-        t.shape,
-        t.nbytes,
-        max_err,
-        rms_err,
-        rms_err / rms_ref if rms_ref else 0.0,
+        t.name, t.source, t.ggml_type, t.shape, t.nbytes, max_err, rms_err, rms_err / rms_ref if rms_ref else 0.0
     )
 
 
@@ -1062,9 +1125,7 @@ def verify_gguf(path: str | os.PathLike[str], plan: GGUFPlan) -> None:
         if rt.name != t.name:
             raise fail("tensor order differs", t.name, rt.name)
         if rt.tensor_type != t.ggml_type:
-            raise fail(
-                "GGML type differs", t.ggml_type.name, getattr(rt.tensor_type, "name", rt.tensor_type), t.name
-            )
+            raise fail("GGML type differs", t.ggml_type.name, getattr(rt.tensor_type, "name", rt.tensor_type), t.name)
         if shape != t.shape or int(rt.n_bytes) != t.nbytes:
             raise fail(
                 "shape or size differs",

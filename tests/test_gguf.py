@@ -20,6 +20,7 @@ from formats.errors import CheckpointError, UnsupportedError, VerificationError
 from formats.gguf import (
     ARCHITECTURES,
     OUTPUT_TYPES,
+    SourceTensor,
     parse_output_type,
     plan_gguf,
     verify_gguf,
@@ -169,9 +170,7 @@ def test_float_tensors_equal_the_dequantized_weight_rounded_once(tmp_path, out_t
             bits = np.ascontiguousarray(data).view(np.uint16).reshape(x.shape)
             assert np.array_equal(bits, x.astype(np_type).view(np.uint16)), t.name
         else:
-            assert np.array_equal(data.view(np.uint16).reshape(x.shape), x.astype(np_type).view(np.uint16)), (
-                t.name
-            )
+            assert np.array_equal(data.view(np.uint16).reshape(x.shape), x.astype(np_type).view(np.uint16)), t.name
     rep = {p.name: p for p in reports}
     # bf16 weights are exact in f32 and bf16; f16 loses only values below its normal range
     assert rep["blk.0.ffn_down.weight"].max_abs_error == 0.0
@@ -196,17 +195,38 @@ def test_quantized_tensors_are_gguf_quants_of_the_weight_and_report_their_error(
     assert rep.ggml_type == qtype
     assert rep.max_abs_error == pytest.approx(float(np.abs(err).max()), rel=1e-12)
     assert rep.rms_error == pytest.approx(math.sqrt(float(np.mean(err * err))), rel=1e-9)
-    assert rep.rel_rms_error == pytest.approx(
-        rep.rms_error / math.sqrt(float(np.mean(x.astype(np.float64) ** 2)))
-    )
+    assert rep.rel_rms_error == pytest.approx(rep.rms_error / math.sqrt(float(np.mean(x.astype(np.float64) ** 2))))
     assert 0 < rep.rel_rms_error < {"q8_0": 0.01}.get(out_type, 0.2)
     assert _field(r, "general.file_type") == int(OUTPUT_TYPES[out_type][1])
 
 
-def test_chunk_size_does_not_change_the_bytes(tmp_path):
+def test_chunk_size_threads_and_row_sources_do_not_change_the_bytes(tmp_path):
     _, a, _ = _write(tmp_path / "a", "q8_0", chunk_elements=1 << 30)
     _, b, _ = _write(tmp_path / "b", "q8_0", chunk_elements=300)
     assert a.read_bytes() == b.read_bytes()
+    plan = plan_gguf(CONFIG, _shapes(REF_W), FIXTURE, "q8_0")
+    done: list[str] = []
+    asked: list[tuple[str, int, int]] = []
+
+    def rows(name):
+        def read(r0, r1):
+            asked.append((name, r0, r1))
+            return REF_W[name][r0:r1]
+
+        return read
+
+    records = [SourceTensor(n, a.shape, rows=rows(n), done=lambda n=n: done.append(n)) for n, a in REF_W.items()]
+    c = tmp_path / "c.gguf"
+    write_gguf(plan, c, records, chunk_elements=4096, threads=3)
+    assert c.read_bytes() == a.read_bytes()
+    assert done == [t.source for t in plan.tensors]
+    # q has 4 heads of 64 rows: chunks hold whole heads even when 4096 elements is 16 rows
+    assert [(r0, r1) for n, r0, r1 in asked if n.endswith("0.self_attn.q_proj.weight")] == [
+        (0, 64),
+        (64, 128),
+        (128, 192),
+        (192, 256),
+    ]
 
 
 def test_each_source_is_called_once_and_in_plan_order(tmp_path):
