@@ -137,6 +137,8 @@ def _convert(args: argparse.Namespace) -> int:
     with open_checkpoint(src) as ckpt:
         if args.to in EXTRA_TARGETS:
             summary = EXTRA_TARGETS[args.to](args, ckpt)
+            if summary is None:  # the target printed its --dry-run plan
+                return 0
         else:
             plan = make_plan(ckpt, args.to, max_shard_size=args.max_shard_size)
             for hook in PLAN_HOOKS:
@@ -228,7 +230,7 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = []
+PLUGINS: list[str] = ["convert.to_gguf"]
 
 
 if __name__ == "__main__":  # pragma: no cover

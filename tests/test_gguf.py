@@ -33,12 +33,12 @@ REF = FIXTURE / "reference"
 CONFIG = json.loads((FIXTURE / "config.json").read_text())
 
 
-def _reference() -> dict[str, np.ndarray]:
-    r = SafetensorsReader(REF / "dequantized.safetensors")
+def load_reference(path: Path) -> dict[str, np.ndarray]:
+    r = SafetensorsReader(path)
     return {name: np.array(r.array(name)) for name in r.tensors}
 
 
-REF_W = _reference()
+REF_W = load_reference(REF / "dequantized.safetensors")
 
 
 def _shapes(weights: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]:
@@ -669,3 +669,100 @@ def test_llama_cpp_loads_qwen2_and_gemma(tmp_path, kind):
                 1.0, float(np.abs(want).max())
             )
             assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+# --------------------------------------------------------------------------------------------
+# Through the CLI: convert-bnb SRC --to gguf[:TYPE] -o model.gguf
+# --------------------------------------------------------------------------------------------
+
+MODELS = FIXTURE.parent
+
+
+def _tensors_by_name(path: Path) -> dict[str, tuple[int, np.ndarray]]:
+    r = gguf.GGUFReader(path)
+    return {t.name: (int(t.tensor_type), np.array(t.data)) for t in r.tensors}
+
+
+@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_nf4_dq_sharded", "llama_nf4_dq_qsbf16"])
+def test_cli_gguf_equals_gguf_of_the_dequantized_reference(tmp_path, model):
+    from convert.cli import main
+
+    out = tmp_path / "model.gguf"
+    assert main([str(MODELS / model), "--to", "gguf:q8_0", "-o", str(out), "-q", "--threads", "2"]) == 0
+    _, ref_path, _ = _write(tmp_path / "ref", "q8_0")
+    got, want = _tensors_by_name(out), _tensors_by_name(ref_path)
+    assert sorted(got) == sorted(want)
+    for name, (qtype, data) in want.items():
+        assert got[name][0] == qtype and np.array_equal(got[name][1], data), name
+    assert not list(tmp_path.glob(".*convert-bnb-tmp*"))
+
+
+def test_cli_gguf_default_type_json_report_and_refusals(tmp_path, capsys):
+    from convert.cli import main
+
+    out = tmp_path / "m.gguf"
+    assert main([str(MODELS / "llama_fp4_nodq"), "--to", "gguf", "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["gguf"]["type"] == "f16" and summary["gguf"]["architecture"] == "llama"
+    rows = {t["name"]: t for t in summary["gguf"]["tensors"]}
+    assert rows["blk.0.ffn_up.weight"]["type"] == "F16" and rows["blk.0.ffn_up.weight"]["max_abs_error"] == 0.0
+    assert rows["output_norm.weight"]["type"] == "F32"
+    r = gguf.GGUFReader(out)
+    assert _field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
+    want = load_reference(MODELS / "llama_fp4_nodq" / "reference" / "dequantized.safetensors")
+    up = np.asarray(_tensor(r, "blk.1.ffn_up.weight").data)
+    assert np.array_equal(up, want["model.layers.1.mlp.up_proj.weight"].astype(np.float32).astype(np.float16))
+    # an existing output is refused, a lone weight file too, an unknown GGUF type is a usage error
+    assert main([str(MODELS / "llama_fp4_nodq"), "--to", "gguf", "-o", str(out), "-q"]) == 2
+    assert "output exists" in capsys.readouterr().err
+    assert (
+        main([str(MODELS / "llama_nf4_dq" / "model.safetensors"), "--to", "gguf", "-o", str(tmp_path / "x.gguf"), "-q"])
+        == 2
+    )
+    assert "GGUF-004" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:q4_k_m", "-o", str(tmp_path / "y.gguf")])
+
+
+def test_cli_gguf_dry_run_writes_nothing(tmp_path, capsys):
+    from convert.cli import main
+
+    out = tmp_path / "m.gguf"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:q4_0", "-o", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "blk.0.attn_q.weight" in text and "Q4_0" in text and "output_norm.weight" in text
+    assert not out.exists()
+
+
+def test_cli_gguf_unsupported_architecture_reads_no_weight(tmp_path, capsys, monkeypatch):
+    import convert.plan
+    from convert.cli import main
+
+    def no_read(*a, **k):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(convert.plan.Dequant4Source, "produce", no_read)
+    monkeypatch.setattr(convert.plan.CastSource, "produce", no_read)
+    src = tmp_path / "falcon"
+    shutil.copytree(MODELS / "llama_nf4_dq", src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main([str(src), "--to", "gguf", "-o", str(tmp_path / "f.gguf"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "GGUF-001" in err and "FalconForCausalLM" in err and "GemmaForCausalLM" in err
+    assert not (tmp_path / "f.gguf").exists()
+
+
+def test_cli_gguf_loads_in_llama_cpp(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from convert.cli import main
+
+    out = tmp_path / "model.gguf"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(out), "-q"]) == 0
+    r = SafetensorsReader(REF / "logits.safetensors")
+    ids = [int(i) for i in np.array(r.array("input_ids")).reshape(-1)]
+    want = np.array(r.array("logits_dequantized"), dtype=np.float32).reshape(len(ids), -1)
+    got = _llama_logits(out, ids, want.shape[-1])
+    assert float(np.abs(got - want).max()) <= 0.03
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
