@@ -48,6 +48,7 @@ SHAPES = {
     "mlp.down_proj": (4096, 11008),
 }
 BS, NBS = 64, 256
+HIDDEN, VOCAB = 4096, 1024
 
 
 def layer_entries(prefix: str, shape: tuple[int, int]) -> tuple[list, QuantState]:
@@ -79,6 +80,11 @@ def make(packed_gb: float, out_dir: Path) -> None:
             e, st = layer_entries(f"model.layers.{b}.{k}", shape)
             entries += e
             states[e[0][0]] = st
+    bf16 = BY_CODE["BF16"]
+    entries += [("model.embed_tokens.weight", bf16, (VOCAB, HIDDEN)), ("lm_head.weight", bf16, (VOCAB, HIDDEN)),
+                ("model.norm.weight", bf16, (HIDDEN,))]
+    entries += [(f"model.layers.{b}.{k}.weight", bf16, (HIDDEN,)) for b in range(n_blocks)
+                for k in ("input_layernorm", "post_attention_layernorm")]
     path = out_dir / "model.safetensors"
     if path.exists():
         path.unlink()
@@ -86,7 +92,9 @@ def make(packed_gb: float, out_dir: Path) -> None:
     shift = 0
     for name, _dt, shape in entries:
         n = int(np.prod(shape))
-        if name.endswith(".weight"):
+        if "norm" in name or "embed" in name or "lm_head" in name:
+            w.write((rng.standard_normal(n, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16))
+        elif name.endswith(".weight"):
             left = n
             while left:
                 take = min(left, pool.size - shift)
@@ -105,9 +113,19 @@ def make(packed_gb: float, out_dir: Path) -> None:
             base = name[: name.index(".quant_state")]
             w.write(np.frombuffer(states[base].to_json().encode(), np.uint8))
     w.close(fsync=False)
-    (out_dir / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16",
-                                                     "quantization_config": {"quant_method": "bitsandbytes"}}))
-    packed = sum(int(np.prod(s)) for n, _, s in entries if n.endswith(".weight"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "bfloat16",
+        "hidden_size": HIDDEN, "intermediate_size": 11008, "num_hidden_layers": n_blocks,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "vocab_size": VOCAB,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+        "quantization_config": {
+            "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+            "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+        },
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    packed = sum(int(np.prod(s)) for n, d, s in entries if n.endswith(".weight") and d.code == "U8")
     print(json.dumps({"made": str(out_dir), "blocks": n_blocks, "packed_bytes": packed,
                       "file_bytes": path.stat().st_size, "elements": packed * 2}))
 
@@ -176,6 +194,36 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
     print(json.dumps(res))
 
 
+_HF_SCRIPT = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(int(sys.argv[3]))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="cpu")
+model = model.dequantize()
+model.save_pretrained(sys.argv[2])
+"""
+
+
+def hf_baseline(src_dir: Path, threads: int) -> None:
+    """What users run today: transformers from_pretrained -> model.dequantize() -> save_pretrained."""
+    out = src_dir.parent / f"{src_dir.name}-out-hf"
+    if out.exists():
+        shutil.rmtree(out)
+    subprocess.run(["sync"], check=True)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(src_dir), str(out), str(threads)],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(proc.returncode)
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    out_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    print(json.dumps({"bench": "transformers", "wall_s": round(wall, 2), "out_bytes": out_bytes,
+                      "peak_rss_mib": round(rss / 2**20, 1)}))
+    shutil.rmtree(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -191,12 +239,17 @@ def main() -> None:
     c.add_argument("--threads", type=int)
     c.add_argument("--cp", action="store_true")
     c.add_argument("--keep", action="store_true")
+    h = sub.add_parser("transformers", help="time transformers from_pretrained -> dequantize -> save_pretrained")
+    h.add_argument("--dir", type=Path, required=True)
+    h.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.packed_gb, a.dir)
     elif a.cmd == "kernel":
         for th in (1, 2):
             print(json.dumps(kernel(a.elements, th)))
+    elif a.cmd == "transformers":
+        hf_baseline(a.dir, a.threads)
     else:
         convert(a.dir, a.max_memory, a.to, a.cp, a.threads, a.keep)
 
