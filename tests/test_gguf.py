@@ -194,7 +194,7 @@ def test_quantized_tensors_are_gguf_quants_of_the_weight_and_report_their_error(
     rep = next(p for p in reports if p.name == name)
     assert rep.ggml_type == qtype
     assert rep.max_abs_error == pytest.approx(float(np.abs(err).max()), rel=1e-12)
-    assert rep.rms_error == pytest.approx(math.sqrt(float(np.mean(err * err))), rel=1e-9)
+    assert rep.rms_error == pytest.approx(math.sqrt(float(np.mean(err * err))), rel=1e-5)
     assert rep.rel_rms_error == pytest.approx(rep.rms_error / math.sqrt(float(np.mean(x.astype(np.float64) ** 2))))
     assert 0 < rep.rel_rms_error < {"q8_0": 0.01}.get(out_type, 0.2)
     assert _field(r, "general.file_type") == int(OUTPUT_TYPES[out_type][1])
