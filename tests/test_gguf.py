@@ -766,3 +766,60 @@ def test_cli_gguf_loads_in_llama_cpp(tmp_path):
     got = _llama_logits(out, ids, want.shape[-1])
     assert float(np.abs(got - want).max()) <= 0.03
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
+    """A plan hook (as --merge-lora installs) changes a source; the GGUF carries the changed values."""
+    from convert import cli
+    from convert.cli import main
+
+    class Shifted:
+        def __init__(self, base):
+            self.base = base
+            self.unit, self.numel, self.kind, self.in_nbytes = base.unit, base.numel, "shifted", base.in_nbytes
+
+        def produce(self, start, stop, dtype):
+            x = self.base.produce(start, stop, dtype).astype(np.float32) + np.float32(0.5)
+            return x.astype(dtype.numpy)
+
+        def release(self, start, stop):
+            self.base.release(start, stop)
+
+        def finish(self):
+            self.base.finish()
+
+    def hook(args, plan):
+        for t in plan.tensors:
+            if t.name == "model.layers.1.self_attn.q_proj.weight":
+                t.source = Shifted(t.source)
+        return plan
+
+    monkeypatch.setattr(cli, "PLAN_HOOKS", [hook])
+    out = tmp_path / "m.gguf"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f32", "-o", str(out), "-q"]) == 0
+    r = gguf.GGUFReader(out)
+    q = np.asarray(_tensor(r, "blk.1.attn_q.weight").data).reshape(256, 256)
+    shifted = (REF_W["model.layers.1.self_attn.q_proj.weight"].astype(np.float32) + 0.5).astype(ml_dtypes.bfloat16)
+    assert np.array_equal(q, _permute(shifted.astype(np.float32), 4))
+    k = np.asarray(_tensor(r, "blk.1.attn_k.weight").data).reshape(128, 256)
+    assert np.array_equal(k, _expected_f32("k_proj.weight", REF_W["model.layers.1.self_attn.k_proj.weight"]))
+
+
+def test_llama_with_a_byte_level_bpe_tokenizer_is_llama_bpe(tmp_path):
+    make_qwen2(tmp_path / "tok")  # a byte-level BPE tokenizer.json, no tokenizer.model
+    cfg = dict(CONFIG, vocab_size=264)
+    shapes = [(n, (264, 256) if "embed" in n or "lm_head" in n else s) for n, s in _shapes(REF_W)]
+    md = plan_gguf(cfg, shapes, tmp_path / "tok", "f16").metadata
+    assert md["tokenizer.ggml.model"][0] == "gpt2" and md["tokenizer.ggml.pre"][0] == "llama-bpe"
+    assert "tokenizer.ggml.scores" not in md and len(md["tokenizer.ggml.merges"][0]) == 3
+    # a Llama-style (SentencePiece-as-BPE, byte_fallback) tokenizer.json needs its tokenizer.model
+    with pytest.raises(UnsupportedError) as e:
+        plan_gguf(CONFIG, _shapes(REF_W), _only(tmp_path / "spm", FIXTURE / "tokenizer.json"), "f16")
+    assert e.value.rule == "GGUF-004" and "tokenizer.model" in str(e.value)
+
+
+def _only(root: Path, *files: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy(f, root / f.name)
+    return root
