@@ -9,6 +9,9 @@ Numerics (verified bit for bit against bitsandbytes 0.50.2, see docs/bnb-format.
 - nested absmax (double quantization), two roundings:
   ``absmax[j] = fp32(fp32(nested_quant_map[u8[j]] * nested_absmax[j // nested_blocksize]) + offset)``,
   matching ``functional.dequantize_blockwise`` followed by ``+= offset`` in ``dequantize_4bit``.
+- LLM.int8 (row format), two roundings in fp32 then one to the output dtype:
+  ``y = dtype(fp32(fp32(int8 * SCB[row]) * fp32(7.874015718698502e-3)))`` (7.87e-3 = 1/127 as bnb
+  spells it), matching bitsandbytes ``int8_vectorwise_dequant`` / ``Linear8bitLt`` weight dequantization.
 
 Speed: the codes of one byte are looked up as a pair (one 8-byte gather per byte), the product is
 one in-place multiply on a ``(n_blocks, blocksize)`` view, rounding to bf16 is ml_dtypes' cast and
@@ -24,8 +27,10 @@ import numpy.typing as npt
 
 __all__ = [
     "BF16",
+    "INT8_SCALE",
     "count_f16_loss",
     "dequantize_4bit",
+    "dequantize_int8",
     "dequantize_nested_absmax",
     "pair_lut",
     "round_float32",
@@ -224,3 +229,44 @@ def dequantize_nested_absmax(
         off = np.float32(round_float32(np.array([off], np.float32), nested_dtype).astype(np.float32)[0])
         return round_float32(prod + off, nested_dtype).astype(np.float32)
     return prod + off
+
+
+#: The int8 scale bitsandbytes multiplies by (its spelling of 1/127), as the fp32 the kernel uses.
+INT8_SCALE = np.float32(7.874015718698502e-3)
+
+
+def dequantize_int8(
+    weight: npt.NDArray[np.int8],
+    scb: npt.NDArray[np.float32],
+    out_dtype: np.dtype | str,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Dequantize LLM.int8 rows (row weight_format).
+
+    Matches bitsandbytes ``functional.int8_vectorwise_dequant`` as applied to a ``Linear8bitLt`` weight:
+    ``dtype(fp32(fp32(int8 * SCB[row]) * fp32(7.874015718698502e-3)))``, two fp32 roundings then one
+    round-to-nearest-even to ``out_dtype``.
+
+    Args:
+        weight: ``int8[rows, in]`` (any slice of whole rows).
+        scb: ``float32[rows]`` the rows' absmax (``P.SCB``), finite.
+        out_dtype: ``bfloat16``, ``float16`` or ``float32``.
+        out: optional ``out_dtype[rows, in]`` destination.
+
+    Returns:
+        ``out_dtype[rows, in]``.
+    """
+    dt = np.dtype(ml_dtypes.bfloat16) if str(out_dtype) == "bfloat16" else np.dtype(out_dtype)
+    weight = np.asarray(weight).view(np.int8).reshape(np.shape(weight)[0], -1)
+    rows, cols = weight.shape
+    scb = np.asarray(scb, dtype=np.float32).reshape(rows)
+    if out is None:
+        out = np.empty((rows, cols), dtype=dt)
+    step = max(1, PIECE // max(cols, 1))
+    for r in range(0, rows, step):
+        e = min(rows, r + step)
+        vals = weight[r:e].astype(np.float32)
+        np.multiply(vals, scb[r:e, None], out=vals)
+        np.multiply(vals, INT8_SCALE, out=vals)
+        out[r:e] = round_float32(vals, dt)
+    return out

@@ -26,6 +26,8 @@ __all__ = [
     "DiskSpaceError",
     "OutputExistsError",
     "SafetensorsError",
+    "TorchPickleError",
+    "UnsafePickleError",
     "UnsupportedError",
     "UsageError",
     "VerificationError",
@@ -98,6 +100,17 @@ class UsageError(ConvertBnbError, ValueError):
 
 class SafetensorsError(ConvertBnbError, ValueError):
     """A ``.safetensors`` file breaks the container format (header, dtype, shape, offsets, size)."""
+
+
+class TorchPickleError(ConvertBnbError, ValueError):
+    """A PyTorch ``.bin``/``.pt`` checkpoint breaks the container format (zip, records, pickle, views)."""
+
+
+class UnsafePickleError(TorchPickleError):
+    """A pickle names a global outside the allow-list; nothing was imported or called.
+
+    ``found`` holds the refused ``module.name``.
+    """
 
 
 class CheckpointError(ConvertBnbError, ValueError):
