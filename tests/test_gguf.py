@@ -683,7 +683,7 @@ def _tensors_by_name(path: Path) -> dict[str, tuple[int, np.ndarray]]:
     return {t.name: (int(t.tensor_type), np.array(t.data)) for t in r.tensors}
 
 
-@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_nf4_dq_sharded", "llama_nf4_dq_qsbf16"])
+@pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_nf4_dq_sharded", "llama_nf4_dq_qsbf16", "llama_nf4_dq_bin"])
 def test_cli_gguf_equals_gguf_of_the_dequantized_reference(tmp_path, model):
     from convert.cli import main
 
@@ -695,6 +695,24 @@ def test_cli_gguf_equals_gguf_of_the_dequantized_reference(tmp_path, model):
     for name, (qtype, data) in want.items():
         assert got[name][0] == qtype and np.array_equal(got[name][1], data), name
     assert not list(tmp_path.glob(".*convert-bnb-tmp*"))
+
+
+@pytest.mark.parametrize("model", ["llama_fp4_nodq", "llama_int8"])
+def test_cli_gguf_bf16_equals_each_models_dequantized_reference(tmp_path, model):
+    from convert.cli import main
+
+    out = tmp_path / "m.gguf"
+    assert main([str(MODELS / model), "--to", "gguf:bf16", "-o", str(out), "-q"]) == 0
+    want = load_reference(MODELS / model / "reference" / "dequantized.safetensors")
+    plan = plan_gguf(CONFIG, _shapes(want), MODELS / model, "bf16")
+    r = gguf.GGUFReader(out)
+    for t in plan.tensors:
+        x = _expected_f32(t.source, want[t.source])
+        data = np.ascontiguousarray(np.asarray(_tensor(r, t.name).data))
+        if t.ggml_type == gguf.GGMLQuantizationType.F32:
+            assert np.array_equal(data.reshape(x.shape), x), t.name
+        else:
+            assert np.array_equal(data.view(np.uint16).reshape(x.shape), x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def test_cli_gguf_default_type_json_report_and_refusals(tmp_path, capsys):
