@@ -17,7 +17,6 @@ import os
 import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +45,10 @@ def default_gguf_output(src: Path, out_type: str) -> Path:
     return src.with_name(f"{src.name if src.is_dir() else src.stem}-{out_type}.gguf")
 
 
-def _row_reader(t: PlannedTensor, max_memory: int, pool: ThreadPoolExecutor | None, threads: int):
-    """rows(r0, r1) for a pipeline tensor: its Source's flat elements, block-aligned, dequantized in
-    parallel pieces, input pages released as they are consumed."""
+def _row_reader(t: PlannedTensor, max_memory: int, threads: int):
+    """rows(r0, r1) for a pipeline tensor: its Source's flat elements, block-aligned, in pieces of the
+    pipeline's chunk size, input pages released as they are consumed. Called by the GGUF writer's
+    worker threads (the parallelism is across row chunks, so this never waits on the pool)."""
     src = t.source
     cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
     piece = chunk_elements(src.unit, max_memory, threads)
@@ -59,10 +59,7 @@ def _row_reader(t: PlannedTensor, max_memory: int, pool: ThreadPoolExecutor | No
         a1 = min(t.numel, -(-stop // src.unit) * src.unit)
         bounds = list(range(a0, a1, piece)) + [a1]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        if pool is not None and len(spans) > 1:
-            parts = list(pool.map(lambda se: src.produce(se[0], se[1], t.dtype), spans))
-        else:
-            parts = [src.produce(s, e, t.dtype) for s, e in spans]
+        parts = [src.produce(s, e, t.dtype) for s, e in spans]
         flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if flat.dtype != t.dtype.numpy:  # a "copy" source hands out the stored bytes
             flat = flat.view(t.dtype.numpy)
@@ -199,7 +196,6 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
     by_name = {t.name: t for t in plan.tensors}
     tmp = temp_path(out)
     bar = None
-    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
     try:
         if not args.quiet and not args.json and sys.stderr.isatty():
             from tqdm import tqdm
@@ -214,7 +210,7 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
                 leave=False,
             )
         records = [
-            SourceTensor(name, t.shape, rows=_row_reader(t, max_memory, pool, threads), done=t.source.finish)
+            SourceTensor(name, t.shape, rows=_row_reader(t, max_memory, threads), done=t.source.finish)
             for name, t in by_name.items()
         ]
         budget = max(max_memory - 96 * 1024 * 1024, 16 * 1024 * 1024)
@@ -235,8 +231,6 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
         _remove(tmp)
         raise
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
     summary.tensors = len(gplan.tensors)

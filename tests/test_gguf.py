@@ -697,6 +697,31 @@ def test_cli_gguf_equals_gguf_of_the_dequantized_reference(tmp_path, model):
     assert not list(tmp_path.glob(".*convert-bnb-tmp*"))
 
 
+def test_cli_gguf_small_memory_cap_and_threads_give_the_same_bytes(tmp_path):
+    from convert.cli import main
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert main([str(MODELS / "llama_nf4_dq_sharded"), "--to", "gguf:q4_1", "-o", str(a), "-q", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                str(MODELS / "llama_nf4_dq_sharded"),
+                "--to",
+                "gguf:q4_1",
+                "-o",
+                str(b),
+                "-q",
+                "--threads",
+                "3",
+                "--max-memory",
+                "64MiB",
+            ]
+        )
+        == 0
+    )
+    assert a.read_bytes() == b.read_bytes()
+
+
 @pytest.mark.parametrize("model", ["llama_fp4_nodq", "llama_int8"])
 def test_cli_gguf_bf16_equals_each_models_dequantized_reference(tmp_path, model):
     from convert.cli import main
