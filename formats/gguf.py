@@ -31,6 +31,24 @@ biases stay F32, and a matrix whose rows are not a multiple of the 32-element bl
 F16. Every tensor written reports the error it adds relative to the float weight it was given
 (:class:`TensorReport`): zero for F32, one rounding for F16/BF16, a second quantization for Q types.
 
+Where the output knowingly differs from ``convert_hf_to_gguf.py`` (which needs torch and
+transformers):
+
+- ``tokenizer.ggml.pre`` of a byte-level BPE vocabulary is the architecture's (``qwen2``,
+  ``llama-bpe``); llama.cpp derives it from a hash of transformers' tokenization of a test text and
+  refuses unknown hashes. Added tokens with ``normalized: false`` are written as stored (llama.cpp
+  passes them through ``decode(encode(token))``, which leaves special tokens unchanged).
+- A Llama whose only tokenizer is a SentencePiece-style ``tokenizer.json`` (``byte_fallback``) is
+  refused (llama.cpp reads it through transformers' ``LlamaHfVocab``); add ``tokenizer.model``.
+- ``general.*`` holds type, name (the directory name), size label, file type and quantization
+  version; llama.cpp also reads the model card (basename, finetune, license, ...).
+- ``q4_0`` ... ``q5_1`` are not converter types in llama.cpp (``llama-quantize`` makes them, and
+  keeps ``output.weight`` at Q6_K, which ``gguf.quants`` cannot encode): here every matrix,
+  ``token_embd`` and ``output`` included, gets the type asked for.
+- CodeGemma's prefix/suffix/middle/fsep ids are set as GemmaModel sets them, but this gguf package
+  has no writer for those keys, so (as with llama.cpp's converter on the same package) only
+  ``eot`` is written.
+
 Memory: :func:`write_gguf` asks each source for its values only when its turn comes, by row ranges
 when the source offers them (:class:`SourceTensor` ``rows``), and converts them in row chunks
 (``chunk_elements``), so at most ``threads + 1`` chunks (or one whole source array) are resident.
