@@ -908,6 +908,10 @@ def _permutation(rows: int, heads: int) -> npt.NDArray[np.intp]:
     return np.arange(rows).reshape(heads, 2, half).swapaxes(1, 2).reshape(-1)
 
 
+#: Source dtypes whose values the GGML type holds exactly.
+_SAME_FLOAT = {"bfloat16": GT.BF16, "float16": GT.F16}
+
+
 @dataclass
 class _Chunk:
     data: np.ndarray
@@ -934,6 +938,8 @@ def _convert_chunk(
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
     data = np.ascontiguousarray(gguf.quants.quantize(x, t.ggml_type))
+    # a value already in the output type passes unchanged (no offset added): nothing to measure
+    exact = exact or (not t.offset and _SAME_FLOAT.get(x_in.dtype.name) == t.ggml_type)
     max_err = sq_err = 0.0
     if not exact and x.size:
         err = gguf.quants.dequantize(data, t.ggml_type).reshape(x.shape)
