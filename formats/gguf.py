@@ -934,12 +934,14 @@ def _convert_chunk(
             found=str(x_in.dtype),
             action="write",
         )
+    if not t.offset and _SAME_FLOAT.get(x_in.dtype.name) == t.ggml_type:
+        # already in the output type (bf16 -> BF16, f16 -> F16): the stored bits, nothing to measure
+        same = np.ascontiguousarray(x_in if perm is None else x_in[perm])
+        return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0)
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
     data = np.ascontiguousarray(gguf.quants.quantize(x, t.ggml_type))
-    # a value already in the output type passes unchanged (no offset added): nothing to measure
-    exact = exact or (not t.offset and _SAME_FLOAT.get(x_in.dtype.name) == t.ggml_type)
     max_err = sq_err = 0.0
     if not exact and x.size:
         err = gguf.quants.dequantize(data, t.ggml_type).reshape(x.shape)
