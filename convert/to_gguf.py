@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ def default_gguf_output(src: Path, out_type: str) -> Path:
     return src.with_name(f"{src.name if src.is_dir() else src.stem}-{out_type}.gguf")
 
 
-def _row_reader(t: PlannedTensor, max_memory: int, threads: int):
+def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[int, int], np.ndarray]:
     """rows(r0, r1) for a pipeline tensor: its Source's flat elements, block-aligned, in pieces of the
     pipeline's chunk size, input pages released as they are consumed. Called by the GGUF writer's
     worker threads (the parallelism is across row chunks, so this never waits on the pool)."""
