@@ -91,7 +91,7 @@ def plan_for_gguf(args: argparse.Namespace, ckpt: Checkpoint, out_type: str) -> 
     for hook in cli.PLAN_HOOKS:
         plan = hook(args, plan)
     gplan = plan_gguf(
-        ckpt.config,
+        plan.config or ckpt.config,  # the hooks may edit it (a LoRA-resized vocab_size)
         [(t.name, t.shape) for t in plan.tensors],
         ckpt.source,
         out_type,
@@ -260,6 +260,8 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
             for r in reports
         ],
     }
+    for hook in cli.RESULT_HOOKS:  # e.g. the --merge-lora report
+        hook(args, plan, result)
     return result
 
 

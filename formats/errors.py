@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "AdapterError",
     "BnbLayerError",
     "CheckpointError",
     "ConvertBnbError",
@@ -119,6 +120,10 @@ class CheckpointError(ConvertBnbError, ValueError):
 
 class BnbLayerError(ConvertBnbError, ValueError):
     """A bitsandbytes layer (packed weight + QuantState) breaks a BNB-xxx rule."""
+
+
+class AdapterError(ConvertBnbError, ValueError):
+    """A PEFT adapter breaks a LORA-xxx rule: its config, its keys, or its fit to the base model."""
 
 
 class UnsupportedError(ConvertBnbError, ValueError):
