@@ -104,7 +104,7 @@ def plan_for_gguf(args: argparse.Namespace, ckpt: Checkpoint, out_type: str) -> 
 def _error_notes(out_type: str, reports: list[TensorReport]) -> list[str]:
     changed = [r for r in reports if r.max_abs_error > 0]
     if not changed:
-        return [f"gguf {out_type}: every tensor equals the dequantized weight"]
+        return [f"gguf {out_type}: every tensor equals the float weight (dequantized, merged) exactly"]
     worst = sorted(changed, key=lambda r: r.rel_rms_error, reverse=True)
     notes = [
         f"gguf {out_type}: {len(changed)} of {len(reports)} tensors differ from the dequantized weight "
@@ -265,5 +265,7 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
     return result
 
 
+#: The CLI's plan hooks run on the plan here (convert.lora_cli checks this before --merge-lora).
+run_gguf.merges_lora = True  # type: ignore[attr-defined]
 for _target in GGUF_TARGETS:
     cli.EXTRA_TARGETS[_target] = run_gguf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -880,3 +881,25 @@ def _only(root: Path, *files: Path) -> Path:
     for f in files:
         shutil.copy(f, root / f.name)
     return root
+
+
+def test_cli_gguf_with_merge_lora_equals_the_peft_merged_model(tmp_path):
+    from convert.cli import main
+
+    lora = FIXTURE.parent.parent / "lora"
+    out = tmp_path / "merged.gguf"
+    args = [str(FIXTURE), "--merge-lora", str(lora / "adapter"), "--to", "gguf:f32", "-o", str(out), "-q"]
+    assert main(args) == 0
+    want = load_reference(lora / "merged_reference" / "model.safetensors")
+    plan = plan_gguf(CONFIG, _shapes(want), FIXTURE, "f32")
+    r = gguf.GGUFReader(out)
+    for t in plan.tensors:
+        x = _expected_f32(t.source, want[t.source])
+        assert np.array_equal(np.asarray(_tensor(r, t.name).data).reshape(x.shape), x), t.name
+    if importlib.util.find_spec("llama_cpp") is not None:
+        lr = SafetensorsReader(lora / "merged_reference" / "logits.safetensors")
+        ids = [int(i) for i in np.array(lr.array("input_ids")).reshape(-1)]
+        logits = np.array(lr.array("logits"), dtype=np.float32).reshape(len(ids), -1)
+        got = _llama_logits(out, ids, logits.shape[-1])
+        assert float(np.abs(got - logits).max()) <= 0.03
+        assert np.array_equal(got.argmax(-1), logits.argmax(-1))
