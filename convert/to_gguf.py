@@ -71,6 +71,13 @@ def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[in
     return rows
 
 
+def _rows_per_unit(t: PlannedTensor) -> int:
+    """Rows in one chunk unit of the tensor's source, when the unit is whole rows (a LoRA merge)."""
+    cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
+    unit = t.source.unit
+    return unit // cols if cols and unit >= cols and unit % cols == 0 else 1
+
+
 def plan_for_gguf(args: argparse.Namespace, ckpt: Checkpoint, out_type: str) -> tuple[Plan, GGUFPlan]:
     """The pipeline plan (``--to auto`` + the CLI's plan hooks) and the GGUF plan made from it.
 
@@ -211,7 +218,13 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
                 leave=False,
             )
         records = [
-            SourceTensor(name, t.shape, rows=_row_reader(t, max_memory, threads), done=t.source.finish)
+            SourceTensor(
+                name,
+                t.shape,
+                rows=_row_reader(t, max_memory, threads),
+                done=t.source.finish,
+                row_align=_rows_per_unit(t),
+            )
             for name, t in by_name.items()
         ]
         budget = max(max_memory - 96 * 1024 * 1024, 16 * 1024 * 1024)

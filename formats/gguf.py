@@ -359,6 +359,7 @@ class SourceTensor:
         rows: ``rows(r0, r1)`` returns rows [r0, r1) as a float array of ``(r1 - r0, *shape[1:])``
             (a 1-D tensor is one row); may be called from several threads at once.
         done: called once the tensor is written (e.g. to drop its input pages).
+        row_align: chunks start on multiples of this many rows (the source's natural unit).
     """
 
     name: str
@@ -366,6 +367,7 @@ class SourceTensor:
     produce: Callable[[], np.ndarray] | None = None
     rows: Callable[[int, int], np.ndarray] | None = None
     done: Callable[[], None] | None = None
+    row_align: int = 1
 
 
 @dataclass(frozen=True)
@@ -1049,6 +1051,8 @@ def _write_tensor(
         whole = whole.reshape(rows, cols)
     perm = _permutation(rows, t.permute_heads) if t.permute_heads else None
     align = rows // t.permute_heads if t.permute_heads else 1
+    if rec is not None and rec.row_align > 1:
+        align = math.lcm(align, rec.row_align)
     step = max(1, chunk_elements // max(cols, 1))
     step = -(-step // align) * align
     exact = t.ggml_type == GT.F32
