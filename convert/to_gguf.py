@@ -41,9 +41,9 @@ GGUF_TARGETS = ["gguf"] + [f"gguf:{t}" for t in OUTPUT_TYPES]
 _GGUF_BYTES_PER_ELEMENT = 24
 
 
-def default_gguf_output(src: Path, out_type: str) -> Path:
-    """``./model-bnb-4bit`` -> ``./model-bnb-4bit-q8_0.gguf``."""
-    return src.with_name(f"{src.name if src.is_dir() else src.stem}-{out_type}.gguf")
+def default_gguf_output(src: Path, to: str) -> Path:
+    """``./model-bnb-4bit --to gguf:q8_0`` -> ``./model-bnb-4bit-gguf-q8_0.gguf`` (as for Hub repos)."""
+    return src.with_name(f"{src.name if src.is_dir() else src.stem}-{to.replace(':', '-')}.gguf")
 
 
 def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[int, int], np.ndarray]:
@@ -142,7 +142,7 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
         raise UsageError("--max-memory is too small", expected=">= 64MiB", found=max_memory)
     plan, gplan = plan_for_gguf(args, ckpt, out_type)
     src = Path(args.src)
-    out = Path(args.output) if args.output else default_gguf_output(src, out_type)
+    out = Path(args.output) if args.output else default_gguf_output(src, args.to)
     if args.dry_run:
         if args.json:
             print(

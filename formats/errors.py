@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "ConvertBnbError",
     "DiskSpaceError",
+    "HubError",
     "OutputExistsError",
     "SafetensorsError",
     "TorchPickleError",
@@ -140,3 +141,7 @@ class DiskSpaceError(ConvertBnbError, OSError):
 
 class VerificationError(ConvertBnbError, OSError):
     """The written output does not match the plan when re-opened (nothing is renamed into place)."""
+
+
+class HubError(ConvertBnbError, OSError):
+    """A Hugging Face Hub repo cannot be resolved or fetched (not found, gated, offline without a cache)."""
