@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -625,6 +624,14 @@ def _llama_logits(path: Path, ids: list[int], n_vocab: int) -> np.ndarray:
         llm.close()
 
 
+def _has_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 LOGIT_BOUND = {"f32": 0.03, "f16": 0.03, "bf16": 0.03, "q8_0": 0.08}
 
 
@@ -896,7 +903,7 @@ def test_cli_gguf_with_merge_lora_equals_the_peft_merged_model(tmp_path):
     for t in plan.tensors:
         x = _expected_f32(t.source, want[t.source])
         assert np.array_equal(np.asarray(_tensor(r, t.name).data).reshape(x.shape), x), t.name
-    if importlib.util.find_spec("llama_cpp") is not None:
+    if _has_llama_cpp():
         lr = SafetensorsReader(lora / "merged_reference" / "logits.safetensors")
         ids = [int(i) for i in np.array(lr.array("input_ids")).reshape(-1)]
         logits = np.array(lr.array("logits"), dtype=np.float32).reshape(len(ids), -1)
