@@ -78,6 +78,13 @@ def _rows_per_unit(t: PlannedTensor) -> int:
     return unit // cols if cols and unit >= cols and unit % cols == 0 else 1
 
 
+def _model_name(args: argparse.Namespace, ckpt: Checkpoint) -> str:
+    """``general.name``: the directory's name, or the repo id for a Hub SRC (as llama.cpp names it)."""
+    if Path(args.src).exists():
+        return ckpt.source.resolve().name
+    return str(args.src).split("@", 1)[0]
+
+
 def plan_for_gguf(args: argparse.Namespace, ckpt: Checkpoint, out_type: str) -> tuple[Plan, GGUFPlan]:
     """The pipeline plan (``--to auto`` + the CLI's plan hooks) and the GGUF plan made from it.
 
@@ -102,7 +109,7 @@ def plan_for_gguf(args: argparse.Namespace, ckpt: Checkpoint, out_type: str) -> 
         [(t.name, t.shape) for t in plan.tensors],
         ckpt.source,
         out_type,
-        model_name=ckpt.source.resolve().name,
+        model_name=_model_name(args, ckpt),
         config_path=str(ckpt.source / "config.json"),
     )
     return plan, gplan

@@ -910,3 +910,22 @@ def test_cli_gguf_with_merge_lora_equals_the_peft_merged_model(tmp_path):
         got = _llama_logits(out, ids, logits.shape[-1])
         assert float(np.abs(got - logits).max()) <= 0.03
         assert np.array_equal(got.argmax(-1), logits.argmax(-1))
+
+
+def test_hub_repo_id_to_gguf_default_name(tmp_path):
+    """A Hub repo id (offline, from a filled cache) converts to ./<name>-gguf-q8_0.gguf."""
+    from .hubcache import add_model_dir, commit_sha, offline_env, run_cli
+
+    cache = tmp_path / "hub"
+    add_model_dir(cache, "org/llama-nf4", FIXTURE, commit_sha("nf4"), refs=("main",))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    r = run_cli(["org/llama-nf4", "--to", "gguf:q8_0", "--json"], offline_env(tmp_path, cache), cwd=work)
+    assert r.returncode == 0, r.stderr
+    out = work / "llama-nf4-gguf-q8_0.gguf"
+    assert json.loads(r.stdout)["output"] == str(out)
+    _, ref_path, _ = _write(tmp_path / "ref", "q8_0")
+    got, want = _tensors_by_name(out), _tensors_by_name(ref_path)
+    assert sorted(got) == sorted(want)
+    assert all(np.array_equal(got[n][1], want[n][1]) for n in want)
+    assert _field(gguf.GGUFReader(out), "general.name") == "org/llama-nf4"
