@@ -258,7 +258,9 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = ["convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf"]
+PLUGINS: list[str] = [
+    "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf",
+]
 
 
 if __name__ == "__main__":  # pragma: no cover
