@@ -163,7 +163,7 @@ def _convert(args: argparse.Namespace) -> int:
     with open_checkpoint(src) as ckpt:
         if args.to in EXTRA_TARGETS:
             summary = EXTRA_TARGETS[args.to](args, ckpt)
-            if summary is None:  # --dry-run: the target printed its plan
+            if summary is None:  # the target printed its --dry-run plan
                 return 0
         else:
             plan = make_plan(ckpt, args.to, max_shard_size=args.max_shard_size)
@@ -258,8 +258,10 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = ["convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection",
-                     "convert.requant"]
+PLUGINS: list[str] = [
+    "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf",
+    "convert.requant",
+]
 
 
 if __name__ == "__main__":  # pragma: no cover
