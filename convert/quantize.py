@@ -64,6 +64,7 @@ __all__ = [
     "encode_8bit",
     "iter_block_chunks",
     "layer_tensors",
+    "nested_statistics",
     "quantization_report",
     "quantize_4bit",
     "quantize_blockwise_8bit",
@@ -573,6 +574,40 @@ def double_quantize_absmax(
     offset = torch_mean_float32(absmax, num_threads=num_threads)
     codes, nested = quantize_blockwise_8bit(absmax - offset, NESTED_BLOCKSIZE, DYNAMIC_MAP_SIGNED)
     return codes, nested, float(offset)
+
+
+def nested_statistics(
+    absmax: npt.NDArray[np.float32], *, num_threads: int = TORCH_NUM_THREADS
+) -> tuple[npt.NDArray[np.float32], float]:
+    """``nested_absmax`` and ``nested_offset`` of :func:`double_quantize_absmax`, without the codes.
+
+    The same values, computed in pieces: beside the input it needs ``float32[ceil(n_blocks/256)]`` and
+    small temporaries instead of several ``n_blocks``-sized arrays (the codes are made per chunk later,
+    with :func:`encode_8bit`).
+
+    Args:
+        absmax: ``float32[n_blocks]`` the whole layer's absmax.
+        num_threads: torch's thread count the mean is reproduced for (matters for n_blocks >= 32768).
+
+    Returns:
+        (``float32[ceil(n_blocks/256)]`` ``nested_absmax``, ``nested_offset`` as a Python float holding
+        the fp32 exactly).
+    """
+    absmax = _flat_f32(absmax)
+    offset = torch_mean_float32(absmax, num_threads=num_threads)
+    n = absmax.size
+    nested = np.empty(-(-n // NESTED_BLOCKSIZE), dtype=_F32)
+    step = max(1, _PIECE // NESTED_BLOCKSIZE) * NESTED_BLOCKSIZE
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        v = np.abs(absmax[a:b] - offset)
+        full = (b - a) // NESTED_BLOCKSIZE
+        k = a // NESTED_BLOCKSIZE
+        if full:
+            np.max(v[: full * NESTED_BLOCKSIZE].reshape(full, NESTED_BLOCKSIZE), axis=1, out=nested[k : k + full])
+        if b - a > full * NESTED_BLOCKSIZE:  # the partial last block (bnb pads it with zeros)
+            nested[k + full] = v[full * NESTED_BLOCKSIZE :].max()
+    return nested, float(offset)
 
 
 # --- one layer ------------------------------------------------------------------------------------

@@ -63,9 +63,9 @@ from .quantize import (
     QuantSettings,
     ReportAccumulator,
     blockwise_absmax,
-    double_quantize_absmax,
     encode_4bit,
     encode_8bit,
+    nested_statistics,
     quantize_bounds,
     resolve_nested,
     stored_nbytes,
@@ -90,8 +90,10 @@ SAFETENSORS_DTYPE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F1
                            "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 _HEADS = ("lm_head", "embed_out", "score", "classifier", "qa_outputs")
 _EMBED_EXACT = ("wte", "wpe", "shared")
-#: Elements released beyond each piece read (covers 64 KiB of fault-around at 4 bits per element).
-_RELEASE_MARGIN = 1 << 17
+#: Elements released either side of each piece read: 2 MiB at 4 bits per element. A fault maps the
+#: whole page-cache folio around it (64 KiB of fault-around, and up to 2 MiB with the large folios of
+#: recent kernels, e.g. ext4 on Linux 6.16+), which re-maps pages of pieces released already.
+_RELEASE_MARGIN = 1 << 22
 _U8 = BY_CODE["U8"]
 _F32 = BY_CODE["F32"]
 
@@ -238,6 +240,8 @@ class _LayerJob:
         self._nested: tuple[npt.NDArray[np.float32], float] | None = None
         self._median_max: tuple[float, float] | None = None
         self._acc: ReportAccumulator | None = None
+        self._codes: npt.NDArray[np.uint8] | None = None  # nested absmax codes, filled by encode
+        self._codes_done = 0  # blocks of _codes filled
         self._lock = threading.RLock()
 
     # reading
@@ -277,25 +281,49 @@ class _LayerJob:
         return np.concatenate(parts) if parts else np.empty(0, np.float32)
 
     def full_absmax(self) -> npt.NDArray[np.float32]:
-        """The whole layer's fp32 absmax (pass 1), cached while the budget allows."""
+        """The whole layer's fp32 absmax (a full pass), cached while the budget allows.
+
+        Nested layers are never cached: their stored absmax codes are recorded by :meth:`encode`.
+        """
         with self._lock:
             if self._absmax is not None:
                 return self._absmax
             am = self.absmax_blocks(0, self.n_blocks)
-            if self.budget.take(am.nbytes):
+            self._stats_of(am)
+            if not self.settings.nested and self.budget.take(am.nbytes):
                 self._absmax = am
                 self._cached = am.nbytes
-            if self._median_max is None:
-                self._median_max = (float(np.median(am)), float(am.max()))
             return am
+
+    def _stats_of(self, am: npt.NDArray[np.float32], scratch: bool = False) -> None:
+        """Keep what later passes need of a full absmax: nested statistics, median and max.
+
+        ``scratch``: am is not needed afterwards (the median may reorder it instead of copying).
+        """
+        if self.settings.nested and self._nested is None:
+            self._nested = nested_statistics(am, num_threads=self.settings.num_threads)
+        if self._median_max is None and am.size:
+            top = float(am.max())
+            self._median_max = (float(np.median(am, overwrite_input=scratch)), top)
+
+    def prepass(self) -> None:
+        """Pass 1 of a nested layer: its nested statistics and absmax median/max, nothing else kept.
+
+        The input's caches and pages are dropped afterwards (``Source.finish``), so a pre-pass over
+        every layer holds no more than the layers being read.
+        """
+        with self._lock:
+            if self._nested is not None and (self._median_max is not None or not self.want_report):
+                return
+            self._stats_of(self.absmax_blocks(0, self.n_blocks), scratch=True)
+        self.inner.finish()
 
     def nested(self) -> tuple[npt.NDArray[np.float32], float]:
         """(nested_absmax, nested_offset), computed from a full pass once."""
         with self._lock:
             if self._nested is None:
-                am = self.full_absmax()
-                _, nested_absmax, offset = double_quantize_absmax(am, num_threads=self.settings.num_threads)
-                self._nested = (nested_absmax, offset)
+                self._stats_of(self.full_absmax())
+            assert self._nested is not None
             return self._nested
 
     def state(self) -> QuantState:
@@ -303,8 +331,11 @@ class _LayerJob:
         return self.settings.state(self.shape, self.natural.name, offset)
 
     def absmax_codes(self, ba: int, bb: int) -> npt.NDArray[np.uint8]:
-        """The stored 8-bit absmax codes of blocks [ba, bb)."""
+        """The stored 8-bit absmax codes of blocks [ba, bb) (recorded by :meth:`encode`, or recomputed)."""
         nested_absmax, offset = self.nested()
+        with self._lock:
+            if self._codes is not None and self._codes_done >= self.n_blocks:
+                return self._codes[ba:bb].copy()
         am = self.absmax_blocks(ba, bb)
         scale = nested_absmax[np.arange(ba, bb) // NESTED_BLOCKSIZE]
         return encode_8bit(am - np.float32(offset), scale)
@@ -330,19 +361,37 @@ class _LayerJob:
             am = self._absmax_of(x, s)
             packed = encode_4bit(x, am, self.bs, self.settings.quant_type, self.bounds)
             out.append(packed)
+            codes = self._record_codes(s, am) if self.settings.nested else None
             if acc is not None:
-                acc.add(s, np.asarray(x).reshape(-1), self._dequantize(packed, am, s, e), am)
+                acc.add(s, np.asarray(x).reshape(-1), self._dequantize(packed, am, s, e, codes), am)
+            del x
         return np.concatenate(out) if len(out) != 1 else out[0]
 
+    def _record_codes(self, s: int, am: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        """The 8-bit absmax codes of the blocks from element s, kept for the absmax tensor (1 byte a block)."""
+        nested_absmax, offset = self.nested()
+        ba = s // self.bs
+        scale = nested_absmax[np.arange(ba, ba + am.size) // NESTED_BLOCKSIZE]
+        codes = encode_8bit(am - np.float32(offset), scale)
+        with self._lock:
+            if self._codes is None:
+                self._codes = np.empty(self.n_blocks, dtype=np.uint8)
+                self._codes_done = 0
+            self._codes[ba : ba + codes.size] = codes
+            self._codes_done += codes.size
+        return codes
+
     def _dequantize(self, packed: npt.NDArray[np.uint8], am: npt.NDArray[np.float32], s: int,
-                    e: int) -> npt.NDArray[np.float32]:
+                    e: int, codes: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.float32]:
         from .kernels import dequantize_4bit
 
         if self.settings.nested:
             nested_absmax, offset = self.nested()
             ba = s // self.bs
             scale = nested_absmax[np.arange(ba, ba + am.size) // NESTED_BLOCKSIZE]
-            am = resolve_nested(encode_8bit(am - np.float32(offset), scale), scale, offset)
+            if codes is None:
+                codes = encode_8bit(am - np.float32(offset), scale)
+            am = resolve_nested(codes, scale, offset)
         return dequantize_4bit(packed, am, QUANT_TABLES[self.settings.quant_type], self.bs, e - s, "float32")
 
     def done_one(self) -> None:
@@ -357,6 +406,7 @@ class _LayerJob:
                 self._absmax = None
                 self.budget.give(self._cached)
                 self._cached = 0
+            self._codes = None
         self.inner.finish()
 
 
@@ -632,7 +682,7 @@ def make_quant_plan(
     nested_jobs = [j for j in info.jobs if settings.nested]
     if prepass and nested_jobs:
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            list(pool.map(lambda j: j.nested(), nested_jobs))
+            list(pool.map(lambda j: j.prepass(), nested_jobs))
     jobs = iter(info.jobs)
     for i, group in enumerate(grouped):
         if group:
