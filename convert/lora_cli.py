@@ -64,6 +64,9 @@ class LoraSource(Source):
         self.kind = (f"{inner.kind} + {kinds}" if merge.needs_base else f"{kinds} (from the adapter)")
         self.stats = inner.stats  # fp16 overflow counts of the base pass through
         self._stats_lock = threading.Lock()
+        # row ranges already counted in the report: a writer may read the tensor more than once
+        # (--to nf4 reads nested layers in a pre-pass, then again for the codes)
+        self._counted: list[tuple[int, int]] = []
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         if start % self.cols or stop % self.cols:
@@ -76,11 +79,47 @@ class LoraSource(Source):
         orig = None
         if self.original is not None:
             orig = self.original.array()[r0:r1]
-        local = MergeStats()
-        out = self.merge.merge_rows(base, r0, r1, dtype.numpy, local, orig)
-        with self._stats_lock:
-            self.shared_stats.add(local)
+        parts = []
+        for a, b, new in self._claim(r0, r1):
+            local = MergeStats() if new else None
+            rows = slice(a - r0, b - r0)
+            parts.append(self.merge.merge_rows(None if base is None else base[rows], a, b, dtype.numpy, local,
+                                               None if orig is None else orig[rows]))
+            if local is not None:
+                with self._stats_lock:
+                    self.shared_stats.add(local)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return out.reshape(-1)
+
+    def _claim(self, r0: int, r1: int) -> list[tuple[int, int, bool]]:
+        """Split rows [r0, r1) into runs not yet counted in the report (claimed now) and runs counted.
+
+        Every element is counted once, whatever the number of passes a writer makes over the tensor.
+        Run boundaries are earlier chunk boundaries, so each run is a whole number of chunk units.
+
+        Returns:
+            ``(start, stop, new)`` row runs covering [r0, r1) in order.
+        """
+        out: list[tuple[int, int, bool]] = []
+        with self._stats_lock:
+            pos = r0
+            for a, b in self._counted:
+                if b <= pos or a >= r1:
+                    continue
+                if a > pos:
+                    out.append((pos, a, True))
+                out.append((max(a, pos), min(b, r1), False))
+                pos = min(b, r1)
+            if pos < r1:
+                out.append((pos, r1, True))
+            merged: list[tuple[int, int]] = []
+            for a, b in sorted(self._counted + [(a, b) for a, b, new in out if new]):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            self._counted = merged
+        return out
 
     def release(self, start: int, stop: int) -> None:
         if self.merge.needs_base:
@@ -151,6 +190,9 @@ def apply_to_plan(args: argparse.Namespace, plan: Plan) -> Plan:
         raise
     stats = merge.new_stats()
     original = open_checkpoint(args.original) if args.original is not None else None
+    wrapped: list[tuple[int, PlannedTensor, TensorMerge]] = []
+    origs: dict[str, Any] = {}
+    unmatched: list[str] = []
     for i, t in enumerate(plan.tensors):
         tm = merge.get(t.name)
         if tm is None:
@@ -158,14 +200,18 @@ def apply_to_plan(args: argparse.Namespace, plan: Plan) -> Plan:
         if not t.dtype.is_float:
             raise UsageError("an adapter touches a tensor that is not floating point", tensor=t.name,
                              found=t.dtype.code)
-        orig = None
+        wrapped.append((i, t, tm))
         if original is not None and tm.needs_base and any(op.kind != "replace" for op in tm.ops):
             rec = original.tensors.get(t.name)
             if rec is None or rec.shape != tuple(tm.base_shape) or not rec.dtype.is_float:
+                unmatched.append(t.name)
                 stats.notes.append(f"--original has no matching '{t.name}': no quantization error for it")
             else:
-                orig = rec
-        src = LoraSource(t.source, tm, stats, orig)
+                origs[t.name] = rec
+    if original is not None:
+        _check_original(args.original, original, plan, unmatched, len(unmatched) + len(origs))
+    for i, t, tm in wrapped:
+        src = LoraSource(t.source, tm, stats, origs.get(t.name))
         plan.tensors[i] = PlannedTensor(t.name, t.dtype, tm.shape, src)
     if merge.shape_changes and plan.config is not None:
         _update_vocab(plan, merge)
@@ -178,6 +224,34 @@ def apply_to_plan(args: argparse.Namespace, plan: Plan) -> Plan:
     )
     _RUNS[id(plan)] = (merge, stats, original)
     return plan
+
+
+def _check_original(path: Path, original: Checkpoint, plan: Plan, unmatched: list[str], wanted: int) -> None:
+    """Make a ``--original`` that does not fit the model visible.
+
+    Nothing matches (another model, or names from another library): an error before anything is
+    written. Some tensors do not match: a ``note:`` line on stderr now (even with ``--quiet``: the
+    report's quantization-error column will be empty for them), besides the plan notes.
+
+    Raises:
+        UsageError: none of the merged tensors has a float tensor of the same name and shape in BASE16.
+    """
+    if not unmatched:
+        return
+    sample = unmatched[0]
+    rec = original.tensors.get(sample)
+    found = (f"'{sample}' is {list(rec.shape)} {rec.dtype.code} there" if rec is not None
+             else f"no tensor named '{sample}' there")
+    if len(unmatched) == wanted:
+        original.close()
+        raise UsageError(
+            f"--original {path} matches none of the {wanted} merged tensors",
+            expected="float tensors with the merged tensors' names and base shapes (the 16-bit model "
+            "the input was quantized from)", found=found,
+            hint="give the unquantized model this checkpoint was made from, or leave --original out",
+        )
+    print(f"note: --original: {len(unmatched)} of {wanted} merged tensors have no matching tensor in {path} "
+          f"(e.g. {found}); their quantization error is left out of the report", file=sys.stderr)
 
 
 def _update_vocab(plan: Plan, merge: MergePlan) -> None:

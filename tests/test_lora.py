@@ -728,6 +728,118 @@ def test_cli_report_original_and_json(tmp_path: Path, capsys: pytest.CaptureFixt
         assert r["ratio"] == pytest.approx(r["delta_norm"] / r["base_norm"], rel=1e-12)
 
 
+@pytest.mark.parametrize("to", ["nf4", "fp4", "gguf:q4_0", "bf16"])
+@pytest.mark.parametrize("max_memory", ["64MiB", "1GiB"])
+def test_cli_report_counts_each_element_once_whatever_the_passes(tmp_path: Path, to: str, max_memory: str) -> None:
+    """--to nf4/fp4 read a nested layer twice (pre-pass, codes): the report still counts each row once."""
+    rep = tmp_path / "merge.json"
+    out = tmp_path / ("out.gguf" if to.startswith("gguf") else "out")
+    rc = _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", to, "--merge-lora", str(LORA / "adapter"), "-o", str(out),
+               "--report", str(rep), "--original", str(MODELS_DIR / "llama_orig_bf16"), "-q", "--threads", "2",
+               "--max-memory", max_memory, "--requantize" if to in ("nf4", "fp4") else "--threads=2"])
+    assert rc == 0
+    rows = {r["tensor"]: r for r in json.loads(rep.read_text())["tensors"]}
+    assert sorted(rows) == sorted(f"{m}.weight" for m in ATTN)
+    base = base_tensors()
+    orig = read_safetensors(MODELS_DIR / "llama_orig_bf16/model.safetensors")
+    ad = read_safetensors(LORA / "adapter/adapter_model.safetensors")
+    for name, r in rows.items():
+        w = base[name].astype(np.float64)
+        m = name[: -len(".weight")]
+        delta = 2.0 * (ad[f"{P}{m}.lora_B.weight"].astype(np.float64) @ ad[f"{P}{m}.lora_A.weight"].astype(np.float64))
+        assert r["base_norm"] == pytest.approx(np.linalg.norm(w), rel=1e-12)
+        assert r["delta_norm"] == pytest.approx(np.linalg.norm(delta), rel=1e-5)
+        assert r["quant_error"] == pytest.approx(np.linalg.norm(orig[name].astype(np.float64) - w), rel=1e-12)
+
+
+def test_lora_source_counts_rows_once_over_uneven_passes() -> None:
+    """Two passes with different chunkings (as a pre-pass and a codes pass may have): same figures as one."""
+    from convert.lora_cli import LoraSource
+    from convert.plan import make_plan
+    from formats.checkpoint import open_checkpoint
+    from formats.dtypes import BY_CODE
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+    ck = open_checkpoint(MODELS_DIR / "llama_nf4_dq")
+    try:
+        plan = make_plan(ck, "bf16")
+        inner = {t.name: t.source for t in plan.tensors}[name]
+        merge = plan_merge([open_adapter(LORA / "adapter")], {t.name: t.shape for t in plan.tensors})
+        one, two = merge.new_stats(), merge.new_stats()
+        src1 = LoraSource(inner, merge.get(name), one)
+        src2 = LoraSource(inner, merge.get(name), two)
+        cols = src1.cols
+        bf16 = BY_CODE["BF16"]
+        whole = src1.produce(0, src1.numel, bf16)
+        parts = []
+        for r0, r1 in [(0, 64), (64, 192), (192, 256)]:  # pass 1
+            parts.append(src2.produce(r0 * cols, r1 * cols, bf16))
+        again = [src2.produce(r0 * cols, r1 * cols, bf16) for r0, r1 in [(0, 128), (128, 256)]]  # pass 2
+        assert_bits_equal(np.concatenate(parts), whole)
+        assert_bits_equal(np.concatenate(again), whole)
+        a = next(r for r in one.rows() if r["tensor"] == name)
+        b = next(r for r in two.rows() if r["tensor"] == name)
+        assert a["base_norm"] == pytest.approx(float(np.linalg.norm(base_tensors()[name].astype(np.float64))),
+                                               rel=1e-12)
+        assert b["base_norm"] == pytest.approx(a["base_norm"], rel=1e-12)
+        assert b["delta_norm"] == pytest.approx(a["delta_norm"], rel=1e-12)
+        src3 = LoraSource(inner, merge.get(name), merge.new_stats())
+        assert src3._claim(0, 64) == [(0, 64, True)]
+        assert src3._claim(128, 192) == [(128, 192, True)]
+        assert src3._claim(0, 256) == [(0, 64, False), (64, 128, True), (128, 192, False), (192, 256, True)]
+        assert src3._counted == [(0, 256)]
+        merge.close()
+    finally:
+        ck.close()
+
+
+def _original_with(tmp_path: Path, change: dict[str, np.ndarray | None]) -> Path:
+    """A copy of llama_orig_bf16 with tensors replaced (array) or renamed away (None)."""
+    src = MODELS_DIR / "llama_orig_bf16"
+    d = tmp_path / "orig"
+    d.mkdir()
+    shutil.copy(src / "config.json", d / "config.json")
+    tensors = read_safetensors(src / "model.safetensors")
+    for k, v in change.items():
+        if v is None:
+            tensors[f"other.{k}"] = tensors.pop(k)
+        else:
+            tensors[k] = v
+    write_safetensors(d / "model.safetensors", tensors)
+    return d
+
+
+def test_cli_original_partly_mismatched_prints_a_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q0, v1 = f"{ATTN[0]}.weight", f"{ATTN[3]}.weight"
+    orig = _original_with(tmp_path, {q0: None, v1: np.zeros((64, 256), BF)})
+    rep = tmp_path / "merge.json"
+    rc = _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
+               "-o", str(tmp_path / "out"), "--report", str(rep), "--original", str(orig), "-q"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    notes = [ln for ln in err.splitlines() if ln.startswith("note: --original")]
+    assert len(notes) == 1
+    assert "2 of 4 merged tensors have no matching tensor" in notes[0] and q0 in notes[0]
+    rows = {r["tensor"]: r for r in json.loads(rep.read_text())["tensors"]}
+    assert rows[q0]["quant_error"] is None and rows[v1]["quant_error"] is None
+    assert rows[f"{ATTN[1]}.weight"]["quant_error"] > 0
+
+
+def test_cli_original_matching_nothing_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    rc = _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
+               "-o", str(out), "--original", str(MODELS_DIR / "llama_int8"), "-q"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--original" in err and "matches none of the 4 merged tensors" in err
+    assert "'model.layers.0.self_attn.q_proj.weight' is [256, 256] I8 there" in err
+    assert not out.exists()
+    orig = _original_with(tmp_path, {f"{m}.weight": None for m in ATTN})
+    assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
+                 "-o", str(out), "--original", str(orig), "-q"]) == 2
+    assert "no tensor named 'model.layers.0.self_attn.q_proj.weight' there" in capsys.readouterr().err
+
+
 def test_cli_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
                  "-o", str(tmp_path / "out")]) == 0
