@@ -363,3 +363,110 @@ def test_parity_transformers_quantizes_a_model_with_large_layers(tmp_path: Path)
                  "-q"]) == 0
     for f in ("model.safetensors", "config.json"):
         assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "bnb" / f).read_bytes(), f
+
+
+# --- memory: what the pre-pass and the codes pass hold -----------------------------------------
+
+
+class _Counting:
+    """Wraps a planned source and counts the elements produced (to count passes over the input)."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.produced = 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def produce(self, start: int, stop: int, dtype):  # noqa: ANN001, ANN201
+        self.produced += stop - start
+        return self.inner.produce(start, stop, dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nested_layers_are_read_twice_and_nothing_kept_between_passes(tmp_path: Path, threads: int) -> None:
+    """Pre-pass + codes pass, no third pass for the absmax tensor even with no absmax cache."""
+    with open_checkpoint(ORIG) as ck:
+        plan = make_plan(ck, "auto")
+        counters = {}
+        for t in plan.tensors:
+            t.source = counters[t.name] = _Counting(t.source)
+        qplan, info = make_quant_plan(plan, QuantSettings("nf4", 64, True), piece_elements=4096, cache_bytes=0,
+                                      threads=threads, max_memory=64 << 20)
+        assert len(info.jobs) == 14
+        for job in info.jobs:  # after the pre-pass: statistics only
+            assert counters[job.name].produced == job.n
+            assert job._absmax is None and job._codes is None
+        run_plan(qplan, tmp_path / "out", threads=threads, max_memory=64 << 20)
+    for job in info.jobs:
+        assert counters[job.name].produced == 2 * job.n, job.name
+        assert job._codes is None  # dropped with the layer
+    want = (MODELS / "llama_nf4_dq/model.safetensors").read_bytes()
+    assert (tmp_path / "out/model.safetensors").read_bytes() == want
+
+
+def test_prepass_drops_the_input_layers_caches() -> None:
+    """A bnb input's resolved fp32 absmax is not kept for every layer between the passes."""
+    with open_checkpoint(MODELS / "llama_nf4_dq") as ck:
+        _, info = make_quant_plan(make_plan(ck, "auto"), QuantSettings("nf4", 64, True), requantize=True,
+                                  threads=2)
+        assert len(info.jobs) == 14
+        for job in info.jobs:
+            assert job.inner._absmax is None, job.name
+            assert job._absmax is None and job._nested is not None and job._median_max is not None
+
+
+def _resident_pages(path: Path, ranges: list[tuple[int, int]]) -> int:
+    """Present pages of ``path``'s mappings in this process lying wholly inside one of the byte ranges.
+
+    (A page shared with a neighbouring tensor is never released: release rounds inward.)
+    """
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    count = 0
+    with open("/proc/self/pagemap", "rb") as pm:
+        for line in maps:
+            parts = line.split()
+            if len(parts) < 6 or parts[5] != str(path):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            off = int(parts[2], 16)
+            pm.seek(lo // 4096 * 8)
+            entries = np.frombuffer(pm.read((hi - lo) // 4096 * 8), dtype=np.uint64)
+            present = np.flatnonzero(entries >> np.uint64(63))
+            file_off = off + present * 4096
+            for a, b in ranges:
+                count += int(((file_off >= a) & (file_off + 4096 <= b)).sum())
+    return count
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_prepass_releases_the_input_pages(tmp_path: Path) -> None:
+    """After the pre-pass no page of a layer's packed codes or absmax stays mapped (large folios too)."""
+    from safetensors.numpy import save_file
+
+    from convert.quantize import layer_tensors, quantize_layer
+
+    rng = np.random.default_rng(5)
+    tensors = {}
+    settings = QuantSettings("nf4", 64, True)
+    for i in range(6):
+        w = (rng.standard_normal((2048, 2048), dtype=np.float32) * 0.02).astype(np.float32)
+        tensors.update(layer_tensors(f"model.layers.{i}.mlp.up_proj.weight", quantize_layer(w, "float32", settings)))
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    header, _ = _header(path)
+    base = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+    big = [(base + v["data_offsets"][0], base + v["data_offsets"][1]) for k, v in header.items()
+           if k.endswith((".weight", ".absmax"))]
+    with open_checkpoint(path) as ck:
+        _, info = make_quant_plan(make_plan(ck, "auto"), settings, requantize=True, threads=1,
+                                  max_memory=64 << 20)
+        assert len(info.jobs) == 6
+        try:
+            resident = _resident_pages(path.resolve(), big)
+        except PermissionError:
+            pytest.skip("/proc/self/pagemap is not readable here")
+    # 0 here (Linux 6.18, ext4); the bound leaves room for a folio of a neighbouring layer mapped again by
+    # a later read. Before the pre-pass released its input, ~75% of these pages stayed resident.
+    total = sum(b // 4096 - -(-a // 4096) for a, b in big)
+    assert resident <= total // 10, (resident, total)
