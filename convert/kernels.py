@@ -220,15 +220,24 @@ def dequantize_nested_absmax(
     """
     codes = np.asarray(codes, dtype=np.uint8).reshape(-1)
     n = codes.size
-    vals = np.asarray(nested_quant_map, dtype=np.float32).reshape(-1)[codes]
-    scale = np.repeat(np.asarray(nested_absmax, dtype=np.float32).reshape(-1), nested_blocksize)[:n]
-    prod = vals * scale
+    qmap = np.asarray(nested_quant_map, dtype=np.float32).reshape(-1)
+    nested = np.asarray(nested_absmax, dtype=np.float32).reshape(-1)
     off = np.float32(offset)
     if nested_dtype != "float32":
-        prod = round_float32(prod, nested_dtype).astype(np.float32)
         off = np.float32(round_float32(np.array([off], np.float32), nested_dtype).astype(np.float32)[0])
-        return round_float32(prod + off, nested_dtype).astype(np.float32)
-    return prod + off
+    out = np.empty(n, dtype=np.float32)
+    # in pieces of whole nested blocks: temporaries stay small whatever the layer size
+    step = max(1, (1 << 16) // nested_blocksize) * nested_blocksize
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        scale = np.repeat(nested[a // nested_blocksize : -(-b // nested_blocksize)], nested_blocksize)[: b - a]
+        prod = qmap[codes[a:b]] * scale
+        if nested_dtype != "float32":
+            prod = round_float32(prod, nested_dtype).astype(np.float32)
+            out[a:b] = round_float32(prod + off, nested_dtype).astype(np.float32)
+        else:
+            np.add(prod, off, out=out[a:b])
+    return out
 
 
 #: The int8 scale bitsandbytes multiplies by (its spelling of 1/127), as the fp32 the kernel uses.

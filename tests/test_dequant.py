@@ -188,3 +188,24 @@ def test_output_loads_in_transformers_with_reference_logits(tmp_out: Path) -> No
     want = ref["logits_dequantized"].astype(np.float32)
     assert logits.shape == want.shape
     assert np.array_equal(logits, want)
+
+
+@pytest.mark.parametrize("nested_dtype", ["float32", "bfloat16", "float16"])
+def test_nested_absmax_in_pieces_equals_whole_formula(nested_dtype: str) -> None:
+    """dequantize_nested_absmax works in pieces of whole nested blocks: same bits as the one-shot formula."""
+    rng = np.random.default_rng(8)
+    n = 3 * 65536 + 77
+    codes = rng.integers(0, 256, n, dtype=np.uint8)
+    nested = (rng.random(-(-n // 256), dtype=np.float32) * 0.02).astype(np.float32)
+    qmap = np.sort(rng.uniform(-1, 1, 256).astype(np.float32))
+    off = 0.0473
+    got = dequantize_nested_absmax(codes, nested, qmap, 256, off, nested_dtype)
+    prod = qmap[codes] * np.repeat(nested, 256)[:n]
+    o = np.float32(off)
+    if nested_dtype == "float32":
+        want = prod + o
+    else:
+        prod = round_float32(prod, nested_dtype).astype(np.float32)
+        o = np.float32(round_float32(np.array([o], np.float32), nested_dtype).astype(np.float32)[0])
+        want = round_float32(prod + o, nested_dtype).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
