@@ -335,8 +335,12 @@ def _multi_row_sum(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     i = 0
     n_full = size // step
     if n_full:
-        sums = np.add.accumulate(rows[: n_full * step].reshape((n_full, step) + rows.shape[1:]),
-                                 axis=1, dtype=_F32)[:, -1] + _F32(0)
+        grouped = rows[: n_full * step].reshape((n_full, step) + rows.shape[1:])
+        sums = np.empty((n_full,) + rows.shape[1:], dtype=_F32)
+        per = max(1, _PIECE // max(1, grouped[0].size))  # groups at a time: no n-sized temporary
+        for c0 in range(0, n_full, per):
+            c1 = min(n_full, c0 + per)
+            sums[c0:c1] = np.add.accumulate(grouped[c0:c1], axis=1, dtype=_F32)[:, -1] + _F32(0)
         for c in range(n_full):
             acc[0] = sums[c]
             i += step

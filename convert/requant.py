@@ -275,10 +275,12 @@ class _LayerJob:
         if cached is not None:
             return cached[ba:bb]
         a, b = ba * self.bs, min(self.n, bb * self.bs)
-        parts = []
+        out = np.empty(max(0, bb - ba), dtype=np.float32)  # filled in place: no list of parts to join
         for s, e in self._pieces(a, b):
-            parts.append(self._absmax_of(self.read(s, e), s))
-        return np.concatenate(parts) if parts else np.empty(0, np.float32)
+            k = s // self.bs - ba
+            am = self._absmax_of(self.read(s, e), s)
+            out[k : k + am.size] = am
+        return out
 
     def full_absmax(self) -> npt.NDArray[np.float32]:
         """The whole layer's fp32 absmax (a full pass), cached while the budget allows.

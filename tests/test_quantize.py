@@ -414,3 +414,47 @@ def test_bucket_tables_equal_the_search(quant_type: str) -> None:
     codes = order[np.searchsorted(mid, s, side="left")]
     assert got.tolist() == ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8).tolist()
 
+
+
+@pytest.mark.parametrize("n", [65_537, 1_000_003, 704_512])
+def test_cascade_sum_in_pieces_equals_one_accumulate(n: int) -> None:
+    """_multi_row_sum sums its level-0 groups a few at a time (no n-sized temporary): same bits."""
+    from convert.quantize import _multi_row_sum
+
+    rng = np.random.default_rng(n)
+    rows = (np.abs(rng.standard_normal(n - n % 32)) * 0.05).astype(np.float32).reshape(-1, 4, 8)
+    got = _multi_row_sum(rows)
+    # the whole-array form the pieces replace
+    size = rows.shape[0]
+    level_power = max(4, (1 if size <= 2 else (size - 1).bit_length()) // 4)
+    step = 1 << level_power
+    n_full = size // step
+    sums = np.add.accumulate(rows[: n_full * step].reshape((n_full, step, 4, 8)), axis=1,
+                             dtype=np.float32)[:, -1] + np.float32(0)
+    acc = np.zeros((4, 4, 8), dtype=np.float32)
+    i = 0
+    for c in range(n_full):
+        acc[0] = sums[c]
+        i += step
+        for j in range(1, 4):
+            acc[j] += acc[j - 1]
+            acc[j - 1] = 0
+            if i & ((step - 1) << (j * level_power)):
+                break
+    if i < size:
+        acc[0] = np.add.accumulate(rows[i:], axis=0, dtype=np.float32)[-1] + np.float32(0)
+    want = acc[0]
+    for j in range(1, 4):
+        want = want + acc[j]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 70_000, 704_513])
+def test_nested_statistics_equal_double_quantize_absmax(n: int) -> None:
+    from convert.quantize import nested_statistics
+
+    am = (np.random.default_rng(n).random(n, dtype=np.float32) * 0.05).astype(np.float32)
+    _, nested, offset = double_quantize_absmax(am)
+    got, got_offset = nested_statistics(am)
+    assert got_offset == offset
+    assert np.array_equal(got.view(np.uint32), nested.view(np.uint32))
