@@ -21,9 +21,12 @@ models, since no model class is built):
 
 Streaming under the memory cap: a layer's tensors are produced from its source in block-aligned
 pieces. Double quantization needs the mean of the whole layer's absmax before its QuantState JSON
-(whose length is in the header) can be written, so a pre-pass reads every nested layer once; the
-codes are made in a second pass. The fp32 absmax of a layer is kept between passes while it fits
-a share of ``--max-memory``, otherwise recomputed. Tensors are written in the order the
+(whose length is in the header) can be written, so a pre-pass reads every nested layer once and
+keeps only its nested statistics (``nested_absmax``, offset, absmax median and max), then drops the
+input's caches and pages; the codes are made in a second pass, which records the 8-bit absmax
+codes (1 byte a block) for the layer's absmax tensor, so a nested layer is read exactly twice. A
+non-nested layer's fp32 absmax is kept while the layer is written if it fits a share of
+``--max-memory``, otherwise recomputed. Tensors are written in the order the
 ``safetensors`` library writes them (dtype, then name), so a single-file output is byte-identical
 to transformers' ``save_pretrained`` of the same quantized model.
 
@@ -241,7 +244,8 @@ class _LayerJob:
         self._median_max: tuple[float, float] | None = None
         self._acc: ReportAccumulator | None = None
         self._codes: npt.NDArray[np.uint8] | None = None  # nested absmax codes, filled by encode
-        self._codes_done = 0  # blocks of _codes filled
+        self._codes_have: npt.NDArray[np.bool_] | None = None  # which blocks of _codes are filled
+        self._codes_full = False
         self._lock = threading.RLock()
 
     # reading
@@ -336,7 +340,11 @@ class _LayerJob:
         """The stored 8-bit absmax codes of blocks [ba, bb) (recorded by :meth:`encode`, or recomputed)."""
         nested_absmax, offset = self.nested()
         with self._lock:
-            if self._codes is not None and self._codes_done >= self.n_blocks:
+            if self._codes is not None and not self._codes_full and self._codes_have is not None:
+                self._codes_full = bool(self._codes_have.all())
+                if self._codes_full:
+                    self._codes_have = None
+            if self._codes is not None and self._codes_full:
                 return self._codes[ba:bb].copy()
         am = self.absmax_blocks(ba, bb)
         scale = nested_absmax[np.arange(ba, bb) // NESTED_BLOCKSIZE]
@@ -378,9 +386,11 @@ class _LayerJob:
         with self._lock:
             if self._codes is None:
                 self._codes = np.empty(self.n_blocks, dtype=np.uint8)
-                self._codes_done = 0
+                self._codes_have = np.zeros(self.n_blocks, dtype=np.bool_)
+                self._codes_full = False
             self._codes[ba : ba + codes.size] = codes
-            self._codes_done += codes.size
+            if self._codes_have is not None:
+                self._codes_have[ba : ba + codes.size] = True
         return codes
 
     def _dequantize(self, packed: npt.NDArray[np.uint8], am: npt.NDArray[np.float32], s: int,
@@ -408,7 +418,8 @@ class _LayerJob:
                 self._absmax = None
                 self.budget.give(self._cached)
                 self._cached = 0
-            self._codes = None
+            self._codes = self._codes_have = None
+            self._codes_full = False
         self.inner.finish()
 
 

@@ -396,7 +396,7 @@ def test_nested_layers_are_read_twice_and_nothing_kept_between_passes(tmp_path: 
         assert len(info.jobs) == 14
         for job in info.jobs:  # after the pre-pass: statistics only
             assert counters[job.name].produced == job.n
-            assert job._absmax is None and job._codes is None
+            assert job._absmax is None and job._codes is None and job._codes_have is None
         run_plan(qplan, tmp_path / "out", threads=threads, max_memory=64 << 20)
     for job in info.jobs:
         assert counters[job.name].produced == 2 * job.n, job.name
