@@ -734,9 +734,10 @@ def test_cli_report_counts_each_element_once_whatever_the_passes(tmp_path: Path,
     """--to nf4/fp4 read a nested layer twice (pre-pass, codes): the report still counts each row once."""
     rep = tmp_path / "merge.json"
     out = tmp_path / ("out.gguf" if to.startswith("gguf") else "out")
+    extra = ["--requantize"] if to in ("nf4", "fp4") else []
     rc = _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", to, "--merge-lora", str(LORA / "adapter"), "-o", str(out),
                "--report", str(rep), "--original", str(MODELS_DIR / "llama_orig_bf16"), "-q", "--threads", "2",
-               "--max-memory", max_memory, "--requantize" if to in ("nf4", "fp4") else "--threads=2"])
+               "--max-memory", max_memory, *extra])
     assert rc == 0
     rows = {r["tensor"]: r for r in json.loads(rep.read_text())["tensors"]}
     assert sorted(rows) == sorted(f"{m}.weight" for m in ATTN)
