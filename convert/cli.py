@@ -189,17 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"convert-bnb: error: {exc}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
-        if debug:
-            raise
-        print(f"convert-bnb: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("convert-bnb: interrupted; no output was left behind", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `convert-bnb ... --dry-run | head`
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the environment (a missing file, a full disk, no permission): not a bug
+        if debug:
+            raise
+        print(f"convert-bnb: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the one place that maps unexpected errors
         if debug:
             raise
@@ -228,7 +228,7 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = []
+PLUGINS: list[str] = ["convert.check"]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from formats.bnb import Int8Layer, QuantizedLayer, group_layers
 from formats.checkpoint import Checkpoint, TensorRecord
 from formats.dtypes import BY_NAME, DType
-from formats.errors import BnbLayerError, UnsupportedError, UsageError
+from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 
 from . import kernels
 
@@ -102,7 +102,7 @@ class Dequant4Source(Source):
         """The resolved fp32 absmax, ``float32[n_blocks]`` (nested quantization undone), cached.
 
         Raises:
-            BnbLayerError: BNB-012 when a value is not finite.
+            NonFiniteAbsmaxError: BNB-012 when a value is not finite (inf or NaN).
         """
         with self._lock:
             if self._absmax is None:
@@ -127,9 +127,10 @@ class Dequant4Source(Source):
         finite = np.isfinite(absmax)
         if not finite.all():
             j = int(np.argmin(finite))
-            raise BnbLayerError(
-                "absmax must be finite", path=layer.absmax.file, tensor=layer.absmax.name, rule="BNB-012",
-                expected="finite values", found=f"{absmax[j]} at block {j}",
+            raise NonFiniteAbsmaxError(
+                "absmax must be finite", path=layer.absmax.file, tensor=layer.absmax.name,
+                expected="finite values", found=f"{absmax[j]} at block {j} ({int((~finite).sum())} blocks)",
+                hint="the layer's scales are damaged; this weight cannot be recovered from the file",
             )
         return absmax
 
