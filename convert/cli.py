@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from formats.errors import ConvertBnbError, UsageError
+from formats.errors import ConvertBnbError, SourceNotFoundError, UsageError
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size"]
 
@@ -133,7 +133,7 @@ def _convert(args: argparse.Namespace) -> int:
         raise UsageError("--threads must be at least 1", found=args.threads)
     src = Path(args.src)
     if not src.exists():
-        raise UsageError("SRC does not exist", path=src, hint="give a .safetensors file or a model directory")
+        raise SourceNotFoundError("SRC does not exist", path=src, hint="give a .safetensors file or a model directory")
     with open_checkpoint(src) as ckpt:
         if args.to in EXTRA_TARGETS:
             summary = EXTRA_TARGETS[args.to](args, ckpt)

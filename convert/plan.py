@@ -129,7 +129,8 @@ class Dequant4Source(Source):
             j = int(np.argmin(finite))
             raise NonFiniteAbsmaxError(
                 "absmax must be finite", path=layer.absmax.file, tensor=layer.absmax.name,
-                expected="finite values", found=f"{absmax[j]} at block {j} ({int((~finite).sum())} blocks)",
+                expected="finite values",
+                found=f"{absmax[j]} at block {j} ({int((~finite).sum())} of {absmax.size} not finite)",
                 hint="the layer's scales are damaged; this weight cannot be recovered from the file",
             )
         return absmax
