@@ -351,7 +351,11 @@ def parse_quant_state(
                    expected=list(_FLOAT_DTYPES), found=fields["nested_dtype"])
     if not isinstance(off, (int, float)) or isinstance(off, bool) or not _finite(off):
         raise bad("QuantState field 'nested_offset' must be a finite number", found=off)
-    return QuantState(qt, bs, dt, tuple(shape), True, nbs, ndt, float(np.float32(off)))
+    with np.errstate(over="ignore"):
+        off32 = np.float32(off)
+    if not np.isfinite(off32):
+        raise bad("QuantState field 'nested_offset' must be a finite float32", found=off)
+    return QuantState(qt, bs, dt, tuple(shape), True, nbs, ndt, float(off32))
 
 
 def _finite(x: int | float) -> bool:
