@@ -104,7 +104,7 @@ def check_source(path: str | os.PathLike[str]) -> CheckReport:
         report.files = len(ckpt.files)
         report.tensors = len(ckpt.tensors)
         try:
-            layers, plain = group_layers(ckpt.tensors, problems)
+            layers, plain = group_layers(ckpt.tensors, ckpt.values, problems)
         except ConvertBnbError as exc:  # pragma: no cover - group_layers collects
             problems.append(exc)
             return report

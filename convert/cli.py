@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES.format(subcommands=", ".join(sorted(SUBCOMMANDS)) or "none"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("src", metavar="SRC", help="a .safetensors file or a model directory")
+    p.add_argument("src", metavar="SRC",
+                   help="a .safetensors / .bin / .pt file or a model directory (pickles are read "
+                        "without running code)")
     p.add_argument("--to", default="auto", choices=list(TARGETS) + list(EXTRA_TARGETS),
                    metavar="TARGET",
                    help="output: auto (each tensor's QuantState dtype), bf16, fp16, fp32"

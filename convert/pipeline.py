@@ -286,6 +286,7 @@ def _write_shard(
                     _drain_one(pending, writer, t, bar)
             while pending:
                 _drain_one(pending, writer, t, bar)
+            t.source.finish()
         writer.close()
     except BaseException:
         writer.abort()

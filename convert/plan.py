@@ -33,6 +33,7 @@ __all__ = [
     "TARGETS",
     "CastSource",
     "Dequant4Source",
+    "Int8Source",
     "Plan",
     "PlannedTensor",
     "Source",
@@ -72,6 +73,9 @@ class Source:
 
     def release(self, start: int, stop: int) -> None:
         """Elements [start, stop) are written: drop their input pages."""
+
+    def finish(self) -> None:
+        """The whole tensor is written: drop caches and any input pages still held."""
 
     def _add_stats(self, local: npt.NDArray[np.int64]) -> None:
         if local.any():
@@ -115,7 +119,7 @@ class Dequant4Source(Source):
             assert layer.nested_absmax is not None and layer.nested_quant_map is not None
             assert st.nested_blocksize is not None and st.nested_offset is not None
             absmax = kernels.dequantize_nested_absmax(
-                layer.absmax.array().reshape(-1),
+                layer.absmax_flat(),
                 layer.nested_absmax.array().reshape(-1),
                 layer.nested_quant_map.array().reshape(-1),
                 st.nested_blocksize,
@@ -123,7 +127,7 @@ class Dequant4Source(Source):
                 st.nested_dtype or "float32",
             )
         else:
-            absmax = np.ascontiguousarray(layer.absmax.array().reshape(-1), dtype=np.float32)
+            absmax = np.ascontiguousarray(layer.absmax_flat(), dtype=np.float32)  # F16/BF16: exact
         finite = np.isfinite(absmax)
         if not finite.all():
             j = int(np.argmin(finite))
@@ -149,6 +153,14 @@ class Dequant4Source(Source):
 
     def release(self, start: int, stop: int) -> None:
         self.layer.packed.release(start // 2, stop // 2)
+
+    def finish(self) -> None:
+        with self._lock:
+            self._absmax = None
+        layer = self.layer
+        for t in (layer.packed, layer.absmax, layer.nested_absmax):
+            if t is not None:
+                t.release()
 
 
 class CastSource(Source):
@@ -352,9 +364,10 @@ def make_plan(
     """
     if to not in TARGETS:
         raise UsageError(f"unknown --to value '{to}'", expected=sorted(TARGETS), found=to)
-    layers, plain = group_layers(checkpoint.tensors)
+    layers, plain = group_layers(checkpoint.tensors, checkpoint.values)
     tensors: list[PlannedTensor] = []
     q_dtypes: set[str] = set()
+    int8_natural = _int8_natural(checkpoint, plain)
     for name, rec in checkpoint.tensors.items():
         layer = layers.get(name)
         if isinstance(layer, QuantizedLayer):
@@ -363,11 +376,12 @@ def make_plan(
             out = _output_dtype(to, natural)
             tensors.append(PlannedTensor(name, out, layer.state.shape, Dequant4Source(layer)))
         elif isinstance(layer, Int8Layer):
-            tensors.append(_int8_tensor(layer, to))
+            q_dtypes.add(int8_natural.name)
+            tensors.append(_int8_tensor(layer, to, int8_natural))
         elif name in plain:
             out = _output_dtype(to, rec.dtype)
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
-    plan = Plan(checkpoint, to, tensors)
+    plan = Plan(checkpoint, to, tensors, notes=_layer_notes(layers))
     if checkpoint.is_dir:
         plan.shards = _shard(tensors, max_shard_size)
     else:
@@ -378,17 +392,91 @@ def make_plan(
     return plan
 
 
-def _int8_tensor(layer: Int8Layer, to: str) -> PlannedTensor:
-    """Hook for LLM.int8 layers (bnb-format.md §4); replaced when their kernel is registered."""
+def _layer_notes(layers: dict[str, QuantizedLayer | Int8Layer]) -> list[str]:
+    """The layers' warnings (legacy QuantState, BF16 / transposed absmax, ...), one note per kind."""
+    seen: dict[str, list[str]] = {}
+    for name, layer in layers.items():
+        for w in getattr(layer, "warnings", ()):
+            seen.setdefault(w, []).append(name)
+    return [f"{w} ({len(names)} layer{'s' * (len(names) > 1)}, e.g. {names[0]})" for w, names in seen.items()]
+
+
+def _int8_natural(checkpoint: Checkpoint, plain: list[str]) -> DType:
+    """The dtype an LLM.int8 weight had before quantization: config ``dtype`` / ``torch_dtype``, else
+    the dtype most plain (not quantized) float elements have, else float16."""
+    cfg = checkpoint.config or {}
+    for key in ("dtype", "torch_dtype"):
+        v = cfg.get(key)
+        if isinstance(v, str) and BY_NAME.get(v.removeprefix("torch.")) is not None:
+            dt = BY_NAME[v.removeprefix("torch.")]
+            if dt.name in ("bfloat16", "float16", "float32"):
+                return dt
+    counts: dict[str, int] = {}
+    for rec in (checkpoint.tensors[n] for n in plain):
+        if rec.dtype.name in ("bfloat16", "float16", "float32"):
+            counts[rec.dtype.name] = counts.get(rec.dtype.name, 0) + rec.numel
+    return BY_NAME[max(counts, key=lambda k: counts[k])] if counts else BY_NAME["float16"]
+
+
+class Int8Source(Source):
+    """An LLM.int8 layer (row format), dequantized (bnb-format.md §4); chunks are whole rows."""
+
+    def __init__(self, layer: Int8Layer) -> None:
+        super().__init__()
+        self.layer = layer
+        self.name = layer.name
+        rows, cols = layer.shape
+        self.numel = rows * cols
+        self.unit = max(cols, 1)
+        self.in_nbytes = layer.weight.nbytes + layer.scb.nbytes
+        self.kind = "dequant int8 row"
+        self._scb: npt.NDArray[np.float32] | None = None
+
+    def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
+        cols = self.unit
+        if self._scb is None:
+            scb = np.array(self.layer.scb.array(), dtype=np.float32).reshape(-1)
+            if not np.isfinite(scb).all():
+                j = int(np.argmin(np.isfinite(scb)))
+                raise NonFiniteAbsmaxError(
+                    "SCB must be finite", path=self.layer.scb.file, tensor=self.layer.scb.name,
+                    expected="finite values", found=f"{scb[j]} at row {j}",
+                )
+            self._scb = scb
+        w = self.layer.weight.raw(start, stop).view(np.int8).reshape(-1, cols)
+        scb = self._scb[start // cols : stop // cols]
+        if dtype.name != "float16":
+            return kernels.dequantize_int8(w, scb, dtype.numpy).reshape(-1)
+        x = kernels.dequantize_int8(w, scb, "float32").reshape(-1)
+        out = kernels.round_float32(x, "float16")
+        local = np.zeros(2, dtype=np.int64)
+        kernels.count_f16_loss(x, out, local)
+        self._add_stats(local)
+        return out
+
+    def release(self, start: int, stop: int) -> None:
+        self.layer.weight.release(start, stop)
+
+    def finish(self) -> None:
+        self._scb = None
+        self.layer.weight.release()
+
+
+def _int8_source(layer: Int8Layer, to: str, natural: DType) -> PlannedTensor:
+    return PlannedTensor(layer.name, _output_dtype(to, natural), layer.shape, Int8Source(layer))
+
+
+def _int8_tensor(layer: Int8Layer, to: str, natural: DType) -> PlannedTensor:
+    """Hook for LLM.int8 layers (bnb-format.md §4)."""
     if INT8_SOURCE is None:
         raise UnsupportedError(
             "LLM.int8 layers are not supported yet", path=layer.weight.file, tensor=layer.name,
         )
-    return INT8_SOURCE(layer, to)
+    return INT8_SOURCE(layer, to, natural)
 
 
-#: Factory ``(Int8Layer, to) -> PlannedTensor`` for 8-bit layers, set where the int8 kernel lives.
-INT8_SOURCE: Any = None
+#: Factory ``(Int8Layer, to, natural dtype) -> PlannedTensor`` for 8-bit layers.
+INT8_SOURCE: Any = _int8_source
 
 
 def _shard(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[int]]:

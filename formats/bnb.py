@@ -39,10 +39,25 @@ BNB-011  a weight with QuantState components has all the required ones (absmax, 
 BNB-012  absmax (after undoing double quantization) is finite
 BNB-013  dtype is float16, bfloat16 or float32
 BNB-014  shape is a list of positive integers
-BNB-015  an LLM.int8 weight is in row format (weight_format 0 or absent)
-BNB-016  absmax has a dtype bnb writes (F32/F16/BF16; U8 when nested)
-BNB-017  one packed QuantState per weight, whose key names the same quant type as its JSON
+BNB-015  an int8 layer has weight I8 [out, in] and SCB F32 [out]
+BNB-016  an int8 layer's weight_format is 0 / "row" (col32, col_turing, col_ampere are refused)
+BNB-017  a legacy QuantState (list or pickled object) has the documented layout
+BNB-018  absmax has a dtype bnb writes (F32/F16/BF16; U8 codes when nested)
+BNB-019  one QuantState per weight (packed, unpacked or legacy), whose key names the quant type of its JSON
 =======  ==========================================================================================
+
+Layouts from older or buggy bitsandbytes, all accepted (bnb-format.md section 1):
+
+- **legacy list QuantState** (old ``.bin`` pickles), stored as a non-tensor value ``P.weight.quant_state``
+  (or ``P.quant_state``): ``[absmax, shape, dtype, blocksize, compressed, quant_type]`` with ``compressed``
+  None or ``[offset, state2]``; ``state2`` is ``[absmax2, code2, blocksize2, nested, dtype2, offset2,
+  state3]`` (bnb 0.40), ``(absmax2, code2)`` (bnb 0.39: blocksize2 inferred from the counts) or a pickled
+  ``QuantState``. A pickled ``QuantState`` object (``absmax``, ``shape``, ``dtype``, ``blocksize``,
+  ``quant_type``, ``offset``, ``state2``) is read the same way. The quant_map is the table of quant_type.
+- **absmax saved after a CPU forward**: F16/BF16 absmax (upcast exactly), a 2-D absmax of shape
+  ``(K/blocksize, N)`` for a weight ``(N, K)`` (the transpose of the flat order; read as
+  ``absmax.T.reshape(-1)``), ``nested_dtype`` other than float32. Each is reported in
+  :attr:`QuantizedLayer.warnings` (the library never prints).
 """
 
 from __future__ import annotations
@@ -57,7 +72,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .dtypes import DType
+from .dtypes import DType, by_numpy
 from .errors import (
     AbsmaxCountError,
     AbsmaxDtypeError,
@@ -65,7 +80,9 @@ from .errors import (
     BnbLayerError,
     ConflictingQuantStateError,
     ConvertBnbError,
+    Int8LayoutError,
     Int8WeightFormatError,
+    LegacyQuantStateError,
     MissingComponentError,
     NestedAbsmaxError,
     NestedFieldsError,
@@ -78,9 +95,11 @@ from .errors import (
     QuantStateJsonError,
     QuantTypeError,
 )
+from .torch_pickle import PickledObject, TensorRef
 
 __all__ = [
     "BLOCKSIZES",
+    "ConstTensor",
     "DYNAMIC_MAP_SIGNED",
     "FP4_TABLE",
     "NF4_TABLE",
@@ -138,6 +157,8 @@ DYNAMIC_MAP_SIGNED = _table(
 QUANT_TABLES: dict[str, npt.NDArray[np.float32]] = {"nf4": NF4_TABLE, "fp4": FP4_TABLE}
 #: Blocksizes bitsandbytes writes for 4-bit weights.
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: Blocksizes of the 8-bit quantization of absmax (bnb writes 256; bnb 0.39 wrote 4096).
+NESTED_BLOCKSIZES = BLOCKSIZES
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 _STATE_PREFIX = "quant_state.bitsandbytes__"
 _COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -145,6 +166,8 @@ _UNPACKED_FIELDS = (
     "quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset",
 )
 _INT8_COMPANIONS = ("SCB", "weight_format")
+#: bitsandbytes' int8 weight_format codes (``Linear8bitLt``: format_to_int).
+INT8_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 
 
 class TensorLike(Protocol):
@@ -244,6 +267,9 @@ class QuantizedLayer:
         nested_absmax: F32 [n_nested_blocks] or None.
         nested_quant_map: F32 [256] or None.
         components: every tensor name this layer consumes (the weight included).
+        absmax_transposed: absmax is stored 2-D as ``(K/blocksize, N)`` (bnb CPU forward path).
+        warnings: what was unusual about the layer (BF16 absmax, transposed absmax, nested_dtype,
+            legacy QuantState), one sentence each, for the caller to show.
     """
 
     name: str
@@ -254,6 +280,20 @@ class QuantizedLayer:
     nested_absmax: TensorLike | None = None
     nested_quant_map: TensorLike | None = None
     components: tuple[str, ...] = field(default=())
+    absmax_transposed: bool = False
+    warnings: tuple[str, ...] = field(default=())
+
+    def absmax_flat(self) -> np.ndarray:
+        """The stored absmax in bitsandbytes' flat block order, in its stored dtype.
+
+        Returns:
+            ``[n_blocks]`` of the stored dtype (F32/F16/BF16 values, or U8 codes when nested): a
+            zero-copy view, or a small copy when the absmax is stored transposed.
+        """
+        arr = self.absmax.array()
+        if self.absmax_transposed:
+            return np.ascontiguousarray(arr.T).reshape(-1)
+        return arr.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -265,6 +305,52 @@ class Int8Layer:
     scb: TensorLike
     weight_format: TensorLike | None
     components: tuple[str, ...] = field(default=())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """[out, in] in elements."""
+        return tuple(self.weight.shape)
+
+
+class ConstTensor:
+    """An in-memory tensor that stands where a file holds none (e.g. the quant_map a legacy
+    QuantState implies). Implements :class:`TensorLike`.
+
+    Args:
+        name: a name for messages.
+        array: the values (kept read-only).
+        file: the file the layer came from.
+    """
+
+    def __init__(self, name: str, array: np.ndarray, file: str) -> None:
+        self.name = name
+        self._array = np.ascontiguousarray(array)
+        self._array.setflags(write=False)
+        self.dtype: DType = by_numpy(self._array.dtype)
+        self.shape: tuple[int, ...] = tuple(self._array.shape)
+        self.nbytes: int = self._array.nbytes
+        self._file = file
+
+    @property
+    def file(self) -> str:
+        """The file the owning layer came from."""
+        return self._file
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return int(self._array.size)
+
+    def raw(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]:
+        """Bytes [start, stop) of the values."""
+        return self._array.reshape(-1).view(np.uint8)[start:stop]
+
+    def array(self) -> np.ndarray:
+        """The values."""
+        return self._array
+
+    def release(self, start: int = 0, stop: int | None = None) -> None:
+        """Nothing to release."""
 
 
 def _err(
@@ -344,6 +430,9 @@ def parse_quant_state(
     nbs, ndt, off = fields["nested_blocksize"], fields["nested_dtype"], fields["nested_offset"]
     if not isinstance(nbs, int) or isinstance(nbs, bool) or nbs <= 0:
         raise bad("QuantState field 'nested_blocksize' must be a positive integer", found=nbs)
+    if nbs not in NESTED_BLOCKSIZES:
+        raise _err(BlocksizeError, source, weight, "nested_blocksize must be a power of two from 32 to 4096",
+                   expected=list(NESTED_BLOCKSIZES), found=nbs)
     if isinstance(ndt, str) and ndt.startswith("torch."):
         ndt = ndt[len("torch."):]
     if not isinstance(ndt, str) or ndt not in _FLOAT_DTYPES:
@@ -377,14 +466,33 @@ def _suffix_of(name: str) -> tuple[str, str] | None:
     return None
 
 
+def _refs(value: Any, out: set[str]) -> set[str]:
+    """Names of every tensor referenced inside a pickled value."""
+    if isinstance(value, TensorRef):
+        out.add(value.name)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _refs(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _refs(v, out)
+    elif isinstance(value, PickledObject):
+        _refs(value.state, out)
+    return out
+
+
 def group_layers(
     tensors: Mapping[str, TensorLike],
+    values: Mapping[str, Any] | None = None,
     problems: list[ConvertBnbError] | None = None,
 ) -> tuple[dict[str, QuantizedLayer | Int8Layer], list[str]]:
     """Group bitsandbytes companions with their weights by exact prefix.
 
     Args:
         tensors: every tensor of a checkpoint, name -> record.
+        values: non-tensor values of a torch pickle (``Checkpoint.values``): unpacked QuantState
+            fields, legacy list QuantStates, int8 ``weight_format``; tensors inside them are
+            :class:`~formats.torch_pickle.TensorRef` into ``tensors``.
         problems: when given, a broken layer's error is appended to it and the layer (with its
             components) is left out of both results, so every layer can be checked
             (``convert-bnb check``); without, the first error is raised.
@@ -393,7 +501,8 @@ def group_layers(
         (layers by weight name, names of the remaining plain tensors in input order).
 
     Raises:
-        BnbLayerError: any BNB-xxx rule (a subclass per rule, e.g. :class:`~formats.errors.QuantMapError`).
+        BnbLayerError: any BNB-xxx rule, one subclass per rule (e.g. :class:`~formats.errors.QuantMapError`;
+            BNB-016 :class:`~formats.errors.Int8WeightFormatError` is also an ``UnsupportedError``).
     """
 
     def report(exc: ConvertBnbError) -> None:
@@ -401,10 +510,16 @@ def group_layers(
             raise exc
         problems.append(exc)
 
-    by_weight: dict[str, dict[str, TensorLike]] = {}
+    values = values or {}
+    inner: set[str] = set()
+    for v in values.values():
+        _refs(v, inner)
+    by_weight: dict[str, dict[str, Any]] = {}
     broken: set[str] = set()
     orphans: list[tuple[str, str, TensorLike]] = []
     for name, t in tensors.items():
+        if name in inner:
+            continue
         split = _suffix_of(name)
         if split is None:
             continue
@@ -423,13 +538,15 @@ def group_layers(
                     expected=f"a tensor named '{base}'", found="none",
                     hint=f"it may belong to '{close[0]}' under another prefix; the names were changed"
                     if close else "the checkpoint is incomplete or its names were changed"))
-    # unpacked QuantState fields sit next to an absmax
+    # unpacked QuantState fields sit next to an absmax (tensors, or Python values in pickles)
     for base, comps in by_weight.items():
         if "absmax" in comps:
             for f in _UNPACKED_FIELDS:
                 key = f"{base}.{f}"
                 if key in tensors:
                     comps[f] = tensors[key]
+                elif key in values:
+                    comps[f] = values[key]
 
     layers: dict[str, QuantizedLayer | Int8Layer] = {}
     consumed: set[str] = set()
@@ -440,57 +557,200 @@ def group_layers(
             report(exc)
             broken.add(base)
             broken.update(f"{base}.{c}" for c in comps)
-            broken.update(c.name for c in comps.values())
+            broken.update(c.name for c in comps.values() if hasattr(c, "raw"))
+            continue
+        layers[base] = layer
+        consumed.update(layer.components)
+
+    for name, value in values.items():
+        if not name.endswith(".quant_state") or not _is_legacy_state(value):
+            continue
+        stem = name[: -len(".quant_state")]
+        base = stem if stem in tensors else stem + ".weight"
+        try:
+            if base not in tensors:
+                raise _err(OrphanComponentError, None, name, "legacy QuantState has no weight",
+                           expected=f"a tensor named '{stem}' or '{stem}.weight'", found="none")
+            if base in layers or base in broken:
+                raise _err(ConflictingQuantStateError, tensors[base], base,
+                           "weight has both a legacy and a current QuantState", expected="one", found=name)
+            layer = _legacy_layer(base, tensors[base], name, value, tensors)
+        except BnbLayerError as exc:
+            report(exc)
+            broken.add(base)
+            broken.update(_refs(value, set()))
             continue
         layers[base] = layer
         consumed.update(layer.components)
 
     for name, t in tensors.items():
-        if name.endswith(".SCB"):
+        if name.endswith(".SCB") and name not in inner:
             base = name[: -len(".SCB")] + ".weight"
-            if base not in tensors:
-                report(_err(OrphanComponentError, t, name, "int8 scale 'SCB' has no weight",
-                            expected=f"a tensor named '{base}'", found="none"))
-                broken.add(name)
-                continue
-            fmt = tensors.get(base + "_format")
-            comps = (base, name) + ((base + "_format",) if fmt is not None else ())
+            fmt_name = base + "_format"
             try:
-                _check_weight_format(base, fmt)
+                if base not in tensors:
+                    raise _err(OrphanComponentError, t, name, "int8 scale 'SCB' has no weight",
+                               expected=f"a tensor named '{base}'", found="none")
+                fmt = tensors.get(fmt_name, values.get(fmt_name))
+                layer8 = _build_int8(base, tensors[base], t, fmt)
             except BnbLayerError as exc:
                 report(exc)
-                broken.update(comps)
+                broken.update((base, name, fmt_name))
                 continue
-            layers[base] = Int8Layer(base, tensors[base], t, fmt, comps)
-            consumed.update(comps)
-    plain = [n for n in tensors if n not in consumed and n not in broken]
+            layers[base] = layer8
+            consumed.update(layer8.components)
+    plain = [n for n in tensors if n not in consumed and n not in inner and n not in broken]
     return layers, plain
 
 
-#: ``weight_format`` codes of ``Linear8bitLt`` (bitsandbytes ``LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING``).
-INT8_WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
+def _build_int8(base: str, weight: TensorLike, scb: TensorLike, fmt: Any) -> Int8Layer:
+    """Validate an LLM.int8 layer (bitsandbytes ``Linear8bitLt._save_to_state_dict``)."""
+    if weight.dtype.code != "I8" or len(weight.shape) != 2:
+        raise _err(Int8LayoutError, weight, base, "int8 weight must be I8 [out, in]",
+                   expected="I8 2-D", found=f"{weight.dtype.code} {list(weight.shape)}")
+    out = weight.shape[0]
+    if scb.dtype.code != "F32" or tuple(scb.shape) != (out,):
+        raise _err(Int8LayoutError, scb, scb.name, "SCB must hold one float32 row absmax per output row",
+                   expected=f"F32 [{out}]", found=f"{scb.dtype.code} {list(scb.shape)}")
+    comps: tuple[str, ...] = (base, scb.name)
+    if fmt is not None:
+        if hasattr(fmt, "raw"):
+            if fmt.numel != 1 or fmt.dtype.is_float:
+                raise _err(Int8WeightFormatError, fmt, fmt.name, "weight_format must be one integer",
+                           expected="U8 []", found=f"{fmt.dtype.code} {list(fmt.shape)}")
+            code: Any = fmt.array().reshape(-1)[0].item()
+            comps += (fmt.name,)
+        else:
+            code = fmt
+        layout = INT8_FORMATS.get(code) if isinstance(code, int) and not isinstance(code, bool) else code
+        if layout != "row":
+            raise Int8WeightFormatError(
+                "only the row weight_format of int8 layers is supported", path=weight.file,
+                tensor=base + "_format", expected="0 (row)",
+                found=f"{code!r} ({layout or 'unknown'})" if layout != code else repr(code),
+                hint="col32/col_turing/col_ampere are GPU tile layouts written by bitsandbytes < 0.45; "
+                     "load the model with a current bitsandbytes and save it again",
+            )
+    return Int8Layer(base, weight, scb, fmt if hasattr(fmt, "raw") else None, comps)
 
 
-def _check_weight_format(base: str, fmt: TensorLike | None) -> None:
-    """BNB-015: an LLM.int8 weight must be in ``row`` layout (code 0; a missing entry means row)."""
-    if fmt is None:
-        return
-    if fmt.numel != 1 or not fmt.dtype.code.startswith(("U", "I")):
-        raise _err(Int8WeightFormatError, fmt, fmt.name, "weight_format must be one integer code",
-                   expected="U8 scalar 0 (row)", found=f"{fmt.dtype.code} {list(fmt.shape)}")
-    code = int(fmt.array().reshape(-1)[0])
-    if code != 0:
-        raise _err(Int8WeightFormatError, fmt, base, "LLM.int8 weight is not in row format",
-                   expected="row (0)", found=f"{INT8_WEIGHT_FORMATS.get(code, 'unknown')} ({code})",
-                   hint="re-save the model with a current bitsandbytes, which saves row format")
+def _is_legacy_state(value: Any) -> bool:
+    if isinstance(value, PickledObject):
+        return value.cls.endswith(".QuantState")
+    return isinstance(value, (list, tuple)) and len(value) == 6
 
 
-def _build_layer(base: str, weight: TensorLike, comps: dict[str, TensorLike]) -> QuantizedLayer:
+def _legacy_layer(
+    base: str, weight: TensorLike, key: str, value: Any, tensors: Mapping[str, TensorLike]
+) -> QuantizedLayer:
+    """Parse a legacy list QuantState or a pickled QuantState object into a :class:`QuantizedLayer`.
+
+    Matches bitsandbytes 0.39/0.40 ``quantize_4bit`` (list state) and the QuantState attributes of
+    0.41+; see the module docstring.
+    """
+
+    def bad(message: str, **kw: Any) -> BnbLayerError:
+        return _err(LegacyQuantStateError, weight, key, message, **kw)
+
+    def tensor(v: Any, what: str) -> TensorLike:
+        if not isinstance(v, TensorRef) or v.name not in tensors:
+            raise bad(f"{what} must be a tensor", found=type(v).__name__)
+        return tensors[v.name]
+
+    def number(v: Any, what: str) -> float:
+        if isinstance(v, TensorRef):
+            t = tensor(v, what)
+            if t.numel != 1:
+                raise bad(f"{what} must be one value", found=list(t.shape))
+            return float(t.array().reshape(-1)[0].item())
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        raise bad(f"{what} must be a number", found=type(v).__name__)
+
+    def to_int(v: Any, what: str) -> int:
+        if isinstance(v, TensorRef):
+            v = number(v, what)
+            if not float(v).is_integer():
+                raise bad(f"{what} must be an integer", found=v)
+            return int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise bad(f"{what} must be an integer", found=repr(v)[:40])
+        return v
+
+    if isinstance(value, PickledObject):
+        st = value.state
+        for req in ("absmax", "shape", "dtype", "blocksize", "quant_type"):
+            if req not in st:
+                raise bad(f"pickled QuantState has no '{req}'", expected="absmax, shape, dtype, blocksize, "
+                          "quant_type", found=sorted(st))
+        absmax_v, shape, dtype = st["absmax"], st["shape"], st["dtype"]
+        bs, qt = st["blocksize"], st["quant_type"]
+        nested_pair = (st["offset"], st["state2"]) if st.get("state2") is not None else None
+        layout = "a pickled QuantState object"
+    else:
+        absmax_v, shape, dtype, bs, compressed, qt = value
+        if compressed is not None and (not isinstance(compressed, (list, tuple)) or len(compressed) != 2):
+            raise bad("compressed statistics must be [offset, state2]", found=repr(compressed)[:60])
+        nested_pair = tuple(compressed) if compressed is not None else None
+        layout = "a legacy list QuantState (bitsandbytes < 0.41)"
+
+    fields: dict[str, Any] = {
+        "quant_type": qt, "blocksize": to_int(bs, "blocksize"), "dtype": dtype,
+        "shape": list(shape) if isinstance(shape, (list, tuple)) else shape,
+    }
+    absmax = tensor(absmax_v, "absmax")
+    comps: dict[str, Any] = {"absmax": absmax}
+    if nested_pair is not None:
+        offset_v, state2 = nested_pair
+        if isinstance(state2, PickledObject):
+            s2 = state2.state
+            if "absmax" not in s2 or "code" not in s2:
+                raise bad("nested QuantState needs absmax and code", found=sorted(s2))
+            a2, code2, bs2, dt2 = s2["absmax"], s2["code"], s2.get("blocksize"), s2.get("dtype")
+        elif isinstance(state2, (list, tuple)) and len(state2) == 7:
+            a2, code2, bs2, _nested2, dt2 = state2[:5]
+        elif isinstance(state2, (list, tuple)) and len(state2) == 2:
+            a2, code2, bs2, dt2 = state2[0], state2[1], None, None
+        else:
+            raise bad("state2 must be [absmax, code, blocksize, nested, dtype, offset, state2], "
+                      "(absmax, code) or a QuantState", found=repr(state2)[:60])
+        nested_absmax, nested_qmap = tensor(a2, "state2 absmax"), tensor(code2, "state2 code")
+        if bs2 is None:
+            n_blocks = absmax.numel
+            fits = [b for b in (256, 4096) if -(-n_blocks // b) == nested_absmax.numel]
+            if not fits:
+                raise bad("cannot infer the nested blocksize from (absmax, code)",
+                          expected="256 or 4096", found=f"{n_blocks} codes, {nested_absmax.numel} absmax")
+            bs2 = fits[0]
+        fields.update(nested_blocksize=to_int(bs2, "nested blocksize"),
+                      nested_dtype=dt2 if dt2 is not None else "float32",
+                      nested_offset=number(offset_v, "offset"))
+        comps.update(nested_absmax=nested_absmax, nested_quant_map=nested_qmap)
+    state = parse_quant_state(fields, base, weight)
+    comps["quant_map"] = ConstTensor(f"{key}.<quant_map {state.quant_type}>", QUANT_TABLES[state.quant_type],
+                                     weight.file)
+    layer = _build_layer(base, weight, comps, state=state, notes=(f"QuantState read from {layout}",))
+    extra = tuple(sorted(_refs(value, set())))
+    return QuantizedLayer(
+        layer.name, layer.state, layer.packed, layer.absmax, layer.quant_map, layer.nested_absmax,
+        layer.nested_quant_map, (base, *extra), layer.absmax_transposed, layer.warnings,
+    )
+
+
+def _build_layer(
+    base: str,
+    weight: TensorLike,
+    comps: dict[str, Any],
+    state: QuantState | None = None,
+    notes: tuple[str, ...] = (),
+) -> QuantizedLayer:
     state_keys = [k for k in comps if k.startswith(_STATE_PREFIX)]
-    if len(state_keys) > 1:
+    if state is not None:
+        pass
+    elif len(state_keys) > 1:
         raise _err(ConflictingQuantStateError, weight, base, "more than one packed quant_state",
                    expected="one", found=sorted(state_keys))
-    if state_keys:
+    elif state_keys:
         st = comps[state_keys[0]]
         text = bytes(st.raw())
         try:
@@ -527,6 +787,19 @@ def _build_layer(base: str, weight: TensorLike, comps: dict[str, TensorLike]) ->
     if absmax.dtype.code not in want_absmax:
         raise _err(AbsmaxDtypeError, absmax, absmax.name, "absmax has the wrong dtype",
                    expected=" or ".join(want_absmax), found=absmax.dtype.code)
+    warnings = list(notes)
+    transposed = _absmax_transposed(absmax, state)
+    if transposed:
+        warnings.append(
+            f"absmax is stored 2-D {list(absmax.shape)} = (K/blocksize, N), the transpose of bitsandbytes' "
+            "flat order, as bitsandbytes writes it after a CPU forward pass; read as absmax.T.reshape(-1) "
+            "(bitsandbytes itself reloads this file wrongly)"
+        )
+    if absmax.dtype.code in ("F16", "BF16"):
+        warnings.append(
+            f"absmax is stored as {absmax.dtype.name}, as bitsandbytes writes it after a CPU forward pass "
+            "(AVX512-BF16); upcast to float32 exactly"
+        )
     table = QUANT_TABLES[state.quant_type]
     if qmap.dtype.code != "F32" or qmap.numel != 16:
         raise _err(QuantMapError, qmap, qmap.name, "quant_map must be 16 float32 values",
@@ -555,8 +828,40 @@ def _build_layer(base: str, weight: TensorLike, comps: dict[str, TensorLike]) ->
         if n_abs.dtype.code not in ("F32", "F16", "BF16"):
             raise _err(NestedAbsmaxError, n_abs, n_abs.name, "nested_absmax has the wrong dtype",
                        expected="F32", found=n_abs.dtype.code)
+        if n_abs.dtype.code != "F32":
+            warnings.append(
+                f"nested_absmax is stored as {n_abs.dtype.name} (bitsandbytes CPU forward path); "
+                "upcast to float32 exactly"
+            )
+        if state.nested_dtype != "float32":
+            warnings.append(
+                f"nested_dtype is {state.nested_dtype} (bitsandbytes CPU forward path): each step of "
+                f"undoing double quantization is rounded to {state.nested_dtype}, as bitsandbytes does"
+            )
     elif "nested_absmax" in comps or "nested_quant_map" in comps:
         raise _err(NestedFieldsError, weight, base, "nested tensors present but the QuantState is not nested",
                    expected="no nested_absmax / nested_quant_map", found="present")
-    components = (base,) + tuple(c.name for c in comps.values())
-    return QuantizedLayer(base, state, weight, absmax, qmap, n_abs, nq, components)
+    components = (base,) + tuple(c.name for c in comps.values() if hasattr(c, "raw"))
+    if not state_keys and "quant_type" in comps:
+        components += tuple(f"{base}.{f}" for f in _UNPACKED_FIELDS if f in comps)
+    return QuantizedLayer(base, state, weight, absmax, qmap, n_abs, nq, components, transposed,
+                          tuple(warnings))
+
+
+def _absmax_transposed(absmax: TensorLike, state: QuantState) -> bool:
+    """Whether a 2-D absmax is bnb's transposed ``(K/blocksize, N)`` layout (BNB-004 otherwise)."""
+    dims = [d for d in absmax.shape if d != 1]
+    if len(dims) <= 1:
+        return False
+    shape = state.shape
+    if len(shape) == 2 and shape[1] % state.blocksize == 0:
+        n, k = shape
+        if tuple(absmax.shape) == (k // state.blocksize, n):
+            return True
+        if tuple(absmax.shape) == (n, k // state.blocksize):
+            return False
+    raise _err(AbsmaxCountError, absmax, absmax.name,
+               "a multi-dimensional absmax must be (K/blocksize, N) for a weight (N, K)",
+               expected=(f"[{shape[1] // state.blocksize}, {shape[0]}]"
+                         if len(shape) == 2 and shape[1] % state.blocksize == 0 else "a 1-D absmax"),
+               found=list(absmax.shape))

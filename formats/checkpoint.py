@@ -2,10 +2,15 @@
 
 Accepted inputs:
 
-- a single weight file (``.safetensors``; other containers register in :data:`READERS`);
+- a single weight file (``.safetensors``; ``.bin``/``.pt``/``.pth`` torch checkpoints read by
+  :mod:`formats.torch_pickle`; other containers register in :data:`READERS`);
 - a model directory holding ``model.safetensors``, or shards plus ``model.safetensors.index.json``
   (``{"metadata": {...}, "weight_map": {tensor: shard file}}``, as transformers writes it); a
-  layer's parts may sit in different shards.
+  layer's parts may sit in different shards. ``pytorch_model.bin`` and
+  ``pytorch_model.bin.index.json`` are used when no safetensors weights are there.
+
+Non-tensor values of torch pickles (an unpacked or legacy-list QuantState) are in
+:attr:`Checkpoint.values`.
 
 Directory rules, each with its own subclass of :class:`~formats.errors.CheckpointError`:
 
@@ -57,6 +62,7 @@ from .errors import (
     UnsupportedError,
 )
 from .safetensors import SafetensorsReader
+from .torch_pickle import TorchPickleReader
 
 __all__ = [
     "READERS",
@@ -90,11 +96,19 @@ class ContainerReader(Protocol):
 
 
 #: File suffix -> reader class. Other container modules add themselves here.
-READERS: dict[str, Callable[[Path], ContainerReader]] = {".safetensors": SafetensorsReader}
+READERS: dict[str, Callable[[Path], ContainerReader]] = {
+    ".safetensors": SafetensorsReader,
+    ".bin": TorchPickleReader,
+    ".pt": TorchPickleReader,
+    ".pth": TorchPickleReader,
+}
 #: Index file names, per container, in order of preference.
-INDEX_NAMES: list[tuple[str, str]] = [("model.safetensors.index.json", ".safetensors")]
+INDEX_NAMES: list[tuple[str, str]] = [
+    ("model.safetensors.index.json", ".safetensors"),
+    ("pytorch_model.bin.index.json", ".bin"),
+]
 #: Single-file weight names, in order of preference.
-SINGLE_NAMES: list[str] = ["model.safetensors"]
+SINGLE_NAMES: list[str] = ["model.safetensors", "pytorch_model.bin"]
 #: Suffixes that mark a weight file (never copied as an extra file).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
 _SHARD_RE = re.compile(r".*-\d{5}-of-\d{5}\.[A-Za-z]+$")
@@ -156,6 +170,8 @@ class Checkpoint:
         config: ``config.json`` as a dict, or None.
         extra_files: other top-level files of a directory (tokenizer, generation config, ...).
         readers: the open container readers.
+        values: name -> non-tensor value of a torch pickle (see
+            :class:`~formats.torch_pickle.TorchPickleReader`); empty for safetensors.
     """
 
     source: Path
@@ -165,6 +181,11 @@ class Checkpoint:
     config: dict[str, Any] | None = None
     extra_files: list[Path] = field(default_factory=list)
     readers: list[ContainerReader] = field(default_factory=list, repr=False)
+    values: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for r in self.readers:
+            self.values.update(getattr(r, "values", {}))
 
     @property
     def nbytes(self) -> int:
@@ -260,21 +281,23 @@ def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError
     )
     readers: list[ContainerReader] = []
     try:
+        # per container in order of preference (safetensors before torch pickles): index, then single
         for index_name, suffix in INDEX_NAMES:
             index_path = src / index_name
             if index_path.is_file():
                 files, tensors = _open_index(src, index_path, suffix, readers, report, problems)
                 return Checkpoint(src, True, files, tensors, config, extra, readers)
-        for single in SINGLE_NAMES:
-            single_path = src / single
-            if single_path.is_file():
+            for single in (n for n in SINGLE_NAMES if n.endswith(suffix)):
+                single_path = src / single
+                if not single_path.is_file():
+                    continue
                 reader = _open_file(single_path, problems)
                 readers.append(reader)
-                stray = _stray_shards(src, {single_path.name})
+                stray = _stray_shards(src, {single_path.name}, single_path.suffix.lower())
                 if stray:
                     report(UnindexedShardError(
                         "shard files present but no index names them", path=src,
-                        expected="model.safetensors.index.json", found=stray,
+                        expected=f"{single_path.name}.index.json", found=stray,
                         hint="remove the stray shards or fetch the index",
                     ))
                 return Checkpoint(src, True, [single_path], _records(reader), config, extra, readers)
@@ -291,10 +314,10 @@ def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError
         raise
 
 
-def _stray_shards(root: Path, named: set[str]) -> list[str]:
+def _stray_shards(root: Path, named: set[str], suffix: str) -> list[str]:
     return sorted(
         p.name for p in root.iterdir()
-        if p.suffix.lower() in READERS and _SHARD_RE.match(p.name) and p.name not in named
+        if p.suffix.lower() == suffix and _SHARD_RE.match(p.name) and p.name not in named
     )
 
 
@@ -318,7 +341,7 @@ def _open_index(
     for shard in wmap.values():
         if shard not in shard_names:
             shard_names.append(shard)
-    stray = _stray_shards(root, set(shard_names))
+    stray = _stray_shards(root, set(shard_names), suffix)
     if stray:
         report(UnindexedShardError(
             "shard file is not named by the index", path=index_path,
@@ -352,7 +375,7 @@ def _open_index(
         inner = getattr(reader, "value_tensors", set())
         for name in reader.tensors:
             if name in inner:
-                continue
+                continue  # a tensor inside a non-tensor value (torch pickles); the index names the value
             if name in seen:
                 report(ShardDuplicateTensorError(
                     f"tensor is also in shard '{seen[name]}'", path=shard_path, tensor=name,
@@ -366,12 +389,12 @@ def _open_index(
             seen.setdefault(name, shard)
     tensors: dict[str, TensorRecord] = {}
     for name, shard in wmap.items():
-        reader = opened.get(shard)
-        if reader is None:
+        opened_reader = opened.get(shard)
+        if opened_reader is None:
             continue  # its shard was reported above
-        if name not in reader.tensors and name not in getattr(reader, "values", {}):
+        if name not in opened_reader.tensors and name not in getattr(opened_reader, "values", {}):
             report(IndexTensorMissingError(
-                "index names a tensor that is not in its shard", path=reader.path, tensor=name,
+                "index names a tensor that is not in its shard", path=opened_reader.path, tensor=name,
                 expected=f"'{name}' in {shard}", found="absent",
             ))
     for reader in readers:

@@ -38,7 +38,10 @@ __all__ = [
     "HeaderTooLargeError",
     "IndexJsonError",
     "IndexTensorMissingError",
+    "Int8LayoutError",
     "Int8WeightFormatError",
+    "LegacyQuantStateError",
+    "MalformedPickleError",
     "MetadataError",
     "MissingComponentError",
     "MissingShardError",
@@ -46,12 +49,17 @@ __all__ = [
     "NestedFieldsError",
     "NestedQuantMapError",
     "NoWeightsError",
+    "NonContiguousTensorError",
     "NonFiniteAbsmaxError",
     "NotSafetensorsError",
+    "NotStateDictError",
+    "NotTorchCheckpointError",
     "OrphanComponentError",
     "OutputExistsError",
     "OutputInsideInputError",
     "PackedSizeError",
+    "PickleTooLargeError",
+    "ByteOrderError",
     "QuantDtypeError",
     "QuantMapError",
     "QuantShapeError",
@@ -61,12 +69,16 @@ __all__ = [
     "ShardDuplicateTensorError",
     "ShardPathError",
     "SourceNotFoundError",
+    "StorageRecordError",
     "TensorOverlapError",
     "TensorShapeError",
+    "TensorViewError",
+    "TorchPickleError",
     "TruncatedFileError",
     "UnindexedShardError",
     "UnindexedTensorError",
     "UnknownDtypeError",
+    "UnsafePickleError",
     "UnsupportedError",
     "UsageError",
     "VerificationError",
@@ -182,7 +194,7 @@ def all_rules() -> dict[str, type[ConvertBnbError]]:
         todo.extend(cls.__subclasses__())
         if cls.default_rule is not None and cls.default_rule not in out:
             out[cls.default_rule] = cls
-    prefixes = ["ST", "CKPT", "BNB", "OUT", "USE", "UNS"]
+    prefixes = ["ST", "PT", "CKPT", "BNB", "OUT", "USE", "UNS"]
 
     def key(rule: str) -> tuple[int, str]:
         prefix = rule.split("-")[0]
@@ -314,6 +326,83 @@ class DuplicateTensorError(SafetensorsError):
 
     default_rule = "ST-013"
     advice = "The header is damaged (or hand-made): each name must appear once; re-save the file."
+
+
+# ------------------------------------------------------------------------------------- torch pickles
+
+
+class TorchPickleError(ConvertBnbError, ValueError):
+    """A PyTorch ``.bin``/``.pt`` checkpoint breaks the container format (zip, records, pickle, views)."""
+
+    advice = "The file is damaged or not a torch.save checkpoint: download it again."
+
+
+class NotTorchCheckpointError(TorchPickleError):
+    """The file is not a torch.save checkpoint (zip or legacy pickle) that convert-bnb reads."""
+
+    default_rule = "PT-001"
+    advice = ("Give a torch.save state dict (.bin/.pt); a TorchScript or tar-format (torch < 0.4) file must be "
+              "re-saved with a current torch as a state dict, or better, as safetensors.")
+
+
+class PickleTooLargeError(TorchPickleError):
+    """data.pkl is larger than the limit (the pickle holds the structure only, never the tensor data)."""
+
+    default_rule = "PT-002"
+    advice = "A state dict's pickle is small; a huge one is damaged or hostile. Re-save the model as safetensors."
+
+
+class UnsafePickleError(TorchPickleError):
+    """A pickle names a global outside the allow-list; nothing was imported or called.
+
+    ``found`` holds the refused ``module.name``.
+    """
+
+    default_rule = "PT-003"
+    advice = ("Do not load this file with torch.load: it would run the named code. Get the weights from a "
+              "trusted source, preferably as safetensors.")
+
+
+class MalformedPickleError(TorchPickleError):
+    """The pickle is malformed: bad opcodes, persistent ids or rebuild arguments."""
+
+    default_rule = "PT-004"
+    advice = "The pickle is damaged or hostile: download the file again, preferably as safetensors."
+
+
+class StorageRecordError(TorchPickleError):
+    """A tensor storage is missing, compressed, of the wrong size, or past the end of the file."""
+
+    default_rule = "PT-005"
+    advice = "The file is damaged or cut short: download it again."
+
+
+class TensorViewError(TorchPickleError):
+    """A tensor's view (offset, size, stride) reaches outside its storage."""
+
+    default_rule = "PT-006"
+    advice = "The file is damaged or hostile: download it again."
+
+
+class NonContiguousTensorError(TorchPickleError):
+    """A large tensor is not row-major contiguous (only small ones are copied)."""
+
+    default_rule = "PT-007"
+    advice = "Re-save the state dict with contiguous tensors (`{k: v.contiguous() ...}`), or as safetensors."
+
+
+class ByteOrderError(TorchPickleError):
+    """The checkpoint was written big-endian."""
+
+    default_rule = "PT-008"
+    advice = "Re-save the model on a little-endian machine, or as safetensors."
+
+
+class NotStateDictError(TorchPickleError):
+    """The top-level object is not a dict of tensors with unique string keys."""
+
+    default_rule = "PT-009"
+    advice = "Save `model.state_dict()`, not the model object or a list; or save as safetensors."
 
 
 # --------------------------------------------------------------------------------------- directories
@@ -503,24 +592,39 @@ class QuantShapeError(BnbLayerError):
     advice = "The QuantState is damaged: download the checkpoint again."
 
 
-class Int8WeightFormatError(BnbLayerError):
-    """An LLM.int8 weight is stored in a layout other than ``row`` (col32, col_turing, col_ampere)."""
+class Int8LayoutError(BnbLayerError):
+    """An LLM.int8 layer is not weight I8 [out, in] with SCB F32 [out]."""
 
     default_rule = "BNB-015"
-    advice = "Re-save the model with a current bitsandbytes (which saves in row format), then convert."
+    advice = "The int8 weight and its SCB disagree (a mixed-up or damaged layer): download the checkpoint again."
+
+
+class Int8WeightFormatError(BnbLayerError, UnsupportedError):
+    """An LLM.int8 weight is stored in a layout other than ``row`` (col32, col_turing, col_ampere)."""
+
+    default_rule = "BNB-016"
+    advice = ("col32/col_turing/col_ampere are GPU tile layouts of bitsandbytes < 0.45: load the model with a "
+              "current bitsandbytes, save it again (row format), then convert.")
+
+
+class LegacyQuantStateError(BnbLayerError):
+    """A legacy QuantState (the list of old ``.bin`` pickles, or a pickled QuantState) has the wrong layout."""
+
+    default_rule = "BNB-017"
+    advice = "The old-format QuantState is damaged or from an unknown bitsandbytes version: report it with the file."
 
 
 class AbsmaxDtypeError(BnbLayerError):
     """absmax has a dtype bnb never writes (F32/F16/BF16; U8 codes when nested)."""
 
-    default_rule = "BNB-016"
+    default_rule = "BNB-018"
     advice = "absmax and the QuantState disagree about double quantization: download the checkpoint again."
 
 
 class ConflictingQuantStateError(BnbLayerError):
     """A weight has two packed QuantStates, or the key's quant type differs from its JSON's."""
 
-    default_rule = "BNB-017"
+    default_rule = "BNB-019"
     advice = "The layer's QuantState entries contradict each other: download the checkpoint again."
 
 

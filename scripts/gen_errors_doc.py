@@ -21,6 +21,8 @@ DOC = ROOT / "docs" / "errors.md"
 FAMILIES = [
     ("ST", "safetensors container", "Checked when a `.safetensors` file is opened, before any tensor data "
      "is read or allocated (sizes are Python integers: no overflow)."),
+    ("PT", "PyTorch .bin/.pt checkpoints", "Checked when a torch.save file is opened. The pickle is read by a "
+     "restricted unpickler that imports and calls nothing; tensor data is memory-mapped from the file."),
     ("CKPT", "model directory", "Checked when a directory is opened: the shard index, the shards and "
      "config.json."),
     ("BNB", "bitsandbytes layers", "Checked when the layers are grouped (every 4-bit weight with its "

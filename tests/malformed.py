@@ -316,6 +316,57 @@ def _missing_src(d: Path) -> Path:
     return d / "no-such-model"
 
 
+# ---- torch pickles, built with tests/torchsave_helpers.py (no torch)
+ARR = np.arange(24, dtype=np.float32).reshape(4, 6)
+
+
+def _pt(obj: Any, name: str = "pytorch_model.bin", **kw: Any) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        from .torchsave_helpers import save_zip
+
+        d.mkdir(parents=True, exist_ok=True)
+        return save_zip(d / name, obj, **kw)
+
+    return build
+
+
+def _pt_raw(pickle_bytes: bytes) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        from .torchsave_helpers import save_zip_raw_pickle
+
+        d.mkdir(parents=True, exist_ok=True)
+        return save_zip_raw_pickle(d / "pytorch_model.bin", pickle_bytes)
+
+    return build
+
+
+def _tensor(*args: Any, **kw: Any) -> Any:
+    from .torchsave_helpers import Tensor
+
+    return Tensor(*args, **kw)
+
+
+def _patched(attr: str, value: Any) -> Callable[[Path, Path], None]:
+    def run(src: Path, out: Path) -> None:
+        with mock.patch(f"formats.torch_pickle.{attr}", value):
+            convert(src, out)
+
+    return run
+
+
+def _legacy_state_bad_absmax(d: Path) -> Path:
+    from .torchsave_helpers import dtype_global, save_zip, size
+
+    d.mkdir(parents=True, exist_ok=True)
+    state = [None, size(4, 32), dtype_global("bfloat16"), 64, None, "nf4"]
+    return save_zip(d / "pytorch_model.bin", {W: _tensor(np.frombuffer(V[W][2], dtype=np.uint8)),
+                                              f"{W}.quant_state": state})
+
+
+# a GLOBAL opcode naming os.system, as a hostile pickle would (never imported, never called)
+SYSTEM_PICKLE = b"\x80\x02cposix\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03."
+
+
 V = layer()
 VN = layer(nested=True)
 QS = f"{W}.quant_state.bitsandbytes__nf4"
@@ -376,6 +427,24 @@ CASES: list[Case] = [
     Case("duplicate-name", E.DuplicateTensorError, ["ST-013", "tensor 'w'", "appears twice"],
          raw_file(header_bytes('{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
                                '"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}') + b"\0")),
+    # ---- torch pickles
+    Case("pt-junk", E.NotTorchCheckpointError, ["/junk.bin'", "PT-001", "not a PyTorch checkpoint"],
+         raw_file(b"\x00\x01junk" * 10, "junk.bin")),
+    Case("pt-pickle-too-large", E.PickleTooLargeError, ["PT-002", "larger than the limit"], _pt({"w": _tensor(ARR)}),
+         run=_patched("MAX_PICKLE_BYTES", 16), argv=None),
+    Case("pt-os-system", E.UnsafePickleError, ["PT-003", "found 'posix.system'", "nothing was imported or run"],
+         _pt_raw(SYSTEM_PICKLE)),
+    Case("pt-malformed", E.MalformedPickleError, ["PT-004", "malformed pickle"], _pt_raw(b"\x80\x02}q\x00(X")),
+    Case("pt-compressed-storage", E.StorageRecordError, ["PT-005", "is compressed", "found 'method 8'"],
+         _pt({"w": _tensor(ARR)}, compress_data=True)),
+    Case("pt-view-past-storage", E.TensorViewError, ["PT-006", "tensor 'w'", "reaches past its storage"],
+         _pt({"w": _tensor(ARR, shape=(4, 6), offset=1)})),
+    Case("pt-large-non-contiguous", E.NonContiguousTensorError, ["PT-007", "tensor 't'"],
+         _pt({"t": _tensor(ARR, shape=(6, 4), stride=(1, 6))}), run=_patched("MAX_COPY_BYTES", 64), argv=None),
+    Case("pt-big-endian", E.ByteOrderError, ["PT-008", "little-endian", "found 'big'"],
+         _pt({"w": _tensor(ARR)}, byteorder=b"big")),
+    Case("pt-list-not-dict", E.NotStateDictError, ["PT-009", "not a state dict", "found 'list'"],
+         _pt([_tensor(ARR)])),
     # ---- model directory
     Case("index-not-json", E.IndexJsonError, ["CKPT-001", "model.safetensors.index.json'", "not valid JSON"],
          lambda d: _two_shards(d, index='{"weight_map": ')),
@@ -451,14 +520,20 @@ CASES: list[Case] = [
     Case("nested-dtype-float64", E.QuantDtypeError, ["BNB-013", "nested_dtype", "found 'float64'"],
          one_file(with_state(VN, nested_dtype="float64"))),
     Case("shape-with-zero", E.QuantShapeError, ["BNB-014", "found [0, 4]"], one_file(with_state(V, shape=[0, 4]))),
+    Case("int8-scb-count", E.Int8LayoutError,
+         ["tensor 'model.layers.0.mlp.up_proj.SCB'", "BNB-015", "expected 'F32 [4]', found 'F32 [3]'"],
+         one_file({"model.layers.0.mlp.up_proj.weight": ("I8", [4, 4], bytes(range(16))),
+                   "model.layers.0.mlp.up_proj.SCB": ("F32", [3], f32([1, 2, 3]))})),
     Case("int8-col32", E.Int8WeightFormatError,
-         ["tensor 'model.layers.0.mlp.up_proj.weight'", "BNB-015", "expected 'row (0)', found 'col32 (1)'"],
+         ["tensor 'model.layers.0.mlp.up_proj.weight_format'", "BNB-016", "expected '0 (row)', found '1 (col32)'"],
          _int8(1)),
-    Case("absmax-u8-not-nested", E.AbsmaxDtypeError, ["BNB-016", "expected 'F32 or F16 or BF16', found 'U8'"],
+    Case("legacy-quant-state-without-absmax", E.LegacyQuantStateError,
+         [f"tensor '{W}.quant_state'", "BNB-017", "absmax must be a tensor"], _legacy_state_bad_absmax),
+    Case("absmax-u8-not-nested", E.AbsmaxDtypeError, ["BNB-018", "expected 'F32 or F16 or BF16', found 'U8'"],
          one_file({**V, f"{W}.absmax": ("U8", [2], b"\1\2")})),
-    Case("two-quant-states", E.ConflictingQuantStateError, ["BNB-017", "more than one packed quant_state"],
+    Case("two-quant-states", E.ConflictingQuantStateError, ["BNB-019", "more than one packed quant_state"],
          one_file({**V, f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
-    Case("key-fp4-json-nf4", E.ConflictingQuantStateError, ["BNB-017", "expected 'fp4', found 'nf4'"],
+    Case("key-fp4-json-nf4", E.ConflictingQuantStateError, ["BNB-019", "expected 'fp4', found 'nf4'"],
          one_file({**without(V, QS), f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),
@@ -475,6 +550,8 @@ CASES: list[Case] = [
          lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_inside_input,
          argv=["{src}", "-o", "{src}/converted"]),
     # ---- unsupported
+    Case("nested-blocksize-huge", E.BlocksizeError, ["BNB-002", "nested_blocksize", "found 633787143"],
+         one_file(with_state(VN, nested_blocksize=633787143))),
     Case("no-reader-for-suffix", E.UnsupportedError, ["UNS-001", "no reader for '.npz' files"],
          raw_file(b"PK\x03\x04" + b"\0" * 60, "weights.npz")),
 ]

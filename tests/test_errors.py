@@ -115,6 +115,7 @@ def test_hostile_tensor_name_stays_on_one_line(tmp_path: Path, capsys: pytest.Ca
 
 def test_check_clean_fixtures(capsys: pytest.CaptureFixture[str]) -> None:
     for src in [MODELS / "llama_nf4_dq", MODELS / "llama_nf4_dq_sharded", MODELS / "llama_fp4_nodq",
+                MODELS / "llama_nf4_dq_bin",
                 MODELS / "llama_int8", SINGLE / "nf4_bs32_dq_bfloat16_37x51_normal.q.safetensors"]:
         assert main(["check", str(src)]) == 0
         out = capsys.readouterr().out

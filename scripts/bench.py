@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Benchmark: synthesize a large, structurally valid bnb checkpoint and convert it.
+
+The synthetic model is 7B-shaped: blocks of q/k/v/o 4096x4096 and gate/up 11008x4096, down
+4096x11008, NF4 with double quantization (blocksize 64, nested blocksize 256, the real dynamic map),
+realistic absmax (0.03..0.07 around a 0.05 offset), as many blocks as fit the size asked for.
+
+    python scripts/bench.py kernel                       # the kernel alone, in memory
+    python scripts/bench.py make --packed-gb 2 --dir bench-data/2g
+    python scripts/bench.py convert --dir bench-data/2g --max-memory 512MiB [--to bf16] [--cp]
+
+`convert` runs `convert-bnb` in a subprocess (so peak RSS is the conversion's own), prints G elements/s,
+GB/s written and peak RSS, and with --cp also times `cp` + `sync` of a file of the output's size on the
+same disk (the physical floor). Results are printed as JSON lines, for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from convert.kernels import dequantize_4bit, pair_lut  # noqa: E402
+from formats.bnb import DYNAMIC_MAP_SIGNED, NF4_TABLE, QuantState  # noqa: E402
+from formats.dtypes import BY_CODE  # noqa: E402
+from formats.safetensors import SafetensorsWriter  # noqa: E402
+
+SHAPES = {
+    "self_attn.q_proj": (4096, 4096),
+    "self_attn.k_proj": (4096, 4096),
+    "self_attn.v_proj": (4096, 4096),
+    "self_attn.o_proj": (4096, 4096),
+    "mlp.gate_proj": (11008, 4096),
+    "mlp.up_proj": (11008, 4096),
+    "mlp.down_proj": (4096, 11008),
+}
+BS, NBS = 64, 256
+HIDDEN, VOCAB = 4096, 1024
+
+
+def layer_entries(prefix: str, shape: tuple[int, int]) -> tuple[list, QuantState]:
+    n = shape[0] * shape[1]
+    nb = -(-n // BS)
+    st = QuantState("nf4", BS, "bfloat16", shape, True, NBS, "float32", float(np.float32(0.05)))
+    js = st.to_json().encode()
+    u8, f32 = BY_CODE["U8"], BY_CODE["F32"]
+    entries = [
+        (f"{prefix}.weight", u8, (n // 2, 1)),
+        (f"{prefix}.weight.absmax", u8, (nb,)),
+        (f"{prefix}.weight.nested_absmax", f32, (-(-nb // NBS),)),
+        (f"{prefix}.weight.nested_quant_map", f32, (256,)),
+        (f"{prefix}.weight.quant_map", f32, (16,)),
+        (f"{prefix}.weight.quant_state.bitsandbytes__nf4", u8, (len(js),)),
+    ]
+    return entries, st
+
+
+def make(packed_gb: float, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_block = sum(r * c for r, c in SHAPES.values()) // 2
+    n_blocks = max(1, int(packed_gb * 1e9 // per_block))
+    rng = np.random.default_rng(0)
+    pool = rng.integers(0, 256, 1 << 24, dtype=np.uint8)  # 16 MiB of random codes, reused with shifts
+    entries, states = [], {}
+    for b in range(n_blocks):
+        for k, shape in SHAPES.items():
+            e, st = layer_entries(f"model.layers.{b}.{k}", shape)
+            entries += e
+            states[e[0][0]] = st
+    bf16 = BY_CODE["BF16"]
+    entries += [("model.embed_tokens.weight", bf16, (VOCAB, HIDDEN)), ("lm_head.weight", bf16, (VOCAB, HIDDEN)),
+                ("model.norm.weight", bf16, (HIDDEN,))]
+    entries += [(f"model.layers.{b}.{k}.weight", bf16, (HIDDEN,)) for b in range(n_blocks)
+                for k in ("input_layernorm", "post_attention_layernorm")]
+    path = out_dir / "model.safetensors"
+    if path.exists():
+        path.unlink()
+    w = SafetensorsWriter(path, entries, {"format": "pt"})
+    shift = 0
+    for name, _dt, shape in entries:
+        n = int(np.prod(shape))
+        if "norm" in name or "embed" in name or "lm_head" in name:
+            w.write((rng.standard_normal(n, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16))
+        elif name.endswith(".weight"):
+            left = n
+            while left:
+                take = min(left, pool.size - shift)
+                w.write(pool[shift:shift + take])
+                left -= take
+                shift = (shift + 4099) % (pool.size // 2)
+        elif name.endswith(".absmax"):
+            w.write(rng.integers(96, 160, n, dtype=np.uint8))  # codes near the middle of the map
+        elif name.endswith(".nested_absmax"):
+            w.write(np.full(n, 0.02, np.float32))
+        elif name.endswith(".nested_quant_map"):
+            w.write(DYNAMIC_MAP_SIGNED)
+        elif name.endswith(".quant_map"):
+            w.write(NF4_TABLE)
+        else:
+            base = name[: name.index(".quant_state")]
+            w.write(np.frombuffer(states[base].to_json().encode(), np.uint8))
+    w.close(fsync=False)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "bfloat16",
+        "hidden_size": HIDDEN, "intermediate_size": 11008, "num_hidden_layers": n_blocks,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "vocab_size": VOCAB,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+        "quantization_config": {
+            "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+            "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+        },
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    packed = sum(int(np.prod(s)) for n, d, s in entries if n.endswith(".weight") and d.code == "U8")
+    print(json.dumps({"made": str(out_dir), "blocks": n_blocks, "packed_bytes": packed,
+                      "file_bytes": path.stat().st_size, "elements": packed * 2}))
+
+
+def kernel(n_elem: int, threads: int) -> dict:
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, n_elem // 2, dtype=np.uint8)
+    absmax = rng.uniform(0.03, 0.07, n_elem // BS).astype(np.float32)
+    lut = pair_lut(NF4_TABLE)
+    out = np.empty(n_elem, dtype=ml_dtypes.bfloat16)
+    chunk = 1 << 22
+
+    def work(s: int) -> None:
+        e = min(n_elem, s + chunk)
+        dequantize_4bit(packed[s // 2:e // 2], absmax[s // BS:e // BS], NF4_TABLE, BS, e - s, "bfloat16",
+                        out=out[s:e], lut=lut)
+
+    best = 1e9
+    for _ in range(3):
+        t = time.perf_counter()
+        if threads == 1:
+            for s in range(0, n_elem, chunk):
+                work(s)
+        else:
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(work, range(0, n_elem, chunk)))
+        best = min(best, time.perf_counter() - t)
+    return {"bench": "kernel", "elements": n_elem, "threads": threads, "seconds": round(best, 4),
+            "gelem_per_s": round(n_elem / best / 1e9, 3)}
+
+
+def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int | None, keep: bool) -> None:
+    out = src_dir.parent / f"{src_dir.name}-out-{to}"
+    if out.exists():
+        shutil.rmtree(out)
+    cmd = [sys.executable, "-m", "convert", str(src_dir), "--to", to, "-o", str(out), "--max-memory", max_memory,
+           "--json"] + (["--threads", str(threads)] if threads else [])
+    subprocess.run(["sync"], check=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        print(proc.stderr, file=sys.stderr)
+        raise SystemExit(proc.returncode)
+    summary = json.loads(proc.stdout)
+    child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    out_bytes = summary["bytes_out"]
+    res = {"bench": "convert", "to": to, "max_memory": max_memory, "wall_s": round(wall, 2),
+           "elements": summary["elements"], "gelem_per_s": round(summary["elements"] / wall / 1e9, 3),
+           "gb_per_s_written": round(out_bytes / wall / 1e9, 3), "out_bytes": out_bytes,
+           "peak_rss_mib": round(max(child_rss, summary["peak_rss_bytes"]) / 2**20, 1)}
+    if do_cp:
+        big = max(out.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        copy = src_dir.parent / "cp-floor.tmp"
+        subprocess.run(["sync"], check=True)
+        t = time.perf_counter()
+        subprocess.run(["cp", str(big), str(copy)], check=True)
+        subprocess.run(["sync"], check=True)
+        cp_s = time.perf_counter() - t
+        copy.unlink()
+        # scale to the whole output if it is sharded
+        cp_s *= out_bytes / big.stat().st_size
+        res.update({"cp_sync_s": round(cp_s, 2), "ratio_to_cp": round(wall / cp_s, 2)})
+    if not keep:
+        shutil.rmtree(out)
+    print(json.dumps(res))
+
+
+_HF_SCRIPT = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(int(sys.argv[3]))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="cpu")
+model = model.dequantize()
+model.save_pretrained(sys.argv[2])
+"""
+
+
+def hf_baseline(src_dir: Path, threads: int) -> None:
+    """What users run today: transformers from_pretrained -> model.dequantize() -> save_pretrained."""
+    out = src_dir.parent / f"{src_dir.name}-out-hf"
+    if out.exists():
+        shutil.rmtree(out)
+    subprocess.run(["sync"], check=True)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(src_dir), str(out), str(threads)],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(proc.returncode)
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    out_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    print(json.dumps({"bench": "transformers", "wall_s": round(wall, 2), "out_bytes": out_bytes,
+                      "peak_rss_mib": round(rss / 2**20, 1)}))
+    shutil.rmtree(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--packed-gb", type=float, required=True)
+    m.add_argument("--dir", type=Path, required=True)
+    k = sub.add_parser("kernel")
+    k.add_argument("--elements", type=int, default=1 << 27)
+    c = sub.add_parser("convert")
+    c.add_argument("--dir", type=Path, required=True)
+    c.add_argument("--max-memory", default="512MiB")
+    c.add_argument("--to", default="bf16")
+    c.add_argument("--threads", type=int)
+    c.add_argument("--cp", action="store_true")
+    c.add_argument("--keep", action="store_true")
+    h = sub.add_parser("transformers", help="time transformers from_pretrained -> dequantize -> save_pretrained")
+    h.add_argument("--dir", type=Path, required=True)
+    h.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    if a.cmd == "make":
+        make(a.packed_gb, a.dir)
+    elif a.cmd == "kernel":
+        for th in (1, 2):
+            print(json.dumps(kernel(a.elements, th)))
+    elif a.cmd == "transformers":
+        hf_baseline(a.dir, a.threads)
+    else:
+        convert(a.dir, a.max_memory, a.to, a.cp, a.threads, a.keep)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
