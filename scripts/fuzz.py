@@ -26,7 +26,15 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=2000, help="total cases (default 2000)")
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     ap.add_argument("--kind", action="append", help="only these mutation kinds (repeatable)")
+    ap.add_argument("--max-address-space", type=float, default=4.0, metavar="GIB",
+                    help="cap the process's address space (RLIMIT_AS, GiB; 0 = no cap) so that a runaway "
+                         "allocation fails the case instead of exhausting the machine (default 4)")
     args = ap.parse_args()
+    if args.max_address_space > 0:
+        import resource
+
+        cap = int(args.max_address_space * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     sys.path.insert(0, str(ROOT))
     from tests.fuzzing import CI_CASES, KINDS, OUTCOMES, property_test
 

@@ -44,11 +44,13 @@ from .malformed import convert
 
 FIXTURES = Path(__file__).parent / "fixtures"
 #: Seed files: every single-layer fixture (nf4/fp4, nested or not, every dtype and blocksize) and
-#: the real Hub slices (4-bit only: LLM.int8 conversion is another issue's).
+#: the real Hub slices (4-bit and LLM.int8).
 SEED_FILES: list[Path] = sorted((FIXTURES / "single").glob("*.q.safetensors")) + sorted(
-    p for p in (FIXTURES / "peer").glob("*.q.safetensors") if "int8" not in p.name
-)
+    (FIXTURES / "peer").glob("*.q.safetensors"))
+SEED_4BIT = [p for p in SEED_FILES if "int8" not in p.name]
 SEED_DIR = FIXTURES / "models" / "llama_nf4_dq_sharded"
+#: A torch.save zip written by torch itself (the same layer as its .q.safetensors).
+SEED_PT = FIXTURES / "single" / "nf4_bs32_dq_bfloat16_37x51_normal.q.pt"
 #: kind -> Counter of outcomes ("ok" or the rule id of the error).
 OUTCOMES: dict[str, Counter[str]] = defaultdict(Counter)
 #: Seconds after which one case counts as a hang (a guard, not a speed test: cases take milliseconds).
@@ -116,8 +118,8 @@ HOSTILE = st.one_of(
 )
 
 
-def _pick_seed(data: st.DataObject) -> bytes:
-    return seed_bytes(data.draw(st.sampled_from(SEED_FILES), label="seed"))
+def _pick_seed(data: st.DataObject, seeds: list[Path] | None = None) -> bytes:
+    return seed_bytes(data.draw(st.sampled_from(seeds or SEED_FILES), label="seed"))
 
 
 def _header_len(raw: bytes) -> int:
@@ -199,7 +201,7 @@ def mut_header_json(data: st.DataObject) -> bytes:
 
 
 def mut_quant_state(data: st.DataObject) -> bytes:
-    raw = _pick_seed(data)
+    raw = _pick_seed(data, SEED_4BIT)
     meta, tensors = tensors_of(raw)
     key = next(k for k in tensors if ".quant_state." in k)
     code, shape, blob = tensors[key]
@@ -310,6 +312,45 @@ def mut_directory(data: st.DataObject, root: Path) -> None:
         shutil.copy(shards[0], root / "model-00005-of-00005.safetensors")
 
 
+def mut_torch_pickle(data: st.DataObject) -> bytes:
+    """Damage a real torch.save zip: its pickle (re-zipped with a valid CRC, so the unpickler sees the
+    damage), its byteorder/storage records, raw bytes anywhere, or truncate it."""
+    import io
+    import zipfile
+
+    raw = seed_bytes(SEED_PT)
+    op = data.draw(st.sampled_from(["pickle", "pickle", "pickle", "record", "anywhere", "truncate"]), label="op")
+    if op == "truncate":
+        return raw[: data.draw(st.integers(0, len(raw) - 1), label="length")]
+    if op == "anywhere":
+        buf = bytearray(raw)
+        for _ in range(data.draw(st.integers(1, 4), label="flips")):
+            buf[data.draw(st.integers(0, len(buf) - 1), label="pos")] ^= data.draw(st.integers(1, 255), label="xor")
+        return bytes(buf)
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        members = [(i.filename, zf.read(i)) for i in zf.infolist()]
+    names = [n for n, _ in members]
+    target = (next(n for n in names if n.endswith("/data.pkl")) if op == "pickle"
+              else data.draw(st.sampled_from(names), label="member"))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, blob in members:
+            if name == target:
+                buf = bytearray(blob)
+                how = data.draw(st.sampled_from(["flip", "flip", "cut", "drop"]), label="how")
+                if how == "drop":
+                    continue
+                if how == "cut" or not buf:
+                    buf = buf[: data.draw(st.integers(0, max(0, len(buf) - 1)), label="length")]
+                else:
+                    for _ in range(data.draw(st.integers(1, 3), label="flips")):
+                        i = data.draw(st.integers(0, len(buf) - 1), label="pos")
+                        buf[i] = data.draw(st.integers(0, 255), label="byte")
+                blob = bytes(buf)
+            zf.writestr(name, blob)
+    return out.getvalue()
+
+
 FILE_KINDS: dict[str, Callable[[st.DataObject], bytes]] = {
     "header-bytes": mut_header_flip,
     "data-bytes": mut_data_flip,
@@ -317,11 +358,12 @@ FILE_KINDS: dict[str, Callable[[st.DataObject], bytes]] = {
     "header-json": mut_header_json,
     "quant-state-json": mut_quant_state,
     "tensors": mut_tensors,
+    "torch-pickle": mut_torch_pickle,
 }
 KINDS = [*FILE_KINDS, "directory"]
 #: Cases per kind in CI (tests/test_fuzz.py): 2,120 in all.
-CI_CASES = {"header-bytes": 400, "data-bytes": 400, "truncate": 300, "header-json": 400,
-            "quant-state-json": 400, "tensors": 160, "directory": 60}
+CI_CASES = {"header-bytes": 360, "data-bytes": 360, "truncate": 260, "header-json": 360,
+            "quant-state-json": 360, "tensors": 160, "torch-pickle": 200, "directory": 60}
 
 
 # ------------------------------------------------------------------------------------ the oracle
@@ -393,11 +435,37 @@ def reference_4bit(inp: dict[str, Raw], name: str, state: dict[str, Any]) -> Raw
     return (_OUT_CODE[dtype], list(state["shape"]), y.tobytes())
 
 
-def check_output(src: Path, out: Path) -> None:
-    """A successful conversion must equal the reference computed from the (mutated) input."""
+def reference_int8(inp: dict[str, Raw], name: str, out_code: str) -> Raw:
+    """bnb-format.md section 4: ``dtype(fp32(fp32(int8 * SCB[row]) * fp32(1/127)))``."""
+    code, shape, raw = inp[name]
+    w = np.frombuffer(raw, dtype=np.int8).reshape(shape).astype(np.float32)
+    scb = _floats(inp[name[: -len(".weight")] + ".SCB"])
+    with np.errstate(all="ignore"):
+        y = ((w * scb[:, None]).astype(np.float32) * np.float32(7.874015718698502e-3)).astype(np.float32)
+    out_name = {v: k for k, v in _OUT_CODE.items()}[out_code]
+    return (out_code, list(shape), y.astype(_ROUND[out_name]).tobytes())
+
+
+def read_input(src: Path) -> dict[str, Raw]:
+    """The input's tensors: safetensors through :func:`read_raw`; a torch pickle through our reader
+    (the container is not under test there, only that every outcome is clean)."""
+    if src.suffix == ".pt":
+        from formats.torch_pickle import TorchPickleReader
+
+        r = TorchPickleReader(src)
+        try:
+            return {n: (i.dtype.code, list(i.shape), bytes(r.raw(n))) for n, i in r.tensors.items()}
+        finally:
+            r.close()
     inp: dict[str, Raw] = {}
     for f in ([src] if src.is_file() else sorted(src.glob("*.safetensors"))):
         inp.update(read_raw(f))
+    return inp
+
+
+def check_output(src: Path, out: Path) -> None:
+    """A successful conversion must equal the reference computed from the (mutated) input."""
+    inp = read_input(src)
     got: dict[str, Raw] = {}
     for f in ([out] if out.is_file() else sorted(out.glob("*.safetensors"))):
         got.update(read_raw(f))
@@ -407,9 +475,16 @@ def check_output(src: Path, out: Path) -> None:
             states[k.split(".quant_state.")[0]] = json.loads(v[2])
     companions = {f"{w}.{c}" for w in states for c in ("absmax", "quant_map", "nested_absmax", "nested_quant_map")}
     companions |= {k for k in inp if ".quant_state." in k}
+    int8 = {k[: -len(".SCB")] + ".weight" for k in inp if k.endswith(".SCB")}
+    companions |= {w[: -len(".weight")] + ".SCB" for w in int8} | {w + "_format" for w in int8}
     assert set(got) == set(inp) - companions, (sorted(got), sorted(inp))
     for name, t in got.items():
-        want = reference_4bit(inp, name, states[name]) if name in states else inp[name]
+        if name in states:
+            want = reference_4bit(inp, name, states[name])
+        elif name in int8:
+            want = reference_int8(inp, name, t[0])
+        else:
+            want = inp[name]
         assert t[0] == want[0] and list(t[1]) == list(want[1]), (name, t[:2], want[:2])
         if name in states and states[name].get("nested_dtype", "float32").removeprefix("torch.") != "float32":
             continue  # a nested_dtype other than float32 has no bnb-written fixture to pin its roundings
@@ -448,7 +523,7 @@ def run_one(kind: str, data: st.DataObject) -> str:
             shutil.copytree(SEED_DIR, src)
             mut_directory(data, src)
         else:
-            src = work / "in" / "model.safetensors"
+            src = work / "in" / ("model.pt" if kind == "torch-pickle" else "model.safetensors")
             src.parent.mkdir()
             src.write_bytes(FILE_KINDS[kind](data))
         return judge(kind, src, work)
