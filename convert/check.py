@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from formats.bnb import Int8Layer, QuantizedLayer, group_layers
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError
+from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
 
 from .cli import SUBCOMMANDS
 from .plan import Dequant4Source
@@ -40,6 +42,7 @@ class CheckReport:
         layers_4bit: 4-bit layers that passed every BNB rule.
         layers_int8: LLM.int8 layers that passed.
         plain: tensors that are not part of a bnb layer.
+        notes: what is unusual but accepted (e.g. a BF16 absmax written by bnb's CPU path).
     """
 
     source: str
@@ -49,6 +52,7 @@ class CheckReport:
     layers_4bit: int = 0
     layers_int8: int = 0
     plain: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -66,11 +70,12 @@ class CheckReport:
             "layers_int8": self.layers_int8,
             "plain": self.plain,
             "problems": [p.to_dict() for p in self.problems],
+            "notes": list(self.notes),
         }
 
     def describe(self) -> str:
         """One line per problem, then a summary line."""
-        lines = [str(p) for p in self.problems]
+        lines = [str(p) for p in self.problems] + [f"note: {n}" for n in self.notes]
         counts = (f"{self.files} file{'s' * (self.files != 1)}, {self.tensors} tensors, "
                   f"{self.layers_4bit} 4-bit layers, {self.layers_int8} int8 layers, {self.plain} plain tensors")
         if self.ok:
@@ -118,7 +123,22 @@ def check_source(path: str | os.PathLike[str]) -> CheckReport:
                     continue
                 report.layers_4bit += 1
             elif isinstance(layer, Int8Layer):
+                scb = np.asarray(layer.scb.array(), dtype=np.float32).reshape(-1)
+                finite = np.isfinite(scb)
+                if not finite.all():  # BNB-012, as the conversion checks it
+                    j = int(np.argmin(finite))
+                    problems.append(NonFiniteAbsmaxError(
+                        "SCB must be finite", path=layer.scb.file, tensor=layer.scb.name,
+                        expected="finite values", found=f"{scb[j]} at row {j}",
+                    ))
+                    continue
                 report.layers_int8 += 1
+        seen: set[str] = set()
+        for layer in layers.values():
+            for w in getattr(layer, "warnings", ()):
+                if w not in seen:
+                    seen.add(w)
+                    report.notes.append(f"{w} (e.g. {layer.name})")
     return report
 
 

@@ -437,7 +437,8 @@ class TorchPickleReader:
     # ----------------------------------------------------------------------------------- loading
 
     def _fail(self, rule: str, message: str, tensor: str | None = None, **kw: Any) -> TorchPickleError:
-        cls = all_rules().get(rule, TorchPickleError)  # one subclass per rule (formats/errors.py)
+        found = all_rules().get(rule)  # one subclass per rule (formats/errors.py)
+        cls = found if found is not None and issubclass(found, TorchPickleError) else TorchPickleError
         return cls(message, path=self._spath, tensor=tensor, rule=rule, **kw)
 
     def _unpickle(self, f: BinaryIO, storage_for: Any) -> Any:

@@ -192,3 +192,17 @@ def test_check_nested_layer_ok(tmp_path: Path) -> None:
     rep = check_source(one_file(VN)(tmp_path))
     assert rep.ok and rep.layers_4bit == 1, [str(p) for p in rep.problems]
     assert W in VN
+
+
+def test_check_int8_scb_not_finite_and_layer_notes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = "model.layers.0.mlp.up_proj"
+    bf16_absmax = layer(prefix="b.weight")
+    bf16_absmax["b.weight.absmax"] = ("BF16", [2], b"\x80\x3f\x00\x40")  # 1.0, 2.0 as bfloat16
+    src = one_file({f"{p}.weight": ("I8", [2, 2], bytes(4)), f"{p}.SCB": ("F32", [2], f32([1, float("nan")])),
+                    **bf16_absmax})(tmp_path)
+    assert main(["check", str(src), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert [(p_["rule"], p_["tensor"], p_["found"]) for p_ in data["problems"]] == [
+        ("BNB-012", f"{p}.SCB", "nan at row 1")]
+    assert data["layers_4bit"] == 1 and data["layers_int8"] == 0
+    assert len(data["notes"]) == 1 and "absmax is stored as bfloat16" in data["notes"][0]
