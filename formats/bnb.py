@@ -419,7 +419,8 @@ def parse_quant_state(
         or not shape
         or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
     ):
-        raise _err(QuantShapeError, source, weight, "shape must be a non-empty list of positive integers", found=shape)
+        raise _err(QuantShapeError, source, weight, "shape must be a non-empty list of positive integers",
+                   expected="[d0, d1, ...] with integers > 0", found=shape)
     nested_keys = [k for k in ("nested_blocksize", "nested_dtype", "nested_offset") if k in fields]
     if not nested_keys:
         return QuantState(qt, bs, dt, tuple(shape))
