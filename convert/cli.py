@@ -99,6 +99,10 @@ EXTRA_TARGETS: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any]]] = 
 PARSER_HOOKS: list[Callable[[argparse.ArgumentParser], None]] = []
 #: Functions ``(args, plan) -> plan`` applied after planning (e.g. LoRA merge).
 PLAN_HOOKS: list[Callable[[argparse.Namespace, Any], Any]] = []
+#: Functions ``(args)`` that validate option combinations before anything is opened.
+CHECK_HOOKS: list[Callable[[argparse.Namespace], None]] = []
+#: Functions ``(args, plan, summary)`` called after a run (e.g. the LoRA merge report); may add to summary.
+RESULT_HOOKS: list[Callable[[argparse.Namespace, Any, dict[str, Any]], None]] = []
 
 
 def _human(n: float) -> str:
@@ -136,6 +140,8 @@ def _convert(args: argparse.Namespace) -> int:
     src = Path(args.src)
     if not src.exists():
         raise SourceNotFoundError("SRC does not exist", path=src, hint="give a .safetensors file or a model directory")
+    for check in CHECK_HOOKS:
+        check(args)
     with open_checkpoint(src) as ckpt:
         if args.to in EXTRA_TARGETS:
             summary = EXTRA_TARGETS[args.to](args, ckpt)
@@ -154,6 +160,8 @@ def _convert(args: argparse.Namespace) -> int:
                 plan, out, threads=args.threads, max_memory=args.max_memory, overwrite=args.overwrite,
                 progress=not args.quiet and not args.json and sys.stderr.isatty(), verify=args.verify,
             ).to_dict()
+            for result_hook in RESULT_HOOKS:
+                result_hook(args, plan, summary)
     if args.json:
         print(json.dumps(summary, indent=2))
     elif not args.quiet:
@@ -230,7 +238,7 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = ["convert.check"]
+PLUGINS: list[str] = ["convert.lora_cli", "convert.check"]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,8 +22,14 @@ from typing import Any
 __all__ = [
     "AbsmaxCountError",
     "AbsmaxDtypeError",
+    "AdapterConfigError",
+    "AdapterConfigValueError",
+    "AdapterError",
+    "AdapterKeyNameError",
+    "AdapterTargetMissingError",
     "BlocksizeError",
     "BnbLayerError",
+    "ByteOrderError",
     "ByteSpanError",
     "CheckpointError",
     "ConfigJsonError",
@@ -32,25 +38,31 @@ __all__ = [
     "DataGapError",
     "DataOffsetsError",
     "DiskSpaceError",
+    "DuplicateAdapterTargetError",
     "DuplicateTensorError",
     "FileTooShortError",
     "HeaderJsonError",
     "HeaderTooLargeError",
+    "IncompleteLoraModuleError",
     "IndexJsonError",
     "IndexTensorMissingError",
     "Int8LayoutError",
     "Int8WeightFormatError",
     "LegacyQuantStateError",
+    "LoraShapeError",
     "MalformedPickleError",
     "MetadataError",
     "MissingComponentError",
     "MissingShardError",
+    "ModulesToSaveMismatchError",
     "NestedAbsmaxError",
     "NestedFieldsError",
     "NestedQuantMapError",
+    "NoAdapterWeightsError",
     "NoWeightsError",
     "NonContiguousTensorError",
     "NonFiniteAbsmaxError",
+    "NotLoraAdapterError",
     "NotSafetensorsError",
     "NotStateDictError",
     "NotTorchCheckpointError",
@@ -59,7 +71,6 @@ __all__ = [
     "OutputInsideInputError",
     "PackedSizeError",
     "PickleTooLargeError",
-    "ByteOrderError",
     "QuantDtypeError",
     "QuantMapError",
     "QuantShapeError",
@@ -79,7 +90,9 @@ __all__ = [
     "UnindexedTensorError",
     "UnknownDtypeError",
     "UnsafePickleError",
+    "UnsupportedAdapterConfigError",
     "UnsupportedError",
+    "UntargetedModuleError",
     "UsageError",
     "VerificationError",
     "all_rules",
@@ -108,6 +121,17 @@ class ConvertBnbError(Exception):
     default_rule: str | None = None
     advice: str = ""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ConvertBnbError:
+        # ``FamilyError(..., rule="X-007")`` builds the one subclass that stands for rule X-007, so code
+        # that names the rule on a family class still raises the precise class
+        rule = kwargs.get("rule")
+        if rule is not None:
+            sub = all_rules().get(rule)
+            if sub is not None and sub is not cls and issubclass(sub, cls):
+                cls = sub
+        base: Any = OSError if issubclass(cls, OSError) else BaseException
+        return base.__new__(cls, *args)  # type: ignore[no-any-return]
+
     def __init__(
         self,
         message: str,
@@ -129,6 +153,7 @@ class ConvertBnbError(Exception):
         self.hint = hint
         self.action = action
         super().__init__(self._render())
+        self.args = (self._render(),)  # OSError subclasses keep their own args otherwise
 
     def _render(self) -> str:
         parts: list[str] = []
@@ -194,7 +219,7 @@ def all_rules() -> dict[str, type[ConvertBnbError]]:
         todo.extend(cls.__subclasses__())
         if cls.default_rule is not None and cls.default_rule not in out:
             out[cls.default_rule] = cls
-    prefixes = ["ST", "PT", "CKPT", "BNB", "OUT", "USE", "UNS"]
+    prefixes = ["ST", "PT", "CKPT", "BNB", "LORA", "OUT", "USE", "UNS"]
 
     def key(rule: str) -> tuple[int, str]:
         prefix = rule.split("-")[0]
@@ -626,6 +651,99 @@ class ConflictingQuantStateError(BnbLayerError):
 
     default_rule = "BNB-019"
     advice = "The layer's QuantState entries contradict each other: download the checkpoint again."
+
+
+# ------------------------------------------------------------------------------------- LoRA adapters
+
+
+class AdapterError(ConvertBnbError, ValueError):
+    """A PEFT adapter breaks a LORA-xxx rule: its config, its keys, or its fit to the base model."""
+
+    advice = "The adapter does not fit this base model or is damaged (see the rule)."
+
+
+class AdapterConfigError(AdapterError):
+    """adapter_config.json is missing, not valid JSON, or not a JSON object."""
+
+    default_rule = "LORA-001"
+    advice = "Point --merge-lora at the adapter directory PEFT saved (`save_pretrained`), with adapter_config.json."
+
+
+class NotLoraAdapterError(AdapterError):
+    """The adapter is not a LoRA adapter (peft_type is not LORA)."""
+
+    default_rule = "LORA-002"
+    advice = "Only LoRA adapters (and rsLoRA, DoRA) can be merged; merge other PEFT types with PEFT itself."
+
+
+class UnsupportedAdapterConfigError(AdapterError, UnsupportedError):
+    """A config key that changes the merge has a value convert-bnb does not implement."""
+
+    default_rule = "LORA-003"
+    advice = 'The message names the key and the supported values; merge this adapter with PEFT, or open an issue.'
+
+
+class AdapterConfigValueError(AdapterError):
+    """A config value has the wrong type or range (r, lora_alpha, patterns, target_modules, ...)."""
+
+    default_rule = "LORA-004"
+    advice = 'Fix the named key in adapter_config.json (as PEFT would write it) or get the adapter again.'
+
+
+class NoAdapterWeightsError(AdapterError):
+    """The adapter directory holds no adapter weights."""
+
+    default_rule = "LORA-005"
+    advice = 'The adapter download is incomplete: fetch adapter_model.safetensors (or adapter_model.bin).'
+
+
+class AdapterKeyNameError(AdapterError):
+    """An adapter key lacks the ``base_model.model.`` prefix or a known LoRA suffix."""
+
+    default_rule = "LORA-006"
+    advice = "The adapter was not saved by PEFT or its keys were renamed; re-save it with PEFT's save_pretrained."
+
+
+class AdapterTargetMissingError(AdapterError):
+    """An adapter key lands on no tensor of the base model."""
+
+    default_rule = "LORA-007"
+    advice = 'The adapter was trained on another base model: merge it into the model it was trained on.'
+
+
+class IncompleteLoraModuleError(AdapterError):
+    """A targeted module lacks lora_A, lora_B (or its DoRA magnitude vector)."""
+
+    default_rule = "LORA-008"
+    advice = 'The adapter is incomplete: download it again.'
+
+
+class UntargetedModuleError(AdapterError):
+    """The adapter holds LoRA weights for a module its config does not target."""
+
+    default_rule = "LORA-009"
+    advice = "The adapter's config and weights disagree: download the adapter again or fix target_modules."
+
+
+class LoraShapeError(AdapterError):
+    """LoRA shapes do not fit: A [r, in], B [out, r], r as configured, the base [out, in]."""
+
+    default_rule = "LORA-010"
+    advice = 'The adapter was trained on another base model or another rank: merge it into the model it was trained on.'
+
+
+class DuplicateAdapterTargetError(AdapterError):
+    """Two adapter keys land on the same base tensor."""
+
+    default_rule = "LORA-011"
+    advice = 'The adapter file is damaged or hand-edited: download it again.'
+
+
+class ModulesToSaveMismatchError(AdapterError):
+    """A module's ``modules_to_save`` copy differs from its saved tensor."""
+
+    default_rule = "LORA-012"
+    advice = 'The adapter file is inconsistent: download it again.'
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -8,6 +8,8 @@ realistic absmax (0.03..0.07 around a 0.05 offset), as many blocks as fit the si
     python scripts/bench.py kernel                       # the kernel alone, in memory
     python scripts/bench.py make --packed-gb 2 --dir bench-data/2g
     python scripts/bench.py convert --dir bench-data/2g --max-memory 512MiB [--to bf16] [--cp]
+    python scripts/bench.py make-lora --model bench-data/2g --dir bench-data/2g-lora64 --rank 64
+    python scripts/bench.py convert --dir bench-data/2g --max-memory 512MiB --merge-lora bench-data/2g-lora64
 
 `convert` runs `convert-bnb` in a subprocess (so peak RSS is the conversion's own), prints G elements/s,
 GB/s written and peak RSS, and with --cp also times `cp` + `sync` of a file of the output's size on the
@@ -130,6 +132,35 @@ def make(packed_gb: float, out_dir: Path) -> None:
                       "file_bytes": path.stat().st_size, "elements": packed * 2}))
 
 
+def make_lora(model_dir: Path, out_dir: Path, rank: int) -> None:
+    """A PEFT LoRA adapter of rank ``rank`` on every linear layer of a `make` model (fp32 A and B)."""
+    n_blocks = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f32 = BY_CODE["F32"]
+    entries = []
+    for b in range(n_blocks):
+        for k, (rows, cols) in SHAPES.items():
+            p = f"base_model.model.model.layers.{b}.{k}"
+            entries += [(f"{p}.lora_A.weight", f32, (rank, cols)), (f"{p}.lora_B.weight", f32, (rows, rank))]
+    path = out_dir / "adapter_model.safetensors"
+    if path.exists():
+        path.unlink()
+    rng = np.random.default_rng(1)
+    pool = (rng.standard_normal(1 << 22) * 0.01).astype(np.float32)
+    w = SafetensorsWriter(path, entries, {"format": "pt"})
+    for _name, _dt, (r, c) in entries:
+        left = r * c
+        while left:
+            take = min(left, pool.size)
+            w.write(pool[:take])
+            left -= take
+    w.close(fsync=False)
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(
+        k.split(".")[-1] for k in SHAPES), "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    print(json.dumps({"made": str(out_dir), "rank": rank, "blocks": n_blocks, "bytes": path.stat().st_size}))
+
+
 def kernel(n_elem: int, threads: int) -> dict:
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, n_elem // 2, dtype=np.uint8)
@@ -157,12 +188,14 @@ def kernel(n_elem: int, threads: int) -> dict:
             "gelem_per_s": round(n_elem / best / 1e9, 3)}
 
 
-def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int | None, keep: bool) -> None:
+def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int | None, keep: bool,
+            merge_lora: Path | None = None) -> None:
     out = src_dir.parent / f"{src_dir.name}-out-{to}"
     if out.exists():
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "convert", str(src_dir), "--to", to, "-o", str(out), "--max-memory", max_memory,
-           "--json"] + (["--threads", str(threads)] if threads else [])
+           "--json"] + (["--threads", str(threads)] if threads else []) + (
+               ["--merge-lora", str(merge_lora)] if merge_lora else [])
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -173,7 +206,8 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
     summary = json.loads(proc.stdout)
     child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     out_bytes = summary["bytes_out"]
-    res = {"bench": "convert", "to": to, "max_memory": max_memory, "wall_s": round(wall, 2),
+    res = {"bench": "convert" + ("+lora" if merge_lora else ""), "to": to, "max_memory": max_memory,
+           "wall_s": round(wall, 2),
            "elements": summary["elements"], "gelem_per_s": round(summary["elements"] / wall / 1e9, 3),
            "gb_per_s_written": round(out_bytes / wall / 1e9, 3), "out_bytes": out_bytes,
            "peak_rss_mib": round(max(child_rss, summary["peak_rss_bytes"]) / 2**20, 1)}
@@ -239,6 +273,11 @@ def main() -> None:
     c.add_argument("--threads", type=int)
     c.add_argument("--cp", action="store_true")
     c.add_argument("--keep", action="store_true")
+    c.add_argument("--merge-lora", type=Path, help="an adapter from `make-lora`, merged during the conversion")
+    ml = sub.add_parser("make-lora", help="a synthetic rank-R LoRA adapter on every linear layer of a `make` model")
+    ml.add_argument("--model", type=Path, required=True)
+    ml.add_argument("--dir", type=Path, required=True)
+    ml.add_argument("--rank", type=int, default=64)
     h = sub.add_parser("transformers", help="time transformers from_pretrained -> dequantize -> save_pretrained")
     h.add_argument("--dir", type=Path, required=True)
     h.add_argument("--threads", type=int, default=2)
@@ -250,8 +289,10 @@ def main() -> None:
             print(json.dumps(kernel(a.elements, th)))
     elif a.cmd == "transformers":
         hf_baseline(a.dir, a.threads)
+    elif a.cmd == "make-lora":
+        make_lora(a.model, a.dir, a.rank)
     else:
-        convert(a.dir, a.max_memory, a.to, a.cp, a.threads, a.keep)
+        convert(a.dir, a.max_memory, a.to, a.cp, a.threads, a.keep, a.merge_lora)
 
 
 if __name__ == "__main__":

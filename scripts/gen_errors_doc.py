@@ -28,6 +28,8 @@ FAMILIES = [
     ("BNB", "bitsandbytes layers", "Checked when the layers are grouped (every 4-bit weight with its "
      "absmax, quant_map and QuantState; every LLM.int8 weight with SCB and weight_format) and, for BNB-012, "
      "when the absmax is resolved."),
+    ("LORA", "LoRA adapters (--merge-lora)", "Checked when an adapter is opened (config, keys, pairs, shapes) and "
+     "when it is matched against the base model, before anything is written."),
     ("OUT", "output", "Checked before and after writing. The output is written under a temporary name "
      "(`.NAME.convert-bnb-tmp-PID`) beside it and renamed only when complete and verified."),
     ("USE", "usage", "The command line asks for something that cannot be done."),

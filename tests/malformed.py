@@ -363,6 +363,68 @@ def _legacy_state_bad_absmax(d: Path) -> Path:
                                               f"{W}.quant_state": state})
 
 
+# ---- LoRA adapters: the repo's real PEFT adapter, damaged; merged into the tiny llama fixture
+BASE_MODEL = FIXTURES / "models" / "llama_nf4_dq"
+ADAPTER = FIXTURES / "lora" / "adapter"
+LP = "base_model.model."
+LQ = f"{LP}model.layers.0.self_attn.q_proj"
+
+
+def adapter_tensors() -> dict[str, Tensor]:
+    raw = (ADAPTER / "adapter_model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]])
+            for k, v in header.items()}
+
+
+def adapter(config: dict[str, Any] | None = None, tensors: dict[str, Tensor] | None = None,
+            write_config: bool = True, write_weights: bool = True) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        a = d / "adapter"
+        a.mkdir(parents=True, exist_ok=True)
+        if write_config:
+            cfg = json.loads((ADAPTER / "adapter_config.json").read_text())
+            cfg.update(config or {})
+            (a / "adapter_config.json").write_text(json.dumps(cfg))
+        if write_weights:
+            (a / "adapter_model.safetensors").write_bytes(
+                st_bytes(adapter_tensors() if tensors is None else tensors, {"format": "pt"}))
+        return a
+
+    return build
+
+
+def merge(src: Path, out: Path) -> None:
+    """``convert-bnb BASE --to bf16 --merge-lora SRC``; --debug lets the error through."""
+    from convert.cli import main
+
+    main([str(BASE_MODEL), "--to", "bf16", "--merge-lora", str(src), "-o", str(out), "-q", "--debug"])
+
+
+MERGE_ARGV = [str(BASE_MODEL), "--to", "bf16", "--merge-lora", "{src}", "-o", "{out}", "-q"]
+
+
+def _lora(name: str, shape: list[int]) -> Tensor:
+    return ("F32", shape, f32(np.full(shape, 0.01)))
+
+
+def _rank4() -> dict[str, Tensor]:
+    t = adapter_tensors()
+    a = np.frombuffer(t[f"{LQ}.lora_A.weight"][2], dtype="<f4").reshape(8, 256)[:4]
+    b = np.frombuffer(t[f"{LQ}.lora_B.weight"][2], dtype="<f4").reshape(256, 8)[:, :4]
+    t[f"{LQ}.lora_A.weight"] = ("F32", [4, 256], f32(a))
+    t[f"{LQ}.lora_B.weight"] = ("F32", [256, 4], f32(np.ascontiguousarray(b)))
+    return t
+
+
+def _lm_head_copy_differs() -> dict[str, Tensor]:
+    head = np.zeros((1000, 256), dtype=np.float32)
+    return {**adapter_tensors(), f"{LP}lm_head.weight": ("F32", [1000, 256], f32(head)),
+            f"{LP}lm_head.modules_to_save.weight": ("F32", [1000, 256], f32(head + 1))}
+
+
 # a GLOBAL opcode naming os.system, as a hostile pickle would (never imported, never called)
 SYSTEM_PICKLE = b"\x80\x02cposix\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03."
 
@@ -535,6 +597,36 @@ CASES: list[Case] = [
          one_file({**V, f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
     Case("key-fp4-json-nf4", E.ConflictingQuantStateError, ["BNB-019", "expected 'fp4', found 'nf4'"],
          one_file({**without(V, QS), f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
+    # ---- LoRA adapters (--merge-lora)
+    Case("lora-no-config", E.AdapterConfigError, ["LORA-001", "adapter"], adapter(write_config=False), run=merge,
+         argv=MERGE_ARGV),
+    Case("lora-ia3", E.NotLoraAdapterError, ["LORA-002", "only LoRA adapters"], adapter({"peft_type": "IA3"}),
+         run=merge, argv=MERGE_ARGV),
+    Case("lora-qalora", E.UnsupportedAdapterConfigError, ["LORA-003", "config key 'use_qalora'"],
+         adapter({"use_qalora": True}), run=merge, argv=MERGE_ARGV),
+    Case("lora-r-0", E.AdapterConfigValueError, ["LORA-004", "config key 'r'"], adapter({"r": 0}), run=merge,
+         argv=MERGE_ARGV),
+    Case("lora-no-weights", E.NoAdapterWeightsError, ["LORA-005", "adapter_model.safetensors"],
+         adapter(write_weights=False), run=merge, argv=MERGE_ARGV),
+    Case("lora-adalora-key", E.AdapterKeyNameError, ["LORA-006", f"'{LQ}.lora_E'"],
+         adapter(tensors={**adapter_tensors(), f"{LQ}.lora_E": _lora("e", [8, 1])}), run=merge, argv=MERGE_ARGV),
+    Case("lora-layer-5", E.AdapterTargetMissingError,
+         ["LORA-007", f"'{LP}model.layers.5.self_attn.q_proj.lora_A.weight'", "matches no tensor of the base model"],
+         adapter(tensors={**adapter_tensors(),
+                          f"{LP}model.layers.5.self_attn.q_proj.lora_A.weight": _lora("a", [8, 256]),
+                          f"{LP}model.layers.5.self_attn.q_proj.lora_B.weight": _lora("b", [256, 8])}),
+         run=merge, argv=MERGE_ARGV),
+    Case("lora-missing-b", E.IncompleteLoraModuleError, ["LORA-008", "lora_B.weight is missing"],
+         adapter(tensors=without(adapter_tensors(), f"{LQ}.lora_B.weight")), run=merge, argv=MERGE_ARGV),
+    Case("lora-untargeted-v-proj", E.UntargetedModuleError, ["LORA-009", "v_proj.lora_A.weight"],
+         adapter({"target_modules": ["q_proj"]}), run=merge, argv=MERGE_ARGV),
+    Case("lora-rank-4-of-8", E.LoraShapeError, ["LORA-010", "differs from the config (expected 8, found 4)"],
+         adapter(tensors=_rank4()), run=merge, argv=MERGE_ARGV),
+    Case("lora-mixed-embedding-keys", E.DuplicateAdapterTargetError, ["LORA-011", "mixes lora_A/B"],
+         adapter(tensors={**adapter_tensors(), f"{LQ}.lora_embedding_A": _lora("e", [8, 256])}), run=merge,
+         argv=MERGE_ARGV),
+    Case("lora-modules-to-save-copy-differs", E.ModulesToSaveMismatchError, ["LORA-012"],
+         adapter({"modules_to_save": ["lm_head"]}, tensors=_lm_head_copy_differs()), run=merge, argv=MERGE_ARGV),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),
          run=_existing_output, argv=None),

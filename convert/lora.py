@@ -1,0 +1,605 @@
+"""Merging PEFT LoRA adapters into dequantized weights, streamed by row ranges.
+
+The numerics are PEFT's ``merge_and_unload()`` (``safe_merge=False``) on a base model whose weights
+are the dequantized tensors in the output dtype (bnb-format.md section 5), with the adapter weights in
+fp32 (PEFT's default ``autocast_adapter_dtype=True``; BF16/F16 adapter tensors are upcast exactly):
+
+==============  ===========================================================================================
+Linear          ``W' = round(fp32(W) + fp32(B @ A) * fp32(scale))``: one rounding (``lora.Linear.merge``
+                and ``get_delta_weight``: ``(B @ A) * scaling``, then ``weight += delta``).
+fan_in_fan_out  the same with the delta transposed: ``W'[in, out] = round(W + (B @ A).T * scale)``.
+Embedding       ``W' = round(W + round(fp32(B @ A).T * scale))``: PEFT's ``lora.Embedding.merge`` casts the
+                delta to the weight dtype first (``get_delta_weight(...).to(orig_dtype)``), so two roundings.
+DoRA            ``V = fp32(W) + delta``, ``n = ||V||_2`` per output feature, ``W' = round((m / n) * V)``
+                (``DoraLinearVariant.merge_unsafe``; ``n`` over the input axis, i.e. per row of ``W``, or per
+                column when ``fan_in_fan_out``).
+full tensor     ``W' = round(T)``: modules_to_save, an embedding layer PEFT saved (resized vocabulary) or
+                a ``base_layer`` copy replaces the base tensor whole (its shape may differ: reported).
+==============  ===========================================================================================
+
+``round`` is one round-to-nearest-even to the output dtype (:func:`convert.kernels.round_float32`);
+``scale`` is ``lora_alpha / r`` or ``lora_alpha / sqrt(r)`` (rsLoRA), rounded to fp32 by the multiply
+as torch does for a Python scalar. Several adapters are applied in order, each rounding to the
+output dtype, as merging one adapter and then loading the next onto the merged model does.
+
+Bit-exactness of ``B @ A`` versus PEFT: both torch and NumPy call an optimised BLAS sgemm; on the
+machines we tested (OpenBLAS 0.3.31, torch 2.13 CPU) the products agree bit for bit. A BLAS keeps a
+fixed summation order per output element only while the row tiling is the same, so every row range
+is computed inside a range aligned to :data:`ROW_ALIGN` rows from row 0 (and never as a single-row
+product): any chunking gives the same bits as the whole matrix. The DoRA norm follows torch's fp32
+summation order (:func:`dora_norm`), so DoRA merges match PEFT bit for bit as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from formats.checkpoint import TensorRecord
+from formats.errors import AdapterError
+from formats.peft import Adapter
+
+from .kernels import BF16, round_float32
+
+__all__ = [
+    "ROW_ALIGN",
+    "MergeOp",
+    "MergePlan",
+    "MergeStats",
+    "TensorMerge",
+    "dora_norm",
+    "format_table",
+    "lora_delta_rows",
+    "plan_merge",
+]
+
+#: Row ranges of ``B @ A`` are computed inside ranges aligned to this many rows (see module docstring).
+ROW_ALIGN = 64
+
+
+def _dtype(name: np.dtype | str) -> np.dtype:
+    return BF16 if str(name) == "bfloat16" else np.dtype(name)
+
+
+def _f32(rec: TensorRecord) -> npt.NDArray[np.float32]:
+    return np.asarray(rec.array(), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class MergeOp:
+    """One adapter's action on one base tensor.
+
+    Attributes:
+        tensor: the base tensor name.
+        adapter: the adapter directory (as given).
+        kind: ``"lora"``, ``"dora"`` or ``"replace"``.
+        source: ``"lora"``, ``"modules_to_save"``, ``"saved_layer"`` or ``"base_layer"``.
+        layout: ``"linear"`` (W ``[out, in]``), ``"fan_in_fan_out"`` (W ``[in, out]``) or
+            ``"embedding"`` (W ``[num_embeddings, dim]``, delta rounded first).
+        shape: the tensor's shape after this op.
+        rank: r (0 for replace).
+        alpha: lora_alpha (0 for replace).
+        scale: the PEFT scaling (a Python double; 0 for replace).
+        lora_A: ``[r, in]`` record (``[r, num_embeddings]`` for embeddings).
+        lora_B: ``[out, r]`` record (``[dim, r]`` for embeddings).
+        magnitude: DoRA ``[out]`` record.
+        replacement: the full tensor (replace).
+        keys: the adapter keys used.
+    """
+
+    tensor: str
+    adapter: str
+    kind: str
+    source: str
+    layout: str
+    shape: tuple[int, ...]
+    rank: int = 0
+    alpha: float = 0.0
+    scale: float = 0.0
+    lora_A: TensorRecord | None = field(default=None, repr=False)
+    lora_B: TensorRecord | None = field(default=None, repr=False)
+    magnitude: TensorRecord | None = field(default=None, repr=False)
+    replacement: TensorRecord | None = field(default=None, repr=False)
+    keys: tuple[str, ...] = ()
+
+    @property
+    def transposed(self) -> bool:
+        """The delta is ``(B @ A).T`` (fan_in_fan_out and embeddings)."""
+        return self.layout != "linear"
+
+
+def lora_delta_rows(
+    lora_A: npt.NDArray[np.float32],
+    lora_B: npt.NDArray[np.float32],
+    scale: float,
+    start: int,
+    stop: int,
+    transposed: bool = False,
+) -> npt.NDArray[np.float32]:
+    """Rows [start, stop) of the LoRA delta ``(B @ A) * scale`` (or of ``(B @ A).T * scale``).
+
+    Matches PEFT ``lora.Linear.get_delta_weight`` / ``lora.Embedding.get_delta_weight`` for fp32 adapter
+    weights: one fp32 sgemm, then one fp32 multiply by ``fp32(scale)``. The product is computed over a
+    range aligned to :data:`ROW_ALIGN` rows, so the bits do not depend on the chunking.
+
+    Args:
+        lora_A: ``float32[r, in]``.
+        lora_B: ``float32[out, r]``.
+        scale: the LoRA scaling.
+        start, stop: row range of the delta (rows of ``B @ A``, or of its transpose).
+        transposed: return rows of ``(B @ A).T`` (``float32[in, out]`` layout).
+
+    Returns:
+        ``float32[stop - start, in]`` (``[stop - start, out]`` when transposed), C-contiguous.
+    """
+    rows = lora_A.shape[1] if transposed else lora_B.shape[0]
+    a = start - start % ROW_ALIGN
+    b = stop if stop >= rows else min(rows, -(-stop // ROW_ALIGN) * ROW_ALIGN)
+    if b == rows and b - a < ROW_ALIGN and a >= ROW_ALIGN:
+        a -= ROW_ALIGN
+    if transposed:
+        # PEFT transposes B @ A; A.T @ B.T can round differently in a BLAS's edge tiles
+        out = np.ascontiguousarray(np.matmul(lora_B, lora_A[:, a:b])[:, start - a : stop - a].T)
+    else:
+        out = np.matmul(lora_B[a:b], lora_A)[start - a : stop - a]  # row slice of a C-ordered array
+    out *= np.float32(scale)
+    return out
+
+
+#: fp32 lanes of torch's vectorised CPU reduction (AVX2 ``Vectorized<float>``).
+TORCH_LANES = 8
+
+
+def dora_norm(v: npt.NDArray[np.float32], columns: bool = False) -> npt.NDArray[np.float32]:
+    """The L2 norm DoRA divides by, in torch's fp32 summation order.
+
+    ``torch.linalg.norm(V, dim=1)`` on CPU (torch 2.13, AVX2 kernels) sums the fp32 squares of a
+    contiguous row in :data:`TORCH_LANES` lane accumulators (lane ``l`` takes elements ``l, l + 8, ...``,
+    each square rounded, each add rounded), adds the lanes left to right, adds the squares of the
+    ``n % 8`` tail elements one by one with a fused multiply-add, and takes an fp32 square root. For a
+    norm along the stored columns (``fan_in_fan_out``) it accumulates down the rows one by one.
+    This matches PEFT's ``DoraLinearLayer.get_weight_norm`` bit for bit on the shapes tested; on other
+    builds it is within a few fp32 ulps.
+
+    Args:
+        v: ``float32[rows, n]``.
+        columns: norm of each column (``float32[n]``) instead of each row (``float32[rows]``).
+
+    Returns:
+        the norms, float32.
+    """
+    if columns:
+        sq = np.multiply(v, v, dtype=np.float32)
+        return np.sqrt(np.cumsum(sq, axis=0, dtype=np.float32)[-1])
+    rows, n = v.shape
+    nf = n - n % TORCH_LANES
+    if nf:
+        sq = np.multiply(v[:, :nf], v[:, :nf], dtype=np.float32).reshape(rows, nf // TORCH_LANES, TORCH_LANES)
+        lanes = np.cumsum(sq, axis=1, dtype=np.float32)[:, -1, :]
+        s = np.cumsum(lanes, axis=1, dtype=np.float32)[:, -1]
+    else:
+        s = np.zeros(rows, dtype=np.float32)
+    for j in range(nf, n):  # fma emulated in float64 (the product is exact there)
+        x = v[:, j].astype(np.float64)
+        s = (x * x + s.astype(np.float64)).astype(np.float32)
+    return np.sqrt(s)
+
+
+@dataclass
+class _OpStats:
+    delta_sq: float = 0.0
+    base_sq: float = 0.0
+    quant_err_sq: float = 0.0
+    has_original: bool = False
+
+
+class MergeStats:
+    """Per-tensor, per-op figures for the merge report, accumulated over row chunks.
+
+    For each op: ``||B A|| * scale`` (Frobenius norm of the fp32 delta), ``||W||`` of the tensor the
+    op is applied to, their ratio, and, when the original 16-bit weights are given, the quantization
+    error ``||W16 - dequant(W4)||`` of the base.
+    """
+
+    def __init__(self) -> None:
+        self._ops: dict[tuple[str, int], tuple[MergeOp, _OpStats]] = {}
+        self.shape_changes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.notes: list[str] = []
+
+    def _get(self, op: MergeOp, index: int) -> _OpStats:
+        key = (op.tensor, index)
+        if key not in self._ops:
+            self._ops[key] = (op, _OpStats())
+        return self._ops[key][1]
+
+    def add(self, other: MergeStats) -> None:
+        """Add another accumulator's figures (one chunk's) to this one."""
+        for key, (op, st) in other._ops.items():
+            mine = self._get(op, key[1])
+            mine.delta_sq += st.delta_sq
+            mine.base_sq += st.base_sq
+            mine.quant_err_sq += st.quant_err_sq
+            mine.has_original = mine.has_original or st.has_original
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per (tensor, op): tensor, adapter, kind, source, rank, alpha, scale, delta_norm,
+        base_norm, ratio, quant_error (None without an original), quant_error_ratio, shape."""
+        out = []
+        for (_name, _i), (op, st) in self._ops.items():
+            delta = math.sqrt(st.delta_sq)
+            base = math.sqrt(st.base_sq)
+            qerr = math.sqrt(st.quant_err_sq) if st.has_original else None
+            out.append(
+                {
+                    "tensor": op.tensor,
+                    "adapter": op.adapter,
+                    "kind": op.kind,
+                    "source": op.source,
+                    "rank": op.rank,
+                    "lora_alpha": op.alpha,
+                    "scale": op.scale,
+                    "delta_norm": delta if op.kind != "replace" else None,
+                    "base_norm": base,
+                    "ratio": (delta / base if base else None) if op.kind != "replace" else None,
+                    "quant_error": qerr,
+                    "quant_error_over_delta": (qerr / delta if qerr is not None and delta else None),
+                    "shape": list(op.shape),
+                }
+            )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready object (``--report merge.json``)."""
+        return {
+            "tensors": self.rows(),
+            "shape_changes": {
+                k: {"base": list(a), "merged": list(b)} for k, (a, b) in self.shape_changes.items()
+            },
+            "notes": list(self.notes),
+        }
+
+
+def format_table(stats: MergeStats, limit: int | None = None) -> str:
+    """A short fixed-width table of the report (the CLI prints it)."""
+    rows = stats.rows()
+    lines = [
+        f"{'tensor':<48} {'kind':<8} {'r':>4} {'scale':>8} {'|BA|*s':>10} {'|W|':>10} {'ratio':>9} "
+        f"{'|W16-W4|':>10}"
+    ]
+    for row in rows[:limit] if limit else rows:
+
+        def num(v: Any, w: int = 10) -> str:
+            return f"{v:>{w}.4g}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+
+        lines.append(
+            f"{row['tensor'][-48:]:<48} {row['kind']:<8} {row['rank']:>4} {num(row['scale'], 8)} "
+            f"{num(row['delta_norm'])} {num(row['base_norm'])} {num(row['ratio'], 9)} "
+            f"{num(row['quant_error'])}"
+        )
+    if limit and len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more in the JSON report")
+    for name, (a, b) in stats.shape_changes.items():
+        lines.append(f"{name}: shape {list(a)} -> {list(b)} (taken from the adapter)")
+    return "\n".join(lines)
+
+
+class TensorMerge:
+    """Every op that applies to one base tensor, and the row-range merge.
+
+    Attributes:
+        name: the tensor name.
+        base_shape: its shape in the base model.
+        shape: its shape after the merge (differs when the adapter resized the vocabulary).
+        ops: the ops, in order (ops before the last full replacement are already dropped).
+        needs_base: whether the base tensor's values are read (False when the first op replaces it).
+        whole_tensor: whether :meth:`merge_rows` must be given all rows at once (DoRA with
+            fan_in_fan_out normalises over stored columns).
+    """
+
+    def __init__(self, name: str, base_shape: tuple[int, ...], ops: list[MergeOp]) -> None:
+        self.name = name
+        self.base_shape = base_shape
+        self.ops = ops
+        self.shape = ops[-1].shape if ops else base_shape
+        self.needs_base = not ops or ops[0].kind != "replace"
+        self.whole_tensor = any(op.kind == "dora" and op.layout != "linear" for op in ops)
+        self._cache: dict[tuple[int, str], npt.NDArray[np.float32]] = {}
+
+    def __repr__(self) -> str:
+        return f"TensorMerge('{self.name}', {[(op.kind, op.source) for op in self.ops]})"
+
+    def release(self) -> None:
+        """Drop the cached fp32 copies of the adapter tensors and their pages of the adapter file."""
+        self._cache.clear()
+        for op in self.ops:
+            for rec in (op.lora_A, op.lora_B, op.magnitude, op.replacement):
+                if rec is not None:
+                    rec.release()
+
+    def _arr(self, i: int, what: str, rec: TensorRecord) -> npt.NDArray[np.float32]:
+        key = (i, what)
+        if key not in self._cache:
+            self._cache[key] = _f32(rec)
+        return self._cache[key]
+
+    def merge_rows(
+        self,
+        base_rows: np.ndarray | None,
+        start: int,
+        stop: int,
+        out_dtype: np.dtype | str,
+        stats: MergeStats | None = None,
+        original_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Merged rows [start, stop) of the tensor.
+
+        Args:
+            base_rows: rows [start, stop) of the dequantized base, ``[stop - start, *base_shape[1:]]``, in
+                any float dtype (upcast exactly to fp32); None when :attr:`needs_base` is False.
+            start, stop: row range (rows of the merged tensor; ``[0, shape[0])`` when :attr:`whole_tensor`).
+            out_dtype: ``bfloat16``, ``float16`` or ``float32``: the dtype every op rounds to.
+            stats: accumulates the report figures when given.
+            original_rows: the same rows of the original 16-bit model (for the quantization error).
+
+        Returns:
+            ``out_dtype[stop - start, *shape[1:]]``.
+
+        Raises:
+            AdapterError: the rows given do not fit (wrong shape, partial rows for a whole-tensor merge).
+        """
+        dt = _dtype(out_dtype)
+        if self.whole_tensor and (start, stop) != (0, self.shape[0]):
+            raise AdapterError(
+                "DoRA with fan_in_fan_out needs the whole tensor in one piece",
+                tensor=self.name,
+                rule="LORA-010",
+                expected=[0, self.shape[0]],
+                found=[start, stop],
+            )
+        x: np.ndarray | None = None
+        if self.needs_base:
+            if base_rows is None:
+                raise AdapterError("base rows are needed for this merge", tensor=self.name, rule="LORA-010")
+            want = (stop - start, *self.base_shape[1:])
+            if tuple(base_rows.shape) != want:
+                raise AdapterError(
+                    "base rows have the wrong shape",
+                    tensor=self.name,
+                    rule="LORA-010",
+                    expected=list(want),
+                    found=list(base_rows.shape),
+                )
+            x = base_rows
+        for i, op in enumerate(self.ops):
+            st = stats._get(op, i) if stats is not None else None
+            if op.kind == "replace":
+                assert op.replacement is not None
+                rows = np.asarray(op.replacement.array()[start:stop], dtype=np.float32)
+                if st is not None:
+                    st.base_sq += float(np.square(rows, dtype=np.float64).sum())
+                x = round_float32(rows, dt)
+                continue
+            assert x is not None and op.lora_A is not None and op.lora_B is not None
+            w = np.asarray(x, dtype=np.float32)
+            a = self._arr(i, "A", op.lora_A)
+            b = self._arr(i, "B", op.lora_B)
+            delta = lora_delta_rows(a, b, op.scale, start, stop, transposed=op.transposed)
+            if st is not None:
+                st.delta_sq += float(np.square(delta, dtype=np.float64).sum())
+                st.base_sq += float(np.square(w, dtype=np.float64).sum())
+                if original_rows is not None and i == 0:
+                    st.has_original = True
+                    diff = np.asarray(original_rows, dtype=np.float64) - w
+                    st.quant_err_sq += float(np.square(diff).sum())
+            if op.layout == "embedding":
+                delta = np.asarray(round_float32(delta, dt), dtype=np.float32)
+            if op.kind == "dora":
+                assert op.magnitude is not None
+                v = w + delta
+                norm = dora_norm(v, columns=op.transposed)
+                mag = self._arr(i, "m", op.magnitude)
+                factor = (mag if op.transposed else mag[start:stop]) / norm
+                v *= factor[None, :] if op.transposed else factor[:, None]
+                x = round_float32(v, dt)
+            else:
+                delta += w
+                x = round_float32(delta, dt)
+        assert x is not None
+        return x if x.dtype == dt else x.astype(dt)
+
+    def merge(
+        self,
+        base: np.ndarray | None,
+        out_dtype: np.dtype | str,
+        rows_per_chunk: int | None = None,
+        stats: MergeStats | None = None,
+        original: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The whole merged tensor, computed in row chunks (a convenience over :meth:`merge_rows`).
+
+        Args:
+            base: the dequantized base ``[*base_shape]`` (None when not :attr:`needs_base`).
+            out_dtype: output dtype.
+            rows_per_chunk: rows per :meth:`merge_rows` call (default: all).
+            stats: report accumulator.
+            original: the original 16-bit tensor, for the quantization error.
+
+        Returns:
+            ``out_dtype[*shape]``.
+        """
+        rows = self.shape[0]
+        step = rows if rows_per_chunk is None or self.whole_tensor else max(1, rows_per_chunk)
+        out = np.empty(self.shape, dtype=_dtype(out_dtype))
+        for s in range(0, rows, step):
+            e = min(rows, s + step)
+            out[s:e] = self.merge_rows(
+                None if base is None else base[s:e],
+                s,
+                e,
+                out_dtype,
+                stats,
+                None if original is None else original[s:e],
+            )
+        return out
+
+
+@dataclass
+class MergePlan:
+    """What a list of adapters does to a base model.
+
+    Attributes:
+        tensors: base tensor name -> :class:`TensorMerge`, for every tensor an adapter touches.
+        shape_changes: tensor -> (base shape, merged shape) where an adapter's full tensor has another
+            shape (a resized vocabulary).
+        ignored: (adapter, key, reason) for adapter keys read but not merged.
+        adapters: the adapters, in order.
+    """
+
+    tensors: dict[str, TensorMerge]
+    shape_changes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    ignored: list[tuple[str, str, str]]
+    adapters: list[Adapter]
+
+    def get(self, name: str) -> TensorMerge | None:
+        """The merge of tensor ``name``, or None when no adapter touches it."""
+        return self.tensors.get(name)
+
+    def shape_of(self, name: str, base_shape: Sequence[int]) -> tuple[int, ...]:
+        """The tensor's shape after the merge."""
+        tm = self.tensors.get(name)
+        return tm.shape if tm is not None else tuple(base_shape)
+
+    def new_stats(self) -> MergeStats:
+        """A :class:`MergeStats` with this plan's shape changes and notes filled in."""
+        stats = MergeStats()
+        for tm in self.tensors.values():  # report rows in plan order, whatever order chunks finish in
+            for i, op in enumerate(tm.ops):
+                stats._get(op, i)
+        stats.shape_changes = dict(self.shape_changes)
+        for adapter, key, reason in self.ignored:
+            stats.notes.append(f"{adapter}: {key}: {reason}")
+        for ad in self.adapters:
+            if ad.config.target_modules == "all-linear":
+                stats.notes.append(
+                    f"{ad.path}: target_modules='all-linear': the modules with LoRA weights are "
+                    "merged; completeness against the config cannot be checked"
+                )
+        return stats
+
+    def close(self) -> None:
+        """Close every adapter."""
+        for ad in self.adapters:
+            ad.close()
+
+
+def plan_merge(adapters: Sequence[Adapter], base: Mapping[str, Sequence[int]]) -> MergePlan:
+    """Check adapters against a base model and plan the per-tensor merges.
+
+    Args:
+        adapters: opened adapters (:func:`formats.peft.open_adapter`), applied in this order.
+        base: base tensor name -> shape (elements), e.g. from the dequantization plan.
+
+    Returns:
+        a :class:`MergePlan`.
+
+    Raises:
+        AdapterError: LORA-007..LORA-010: a key matching no base tensor, a targeted module without
+            weights, LoRA weights on an untargeted module, shapes that do not fit the base.
+    """
+    shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in base.items()}
+    ops: dict[str, list[MergeOp]] = {}
+    ignored: list[tuple[str, str, str]] = []
+    for ad in adapters:
+        ad.check_against(shapes)
+        for key, reason in ad.ignored:
+            ignored.append((str(ad.path), key, reason))
+        cfg = ad.config
+        for mod in ad.modules.values():
+            for param, rec in mod.full.items():
+                name = f"{mod.module}.{param}"
+                lst = ops.setdefault(name, [])
+                for old in lst:
+                    ignored.append(
+                        (old.adapter, ", ".join(old.keys), f"superseded by the full tensor of '{ad.path}'")
+                    )
+                lst.clear()
+                lst.append(
+                    MergeOp(
+                        name,
+                        str(ad.path),
+                        "replace",
+                        mod.full_kind[param],
+                        "linear",
+                        rec.shape,
+                        replacement=rec,
+                        keys=(rec.name,),
+                    )
+                )
+            if not mod.has_lora:
+                continue
+            name = f"{mod.module}.weight"
+            lst = ops.setdefault(name, [])
+            cur = lst[-1].shape if lst else shapes[name]
+            a, b = mod.lora_A, mod.lora_B
+            assert a is not None and b is not None
+            layout = "embedding" if mod.embedding else ("fan_in_fan_out" if cfg.fan_in_fan_out else "linear")
+            want = (a.shape[1], b.shape[0]) if layout != "linear" else (b.shape[0], a.shape[1])
+            if cur != want:
+                what = {
+                    "linear": "[out, in] = [B rows, A columns]",
+                    "fan_in_fan_out": "[in, out] (fan_in_fan_out)",
+                    "embedding": "[num_embeddings, dim] = [A columns, B rows]",
+                }[layout]
+                raise AdapterError(
+                    f"LoRA weights do not fit the base tensor {what}",
+                    path=ad.weights_file,
+                    tensor=a.name,
+                    rule="LORA-010",
+                    expected=list(cur),
+                    found=list(want),
+                    hint="check fan_in_fan_out in adapter_config.json"
+                    if sorted(cur) == sorted(want)
+                    else "is this adapter for another model?",
+                )
+            keys = tuple(r.name for r in (a, b, mod.magnitude) if r is not None)
+            lst.append(
+                MergeOp(
+                    name,
+                    str(ad.path),
+                    "dora" if mod.magnitude is not None else "lora",
+                    "lora",
+                    layout,
+                    cur,
+                    rank=a.shape[0],
+                    alpha=cfg.alpha_for(mod.module),
+                    scale=cfg.scale_for(mod.module),
+                    lora_A=a,
+                    lora_B=b,
+                    magnitude=mod.magnitude,
+                    keys=keys,
+                )
+            )
+    tensors: dict[str, TensorMerge] = {}
+    changes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for name, lst in ops.items():
+        tm = TensorMerge(name, shapes[name], lst)
+        tensors[name] = tm
+        if tm.shape != shapes[name]:
+            if len(tm.shape) != len(shapes[name]) or tm.shape[1:] != shapes[name][1:]:
+                op = lst[0]
+                raise AdapterError(
+                    "adapter's full tensor has another shape than the base tensor, beyond the row count",
+                    path=op.adapter,
+                    tensor=op.keys[0],
+                    rule="LORA-010",
+                    expected=list(shapes[name]),
+                    found=list(tm.shape),
+                    hint="only the vocabulary (rows) may be resized",
+                )
+            changes[name] = (shapes[name], tm.shape)
+    return MergePlan(tensors, changes, ignored, list(adapters))

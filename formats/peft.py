@@ -1,0 +1,959 @@
+"""PEFT LoRA adapter directories: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+What PEFT (0.21, ``save_pretrained``) writes and how each piece is read here:
+
+``adapter_config.json``
+    A ``LoraConfig`` as JSON. Keys that change the merge are parsed and validated; keys that do not
+    (dropout, task type, versions, ...) are accepted; a key whose value would change the math in a way
+    this module does not implement is refused with :class:`~formats.errors.UnsupportedError` naming
+    the key. Unknown keys are accepted only when their value is neutral (``null``, ``false``, ``{}``,
+    ``[]``, ``""``); otherwise they are refused.
+
+``adapter_model.safetensors`` keys (the adapter name ``default`` is already removed by PEFT)::
+
+    base_model.model.<module>.lora_A.weight            F32/BF16/F16 [r, in]     Linear
+    base_model.model.<module>.lora_B.weight                         [out, r]
+    base_model.model.<module>.lora_embedding_A                      [r, num_embeddings]   Embedding
+    base_model.model.<module>.lora_embedding_B                      [embedding_dim, r]
+    base_model.model.<module>.lora_magnitude_vector                 [out]    DoRA (old: ``.weight``)
+    base_model.model.<module>.weight | .bias                        full tensor: modules_to_save, or an
+                                                                    embedding layer PEFT saved because
+                                                                    the vocabulary was resized
+    base_model.model.<module>.base_layer.weight                     full base tensor of a LoRA-targeted
+                                                                    embedding (save_embedding_layers)
+    base_model.model.<module>.modules_to_save.weight                PEFT's copy of the trained module
+    base_model.model.<module>.original_module.weight                PEFT's copy of the untrained module
+
+A key maps to the base tensor ``<module>.weight`` (or ``.bias``) by removing the exact prefix
+``base_model.model.`` and one exact suffix from the table above -- never by stripping characters.
+
+Matching rules, as PEFT applies them (``tuners_utils.check_target_module_exists``,
+``utils.other.get_pattern_key``, ``utils.other._set_trainable``):
+
+- ``target_modules`` as a list: a module is targeted when its name equals an entry or ends with
+  ``"." + entry``; as a string: ``re.fullmatch(target_modules, name)``. ``exclude_modules`` likewise
+  (list: equal or ends with ``"." + entry``; string: fullmatch). ``layers_to_transform`` /
+  ``layers_pattern`` restrict list targets to the given layer indices. A module matching
+  ``(^|.*\\.)<m>($|\\..*)`` for an ``m`` in ``modules_to_save`` is never a LoRA target.
+- ``rank_pattern`` / ``alpha_pattern``: the first key (in file order) for which
+  ``re.match(rf"(.*\\.)?({key})$", module)`` matches gives the rank / alpha; else ``r`` / ``lora_alpha``.
+- scale = ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora`` (a Python double, as in
+  ``LoraLayer.update_layer``).
+
+Rules, each with its own subclass of :class:`~formats.errors.AdapterError` (docs/errors.md; LORA-003
+is also an ``UnsupportedError``):
+
+========  ==========================================================================================
+LORA-001  adapter_config.json exists and is a JSON object
+LORA-002  peft_type is "LORA"
+LORA-003  a config key that changes the merge has a value this module does not implement
+LORA-004  config values have the right types (r > 0 int, lora_alpha number, patterns objects, ...)
+LORA-005  the directory holds adapter weights (adapter_model.safetensors)
+LORA-006  every adapter key has the prefix ``base_model.model.`` and a known suffix
+LORA-007  every adapter key lands on a tensor of the base model
+LORA-008  every targeted module has lora_A and lora_B (and a magnitude vector with DoRA)
+LORA-009  the adapter holds no LoRA weights for a module the config does not target
+LORA-010  shapes fit: A [r, in], B [out, r], r as configured, base [out, in] (or transposed)
+LORA-011  no two adapter keys land on the same base tensor
+LORA-012  a module's ``modules_to_save`` copy equals its saved tensor
+========  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import READERS, ContainerReader, TensorRecord
+from .errors import AdapterError, UnsupportedError
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "KEY_PREFIX",
+    "Adapter",
+    "AdapterKey",
+    "AdapterModule",
+    "LoraConfig",
+    "load_lora_config",
+    "open_adapter",
+    "parse_adapter_key",
+    "parse_lora_config",
+]
+
+ADAPTER_CONFIG = "adapter_config.json"
+#: Weight file names, in order of preference (``.bin`` goes through the reader registered for it).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+#: The exact prefix PEFT puts before every module name of a LoRA adapter.
+KEY_PREFIX = "base_model.model."
+
+# suffix -> (kind, base parameter). Longest first so that ".lora_A.weight" wins over ".weight".
+_SUFFIXES: tuple[tuple[str, str, str], ...] = (
+    (".lora_magnitude_vector.weight", "magnitude", "weight"),
+    (".modules_to_save.weight", "mts_copy", "weight"),
+    (".original_module.weight", "original", "weight"),
+    (".modules_to_save.bias", "mts_copy", "bias"),
+    (".original_module.bias", "original", "bias"),
+    (".lora_magnitude_vector", "magnitude", "weight"),
+    (".base_layer.weight", "base_layer", "weight"),
+    (".base_layer.bias", "base_layer", "bias"),
+    (".lora_embedding_A", "embedding_A", "weight"),
+    (".lora_embedding_B", "embedding_B", "weight"),
+    (".lora_A.weight", "lora_A", "weight"),
+    (".lora_B.weight", "lora_B", "weight"),
+    (".lora_B.bias", "lora_B_bias", "bias"),
+    (".weight", "full", "weight"),
+    (".bias", "full", "bias"),
+)
+# Words that must not appear as a path component of a module name: they mean the key was not
+# produced by PEFT's LoRA saving (adapter name left in, another tuner, a typo in a suffix).
+_RESERVED = (
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+    "base_layer",
+    "modules_to_save",
+    "original_module",
+)
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+#: Keys read and applied by the merge.
+_USED_KEYS = frozenset(
+    {
+        "peft_type",
+        "r",
+        "lora_alpha",
+        "use_rslora",
+        "rank_pattern",
+        "alpha_pattern",
+        "fan_in_fan_out",
+        "target_modules",
+        "exclude_modules",
+        "layers_to_transform",
+        "layers_pattern",
+        "modules_to_save",
+        "use_dora",
+        "bias",
+        "init_lora_weights",
+        "lora_bias",
+    }
+)
+#: Keys that do not change a merge (training-time or bookkeeping only).
+_NO_MATH_KEYS = frozenset(
+    {
+        "task_type",
+        "auto_mapping",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "lora_dropout",
+        "megatron_config",
+        "megatron_core",
+        "runtime_config",
+        "qalora_group_size",
+        "eva_config",
+        "loftq_config",
+        "corda_config",
+        "lora_ga_config",
+    }
+)
+#: Keys that change the math when set; only their neutral value is accepted.
+_NEUTRAL_ONLY: dict[str, str] = {
+    "use_qalora": "QA-LoRA merges through group-wise pooling",
+    "velora_config": "VeLoRA",
+    "alora_invocation_tokens": "aLoRA applies the adapter only after invocation tokens",
+    "monteclora_config": "MonteCLoRA",
+    "layer_replication": "layer replication changes the model's layer list",
+    "target_parameters": "LoRA on nn.Parameter targets (MoE experts)",
+    "use_bdlora": "BD-LoRA",
+    "arrow_config": "Arrow routing between adapters",
+    "kasa_config": "KaSA",
+    "trainable_token_indices": "trainable tokens (row updates of the embedding)",
+    "ensure_weight_tying": "tying of modules_to_save copies between embedding and lm_head",
+}
+#: ``init_lora_weights`` values whose adapter applies to the unchanged base weight.
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
+
+
+def _neutral(value: Any) -> bool:
+    return value is None or value is False or (isinstance(value, (dict, list, str)) and len(value) == 0)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """A validated PEFT ``LoraConfig`` (the fields that decide a merge).
+
+    Attributes:
+        path: the ``adapter_config.json`` it came from.
+        r: default rank (``lora_A`` rows).
+        lora_alpha: default alpha.
+        use_rslora: scale by ``lora_alpha / sqrt(r)`` instead of ``lora_alpha / r``.
+        rank_pattern: regex key -> rank, in file order.
+        alpha_pattern: regex key -> alpha, in file order.
+        fan_in_fan_out: base weights are stored ``[in, out]`` (GPT-2 ``Conv1D``).
+        target_modules: names (tuple), a regex (str), or None.
+        exclude_modules: names (tuple), a regex (str), or None.
+        layers_to_transform: layer indices (tuple) or None.
+        layers_pattern: layer-list names (tuple) or None.
+        modules_to_save: names of modules saved whole.
+        use_dora: DoRA (magnitude vectors).
+        bias: ``"none"``, ``"all"`` or ``"lora_only"`` (trained biases are saved as full tensors).
+        ignored: config keys accepted without effect on the merge, with their values.
+    """
+
+    path: Path | None
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    fan_in_fan_out: bool = False
+    target_modules: tuple[str, ...] | str | None = None
+    exclude_modules: tuple[str, ...] | str | None = None
+    layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] | None = None
+    modules_to_save: tuple[str, ...] = ()
+    use_dora: bool = False
+    bias: str = "none"
+    ignored: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    def rank_for(self, module: str) -> int:
+        """Rank of ``module`` (``rank_pattern`` as ``get_pattern_key`` resolves it, else ``r``)."""
+        for key, value in self.rank_pattern:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        return self.r
+
+    def alpha_for(self, module: str) -> float:
+        """lora_alpha of ``module`` (``alpha_pattern`` first match, else ``lora_alpha``)."""
+        for key, value in self.alpha_pattern:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        return self.lora_alpha
+
+    def scale_for(self, module: str) -> float:
+        """The LoRA scale of ``module`` as PEFT computes it (a Python double).
+
+        ``lora_alpha / r``, or ``lora_alpha / math.sqrt(r)`` with ``use_rslora``
+        (``LoraLayer.update_layer``).
+        """
+        r = self.rank_for(module)
+        alpha = self.alpha_for(module)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def is_module_to_save(self, module: str) -> bool:
+        """Whether PEFT wraps ``module`` as a module to save (``_set_trainable``: ``name.endswith(m)``)."""
+        return any(module.endswith(m) for m in self.modules_to_save)
+
+    def is_targeted(self, module: str) -> bool:
+        """Whether PEFT puts LoRA on ``module`` (``check_target_module_exists``)."""
+        ex = self.exclude_modules
+        if ex:
+            if isinstance(ex, str):
+                if re.fullmatch(ex, module):
+                    return False
+            elif module in ex or any(module.endswith(f".{e}") for e in ex):
+                return False
+        if self.modules_to_save and any(
+            re.match(rf"(^|.*\.){m}($|\..*)", module) for m in self.modules_to_save
+        ):
+            return False
+        tm = self.target_modules
+        if tm is None:
+            return False
+        if isinstance(tm, str):
+            return re.fullmatch(tm, module) is not None
+        if module in tm:
+            return True
+        if not any(module.endswith(f".{t}") for t in tm):
+            return False
+        if not self.layers_to_transform:
+            return True
+        match = None
+        if not self.layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+        else:
+            for pattern in self.layers_pattern:
+                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+                if match is not None:
+                    break
+        if match is None:
+            return False
+        return int(match.group("idx")) in self.layers_to_transform
+
+
+def _bad(path: Path | None, key: str, message: str, found: Any, expected: Any = None) -> AdapterError:
+    return AdapterError(
+        f"config key '{key}': {message}", path=path, rule="LORA-004", expected=expected, found=found
+    )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _names(path: Path | None, key: str, value: Any, allow_regex: bool) -> tuple[str, ...] | str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not allow_regex:
+            return (value,)
+        if value == "all-linear":
+            return value
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise _bad(path, key, f"not a valid regular expression ({exc})", value) from None
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise _bad(path, key, "must be a list of module names or a regex string", value)
+
+
+def _pattern(path: Path | None, key: str, value: Any, want_int: bool) -> tuple[tuple[str, Any], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad(path, key, "must be an object mapping module patterns to values", value)
+    out = []
+    for k, v in value.items():
+        ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 if want_int else _number(v)
+        if not ok:
+            raise _bad(
+                path,
+                key,
+                f"value for '{k}' must be a positive integer"
+                if want_int
+                else f"value for '{k}' must be a number",
+                v,
+            )
+        try:
+            re.compile(k)
+        except re.error as exc:
+            raise _bad(path, key, f"pattern '{k}' is not a valid regular expression ({exc})", k) from None
+        out.append((k, v))
+    return tuple(out)
+
+
+def parse_lora_config(obj: Any, path: str | os.PathLike[str] | None = None) -> LoraConfig:
+    """Validate a PEFT adapter config (the parsed ``adapter_config.json``).
+
+    Args:
+        obj: the JSON object.
+        path: the file, for error messages.
+
+    Returns:
+        a :class:`LoraConfig`.
+
+    Raises:
+        AdapterError: LORA-001 (not an object), LORA-002 (not LoRA), LORA-004 (bad value types).
+        UnsupportedError: LORA-003, a key that changes the merge has a value not implemented here
+            (the message names the key).
+    """
+    p = Path(path) if path is not None else None
+    if not isinstance(obj, dict):
+        raise AdapterError(
+            "adapter config must be a JSON object", path=p, rule="LORA-001", found=type(obj).__name__
+        )
+    peft_type = obj.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(
+            "only LoRA adapters can be merged",
+            path=p,
+            rule="LORA-002",
+            expected="LORA",
+            found=peft_type,
+            hint="other PEFT methods (AdaLoRA, IA3, LoHa, prompt tuning, ...) are not supported",
+        )
+
+    def refuse(key: str, why: str, expected: Any = None) -> UnsupportedError:
+        return UnsupportedError(
+            f"config key '{key}' is not supported: {why}",
+            path=p,
+            rule="LORA-003",
+            expected=expected,
+            found=obj.get(key),
+        )
+
+    ignored: list[tuple[str, Any]] = []
+    for key, value in obj.items():
+        if key in _USED_KEYS:
+            continue
+        if key in _NO_MATH_KEYS:
+            ignored.append((key, value))
+        elif key in _NEUTRAL_ONLY:
+            if not _neutral(value):
+                raise refuse(key, _NEUTRAL_ONLY[key], expected="null, false or empty")
+        elif _neutral(value):
+            ignored.append((key, value))
+        else:
+            raise refuse(
+                key,
+                "unknown to this version of convert-bnb and it is set, so it may change the merge",
+                expected="null, false or empty",
+            )
+
+    r = obj.get("r", 8)
+    if not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
+        raise _bad(p, "r", "must be a positive integer", r)
+    alpha = obj.get("lora_alpha", 8)
+    if not _number(alpha):
+        raise _bad(p, "lora_alpha", "must be a finite number", alpha)
+    flags = {}
+    for key in ("use_rslora", "fan_in_fan_out", "use_dora", "lora_bias"):
+        v = obj.get(key, False)
+        if v is None:
+            v = False
+        if not isinstance(v, bool):
+            raise _bad(p, key, "must be true or false", v)
+        flags[key] = v
+    if flags["lora_bias"]:
+        raise refuse("lora_bias", "merging trained lora_B biases is not implemented", expected=False)
+    init = obj.get("init_lora_weights", True)
+    if init not in _PLAIN_INITS:
+        raise refuse(
+            "init_lora_weights",
+            "this initialisation (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, ...) changes the base weights, so the "
+            "adapter does not apply to the dequantized base as saved",
+            expected="true, false, 'gaussian', 'eva' or 'orthogonal' (convert the adapter with PEFT's "
+            "path_initial_model_for_weight_conversion first)",
+        )
+    bias = obj.get("bias", "none")
+    if bias not in ("none", "all", "lora_only"):
+        raise _bad(p, "bias", "must be 'none', 'all' or 'lora_only'", bias)
+
+    target = _names(p, "target_modules", obj.get("target_modules"), allow_regex=True)
+    exclude = _names(p, "exclude_modules", obj.get("exclude_modules"), allow_regex=True)
+    mts = _names(p, "modules_to_save", obj.get("modules_to_save"), allow_regex=False)
+    assert not isinstance(mts, str)
+    layers = obj.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if layers is not None and not (
+        isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+    ):
+        raise _bad(p, "layers_to_transform", "must be an integer or a list of integers", layers)
+    lpat = obj.get("layers_pattern")
+    if isinstance(lpat, str):
+        lpat = [lpat] if lpat else None
+    if lpat is not None and not (isinstance(lpat, list) and all(isinstance(s, str) for s in lpat)):
+        raise _bad(p, "layers_pattern", "must be a string or a list of strings", lpat)
+    return LoraConfig(
+        path=p,
+        r=r,
+        lora_alpha=alpha,
+        use_rslora=flags["use_rslora"],
+        rank_pattern=_pattern(p, "rank_pattern", obj.get("rank_pattern"), want_int=True),
+        alpha_pattern=_pattern(p, "alpha_pattern", obj.get("alpha_pattern"), want_int=False),
+        fan_in_fan_out=flags["fan_in_fan_out"],
+        target_modules=target,
+        exclude_modules=exclude,
+        layers_to_transform=tuple(layers) if layers else None,
+        layers_pattern=tuple(lpat) if lpat else None,
+        modules_to_save=tuple(mts or ()),
+        use_dora=flags["use_dora"],
+        bias=bias,
+        ignored=tuple(ignored),
+    )
+
+
+def load_lora_config(path: str | os.PathLike[str]) -> LoraConfig:
+    """Read and validate ``adapter_config.json`` (a file, or the adapter directory holding it).
+
+    Raises:
+        AdapterError: LORA-001 (missing, not JSON, not an object), LORA-002, LORA-004.
+        UnsupportedError: LORA-003.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / ADAPTER_CONFIG
+    if not p.is_file():
+        raise AdapterError(
+            "adapter config not found",
+            path=p,
+            rule="LORA-001",
+            hint="a PEFT adapter directory holds adapter_config.json and adapter_model.safetensors",
+        )
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"adapter config is not valid JSON ({exc})", path=p, rule="LORA-001") from None
+    return parse_lora_config(obj, p)
+
+
+# ---------------------------------------------------------------------------------------------
+# keys
+
+
+@dataclass(frozen=True)
+class AdapterKey:
+    """One adapter tensor name, split by exact prefix and suffix.
+
+    Attributes:
+        key: the full adapter key.
+        module: the base model's module name (``model.layers.0.self_attn.q_proj``).
+        kind: ``lora_A``, ``lora_B``, ``embedding_A``, ``embedding_B``, ``magnitude``, ``full``,
+            ``base_layer``, ``mts_copy``, ``original`` or ``lora_B_bias``.
+        param: ``weight`` or ``bias``: the base parameter it belongs to.
+    """
+
+    key: str
+    module: str
+    kind: str
+    param: str
+
+    @property
+    def base_tensor(self) -> str:
+        """The base model tensor this key lands on."""
+        return f"{self.module}.{self.param}"
+
+
+def parse_adapter_key(key: str, path: str | os.PathLike[str] | None = None) -> AdapterKey:
+    """Split an adapter key into module, kind and parameter (exact prefix and suffix logic).
+
+    Raises:
+        AdapterError: LORA-006, the key lacks the prefix ``base_model.model.`` or a known suffix.
+    """
+    if not key.startswith(KEY_PREFIX):
+        raise AdapterError(
+            "adapter key does not start with 'base_model.model.'",
+            path=path,
+            tensor=key,
+            rule="LORA-006",
+            hint="only LoRA adapters saved by PEFT's save_pretrained are read",
+        )
+    rest = key[len(KEY_PREFIX) :]
+    for suffix, kind, param in _SUFFIXES:
+        if rest.endswith(suffix) and len(rest) > len(suffix):
+            module = rest[: -len(suffix)]
+            parts = module.split(".")
+            if any(part in _RESERVED for part in parts) or "" in parts:
+                break
+            return AdapterKey(key, module, kind, param)
+    raise AdapterError(
+        "unknown adapter key",
+        path=path,
+        tensor=key,
+        rule="LORA-006",
+        expected="base_model.model.<module> + one of " + ", ".join(s for s, _, _ in _SUFFIXES),
+        found=key,
+        hint="keys with an adapter name left in (lora_A.default.weight) or from other PEFT methods "
+        "are not read",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# adapter
+
+
+@dataclass
+class AdapterModule:
+    """Everything one adapter holds for one base module.
+
+    Attributes:
+        module: the module name.
+        lora_A: ``[r, in]`` (Linear) or ``[r, num_embeddings]`` (Embedding) record.
+        lora_B: ``[out, r]`` or ``[embedding_dim, r]`` record.
+        embedding: the pair is ``lora_embedding_A/B`` (an ``nn.Embedding`` target).
+        magnitude: DoRA magnitude ``[out]`` record.
+        full: param -> record of a tensor that replaces the base parameter whole (modules_to_save,
+            a saved embedding layer, or a ``base_layer`` copy).
+        full_kind: param -> ``"modules_to_save"``, ``"saved_layer"`` or ``"base_layer"``.
+        keys: every adapter key of this module.
+    """
+
+    module: str
+    lora_A: TensorRecord | None = None
+    lora_B: TensorRecord | None = None
+    embedding: bool = False
+    magnitude: TensorRecord | None = None
+    full: dict[str, TensorRecord] = field(default_factory=dict)
+    full_kind: dict[str, str] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether the module carries a LoRA pair (or part of one)."""
+        return self.lora_A is not None or self.lora_B is not None
+
+
+@dataclass
+class Adapter:
+    """An opened PEFT LoRA adapter.
+
+    Attributes:
+        path: the adapter directory.
+        config: its validated :class:`LoraConfig`.
+        weights_file: the weights file.
+        tensors: adapter key -> record (zero-copy access).
+        modules: module name -> :class:`AdapterModule`, in key order.
+        ignored: (adapter key, reason) for keys read but not merged (PEFT's ``original_module``
+            copies, and ``modules_to_save`` copies equal to their saved tensor).
+    """
+
+    path: Path
+    config: LoraConfig
+    weights_file: Path
+    tensors: dict[str, TensorRecord]
+    modules: dict[str, AdapterModule]
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    reader: ContainerReader | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Close the weights file."""
+        if self.reader is not None:
+            self.reader.close()
+
+    def __enter__(self) -> Adapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_against(self, base: Mapping[str, Sequence[int]]) -> None:
+        """Check that the adapter fits a base model (LORA-007..LORA-010).
+
+        Every adapter key must land on a base tensor, every module the config targets must carry
+        lora_A and lora_B (and a magnitude vector with DoRA), and no LoRA weights may sit on a module
+        the config does not target.
+
+        Args:
+            base: base tensor name -> shape (elements), for the model the adapter is merged into.
+
+        Raises:
+            AdapterError: naming the adapter key or the module.
+        """
+        cfg = self.config
+        names = list(base)
+        for mod in self.modules.values():
+            for key in mod.keys:
+                ak = parse_adapter_key(key, self.weights_file)
+                if ak.base_tensor not in base:
+                    close = difflib.get_close_matches(ak.base_tensor, names, n=1)
+                    raise AdapterError(
+                        "adapter key matches no tensor of the base model",
+                        path=self.weights_file,
+                        tensor=key,
+                        rule="LORA-007",
+                        expected=ak.base_tensor,
+                        found="absent",
+                        hint=f"closest base tensor: '{close[0]}'"
+                        if close
+                        else "is this adapter for another model?",
+                    )
+            if mod.has_lora and not cfg.is_targeted(mod.module) and cfg.target_modules != "all-linear":
+                raise AdapterError(
+                    "adapter holds LoRA weights for a module the config does not target (PEFT drops them)",
+                    path=self.weights_file,
+                    tensor=mod.keys[0],
+                    rule="LORA-009",
+                    expected=f"target_modules={_show_targets(cfg.target_modules)}",
+                    found=mod.module,
+                )
+        if cfg.target_modules == "all-linear":
+            return
+        for name in names:
+            if not name.endswith(".weight"):
+                continue
+            module = name[: -len(".weight")]
+            if not cfg.is_targeted(module):
+                continue
+            found = self.modules.get(module)
+            if found is None or found.lora_A is None or found.lora_B is None:
+                missing = (
+                    "lora_A and lora_B"
+                    if found is None or not found.has_lora
+                    else ("lora_A" if found.lora_A is None else "lora_B")
+                )
+                raise AdapterError(
+                    f"module is targeted by the adapter config but the adapter has no {missing} for it",
+                    path=self.weights_file,
+                    tensor=module,
+                    rule="LORA-008",
+                    expected=f"{KEY_PREFIX}{module}.lora_A.weight and .lora_B.weight",
+                    found="absent",
+                    hint=f"target_modules={_show_targets(cfg.target_modules)}",
+                )
+
+
+def _show_targets(t: tuple[str, ...] | str | None) -> str:
+    return repr(list(t)) if isinstance(t, tuple) else repr(t)
+
+
+def _open_weights(directory: Path) -> tuple[Path, ContainerReader]:
+    for name in ADAPTER_WEIGHTS:
+        p = directory / name
+        if p.is_file():
+            reader = READERS.get(p.suffix.lower())
+            if reader is None:
+                raise UnsupportedError(
+                    f"no reader for '{p.suffix}' adapter files yet",
+                    path=p,
+                    expected=sorted(READERS),
+                    found=p.suffix,
+                )
+            return p, reader(p)
+    raise AdapterError(
+        "adapter weights not found",
+        path=directory,
+        rule="LORA-005",
+        expected=" or ".join(ADAPTER_WEIGHTS),
+        found=sorted(q.name for q in directory.iterdir()) or "an empty directory",
+    )
+
+
+def open_adapter(path: str | os.PathLike[str]) -> Adapter:
+    """Open a PEFT LoRA adapter directory and group its tensors by module.
+
+    Checks everything that can be checked without the base model: the config (LORA-001..004), every
+    key (LORA-006), pairs and shapes inside the adapter (LORA-008, LORA-010), duplicate targets
+    (LORA-011) and ``modules_to_save`` copies (LORA-012). Use :meth:`Adapter.check_against` for the
+    fit to a base model.
+
+    Args:
+        path: the adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Returns:
+        an :class:`Adapter`; close it when done.
+
+    Raises:
+        AdapterError: a LORA-xxx rule.
+        UnsupportedError: LORA-003, or a weights container without a reader.
+        SafetensorsError: the weights file breaks the container format.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        if directory.name == ADAPTER_CONFIG or directory.suffix.lower() in (".safetensors", ".bin"):
+            directory = directory.parent
+        else:
+            raise AdapterError(
+                "adapter path must be a PEFT adapter directory",
+                path=directory,
+                rule="LORA-001",
+                found="not a directory",
+            )
+    config = load_lora_config(directory)
+    wfile, reader = _open_weights(directory)
+    try:
+        tensors = {
+            name: TensorRecord(name, info.dtype, tuple(info.shape), info.nbytes, reader)
+            for name, info in reader.tensors.items()
+        }
+        modules, ignored = _group(wfile, config, tensors)
+    except BaseException:
+        reader.close()
+        raise
+    return Adapter(directory, config, wfile, tensors, modules, ignored, reader)
+
+
+def _group(
+    wfile: Path, cfg: LoraConfig, tensors: Mapping[str, TensorRecord]
+) -> tuple[dict[str, AdapterModule], list[tuple[str, str]]]:
+    modules: dict[str, AdapterModule] = {}
+    ignored: list[tuple[str, str]] = []
+    copies: list[tuple[AdapterKey, TensorRecord]] = []
+    landed: dict[str, str] = {}  # base tensor -> adapter key that replaces it
+
+    for key, rec in tensors.items():
+        ak = parse_adapter_key(key, wfile)
+        if not rec.dtype.is_float:
+            raise AdapterError(
+                "adapter tensor must be floating point",
+                path=wfile,
+                tensor=key,
+                rule="LORA-010",
+                expected="F32, BF16 or F16",
+                found=rec.dtype.code,
+            )
+        if ak.kind == "lora_B_bias":
+            raise UnsupportedError(
+                "config key 'lora_bias' is not supported: merging trained lora_B biases is not implemented",
+                path=wfile,
+                tensor=key,
+                rule="LORA-003",
+            )
+        if ak.kind in ("mts_copy", "original"):
+            copies.append((ak, rec))
+            continue
+        mod = modules.setdefault(ak.module, AdapterModule(ak.module))
+        mod.keys.append(key)
+        if ak.kind in ("lora_A", "embedding_A", "lora_B", "embedding_B"):
+            emb = ak.kind.startswith("embedding")
+            if mod.has_lora and mod.embedding != emb:
+                raise AdapterError(
+                    "module mixes lora_A/B and lora_embedding_A/B keys",
+                    path=wfile,
+                    tensor=key,
+                    rule="LORA-011",
+                )
+            mod.embedding = emb
+            if ak.kind.endswith("A"):
+                mod.lora_A = rec
+            else:
+                mod.lora_B = rec
+        elif ak.kind == "magnitude":
+            if mod.magnitude is not None:
+                raise AdapterError(
+                    "two magnitude vectors for one module", path=wfile, tensor=key, rule="LORA-011"
+                )
+            mod.magnitude = rec
+        else:  # full or base_layer
+            prev = landed.get(ak.base_tensor)
+            if prev is not None:
+                raise AdapterError(
+                    "two adapter tensors replace the same base tensor",
+                    path=wfile,
+                    tensor=key,
+                    rule="LORA-011",
+                    expected=f"only '{prev}'",
+                    found=[prev, key],
+                )
+            landed[ak.base_tensor] = key
+            mod.full[ak.param] = rec
+            if ak.kind == "base_layer":
+                mod.full_kind[ak.param] = "base_layer"
+            elif cfg.is_module_to_save(ak.module):
+                mod.full_kind[ak.param] = "modules_to_save"
+            else:
+                mod.full_kind[ak.param] = "saved_layer"
+
+    for ak, rec in copies:
+        owner = modules.get(ak.module)
+        saved = owner.full.get(ak.param) if owner is not None else None
+        if ak.kind == "original":
+            if saved is None:
+                raise AdapterError(
+                    "PEFT's original_module copy without the module's saved tensor",
+                    path=wfile,
+                    tensor=ak.key,
+                    rule="LORA-012",
+                    expected=f"{KEY_PREFIX}{ak.base_tensor}",
+                    found="absent",
+                )
+            ignored.append((ak.key, "PEFT's copy of the untrained module; the saved tensor is used"))
+            continue
+        if saved is None:
+            raise AdapterError(
+                "modules_to_save copy without the module's saved tensor",
+                path=wfile,
+                tensor=ak.key,
+                rule="LORA-012",
+                expected=f"{KEY_PREFIX}{ak.base_tensor}",
+                found="absent",
+            )
+        if saved.shape != rec.shape or saved.dtype != rec.dtype or bytes(saved.raw()) != bytes(rec.raw()):
+            raise AdapterError(
+                "modules_to_save copy differs from the module's saved tensor",
+                path=wfile,
+                tensor=ak.key,
+                rule="LORA-012",
+                expected=f"equal to '{KEY_PREFIX}{ak.base_tensor}'",
+                found="different",
+            )
+        ignored.append((ak.key, "PEFT's modules_to_save copy, identical to the saved tensor"))
+
+    for mod in modules.values():
+        _check_module(wfile, cfg, mod)
+    return modules, ignored
+
+
+def _check_module(wfile: Path, cfg: LoraConfig, mod: AdapterModule) -> None:
+    if not mod.has_lora:
+        if mod.magnitude is not None:
+            raise AdapterError(
+                "DoRA magnitude vector without lora_A/lora_B", path=wfile, tensor=mod.keys[0], rule="LORA-008"
+            )
+        if "base_layer" in mod.full_kind.values():
+            raise AdapterError(
+                "base_layer tensor without lora_A/lora_B", path=wfile, tensor=mod.keys[0], rule="LORA-008"
+            )
+        return
+    a_name = "lora_embedding_A" if mod.embedding else "lora_A.weight"
+    b_name = "lora_embedding_B" if mod.embedding else "lora_B.weight"
+    if mod.lora_A is None or mod.lora_B is None:
+        missing = a_name if mod.lora_A is None else b_name
+        raise AdapterError(
+            f"LoRA pair is incomplete: {missing} is missing",
+            path=wfile,
+            tensor=mod.keys[0],
+            rule="LORA-008",
+            expected=f"{KEY_PREFIX}{mod.module}.{missing}",
+            found="absent",
+        )
+    if any(k == "modules_to_save" or k == "saved_layer" for k in mod.full_kind.values()):
+        raise AdapterError(
+            "module has both LoRA weights and a full saved tensor",
+            path=wfile,
+            tensor=mod.keys[0],
+            rule="LORA-011",
+            hint="a LoRA-targeted module saves its base as '.base_layer.weight'",
+        )
+    a, b = mod.lora_A, mod.lora_B
+    r = cfg.rank_for(mod.module)
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+        raise AdapterError(
+            f"{a_name} must be [r, in] and {b_name} [out, r]",
+            path=wfile,
+            tensor=a.name,
+            rule="LORA-010",
+            expected="matching r",
+            found=f"A {list(a.shape)}, B {list(b.shape)}",
+        )
+    if a.shape[0] != r:
+        raise AdapterError(
+            "LoRA rank (lora_A rows) differs from the config",
+            path=wfile,
+            tensor=a.name,
+            rule="LORA-010",
+            expected=r,
+            found=a.shape[0],
+            hint="check r and rank_pattern in adapter_config.json",
+        )
+    if cfg.use_dora:
+        if mod.embedding:
+            raise UnsupportedError(
+                "config key 'use_dora' is not supported on embedding layers",
+                path=wfile,
+                tensor=a.name,
+                rule="LORA-003",
+            )
+        if mod.magnitude is None:
+            raise AdapterError(
+                "use_dora is set but the module has no lora_magnitude_vector",
+                path=wfile,
+                tensor=mod.module,
+                rule="LORA-008",
+                expected=f"{KEY_PREFIX}{mod.module}.lora_magnitude_vector",
+                found="absent",
+            )
+        if mod.magnitude.shape != (b.shape[0],):
+            raise AdapterError(
+                "DoRA magnitude vector must have one value per output feature",
+                path=wfile,
+                tensor=mod.magnitude.name,
+                rule="LORA-010",
+                expected=[b.shape[0]],
+                found=list(mod.magnitude.shape),
+            )
+    elif mod.magnitude is not None:
+        raise AdapterError(
+            "adapter holds a DoRA magnitude vector but use_dora is false",
+            path=wfile,
+            tensor=mod.magnitude.name,
+            rule="LORA-008",
+            expected="use_dora: true",
+            found=False,
+        )
