@@ -69,6 +69,7 @@ import io
 import mmap
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -452,6 +453,8 @@ class TorchPickleReader:
         except (pickle.UnpicklingError, ValueError, TypeError, EOFError, KeyError, IndexError,
                 AttributeError, RecursionError, OverflowError, struct.error, UnicodeDecodeError) as exc:
             raise self._fail("PT-004", f"malformed pickle ({type(exc).__name__}: {exc})") from None
+        except MemoryError:  # a length field (e.g. BYTEARRAY8) far beyond the pickle's own size
+            raise self._fail("PT-004", "malformed pickle: a length field asks for more memory than exists") from None
 
     def _load_zip(self, f: BinaryIO) -> Any:
         try:
@@ -471,7 +474,10 @@ class TorchPickleReader:
                                  hint="save model.state_dict() with torch.save, or use safetensors")
             bo = infos.get(prefix + "byteorder")
             if bo is not None:
-                order = zf.read(bo).strip()
+                try:
+                    order = zf.read(bo).strip()
+                except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:  # damaged member header
+                    raise self._fail("PT-001", f"cannot read byteorder ({exc})") from None
                 if order != b"little":
                     raise self._fail("PT-008", "only little-endian checkpoints are read",
                                      expected="little", found=order.decode("ascii", "replace"))
@@ -492,6 +498,11 @@ class TorchPickleReader:
                 _, stype, key, _location, numel = pid
                 return self._storage(stype, key, numel)
 
+            try:  # opcode scan first: a damaged length field must not make the C unpickler allocate it
+                for _ in pickletools.genops(data):
+                    pass
+            except (ValueError, EOFError, struct.error, UnicodeDecodeError) as exc:
+                raise self._fail("PT-004", f"malformed pickle ({exc})") from None
             obj = self._unpickle(io.BytesIO(data), storage_for)
             for key, st in self._storages.items():
                 info = infos.get(f"{prefix}data/{key}")

@@ -425,6 +425,19 @@ def _lm_head_copy_differs() -> dict[str, Tensor]:
             f"{LP}lm_head.modules_to_save.weight": ("F32", [1000, 256], f32(head + 1))}
 
 
+def _pt_damaged_member_header(d: Path) -> Path:
+    """A torch zip whose 'byteorder' local header names another file (a flipped byte)."""
+    import zipfile
+
+    path = _pt({"w": _tensor(ARR)})(d)
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("/byteorder"))
+    raw = bytearray(path.read_bytes())
+    raw[info.header_offset + 30 + len(info.filename) - 1] ^= 1
+    path.write_bytes(bytes(raw))
+    return path
+
+
 # a GLOBAL opcode naming os.system, as a hostile pickle would (never imported, never called)
 SYSTEM_PICKLE = b"\x80\x02cposix\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03."
 
@@ -497,6 +510,11 @@ CASES: list[Case] = [
     Case("pt-os-system", E.UnsafePickleError, ["PT-003", "found 'posix.system'", "nothing was imported or run"],
          _pt_raw(SYSTEM_PICKLE)),
     Case("pt-malformed", E.MalformedPickleError, ["PT-004", "malformed pickle"], _pt_raw(b"\x80\x02}q\x00(X")),
+    # found by scripts/fuzz.py: a damaged member header, and a length field of 2**62 (BYTEARRAY8)
+    Case("pt-damaged-member-header", E.NotTorchCheckpointError, ["PT-001", "cannot read byteorder"],
+         _pt_damaged_member_header),
+    Case("pt-bytearray8-2-to-62", E.MalformedPickleError, ["PT-004", "malformed pickle"],
+         _pt_raw(b"\x80\x05\x96" + struct.pack("<Q", 2**62) + b".")),
     Case("pt-compressed-storage", E.StorageRecordError, ["PT-005", "is compressed", "found 'method 8'"],
          _pt({"w": _tensor(ARR)}, compress_data=True)),
     Case("pt-view-past-storage", E.TensorViewError, ["PT-006", "tensor 'w'", "reaches past its storage"],
