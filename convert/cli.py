@@ -17,7 +17,7 @@ from typing import Any
 
 from formats.errors import ConvertBnbError, SourceNotFoundError, UsageError
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size", "resolve_source"]
 
 _EXAMPLES = """\
 examples:
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("src", metavar="SRC",
-                   help="a .safetensors / .bin / .pt file or a model directory (pickles are read "
-                        "without running code)")
+                   help="a .safetensors / .bin / .pt file, a model directory (pickles are read "
+                        "without running code) or a Hub repo id org/name")
     p.add_argument("--to", default="auto", choices=list(TARGETS) + list(EXTRA_TARGETS),
                    metavar="TARGET",
                    help="output: auto (each tensor's QuantState dtype), bf16, fp16, fp32"
@@ -99,6 +99,24 @@ EXTRA_TARGETS: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any]]] = 
 PARSER_HOOKS: list[Callable[[argparse.ArgumentParser], None]] = []
 #: Functions ``(args, plan) -> plan`` applied after planning (e.g. LoRA merge).
 PLAN_HOOKS: list[Callable[[argparse.Namespace, Any], Any]] = []
+#: Functions ``(args) -> Path | None`` turning a SRC that is no local path into one (Hub repo ids).
+SOURCE_HOOKS: list[Callable[[argparse.Namespace], Path | None]] = []
+
+
+def resolve_source(args: argparse.Namespace) -> Path:
+    """A SRC that does not exist locally, through :data:`SOURCE_HOOKS` (e.g. ``org/name`` on the Hub).
+
+    Raises:
+        SourceNotFoundError: no hook knows SRC (CKPT-010).
+    """
+    for hook in SOURCE_HOOKS:
+        found = hook(args)
+        if found is not None:
+            return found
+    raise SourceNotFoundError("SRC does not exist", path=args.src,
+                     hint="give a .safetensors file, a model directory or a Hub repo id org/name")
+
+
 #: Functions ``(args)`` that validate option combinations before anything is opened.
 CHECK_HOOKS: list[Callable[[argparse.Namespace], None]] = []
 #: Functions ``(args, plan, summary)`` called after a run (e.g. the LoRA merge report); may add to summary.
@@ -137,11 +155,11 @@ def _convert(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
-    src = Path(args.src)
-    if not src.exists():
-        raise SourceNotFoundError("SRC does not exist", path=src, hint="give a .safetensors file or a model directory")
     for check in CHECK_HOOKS:
         check(args)
+    src = Path(args.src)
+    if not src.exists():
+        src = resolve_source(args)
     with open_checkpoint(src) as ckpt:
         if args.to in EXTRA_TARGETS:
             summary = EXTRA_TARGETS[args.to](args, ckpt)
@@ -238,7 +256,7 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = ["convert.lora_cli", "convert.check"]
+PLUGINS: list[str] = ["convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.check"]
 
 
 if __name__ == "__main__":  # pragma: no cover

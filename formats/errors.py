@@ -27,6 +27,10 @@ __all__ = [
     "AdapterError",
     "AdapterKeyNameError",
     "AdapterTargetMissingError",
+    "BatchFileError",
+    "BatchJobError",
+    "BatchNameClashError",
+    "BatchOptionError",
     "BlocksizeError",
     "BnbLayerError",
     "ByteOrderError",
@@ -43,6 +47,7 @@ __all__ = [
     "FileTooShortError",
     "HeaderJsonError",
     "HeaderTooLargeError",
+    "HubError",
     "IncompleteLoraModuleError",
     "IndexJsonError",
     "IndexTensorMissingError",
@@ -219,7 +224,7 @@ def all_rules() -> dict[str, type[ConvertBnbError]]:
         todo.extend(cls.__subclasses__())
         if cls.default_rule is not None and cls.default_rule not in out:
             out[cls.default_rule] = cls
-    prefixes = ["ST", "PT", "CKPT", "BNB", "LORA", "OUT", "USE", "UNS"]
+    prefixes = ["ST", "PT", "CKPT", "HUB", "BNB", "LORA", "OUT", "USE", "BATCH", "UNS"]
 
     def key(rule: str) -> tuple[int, str]:
         prefix = rule.split("-")[0]
@@ -236,6 +241,34 @@ class UsageError(ConvertBnbError, ValueError):
 
     default_rule = "USE-001"
     advice = "Fix the option named in the message; `convert-bnb --help` lists the accepted values."
+
+
+class BatchFileError(UsageError):
+    """The batch JOBS file cannot be read or parsed (text, JSON or YAML list)."""
+
+    default_rule = "BATCH-001"
+    advice = "Fix the JOBS file at the line named: one job per line, or a JSON/YAML list (see `convert-bnb batch -h`)."
+
+
+class BatchJobError(UsageError):
+    """A batch item is neither a job line nor an object with ``src`` (or ``repo``)."""
+
+    default_rule = "BATCH-002"
+    advice = "Give every job a source: a line `SRC [options]` or an object with \"src\"."
+
+
+class BatchOptionError(UsageError):
+    """A per-job option in the JOBS file is unknown or invalid."""
+
+    default_rule = "BATCH-003"
+    advice = "Use only the per-job options --to, --revision, --max-shard-size and --name, with valid values."
+
+
+class BatchNameClashError(UsageError):
+    """Two batch jobs would write the same output name."""
+
+    default_rule = "BATCH-004"
+    advice = "Give one of the jobs its own --name."
 
 
 class OutputInsideInputError(UsageError):
@@ -768,3 +801,11 @@ class VerificationError(ConvertBnbError, OSError):
 
     default_rule = "OUT-003"
     advice = "Nothing was renamed into place. Check the disk (full? failing?) and run again; report it if it repeats."
+
+
+class HubError(ConvertBnbError, OSError):
+    """A Hugging Face Hub repo cannot be resolved or fetched (not found, gated, offline without a cache)."""
+
+    default_rule = "HUB-001"
+    advice = ("Check the repo id and revision, log in (`huggingface-cli login` or HF_TOKEN) for gated or private "
+              "repos, or download the model first and give its directory.")

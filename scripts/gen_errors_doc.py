@@ -25,6 +25,8 @@ FAMILIES = [
      "restricted unpickler that imports and calls nothing; tensor data is memory-mapped from the file."),
     ("CKPT", "model directory", "Checked when a directory is opened: the shard index, the shards and "
      "config.json."),
+    ("HUB", "Hugging Face Hub", "Checked when SRC is a repo id (`org/name[@revision]`) resolved through the "
+     "Hub cache."),
     ("BNB", "bitsandbytes layers", "Checked when the layers are grouped (every 4-bit weight with its "
      "absmax, quant_map and QuantState; every LLM.int8 weight with SCB and weight_format) and, for BNB-012, "
      "when the absmax is resolved."),
@@ -33,6 +35,7 @@ FAMILIES = [
     ("OUT", "output", "Checked before and after writing. The output is written under a temporary name "
      "(`.NAME.convert-bnb-tmp-PID`) beside it and renamed only when complete and verified."),
     ("USE", "usage", "The command line asks for something that cannot be done."),
+    ("BATCH", "batch JOBS files", "Checked when `convert-bnb batch JOBS` reads its file, before any job runs."),
     ("UNS", "unsupported input", "Valid input that convert-bnb does not handle (yet)."),
 ]
 

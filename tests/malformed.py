@@ -438,6 +438,28 @@ def _pt_damaged_member_header(d: Path) -> Path:
     return path
 
 
+def batch(text: str, name: str = "jobs.txt") -> Callable[[Path], Path]:
+    return raw_file(text.encode(), name)
+
+
+def run_batch(src: Path, out: Path) -> None:
+    from convert.cli import main
+
+    main(["batch", str(src), "--out-dir", str(out), "--dry-run", "--debug"])
+
+
+BATCH_ARGV = ["batch", "{src}", "--out-dir", "{out}", "--dry-run"]
+
+
+def _hub_offline(src: Path, out: Path) -> None:
+    from huggingface_hub import constants
+
+    from convert.hub import resolve_repo
+
+    with mock.patch.object(constants, "HF_HUB_OFFLINE", True):
+        resolve_repo("org/not-in-the-cache", cache_dir=src)
+
+
 # a GLOBAL opcode naming os.system, as a hostile pickle would (never imported, never called)
 SYSTEM_PICKLE = b"\x80\x02cposix\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03."
 
@@ -525,6 +547,9 @@ CASES: list[Case] = [
          _pt({"w": _tensor(ARR)}, byteorder=b"big")),
     Case("pt-list-not-dict", E.NotStateDictError, ["PT-009", "not a state dict", "found 'list'"],
          _pt([_tensor(ARR)])),
+    # ---- Hugging Face Hub (SRC = org/name)
+    Case("hub-offline-not-cached", E.HubError, ["HUB-001", "org/not-in-the-cache", "HF_HUB_OFFLINE"],
+         lambda d: d.mkdir(parents=True) or d, run=_hub_offline, argv=None),
     # ---- model directory
     Case("index-not-json", E.IndexJsonError, ["CKPT-001", "model.safetensors.index.json'", "not valid JSON"],
          lambda d: _two_shards(d, index='{"weight_map": ')),
@@ -553,7 +578,8 @@ CASES: list[Case] = [
          _unindexed_tensor),
     Case("shard-outside-directory", E.ShardPathError, ["CKPT-009", "found '../evil.safetensors'"],
          lambda d: _two_shards(d, index=_full_index({"model.norm.weight": "../evil.safetensors"}))),
-    Case("source-missing", E.SourceNotFoundError, ["CKPT-010", "no-such-model'", "does not exist"], _missing_src),
+    Case("source-missing", E.SourceNotFoundError, ["CKPT-010", "no-such-model'", "does not exist"], _missing_src,
+         same_message=False),  # the CLI's hint also offers a Hub repo id
     # ---- bnb 4-bit layer
     Case("quant-type-int4", E.QuantTypeError, [f"tensor '{W}'", "BNB-001", "expected \"'nf4' or 'fp4'\"",
                                                "found 'int4'"], one_file(with_state(V, quant_type="int4"))),
@@ -659,6 +685,15 @@ CASES: list[Case] = [
     Case("output-inside-input", E.OutputInsideInputError, ["USE-002", "converted'", "inside it"],
          lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_inside_input,
          argv=["{src}", "-o", "{src}/converted"]),
+    # ---- batch JOBS files (convert-bnb batch)
+    Case("batch-bad-json", E.BatchFileError, ["BATCH-001", "jobs.json'", "not valid JSON"],
+         batch('[{"src": ', "jobs.json"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-job-without-src", E.BatchJobError, ["BATCH-002", "needs a source"],
+         batch('[{"to": "bf16"}]', "jobs.json"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-unknown-option", E.BatchOptionError, ["BATCH-003", "--bogus"],
+         batch(f"{BASE_MODEL} --bogus 1\n"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-same-output-name", E.BatchNameClashError, ["BATCH-004", "--name"],
+         batch(f"{BASE_MODEL} --to bf16\n{BASE_MODEL} --to bf16\n"), run=run_batch, argv=BATCH_ARGV),
     # ---- unsupported
     Case("nested-blocksize-huge", E.BlocksizeError, ["BNB-002", "nested_blocksize", "found 633787143"],
          one_file(with_state(VN, nested_blocksize=633787143))),

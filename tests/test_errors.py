@@ -75,7 +75,7 @@ def test_malformed_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixtu
     if case.same_message:
         assert err == f"convert-bnb: error: {message}\n"
     else:
-        assert " USE-001 " in err
+        assert f" {case.rule} " in err
     assert_nothing_left(out)
     assert tree_hash(src) == before
 

@@ -1,0 +1,1052 @@
+"""``convert-bnb batch JOBS --out-dir DIR``: many conversions, resumable, failures isolated.
+
+JOBS file
+    A text file with one job per line: ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S]
+    [--name NAME]``, where SRC is a Hub repo id (``org/name``) or a local path; ``#`` starts a
+    comment; blank lines are skipped. Or a JSON list (``.json``, or text starting with ``[``) -- or a
+    YAML list (``.yaml``/``.yml``, when PyYAML is installed) -- whose items are such lines or objects
+    ``{"src": ..., "revision": ..., "to": ..., "max_shard_size": ..., "name": ...}`` (``repo`` is
+    accepted for ``src``). Options left out come from the command line. Rules, each a
+    :class:`~formats.errors.UsageError` naming the file and line:
+
+    =========  ====================================================================================
+    BATCH-001  the file reads and parses (text, JSON or YAML list)
+    BATCH-002  every item is a job line or an object with ``src`` (or ``repo``)
+    BATCH-003  per-job options are known and valid
+    BATCH-004  no two jobs write the same output name (set ``--name``)
+    =========  ====================================================================================
+
+Layout under DIR
+    ``DIR/NAME/`` is a finished output (``NAME`` defaults to ``<repo name>-<to>``, as the main job);
+    ``DIR/.convert-bnb/NAME.json`` the job's state file, ``NAME.partial/`` its unfinished output,
+    ``NAME.log`` the worker's stderr, ``NAME.spec.json`` what the worker was asked to do, and
+    ``lock`` (held with ``flock`` while a batch runs: one batch per DIR at a time).
+
+Running
+    Each job runs in its own worker process (``--jobs N`` at a time; one job's crash cannot stop
+    the others), with ``--max-memory`` split evenly between the N workers, and the threads too.
+    A worker resolves SRC (Hub repos through :mod:`convert.hub`, honouring the HF cache and
+    offline mode), plans, and writes the output shard by shard into ``NAME.partial/``: each shard
+    with :func:`convert.pipeline.run_plan` (verify-then-rename), then its size and sha256 go into
+    the state file. At the end the index, config and small files are added and ``NAME.partial`` is
+    renamed to ``NAME``; the state records every file's size and sha256 and ``status: done``.
+
+Resuming
+    The state's ``key`` is (source, resolved commit, ``--to``, ``--max-shard-size``, converter
+    version). A re-run skips a job whose state is ``done`` with the same key and whose files still
+    have the recorded sizes and sha256; for an unfinished job it keeps every shard in
+    ``NAME.partial/`` whose size and sha256 match the state, and writes only the rest. A different
+    key starts the job over. Targets registered by other modules (``--to gguf``, ...) resume per
+    job, not per shard.
+
+Pushing
+    ``--push-to-hub ORG`` creates ``ORG/NAME`` (``exist_ok``) and uploads the output in one commit
+    with a model card (``README.md``) recording the source repo and commit, the settings and the
+    converter version. A re-run does not push a job again once pushed with the same key.
+    ``--dry-run`` converts nothing and prints each job's plan, the card and the upload plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from formats.errors import ConvertBnbError, OutputExistsError, UsageError
+
+from . import __version__
+
+if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI start-up
+    import subprocess
+    from concurrent.futures import Future
+
+__all__ = [
+    "STATE_DIR",
+    "Job",
+    "JobResult",
+    "build_upload_plan",
+    "file_manifest",
+    "job_key",
+    "model_card",
+    "parse_jobs",
+    "run_batch",
+    "run_job",
+    "sha256_file",
+]
+
+STATE_DIR = ".convert-bnb"
+#: Exit code of ``convert-bnb batch`` when at least one job failed.
+EXIT_JOBS_FAILED = 3
+_STATE_VERSION = 1
+
+
+@dataclass
+class Job:
+    """One conversion of a batch.
+
+    Attributes:
+        src: a Hub repo id ``org/name`` or a local path.
+        revision: branch, tag or commit (Hub only), or None (the default branch).
+        to: the ``--to`` target.
+        max_shard_size: largest output shard in bytes.
+        name: the output name under the batch's out dir (also the pushed repo's name).
+        where: ``FILE:LINE`` (or ``FILE[i]``) the job came from, for messages.
+    """
+
+    src: str
+    revision: str | None
+    to: str
+    max_shard_size: int
+    name: str
+    where: str = ""
+
+    @property
+    def is_repo(self) -> bool:
+        """Whether SRC is a Hub repo id (not an existing local path)."""
+        from .hub import is_repo_id
+
+        return is_repo_id(self.src)
+
+
+# ---------------------------------------------------------------- JOBS file
+
+def _targets() -> list[str]:
+    from . import cli
+    from .plan import TARGETS
+
+    return list(TARGETS) + list(cli.EXTRA_TARGETS)
+
+
+def _job_parser() -> argparse.ArgumentParser:
+    from .cli import parse_size
+
+    p = argparse.ArgumentParser(prog="job", add_help=False, exit_on_error=False)
+    p.add_argument("src")
+    p.add_argument("--to")
+    p.add_argument("--revision")
+    p.add_argument("--max-shard-size", type=parse_size)
+    p.add_argument("--name")
+    return p
+
+
+def _default_name(src: str, to: str) -> str:
+    from .hub import default_repo_output, is_repo_id, parse_repo_spec
+
+    repo, _ = parse_repo_spec(src)
+    if is_repo_id(repo):
+        return default_repo_output(repo, to, Path(".")).name
+    p = Path(src)
+    suffix = "dequantized" if to == "auto" else to.replace(":", "-")
+    if p.is_file():
+        return f"{p.stem}-{suffix}" + (".gguf" if to.startswith("gguf") else ".safetensors")
+    return f"{p.name}-{suffix}"
+
+
+def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
+    from .cli import parse_size
+    from .hub import parse_repo_spec
+
+    def bad(msg: str, **kw: Any) -> UsageError:
+        return UsageError(f"{where}: {msg}", path=path, rule="BATCH-003", **kw)
+
+    src = fields.get("src")
+    if not isinstance(src, str) or not src.strip():
+        raise UsageError(f"{where}: a job needs a source (repo id or path)", path=path, rule="BATCH-002",
+                         found=fields)
+    src, rev_in_src = parse_repo_spec(src.strip())
+    if os.path.exists(src):  # a local path: absolute, so every worker reads the same one
+        src = os.path.abspath(src)
+    revision = fields.get("revision") or rev_in_src
+    if revision is not None and not isinstance(revision, str):
+        raise bad("revision must be a string", found=revision)
+    to = fields.get("to") or defaults.to
+    if to not in _targets():
+        raise bad(f"unknown --to value '{to}'", expected=_targets(), found=to)
+    mss = fields.get("max_shard_size")
+    if mss is None:
+        mss = defaults.max_shard_size
+    elif isinstance(mss, str):
+        try:
+            mss = parse_size(mss)
+        except argparse.ArgumentTypeError as exc:
+            raise bad(str(exc)) from None
+    if not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0:
+        raise bad("max_shard_size must be a positive size", found=mss)
+    name = fields.get("name") or _default_name(src, to)
+    if not isinstance(name, str) or "/" in name or name.startswith(".") or name in ("", ".."):
+        raise bad("name must be a plain directory name", found=name)
+    unknown = sorted(set(fields) - {"src", "revision", "to", "max_shard_size", "name"})
+    if unknown:
+        raise bad("unknown job fields", expected=["src", "revision", "to", "max_shard_size", "name"], found=unknown)
+    return Job(src, revision, to, int(mss), name, where)
+
+
+def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path) -> Job | None:
+    import shlex
+
+    try:
+        tokens = shlex.split(text, comments=True)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}", path=path, rule="BATCH-001") from None
+    if not tokens:
+        return None
+    try:
+        ns, rest = _job_parser().parse_known_args(tokens)
+    except (argparse.ArgumentError, argparse.ArgumentTypeError) as exc:
+        raise UsageError(f"{where}: {exc}", path=path, rule="BATCH-003") from None
+    if rest:
+        raise UsageError(f"{where}: unknown job options", path=path, rule="BATCH-003",
+                         expected="--to, --revision, --max-shard-size, --name", found=rest)
+    fields = {k: v for k, v in vars(ns).items() if v is not None}
+    return _make_job(fields, defaults, where, path)
+
+
+def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> list[Job]:
+    """Read a JOBS file (text lines, a JSON list or a YAML list).
+
+    Args:
+        path: the JOBS file.
+        defaults: an object with ``to`` and ``max_shard_size`` (bytes) for jobs that leave them out.
+
+    Returns:
+        the jobs, in file order.
+
+    Raises:
+        UsageError: BATCH-001 .. BATCH-004 (see the module docstring), naming file and line.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read the JOBS file ({exc})", path=p, rule="BATCH-001") from None
+    items: list[Any] | None = None
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml  # type: ignore[import-untyped]
+        except ImportError:
+            raise UsageError("a YAML JOBS file needs PyYAML, which is not installed", path=p, rule="BATCH-001",
+                             hint="write the list as JSON, or one job per line") from None
+        try:
+            items = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise UsageError(f"the JOBS file is not valid YAML ({exc})", path=p, rule="BATCH-001") from None
+    elif p.suffix.lower() == ".json" or text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"the JOBS file is not valid JSON ({exc})", path=p, rule="BATCH-001") from None
+    jobs: list[Job] = []
+    if items is not None:
+        if not isinstance(items, list):
+            raise UsageError("the JOBS file must hold a list", path=p, rule="BATCH-001",
+                             found=type(items).__name__)
+        for i, item in enumerate(items):
+            where = f"{p.name}[{i}]"
+            if isinstance(item, str):
+                job = _parse_line(item, defaults, where, p)
+            elif isinstance(item, dict):
+                fields = dict(item)
+                if "repo" in fields and "src" not in fields:
+                    fields["src"] = fields.pop("repo")
+                job = _make_job(fields, defaults, where, p)
+            else:
+                raise UsageError(f"{where}: a job must be a string or an object", path=p, rule="BATCH-002",
+                                 found=type(item).__name__)
+            if job is not None:
+                jobs.append(job)
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            job = _parse_line(line, defaults, f"{p.name}:{n}", p)
+            if job is not None:
+                jobs.append(job)
+    seen: dict[str, str] = {}
+    for job in jobs:
+        if job.name in seen:
+            raise UsageError(f"{job.where}: output name '{job.name}' is also written by {seen[job.name]}",
+                             path=p, rule="BATCH-004", hint="give one of them --name")
+        seen[job.name] = job.where
+    return jobs
+
+
+# ---------------------------------------------------------------- state and files
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in ``chunk``-byte pieces."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _matches(path: Path, rec: dict[str, Any]) -> bool:
+    """Whether a file has the recorded size and sha256 (size first: cheap)."""
+    try:
+        if not path.is_file() or path.stat().st_size != rec.get("bytes"):
+            return False
+    except OSError:
+        return False
+    return sha256_file(path) == rec.get("sha256")
+
+
+def file_manifest(root: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"bytes", "sha256"}}`` of every file under ``root`` (a file: its own name).
+
+    Args:
+        root: an output directory or file.
+        known: entries already hashed (reused when the size still matches).
+    """
+    known = known or {}
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    out: dict[str, dict[str, Any]] = {}
+    for f in files:
+        rel = f.name if root.is_file() else f.relative_to(root).as_posix()
+        size = f.stat().st_size
+        rec = known.get(rel)
+        sha = rec["sha256"] if rec and rec.get("bytes") == size else sha256_file(f)
+        out[rel] = {"bytes": size, "sha256": sha}
+    return out
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return state if isinstance(state, dict) and state.get("version") == _STATE_VERSION else {}
+
+
+def _save_state(path: Path, state: dict[str, Any]) -> None:
+    """Write the state atomically (a killed run leaves the old or the new state, never half of one)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def job_key(job: Job, source: str, commit: str | None) -> dict[str, Any]:
+    """What must be equal for finished work to be reused: source, commit, target, shard size, converter."""
+    return {"source": source, "commit": commit, "to": job.to, "max_shard_size": job.max_shard_size,
+            "converter": f"convert-bnb {__version__}"}
+
+
+def _remove(p: Path) -> None:
+    import shutil
+
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+# ---------------------------------------------------------------- one job (runs in the worker process)
+
+@dataclass
+class JobResult:
+    """What happened to one job.
+
+    Attributes:
+        name: the job's output name.
+        src: its source (repo id or path).
+        status: ``converted``, ``skipped`` (already done), ``failed``, or ``planned`` (dry run).
+        output: the output path.
+        commit: the resolved source commit (Hub), or None.
+        shards_written: shards written by this run.
+        shards_reused: finished shards kept from an earlier run.
+        bytes_out: bytes of the output (all files).
+        seconds: wall time of the job.
+        peak_rss_bytes: the worker's peak resident set.
+        error: the error line when failed.
+        pushed: the Hub repo pushed to (this run or before), or None.
+    """
+
+    name: str
+    src: str
+    status: str
+    output: str = ""
+    commit: str | None = None
+    shards_written: int = 0
+    shards_reused: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    error: str | None = None
+    pushed: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+def _resolve(job: Job, out: Path | None, download: bool = True) -> tuple[Path, str, str | None, Any]:
+    """(local path, source label, commit or None, HubSource or None)."""
+    if job.is_repo:
+        from .hub import resolve_repo
+
+        hub = resolve_repo(job.src, job.revision, out=out, to=job.to, download=download, progress=False)
+        return hub.path, job.src, hub.commit, hub
+    if job.revision:
+        raise UsageError(f"{job.where}: a revision applies to Hub repos, but SRC is a local path", found=job.src)
+    p = Path(job.src)
+    if not p.exists():
+        raise UsageError(f"{job.where}: SRC does not exist", path=p,
+                         hint="give a local path or a Hub repo id org/name")
+    return p, str(p.resolve()), None, None
+
+
+def run_job(spec: dict[str, Any], pause: Callable[[int], None] | None = None) -> JobResult:
+    """Run one job of a batch (in the worker process): resolve, convert shard by shard, push.
+
+    Args:
+        spec: the job (``job``: :class:`Job` fields) and the batch settings (``out_dir``,
+            ``max_memory`` and ``threads`` for this worker, ``verify``, ``push_to_hub``, ``private``).
+        pause: called with the number of shards written so far after each one (a test hook).
+
+    Returns:
+        the :class:`JobResult` (also recorded in the state file).
+
+    Raises:
+        ConvertBnbError: any failure of the conversion (recorded in the state file first).
+    """
+    t0 = time.perf_counter()
+    job = Job(**spec["job"])
+    out_dir = Path(spec["out_dir"])
+    work = out_dir / STATE_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    state_path = work / f"{job.name}.json"
+    final = out_dir / job.name
+    state = _load_state(state_path)
+    result = JobResult(job.name, job.src, "failed", str(final))
+    try:
+        src, label, commit, hub = _resolve(job, final)
+        result.commit = commit
+        key = job_key(job, label, commit)
+        if (state.get("key") == key and state.get("status") == "done" and final.exists()
+                and file_manifest_matches(final, state.get("files", {}))):
+            result.status = "skipped"
+        else:
+            if state.get("key") != key:
+                if final.exists() and state.get("status") != "done":
+                    raise OutputExistsError(
+                        "output exists and is not from an earlier run of this job", path=final, action="write",
+                        hint="remove it, or give the job another --name",
+                    )
+                _remove(work / f"{job.name}.partial")
+                state = {"version": _STATE_VERSION, "key": key, "job": asdict(job), "shards": {},
+                         "status": "running"}
+            state.update(status="running", error=None)
+            _save_state(state_path, state)
+            _convert_job(job, src, final, work, state, state_path, spec, result, pause)
+            state["status"] = "done"
+            state["files"] = file_manifest(final, _shard_known(state))
+            if hub is not None:
+                state["source"] = {"repo": hub.repo_id, "revision": hub.revision, "commit": hub.commit}
+            _save_state(state_path, state)
+            result.status = "converted"
+        result.bytes_out = sum(f["bytes"] for f in state.get("files", {}).values())
+        if spec.get("push_to_hub"):
+            result.pushed = _push(job, final, state, state_path, spec, commit, _quant_summary(src))
+    except BaseException as exc:
+        if state.get("status") != "done":  # a failed push leaves a finished conversion done
+            state["status"] = "failed"
+        state["error"] = str(exc) or type(exc).__name__
+        if state.get("version"):
+            _save_state(state_path, state)
+        raise
+    finally:
+        from .pipeline import peak_rss_bytes
+
+        result.seconds = time.perf_counter() - t0
+        result.peak_rss_bytes = peak_rss_bytes()
+    return result
+
+
+def file_manifest_matches(root: Path, files: dict[str, dict[str, Any]]) -> bool:
+    """Whether ``root`` holds exactly the recorded files with their recorded sizes and sha256."""
+    if not files:
+        return False
+    present = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+    names = {p.name if root.is_file() else p.relative_to(root).as_posix() for p in present}
+    if names != set(files):
+        return False
+    return all(_matches(root if root.is_file() else root / rel, rec) for rel, rec in files.items())
+
+
+def _shard_known(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(state.get("shards", {}))
+
+
+def _convert_job(job: Job, src: Path, final: Path, work: Path, state: dict[str, Any], state_path: Path,
+                 spec: dict[str, Any], result: JobResult, pause: Callable[[int], None] | None) -> None:
+    import dataclasses
+
+    from formats.checkpoint import open_checkpoint
+
+    from . import cli
+    from .pipeline import _write_directory_files, run_plan
+    from .plan import TARGETS, Plan, make_plan
+
+    partial = work / f"{job.name}.partial"
+    max_memory, threads, verify = spec["max_memory"], spec["threads"], spec.get("verify", True)
+    if job.to not in TARGETS:  # a target of another module: one run, resumed per job
+        _remove(partial)
+        argv = [str(src), "--to", job.to, "-o", str(partial), "--max-memory", str(max_memory),
+                "--threads", str(threads), "--quiet", "--max-shard-size", str(job.max_shard_size)]
+        code = cli.main(argv)
+        if code != 0:
+            raise UsageError(f"the conversion to '{job.to}' failed (exit code {code}); see the log",
+                             path=src, action="convert")
+        _install(partial, final, state)
+        result.shards_written = 1
+        return
+    with open_checkpoint(src) as ckpt:
+        plan = make_plan(ckpt, job.to, max_shard_size=job.max_shard_size)
+        result.notes.extend(plan.notes)
+        if not ckpt.is_dir:  # a single file in, a single file out
+            _remove(partial)
+            run_plan(plan, partial, threads=threads, max_memory=max_memory, overwrite=True, verify=verify)
+            result.shards_written = 1
+            _install(partial, final, state)
+            return
+        partial.mkdir(parents=True, exist_ok=True)
+        single = dataclasses.replace(ckpt, is_dir=False)
+        shards: dict[str, dict[str, Any]] = state.setdefault("shards", {})
+        names = plan.shard_names()
+        for fname in list(shards):
+            if fname not in names:
+                del shards[fname]
+        for fname, shard in zip(names, plan.shards, strict=True):
+            path = partial / fname
+            rec = shards.get(fname)
+            if rec is not None and _matches(path, rec):
+                result.shards_reused += 1
+                continue
+            shards.pop(fname, None)
+            sub = Plan(single, job.to, [plan.tensors[j] for j in shard], [list(range(len(shard)))])
+            run_plan(sub, path, threads=threads, max_memory=max_memory, overwrite=True, verify=verify)
+            shards[fname] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            _save_state(state_path, state)
+            result.shards_written += 1
+            if pause is not None:
+                pause(result.shards_written)
+        for stray in partial.iterdir():  # e.g. shards of an earlier plan or temporaries of a killed run
+            if stray.name not in names:
+                _remove(stray)
+        _write_directory_files(plan, partial)
+    _install(partial, final, state)
+
+
+def _install(partial: Path, final: Path, state: dict[str, Any]) -> None:
+    """Rename the finished output into place (replacing an earlier output of this same job)."""
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".{final.name}.convert-bnb-old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(partial, final)
+        _remove(old)
+    else:
+        os.replace(partial, final)
+
+
+# ---------------------------------------------------------------- model card and push
+
+def _quant_summary(src: Path) -> list[str]:
+    """One line per group of quantized layers in the source (headers only)."""
+    from formats.checkpoint import open_checkpoint
+
+    from .inspection import InspectOptions, inspect_checkpoint
+
+    try:
+        with open_checkpoint(src) as ckpt:
+            rep = inspect_checkpoint(ckpt, InspectOptions())
+    except (ConvertBnbError, OSError):
+        return []
+    lines = []
+    for g in rep["quantized"]:
+        nested = f", nested (blocksize {g['nested_blocksize']}, {g['nested_dtype']})" if g["nested"] else ""
+        lines.append(f"{g['quant_type']}, blocksize {g['blocksize']}{nested}, dtype {g['dtype']}, "
+                     f"storage {g['storage']}: {g['layers']} layers")
+    for g in rep["int8"]:
+        lines.append(f"LLM.int8 ({g['weight_dtype']} weight, {g['scale_dtype']} scale): {g['layers']} layers")
+    return lines
+
+
+def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
+               quantization: Iterable[str] = ()) -> str:
+    """The model card (``README.md``) pushed with an output.
+
+    Args:
+        job: the job (source, revision, target, shard size).
+        commit: the source commit the output was made from (None for a local source).
+        files: the output's manifest ``{path: {"bytes", "sha256"}}``.
+        quantization: lines describing the source's quantized layers.
+
+    Returns:
+        the card text: YAML front matter (``base_model``, tags) and a body naming the source repo and
+        commit, the settings, the converter version and every file with its size and sha256.
+    """
+    target = {"auto": "each tensor's original dtype"}.get(job.to, job.to)
+    lines = ["---"]
+    if job.is_repo:
+        lines += [f"base_model: {job.src}"]
+    lines += ["tags:", "- convert-bnb", "- bitsandbytes-dequantized", "library_name: transformers", "---", "",
+              f"# {job.name}", ""]
+    src = f"[{job.src}](https://huggingface.co/{job.src})" if job.is_repo else f"`{job.src}`"
+    lines += [f"{src} converted from its bitsandbytes quantization to {target} with "
+              f"convert-bnb {__version__} (bit-exact with bitsandbytes' own dequantization).", ""]
+    lines += ["## Source", "", f"- repo: {job.src}" if job.is_repo else f"- path: {job.src}"]
+    if job.is_repo:
+        lines += [f"- revision: {job.revision or 'main (default branch)'}", f"- commit: {commit}"]
+    for q in quantization:
+        lines.append(f"- quantization: {q}")
+    lines += ["", "## Settings", "", "| setting | value |", "|---|---|", f"| --to | {job.to} |",
+              f"| --max-shard-size | {job.max_shard_size} bytes |", f"| converter | convert-bnb {__version__} |", ""]
+    cmd = f"convert-bnb {job.src}" + (f" --revision {commit}" if commit else "")
+    cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}"
+    lines += ["Reproduce with:", "", "```", cmd, "```", ""]
+    lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---:|---|"]
+    for rel, rec in sorted(files.items()):
+        lines.append(f"| {rel} | {rec['bytes']} | {rec['sha256']} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def build_upload_plan(org: str, job: Job, out: Path, files: dict[str, dict[str, Any]] | None,
+                      card: str, private: bool) -> dict[str, Any]:
+    """What ``--push-to-hub`` does for one job: the repo to create and the files of the one commit."""
+    ops: list[dict[str, Any]] = []
+    for rel, rec in sorted((files or {}).items()):
+        ops.append({"path_in_repo": rel, "bytes": rec["bytes"], "from": str(out / rel) if out.is_dir() else str(out)})
+    ops.append({"path_in_repo": "README.md", "bytes": len(card.encode("utf-8")), "from": "model card"})
+    return {
+        "create_repo": {"repo_id": f"{org}/{job.name}", "repo_type": "model", "private": private, "exist_ok": True},
+        "commit": {"repo_id": f"{org}/{job.name}", "operations": ops,
+                   "commit_message": f"convert-bnb {__version__}: {job.src} --to {job.to}"},
+    }
+
+
+def _push(job: Job, final: Path, state: dict[str, Any], state_path: Path, spec: dict[str, Any],
+          commit: str | None, quantization: list[str]) -> str:
+    org = spec["push_to_hub"]
+    target = f"{org}/{job.name}"
+    pushed = state.get("pushed")
+    if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
+        return target
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    files = state.get("files", {})
+    card = model_card(job, commit, files, quantization)
+    plan = build_upload_plan(org, job, final, files, card, bool(spec.get("private")))
+    ops = [CommitOperationAdd(path_in_repo=o["path_in_repo"], path_or_fileobj=o["from"])
+           for o in plan["commit"]["operations"] if o["from"] != "model card"]
+    ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
+    api = HfApi()
+    try:
+        api.create_repo(**plan["create_repo"])
+        info = api.create_commit(target, ops, commit_message=plan["commit"]["commit_message"])
+    except Exception as exc:
+        if type(exc).__module__.startswith("huggingface_hub"):
+            from formats.errors import HubError
+
+            raise HubError(f"cannot push to '{target}' ({type(exc).__name__}: {str(exc).splitlines()[0]})",
+                           action="push", hint="check HF_TOKEN has write access to the organisation") from None
+        raise
+    state["pushed"] = {"repo": target, "key": state.get("key"), "commit": getattr(info, "oid", None)}
+    _save_state(state_path, state)
+    return target
+
+
+# ---------------------------------------------------------------- the batch (parent process)
+
+_WORKER = "import sys; from convert.batch import worker_main; sys.exit(worker_main(sys.argv[1:]))"
+
+
+def _worker_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def worker_main(argv: list[str]) -> int:
+    """Entry point of a worker process: ``SPEC.json``. Prints the result as one JSON line on stdout.
+
+    Exit codes: 0 done, 2 the job failed on its input (error in the state file), 1 internal error,
+    130 interrupted.
+    """
+    import signal
+
+    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+    pause = None
+    pause_after = spec.get("pause_after_shards")
+    if pause_after:
+        marker = Path(spec["out_dir"]) / STATE_DIR / f"{spec['job']['name']}.paused"
+
+        def pause(n: int) -> None:
+            if n >= pause_after:
+                marker.write_text(str(os.getpid()))
+                while True:  # hold here until the test kills the batch
+                    time.sleep(3600)
+
+    try:
+        result = run_job(spec, pause)
+    except ConvertBnbError as exc:
+        print(json.dumps({"status": "failed", "error": str(exc)}))
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - reported as this job's failure; the batch goes on
+        import traceback
+
+        traceback.print_exc()
+        print(json.dumps({"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}"}))
+        return 1
+    print(json.dumps(result.to_dict()))
+    return 0
+
+
+def run_batch(
+    jobs: list[Job],
+    out_dir: Path,
+    *,
+    n_jobs: int = 1,
+    max_memory: int = 1 << 30,
+    threads: int | None = None,
+    verify: bool = True,
+    push_to_hub: str | None = None,
+    private: bool = False,
+    pause_at: tuple[str, int] | None = None,
+    on_done: Callable[[JobResult], None] | None = None,
+) -> list[JobResult]:
+    """Run every job in worker processes, ``n_jobs`` at a time, within one memory budget.
+
+    Args:
+        jobs: from :func:`parse_jobs`.
+        out_dir: where outputs, state files and logs go.
+        n_jobs: worker processes at a time.
+        max_memory: the memory budget of the whole batch in bytes; each worker gets ``max_memory // n_jobs``.
+        threads: threads of the whole batch (default: all cores), split between the workers.
+        verify: re-read each written shard before renaming it into place.
+        push_to_hub: an organisation (or user) to push each output to, or None.
+        private: create pushed repos as private.
+        pause_at: ``(job name, shards)``: that job's worker stops after writing that many shards and
+            waits to be killed (for tests of resuming).
+        on_done: called with each job's result as it finishes.
+
+    Returns:
+        one :class:`JobResult` per job, in job order.
+
+    Raises:
+        UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, ``n_jobs`` < 1, or
+            another batch is running with the same ``out_dir``.
+    """
+    if n_jobs < 1:
+        raise UsageError("--jobs must be at least 1", found=n_jobs)
+    per_memory = max_memory // n_jobs
+    if per_memory < 64 * 1024 * 1024:
+        raise UsageError("--max-memory split over --jobs leaves a worker less than 64MiB",
+                         expected=">= 64MiB per job", found=f"{per_memory} bytes per job",
+                         hint="raise --max-memory or lower --jobs")
+    per_threads = max(1, (threads or os.cpu_count() or 1) // n_jobs)
+    work = out_dir / STATE_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    lock = _lock_out_dir(work)
+    try:
+        return _run_jobs(jobs, out_dir, work, n_jobs, per_memory, per_threads, verify, push_to_hub, private,
+                         pause_at, on_done)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _lock_out_dir(work: Path) -> Any:
+    """Hold ``OUT/.convert-bnb/lock`` for the run: two batches never write the same out dir at once.
+
+    Raises:
+        UsageError: another batch holds the lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        return None
+    f = open(work / "lock", "a+")  # noqa: SIM115 - held until the run ends
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UsageError("another convert-bnb batch is running with this --out-dir", path=work.parent,
+                         action="write", hint="wait for it to finish, or use another --out-dir") from None
+    return f
+
+
+def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, per_memory: int, per_threads: int,
+              verify: bool, push_to_hub: str | None, private: bool, pause_at: tuple[str, int] | None,
+              on_done: Callable[[JobResult], None] | None) -> list[JobResult]:
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    procs: set[subprocess.Popen[bytes]] = set()
+    lock = threading.Lock()
+
+    def one(job: Job) -> JobResult:
+        spec = {"job": asdict(job), "out_dir": str(out_dir), "max_memory": per_memory, "threads": per_threads,
+                "verify": verify, "push_to_hub": push_to_hub, "private": private}
+        if pause_at is not None and pause_at[0] == job.name:
+            spec["pause_after_shards"] = pause_at[1]
+        spec_path = work / f"{job.name}.spec.json"
+        spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
+        with open(work / f"{job.name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(spec_path)], stdout=subprocess.PIPE,
+                                    stderr=log, env=_worker_env())
+            with lock:
+                procs.add(proc)
+            try:
+                stdout, _ = proc.communicate()
+            finally:
+                with lock:
+                    procs.discard(proc)
+        line = stdout.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        try:
+            data = json.loads(line[0])
+        except json.JSONDecodeError:
+            data = {"status": "failed",
+                    "error": f"worker exited with code {proc.returncode}; see {work / (job.name + '.log')}"}
+        if proc.returncode != 0 and data.get("status") != "failed":
+            data = {"status": "failed", "error": f"worker exited with code {proc.returncode}"}
+        keep = {k: v for k, v in data.items() if k in JobResult.__dataclass_fields__}
+        keep.setdefault("name", job.name)
+        keep.setdefault("src", job.src)
+        keep.setdefault("output", str(out_dir / job.name))
+        res = JobResult(**keep)
+        if on_done is not None:
+            on_done(res)
+        return res
+
+    results: dict[str, JobResult] = {}
+    pool = ThreadPoolExecutor(max_workers=n_jobs)
+    futures: dict[Future[JobResult], Job] = {}
+    try:
+        futures.update({pool.submit(one, j): j for j in jobs})
+        for fut in as_completed(futures):
+            results[futures[fut].name] = fut.result()
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        with lock:
+            for p in procs:
+                p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return [results[j.name] for j in jobs]
+
+
+def _worker_env() -> dict[str, str]:
+    """The worker's environment: ours, with this package importable (the worker runs ``-c``)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private: bool) -> list[dict[str, Any]]:
+    """``--dry-run``: for each job, its source and commit, what a run would do, and the card and upload plan.
+
+    Nothing is downloaded or written: a Hub repo is resolved to its commit (from the cache when
+    offline), its files are listed from the snapshot when it is cached, else from a finished output.
+
+    Raises:
+        HubError: a repo cannot be resolved.
+    """
+    out: list[dict[str, Any]] = []
+    for job in jobs:
+        entry: dict[str, Any] = {"name": job.name, "src": job.src, "revision": job.revision, "to": job.to,
+                                 "max_shard_size": job.max_shard_size, "output": str(out_dir / job.name)}
+        try:
+            src, label, commit, _ = _resolve(job, None, download=False)
+        except ConvertBnbError as exc:
+            entry.update(action="fail", error=str(exc))
+            out.append(entry)
+            continue
+        entry["commit"] = commit
+        state = _load_state(out_dir / STATE_DIR / f"{job.name}.json")
+        final = out_dir / job.name
+        key = job_key(job, label, commit)
+        files: dict[str, dict[str, Any]] | None = None
+        if state.get("key") == key and state.get("status") == "done" and final.exists():
+            entry["action"] = "skip (already converted)"
+            files = state.get("files")
+        else:
+            done = len(state.get("shards", {})) if state.get("key") == key else 0
+            entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
+            files = _planned_files(src, job)
+        if push_to_hub:
+            quant = _quant_summary(src) if src.exists() else []
+            card = model_card(job, commit, files or {}, quant)
+            entry["card"] = card
+            entry["upload"] = build_upload_plan(push_to_hub, job, final, files, card, private)
+        out.append(entry)
+    return out
+
+
+def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
+    """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local."""
+    if not src.exists():
+        return None
+    from formats.checkpoint import open_checkpoint
+
+    from .plan import TARGETS, make_plan
+
+    if job.to not in TARGETS:
+        return None
+    try:
+        with open_checkpoint(src) as ckpt:
+            plan = make_plan(ckpt, job.to, max_shard_size=job.max_shard_size)
+            names = plan.shard_names() if ckpt.is_dir else [job.name]
+            files = {n: {"bytes": sum(plan.tensors[i].nbytes for i in s), "sha256": "(after conversion)"}
+                     for n, s in zip(names, plan.shards, strict=True)}
+            if ckpt.is_dir:
+                for extra in ckpt.extra_files:
+                    files[extra.name] = {"bytes": extra.stat().st_size, "sha256": "(after conversion)"}
+                if len(names) > 1:
+                    files["model.safetensors.index.json"] = {"bytes": 0, "sha256": "(after conversion)"}
+            return files
+    except ConvertBnbError:
+        return None
+
+
+# ---------------------------------------------------------------- CLI
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def summary_table(results: list[JobResult]) -> str:
+    """The table printed at the end of a batch: one row per job, then the totals."""
+    head = ("job", "status", "shards new/kept", "output", "time", "detail")
+    rows = []
+    for r in results:
+        detail = r.error or (f"pushed to {r.pushed}" if r.pushed else "")
+        if r.commit and not r.error:
+            detail = (f"@{r.commit[:10]} " + detail).strip()
+        rows.append((r.name, r.status, f"{r.shards_written}/{r.shards_reused}",
+                     _human(r.bytes_out) if r.bytes_out else "-", f"{r.seconds:.1f}s", detail))
+    widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head) - 1)]
+    lines = []
+    for row in [head, *rows]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    lines.append(", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f" of {len(results)} jobs")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    from . import cli
+    from .cli import parse_size
+    from .plan import TARGETS
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = """\
+examples:
+  convert-bnb batch jobs.txt --out-dir out/ --to bf16 --jobs 2 --max-memory 4GiB
+  convert-bnb batch jobs.txt --out-dir out/ --push-to-hub my-org --dry-run   card + upload plan, no work
+
+jobs.txt:
+  # one job per line; options override the command line's
+  unsloth/llama-3-8b-bnb-4bit
+  unsloth/mistral-7b-bnb-4bit@main --to fp16 --max-shard-size 2GB
+  ./local-model-bnb-4bit --name local-bf16
+
+Re-running the same command skips finished jobs and finished shards (state in OUT/.convert-bnb/).
+"""
+    p.add_argument("jobs_file", metavar="JOBS",
+                   help="text file (one 'SRC[@REVISION] [--to T] [--max-shard-size S] [--name N]' per line, "
+                   "# comments) or a JSON/YAML list")
+    p.add_argument("--out-dir", type=Path, required=True, help="where the outputs and the state files go")
+    p.add_argument("--jobs", type=int, default=1, help="conversions running at a time (default: 1)")
+    p.add_argument("--to", default="auto", choices=list(TARGETS) + list(cli.EXTRA_TARGETS), metavar="TARGET",
+                   help="default target of the jobs (default: auto)")
+    p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
+                   help="memory budget of the whole batch, split over --jobs (default: 1GiB)")
+    p.add_argument("--threads", type=int, default=None, help="threads of the whole batch (default: all cores)")
+    p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
+                   help="default largest output shard (default: 5GB)")
+    p.add_argument("--push-to-hub", metavar="ORG", default=None,
+                   help="create ORG/NAME repos and upload each output with a model card")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create private repos")
+    p.add_argument("--dry-run", action="store_true",
+                   help="convert nothing: print each job's plan (and with --push-to-hub the card and upload plan)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip re-reading written shards")
+    p.add_argument("--pause-at", default=None, help=argparse.SUPPRESS)  # NAME:SHARDS, a test hook
+
+
+def _run(args: argparse.Namespace) -> int:
+    jobs = parse_jobs(args.jobs_file, args)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1", found=args.threads)
+    out_dir: Path = args.out_dir
+    if args.dry_run:
+        plan = plan_batch(jobs, out_dir, args.push_to_hub, args.private)
+        if args.json:
+            print(json.dumps(plan, indent=2))
+        else:
+            for e in plan:
+                print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
+                      + f" --to {e['to']} -> {e['output']}: {e['action']}"
+                      + (f" ({e['error']})" if "error" in e else ""))
+                if "upload" in e:
+                    up = e["upload"]
+                    print(f"  upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
+                          f"exist_ok), one commit '{up['commit']['commit_message']}':")
+                    for op in up["commit"]["operations"]:
+                        print(f"    {op['path_in_repo']:<40} {op['bytes']:>14,d} B  <- {op['from']}")
+                    print("  model card:")
+                    print("    " + e["card"].replace("\n", "\n    ").rstrip())
+        return 0
+    pause_at = None
+    if args.pause_at:
+        name, _, n = args.pause_at.rpartition(":")
+        pause_at = (name, int(n))
+
+    def progress(r: JobResult) -> None:
+        if not args.quiet and not args.json:
+            print(f"[{r.status}] {r.name}" + (f": {r.error}" if r.error else ""), file=sys.stderr, flush=True)
+
+    results = run_batch(jobs, out_dir, n_jobs=args.jobs, max_memory=args.max_memory, threads=args.threads,
+                        verify=args.verify, push_to_hub=args.push_to_hub, private=args.private,
+                        pause_at=pause_at, on_done=progress)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    elif not args.quiet:
+        print(summary_table(results))
+    return EXIT_JOBS_FAILED if any(r.status == "failed" for r in results) else 0
+
+
+def _register() -> None:
+    from . import cli
+
+    cli.SUBCOMMANDS["batch"] = (
+        "Convert many checkpoints (Hub repos or paths) listed in JOBS into --out-dir: parallel worker processes "
+        "within one memory budget, resumable per shard, failures isolated, a summary table at the end "
+        f"(exit {EXIT_JOBS_FAILED} if any job failed); optional --push-to-hub.",
+        _add_args,
+        _run,
+    )
+
+
+_register()

@@ -1,0 +1,560 @@
+"""Hugging Face Hub repos as SRC: ``convert-bnb org/name [--revision REV] --to bf16``.
+
+A SRC that is not an existing local path and looks like ``org/name`` is a Hub model repo. It is
+fetched with ``huggingface_hub.snapshot_download`` into the standard cache (``HF_HUB_CACHE``, else
+``HF_HOME/hub``), and the conversion then reads the snapshot directory like any model directory.
+Everything about the cache and the network is left to huggingface_hub: ``HF_TOKEN`` (or the stored
+login) authenticates, ``HF_HUB_OFFLINE=1`` resolves repo ids and revisions from ``refs/`` and
+``snapshots/`` alone, and files already cached are not fetched again.
+
+Only what the conversion needs is fetched (top-level files only):
+
+- the weights: the first of :data:`formats.checkpoint.INDEX_NAMES` present plus exactly the shards
+  its ``weight_map`` names, else the first of :data:`formats.checkpoint.SINGLE_NAMES` present;
+- small files the output keeps: ``*.json`` (config, generation config, tokenizer config, index),
+  ``*.model`` (sentencepiece), ``*.txt`` (merges, vocab), ``*.tiktoken``, ``*.jinja`` (chat templates).
+
+Online, the repo's file list and sizes come from the Hub API first (``model_info`` with file
+metadata), so the disk pre-flight can count the bytes to download (files not yet in the cache),
+and, when the cache and the output share a filesystem, the estimated output too
+(:func:`estimate_output_bytes` over the safetensors headers the Hub serves). Offline there is
+nothing to download, and a missing snapshot is a :class:`~formats.errors.HubError`.
+
+huggingface_hub is imported inside the functions: the CLI's start-up stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from formats.errors import DiskSpaceError, HubError, UsageError
+
+__all__ = [
+    "SMALL_FILE_PATTERNS",
+    "DownloadPlan",
+    "HubSource",
+    "check_disk",
+    "choose_weight_files",
+    "default_repo_output",
+    "estimate_output_bytes",
+    "is_repo_id",
+    "parse_repo_spec",
+    "plan_download",
+    "resolve_repo",
+]
+
+#: Top-level non-weight files fetched with the weights (the output keeps them).
+SMALL_FILE_PATTERNS = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+#: Suffixes of files that hold weights (any container).
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+#: Bytes of output per byte of packed 4-bit codes, per element byte of the output dtype (2 codes/byte).
+_CODES_PER_BYTE = 2
+
+
+def is_repo_id(text: str) -> bool:
+    """Whether SRC means a Hub repo: ``org/name`` that is not an existing local path.
+
+    Args:
+        text: the SRC argument (without ``@revision``).
+    """
+    if os.path.exists(text):
+        return False
+    if not _REPO_RE.match(text) or ".." in text or text.endswith((".safetensors", ".bin", ".pt")):
+        return False
+    return True
+
+
+def parse_repo_spec(spec: str) -> tuple[str, str | None]:
+    """Split ``org/name@revision`` into (``org/name``, ``revision`` or None)."""
+    if "@" in spec and not os.path.exists(spec):
+        repo, _, rev = spec.partition("@")
+        return repo, rev or None
+    return spec, None
+
+
+def default_repo_output(repo_id: str, to: str, base: Path | None = None) -> Path:
+    """Where a repo's output goes without ``-o``: ``./<name>-<suffix>`` in the working directory.
+
+    The suffix is the one :func:`convert.plan.default_output` uses (``dequantized`` for ``auto``).
+    """
+    name = repo_id.rsplit("/", 1)[-1]
+    suffix = "dequantized" if to == "auto" else to.replace(":", "-")
+    out = f"{name}-{suffix}" + (".gguf" if to.startswith("gguf") else "")
+    return (base or Path.cwd()) / out
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    """One file of a repo at a commit.
+
+    Attributes:
+        name: path in the repo (top level).
+        size: bytes (the LFS object's size for LFS files), or None when the Hub did not say.
+        cached: in the local cache before this run (nothing to download).
+    """
+
+    name: str
+    size: int | None
+    cached: bool
+
+
+@dataclass
+class DownloadPlan:
+    """What fetching a repo for conversion means, before anything is downloaded.
+
+    Attributes:
+        repo_id: ``org/name``.
+        revision: the revision asked for (branch, tag or commit), or None for the default branch.
+        commit: the commit sha it resolves to.
+        files: the files to fetch (weights, index, small files).
+        weight_files: the subset holding weights.
+        offline: resolved from the cache alone (``HF_HUB_OFFLINE``): nothing to download.
+    """
+
+    repo_id: str
+    revision: str | None
+    commit: str
+    files: list[RepoFile]
+    weight_files: list[str] = field(default_factory=list)
+    offline: bool = False
+
+    @property
+    def download_bytes(self) -> int:
+        """Bytes still to download (files not in the cache; unknown sizes count as 0)."""
+        return sum(f.size or 0 for f in self.files if not f.cached)
+
+    @property
+    def allow_patterns(self) -> list[str]:
+        """``snapshot_download`` patterns that match exactly :attr:`files`."""
+        return [glob.escape(f.name) for f in self.files]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "repo": self.repo_id, "revision": self.revision, "commit": self.commit, "offline": self.offline,
+            "download_bytes": self.download_bytes,
+            "files": [{"name": f.name, "bytes": f.size, "cached": f.cached} for f in self.files],
+        }
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """A repo resolved to a local snapshot directory.
+
+    Attributes:
+        repo_id: ``org/name``.
+        revision: the revision asked for, or None (the default branch).
+        commit: the commit sha of the snapshot.
+        path: the snapshot directory in the cache (files are symlinks into ``blobs/``).
+        downloaded_bytes: bytes fetched by this call (0 offline or when everything was cached).
+    """
+
+    repo_id: str
+    revision: str | None
+    commit: str
+    path: Path
+    downloaded_bytes: int = 0
+
+
+def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubError:
+    """Turn a huggingface_hub exception into our :class:`HubError` (one line, with a hint)."""
+    kind = type(exc).__name__
+    rev = revision or "main"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else kind
+    hints = {
+        "RepositoryNotFoundError": "check the repo id; for a private or gated repo set HF_TOKEN or run `hf auth login`",
+        "GatedRepoError": "accept the repo's terms on the Hub and set HF_TOKEN",
+        "RevisionNotFoundError": "check --revision (a branch, tag or commit sha)",
+        "LocalEntryNotFoundError": "HF_HUB_OFFLINE is set and the repo/revision is not in the cache; run once "
+        "online, or check HF_HOME / HF_HUB_CACHE",
+        "IncompleteSnapshotError": "the cached snapshot lacks files; run once online to complete it",
+        "OfflineModeIsEnabled": "unset HF_HUB_OFFLINE, or fill the cache first",
+    }
+    return HubError(
+        f"cannot fetch Hub repo '{repo_id}' at revision '{rev}' ({kind}: {first})",
+        hint=hints.get(kind, "check the network, the repo id and HF_TOKEN"),
+        expected="a reachable repo or a filled cache", found=kind,
+    )
+
+
+def _is_hub_exception(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("huggingface_hub")
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    fn = getattr(constants, "is_offline_mode", None)
+    return bool(fn() if callable(fn) else constants.HF_HUB_OFFLINE)
+
+
+def choose_weight_files(names: list[str], read_index: Callable[[str], Any]) -> list[str]:
+    """Pick exactly the weight files a conversion reads, as :func:`formats.checkpoint.open_checkpoint` would.
+
+    Args:
+        names: the repo's top-level file names.
+        read_index: loads an index file by name (returns its parsed JSON).
+
+    Returns:
+        the index (if any) followed by its shards, or the one single weight file.
+
+    Raises:
+        HubError: the repo has no weights convert-bnb can read (names the weight-like files found).
+    """
+    from formats.checkpoint import INDEX_NAMES, READERS, SINGLE_NAMES
+
+    present = set(names)
+    for index_name, suffix in INDEX_NAMES:
+        if index_name in present and suffix in READERS:
+            index = read_index(index_name)
+            wmap = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wmap, dict):
+                raise HubError("the repo's index has no 'weight_map' object", path=index_name, rule="CKPT-001")
+            shards: list[str] = []
+            for v in wmap.values():
+                if isinstance(v, str) and v not in shards:
+                    shards.append(v)
+            return [index_name] + shards
+    for single in SINGLE_NAMES:
+        if single in present and Path(single).suffix in READERS:
+            return [single]
+    weightish = sorted(n for n in names if any(fnmatch.fnmatch(n, g) for g in _WEIGHT_GLOBS))
+    raise HubError(
+        "the repo has no weights convert-bnb can read", rule="CKPT-005",
+        expected=" or ".join([n for n, _ in INDEX_NAMES] + SINGLE_NAMES), found=weightish or "no weight files",
+    )
+
+
+def plan_download(
+    repo_id: str,
+    revision: str | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+) -> DownloadPlan | None:
+    """Ask the Hub which files a conversion of ``repo_id`` needs and which are not cached yet.
+
+    Args:
+        repo_id: ``org/name``.
+        revision: branch, tag or commit sha (None: the default branch).
+        cache_dir: the cache (None: huggingface_hub's default, from HF_HUB_CACHE / HF_HOME).
+
+    Returns:
+        the :class:`DownloadPlan`, or None in offline mode (resolution then comes from the cache).
+
+    Raises:
+        HubError: the repo or revision cannot be reached, or it holds no readable weights.
+    """
+    if _offline():
+        return None
+    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
+
+    try:
+        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+        commit = str(info.sha)
+        sizes: dict[str, int | None] = {}
+        for sib in info.siblings or []:
+            lfs = getattr(sib, "lfs", None)
+            sizes[sib.rfilename] = lfs.size if lfs is not None else sib.size
+        top = [n for n in sizes if "/" not in n]
+
+        fetched: set[str] = set()
+
+        def read_index(name: str) -> Any:
+            if not isinstance(try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=commit), str):
+                fetched.add(name)  # fetched now (a few KB) to learn the shards: counted as downloaded
+            path = hf_hub_download(repo_id, name, revision=commit, cache_dir=cache_dir)
+            return json.loads(Path(path).read_text(encoding="utf-8"))
+
+        weights = choose_weight_files(top, read_index)
+    except HubError:
+        raise
+    except Exception as exc:
+        if _is_hub_exception(exc):
+            raise _hub_error(exc, repo_id, revision) from None
+        raise
+    wanted = list(weights) + sorted(
+        n for n in top if n not in weights and any(fnmatch.fnmatch(n, p) for p in SMALL_FILE_PATTERNS)
+    )
+    files = []
+    for n in wanted:
+        hit = try_to_load_from_cache(repo_id, n, cache_dir=cache_dir, revision=commit)
+        files.append(RepoFile(n, sizes.get(n), isinstance(hit, str) and n not in fetched))
+    return DownloadPlan(repo_id, revision, commit, files, [w for w in weights if not w.endswith(".json")])
+
+
+def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int, ...], int]], to: str) -> int | None:
+    """Estimate the bytes a dequantization writes, from safetensors headers alone (no QuantState read).
+
+    A packed 4-bit weight ``P.weight`` (it has a ``P.weight.absmax``) of ``b`` bytes becomes ``2 * b``
+    elements; an int8 weight (it has ``P.SCB``) keeps its element count; QuantState companions vanish;
+    other float tensors keep their element count. Elements are priced at the ``--to`` dtype's itemsize
+    (``auto``: 2 bytes, the bf16/fp16 QuantState dtype nearly every bnb checkpoint has).
+
+    Args:
+        headers: tensor name -> (safetensors dtype code, shape, bytes).
+        to: the ``--to`` value.
+
+    Returns:
+        the estimate in bytes (exact for bf16/fp16/fp32 when every packed layer has an even element
+        count), or None for targets it cannot price (e.g. ``gguf``).
+    """
+    from formats.dtypes import BY_CODE
+
+    item = {"auto": None, "bf16": 2, "fp16": 2, "fp32": 4}
+    if to not in item:
+        return None
+    companions = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+    total = 0
+    for name, (code, shape, nbytes) in headers.items():
+        if name.endswith(companions) or ".quant_state." in name or name.endswith((".SCB", ".weight_format")):
+            continue
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if name + ".absmax" in headers:
+            numel = _CODES_PER_BYTE * int(nbytes)
+            size = item[to] or 2
+        elif name.endswith(".weight") and name[: -len("weight")] + "SCB" in headers:
+            size = item[to] or 2
+        else:
+            dt = BY_CODE.get(code)
+            if dt is None:
+                size = 1
+            elif not dt.is_float:
+                size = dt.itemsize
+            else:
+                size = item[to] or dt.itemsize
+        total += numel * size
+    return total
+
+
+def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path | None) -> list[str]:
+    """Offline: exactly the files a conversion needs, from the tree listing huggingface_hub cached online.
+
+    huggingface_hub checks the cached snapshot against that listing for the patterns given, so they
+    must name what we fetched, not every weight-like file of the repo. Without a cached listing (a
+    cache filled by hand, or an older huggingface_hub) it checks nothing, and
+    :func:`formats.checkpoint.open_checkpoint` finds missing shards (CKPT-002).
+    """
+    import huggingface_hub
+
+    fallback = ["config.json"]
+    get_tree = getattr(huggingface_hub, "get_cached_repo_tree", None)
+    if get_tree is None:
+        return fallback
+    try:
+        tree = get_tree(repo_id, revision=revision, cache_dir=cache_dir)
+    except Exception as exc:  # noqa: BLE001 - no cached listing: nothing for huggingface_hub to check
+        if _is_hub_exception(exc) or isinstance(exc, OSError):
+            return fallback
+        raise
+    top = [f.path for f in tree if "/" not in f.path]
+
+    def read_index(name: str) -> Any:
+        hit = huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=revision)
+        if not isinstance(hit, str):
+            raise HubError("the repo's index is not in the cache", path=name, rule="CKPT-002",
+                           hint="HF_HUB_OFFLINE is set; run once online to fetch it")
+        return json.loads(Path(hit).read_text(encoding="utf-8"))
+
+    weights = choose_weight_files(top, read_index)
+    small = [n for n in top if n not in weights and any(fnmatch.fnmatch(n, p) for p in SMALL_FILE_PATTERNS)]
+    return [glob.escape(n) for n in weights + small]
+
+
+def _remote_output_estimate(plan: DownloadPlan, to: str) -> int | None:
+    """Output estimate from the safetensors headers the Hub serves (range requests, no weights)."""
+    if not any(w.endswith(".safetensors") for w in plan.weight_files):
+        return None
+    try:
+        from huggingface_hub import get_safetensors_metadata
+
+        meta = get_safetensors_metadata(plan.repo_id, revision=plan.commit)
+    except Exception as exc:  # noqa: BLE001 - an estimate is optional; the pipeline checks again later
+        if _is_hub_exception(exc) or isinstance(exc, OSError):
+            return None
+        raise
+    headers: dict[str, tuple[str, list[int], int]] = {}
+    for fmeta in meta.files_metadata.values():
+        for name, t in fmeta.tensors.items():
+            headers[name] = (t.dtype, list(t.shape), t.data_offsets[1] - t.data_offsets[0])
+    return estimate_output_bytes(headers, to)
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def check_disk(
+    download_bytes: int,
+    cache_dir: str | Path,
+    out: str | Path | None = None,
+    out_bytes: int | None = None,
+    *,
+    disk_usage: Callable[[Path], Any] | None = None,
+) -> None:
+    """The disk pre-flight of a repo conversion: room for the download, and the output when they share a disk.
+
+    Args:
+        download_bytes: bytes still to download into the cache.
+        cache_dir: the cache directory (need not exist yet).
+        out: the output path (need not exist yet), or None.
+        out_bytes: the estimated output bytes, or None when unknown.
+        disk_usage: ``shutil.disk_usage``-like function (default: ``shutil.disk_usage``).
+
+    Raises:
+        DiskSpaceError: the free space is smaller than what the run needs, naming both figures.
+    """
+    cache = _existing(Path(cache_dir))
+    need = download_bytes
+    if out is not None and out_bytes:
+        outp = _existing(Path(out).parent)
+        if os.stat(outp).st_dev == os.stat(cache).st_dev:
+            need += out_bytes
+    if need <= 0:
+        return
+    free = int((disk_usage or shutil.disk_usage)(cache).free)
+    if free < need:
+        raise DiskSpaceError(
+            "not enough free disk space for the download" + (" and the output" if need > download_bytes else ""),
+            path=cache, action="download into",
+            expected=f">= {need} bytes free ({download_bytes} to download"
+            + (f" + {need - download_bytes} of output)" if need > download_bytes else ")"),
+            found=f"{free} bytes free",
+            hint="free space, or point HF_HUB_CACHE / -o at a larger disk",
+        )
+
+
+def resolve_repo(
+    repo_id: str,
+    revision: str | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    out: str | Path | None = None,
+    to: str = "auto",
+    download: bool = True,
+    progress: bool = True,
+) -> HubSource:
+    """Fetch (or find in the cache) what a conversion of ``repo_id`` needs; return the snapshot directory.
+
+    Args:
+        repo_id: ``org/name``.
+        revision: branch, tag or commit sha (None: the default branch).
+        cache_dir: the cache (None: huggingface_hub's default from HF_HUB_CACHE / HF_HOME).
+        out: the output path, for the disk pre-flight.
+        to: the ``--to`` value, for the output estimate.
+        download: False resolves the commit only (from the cache, or the Hub when online) and
+            returns the snapshot path without fetching (it may not exist yet).
+        progress: show huggingface_hub's progress bars (False disables them for this process).
+
+    Returns:
+        the :class:`HubSource`.
+
+    Raises:
+        HubError: not found, gated, revision unknown, offline without the snapshot, no weights.
+        DiskSpaceError: the download (and output, on the same disk) does not fit.
+    """
+    from huggingface_hub import constants, snapshot_download
+
+    if not _REPO_RE.match(repo_id):
+        raise UsageError("not a Hub repo id", found=repo_id, expected="'org/name'")
+    if not progress:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
+    plan = plan_download(repo_id, revision, cache_dir=cache_dir)
+    if plan is not None and not download:
+        from huggingface_hub.file_download import repo_folder_name
+
+        snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
+        return HubSource(repo_id, revision, plan.commit, snap, 0)
+    if plan is not None:
+        est = _remote_output_estimate(plan, to) if out is not None else None
+        check_disk(plan.download_bytes, cache, out, est)
+        patterns: list[str] = plan.allow_patterns
+    else:
+        patterns = _offline_patterns(repo_id, revision, cache_dir)
+    try:
+        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
+    except Exception as exc:
+        if _is_hub_exception(exc):
+            raise _hub_error(exc, repo_id, revision) from None
+        raise
+    snap = Path(path)
+    return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes if plan is not None else 0)
+
+
+# ---------------------------------------------------------------- CLI integration (main job)
+
+def _add_revision(p: argparse.ArgumentParser) -> None:
+    if any("--revision" in a.option_strings for a in p._actions):
+        return
+    p.add_argument("--revision", default=None,
+                   help="with a Hub repo id as SRC: branch, tag or commit sha (default: the default branch)")
+
+
+def _source_hook(args: argparse.Namespace) -> Path | None:
+    """SRC is not a local path: resolve it as ``org/name[@rev]`` on the Hub, and default -o to ./NAME-SUFFIX."""
+    repo, rev = parse_repo_spec(str(args.src))
+    if not is_repo_id(repo):
+        return None
+    rev = getattr(args, "revision", None) or rev
+    to = getattr(args, "to", "auto")
+    if getattr(args, "output", None) is None and hasattr(args, "output"):
+        args.output = default_repo_output(repo, to)
+    quiet = getattr(args, "quiet", False) or getattr(args, "json", False) or not sys.stderr.isatty()
+    src = resolve_repo(repo, rev, out=getattr(args, "output", None), to=to, progress=not quiet)
+    args.hub_source = src
+    return src.path
+
+
+def _check_hook(args: argparse.Namespace) -> None:
+    """Before anything is opened or fetched: ``--revision`` needs a repo id."""
+    if getattr(args, "revision", None) and os.path.exists(str(args.src)):
+        raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=args.src)
+
+
+def _plan_hook(args: argparse.Namespace, plan: Any) -> Any:
+    src: HubSource | None = getattr(args, "hub_source", None)
+    if src is None:
+        _check_hook(args)  # when the CLI has no CHECK_HOOKS
+        return plan
+    note = f"source: Hub repo {src.repo_id}@{src.commit}"
+    if src.downloaded_bytes:
+        note += f" ({src.downloaded_bytes} bytes downloaded)"
+    plan.notes.append(note)
+    return plan
+
+
+def _register() -> None:
+    from . import cli
+
+    if _add_revision not in cli.PARSER_HOOKS:
+        cli.PARSER_HOOKS.append(_add_revision)
+    if _plan_hook not in cli.PLAN_HOOKS:
+        cli.PLAN_HOOKS.append(_plan_hook)
+    hooks = getattr(cli, "SOURCE_HOOKS", None)
+    if hooks is not None and _source_hook not in hooks:
+        hooks.append(_source_hook)
+    checks = getattr(cli, "CHECK_HOOKS", None)
+    if checks is not None and _check_hook not in checks:
+        checks.append(_check_hook)
+
+
+_register()

@@ -1,0 +1,357 @@
+"""``convert-bnb inspect SRC [--json] [--stats]``: what a checkpoint holds, before a long run.
+
+Without reading weight data (headers, the QuantState JSON and the 16-value quant_map only), the
+report lists:
+
+- quantized layers grouped by their settings -- 4-bit: ``quant_type``, ``blocksize``, nested
+  (with ``nested_blocksize`` and ``nested_dtype``), the QuantState ``dtype``, the storage dtype of
+  the packed codes (``bnb_4bit_quant_storage``) and the absmax dtype; LLM.int8: weight and scale
+  dtypes -- with layer and weight counts and bits per weight (every byte a layer stores, times 8,
+  over its element count);
+- bytes by kind: ``packed`` codes, ``absmax``, ``nested_statistics`` (nested_absmax +
+  nested_quant_map), ``quant_map``, ``quant_state`` (the JSON), ``int8_weight``, ``int8_scale``
+  (SCB + weight_format) and ``unquantized:<dtype>`` per safetensors dtype code;
+- the planned output for each ``--to`` target (tensor bytes and file count, from
+  :func:`convert.plan.make_plan`, exactly what the pipeline would write), plus targets other modules
+  register in :data:`OUTPUT_SIZERS`.
+
+``--stats`` reads only the absmax vectors (nested quantization undone; for LLM.int8 the per-row
+``SCB``) and reports per layer ``max absmax / median absmax`` and the share of blocks whose absmax
+exceeds ``outlier_factor`` times the layer's median; a layer whose max/median reaches
+``flag_ratio`` is flagged as an outlier layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from formats.errors import ConvertBnbError, UsageError
+
+if TYPE_CHECKING:  # heavy imports stay inside the functions: this module loads at CLI start-up
+    import numpy as np
+
+    from formats.bnb import Int8Layer, QuantizedLayer
+    from formats.checkpoint import Checkpoint
+
+__all__ = ["OUTPUT_SIZERS", "InspectOptions", "absmax_stats", "format_report", "inspect_checkpoint"]
+
+#: Extra ``--to`` targets: name -> function(checkpoint) -> planned output bytes. Other modules add theirs.
+OUTPUT_SIZERS: dict[str, Callable[[Checkpoint], int]] = {}
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    """Options of :func:`inspect_checkpoint`.
+
+    Attributes:
+        stats: read the absmax vectors and report outlier statistics.
+        outlier_factor: a block is an outlier when its absmax exceeds this times the layer's median.
+        flag_ratio: a layer is flagged when its max absmax / median absmax reaches this.
+        max_shard_size: shard limit used for the planned outputs (bytes), as ``--max-shard-size``.
+    """
+
+    stats: bool = False
+    outlier_factor: float = 4.0
+    flag_ratio: float = 8.0
+    max_shard_size: int = 5 * 10**9
+
+
+def _add(d: dict[str, int], key: str, n: int) -> None:
+    d[key] = d.get(key, 0) + n
+
+
+def _bpw(nbytes: int, elements: int) -> float:
+    return round(8.0 * nbytes / elements, 4) if elements else 0.0
+
+
+def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) -> dict[str, Any]:
+    """Describe a checkpoint's quantized layers, bytes and planned outputs, from headers alone.
+
+    Args:
+        ckpt: an opened checkpoint (:func:`formats.checkpoint.open_checkpoint`).
+        options: what to compute; defaults to :class:`InspectOptions`.
+
+    Returns:
+        a JSON-ready dict: ``source``, ``files`` (name, bytes), ``tensors``, ``quantized`` (groups of
+        4-bit layers), ``int8`` (groups of LLM.int8 layers), ``unquantized`` (per dtype code),
+        ``bytes_by_kind``, ``total_bytes`` (tensor data bytes), ``outputs`` (per target: ``bytes``
+        of tensor data and ``files``, or ``error``) and, with ``stats``, ``stats``.
+
+    Raises:
+        BnbLayerError: a layer breaks a BNB-xxx rule (as the conversion would report it).
+    """
+    from formats.bnb import Int8Layer, QuantizedLayer, group_layers
+
+    from .plan import TARGETS, make_plan
+
+    opts = options or InspectOptions()
+    layers, plain = group_layers(ckpt.tensors)  # type: ignore[arg-type]  # as convert.plan
+    by_kind: dict[str, int] = {}
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    int8_groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for layer in layers.values():
+        if isinstance(layer, QuantizedLayer):
+            st = layer.state
+            key = (st.quant_type, st.blocksize, st.nested, st.nested_blocksize, st.nested_dtype, st.dtype,
+                   layer.packed.dtype.code, layer.absmax.dtype.code)
+            g = groups.get(key)
+            if g is None:
+                g = groups[key] = {
+                    "quant_type": st.quant_type, "blocksize": st.blocksize, "nested": st.nested,
+                    "nested_blocksize": st.nested_blocksize, "nested_dtype": st.nested_dtype,
+                    "dtype": st.dtype, "storage": layer.packed.dtype.code, "absmax_dtype": layer.absmax.dtype.code,
+                    "layers": 0, "elements": 0,
+                    "bytes": {"packed": 0, "absmax": 0, "nested_statistics": 0, "quant_map": 0, "quant_state": 0},
+                    "names": [],
+                }
+            g["layers"] += 1
+            g["elements"] += st.numel
+            g["names"].append(layer.name)
+            b = g["bytes"]
+            b["packed"] += layer.packed.nbytes
+            b["absmax"] += layer.absmax.nbytes
+            b["quant_map"] += layer.quant_map.nbytes
+            nested = sum(t.nbytes for t in (layer.nested_absmax, layer.nested_quant_map) if t is not None)
+            b["nested_statistics"] += nested
+            known = {layer.name, layer.absmax.name, layer.quant_map.name}
+            known |= {t.name for t in (layer.nested_absmax, layer.nested_quant_map) if t is not None}
+            b["quant_state"] += sum(ckpt.tensors[c].nbytes for c in layer.components if c not in known)
+        elif isinstance(layer, Int8Layer):
+            key8 = (layer.weight.dtype.code, layer.scb.dtype.code)
+            g = int8_groups.get(key8)
+            if g is None:
+                g = int8_groups[key8] = {
+                    "weight_dtype": layer.weight.dtype.code, "scale_dtype": layer.scb.dtype.code,
+                    "layers": 0, "elements": 0, "bytes": {"int8_weight": 0, "int8_scale": 0}, "names": [],
+                }
+            g["layers"] += 1
+            g["elements"] += layer.weight.numel
+            g["names"].append(layer.name)
+            g["bytes"]["int8_weight"] += layer.weight.nbytes
+            g["bytes"]["int8_scale"] += layer.scb.nbytes + (layer.weight_format.nbytes if layer.weight_format else 0)
+    for g in list(groups.values()) + list(int8_groups.values()):
+        total = sum(g["bytes"].values())
+        g["total_bytes"] = total
+        g["bits_per_weight"] = _bpw(total, g["elements"])
+        for k, v in g["bytes"].items():
+            _add(by_kind, k, v)
+    unq: dict[str, dict[str, Any]] = {}
+    for name in plain:
+        rec = ckpt.tensors[name]
+        u = unq.setdefault(rec.dtype.code, {"dtype": rec.dtype.code, "tensors": 0, "elements": 0, "bytes": 0})
+        u["tensors"] += 1
+        u["elements"] += rec.numel
+        u["bytes"] += rec.nbytes
+        _add(by_kind, f"unquantized:{rec.dtype.code}", rec.nbytes)
+
+    outputs: dict[str, dict[str, Any]] = {}
+    for to in TARGETS:
+        try:
+            plan = make_plan(ckpt, to, max_shard_size=opts.max_shard_size)
+            outputs[to] = {"bytes": plan.out_nbytes, "files": len(plan.shards)}
+        except ConvertBnbError as exc:
+            outputs[to] = {"error": exc.reason}
+    for to, sizer in OUTPUT_SIZERS.items():
+        try:
+            outputs[to] = {"bytes": int(sizer(ckpt)), "files": 1}
+        except ConvertBnbError as exc:
+            outputs[to] = {"error": exc.reason}
+
+    files: list[dict[str, Any]] = [{"file": f.name, "bytes": f.stat().st_size} for f in ckpt.files]
+    report: dict[str, Any] = {
+        "source": str(ckpt.source),
+        "files": files,
+        "tensors": len(ckpt.tensors),
+        "quantized": sorted(groups.values(), key=lambda g: (-g["layers"], g["quant_type"], g["blocksize"])),
+        "int8": list(int8_groups.values()),
+        "unquantized": sorted(unq.values(), key=lambda u: u["dtype"]),
+        "bytes_by_kind": dict(sorted(by_kind.items())),
+        "total_bytes": ckpt.nbytes,
+        "outputs": outputs,
+    }
+    if opts.stats:
+        report["stats"] = absmax_stats(layers.values(), opts)
+    return report
+
+
+def _absmax_of(layer: QuantizedLayer | Int8Layer) -> np.ndarray:
+    import numpy as np
+
+    from formats.bnb import Int8Layer
+
+    if isinstance(layer, Int8Layer):
+        return np.asarray(layer.scb.array(), dtype=np.float32).reshape(-1)
+    from .plan import Dequant4Source
+
+    return Dequant4Source(layer).absmax()
+
+
+def absmax_stats(layers: Any, options: InspectOptions | None = None) -> dict[str, Any]:
+    """Outlier statistics of each layer's absmax vector (the only data read).
+
+    Args:
+        layers: :class:`QuantizedLayer` / :class:`Int8Layer` records.
+        options: ``outlier_factor`` and ``flag_ratio``.
+
+    Returns:
+        ``{"outlier_factor", "flag_ratio", "layers": [...], "flagged": [names]}``; each layer entry has
+        ``name``, ``blocks``, ``min``, ``median``, ``max`` (float32 absmax values as floats),
+        ``max_over_median``, ``outlier_blocks`` (count above ``outlier_factor * median``),
+        ``outlier_share`` (that count over ``blocks``) and ``flagged``.
+
+    Raises:
+        BnbLayerError: BNB-012 when an absmax value is not finite.
+    """
+    import numpy as np
+
+    opts = options or InspectOptions()
+    out: list[dict[str, Any]] = []
+    for layer in layers:
+        a = np.abs(_absmax_of(layer).astype(np.float64))
+        if a.size == 0:
+            continue
+        med = float(np.median(a))
+        mx = float(a.max())
+        ratio = round(mx / med, 4) if med > 0 else None  # None: median 0 (mostly all-zero blocks)
+        n_out = int(np.count_nonzero(a > opts.outlier_factor * med))
+        out.append({
+            "name": layer.name, "blocks": int(a.size), "min": float(a.min()), "median": med, "max": mx,
+            "max_over_median": ratio, "outlier_blocks": n_out, "outlier_share": round(n_out / a.size, 6),
+            "flagged": bool(mx > 0) if ratio is None else bool(ratio >= opts.flag_ratio),
+        })
+    return {
+        "outlier_factor": opts.outlier_factor, "flag_ratio": opts.flag_ratio, "layers": out,
+        "flagged": [e["name"] for e in out if e["flagged"]],
+    }
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _ratio(r: float | None) -> str:
+    return "inf (median 0)" if r is None else f"{r:.2f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else str(n)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable text of :func:`inspect_checkpoint`'s report."""
+    lines = [f"{report['source']}: {len(report['files'])} weight file(s), {report['tensors']} tensors, "
+             f"{_human(report['total_bytes'])} of tensor data"]
+    hub = report.get("hub")
+    if hub is not None:
+        lines.insert(0, f"Hub repo {hub['repo']} at {hub['revision'] or 'main'} = commit {hub['commit']}")
+    if report["quantized"]:
+        lines.append("4-bit layers by settings:")
+        for g in report["quantized"]:
+            nested = f"nested (blocksize {g['nested_blocksize']}, {g['nested_dtype']})" if g["nested"] else "not nested"
+            lines.append(
+                f"  {g['quant_type']} blocksize {g['blocksize']}, {nested}, dtype {g['dtype']}, "
+                f"storage {g['storage']}, "
+                f"absmax {g['absmax_dtype']}: {g['layers']} layers, {_count(g['elements'])} weights, "
+                f"{g['bits_per_weight']:.3f} bits/weight"
+            )
+    if report["int8"]:
+        lines.append("LLM.int8 layers:")
+        for g in report["int8"]:
+            lines.append(f"  weight {g['weight_dtype']}, scale {g['scale_dtype']}: {g['layers']} layers, "
+                         f"{_count(g['elements'])} weights, {g['bits_per_weight']:.3f} bits/weight")
+    if report["unquantized"]:
+        lines.append("unquantized tensors:")
+        for u in report["unquantized"]:
+            lines.append(f"  {u['dtype']}: {u['tensors']} tensors, {_count(u['elements'])} elements, "
+                         f"{_human(u['bytes'])}")
+    lines.append("bytes by kind:")
+    for k, v in report["bytes_by_kind"].items():
+        lines.append(f"  {k:<22} {v:>14,d}  {_human(v)}")
+    lines.append("planned output (tensor data):")
+    for to, o in report["outputs"].items():
+        if "error" in o:
+            lines.append(f"  --to {to:<6} not possible: {o['error']}")
+        else:
+            lines.append(f"  --to {to:<6} {o['bytes']:>14,d}  {_human(o['bytes'])} in {o['files']} file(s)")
+    st = report.get("stats")
+    if st is not None:
+        lines.append(f"absmax statistics (outlier block: absmax > {st['outlier_factor']} x median; "
+                     f"flagged layer: max/median >= {st['flag_ratio']}):")
+        for e in st["layers"]:
+            mark = "  OUTLIER" if e["flagged"] else ""
+            lines.append(f"  {e['name']:<52} blocks {e['blocks']:>7}  median {e['median']:.4g}  "
+                         f"max {e['max']:.4g}  max/median {_ratio(e['max_over_median'])}  "
+                         f"outlier blocks {e['outlier_blocks']} ({100 * e['outlier_share']:.2f}%){mark}")
+        lines.append(f"  {len(st['flagged'])} of {len(st['layers'])} layers flagged")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    from .cli import parse_size
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = """\
+examples:
+  convert-bnb inspect ./model-bnb-4bit                 layers by settings, bytes by kind, output sizes
+  convert-bnb inspect unsloth/llama-3-8b-bnb-4bit --stats --json
+"""
+    p.add_argument("src", metavar="SRC", help="a .safetensors file, a model directory or a Hub repo id org/name")
+    p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
+    p.add_argument("--stats", action="store_true", help="also read the absmax vectors and flag outlier layers")
+    p.add_argument("--outlier-factor", type=float, default=InspectOptions.outlier_factor,
+                   help="a block is an outlier when absmax > this x the layer's median (default: %(default)s)")
+    p.add_argument("--flag-ratio", type=float, default=InspectOptions.flag_ratio,
+                   help="flag a layer when max absmax / median absmax >= this (default: %(default)s)")
+    p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
+                   help="shard limit for the planned outputs (default: 5GB)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from formats.checkpoint import open_checkpoint
+
+    from .cli import resolve_source
+
+    if args.outlier_factor <= 0 or args.flag_ratio <= 0:
+        raise UsageError("--outlier-factor and --flag-ratio must be positive",
+                         found=f"{args.outlier_factor}, {args.flag_ratio}")
+    src = Path(args.src)
+    if not src.exists():
+        src = resolve_source(args)
+    elif args.revision:
+        raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=args.src)
+    opts = InspectOptions(args.stats, args.outlier_factor, args.flag_ratio, args.max_shard_size)
+    with open_checkpoint(src) as ckpt:
+        report = inspect_checkpoint(ckpt, opts)
+    hub = getattr(args, "hub_source", None)
+    if hub is not None:
+        report["hub"] = {"repo": hub.repo_id, "revision": hub.revision, "commit": hub.commit}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _register() -> None:
+    from . import cli
+
+    cli.SUBCOMMANDS["inspect"] = (
+        "Show what a bnb checkpoint holds (layers by settings, bytes by kind, planned output sizes) without "
+        "reading weight data; --stats reads only the absmax vectors and flags outlier layers.",
+        _add_args,
+        _run,
+    )
+
+
+_register()

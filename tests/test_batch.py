@@ -1,0 +1,454 @@
+"""``convert-bnb batch``: three Hub repos (one broken) from an offline cache; kill, resume, push plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from convert.batch import Job, model_card, parse_jobs, sha256_file, summary_table
+from convert.cli import main
+from formats.errors import UsageError
+
+from .conftest import MODELS, REFERENCES, assert_same_tensors, load_all, read_safetensors
+from .hubcache import ROOT, add_model_dir, commit_sha, offline_env, run_cli
+from .test_inspect import _rewrite_data
+
+JOBS = """\
+# three repos; the middle one is broken
+org/a --max-shard-size 1MB          # 4-bit nf4 + double quant, 5 shards
+org/broken
+org/c@main --to fp16 --max-shard-size 1MB   # the sharded input, fp16
+"""
+A, C = commit_sha("a"), commit_sha("c")
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    cache = tmp_path / "hub"
+    add_model_dir(cache, "org/a", MODELS / "llama_nf4_dq", A)
+    add_model_dir(cache, "org/c", MODELS / "llama_nf4_dq_sharded", C)
+    broken = tmp_path / "broken_src"
+    broken.mkdir()
+    for p in (MODELS / "llama_nf4_dq").iterdir():
+        if p.is_file():
+            (broken / p.name).write_bytes(p.read_bytes())
+    _rewrite_data(broken / "model.safetensors",
+                  ["model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"], 0x00)
+    add_model_dir(cache, "org/broken", broken, commit_sha("broken"))
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(JOBS)
+    return jobs, cache, offline_env(tmp_path, cache)
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _stat(d: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
+
+
+def _straight(tmp_path: Path) -> dict[str, dict[str, bytes]]:
+    """The same conversions with the main job, from the fixture directories."""
+    ref = tmp_path / "straight"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "--max-shard-size", "1MB", "-o",
+                 str(ref / "a-bf16"), "--quiet"]) == 0
+    assert main([str(MODELS / "llama_nf4_dq_sharded"), "--to", "fp16", "--max-shard-size", "1MB", "-o",
+                 str(ref / "c-fp16"), "--quiet"]) == 0
+    return {"a-bf16": _files(ref / "a-bf16"), "c-fp16": _files(ref / "c-fp16")}
+
+
+def _batch(jobs: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(["batch", str(jobs), "--out-dir", str(out), "--to", "bf16", "--max-memory", "256MiB", *extra],
+                   env)
+
+
+def test_straight_parallel_run(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    out = tmp_path / "out"
+    r = _batch(jobs, out, env, "--jobs", "2", "--json")
+    assert r.returncode == 3, r.stderr
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-fp16")] == ["converted", "failed", "converted"]
+    assert "BNB-009 quant_state is not valid UTF-8 JSON" in res["broken-bf16"]["error"]
+    assert "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4" in res["broken-bf16"]["error"]
+    assert (res["a-bf16"]["commit"], res["c-fp16"]["commit"]) == (A, C)
+    assert (res["a-bf16"]["shards_written"], res["a-bf16"]["shards_reused"]) == (5, 0)
+    assert res["a-bf16"]["bytes_out"] == sum(p.stat().st_size for p in (out / "a-bf16").iterdir())
+    straight = _straight(tmp_path)
+    assert _files(out / "a-bf16") == straight["a-bf16"]
+    assert _files(out / "c-fp16") == straight["c-fp16"]
+    assert_same_tensors(load_all(out / "a-bf16"), read_safetensors(REFERENCES["llama_nf4_dq"]))
+    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "a-bf16", "c-fp16"]
+    state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+    assert state["status"] == "done" and state["key"]["commit"] == A and state["key"]["to"] == "bf16"
+    assert state["source"] == {"repo": "org/a", "revision": None, "commit": A}
+    for rel, rec in state["files"].items():
+        assert rec == {"bytes": (out / "a-bf16" / rel).stat().st_size, "sha256": sha256_file(out / "a-bf16" / rel)}
+    bad = json.loads((out / ".convert-bnb" / "broken-bf16.json").read_text())
+    assert bad["status"] == "failed" and "BNB-009" in bad["error"]
+
+
+def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    out = tmp_path / "out"
+    work = out / ".convert-bnb"
+    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--to", "bf16",
+           "--max-memory", "256MiB", "--pause-at", "c-fp16:2", "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = work / "c-fp16.paused"
+    try:
+        deadline = time.monotonic() + 240  # a guard against hanging, not a timing assertion
+        while not marker.exists():
+            assert proc.poll() is None, "the batch ended before reaching the pause point"
+            assert time.monotonic() < deadline, "the batch never reached the pause point"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the batch and its worker, no clean-up possible
+        proc.wait()
+    # what the kill left: a done, broken failed, c with 2 recorded shards in its partial directory
+    assert json.loads((work / "a-bf16.json").read_text())["status"] == "done"
+    assert json.loads((work / "broken-bf16.json").read_text())["status"] == "failed"
+    c_state = json.loads((work / "c-fp16.json").read_text())
+    assert c_state["status"] == "running" and len(c_state["shards"]) == 2
+    assert not (out / "c-fp16").exists()
+    partial = work / "c-fp16.partial"
+    first, second = sorted(c_state["shards"])
+    # damage the second finished shard without changing its size: the sha256 check must catch it
+    raw = bytearray((partial / second).read_bytes())
+    raw[-1] ^= 0xFF
+    (partial / second).write_bytes(bytes(raw))
+    a_before = _stat(out / "a-bf16")
+    first_before = (partial / first).stat()
+
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 3, r.stderr
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert res["a-bf16"]["status"] == "skipped"
+    assert (res["a-bf16"]["shards_written"], res["a-bf16"]["shards_reused"]) == (0, 0)
+    assert res["broken-bf16"]["status"] == "failed"
+    assert res["c-fp16"]["status"] == "converted"
+    assert res["c-fp16"]["shards_reused"] == 1  # the intact one; the damaged one is rewritten
+    index = json.loads((out / "c-fp16" / "model.safetensors.index.json").read_text())
+    n_shards = len(set(index["weight_map"].values()))
+    assert res["c-fp16"]["shards_written"] == n_shards - 1
+    # finished work was not redone: same inodes and mtimes
+    assert _stat(out / "a-bf16") == a_before
+    after = (out / "c-fp16" / first).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (first_before.st_ino, first_before.st_mtime_ns)
+    # and the outputs equal a straight run's, byte for byte
+    straight = _straight(tmp_path)
+    assert _files(out / "a-bf16") == straight["a-bf16"]
+    assert _files(out / "c-fp16") == straight["c-fp16"]
+    assert not partial.exists()
+    # a third run redoes nothing
+    c_before = _stat(out / "c-fp16")
+    r = _batch(jobs, out, env, "--json")
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-fp16")] == ["skipped", "failed", "skipped"]
+    assert _stat(out / "c-fp16") == c_before and _stat(out / "a-bf16") == a_before
+
+
+def test_changed_output_or_settings_are_redone(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    jobs.write_text("org/a --max-shard-size 1MB\n")
+    out = tmp_path / "out"
+    assert _batch(jobs, out, env).returncode == 0
+    victim = out / "a-bf16" / "model-00002-of-00005.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[100] ^= 1
+    victim.write_bytes(bytes(raw))
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "converted"
+    assert _files(out / "a-bf16") == _straight(tmp_path)["a-bf16"]
+    jobs.write_text("org/a --max-shard-size 2MB --name a-bf16\n")  # another key: started over
+    r = _batch(jobs, out, env, "--json")
+    (res,) = json.loads(r.stdout)
+    assert (res["status"], res["shards_reused"], res["shards_written"]) == ("converted", 0, 3)
+    assert len(list((out / "a-bf16").glob("model-*.safetensors"))) == 3
+
+
+def test_summary_table_text(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    r = _batch(jobs, tmp_path / "out", env)
+    assert r.returncode == 3
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["job", "status", "shards", "new/kept", "output", "time", "detail"]
+    assert lines[1].split()[:3] == ["a-bf16", "converted", "5/0"]
+    assert lines[2].split()[:3] == ["broken-bf16", "failed", "0/0"]
+    assert lines[3].split()[:3] == ["c-fp16", "converted", "5/0"]
+    assert lines[-1] == "2 converted, 1 failed of 3 jobs"
+    assert "[failed] broken-bf16: " in r.stderr
+
+
+def test_memory_budget_is_split_between_jobs(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o"), "--jobs", "4", "--max-memory", "200MiB"], env)
+    assert r.returncode == 2
+    assert "--max-memory split over --jobs leaves a worker less than 64MiB" in r.stderr
+    assert "found '52428800 bytes per job'" in r.stderr
+
+
+# ---------------------------------------------------------------- push (as far as it goes offline)
+
+
+def test_push_dry_run_prints_card_and_upload_plan(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    out = tmp_path / "out"
+    jobs.write_text("org/a --max-shard-size 1MB\n")
+    assert _batch(jobs, out, env).returncode == 0  # a is converted, c is not
+    jobs.write_text("org/a --max-shard-size 1MB\norg/c --to fp16 --max-shard-size 3MB\n")
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    a, c = json.loads(r.stdout)
+    assert a["action"] == "skip (already converted)" and a["commit"] == A
+    assert c["action"] == "convert" and c["commit"] == C
+    state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+    card = a["card"]
+    assert card.startswith("---\nbase_model: org/a\ntags:\n- convert-bnb\n")
+    assert f"- commit: {A}" in card and "- revision: main (default branch)" in card
+    assert "| --to | bf16 |" in card and "| --max-shard-size | 1000000 bytes |" in card
+    assert "| converter | convert-bnb 0.1.0 |" in card
+    assert "- quantization: nf4, blocksize 64, nested (blocksize 256, float32), dtype bfloat16, storage U8: 14 layers" \
+        in card
+    for rel, rec in state["files"].items():
+        assert f"| {rel} | {rec['bytes']} | {rec['sha256']} |" in card
+    assert f"convert-bnb org/a --revision {A} --to bf16 --max-shard-size 1000000" in card
+    up = a["upload"]
+    assert up["create_repo"] == {"repo_id": "me/a-bf16", "repo_type": "model", "private": False, "exist_ok": True}
+    ops = {o["path_in_repo"]: o for o in up["commit"]["operations"]}
+    assert set(ops) == set(state["files"]) | {"README.md"}
+    assert ops["README.md"]["bytes"] == len(card.encode())
+    assert ops["config.json"]["from"] == str(out / "a-bf16" / "config.json")
+    # c is planned from the cached snapshot: 2 shards of fp16 tensors, hashes after conversion
+    cops = {o["path_in_repo"]: o for o in c["upload"]["commit"]["operations"]}
+    assert "model-00001-of-00002.safetensors" in cops and "model.safetensors.index.json" in cops
+    assert "| model-00001-of-00002.safetensors |" in c["card"] and "(after conversion)" in c["card"]
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run")
+    assert "upload: create me/a-bf16 (private=False, exist_ok), one commit 'convert-bnb 0.1.0: org/a --to bf16':" \
+        in r.stdout
+    assert "  model card:\n    ---\n    base_model: org/a" in r.stdout
+    assert not (out / "c-fp16").exists()  # a dry run writes nothing
+
+
+def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    jobs.write_text("org/a\n")
+    out = tmp_path / "out"
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--json")
+    assert r.returncode == 3
+    (res,) = json.loads(r.stdout)
+    assert res["status"] == "failed" and "cannot push to 'me/a-bf16' (OfflineModeIsEnabled" in res["error"]
+    state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+    assert state["status"] == "done" and "pushed" not in state  # the conversion stays done
+    before = _stat(out / "a-bf16")
+    r = _batch(jobs, out, env, "--json")  # without --push-to-hub: nothing left to do
+    assert r.returncode == 0 and json.loads(r.stdout)[0]["status"] == "skipped"
+    assert _stat(out / "a-bf16") == before
+
+
+def test_model_card_for_a_local_source() -> None:
+    job = Job("/data/m", None, "fp32", 5 * 10**9, "m-fp32")
+    card = model_card(job, None, {"model.safetensors": {"bytes": 10, "sha256": "ab"}})
+    assert "base_model" not in card and "- path: /data/m" in card and "| model.safetensors | 10 | ab |" in card
+
+
+# ---------------------------------------------------------------- JOBS files
+
+
+def _defaults() -> argparse.Namespace:
+    return argparse.Namespace(to="bf16", max_shard_size=5 * 10**9)
+
+
+def test_parse_text_json_yaml(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(JOBS)
+    text = parse_jobs(t, _defaults())
+    assert [(j.src, j.revision, j.to, j.max_shard_size, j.name, j.where) for j in text] == [
+        ("org/a", None, "bf16", 10**6, "a-bf16", "j.txt:2"),
+        ("org/broken", None, "bf16", 5 * 10**9, "broken-bf16", "j.txt:3"),
+        ("org/c", "main", "fp16", 10**6, "c-fp16", "j.txt:4"),
+    ]
+    j = tmp_path / "j.json"
+    j.write_text(json.dumps(["org/a --max-shard-size 1MB", "org/broken",
+                             {"repo": "org/c", "revision": "main", "to": "fp16", "max_shard_size": "1MB"}]))
+    as_json = parse_jobs(j, _defaults())
+    assert [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in as_json] == \
+        [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in text]
+    pytest.importorskip("yaml")
+    y = tmp_path / "j.yaml"
+    y.write_text("- org/a --max-shard-size 1MB\n- org/broken\n- {src: org/c@main, to: fp16, max_shard_size: 1MB}\n")
+    as_yaml = parse_jobs(y, _defaults())
+    assert [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in as_yaml] == \
+        [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in text]
+
+
+def test_local_file_job_writes_one_file(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_fp4_nodq' / 'model.safetensors'} --to fp32\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)
+    assert (res["name"], res["status"], res["shards_written"]) == ("model-fp32.safetensors", "converted", 1)
+    assert main([str(MODELS / "llama_fp4_nodq" / "model.safetensors"), "--to", "fp32", "-o",
+                 str(tmp_path / "direct.safetensors"), "--quiet"]) == 0
+    assert (out / "model-fp32.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+    before = (out / "model-fp32.safetensors").stat()
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "skipped"
+    after = (out / "model-fp32.safetensors").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_local_paths_become_absolute(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(f"{MODELS / 'llama_nf4_dq'} --name x\n{MODELS / 'llama_fp4_nodq' / 'model.safetensors'}\n")
+    a, b = parse_jobs(t, _defaults())
+    assert (a.src, a.name, a.is_repo) == (str(MODELS / "llama_nf4_dq"), "x", False)
+    assert b.name == "model-bf16.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "rule", "part"),
+    [
+        ("j.json", "[1, 2", "BATCH-001", "not valid JSON"),
+        ("j.json", '{"a": 1}', "BATCH-001", "must hold a list"),
+        ("j.json", "[3]", "BATCH-002", "j.json[0]: a job must be a string or an object"),
+        ("j.json", '[{"to": "bf16"}]', "BATCH-002", "a job needs a source"),
+        ("j.txt", "org/a --bogus 1\n", "BATCH-003", "j.txt:1: unknown job options"),
+        ("j.txt", "\norg/a --to int4\n", "BATCH-003", "j.txt:2: unknown --to value 'int4'"),
+        ("j.txt", "org/a --max-shard-size lots\n", "BATCH-003", "not a size: 'lots'"),
+        ("j.json", '[{"src": "org/a", "colour": "red"}]', "BATCH-003", "unknown job fields"),
+        ("j.txt", "org/a --name ../x\n", "BATCH-003", "name must be a plain directory name"),
+        ("j.txt", "x/a\ny/a\n", "BATCH-004", "j.txt:2: output name 'a-bf16' is also written by j.txt:1"),
+        ("j.txt", "'unclosed\n", "BATCH-001", "No closing quotation"),
+    ],
+)
+def test_bad_jobs_files(tmp_path: Path, name: str, content: str, rule: str, part: str) -> None:
+    p = tmp_path / name
+    p.write_text(content)
+    with pytest.raises(UsageError) as ei:
+        parse_jobs(p, _defaults())
+    assert ei.value.rule == rule
+    assert part in str(ei.value)
+    assert ei.value.path == str(p)
+
+
+def test_summary_table_rows() -> None:
+    from convert.batch import JobResult
+
+    t = summary_table([JobResult("a", "org/a", "converted", bytes_out=2048, shards_written=2, commit="f" * 40),
+                       JobResult("b", "org/b", "failed", error="boom")])
+    lines = t.splitlines()
+    assert lines[1].split() == ["a", "converted", "2/0", "2.0", "KiB", "0.0s", "@ffffffffff"]
+    assert lines[2].split() == ["b", "failed", "0/0", "-", "0.0s", "boom"]
+    assert lines[3] == "1 converted, 1 failed of 2 jobs"
+
+
+# ---------------------------------------------------------------- online: fetch and push through a local fake Hub
+
+
+def test_online_batch_fetches_converts_and_pushes(tmp_path: Path) -> None:
+    from .fakehub import FakeHub
+
+    hub = FakeHub()
+    hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
+    url = hub.start()
+    try:
+        env = offline_env(tmp_path, tmp_path / "hub")
+        del env["HF_HUB_OFFLINE"]
+        env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        jobs = tmp_path / "jobs.txt"
+        jobs.write_text("org/a --max-shard-size 1MB\n")
+        out = tmp_path / "out"
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--private", "--json")
+        assert r.returncode == 0, r.stderr + (out / ".convert-bnb" / "a-bf16.log").read_text()
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"], res["commit"]) == ("converted", "me/a-bf16", A)
+        assert hub.created == [{"repo_id": "me/a-bf16", "private": True, "type": "model"}]
+        assert hub.auth == {"Bearer hf_fake_token_for_the_local_server"}  # HF_TOKEN on every request
+        assert len(hub.commits) == 1
+        assert hub.commits[0]["summary"] == "convert-bnb 0.1.0: org/a --to bf16"
+        repo = hub.repos["me/a-bf16"]
+        pushed = repo["commits"][repo["refs"]["main"]]
+        assert {k: v for k, v in pushed.items() if k != "README.md"} == _files(out / "a-bf16")
+        state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+        assert state["pushed"] == {"repo": "me/a-bf16", "key": state["key"], "commit": hub.commits[0]["commit"]}
+        card = pushed["README.md"].decode()
+        assert card == _dry_run_card(jobs, out, env)  # what --dry-run showed is what was pushed
+        assert card.startswith("---\nbase_model: org/a\n") and f"- commit: {A}" in card
+        # a re-run neither converts nor pushes again
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--private", "--json")
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"]) == ("skipped", "me/a-bf16")
+        assert len(hub.commits) == 1 and len(hub.created) == 1
+    finally:
+        hub.stop()
+
+
+def _dry_run_card(jobs: Path, out: Path, env: dict[str, str]) -> str:
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)[0]["card"]
+
+
+def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name a\n"
+                    f"{MODELS / 'llama_fp4_nodq'} --max-shard-size 1MB --name c\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--max-memory", "256MiB",
+           "--to", "bf16", "--pause-at", "c:2", "--jobs", "2", "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / ".convert-bnb" / "c.paused").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # the batch only: it must stop its workers itself
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert "convert-bnb: interrupted" in err
+    state = json.loads((out / ".convert-bnb" / "c.json").read_text())
+    assert (state["status"], state["error"], len(state["shards"])) == ("failed", "signal 15", 2)
+    assert not list((out / ".convert-bnb" / "c.partial").glob(".*"))  # no temporaries left behind
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert (res["c"]["status"], res["c"]["shards_reused"], res["c"]["shards_written"]) == ("converted", 2, 3)
+    straight = tmp_path / "straight"
+    assert main([str(MODELS / "llama_fp4_nodq"), "--to", "bf16", "--max-shard-size", "1MB", "-o", str(straight),
+                 "--quiet"]) == 0
+    assert _files(out / "c") == _files(straight)
+
+
+def test_one_batch_per_out_dir(tmp_path: Path) -> None:
+    import fcntl
+
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'}\n")
+    out = tmp_path / "out"
+    (out / ".convert-bnb").mkdir(parents=True)
+    with open(out / ".convert-bnb" / "lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        r = _batch(jobs, out, offline_env(tmp_path))
+    assert r.returncode == 2
+    assert "another convert-bnb batch is running with this --out-dir" in r.stderr
+    r = _batch(jobs, out, offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
