@@ -143,11 +143,23 @@ def check_source(path: str | os.PathLike[str]) -> CheckReport:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", metavar="SRC", help="a .safetensors file or a model directory")
+    p.add_argument("src", metavar="SRC", help="a .safetensors / .bin / .pt file, a model directory or a Hub repo "
+                   "id org/name")
+    p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
 
 
 def _run(args: argparse.Namespace) -> int:
-    report = check_source(Path(args.src))
+    from .cli import resolve_source
+
+    src = Path(args.src)
+    if not src.exists():
+        try:
+            src = resolve_source(args)  # a Hub repo id (fetched into the HF cache), else CKPT-010
+        except ConvertBnbError as exc:
+            report = CheckReport(str(args.src), [exc])
+            print(json.dumps(report.to_dict(), indent=2) if args.json else report.describe())
+            return 2
+    report = check_source(src)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
