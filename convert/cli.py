@@ -163,6 +163,8 @@ def _convert(args: argparse.Namespace) -> int:
     with open_checkpoint(src) as ckpt:
         if args.to in EXTRA_TARGETS:
             summary = EXTRA_TARGETS[args.to](args, ckpt)
+            if summary is None:  # the target printed its --dry-run plan
+                return 0
         else:
             plan = make_plan(ckpt, args.to, max_shard_size=args.max_shard_size)
             for hook in PLAN_HOOKS:
@@ -256,7 +258,9 @@ def _load_plugins() -> None:
 
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = ["convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.check"]
+PLUGINS: list[str] = [
+    "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf", "convert.check",
+]
 
 
 if __name__ == "__main__":  # pragma: no cover

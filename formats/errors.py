@@ -45,6 +45,10 @@ __all__ = [
     "DuplicateAdapterTargetError",
     "DuplicateTensorError",
     "FileTooShortError",
+    "GgufConfigError",
+    "GgufSourceError",
+    "GgufTypeError",
+    "GgufVerificationError",
     "HeaderJsonError",
     "HeaderTooLargeError",
     "HubError",
@@ -81,7 +85,11 @@ __all__ = [
     "QuantShapeError",
     "QuantStateJsonError",
     "QuantTypeError",
+    "RopeScalingError",
     "SafetensorsError",
+    "SentencePieceFormatError",
+    "SentencePiecePiecesError",
+    "SentencePieceWireTypeError",
     "ShardDuplicateTensorError",
     "ShardPathError",
     "SourceNotFoundError",
@@ -89,13 +97,16 @@ __all__ = [
     "TensorOverlapError",
     "TensorShapeError",
     "TensorViewError",
+    "TokenizerError",
     "TorchPickleError",
     "TruncatedFileError",
     "UnindexedShardError",
     "UnindexedTensorError",
     "UnknownDtypeError",
+    "UnmappedTensorError",
     "UnsafePickleError",
     "UnsupportedAdapterConfigError",
+    "UnsupportedArchitectureError",
     "UnsupportedError",
     "UntargetedModuleError",
     "UsageError",
@@ -224,7 +235,7 @@ def all_rules() -> dict[str, type[ConvertBnbError]]:
         todo.extend(cls.__subclasses__())
         if cls.default_rule is not None and cls.default_rule not in out:
             out[cls.default_rule] = cls
-    prefixes = ["ST", "PT", "CKPT", "HUB", "BNB", "LORA", "OUT", "USE", "BATCH", "UNS"]
+    prefixes = ["ST", "PT", "CKPT", "HUB", "BNB", "LORA", "GGUF", "SPM", "OUT", "USE", "BATCH", "UNS"]
 
     def key(rule: str) -> tuple[int, str]:
         prefix = rule.split("-")[0]
@@ -809,3 +820,88 @@ class HubError(ConvertBnbError, OSError):
     default_rule = "HUB-001"
     advice = ("Check the repo id and revision, log in (`huggingface-cli login` or HF_TOKEN) for gated or private "
               "repos, or download the model first and give its directory.")
+
+
+# ------------------------------------------------------------------------------------------- GGUF
+
+
+class UnsupportedArchitectureError(UnsupportedError):
+    """The model's architecture has no GGUF mapping in convert-bnb."""
+
+    default_rule = "GGUF-001"
+    advice = ("The message lists the supported architectures; convert other ones to safetensors (--to bf16) "
+              "and use llama.cpp's own converter.")
+
+
+class GgufTypeError(UnsupportedError):
+    """The GGUF output type is not one convert-bnb writes."""
+
+    default_rule = "GGUF-002"
+    advice = ("Choose one of the listed types (e.g. --to gguf:q8_0); quantize further with llama.cpp's llama-quantize.")
+
+
+class UnmappedTensorError(UnsupportedError):
+    """A tensor has no GGUF name for the architecture."""
+
+    default_rule = "GGUF-003"
+    advice = ("The checkpoint holds extra modules (vision tower, adapters, ...): convert to safetensors "
+              "instead, or report it.")
+
+
+class TokenizerError(CheckpointError, UnsupportedError):
+    """No usable tokenizer (tokenizer.model or tokenizer.json) for the GGUF."""
+
+    default_rule = "GGUF-004"
+    advice = ('Download the tokenizer files into the model directory (GGUF files carry the tokenizer).')
+
+
+class RopeScalingError(UnsupportedError):
+    """The RoPE scaling type is not supported for GGUF."""
+
+    default_rule = "GGUF-005"
+    advice = ("Convert to safetensors (--to bf16) and use llama.cpp's own converter for this model.")
+
+
+class GgufConfigError(UnsupportedError):
+    """config.json lacks a hyperparameter the architecture needs, or is a MoE model."""
+
+    default_rule = "GGUF-006"
+    advice = ('Use the config.json that came with the model; MoE models are not supported for GGUF yet.')
+
+
+class GgufSourceError(UnsupportedError):
+    """A tensor to write has another shape or a non-float dtype than planned."""
+
+    default_rule = "GGUF-007"
+    advice = ('This is an internal inconsistency: report it with the command and --debug.')
+
+
+class GgufVerificationError(VerificationError):
+    """The written GGUF does not re-open with the planned names, types and shapes."""
+
+    default_rule = "GGUF-008"
+    advice = ('Nothing was renamed into place. Check the disk and run again; report it if it repeats.')
+
+
+# -------------------------------------------------------------------------- SentencePiece tokenizers
+
+
+class SentencePieceFormatError(CheckpointError):
+    """tokenizer.model is not a well-formed protobuf (a truncated varint or field)."""
+
+    default_rule = "SPM-001"
+    advice = ('The tokenizer file is damaged: download tokenizer.model again.')
+
+
+class SentencePieceWireTypeError(CheckpointError):
+    """tokenizer.model uses a protobuf wire type a SentencePiece model never has."""
+
+    default_rule = "SPM-002"
+    advice = ('The file is not a SentencePiece model or is damaged: download tokenizer.model again.')
+
+
+class SentencePiecePiecesError(CheckpointError):
+    """tokenizer.model has no pieces, or a piece that is not UTF-8."""
+
+    default_rule = "SPM-003"
+    advice = ('The tokenizer file is damaged: download tokenizer.model again.')

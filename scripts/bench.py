@@ -127,6 +127,8 @@ def make(packed_gb: float, out_dir: Path) -> None:
         },
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    # a SentencePiece vocabulary, so `--to gguf` has a tokenizer to write (padded to VOCAB ids)
+    shutil.copy(ROOT / "tests/fixtures/models/llama_nf4_dq/tokenizer.model", out_dir / "tokenizer.model")
     packed = sum(int(np.prod(s)) for n, d, s in entries if n.endswith(".weight") and d.code == "U8")
     print(json.dumps({"made": str(out_dir), "blocks": n_blocks, "packed_bytes": packed,
                       "file_bytes": path.stat().st_size, "elements": packed * 2}))
@@ -190,9 +192,9 @@ def kernel(n_elem: int, threads: int) -> dict:
 
 def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int | None, keep: bool,
             merge_lora: Path | None = None) -> None:
-    out = src_dir.parent / f"{src_dir.name}-out-{to}"
+    out = src_dir.parent / f"{src_dir.name}-out-{to.replace(':', '-')}"
     if out.exists():
-        shutil.rmtree(out)
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
     cmd = [sys.executable, "-m", "convert", str(src_dir), "--to", to, "-o", str(out), "--max-memory", max_memory,
            "--json"] + (["--threads", str(threads)] if threads else []) + (
                ["--merge-lora", str(merge_lora)] if merge_lora else [])
@@ -212,7 +214,7 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
            "gb_per_s_written": round(out_bytes / wall / 1e9, 3), "out_bytes": out_bytes,
            "peak_rss_mib": round(max(child_rss, summary["peak_rss_bytes"]) / 2**20, 1)}
     if do_cp:
-        big = max(out.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        big = out if out.is_file() else max(out.glob("*.safetensors"), key=lambda p: p.stat().st_size)
         copy = src_dir.parent / "cp-floor.tmp"
         subprocess.run(["sync"], check=True)
         t = time.perf_counter()
@@ -224,7 +226,7 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
         cp_s *= out_bytes / big.stat().st_size
         res.update({"cp_sync_s": round(cp_s, 2), "ratio_to_cp": round(wall / cp_s, 2)})
     if not keep:
-        shutil.rmtree(out)
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
     print(json.dumps(res))
 
 

@@ -32,6 +32,10 @@ FAMILIES = [
      "when the absmax is resolved."),
     ("LORA", "LoRA adapters (--merge-lora)", "Checked when an adapter is opened (config, keys, pairs, shapes) and "
      "when it is matched against the base model, before anything is written."),
+    ("GGUF", "GGUF output (--to gguf[:TYPE])", "Checked when the GGUF output is planned (architecture, type, "
+     "names, tokenizer, config) and after it is written."),
+    ("SPM", "SentencePiece tokenizers", "Checked when a `tokenizer.model` is read for a GGUF output (a protobuf "
+     "reader of our own: no sentencepiece package)."),
     ("OUT", "output", "Checked before and after writing. The output is written under a temporary name "
      "(`.NAME.convert-bnb-tmp-PID`) beside it and renamed only when complete and verified."),
     ("USE", "usage", "The command line asks for something that cannot be done."),

@@ -460,6 +460,106 @@ def _hub_offline(src: Path, out: Path) -> None:
         resolve_repo("org/not-in-the-cache", cache_dir=src)
 
 
+# ---- GGUF output (--to gguf[:TYPE]) on a copy of the tiny llama
+def model_copy(config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        import shutil
+
+        root = d / "model"
+        shutil.copytree(BASE_MODEL, root, ignore=shutil.ignore_patterns("reference"))
+        for name in drop:
+            (root / name).unlink()
+        if config is not None:
+            cfg = json.loads((root / "config.json").read_text())
+            cfg.update(config)
+            (root / "config.json").write_text(json.dumps(cfg))
+        return root
+
+    return build
+
+
+def gguf_cli(to: str) -> tuple[Callable[[Path, Path], None], list[str]]:
+    def run(src: Path, out: Path) -> None:
+        from convert.cli import main
+
+        main([str(src), "--to", to, "-o", str(out.with_suffix(".gguf")), "-q", "--debug"])
+
+    return run, ["{src}", "--to", to, "-o", "{out}.gguf", "-q"]
+
+
+def _gguf_inputs(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    from formats.safetensors import SafetensorsReader
+
+    cfg = json.loads((src / "config.json").read_text())
+    with SafetensorsReader(BASE_MODEL / "reference" / "dequantized.safetensors") as r:
+        weights = {n: np.array(r.array(n)) for n in r.tensors}
+    return cfg, weights
+
+
+def _gguf_unmapped(src: Path, out: Path) -> None:
+    from formats.gguf import plan_gguf
+
+    cfg, w = _gguf_inputs(src)
+    plan_gguf(cfg, [(n, a.shape) for n, a in w.items()] + [("vision_tower.patch_embed.weight", (8, 8))], src)
+
+
+def _gguf_moe(src: Path, out: Path) -> None:
+    from formats.gguf import plan_gguf
+
+    cfg, w = _gguf_inputs(src)
+    moe = dict(cfg, architectures=["MistralForCausalLM"], num_local_experts=8)
+    plan_gguf(moe, [(n, a.shape) for n, a in w.items()], src)
+
+
+def _gguf_wrong_source(src: Path, out: Path) -> None:
+    from formats.gguf import plan_gguf, write_gguf
+
+    cfg, w = _gguf_inputs(src)
+    plan = plan_gguf(cfg, [(n, a.shape) for n, a in w.items()], src, "f16")
+    sources = {n: (lambda a=a: a) for n, a in w.items()}
+    sources["model.norm.weight"] = lambda: np.zeros(255, dtype=np.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_gguf(plan, out.parent / "m.gguf", sources)
+    finally:
+        for p in out.parent.iterdir():
+            p.unlink()
+
+
+def _gguf_verify(src: Path, out: Path) -> None:
+    from formats.gguf import plan_gguf, verify_gguf, write_gguf
+
+    cfg, w = _gguf_inputs(src)
+    shapes = [(n, a.shape) for n, a in w.items()]
+    plan = plan_gguf(cfg, shapes, src, "q8_0")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / "m.gguf"
+    try:
+        write_gguf(plan, path, {n: (lambda a=a: a) for n, a in w.items()})
+        verify_gguf(path, plan_gguf(cfg, shapes, src, "f16"))
+    finally:
+        path.unlink()
+
+
+def _gguf_type(src: Path, out: Path) -> None:
+    from formats.gguf import parse_output_type
+
+    parse_output_type("q4_k_m")
+
+
+def _spm(data: bytes) -> Callable[[Path], Path]:
+    return raw_file(data, "tokenizer.model")
+
+
+def _read_pieces(src: Path, out: Path) -> None:
+    from formats import sentencepiece
+
+    sentencepiece.read_pieces(src)
+
+
+GGUF_F16 = gguf_cli("gguf:f16")
+
+
 # a GLOBAL opcode naming os.system, as a hostile pickle would (never imported, never called)
 SYSTEM_PICKLE = b"\x80\x02cposix\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03."
 
@@ -671,6 +771,31 @@ CASES: list[Case] = [
          argv=MERGE_ARGV),
     Case("lora-modules-to-save-copy-differs", E.ModulesToSaveMismatchError, ["LORA-012"],
          adapter({"modules_to_save": ["lm_head"]}, tensors=_lm_head_copy_differs()), run=merge, argv=MERGE_ARGV),
+    # ---- GGUF output
+    Case("gguf-falcon", E.UnsupportedArchitectureError, ["GGUF-001", "found 'FalconForCausalLM'"],
+         model_copy({"architectures": ["FalconForCausalLM"]}), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-q4-k-m", E.GgufTypeError, ["GGUF-002", "q8_0"], lambda d: d.mkdir(parents=True) or d,
+         run=_gguf_type, argv=None),  # the CLI's --to choices refuse it first (argparse, exit 2)
+    Case("gguf-vision-tower", E.UnmappedTensorError, ["GGUF-003", "tensor 'vision_tower.patch_embed.weight'"],
+         model_copy(), run=_gguf_unmapped, argv=None),
+    Case("gguf-no-tokenizer", E.TokenizerError, ["GGUF-004", "tokenizer.model or tokenizer.json"],
+         model_copy(drop=("tokenizer.model", "tokenizer.json", "tokenizer_config.json")),
+         run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-longrope", E.RopeScalingError, ["GGUF-005", "found 'longrope'"],
+         model_copy({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}),
+         run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-moe", E.GgufConfigError, ["GGUF-006", "num_local_experts = 8"], model_copy(), run=_gguf_moe,
+         argv=None),
+    Case("gguf-source-shape", E.GgufSourceError, ["GGUF-007", "tensor 'model.norm.weight'"], model_copy(),
+         run=_gguf_wrong_source, argv=None),
+    Case("gguf-verify-type", E.GgufVerificationError, ["GGUF-008", "GGML type differs"], model_copy(),
+         run=_gguf_verify, argv=None),
+    # ---- SentencePiece tokenizer.model (GGUF)
+    Case("spm-truncated-varint", E.SentencePieceFormatError, ["SPM-001", "tokenizer.model'"], _spm(b"\x0a\x80"),
+         run=_read_pieces, argv=None),
+    Case("spm-group-wire-type", E.SentencePieceWireTypeError, ["SPM-002"], _spm(b"\x0b"), run=_read_pieces,
+         argv=None),
+    Case("spm-no-pieces", E.SentencePiecePiecesError, ["SPM-003"], _spm(b"\x12\x00"), run=_read_pieces, argv=None),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),
          run=_existing_output, argv=None),
