@@ -95,6 +95,9 @@ __all__ = [
 
 #: Largest data.pkl accepted, in bytes (a 70B-parameter state dict's pickle is about 1 MB).
 MAX_PICKLE_BYTES = 256 * 1024 * 1024
+#: What :mod:`zipfile` raises on a damaged archive: besides BadZipFile, NotImplementedError for a
+#: "version needed" or compression method it lacks and RuntimeError for an "encrypted" flag (a flipped bit).
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError)
 #: Largest non-contiguous tensor copied into memory, in bytes; larger ones are refused (PT-007).
 MAX_COPY_BYTES = 64 * 1024 * 1024
 #: Most containers and scalars walked in the non-tensor values (a pickle can share one list many
@@ -459,7 +462,7 @@ class TorchPickleReader:
     def _load_zip(self, f: BinaryIO) -> Any:
         try:
             zf = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        except _ZIP_ERRORS as exc:
             raise self._fail("PT-001", f"not a readable zip archive ({exc})",
                              hint="the download may be truncated; fetch the file again") from None
         with zf:
@@ -476,7 +479,7 @@ class TorchPickleReader:
             if bo is not None:
                 try:
                     order = zf.read(bo).strip()
-                except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:  # damaged member header
+                except _ZIP_ERRORS as exc:  # a damaged member header
                     raise self._fail("PT-001", f"cannot read byteorder ({exc})") from None
                 if order != b"little":
                     raise self._fail("PT-008", "only little-endian checkpoints are read",
@@ -487,7 +490,7 @@ class TorchPickleReader:
                                  expected=f"<= {MAX_PICKLE_BYTES} bytes", found=pinfo.file_size)
             try:
                 data = zf.read(pinfo)
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            except _ZIP_ERRORS as exc:
                 raise self._fail("PT-001", f"cannot read data.pkl ({exc})") from None
 
             def storage_for(pid: Any) -> _Storage:

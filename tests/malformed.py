@@ -460,6 +460,16 @@ def _hub_offline(src: Path, out: Path) -> None:
         resolve_repo("org/not-in-the-cache", cache_dir=src)
 
 
+def _pt_zip_version_64(d: Path) -> Path:
+    """A torch zip whose central directory says 'version 6.4 needed to extract' (zipfile: NotImplementedError)."""
+    path = _pt({"w": _tensor(ARR)})(d)
+    raw = bytearray(path.read_bytes())
+    i = raw.index(b"PK\x01\x02")
+    raw[i + 6 : i + 8] = struct.pack("<H", 64)
+    path.write_bytes(bytes(raw))
+    return path
+
+
 # ---- GGUF output (--to gguf[:TYPE]) on a copy of the tiny llama
 def model_copy(config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Callable[[Path], Path]:
     def build(d: Path) -> Path:
@@ -635,6 +645,7 @@ CASES: list[Case] = [
     # found by scripts/fuzz.py: a damaged member header, and a length field of 2**62 (BYTEARRAY8)
     Case("pt-damaged-member-header", E.NotTorchCheckpointError, ["PT-001", "cannot read byteorder"],
          _pt_damaged_member_header),
+    Case("pt-zip-version-6.4", E.NotTorchCheckpointError, ["PT-001", "zip file version 6.4"], _pt_zip_version_64),
     Case("pt-bytearray8-2-to-62", E.MalformedPickleError, ["PT-004", "malformed pickle"],
          _pt_raw(b"\x80\x05\x96" + struct.pack("<Q", 2**62) + b".")),
     Case("pt-compressed-storage", E.StorageRecordError, ["PT-005", "is compressed", "found 'method 8'"],
