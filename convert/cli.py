@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Extra ``--to`` values handled by other modules: name -> runner(args, checkpoint) -> summary dict.
-EXTRA_TARGETS: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any]]] = {}
+EXTRA_TARGETS: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any] | None]] = {}
 #: Functions that add options to the main parser.
 PARSER_HOOKS: list[Callable[[argparse.ArgumentParser], None]] = []
 #: Functions ``(args, plan) -> plan`` applied after planning (e.g. LoRA merge).
@@ -259,7 +259,8 @@ def _load_plugins() -> None:
 
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
 PLUGINS: list[str] = [
-    "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf", "convert.check",
+    "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf",
+    "convert.requant", "convert.check",
 ]
 
 

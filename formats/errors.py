@@ -32,6 +32,7 @@ __all__ = [
     "BatchNameClashError",
     "BatchOptionError",
     "BlocksizeError",
+    "BlocksizeOptionError",
     "BnbLayerError",
     "ByteOrderError",
     "ByteSpanError",
@@ -71,6 +72,7 @@ __all__ = [
     "NoWeightsError",
     "NonContiguousTensorError",
     "NonFiniteAbsmaxError",
+    "NonFiniteWeightError",
     "NotLoraAdapterError",
     "NotSafetensorsError",
     "NotStateDictError",
@@ -84,7 +86,10 @@ __all__ = [
     "QuantMapError",
     "QuantShapeError",
     "QuantStateJsonError",
+    "QuantStorageOptionError",
+    "QuantStorageSizeError",
     "QuantTypeError",
+    "QuantTypeOptionError",
     "RopeScalingError",
     "SafetensorsError",
     "SentencePieceFormatError",
@@ -235,7 +240,7 @@ def all_rules() -> dict[str, type[ConvertBnbError]]:
         todo.extend(cls.__subclasses__())
         if cls.default_rule is not None and cls.default_rule not in out:
             out[cls.default_rule] = cls
-    prefixes = ["ST", "PT", "CKPT", "HUB", "BNB", "LORA", "GGUF", "SPM", "OUT", "USE", "BATCH", "UNS"]
+    prefixes = ["ST", "PT", "CKPT", "HUB", "BNB", "LORA", "GGUF", "SPM", "QNT", "OUT", "USE", "BATCH", "UNS"]
 
     def key(rule: str) -> tuple[int, str]:
         prefix = rule.split("-")[0]
@@ -905,3 +910,42 @@ class SentencePiecePiecesError(CheckpointError):
 
     default_rule = "SPM-003"
     advice = ('The tokenizer file is damaged: download tokenizer.model again.')
+
+
+# ------------------------------------------------------------------------ re-quantization (--to nf4|fp4)
+
+
+class QuantTypeOptionError(UsageError):
+    """The quant_type asked for (``--to nf4|fp4``, ``--quant-type``) is not nf4 or fp4."""
+
+    default_rule = "QNT-001"
+    advice = ('Use nf4 or fp4.')
+
+
+class BlocksizeOptionError(UsageError):
+    """The blocksize asked for is not a power of two from 32 to 4096."""
+
+    default_rule = "QNT-002"
+    advice = ('Use a blocksize bitsandbytes supports: 32, 64 (its default), 128, ..., 4096.')
+
+
+class NonFiniteWeightError(UnsupportedError):
+    """A tensor to quantize holds NaN or infinite values."""
+
+    default_rule = "QNT-003"
+    advice = ("The source weights are damaged (or overflowed in an fp16 cast): fix them first; bitsandbytes "
+              "would write garbage.")
+
+
+class QuantStorageOptionError(UsageError):
+    """The quant storage asked for is not uint8, bfloat16, float16 or float32."""
+
+    default_rule = "QNT-004"
+    advice = ("Use one of the listed storage dtypes (uint8 is bitsandbytes' default).")
+
+
+class QuantStorageSizeError(UnsupportedError):
+    """The packed codes of a tensor do not fill whole elements of the quant storage dtype."""
+
+    default_rule = "QNT-005"
+    advice = ('Use --quant-storage uint8, or skip this tensor (bitsandbytes fails on it too).')

@@ -36,6 +36,8 @@ FAMILIES = [
      "names, tokenizer, config) and after it is written."),
     ("SPM", "SentencePiece tokenizers", "Checked when a `tokenizer.model` is read for a GGUF output (a protobuf "
      "reader of our own: no sentencepiece package)."),
+    ("QNT", "re-quantization (--to nf4|fp4)", "Checked when a 4-bit output is planned and when each tensor is "
+     "quantized."),
     ("OUT", "output", "Checked before and after writing. The output is written under a temporary name "
      "(`.NAME.convert-bnb-tmp-PID`) beside it and renamed only when complete and verified."),
     ("USE", "usage", "The command line asks for something that cannot be done."),

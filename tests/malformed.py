@@ -470,6 +470,20 @@ def _pt_zip_version_64(d: Path) -> Path:
     return path
 
 
+def _empty(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _qnt(call: Callable[[Any], Any]) -> Callable[[Path, Path], None]:
+    def run(src: Path, out: Path) -> None:
+        import convert.quantize as q
+
+        call(q)
+
+    return run
+
+
 # ---- GGUF output (--to gguf[:TYPE]) on a copy of the tiny llama
 def model_copy(config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Callable[[Path], Path]:
     def build(d: Path) -> Path:
@@ -807,6 +821,17 @@ CASES: list[Case] = [
     Case("spm-group-wire-type", E.SentencePieceWireTypeError, ["SPM-002"], _spm(b"\x0b"), run=_read_pieces,
          argv=None),
     Case("spm-no-pieces", E.SentencePiecePiecesError, ["SPM-003"], _spm(b"\x12\x00"), run=_read_pieces, argv=None),
+    # ---- re-quantization (--to nf4|fp4)
+    Case("qnt-int4", E.QuantTypeOptionError, ["QNT-001", "found 'int4'"], _empty,
+         run=_qnt(lambda q: q.QuantSettings(quant_type="int4")), argv=None),
+    Case("qnt-blocksize-48", E.BlocksizeOptionError, ["QNT-002", "found 48"], _empty,
+         run=_qnt(lambda q: q.QuantSettings(blocksize=48)), argv=None),
+    Case("qnt-nan-weight", E.NonFiniteWeightError, ["QNT-003", "NaN or infinite"], _empty,
+         run=_qnt(lambda q: q.quantize_4bit(np.array([1.0, np.nan, 2.0], dtype=np.float32), 64, "nf4")), argv=None),
+    Case("qnt-storage-int8", E.QuantStorageOptionError, ["QNT-004", "found 'int8'"], _empty,
+         run=_qnt(lambda q: q.QuantSettings(quant_storage="int8")), argv=None),
+    Case("qnt-storage-odd", E.QuantStorageSizeError, ["QNT-005", "tensor 'w'", "found 3"], _empty,
+         run=_qnt(lambda q: q.QuantSettings(quant_storage="float32").storage_shape(5, "w")), argv=None),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),
          run=_existing_output, argv=None),

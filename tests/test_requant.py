@@ -1,0 +1,365 @@
+"""``--to nf4|fp4`` through the CLI and the pipeline, against files bitsandbytes + transformers wrote."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convert.cli import main
+from convert.pipeline import run_plan
+from convert.plan import make_plan
+from convert.quantize import QuantSettings
+from convert.requant import make_quant_plan, matches_module, safetensors_order_key, should_quantize
+from formats.checkpoint import open_checkpoint
+from formats.dtypes import BY_CODE, BY_NAME
+
+from .conftest import MODELS, SINGLE, assert_same_tensors, load_all, manifest
+
+ORIG = MODELS / "llama_orig_bf16"
+#: fixture -> the options that reproduce it from llama_orig_bf16
+MODEL_ARGS = {
+    "llama_nf4_dq": ["--to", "nf4"],
+    "llama_fp4_nodq": ["--to", "fp4", "--no-double-quant"],
+    "llama_nf4_dq_qsbf16": ["--to", "nf4", "--quant-storage", "bfloat16"],
+}
+SINGLES = manifest()["single"]
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+@pytest.mark.parametrize("model", sorted(MODEL_ARGS))
+def test_requantized_model_equals_bnb_checkpoint(model: str, tmp_out: Path) -> None:
+    assert main([str(ORIG), *MODEL_ARGS[model], "-o", str(tmp_out), "-q"]) == 0
+    want_dir = MODELS / model
+    # every tensor: name, dtype, shape and bytes
+    assert_same_tensors(load_all(tmp_out / "model.safetensors"), load_all(want_dir / "model.safetensors"))
+    # and the whole file, header order included, and config.json with its quantization_config
+    assert (tmp_out / "model.safetensors").read_bytes() == (want_dir / "model.safetensors").read_bytes()
+    assert (tmp_out / "config.json").read_bytes() == (want_dir / "config.json").read_bytes()
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_out / extra).read_bytes() == (want_dir / extra).read_bytes()
+
+
+@pytest.mark.parametrize("entry", SINGLES, ids=[e["name"] for e in SINGLES])
+def test_single_fixture_through_cli(entry: dict, tmp_path: Path) -> None:
+    out = tmp_path / "q.safetensors"
+    args = [str(SINGLE / f"{entry['name']}.orig.safetensors"), "--to", entry["quant_type"],
+            "--blocksize", str(entry["blocksize"]), "--include", "layer.weight", "-o", str(out), "-q"]
+    if not entry["nested"]:
+        args.append("--no-double-quant")
+    assert main(args) == 0
+    want = SINGLE / f"{entry['name']}.q.safetensors"
+    assert_same_tensors(load_all(out), load_all(want))
+    got_header, got_data = _header(out)
+    want_header, want_data = _header(want)
+    # identical but for the {"format": "pt"} metadata transformers-style outputs carry
+    assert got_header.pop("__metadata__") == {"format": "pt"}
+    assert list(got_header.items()) == list(want_header.items())
+    assert got_data == want_data
+
+
+@pytest.mark.parametrize(
+    ("src", "args", "want"),
+    [
+        ("llama_nf4_dq", ["--to", "nf4"], "llama_nf4_dq"),
+        ("llama_fp4_nodq", ["--to", "fp4", "--no-double-quant"], "llama_fp4_nodq"),
+        ("llama_nf4_dq_sharded", ["--to", "nf4"], "llama_nf4_dq"),
+        ("llama_nf4_dq", ["--to", "nf4", "--quant-storage", "bfloat16"], "llama_nf4_dq_qsbf16"),
+        ("llama_nf4_dq_qsbf16", ["--to", "nf4"], "llama_nf4_dq"),
+    ],
+)
+def test_bnb_layers_in_the_same_settings_pass_through(src: str, args: list[str], want: str,
+                                                      tmp_out: Path) -> None:
+    assert main([str(MODELS / src), *args, "-o", str(tmp_out), "-q", "--json"]) == 0
+    assert (tmp_out / "model.safetensors").read_bytes() == (MODELS / want / "model.safetensors").read_bytes()
+    assert (tmp_out / "config.json").read_bytes() == (MODELS / want / "config.json").read_bytes()
+
+
+def test_bin_checkpoint_passes_through(tmp_out: Path) -> None:
+    assert main([str(MODELS / "llama_nf4_dq_bin"), "--to", "nf4", "-o", str(tmp_out), "-q"]) == 0
+    assert (tmp_out / "model.safetensors").read_bytes() == (MODELS / "llama_nf4_dq/model.safetensors").read_bytes()
+
+
+def test_int8_checkpoint_to_nf4_quantizes_its_exact_dequantization(tmp_out: Path) -> None:
+    from convert.quantize import layer_tensors, quantize_layer
+
+    assert main([str(MODELS / "llama_int8"), "--to", "nf4", "-o", str(tmp_out), "-q"]) == 0
+    got = load_all(tmp_out / "model.safetensors")
+    ref = load_all(MODELS / "llama_int8/reference/dequantized.safetensors")
+    n_layers = 0
+    for name, values in ref.items():
+        if f"{name}.absmax" in got:
+            n_layers += 1
+            for k, v in layer_tensors(name, quantize_layer(values, "bfloat16", QuantSettings())).items():
+                assert got[k].tobytes() == v.tobytes(), k
+        else:
+            assert got[name].tobytes() == values.tobytes(), name
+    assert n_layers == 14
+
+
+def test_sharded_output_holds_the_same_tensors(tmp_out: Path) -> None:
+    assert main([str(ORIG), "--to", "nf4", "--max-shard-size", "500KB", "-o", str(tmp_out), "-q"]) == 0
+    index = json.loads((tmp_out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 4
+    assert_same_tensors(load_all(tmp_out), load_all(MODELS / "llama_nf4_dq/model.safetensors"))
+
+
+def test_requantize_round_trip_keeps_codes(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "nf4", "--requantize", "-o", str(tmp_out),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["quantized"] == 14 and summary["passthrough"] == 0
+    got = load_all(tmp_out / "model.safetensors")
+    want = load_all(MODELS / "llama_nf4_dq/model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if name.endswith("_proj.weight"):  # the packed codes do not move
+            assert got[name].tobytes() == want[name].tobytes(), name
+    # re-quantizing the nested absmax moves values by about 0.2 %, which the report shows
+    errors = [r["rel_error"] for r in summary["report"]]
+    assert 0 < max(errors) < 0.005
+
+
+def test_merged_lora_model_as_nf4_in_one_command(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--merge-lora + --to nf4: merged layers are bnb's quantization of PEFT's merge (merged_reference),
+    the layers the adapter does not touch are copied from the 4-bit base unchanged."""
+    from convert.quantize import layer_tensors, quantize_layer
+
+    lora = MODELS.parent / "lora"
+    assert main([str(MODELS / "llama_nf4_dq"), "--merge-lora", str(lora / "adapter"), "--to", "nf4",
+                 "-o", str(tmp_out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["quantized"], summary["passthrough"]) == (4, 10)
+    assert "lora_merge" in summary
+    got = load_all(tmp_out / "model.safetensors")
+    base = load_all(MODELS / "llama_nf4_dq/model.safetensors")
+    merged = load_all(lora / "merged_reference/model.safetensors")
+    assert sorted(got) == sorted(base)
+    for name, values in merged.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            want = layer_tensors(name, quantize_layer(values, "bfloat16", QuantSettings()))
+        elif f"{name}.absmax" in base:
+            want = {k: v for k, v in base.items() if k.startswith(f"{name}")}
+        else:
+            want = {name: values}
+        for k, v in want.items():
+            assert got[k].tobytes() == v.tobytes(), k
+    assert (tmp_out / "config.json").read_bytes() == (MODELS / "llama_nf4_dq/config.json").read_bytes()
+
+
+def test_fp4_from_nf4_checkpoint_loads_as_fp4(tmp_out: Path) -> None:
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "fp4", "--no-double-quant", "--blocksize", "128",
+                 "-o", str(tmp_out), "-q"]) == 0
+    cfg = json.loads((tmp_out / "config.json").read_text())["quantization_config"]
+    assert (cfg["bnb_4bit_quant_type"], cfg["bnb_4bit_use_double_quant"]) == ("fp4", False)
+    t = load_all(tmp_out / "model.safetensors")
+    state = json.loads(t["model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__fp4"].tobytes())
+    assert state == {"quant_type": "fp4", "blocksize": 128, "dtype": "bfloat16", "shape": [704, 256]}
+    assert t["model.layers.0.mlp.up_proj.weight.absmax"].shape == (704 * 256 // 128,)
+
+
+def test_pieces_cache_and_threads_do_not_change_bytes(tmp_path: Path) -> None:
+    want = (MODELS / "llama_nf4_dq/model.safetensors").read_bytes()
+    for i, (piece, cache, threads) in enumerate([(64, 0, 1), (4096, 0, 2), (1 << 20, 1 << 30, 3)]):
+        with open_checkpoint(ORIG) as ck:
+            plan, info = make_quant_plan(make_plan(ck, "auto"), QuantSettings("nf4", 64, True),
+                                         piece_elements=piece, cache_bytes=cache, threads=threads)
+            out = tmp_path / f"o{i}"
+            run_plan(plan, out, threads=threads, max_memory=64 << 20)
+        assert (out / "model.safetensors").read_bytes() == want
+        assert len(info.jobs) == 14
+
+
+def test_memory_cap_option(tmp_out: Path) -> None:
+    assert main([str(ORIG), "--to", "nf4", "--max-memory", "64MiB", "--threads", "1", "-o", str(tmp_out),
+                 "-q"]) == 0
+    assert (tmp_out / "model.safetensors").read_bytes() == (MODELS / "llama_nf4_dq/model.safetensors").read_bytes()
+
+
+def test_skip_modules_go_into_the_config(tmp_out: Path) -> None:
+    assert main([str(ORIG), "--to", "nf4", "--skip-modules", "mlp.down_proj", "-o", str(tmp_out), "-q"]) == 0
+    cfg = json.loads((tmp_out / "config.json").read_text())
+    want = json.loads((MODELS / "llama_nf4_dq/config.json").read_text())
+    want["quantization_config"]["llm_int8_skip_modules"] = ["lm_head", "mlp.down_proj"]
+    assert cfg == want
+    got = load_all(tmp_out / "model.safetensors")
+    orig = load_all(ORIG / "model.safetensors")
+    for layer in (0, 1):
+        name = f"model.layers.{layer}.mlp.down_proj.weight"
+        assert got[name].tobytes() == orig[name].tobytes()
+        assert f"{name}.absmax" not in got
+        assert f"model.layers.{layer}.mlp.up_proj.weight.absmax" in got
+
+
+def test_input_skip_list_and_compute_dtype_carry_over(tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main([str(ORIG), "--to", "nf4", "--skip-modules", "mlp.down_proj", "-o", str(first), "-q"]) == 0
+    cfg = json.loads((first / "config.json").read_text())
+    cfg["quantization_config"]["bnb_4bit_compute_dtype"] = "float16"
+    (first / "config.json").write_text(json.dumps(cfg))
+    assert main([str(first), "--to", "fp4", "--no-double-quant", "-o", str(second), "-q"]) == 0
+    qc = json.loads((second / "config.json").read_text())["quantization_config"]
+    assert qc["llm_int8_skip_modules"] == ["lm_head", "mlp.down_proj"]
+    assert qc["bnb_4bit_compute_dtype"] == "float16"
+    assert qc["bnb_4bit_quant_type"] == "fp4"
+    got = load_all(second / "model.safetensors")
+    assert "model.layers.0.mlp.down_proj.weight.absmax" not in got
+    assert "model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__fp4" in got
+
+
+def test_including_the_head_drops_it_from_the_skip_list(tmp_out: Path) -> None:
+    assert main([str(ORIG), "--to", "nf4", "--include", "lm_head", "-o", str(tmp_out), "-q"]) == 0
+    qc = json.loads((tmp_out / "config.json").read_text())["quantization_config"]
+    assert qc["llm_int8_skip_modules"] == []  # a list: transformers then converts lm_head too
+    assert "lm_head.weight.absmax" in load_all(tmp_out / "model.safetensors")
+
+
+def test_report_file(tmp_out: Path, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    assert main([str(ORIG), "--to", "nf4", "--quant-report", str(report), "-o", str(tmp_out), "-q"]) == 0
+    rows = {r["name"]: r for r in json.loads(report.read_text())}
+    assert len(rows) == 14
+    down = rows["model.layers.0.mlp.down_proj.weight"]
+    assert down["numel"] == 704 * 256
+    # 704*256/2 packed + 2816 absmax codes + 11 nested fp32, per weight
+    assert down["bits_per_weight"] == 8 * (90112 + 2816 + 44) / (704 * 256)
+    # the fixture model has a few 25x outliers per matrix: they are flagged, and most weights in
+    # their blocks round to zero
+    assert all(r["outlier"] and r["outlier_blocks"] > 0 for r in rows.values())
+    assert all(r["outlier_zero_share"] > 0.5 for r in rows.values())
+    assert all(0.10 < r["rel_error"] < 0.13 for r in rows.values())
+
+
+def test_dry_run_writes_nothing(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ORIG), "--to", "fp4", "--dry-run", "-o", str(tmp_out)]) == 0
+    text = capsys.readouterr().out
+    assert "quantize fp4 bs64 nested <- copy" in text
+    assert "model.embed_tokens.weight" in text
+    assert not tmp_out.exists()
+
+
+@pytest.mark.parametrize("opt", [["--blocksize", "128"], ["--no-double-quant"], ["--quant-storage", "bfloat16"],
+                                 ["--skip-modules", "q_proj"], ["--include", "x"], ["--requantize"],
+                                 ["--torch-threads", "4"], ["--quant-report", "r.json"]])
+def test_4bit_options_need_a_4bit_target(opt: list[str], tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", *opt, "-o", str(tmp_out)]) == 2
+    assert f"{opt[0]} needs --to nf4 or --to fp4" in capsys.readouterr().err
+    assert not tmp_out.exists()
+
+
+def test_quant_storage_that_does_not_fit_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o.safetensors"
+    # 3 elements -> 2 packed bytes fit bf16, but float32 needs 4
+    src = SINGLE / "edge_nf4_3elem_bs64_nodq_float32_3.orig.safetensors"
+    assert main([str(src), "--to", "nf4", "--include", "layer.weight", "--quant-storage", "float32",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "tensor 'layer.weight': QNT-005 the packed codes cannot be stored as float32" in err
+    assert "(expected 'ceil(n/2) a multiple of 4 bytes', found 2)" in err
+    assert not out.exists()
+
+
+def test_non_finite_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "nan.safetensors"
+    x = np.zeros((4, 64), np.float32)
+    x[2, 3] = np.inf
+    save_file({"proj.weight": x}, str(src))
+    assert main([str(src), "--to", "nf4", "-o", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"Failed to read '{src}': tensor 'proj.weight': QNT-003 the tensor to quantize holds NaN" in err
+    assert "found 'non-finite value in block 2'" in err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+# --- rules -------------------------------------------------------------------------------------------
+
+BF16 = BY_NAME["bfloat16"]
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "want"),
+    [
+        ("model.layers.0.self_attn.q_proj.weight", (256, 256), (True, "Linear weight")),
+        ("transformer.h.3.attn.c_attn.weight", (768, 2304), (True, "Linear weight")),
+        ("model.embed_tokens.weight", (1000, 256), (False, "embedding")),
+        ("transformer.wte.weight", (1000, 256), (False, "embedding")),
+        ("shared.weight", (1000, 256), (False, "embedding")),
+        ("lm_head.weight", (1000, 256), (False, "output head")),
+        ("score.weight", (2, 256), (False, "output head")),
+        ("model.norm.weight", (256,), (False, "not a 2-D weight")),
+        ("model.layers.0.self_attn.q_proj.bias", (256,), (False, "not a 2-D weight")),
+        ("model.layers.0.mlp.experts", (8, 64, 64), (False, "not a 2-D weight")),
+    ],
+)
+def test_which_tensors_are_quantized(name: str, shape: tuple[int, ...], want: tuple[bool, str]) -> None:
+    assert should_quantize(name, shape, BF16) == want
+
+
+def test_skip_and_include_patterns() -> None:
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert should_quantize(q, (8, 8), BF16, skip=["q_proj"]) == (False, "--skip-modules")
+    assert should_quantize(q, (8, 8), BF16, skip=["model.layers.1"]) == (False, "--skip-modules")
+    assert should_quantize(q, (8, 8), BF16, skip=["model.layers.11"])[0]
+    assert should_quantize(q, (8, 8), BF16, skip=["model.layers.1.*proj"]) == (False, "--skip-modules")
+    assert should_quantize("model.norm.weight", (8,), BF16, include=["model.norm"]) == (True, "--include")
+    assert should_quantize("lm_head.weight", (8, 8), BF16, include=["lm_head"]) == (True, "--include")
+    assert should_quantize("x.weight", (8, 8), BY_CODE["I32"], include=["x"]) == (False, "not a float tensor")
+    assert matches_module("model.decoder.layers.23.fc1", "fc1")
+    assert not matches_module("model.layers.0.mlp.gate_proj", "mlp.gate")
+
+
+def test_tensor_order_is_the_safetensors_library_order() -> None:
+    names = [("b", "U8"), ("a", "U8"), ("c", "BF16"), ("d", "F32"), ("e", "I64")]
+    got = sorted(names, key=lambda t: safetensors_order_key(t[0], BY_CODE[t[1]]))
+    assert got == [("e", "I64"), ("d", "F32"), ("c", "BF16"), ("a", "U8"), ("b", "U8")]
+
+
+# --- optional: the output loads in transformers as bitsandbytes' own ------------------------------------
+
+
+def test_output_loads_in_transformers_with_bnb_logits(tmp_out: Path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    assert main([str(ORIG), "--to", "nf4", "-o", str(tmp_out), "-q"]) == 0
+    ref = load_all(MODELS / "llama_nf4_dq/reference/logits.safetensors")
+    ids = torch.from_numpy(ref["input_ids"].astype(np.int64))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_out))
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    with torch.no_grad():
+        logits = model(ids).logits.float().numpy()
+    assert np.array_equal(logits, ref["logits_quantized"].astype(np.float32))
+
+
+def test_parity_transformers_quantizes_a_model_with_large_layers(tmp_path: Path) -> None:
+    """Optional: transformers + bitsandbytes quantize a fresh model whose MLP layers have 45056 blocks
+    (past torch's 32768-element split of the mean over threads); our files equal theirs byte for byte."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
+                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=1000,
+                                   max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "orig")
+    bnb_cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                              bnb_4bit_use_double_quant=True,
+                                              bnb_4bit_compute_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "orig", quantization_config=bnb_cfg,
+                                                              dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bnb")
+    threads = str(torch.get_num_threads())
+    assert main([str(tmp_path / "orig"), "--to", "nf4", "--torch-threads", threads, "-o", str(tmp_path / "ours"),
+                 "-q"]) == 0
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "bnb" / f).read_bytes(), f
