@@ -2,7 +2,9 @@
 
 Every case must end in a correct conversion (bit-exact with an independent reference computed
 from the mutated input) or in one of convert-bnb's own errors, with no output or temporary left
-behind and the input unchanged; anything else stops the run with hypothesis's falsifying example.
+behind and the input unchanged, and ``convert-bnb check`` must agree (clean exactly when the
+conversion succeeds, naming the rule it failed on); anything else stops the run with hypothesis's
+falsifying example.
 See tests/fuzzing.py for the mutations and the oracle.
 
     python scripts/fuzz.py --cases 20000            # a fresh random seed (printed)
@@ -60,7 +62,7 @@ def main() -> int:
     rules = sorted({r for c in OUTCOMES.values() for r in c if r != "ok"})
     print(f"fuzz: {ran} cases passed in {time.perf_counter() - t0:.1f} s (seed {seed}): {ok} correct conversions, "
           f"{ran - ok} clean errors over {len(rules)} rules ({', '.join(rules)}); no other exception, no hang, "
-          "nothing left behind, inputs unchanged")
+          "nothing left behind, inputs unchanged, `check` agreed every time")
     return 0
 
 

@@ -10,8 +10,9 @@ and for a sharded model directory, a changed index, config or shard. Every outco
 - one of our errors (:class:`~formats.errors.ConvertBnbError`) with a rule id and a one-line message,
   and then no output and no temporary exist;
 
-never another exception and never a hang (a per-case alarm turns a hang into a failure); and the
-input is never modified (hashed before and after).
+never another exception and never a hang (a per-case alarm turns a hang into a failure); the
+input is never modified (hashed before and after); and ``convert-bnb check`` agrees with the
+conversion: clean exactly when it succeeds, and naming the rule it failed on.
 
 Used by tests/test_fuzz.py (a fixed number of cases per kind in CI) and scripts/fuzz.py (as many
 as asked). Outcomes are tallied in :data:`OUTCOMES` (kind -> Counter of "ok" / rule id).
@@ -37,6 +38,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from convert.check import check_source
 from convert.pipeline import TMP_MARK
 from formats.errors import ConvertBnbError
 
@@ -510,6 +512,11 @@ def judge(kind: str, src: Path, workdir: Path) -> str:
         assert not [p for p in out.parent.iterdir() if TMP_MARK in p.name]
         check_output(src, out)
         outcome = "ok"
+    # `convert-bnb check` agrees: clean exactly when the conversion succeeds, and it names the same rule
+    report = check_source(src)
+    found = [p.rule for p in report.problems]
+    assert report.ok == (outcome == "ok"), (outcome, found)
+    assert outcome == "ok" or outcome in found, (outcome, found)
     assert tree_hash(src) == before, "the input was modified"
     OUTCOMES[kind][outcome] += 1
     return outcome
