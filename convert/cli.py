@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from formats.errors import ConvertBnbError, UsageError
+from formats.errors import ConvertBnbError, SourceNotFoundError, UsageError
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size", "resolve_source"]
 
@@ -107,13 +107,13 @@ def resolve_source(args: argparse.Namespace) -> Path:
     """A SRC that does not exist locally, through :data:`SOURCE_HOOKS` (e.g. ``org/name`` on the Hub).
 
     Raises:
-        UsageError: no hook knows SRC.
+        SourceNotFoundError: no hook knows SRC (CKPT-010).
     """
     for hook in SOURCE_HOOKS:
         found = hook(args)
         if found is not None:
             return found
-    raise UsageError("SRC does not exist", path=args.src,
+    raise SourceNotFoundError("SRC does not exist", path=args.src,
                      hint="give a .safetensors file, a model directory or a Hub repo id org/name")
 
 
@@ -219,17 +219,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"convert-bnb: error: {exc}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
-        if debug:
-            raise
-        print(f"convert-bnb: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("convert-bnb: interrupted; no output was left behind", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `convert-bnb ... --dry-run | head`
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the environment (a missing file, a full disk, no permission): not a bug
+        if debug:
+            raise
+        print(f"convert-bnb: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the one place that maps unexpected errors
         if debug:
             raise
@@ -260,7 +260,7 @@ def _load_plugins() -> None:
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
 PLUGINS: list[str] = [
     "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf",
-    "convert.requant",
+    "convert.requant", "convert.check",
 ]
 
 

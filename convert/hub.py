@@ -190,7 +190,8 @@ def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubErr
 
 
 def _is_hub_exception(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("huggingface_hub")
+    # huggingface_hub's own errors, and the HTTP client's when the network is down (httpx.ConnectError, ...)
+    return type(exc).__module__.startswith(("huggingface_hub", "httpx", "httpcore", "requests", "urllib3"))
 
 
 def _offline() -> bool:

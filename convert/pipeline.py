@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from formats.errors import DiskSpaceError, OutputExistsError, UsageError, VerificationError
+from formats.errors import DiskSpaceError, OutputExistsError, OutputInsideInputError, UsageError, VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
 
 from .plan import Plan, PlannedTensor
@@ -201,7 +201,8 @@ def run_plan(
         )
     src = plan.checkpoint.source.resolve()
     if out.resolve() == src or src in out.resolve().parents:
-        raise UsageError("output must not be the input or inside it", path=out, action="write")
+        raise OutputInsideInputError("output must not be the input or inside it", path=out, action="write",
+                                     hint="choose an output path outside the input with -o")
     out.parent.mkdir(parents=True, exist_ok=True)
     summary.removed_stale = cleanup_stale(out)
     need = plan.out_nbytes + 1024 * 1024
@@ -210,6 +211,7 @@ def run_plan(
         raise DiskSpaceError(
             "not enough free disk space for the output", path=out.parent, action="write",
             expected=f">= {need} bytes free", found=f"{free} bytes free",
+            hint="free some space or write elsewhere with -o",
         )
 
     tmp = temp_path(out)
