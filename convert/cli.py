@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from formats.errors import ConvertBnbError, SourceNotFoundError, UsageError
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of the main job, ``convert-bnb SRC --to ...``."""
     from .plan import TARGETS
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="convert-bnb",
         description="Convert a bitsandbytes 4-bit checkpoint (file or model directory) to bf16/fp16/fp32 "
         "safetensors, bit-exact with bitsandbytes, with NumPy alone, under a memory cap.",
@@ -193,21 +193,32 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line (exit 2) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line. Returns the exit code (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    _load_plugins()
-    if argv and argv[0] in SUBCOMMANDS:
-        name = argv.pop(0)
-        help_text, add_args, run = SUBCOMMANDS[name]
-        parser = argparse.ArgumentParser(prog=f"convert-bnb {name}", description=help_text)
-        add_args(parser)
-        if not any(a.dest == "debug" for a in parser._actions):
-            _add_common(parser)
-    else:
-        parser = build_parser()
-        run = _convert
-    args = parser.parse_args(argv)  # exits 2 on usage errors, as argparse does
+    try:
+        _load_plugins()
+        if argv and argv[0] in SUBCOMMANDS:
+            name = argv.pop(0)
+            help_text, add_args, run = SUBCOMMANDS[name]
+            parser: argparse.ArgumentParser = _Parser(prog=f"convert-bnb {name}", description=help_text)
+            add_args(parser)
+            if not any(a.dest == "debug" for a in parser._actions):
+                _add_common(parser)
+        else:
+            parser = build_parser()
+            run = _convert
+        args = parser.parse_args(argv)  # usage errors: exit 2 with one line
+    except KeyboardInterrupt:
+        print("convert-bnb: interrupted", file=sys.stderr)
+        return 130
     debug = getattr(args, "debug", False)
     old = None
     if threading_main():

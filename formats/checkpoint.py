@@ -384,7 +384,7 @@ def _open_index(
             elif wmap.get(name) != shard:
                 report(UnindexedTensorError(
                     "shard holds a tensor the index does not map to it", path=shard_path,
-                    tensor=name, expected=shard, found=wmap.get(name),
+                    tensor=name, expected=shard, found=wmap.get(name) or "not in the index",
                 ))
             seen.setdefault(name, shard)
     tensors: dict[str, TensorRecord] = {}

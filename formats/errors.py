@@ -79,6 +79,7 @@ __all__ = [
     "NotTorchCheckpointError",
     "OrphanComponentError",
     "OutputExistsError",
+    "OutputKindError",
     "OutputInsideInputError",
     "PackedSizeError",
     "PickleTooLargeError",
@@ -183,8 +184,12 @@ class ConvertBnbError(Exception):
         if self.tensor is not None:
             parts.append(f"tensor {self.tensor!r}" if _odd(self.tensor) else f"tensor '{self.tensor}'")
         body = f"{self.rule} {self.reason}" if self.rule else self.reason
-        if self.expected is not None or self.found is not None:
+        if self.expected is not None and self.found is not None:
             body += f" (expected {_show(self.expected)}, found {_show(self.found)})"
+        elif self.expected is not None:
+            body += f" (expected {_show(self.expected)})"
+        elif self.found is not None:
+            body += f" (found {_show(self.found)})"
         parts.append(body)
         text = ": ".join(parts)
         if self.hint:
@@ -292,6 +297,15 @@ class OutputInsideInputError(UsageError):
 
     default_rule = "USE-002"
     advice = "Choose an output path outside the input with -o; the input is never written to."
+
+
+class OutputKindError(UsageError):
+    """The output path names the wrong kind of thing: a model directory converts to a directory (not
+    ``*.safetensors``), and ``--overwrite`` never replaces a file with a directory or the reverse."""
+
+    default_rule = "USE-003"
+    advice = ("A model directory gives a directory and a single file gives a file: pick -o accordingly, "
+              "or remove the existing path yourself.")
 
 
 class UnsupportedError(ConvertBnbError, ValueError):

@@ -308,6 +308,15 @@ def _existing_output(src: Path, out: Path) -> None:
         out.unlink()
 
 
+def _overwrite_other_kind(src: Path, out: Path) -> None:
+    existing = write(out.with_name("existing"), b"a file, not a model directory")
+    try:
+        convert(src, existing, overwrite=True)
+    finally:
+        assert existing.read_bytes() == b"a file, not a model directory"  # refused before touching it
+        existing.unlink()
+
+
 def _inside_input(src: Path, out: Path) -> None:
     convert(src, src / "converted")
 
@@ -699,7 +708,8 @@ CASES: list[Case] = [
     Case("config-not-object", E.ConfigJsonError, ["CKPT-007", "must be a JSON object", "found 'list'"],
          lambda d: model_dir(d / "model", {"model.safetensors": layer()}, config="[1]")),
     Case("tensor-not-in-index", E.UnindexedTensorError,
-         ["CKPT-008", "tensor 'model.norm.weight'", "expected 'model-00002-of-00002.safetensors', found None"],
+         ["CKPT-008", "tensor 'model.norm.weight'",
+          "expected 'model-00002-of-00002.safetensors', found 'not in the index'"],
          _unindexed_tensor),
     Case("shard-outside-directory", E.ShardPathError, ["CKPT-009", "found '../evil.safetensors'"],
          lambda d: _two_shards(d, index=_full_index({"model.norm.weight": "../evil.safetensors"}))),
@@ -846,6 +856,12 @@ CASES: list[Case] = [
     Case("output-inside-input", E.OutputInsideInputError, ["USE-002", "converted'", "inside it"],
          lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_inside_input,
          argv=["{src}", "-o", "{src}/converted"]),
+    Case("output-dir-named-safetensors", E.OutputKindError, ["USE-003", "out.safetensors'", "directory"],
+         lambda d: model_dir(d / "model", {"model.safetensors": V}),
+         run=lambda src, out: convert(src, out.with_name("out.safetensors")),
+         argv=["{src}", "-o", "{out}.safetensors", "-q"], same_message=False),
+    Case("overwrite-file-with-directory", E.OutputKindError, ["USE-003", "expected 'a directory', found 'a file'"],
+         lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_overwrite_other_kind, argv=None),
     # ---- batch JOBS files (convert-bnb batch)
     Case("batch-bad-json", E.BatchFileError, ["BATCH-001", "jobs.json'", "not valid JSON"],
          batch('[{"src": ', "jobs.json"), run=run_batch, argv=BATCH_ARGV),
