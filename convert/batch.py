@@ -277,6 +277,9 @@ def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> li
             raise UsageError(f"{job.where}: output name '{job.name}' is also written by {seen[job.name]}",
                              path=p, rule="BATCH-004", hint="give one of them --name")
         seen[job.name] = job.where
+    if not jobs:
+        raise UsageError("the JOBS file lists no jobs", path=p, rule="BATCH-001",
+                         expected="one job per line, or a non-empty list", found="none")
     return jobs
 
 

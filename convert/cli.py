@@ -155,6 +155,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
+    if args.max_shard_size < 1:
+        raise UsageError("--max-shard-size must be at least 1 byte", found=args.max_shard_size)
     for check in CHECK_HOOKS:
         check(args)
     src = Path(args.src)
@@ -169,13 +171,14 @@ def _convert(args: argparse.Namespace) -> int:
             plan = make_plan(ckpt, args.to, max_shard_size=args.max_shard_size)
             for hook in PLAN_HOOKS:
                 plan = hook(args, plan)
-            if args.dry_run:
-                if args.json:
-                    print(json.dumps(plan.to_dict(), indent=2))
-                else:
-                    print(plan.describe())
-                return 0
             out = args.output or default_output(src, args.to)
+            if args.dry_run:
+                exists = " (exists: --overwrite needed)" if out.exists() else ""
+                if args.json:
+                    print(json.dumps({**plan.to_dict(), "output": str(out), "output_exists": out.exists()}, indent=2))
+                else:
+                    print(f"{plan.describe()}\n  output: {out}{exists}")
+                return 0
             summary = run_plan(
                 plan, out, threads=args.threads, max_memory=args.max_memory, overwrite=args.overwrite,
                 progress=not args.quiet and not args.json and sys.stderr.isatty(), verify=args.verify,

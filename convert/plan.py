@@ -258,7 +258,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``--dry-run --json``)."""
-        names = self.shard_names()
+        names = self.shard_names() if self.checkpoint.is_dir else ["(the output file)"]
         return {
             "source": str(self.checkpoint.source),
             "to": self.to,
