@@ -36,6 +36,7 @@ problems it can step over (a missing shard, a stray file, a damaged tensor entry
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -140,10 +141,7 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         """Number of elements (a Python int)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def raw(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]:
         """Zero-copy ``uint8`` view of bytes [start, stop) of the tensor."""

@@ -41,6 +41,7 @@ return read-only NumPy views into one ``mmap`` of the file (``np.frombuffer``, t
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -105,10 +106,7 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         """Number of elements (a Python int)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def sniff(head: bytes) -> str | None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import mmap
 import os
 import pickle
@@ -369,10 +370,7 @@ class PickledTensor:
     @property
     def numel(self) -> int:
         """Number of elements (a Python int)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
