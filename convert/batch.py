@@ -58,7 +58,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from formats.errors import ConvertBnbError, OutputExistsError, UsageError
+from formats.errors import (
+    ConvertBnbError,
+    OutputExistsError,
+    OutputInsideInputError,
+    OutputKindError,
+    UsageError,
+)
 
 from . import __version__
 
@@ -271,6 +277,9 @@ def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> li
             raise UsageError(f"{job.where}: output name '{job.name}' is also written by {seen[job.name]}",
                              path=p, rule="BATCH-004", hint="give one of them --name")
         seen[job.name] = job.where
+    if not jobs:
+        raise UsageError("the JOBS file lists no jobs", path=p, rule="BATCH-001",
+                         expected="one job per line, or a non-empty list", found="none")
     return jobs
 
 
@@ -756,6 +765,15 @@ def run_batch(
                          expected=">= 64MiB per job", found=f"{per_memory} bytes per job",
                          hint="raise --max-memory or lower --jobs")
     per_threads = max(1, (threads or os.cpu_count() or 1) // n_jobs)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputKindError("--out-dir must be a directory", path=out_dir, action="write",
+                              expected="a directory", found="a file")
+    resolved = out_dir.resolve()
+    for job in jobs:
+        local = Path(job.src)
+        if local.exists() and (resolved == local.resolve() or local.resolve() in resolved.parents):
+            raise OutputInsideInputError("--out-dir must not be a job's input or inside it", path=out_dir,
+                                         action="write", hint=f"job {job.where} reads '{job.src}'")
     work = out_dir / STATE_DIR
     work.mkdir(parents=True, exist_ok=True)
     lock = _lock_out_dir(work)

@@ -13,9 +13,9 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from formats.errors import ConvertBnbError, UsageError
+from formats.errors import ConvertBnbError, SourceNotFoundError, UsageError
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size", "resolve_source"]
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of the main job, ``convert-bnb SRC --to ...``."""
     from .plan import TARGETS
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="convert-bnb",
         description="Convert a bitsandbytes 4-bit checkpoint (file or model directory) to bf16/fp16/fp32 "
         "safetensors, bit-exact with bitsandbytes, with NumPy alone, under a memory cap.",
@@ -107,13 +107,13 @@ def resolve_source(args: argparse.Namespace) -> Path:
     """A SRC that does not exist locally, through :data:`SOURCE_HOOKS` (e.g. ``org/name`` on the Hub).
 
     Raises:
-        UsageError: no hook knows SRC.
+        SourceNotFoundError: no hook knows SRC (CKPT-010).
     """
     for hook in SOURCE_HOOKS:
         found = hook(args)
         if found is not None:
             return found
-    raise UsageError("SRC does not exist", path=args.src,
+    raise SourceNotFoundError("SRC does not exist", path=args.src,
                      hint="give a .safetensors file, a model directory or a Hub repo id org/name")
 
 
@@ -155,6 +155,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
+    if args.max_shard_size < 1:
+        raise UsageError("--max-shard-size must be at least 1 byte", found=args.max_shard_size)
     for check in CHECK_HOOKS:
         check(args)
     src = Path(args.src)
@@ -169,13 +171,14 @@ def _convert(args: argparse.Namespace) -> int:
             plan = make_plan(ckpt, args.to, max_shard_size=args.max_shard_size)
             for hook in PLAN_HOOKS:
                 plan = hook(args, plan)
-            if args.dry_run:
-                if args.json:
-                    print(json.dumps(plan.to_dict(), indent=2))
-                else:
-                    print(plan.describe())
-                return 0
             out = args.output or default_output(src, args.to)
+            if args.dry_run:
+                exists = " (exists: --overwrite needed)" if out.exists() else ""
+                if args.json:
+                    print(json.dumps({**plan.to_dict(), "output": str(out), "output_exists": out.exists()}, indent=2))
+                else:
+                    print(f"{plan.describe()}\n  output: {out}{exists}")
+                return 0
             summary = run_plan(
                 plan, out, threads=args.threads, max_memory=args.max_memory, overwrite=args.overwrite,
                 progress=not args.quiet and not args.json and sys.stderr.isatty(), verify=args.verify,
@@ -193,21 +196,32 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line (exit 2) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line. Returns the exit code (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    _load_plugins()
-    if argv and argv[0] in SUBCOMMANDS:
-        name = argv.pop(0)
-        help_text, add_args, run = SUBCOMMANDS[name]
-        parser = argparse.ArgumentParser(prog=f"convert-bnb {name}", description=help_text)
-        add_args(parser)
-        if not any(a.dest == "debug" for a in parser._actions):
-            _add_common(parser)
-    else:
-        parser = build_parser()
-        run = _convert
-    args = parser.parse_args(argv)  # exits 2 on usage errors, as argparse does
+    try:
+        _load_plugins()
+        if argv and argv[0] in SUBCOMMANDS:
+            name = argv.pop(0)
+            help_text, add_args, run = SUBCOMMANDS[name]
+            parser: argparse.ArgumentParser = _Parser(prog=f"convert-bnb {name}", description=help_text)
+            add_args(parser)
+            if not any(a.dest == "debug" for a in parser._actions):
+                _add_common(parser)
+        else:
+            parser = build_parser()
+            run = _convert
+        args = parser.parse_args(argv)  # usage errors: exit 2 with one line
+    except KeyboardInterrupt:
+        print("convert-bnb: interrupted", file=sys.stderr)
+        return 130
     debug = getattr(args, "debug", False)
     old = None
     if threading_main():
@@ -219,17 +233,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"convert-bnb: error: {exc}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
-        if debug:
-            raise
-        print(f"convert-bnb: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("convert-bnb: interrupted; no output was left behind", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `convert-bnb ... --dry-run | head`
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the environment (a missing file, a full disk, no permission): not a bug
+        if debug:
+            raise
+        print(f"convert-bnb: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the one place that maps unexpected errors
         if debug:
             raise
@@ -260,7 +274,7 @@ def _load_plugins() -> None:
 #: Modules imported at start-up to register subcommands / targets / hooks (kept light).
 PLUGINS: list[str] = [
     "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf",
-    "convert.requant",
+    "convert.requant", "convert.check",
 ]
 
 

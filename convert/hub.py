@@ -182,15 +182,17 @@ def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubErr
         "IncompleteSnapshotError": "the cached snapshot lacks files; run once online to complete it",
         "OfflineModeIsEnabled": "unset HF_HUB_OFFLINE, or fill the cache first",
     }
+    hint = hints.get(kind, "check the network, the repo id and HF_TOKEN")
     return HubError(
         f"cannot fetch Hub repo '{repo_id}' at revision '{rev}' ({kind}: {first})",
-        hint=hints.get(kind, "check the network, the repo id and HF_TOKEN"),
+        hint=f"{hint}; no local path '{repo_id}' exists either: if you meant one, check its spelling",
         expected="a reachable repo or a filled cache", found=kind,
     )
 
 
 def _is_hub_exception(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("huggingface_hub")
+    # huggingface_hub's own errors, and the HTTP client's when the network is down (httpx.ConnectError, ...)
+    return type(exc).__module__.startswith(("huggingface_hub", "httpx", "httpcore", "requests", "urllib3"))
 
 
 def _offline() -> bool:

@@ -30,12 +30,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from formats.errors import DiskSpaceError, OutputExistsError, UsageError, VerificationError
+from formats.errors import (
+    DiskSpaceError,
+    OutputExistsError,
+    OutputInsideInputError,
+    OutputKindError,
+    UsageError,
+    VerificationError,
+)
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
 
 from .plan import Plan, PlannedTensor
 
-__all__ = ["Summary", "TMP_MARK", "chunk_elements", "cleanup_stale", "peak_rss_bytes", "run_plan", "temp_path"]
+__all__ = [
+    "Summary", "TMP_MARK", "check_output_kind", "chunk_elements", "cleanup_stale", "peak_rss_bytes", "run_plan",
+    "temp_path",
+]
 
 TMP_MARK = ".convert-bnb-tmp-"
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
@@ -137,6 +147,30 @@ def _remove(p: Path) -> None:
             pass
 
 
+def check_output_kind(out: Path, is_dir: bool, suffix: str = ".safetensors") -> None:
+    """Refuse an output path of the wrong kind before anything is written.
+
+    Args:
+        out: the output path.
+        is_dir: whether the output will be a directory (a model directory input).
+        suffix: the file suffix a single-file output has.
+
+    Raises:
+        OutputKindError: a directory output named ``*<suffix>``, or an existing path of the other kind.
+    """
+    if is_dir and out.suffix.lower() == suffix:
+        raise OutputKindError(
+            f"a model directory converts to a directory, but -o names a '{suffix}' file", path=out, action="write",
+            hint=f"give -o a directory name (without '{suffix}'), or convert one weight file instead",
+        )
+    if out.exists() and out.is_dir() != is_dir:
+        want, have = ("a directory", "a file") if is_dir else ("a file", "a directory")
+        raise OutputKindError(
+            "the output exists and is of the other kind; --overwrite never replaces one with the other",
+            path=out, action="write", expected=want, found=have,
+        )
+
+
 def chunk_elements(unit: int, max_memory: int, threads: int) -> int:
     """Elements per chunk: a multiple of ``unit`` such that all chunks in flight fit ``max_memory``.
 
@@ -195,13 +229,15 @@ def run_plan(
         raise UsageError("--max-memory is too small", expected=">= 64MiB", found=max_memory)
     out = Path(out)
     summary = Summary(output=str(out), notes=list(plan.notes))
+    check_output_kind(out, plan.checkpoint.is_dir)
     if out.exists() and not overwrite:
         raise OutputExistsError(
             "output exists", path=out, action="write", hint="pass --overwrite to replace it, or choose -o"
         )
     src = plan.checkpoint.source.resolve()
     if out.resolve() == src or src in out.resolve().parents:
-        raise UsageError("output must not be the input or inside it", path=out, action="write")
+        raise OutputInsideInputError("output must not be the input or inside it", path=out, action="write",
+                                     hint="choose an output path outside the input with -o")
     out.parent.mkdir(parents=True, exist_ok=True)
     summary.removed_stale = cleanup_stale(out)
     need = plan.out_nbytes + 1024 * 1024
@@ -210,6 +246,7 @@ def run_plan(
         raise DiskSpaceError(
             "not enough free disk space for the output", path=out.parent, action="write",
             expected=f">= {need} bytes free", found=f"{free} bytes free",
+            hint="free some space or write elsewhere with -o",
         )
 
     tmp = temp_path(out)

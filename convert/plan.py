@@ -25,7 +25,7 @@ import numpy.typing as npt
 from formats.bnb import Int8Layer, QuantizedLayer, group_layers
 from formats.checkpoint import Checkpoint, TensorRecord
 from formats.dtypes import BY_NAME, DType
-from formats.errors import BnbLayerError, UnsupportedError, UsageError
+from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 
 from . import kernels
 
@@ -106,7 +106,7 @@ class Dequant4Source(Source):
         """The resolved fp32 absmax, ``float32[n_blocks]`` (nested quantization undone), cached.
 
         Raises:
-            BnbLayerError: BNB-012 when a value is not finite.
+            NonFiniteAbsmaxError: BNB-012 when a value is not finite (inf or NaN).
         """
         with self._lock:
             if self._absmax is None:
@@ -131,9 +131,11 @@ class Dequant4Source(Source):
         finite = np.isfinite(absmax)
         if not finite.all():
             j = int(np.argmin(finite))
-            raise BnbLayerError(
-                "absmax must be finite", path=layer.absmax.file, tensor=layer.absmax.name, rule="BNB-012",
-                expected="finite values", found=f"{absmax[j]} at block {j}",
+            raise NonFiniteAbsmaxError(
+                "absmax must be finite", path=layer.absmax.file, tensor=layer.absmax.name,
+                expected="finite values",
+                found=f"{absmax[j]} at block {j} ({int((~finite).sum())} of {absmax.size} not finite)",
+                hint="the layer's scales are damaged; this weight cannot be recovered from the file",
             )
         return absmax
 
@@ -256,7 +258,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``--dry-run --json``)."""
-        names = self.shard_names()
+        names = self.shard_names() if self.checkpoint.is_dir else ["(the output file)"]
         return {
             "source": str(self.checkpoint.source),
             "to": self.to,
@@ -436,9 +438,9 @@ class Int8Source(Source):
             scb = np.array(self.layer.scb.array(), dtype=np.float32).reshape(-1)
             if not np.isfinite(scb).all():
                 j = int(np.argmin(np.isfinite(scb)))
-                raise BnbLayerError(
+                raise NonFiniteAbsmaxError(
                     "SCB must be finite", path=self.layer.scb.file, tensor=self.layer.scb.name,
-                    rule="BNB-012", expected="finite values", found=f"{scb[j]} at row {j}",
+                    expected="finite values", found=f"{scb[j]} at row {j}",
                 )
             self._scb = scb
         w = self.layer.weight.raw(start, stop).view(np.int8).reshape(-1, cols)

@@ -21,7 +21,8 @@ key                                             dtype / shape              conte
 The unpacked layout (``as_dict(packed=False)``) carries the JSON's fields as separate entries
 ``P.weight.quant_type``, ``P.weight.blocksize``, ... (tensors, or Python values in pickles).
 
-Validation rules, each raising :class:`~formats.errors.BnbLayerError` naming file, tensor and rule:
+Validation rules, each with its own subclass of :class:`~formats.errors.BnbLayerError` (see
+docs/errors.md), naming file, tensor and rule:
 
 =======  ==========================================================================================
 BNB-001  quant_type is "nf4" or "fp4"
@@ -41,6 +42,8 @@ BNB-014  shape is a list of positive integers
 BNB-015  an int8 layer has weight I8 [out, in] and SCB F32 [out]
 BNB-016  an int8 layer's weight_format is 0 / "row" (col32, col_turing, col_ampere are refused)
 BNB-017  a legacy QuantState (list or pickled object) has the documented layout
+BNB-018  absmax has a dtype bnb writes (F32/F16/BF16; U8 codes when nested)
+BNB-019  one QuantState per weight (packed, unpacked or legacy), whose key names the quant type of its JSON
 =======  ==========================================================================================
 
 Layouts from older or buggy bitsandbytes, all accepted (bnb-format.md section 1):
@@ -59,6 +62,7 @@ Layouts from older or buggy bitsandbytes, all accepted (bnb-format.md section 1)
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Mapping
@@ -69,7 +73,28 @@ import numpy as np
 import numpy.typing as npt
 
 from .dtypes import DType, by_numpy
-from .errors import BnbLayerError, UnsupportedError
+from .errors import (
+    AbsmaxCountError,
+    AbsmaxDtypeError,
+    BlocksizeError,
+    BnbLayerError,
+    ConflictingQuantStateError,
+    ConvertBnbError,
+    Int8LayoutError,
+    Int8WeightFormatError,
+    LegacyQuantStateError,
+    MissingComponentError,
+    NestedAbsmaxError,
+    NestedFieldsError,
+    NestedQuantMapError,
+    OrphanComponentError,
+    PackedSizeError,
+    QuantDtypeError,
+    QuantMapError,
+    QuantShapeError,
+    QuantStateJsonError,
+    QuantTypeError,
+)
 from .torch_pickle import PickledObject, TensorRef
 
 __all__ = [
@@ -132,6 +157,8 @@ DYNAMIC_MAP_SIGNED = _table(
 QUANT_TABLES: dict[str, npt.NDArray[np.float32]] = {"nf4": NF4_TABLE, "fp4": FP4_TABLE}
 #: Blocksizes bitsandbytes writes for 4-bit weights.
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: Blocksizes of the 8-bit quantization of absmax (bnb writes 256; bnb 0.39 wrote 4096).
+NESTED_BLOCKSIZES = BLOCKSIZES
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 _STATE_PREFIX = "quant_state.bitsandbytes__"
 _COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -326,8 +353,10 @@ class ConstTensor:
         """Nothing to release."""
 
 
-def _err(t: TensorLike | None, name: str, rule: str, message: str, **kw: Any) -> BnbLayerError:
-    return BnbLayerError(message, path=t.file if t is not None else None, tensor=name, rule=rule, **kw)
+def _err(
+    cls: type[BnbLayerError], t: TensorLike | None, name: str, message: str, **kw: Any
+) -> BnbLayerError:
+    return cls(message, path=t.file if t is not None else None, tensor=name, **kw)
 
 
 def _scalar(value: Any, name: str, t: TensorLike | None) -> Any:
@@ -355,7 +384,7 @@ def parse_quant_state(
     """
 
     def bad(message: str, **kw: Any) -> BnbLayerError:
-        return _err(source, weight, "BNB-009", message, **kw)
+        return _err(QuantStateJsonError, source, weight, message, **kw)
 
     for req in ("quant_type", "blocksize", "dtype", "shape"):
         if req not in fields:
@@ -365,20 +394,22 @@ def parse_quant_state(
     if not isinstance(qt, str):
         raise bad("QuantState field 'quant_type' must be a string", found=qt)
     if qt not in QUANT_TABLES:
-        raise _err(source, weight, "BNB-001", "quant_type must be nf4 or fp4", expected="'nf4' or 'fp4'", found=qt)
+        raise _err(QuantTypeError, source, weight, "quant_type must be nf4 or fp4", expected="'nf4' or 'fp4'", found=qt)
     if key_quant_type is not None and key_quant_type != qt:
-        raise bad(f"the quant_state key says '{key_quant_type}' but its JSON says '{qt}'")
+        raise _err(ConflictingQuantStateError, source, weight,
+                   "the quant_state key and its JSON name different quant types",
+                   expected=key_quant_type, found=qt)
     bs = fields["blocksize"]
     if not isinstance(bs, int) or isinstance(bs, bool):
         raise bad("QuantState field 'blocksize' must be an integer", found=bs)
     if bs not in BLOCKSIZES:
-        raise _err(source, weight, "BNB-002", "blocksize must be a power of two from 32 to 4096",
+        raise _err(BlocksizeError, source, weight, "blocksize must be a power of two from 32 to 4096",
                    expected=list(BLOCKSIZES), found=bs)
     dt = fields["dtype"]
     if isinstance(dt, str) and dt.startswith("torch."):
         dt = dt[len("torch."):]
     if not isinstance(dt, str) or dt not in _FLOAT_DTYPES:
-        raise _err(source, weight, "BNB-013", "dtype must be float16, bfloat16 or float32",
+        raise _err(QuantDtypeError, source, weight, "dtype must be float16, bfloat16 or float32",
                    expected=list(_FLOAT_DTYPES), found=fields["dtype"])
     shape = fields["shape"]
     if isinstance(shape, tuple):
@@ -388,25 +419,40 @@ def parse_quant_state(
         or not shape
         or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
     ):
-        raise _err(source, weight, "BNB-014", "shape must be a non-empty list of positive integers", found=shape)
+        raise _err(QuantShapeError, source, weight, "shape must be a non-empty list of positive integers",
+                   expected="[d0, d1, ...] with integers > 0", found=shape)
     nested_keys = [k for k in ("nested_blocksize", "nested_dtype", "nested_offset") if k in fields]
     if not nested_keys:
         return QuantState(qt, bs, dt, tuple(shape))
     if len(nested_keys) != 3:
         missing = sorted({"nested_blocksize", "nested_dtype", "nested_offset"} - set(nested_keys))
-        raise _err(source, weight, "BNB-006", "nested fields must be all present or all absent",
+        raise _err(NestedFieldsError, source, weight, "nested fields must be all present or all absent",
                    expected="nested_blocksize, nested_dtype, nested_offset", found=f"missing {missing}")
     nbs, ndt, off = fields["nested_blocksize"], fields["nested_dtype"], fields["nested_offset"]
     if not isinstance(nbs, int) or isinstance(nbs, bool) or nbs <= 0:
         raise bad("QuantState field 'nested_blocksize' must be a positive integer", found=nbs)
+    if nbs not in NESTED_BLOCKSIZES:
+        raise _err(BlocksizeError, source, weight, "nested_blocksize must be a power of two from 32 to 4096",
+                   expected=list(NESTED_BLOCKSIZES), found=nbs)
     if isinstance(ndt, str) and ndt.startswith("torch."):
         ndt = ndt[len("torch."):]
     if not isinstance(ndt, str) or ndt not in _FLOAT_DTYPES:
-        raise _err(source, weight, "BNB-013", "nested_dtype must be float16, bfloat16 or float32",
+        raise _err(QuantDtypeError, source, weight, "nested_dtype must be float16, bfloat16 or float32",
                    expected=list(_FLOAT_DTYPES), found=fields["nested_dtype"])
-    if not isinstance(off, (int, float)) or isinstance(off, bool) or not math.isfinite(off):
+    if not isinstance(off, (int, float)) or isinstance(off, bool) or not _finite(off):
         raise bad("QuantState field 'nested_offset' must be a finite number", found=off)
-    return QuantState(qt, bs, dt, tuple(shape), True, nbs, ndt, float(np.float32(off)))
+    with np.errstate(over="ignore"):
+        off32 = np.float32(off)
+    if not np.isfinite(off32):
+        raise bad("QuantState field 'nested_offset' must be a finite float32", found=off)
+    return QuantState(qt, bs, dt, tuple(shape), True, nbs, ndt, float(off32))
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False
 
 
 def _suffix_of(name: str) -> tuple[str, str] | None:
@@ -439,6 +485,7 @@ def _refs(value: Any, out: set[str]) -> set[str]:
 def group_layers(
     tensors: Mapping[str, TensorLike],
     values: Mapping[str, Any] | None = None,
+    problems: list[ConvertBnbError] | None = None,
 ) -> tuple[dict[str, QuantizedLayer | Int8Layer], list[str]]:
     """Group bitsandbytes companions with their weights by exact prefix.
 
@@ -447,19 +494,30 @@ def group_layers(
         values: non-tensor values of a torch pickle (``Checkpoint.values``): unpacked QuantState
             fields, legacy list QuantStates, int8 ``weight_format``; tensors inside them are
             :class:`~formats.torch_pickle.TensorRef` into ``tensors``.
+        problems: when given, a broken layer's error is appended to it and the layer (with its
+            components) is left out of both results, so every layer can be checked
+            (``convert-bnb check``); without, the first error is raised.
 
     Returns:
         (layers by weight name, names of the remaining plain tensors in input order).
 
     Raises:
-        BnbLayerError: any BNB-xxx rule.
-        UnsupportedError: an int8 weight_format other than row (BNB-016).
+        BnbLayerError: any BNB-xxx rule, one subclass per rule (e.g. :class:`~formats.errors.QuantMapError`;
+            BNB-016 :class:`~formats.errors.Int8WeightFormatError` is also an ``UnsupportedError``).
     """
+
+    def report(exc: ConvertBnbError) -> None:
+        if problems is None:
+            raise exc
+        problems.append(exc)
+
     values = values or {}
     inner: set[str] = set()
     for v in values.values():
         _refs(v, inner)
     by_weight: dict[str, dict[str, Any]] = {}
+    broken: set[str] = set()
+    orphans: list[tuple[str, str, TensorLike]] = []
     for name, t in tensors.items():
         if name in inner:
             continue
@@ -468,10 +526,19 @@ def group_layers(
             continue
         base, comp = split
         if base not in tensors:
-            raise _err(t, name, "BNB-010", f"QuantState component '{comp}' has no weight",
-                       expected=f"a tensor named '{base}'", found="none",
-                       hint="the checkpoint is incomplete or its names were changed")
+            orphans.append((base, comp, t))
+            broken.add(name)
+            continue
         by_weight.setdefault(base, {})[comp] = t
+    for base, comp, t in orphans:
+        # a weight of another prefix that lacks this component is the likely owner
+        owners = [w for w, comps in by_weight.items() if comp not in comps]
+        owners += [n for n in tensors if n.endswith(".weight") and n not in by_weight and _suffix_of(n) is None]
+        close = difflib.get_close_matches(base, owners, n=1, cutoff=0.6)
+        report(_err(OrphanComponentError, t, t.name, f"QuantState component '{comp}' has no weight",
+                    expected=f"a tensor named '{base}'", found="none",
+                    hint=f"it may belong to '{close[0]}' under another prefix; the names were changed"
+                    if close else "the checkpoint is incomplete or its names were changed"))
     # unpacked QuantState fields sit next to an absmax (tensors, or Python values in pickles)
     for base, comps in by_weight.items():
         if "absmax" in comps:
@@ -485,7 +552,14 @@ def group_layers(
     layers: dict[str, QuantizedLayer | Int8Layer] = {}
     consumed: set[str] = set()
     for base, comps in by_weight.items():
-        layer = _build_layer(base, tensors[base], comps)
+        try:
+            layer = _build_layer(base, tensors[base], comps)
+        except BnbLayerError as exc:
+            report(exc)
+            broken.add(base)
+            broken.update(f"{base}.{c}" for c in comps)
+            broken.update(c.name for c in comps.values() if hasattr(c, "raw"))
+            continue
         layers[base] = layer
         consumed.update(layer.components)
 
@@ -494,45 +568,56 @@ def group_layers(
             continue
         stem = name[: -len(".quant_state")]
         base = stem if stem in tensors else stem + ".weight"
-        if base not in tensors:
-            raise _err(None, name, "BNB-010", "legacy QuantState has no weight",
-                       expected=f"a tensor named '{stem}' or '{stem}.weight'", found="none")
-        if base in layers:
-            raise _err(tensors[base], base, "BNB-009", "weight has both a legacy and a current QuantState",
-                       found=name)
-        layer = _legacy_layer(base, tensors[base], name, value, tensors)
+        try:
+            if base not in tensors:
+                raise _err(OrphanComponentError, None, name, "legacy QuantState has no weight",
+                           expected=f"a tensor named '{stem}' or '{stem}.weight'", found="none")
+            if base in layers or base in broken:
+                raise _err(ConflictingQuantStateError, tensors[base], base,
+                           "weight has both a legacy and a current QuantState", expected="one", found=name)
+            layer = _legacy_layer(base, tensors[base], name, value, tensors)
+        except BnbLayerError as exc:
+            report(exc)
+            broken.add(base)
+            broken.update(_refs(value, set()))
+            continue
         layers[base] = layer
         consumed.update(layer.components)
 
     for name, t in tensors.items():
         if name.endswith(".SCB") and name not in inner:
             base = name[: -len(".SCB")] + ".weight"
-            if base not in tensors:
-                raise _err(t, name, "BNB-010", "int8 scale 'SCB' has no weight",
-                           expected=f"a tensor named '{base}'", found="none")
             fmt_name = base + "_format"
-            fmt = tensors.get(fmt_name, values.get(fmt_name))
-            layer8 = _build_int8(base, tensors[base], t, fmt)
+            try:
+                if base not in tensors:
+                    raise _err(OrphanComponentError, t, name, "int8 scale 'SCB' has no weight",
+                               expected=f"a tensor named '{base}'", found="none")
+                fmt = tensors.get(fmt_name, values.get(fmt_name))
+                layer8 = _build_int8(base, tensors[base], t, fmt)
+            except BnbLayerError as exc:
+                report(exc)
+                broken.update((base, name, fmt_name))
+                continue
             layers[base] = layer8
             consumed.update(layer8.components)
-    plain = [n for n in tensors if n not in consumed and n not in inner]
+    plain = [n for n in tensors if n not in consumed and n not in inner and n not in broken]
     return layers, plain
 
 
 def _build_int8(base: str, weight: TensorLike, scb: TensorLike, fmt: Any) -> Int8Layer:
     """Validate an LLM.int8 layer (bitsandbytes ``Linear8bitLt._save_to_state_dict``)."""
     if weight.dtype.code != "I8" or len(weight.shape) != 2:
-        raise _err(weight, base, "BNB-015", "int8 weight must be I8 [out, in]",
+        raise _err(Int8LayoutError, weight, base, "int8 weight must be I8 [out, in]",
                    expected="I8 2-D", found=f"{weight.dtype.code} {list(weight.shape)}")
     out = weight.shape[0]
     if scb.dtype.code != "F32" or tuple(scb.shape) != (out,):
-        raise _err(scb, scb.name, "BNB-015", "SCB must hold one float32 row absmax per output row",
+        raise _err(Int8LayoutError, scb, scb.name, "SCB must hold one float32 row absmax per output row",
                    expected=f"F32 [{out}]", found=f"{scb.dtype.code} {list(scb.shape)}")
     comps: tuple[str, ...] = (base, scb.name)
     if fmt is not None:
         if hasattr(fmt, "raw"):
             if fmt.numel != 1 or fmt.dtype.is_float:
-                raise _err(fmt, fmt.name, "BNB-016", "weight_format must be one integer",
+                raise _err(Int8WeightFormatError, fmt, fmt.name, "weight_format must be one integer",
                            expected="U8 []", found=f"{fmt.dtype.code} {list(fmt.shape)}")
             code: Any = fmt.array().reshape(-1)[0].item()
             comps += (fmt.name,)
@@ -540,9 +625,9 @@ def _build_int8(base: str, weight: TensorLike, scb: TensorLike, fmt: Any) -> Int
             code = fmt
         layout = INT8_FORMATS.get(code) if isinstance(code, int) and not isinstance(code, bool) else code
         if layout != "row":
-            raise UnsupportedError(
+            raise Int8WeightFormatError(
                 "only the row weight_format of int8 layers is supported", path=weight.file,
-                tensor=base + "_format", rule="BNB-016", expected="0 (row)",
+                tensor=base + "_format", expected="0 (row)",
                 found=f"{code!r} ({layout or 'unknown'})" if layout != code else repr(code),
                 hint="col32/col_turing/col_ampere are GPU tile layouts written by bitsandbytes < 0.45; "
                      "load the model with a current bitsandbytes and save it again",
@@ -566,7 +651,7 @@ def _legacy_layer(
     """
 
     def bad(message: str, **kw: Any) -> BnbLayerError:
-        return _err(weight, key, "BNB-017", message, **kw)
+        return _err(LegacyQuantStateError, weight, key, message, **kw)
 
     def tensor(v: Any, what: str) -> TensorLike:
         if not isinstance(v, TensorRef) or v.name not in tensors:
@@ -664,41 +749,44 @@ def _build_layer(
     if state is not None:
         pass
     elif len(state_keys) > 1:
-        raise _err(weight, base, "BNB-009", "more than one packed quant_state", found=sorted(state_keys))
+        raise _err(ConflictingQuantStateError, weight, base, "more than one packed quant_state",
+                   expected="one", found=sorted(state_keys))
     elif state_keys:
         st = comps[state_keys[0]]
         text = bytes(st.raw())
         try:
             obj = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _err(st, st.name, "BNB-009", f"quant_state is not valid UTF-8 JSON ({exc})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise _err(QuantStateJsonError, st, st.name, f"quant_state is not valid UTF-8 JSON ({detail})",
+                       hint="the quant_state bytes are damaged; download the checkpoint again") from None
         if not isinstance(obj, dict):
-            raise _err(st, st.name, "BNB-009", "quant_state JSON must be an object", found=type(obj).__name__)
+            raise _err(QuantStateJsonError, st, st.name, "quant_state JSON must be an object", found=type(obj).__name__)
         state = parse_quant_state(obj, base, st, key_quant_type=state_keys[0][len(_STATE_PREFIX):])
     elif "quant_type" in comps:
         fields = {f: _scalar(comps[f], f"{base}.{f}", weight) for f in _UNPACKED_FIELDS if f in comps}
         state = parse_quant_state(fields, base, weight)
     else:
-        raise _err(weight, base, "BNB-011", "4-bit weight has no QuantState",
+        raise _err(MissingComponentError, weight, base, "4-bit weight has no QuantState",
                    expected=f"'{base}.quant_state.bitsandbytes__nf4' (or __fp4, or unpacked fields)",
                    found=f"only {sorted(comps)}")
     for req in ("absmax", "quant_map"):
         if req not in comps:
-            raise _err(weight, base, "BNB-011", f"4-bit weight is missing its companion '{req}'",
+            raise _err(MissingComponentError, weight, base, f"4-bit weight is missing its companion '{req}'",
                        expected=f"a tensor named '{base}.{req}'", found="none")
     absmax, qmap = comps["absmax"], comps["quant_map"]
 
     if weight.nbytes != state.packed_nbytes:
-        raise _err(weight, base, "BNB-003",
+        raise _err(PackedSizeError, weight, base,
                    f"packed weight must hold ceil(n/2) bytes for shape {list(state.shape)}",
                    expected=state.packed_nbytes, found=weight.nbytes)
     if absmax.numel != state.n_blocks:
-        raise _err(absmax, absmax.name, "BNB-004",
+        raise _err(AbsmaxCountError, absmax, absmax.name,
                    f"absmax count must be ceil(n/blocksize) = ceil({state.numel}/{state.blocksize})",
                    expected=state.n_blocks, found=absmax.numel)
     want_absmax = ("U8",) if state.nested else ("F32", "F16", "BF16")
     if absmax.dtype.code not in want_absmax:
-        raise _err(absmax, absmax.name, "BNB-004", "absmax has the wrong dtype",
+        raise _err(AbsmaxDtypeError, absmax, absmax.name, "absmax has the wrong dtype",
                    expected=" or ".join(want_absmax), found=absmax.dtype.code)
     warnings = list(notes)
     transposed = _absmax_transposed(absmax, state)
@@ -715,12 +803,12 @@ def _build_layer(
         )
     table = QUANT_TABLES[state.quant_type]
     if qmap.dtype.code != "F32" or qmap.numel != 16:
-        raise _err(qmap, qmap.name, "BNB-005", "quant_map must be 16 float32 values",
+        raise _err(QuantMapError, qmap, qmap.name, "quant_map must be 16 float32 values",
                    expected="F32 [16]", found=f"{qmap.dtype.code} {list(qmap.shape)}")
     qvals = qmap.array().reshape(-1)
     if qvals.view(np.uint32).tolist() != table.view(np.uint32).tolist():
         other = [k for k, v in QUANT_TABLES.items() if qvals.view(np.uint32).tolist() == v.view(np.uint32).tolist()]
-        raise _err(qmap, qmap.name, "BNB-005",
+        raise _err(QuantMapError, qmap, qmap.name,
                    f"quant_map is not the {state.quant_type} table the QuantState names",
                    expected=f"the {state.quant_type} table",
                    found=f"the {other[0]} table" if other else "another table")
@@ -729,17 +817,17 @@ def _build_layer(
         n_abs, nq = comps.get("nested_absmax"), comps.get("nested_quant_map")
         if n_abs is None or nq is None:
             missing = [k for k in ("nested_absmax", "nested_quant_map") if k not in comps]
-            raise _err(weight, base, "BNB-006", "nested QuantState without its nested tensors",
+            raise _err(NestedFieldsError, weight, base, "nested QuantState without its nested tensors",
                        expected="nested_absmax and nested_quant_map", found=f"missing {missing}")
         if nq.dtype.code != "F32" or nq.numel != 256:
-            raise _err(nq, nq.name, "BNB-007", "nested_quant_map must be 256 float32 values",
+            raise _err(NestedQuantMapError, nq, nq.name, "nested_quant_map must be 256 float32 values",
                        expected="F32 [256]", found=f"{nq.dtype.code} {list(nq.shape)}")
         if n_abs.numel != state.n_nested_blocks:
-            raise _err(n_abs, n_abs.name, "BNB-008",
+            raise _err(NestedAbsmaxError, n_abs, n_abs.name,
                        "nested_absmax count must be ceil(n_absmax/nested_blocksize)",
                        expected=state.n_nested_blocks, found=n_abs.numel)
         if n_abs.dtype.code not in ("F32", "F16", "BF16"):
-            raise _err(n_abs, n_abs.name, "BNB-008", "nested_absmax has the wrong dtype",
+            raise _err(NestedAbsmaxError, n_abs, n_abs.name, "nested_absmax has the wrong dtype",
                        expected="F32", found=n_abs.dtype.code)
         if n_abs.dtype.code != "F32":
             warnings.append(
@@ -752,7 +840,7 @@ def _build_layer(
                 f"undoing double quantization is rounded to {state.nested_dtype}, as bitsandbytes does"
             )
     elif "nested_absmax" in comps or "nested_quant_map" in comps:
-        raise _err(weight, base, "BNB-006", "nested tensors present but the QuantState is not nested",
+        raise _err(NestedFieldsError, weight, base, "nested tensors present but the QuantState is not nested",
                    expected="no nested_absmax / nested_quant_map", found="present")
     components = (base,) + tuple(c.name for c in comps.values() if hasattr(c, "raw"))
     if not state_keys and "quant_type" in comps:
@@ -773,7 +861,7 @@ def _absmax_transposed(absmax: TensorLike, state: QuantState) -> bool:
             return True
         if tuple(absmax.shape) == (n, k // state.blocksize):
             return False
-    raise _err(absmax, absmax.name, "BNB-004",
+    raise _err(AbsmaxCountError, absmax, absmax.name,
                "a multi-dimensional absmax must be (K/blocksize, N) for a weight (N, K)",
                expected=(f"[{shape[1] // state.blocksize}, {shape[0]}]"
                          if len(shape) == 2 and shape[1] % state.blocksize == 0 else "a 1-D absmax"),

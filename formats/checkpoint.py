@@ -12,22 +12,31 @@ Accepted inputs:
 Non-tensor values of torch pickles (an unpacked or legacy-list QuantState) are in
 :attr:`Checkpoint.values`.
 
-Directory rules, each raising :class:`~formats.errors.CheckpointError`:
+Directory rules, each with its own subclass of :class:`~formats.errors.CheckpointError`:
 
-=======  ==========================================================================================
-CKPT-001 the index is valid JSON with a ``weight_map`` object of strings
-CKPT-002 every shard the index names exists
-CKPT-003 every tensor the index names is in the shard it names; every shard tensor is in the index
-CKPT-004 no shard-named weight file (``model-00001-of-00002.safetensors``) is left out of the index
-CKPT-005 the directory holds weights at all
-CKPT-006 a tensor name appears in only one file
-CKPT-007 config.json, when present, is a JSON object
-=======  ==========================================================================================
+========  ==========================  ==========================================================
+CKPT-001  IndexJsonError              the index is valid JSON with a ``weight_map`` object of strings
+CKPT-002  MissingShardError           every shard the index names exists
+CKPT-003  IndexTensorMissingError     every tensor the index names is in the shard it names
+CKPT-004  UnindexedShardError         no shard-named weight file (``model-00001-of-00002.safetensors``)
+                                      is left out of the index
+CKPT-005  NoWeightsError              the directory holds weights at all
+CKPT-006  ShardDuplicateTensorError   a tensor name appears in only one shard
+CKPT-007  ConfigJsonError             config.json, when present, is a JSON object
+CKPT-008  UnindexedTensorError        every tensor of a shard is mapped to that shard by the index
+CKPT-009  ShardPathError              shard names are plain file names inside the directory
+CKPT-010  SourceNotFoundError         SRC exists
+========  ==========================  ==========================================================
+
+:func:`open_checkpoint` raises the first problem; given a ``problems`` list it appends the
+problems it can step over (a missing shard, a stray file, a damaged tensor entry) and goes on, so
+``convert-bnb check`` reports them all.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -39,7 +48,20 @@ import numpy as np
 import numpy.typing as npt
 
 from .dtypes import DType
-from .errors import CheckpointError, UnsupportedError
+from .errors import (
+    ConfigJsonError,
+    ConvertBnbError,
+    IndexJsonError,
+    IndexTensorMissingError,
+    MissingShardError,
+    NoWeightsError,
+    ShardDuplicateTensorError,
+    ShardPathError,
+    SourceNotFoundError,
+    UnindexedShardError,
+    UnindexedTensorError,
+    UnsupportedError,
+)
 from .safetensors import SafetensorsReader
 from .torch_pickle import TorchPickleReader
 
@@ -119,10 +141,7 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         """Number of elements (a Python int)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def raw(self, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]:
         """Zero-copy ``uint8`` view of bytes [start, stop) of the tensor."""
@@ -183,13 +202,15 @@ class Checkpoint:
         self.close()
 
 
-def _open_file(path: Path) -> ContainerReader:
+def _open_file(path: Path, problems: list[ConvertBnbError] | None = None) -> ContainerReader:
     reader = READERS.get(path.suffix.lower())
     if reader is None:
         raise UnsupportedError(
             f"no reader for '{path.suffix}' files",
             path=path, expected=sorted(READERS), found=path.suffix or "(no suffix)",
         )
+    if problems is not None and getattr(reader, "collects_problems", False):
+        return reader(path, problems)  # type: ignore[call-arg]
     return reader(path)
 
 
@@ -201,41 +222,56 @@ def _records(reader: ContainerReader, names: list[str] | None = None) -> dict[st
     return out
 
 
-def _load_json(path: Path, rule: str, what: str) -> Any:
+def _load_json(path: Path, error: type[ConvertBnbError], what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{what} is not valid JSON ({exc})", path=path, rule=rule) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise error(f"{what} is not valid JSON ({detail})", path=path) from None
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> Checkpoint:
     """Open a weight file or a model directory.
 
     Args:
         path: a weight file, or a directory with ``model.safetensors`` or an index and shards.
+        problems: when given, problems that can be stepped over are appended to it instead of
+            raised (the file or tensor concerned is left out) -- see ``convert-bnb check``.
 
     Returns:
         a :class:`Checkpoint`; close it (or use ``with``) when done.
 
     Raises:
-        CheckpointError: a CKPT-xxx rule.
+        CheckpointError: a CKPT-xxx rule (a subclass per rule, e.g. :class:`MissingShardError`).
         SafetensorsError: a shard breaks the container format.
         UnsupportedError: a file type without a reader.
-        FileNotFoundError: the path does not exist.
+        SourceNotFoundError: the path does not exist (also a ``FileNotFoundError``).
     """
+
+    def report(exc: ConvertBnbError) -> None:
+        if problems is None:
+            raise exc
+        problems.append(exc)
+
     src = Path(path)
     if not src.exists():
-        raise FileNotFoundError(f"'{src}' does not exist")
+        raise SourceNotFoundError("SRC does not exist", path=src,
+                                  hint="give a .safetensors file or a model directory")
     if src.is_file():
-        reader = _open_file(src)
+        reader = _open_file(src, problems)
         return Checkpoint(src, False, [src], _records(reader), readers=[reader])
 
     config = None
     cfg_path = src / "config.json"
     if cfg_path.is_file():
-        config = _load_json(cfg_path, "CKPT-007", "config.json")
-        if not isinstance(config, dict):
-            raise CheckpointError("config.json must be a JSON object", path=cfg_path, rule="CKPT-007")
+        try:
+            config = _load_json(cfg_path, ConfigJsonError, "config.json")
+            if not isinstance(config, dict):
+                raise ConfigJsonError("config.json must be a JSON object", path=cfg_path,
+                                      expected="object", found=type(config).__name__)
+        except ConfigJsonError as exc:
+            config = None
+            report(exc)
     extra = sorted(
         p for p in src.iterdir()
         if p.is_file() and not p.name.endswith(".index.json") and p.suffix.lower() not in WEIGHT_SUFFIXES
@@ -247,24 +283,25 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         for index_name, suffix in INDEX_NAMES:
             index_path = src / index_name
             if index_path.is_file():
-                files, tensors = _open_index(src, index_path, suffix, readers)
+                files, tensors = _open_index(src, index_path, suffix, readers, report, problems)
                 return Checkpoint(src, True, files, tensors, config, extra, readers)
             for single in (n for n in SINGLE_NAMES if n.endswith(suffix)):
                 single_path = src / single
                 if not single_path.is_file():
                     continue
-                reader = _open_file(single_path)
+                reader = _open_file(single_path, problems)
                 readers.append(reader)
                 stray = _stray_shards(src, {single_path.name}, single_path.suffix.lower())
                 if stray:
-                    raise CheckpointError(
-                        "shard files present but no index names them", path=src, rule="CKPT-004",
+                    report(UnindexedShardError(
+                        "shard files present but no index names them", path=src,
                         expected=f"{single_path.name}.index.json", found=stray,
-                    )
+                        hint="remove the stray shards or fetch the index",
+                    ))
                 return Checkpoint(src, True, [single_path], _records(reader), config, extra, readers)
         candidates = sorted(p.name for p in src.iterdir() if p.suffix.lower() in READERS)
-        raise CheckpointError(
-            "no weights found", path=src, rule="CKPT-005",
+        raise NoWeightsError(
+            "no weights found", path=src,
             expected=" or ".join([n for n, _ in INDEX_NAMES] + SINGLE_NAMES),
             found=candidates or "no weight files",
             hint="point at the model directory or at one weight file",
@@ -283,14 +320,20 @@ def _stray_shards(root: Path, named: set[str], suffix: str) -> list[str]:
 
 
 def _open_index(
-    root: Path, index_path: Path, suffix: str, readers: list[ContainerReader]
+    root: Path,
+    index_path: Path,
+    suffix: str,
+    readers: list[ContainerReader],
+    report: Callable[[ConvertBnbError], None],
+    problems: list[ConvertBnbError] | None,
 ) -> tuple[list[Path], dict[str, TensorRecord]]:
-    index = _load_json(index_path, "CKPT-001", "the index")
+    index = _load_json(index_path, IndexJsonError, "the index")
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
-        raise CheckpointError(
+        raise IndexJsonError(
             "index must hold a 'weight_map' object mapping tensor names to shard files",
-            path=index_path, rule="CKPT-001",
+            path=index_path, expected="{tensor name: shard file}",
+            found=type(wmap).__name__ if not isinstance(wmap, dict) else "non-string entries",
         )
     shard_names: list[str] = []
     for shard in wmap.values():
@@ -298,43 +341,61 @@ def _open_index(
             shard_names.append(shard)
     stray = _stray_shards(root, set(shard_names), suffix)
     if stray:
-        raise CheckpointError(
-            "shard file is not named by the index", path=index_path, rule="CKPT-004",
+        report(UnindexedShardError(
+            "shard file is not named by the index", path=index_path,
             expected=f"only {shard_names}", found=stray,
-        )
-    tensors: dict[str, TensorRecord] = {}
+            hint="remove the stray shard or fetch the index that names it",
+        ))
+    opened: dict[str, ContainerReader] = {}
     files: list[Path] = []
+    seen: dict[str, str] = {}
     for shard in shard_names:
         shard_path = root / shard
         if os.sep in shard or (os.altsep and os.altsep in shard) or shard in ("", ".", ".."):
-            raise CheckpointError("index names a shard outside the directory", path=index_path,
-                                  rule="CKPT-002", found=shard)
+            report(ShardPathError("index names a shard outside the directory", path=index_path,
+                                  expected="a plain file name", found=shard))
+            continue
         if not shard_path.is_file():
-            raise CheckpointError(
-                "index names a shard that does not exist", path=index_path, rule="CKPT-002",
+            report(MissingShardError(
+                "index names a shard that does not exist", path=index_path,
                 expected=f"a file '{shard}'", found="none",
                 hint="the download is incomplete; fetch the missing shard",
-            )
-        reader = _open_file(shard_path)
+            ))
+            continue
+        try:
+            reader = _open_file(shard_path, problems)
+        except ConvertBnbError as exc:
+            report(exc)
+            continue
         readers.append(reader)
+        opened[shard] = reader
         files.append(shard_path)
         inner = getattr(reader, "value_tensors", set())
         for name in reader.tensors:
             if name in inner:
                 continue  # a tensor inside a non-tensor value (torch pickles); the index names the value
-            if wmap.get(name) != shard:
-                raise CheckpointError(
+            if name in seen:
+                report(ShardDuplicateTensorError(
+                    f"tensor is also in shard '{seen[name]}'", path=shard_path, tensor=name,
+                    expected="one shard", found=[seen[name], shard],
+                ))
+            elif wmap.get(name) != shard:
+                report(UnindexedTensorError(
                     "shard holds a tensor the index does not map to it", path=shard_path,
-                    tensor=name, rule="CKPT-003", expected=shard, found=wmap.get(name),
-                )
+                    tensor=name, expected=shard, found=wmap.get(name) or "not in the index",
+                ))
+            seen.setdefault(name, shard)
+    tensors: dict[str, TensorRecord] = {}
     for name, shard in wmap.items():
-        reader = readers[shard_names.index(shard)]
-        if name not in reader.tensors and name not in getattr(reader, "values", {}):
-            raise CheckpointError(
-                "index names a tensor that is not in its shard", path=reader.path, tensor=name,
-                rule="CKPT-003", expected=f"'{name}' in {shard}", found="absent",
-            )
+        opened_reader = opened.get(shard)
+        if opened_reader is None:
+            continue  # its shard was reported above
+        if name not in opened_reader.tensors and name not in getattr(opened_reader, "values", {}):
+            report(IndexTensorMissingError(
+                "index names a tensor that is not in its shard", path=opened_reader.path, tensor=name,
+                expected=f"'{name}' in {shard}", found="absent",
+            ))
     for reader in readers:
         for name, rec in _records(reader).items():
-            tensors[name] = rec
+            tensors.setdefault(name, rec)  # a duplicate (reported above) keeps its first shard
     return files, tensors

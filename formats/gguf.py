@@ -397,10 +397,7 @@ class PlannedTensor:
     @property
     def numel(self) -> int:
         """Number of elements (Python int)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -40,7 +40,8 @@ Matching rules, as PEFT applies them (``tuners_utils.check_target_module_exists`
 - scale = ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora`` (a Python double, as in
   ``LoraLayer.update_layer``).
 
-Rules, each raising :class:`~formats.errors.AdapterError` (or ``UnsupportedError`` for LORA-003):
+Rules, each with its own subclass of :class:`~formats.errors.AdapterError` (docs/errors.md; LORA-003
+is also an ``UnsupportedError``):
 
 ========  ==========================================================================================
 LORA-001  adapter_config.json exists and is a JSON object

@@ -13,21 +13,24 @@ Byte layout (https://github.com/huggingface/safetensors, "Format")::
                       little-endian
 
 Rules the reader enforces before anything is allocated (all sizes are Python ints, so no
-fixed-width overflow), each raising :class:`~formats.errors.SafetensorsError`:
+fixed-width overflow); each has its own subclass of :class:`~formats.errors.SafetensorsError`:
 
-=======  =============================================================================
-ST-001   the file holds at least 8 bytes
-ST-002   N <= file size - 8 and N <= MAX_HEADER_BYTES (100 MiB)
-ST-003   the header is UTF-8 JSON whose top level is an object of objects, names unique
-ST-004   the file is a safetensors file at all (text pointer, HTML, zip, pickle named)
-ST-005   dtype is a known safetensors code
-ST-006   shape is a list of non-negative integers
-ST-007   data_offsets is [begin, end], integers, 0 <= begin <= end
-ST-008   end - begin == prod(shape) * itemsize
-ST-009   tensors do not overlap and leave no gap; together they cover [0, data size)
-ST-010   the data area is as long as the header says (a truncated file is named as such)
-ST-011   __metadata__ is an object of strings
-=======  =============================================================================
+=======  ==========================  =======================================================
+ST-001   FileTooShortError           the file holds at least 8 bytes
+ST-002   HeaderTooLargeError         N <= file size - 8 and N <= MAX_HEADER_BYTES (100 MiB)
+ST-003   HeaderJsonError             the header is UTF-8 JSON: an object of tensor objects
+ST-004   NotSafetensorsError         the file is a safetensors file at all (Git LFS pointer,
+                                     HTML, zip, pickle and text are named)
+ST-005   UnknownDtypeError           dtype is a known safetensors code
+ST-006   TensorShapeError            shape is a list of non-negative integers
+ST-007   DataOffsetsError            data_offsets is [begin, end], integers, 0 <= begin <= end
+ST-008   ByteSpanError               end - begin == prod(shape) * itemsize
+ST-009   TensorOverlapError          no two tensors share bytes
+ST-010   TruncatedFileError          the data area is as long as the header says
+ST-011   MetadataError               __metadata__ is an object of strings
+ST-012   DataGapError                the tensors cover the data area with no gap or trailing bytes
+ST-013   DuplicateTensorError        a name appears once in the header
+=======  ==========================  =======================================================
 
 Reading never copies tensor data: :meth:`SafetensorsReader.raw` and :meth:`SafetensorsReader.array`
 return read-only NumPy views into one ``mmap`` of the file (``np.frombuffer``, the same mapping
@@ -38,6 +41,7 @@ return read-only NumPy views into one ``mmap`` of the file (``np.frombuffer``, t
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -50,7 +54,22 @@ import numpy as np
 import numpy.typing as npt
 
 from .dtypes import DType, by_code
-from .errors import SafetensorsError
+from .errors import (
+    ByteSpanError,
+    ConvertBnbError,
+    DataGapError,
+    DataOffsetsError,
+    DuplicateTensorError,
+    FileTooShortError,
+    HeaderJsonError,
+    HeaderTooLargeError,
+    MetadataError,
+    NotSafetensorsError,
+    TensorOverlapError,
+    TensorShapeError,
+    TruncatedFileError,
+    UnknownDtypeError,
+)
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -87,10 +106,7 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         """Number of elements (a Python int)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def sniff(head: bytes) -> str | None:
@@ -115,10 +131,6 @@ def sniff(head: bytes) -> str | None:
     return None
 
 
-def _fail(path: str, rule: str, message: str, **kw: Any) -> SafetensorsError:
-    return SafetensorsError(message, path=path, rule=rule, **kw)
-
-
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -133,104 +145,155 @@ class _DuplicateKey(Exception):
         self.key = key
 
 
-def _parse_header(path: str, header_bytes: bytes, data_size: int) -> tuple[dict[str, str], list[TensorInfo]]:
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_entry(path: str, name: str, entry: Any) -> tuple[int, int, DType, tuple[int, ...]]:
+    """One tensor entry's rules (ST-003, ST-005..ST-008); returns (begin, end, dtype, shape)."""
+    if not isinstance(entry, dict):
+        raise HeaderJsonError(
+            "tensor entry must be an object with dtype, shape and data_offsets",
+            path=path, tensor=name, expected="object", found=type(entry).__name__,
+        )
+    code = entry.get("dtype")
+    dt = by_code(code) if isinstance(code, str) else None
+    if dt is None:
+        raise UnknownDtypeError(
+            "unknown dtype", path=path, tensor=name,
+            expected="a safetensors dtype code such as 'BF16', 'F16', 'F32', 'U8'", found=code,
+        )
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise TensorShapeError(
+            "shape must be a list of non-negative integers", path=path, tensor=name,
+            expected="[d0, d1, ...] with integers >= 0", found=shape,
+        )
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or offsets[0] < 0
+        or offsets[1] < offsets[0]
+    ):
+        raise DataOffsetsError(
+            "data_offsets must be [begin, end] integers with 0 <= begin <= end", path=path, tensor=name,
+            expected="[begin, end]", found=offsets,
+        )
+    begin, end = offsets
+    numel = 1
+    for d in shape:
+        numel *= d  # Python ints: no overflow
+    want = numel * dt.itemsize
+    if end - begin != want:
+        raise ByteSpanError(
+            f"byte span must equal prod(shape) * itemsize for {code} {shape}", path=path, tensor=name,
+            expected=want, found=end - begin,
+        )
+    return begin, end, dt, tuple(shape)
+
+
+def _parse_header(
+    path: str, header_bytes: bytes, data_size: int, problems: list[ConvertBnbError] | None = None
+) -> tuple[dict[str, str], list[TensorInfo]]:
+    """Check the header against ST-003 and ST-005..ST-013.
+
+    With ``problems`` (a list), per-tensor and layout problems are appended to it and the tensors
+    concerned are left out, so a caller can report every problem of a file; without, the first
+    problem is raised.
+    """
+
+    def report(exc: ConvertBnbError) -> None:
+        if problems is None:
+            raise exc
+        problems.append(exc)
+
     try:
         text = header_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _fail(path, "ST-003", f"header is not valid UTF-8 (byte {exc.start})") from None
+        raise HeaderJsonError(f"header is not valid UTF-8 (byte {exc.start})", path=path) from None
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as dup:
-        raise SafetensorsError(
-            "tensor name appears twice in the header", path=path, tensor=dup.key, rule="ST-003"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise _fail(path, "ST-003", f"header is not valid JSON ({exc.msg} at char {exc.pos})") from None
+        raise DuplicateTensorError("tensor name appears twice in the header", path=path, tensor=dup.key,
+                                   expected="each name once", found="twice") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        msg = f"{exc.msg} at char {exc.pos}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise HeaderJsonError(f"header is not valid JSON ({msg})", path=path) from None
     if not isinstance(obj, dict):
-        raise _fail(path, "ST-003", "header must be a JSON object", expected="object", found=type(obj).__name__)
+        raise HeaderJsonError("header must be a JSON object", path=path, expected="object",
+                              found=type(obj).__name__)
 
     metadata: dict[str, str] = {}
-    infos: list[tuple[int, int, str, DType, tuple[int, ...]]] = []
+    infos: list[tuple[int, int, str, DType | None, tuple[int, ...]]] = []
+    unplaced = False  # a tensor whose data_offsets are unusable: gaps cannot be judged
     for name, entry in obj.items():
         if name == "__metadata__":
             if not isinstance(entry, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in entry.items()
             ):
-                raise _fail(path, "ST-011", "__metadata__ must be an object mapping strings to strings")
-            metadata = dict(entry)
+                report(MetadataError("__metadata__ must be an object mapping strings to strings", path=path,
+                                     expected="{str: str}", found=_kind(entry)))
+            else:
+                metadata = dict(entry)
             continue
-        if not isinstance(entry, dict):
-            raise SafetensorsError(
-                "tensor entry must be an object with dtype, shape and data_offsets",
-                path=path, tensor=name, rule="ST-003", found=type(entry).__name__,
-            )
-        code = entry.get("dtype")
-        dt = by_code(code) if isinstance(code, str) else None
-        if dt is None:
-            raise SafetensorsError(
-                "unknown dtype", path=path, tensor=name, rule="ST-005",
-                expected="a safetensors dtype code such as 'BF16', 'F16', 'F32', 'U8'", found=code,
-            )
-        shape = entry.get("shape")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise SafetensorsError(
-                "shape must be a list of non-negative integers",
-                path=path, tensor=name, rule="ST-006", found=shape,
-            )
-        offsets = entry.get("data_offsets")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or offsets[0] < 0
-            or offsets[1] < offsets[0]
-        ):
-            raise SafetensorsError(
-                "data_offsets must be [begin, end] with 0 <= begin <= end",
-                path=path, tensor=name, rule="ST-007", found=offsets,
-            )
-        begin, end = offsets
-        numel = 1
-        for d in shape:
-            numel *= d
-        want = numel * dt.itemsize
-        if end - begin != want:
-            raise SafetensorsError(
-                f"byte span must equal prod(shape) * itemsize for {code} {shape}",
-                path=path, tensor=name, rule="ST-008", expected=want, found=end - begin,
-            )
-        infos.append((begin, end, name, dt, tuple(shape)))
+        try:
+            begin, end, dt, shape = _check_entry(path, name, entry)
+        except ConvertBnbError as exc:
+            report(exc)
+            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                unplaced = True
+            else:  # the span is known: keep it for the layout checks, without the tensor
+                infos.append((offsets[0], offsets[1], name, None, ()))
+            continue
+        infos.append((begin, end, name, dt, shape))
 
     infos.sort(key=lambda t: (t[0], t[1]))
     cursor = 0
     prev_name: str | None = None
-    for begin, end, name, _dt, _shape in infos:
+    keep: list[tuple[int, int, str, DType | None, tuple[int, ...]]] = []
+    for item in infos:
+        begin, end, name, _dt, _shape = item
         if begin < cursor:
-            raise SafetensorsError(
-                f"data overlaps tensor '{prev_name}'", path=path, tensor=name, rule="ST-009",
+            report(TensorOverlapError(
+                f"data overlaps tensor '{prev_name}'", path=path, tensor=name,
                 expected=f"begin >= {cursor}", found=begin,
-            )
-        if begin > cursor:
-            raise SafetensorsError(
-                "gap in the data area before this tensor", path=path, tensor=name, rule="ST-009",
+            ))
+            continue
+        if begin > cursor and not unplaced:
+            report(DataGapError(
+                "gap in the data area before this tensor", path=path, tensor=name,
                 expected=f"begin == {cursor}", found=begin,
-            )
+            ))
         cursor = end
         prev_name = name
+        keep.append(item)
     if cursor > data_size:
-        raise _fail(
-            path, "ST-010", "file is truncated: the data area is shorter than the header says",
+        report(TruncatedFileError(
+            "file is truncated: the data area is shorter than the header says", path=path,
             expected=f"{cursor} data bytes", found=data_size,
             hint="the download or copy was cut short; fetch the file again",
-        )
-    if cursor < data_size:
-        raise _fail(
-            path, "ST-009", "data area has trailing bytes no tensor covers",
+        ))
+    elif cursor < data_size and not unplaced:
+        report(DataGapError(
+            "data area has trailing bytes no tensor covers", path=path,
             expected=f"{cursor} data bytes", found=data_size,
-        )
-    return metadata, [TensorInfo(name, dt, shape, begin, end - begin) for begin, end, name, dt, shape in infos]
+        ))
+    return metadata, [
+        TensorInfo(name, dt, shape, begin, end - begin)
+        for begin, end, name, dt, shape in keep
+        if dt is not None and end <= data_size
+    ]
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        bad = [k for k, v in value.items() if not isinstance(v, str)]
+        return f"non-string values for {bad[:3]}" if bad else "object"
+    return type(value).__name__
 
 
 class SafetensorsReader:
@@ -241,6 +304,9 @@ class SafetensorsReader:
 
     Args:
         path: the ``.safetensors`` file. Opened read-only; never modified.
+        problems: when given, per-tensor and layout problems (ST-005..ST-013) are appended to it
+            instead of raised, and the tensors concerned are left out of :attr:`tensors`
+            (``convert-bnb check`` reports every problem). Whole-file problems are still raised.
 
     Attributes:
         path: the file.
@@ -249,11 +315,15 @@ class SafetensorsReader:
         header_size: 8 + N, the offset of the data area.
 
     Raises:
-        SafetensorsError: any ST-xxx rule (see the module docstring).
+        SafetensorsError: any ST-xxx rule (see the module docstring); the subclass names the rule,
+            e.g. :class:`~formats.errors.TruncatedFileError` for ST-010.
         OSError: the file cannot be opened.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    #: ``formats.checkpoint`` may pass a ``problems`` list (see ``convert-bnb check``).
+    collects_problems = True
+
+    def __init__(self, path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> None:
         self.path = Path(path)
         spath = os.fspath(path)
         with open(self.path, "rb") as f:
@@ -261,34 +331,39 @@ class SafetensorsReader:
             head = f.read(8)
             if len(head) < 8:
                 what = sniff(head)
-                raise _fail(
-                    spath, "ST-001", "file is shorter than the 8-byte header length",
+                raise FileTooShortError(
+                    "file is shorter than the 8-byte header length", path=spath,
                     expected=">= 8 bytes", found=f"{size} bytes",
-                    hint=f"it looks like {what}" if what else None,
+                    hint=f"it looks like {what}" if what else "the file is empty or was cut short",
                 )
             (n,) = struct.unpack("<Q", head)
             if n > size - 8 or n > MAX_HEADER_BYTES:
                 f.seek(0)
                 what = sniff(f.read(512))
                 if what is not None:
-                    raise _fail(
-                        spath, "ST-004", f"not a safetensors file: it looks like {what}",
+                    raise NotSafetensorsError(
+                        f"not a safetensors file: it looks like {what}", path=spath,
+                        expected="an 8-byte header length and a JSON header", found=what.split(" (")[0],
                         hint="check that the file was downloaded completely (git lfs pull, or download again)",
                     )
                 limit = min(size - 8, MAX_HEADER_BYTES)
-                raise _fail(
-                    spath, "ST-002", "header length is larger than the file or the limit",
+                raise HeaderTooLargeError(
+                    "header length is larger than the file or the limit", path=spath,
                     expected=f"<= {limit}", found=n,
+                    hint="the file is damaged or cut short inside its header; download it again",
                 )
             header_bytes = f.read(n)
         self.header_size = 8 + n
         self.file_size = size
         try:
-            self.metadata, infos = _parse_header(spath, header_bytes, size - self.header_size)
-        except SafetensorsError as exc:
+            self.metadata, infos = _parse_header(spath, header_bytes, size - self.header_size, problems)
+        except HeaderJsonError:
             what = sniff(head + header_bytes[:504])
-            if exc.rule == "ST-003" and what is not None and not header_bytes.lstrip().startswith(b"{"):
-                raise _fail(spath, "ST-004", f"not a safetensors file: it looks like {what}") from None
+            if what is not None and not header_bytes.lstrip().startswith(b"{"):
+                raise NotSafetensorsError(
+                    f"not a safetensors file: it looks like {what}", path=spath,
+                    expected="an 8-byte header length and a JSON header", found=what.split(" (")[0],
+                ) from None
             raise
         self.tensors: dict[str, TensorInfo] = {
             i.name: TensorInfo(i.name, i.dtype, i.shape, i.start + self.header_size, i.nbytes) for i in infos

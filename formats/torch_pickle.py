@@ -45,7 +45,8 @@ QuantState, QuantState objects) goes to :attr:`TorchPickleReader.values`, with e
 replaced by a :class:`TensorRef` and listed in ``tensors`` under its path (``P.quant_state.0``,
 ``P.quant_state.4.1.0``, ...).
 
-Rules, each raising :class:`~formats.errors.TorchPickleError` (PT-003: ``UnsafePickleError``):
+Rules, each with its own subclass of :class:`~formats.errors.TorchPickleError` (PT-003:
+``UnsafePickleError``; see docs/errors.md):
 
 =======  ==========================================================================================
 PT-001   the file is a torch zip archive (one directory holding data.pkl) or a legacy torch pickle
@@ -65,9 +66,11 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import mmap
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -78,7 +81,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .dtypes import BY_NAME, DType
-from .errors import ConvertBnbError, TorchPickleError, UnsafePickleError
+from .errors import ConvertBnbError, TorchPickleError, UnsafePickleError, all_rules
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -93,6 +96,9 @@ __all__ = [
 
 #: Largest data.pkl accepted, in bytes (a 70B-parameter state dict's pickle is about 1 MB).
 MAX_PICKLE_BYTES = 256 * 1024 * 1024
+#: What :mod:`zipfile` raises on a damaged archive: besides BadZipFile, NotImplementedError for a
+#: "version needed" or compression method it lacks and RuntimeError for an "encrypted" flag (a flipped bit).
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError)
 #: Largest non-contiguous tensor copied into memory, in bytes; larger ones are refused (PT-007).
 MAX_COPY_BYTES = 64 * 1024 * 1024
 #: Most containers and scalars walked in the non-tensor values (a pickle can share one list many
@@ -364,10 +370,7 @@ class PickledTensor:
     @property
     def numel(self) -> int:
         """Number of elements (a Python int)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -436,7 +439,9 @@ class TorchPickleReader:
     # ----------------------------------------------------------------------------------- loading
 
     def _fail(self, rule: str, message: str, tensor: str | None = None, **kw: Any) -> TorchPickleError:
-        return TorchPickleError(message, path=self._spath, tensor=tensor, rule=rule, **kw)
+        found = all_rules().get(rule)  # one subclass per rule (formats/errors.py)
+        cls = found if found is not None and issubclass(found, TorchPickleError) else TorchPickleError
+        return cls(message, path=self._spath, tensor=tensor, rule=rule, **kw)
 
     def _unpickle(self, f: BinaryIO, storage_for: Any) -> Any:
         unpickler = _RestrictedUnpickler(f, self._spath, storage_for)
@@ -449,11 +454,13 @@ class TorchPickleReader:
         except (pickle.UnpicklingError, ValueError, TypeError, EOFError, KeyError, IndexError,
                 AttributeError, RecursionError, OverflowError, struct.error, UnicodeDecodeError) as exc:
             raise self._fail("PT-004", f"malformed pickle ({type(exc).__name__}: {exc})") from None
+        except MemoryError:  # a length field (e.g. BYTEARRAY8) far beyond the pickle's own size
+            raise self._fail("PT-004", "malformed pickle: a length field asks for more memory than exists") from None
 
     def _load_zip(self, f: BinaryIO) -> Any:
         try:
             zf = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        except _ZIP_ERRORS as exc:
             raise self._fail("PT-001", f"not a readable zip archive ({exc})",
                              hint="the download may be truncated; fetch the file again") from None
         with zf:
@@ -468,7 +475,10 @@ class TorchPickleReader:
                                  hint="save model.state_dict() with torch.save, or use safetensors")
             bo = infos.get(prefix + "byteorder")
             if bo is not None:
-                order = zf.read(bo).strip()
+                try:
+                    order = zf.read(bo).strip()
+                except _ZIP_ERRORS as exc:  # a damaged member header
+                    raise self._fail("PT-001", f"cannot read byteorder ({exc})") from None
                 if order != b"little":
                     raise self._fail("PT-008", "only little-endian checkpoints are read",
                                      expected="little", found=order.decode("ascii", "replace"))
@@ -478,7 +488,7 @@ class TorchPickleReader:
                                  expected=f"<= {MAX_PICKLE_BYTES} bytes", found=pinfo.file_size)
             try:
                 data = zf.read(pinfo)
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            except _ZIP_ERRORS as exc:
                 raise self._fail("PT-001", f"cannot read data.pkl ({exc})") from None
 
             def storage_for(pid: Any) -> _Storage:
@@ -489,6 +499,11 @@ class TorchPickleReader:
                 _, stype, key, _location, numel = pid
                 return self._storage(stype, key, numel)
 
+            try:  # opcode scan first: a damaged length field must not make the C unpickler allocate it
+                for _ in pickletools.genops(data):
+                    pass
+            except (ValueError, EOFError, struct.error, UnicodeDecodeError) as exc:
+                raise self._fail("PT-004", f"malformed pickle ({exc})") from None
             obj = self._unpickle(io.BytesIO(data), storage_for)
             for key, st in self._storages.items():
                 info = infos.get(f"{prefix}data/{key}")

@@ -163,17 +163,17 @@ def make_lora(model_dir: Path, out_dir: Path, rank: int) -> None:
     print(json.dumps({"made": str(out_dir), "rank": rank, "blocks": n_blocks, "bytes": path.stat().st_size}))
 
 
-def kernel(n_elem: int, threads: int) -> dict:
+def kernel(n_elem: int, threads: int, dtype: str = "bfloat16") -> dict:
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, n_elem // 2, dtype=np.uint8)
     absmax = rng.uniform(0.03, 0.07, n_elem // BS).astype(np.float32)
     lut = pair_lut(NF4_TABLE)
-    out = np.empty(n_elem, dtype=ml_dtypes.bfloat16)
+    out = np.empty(n_elem, dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
     chunk = 1 << 22
 
     def work(s: int) -> None:
         e = min(n_elem, s + chunk)
-        dequantize_4bit(packed[s // 2:e // 2], absmax[s // BS:e // BS], NF4_TABLE, BS, e - s, "bfloat16",
+        dequantize_4bit(packed[s // 2:e // 2], absmax[s // BS:e // BS], NF4_TABLE, BS, e - s, dtype,
                         out=out[s:e], lut=lut)
 
     best = 1e9
@@ -186,7 +186,7 @@ def kernel(n_elem: int, threads: int) -> dict:
             with ThreadPoolExecutor(threads) as ex:
                 list(ex.map(work, range(0, n_elem, chunk)))
         best = min(best, time.perf_counter() - t)
-    return {"bench": "kernel", "elements": n_elem, "threads": threads, "seconds": round(best, 4),
+    return {"bench": "kernel", "dtype": dtype, "elements": n_elem, "threads": threads, "seconds": round(best, 4),
             "gelem_per_s": round(n_elem / best / 1e9, 3)}
 
 
@@ -287,8 +287,9 @@ def main() -> None:
     if a.cmd == "make":
         make(a.packed_gb, a.dir)
     elif a.cmd == "kernel":
-        for th in (1, 2):
-            print(json.dumps(kernel(a.elements, th)))
+        for dt in ("bfloat16", "float16", "float32"):
+            for th in (1, 2):
+                print(json.dumps(kernel(a.elements, th, dt)))
     elif a.cmd == "transformers":
         hf_baseline(a.dir, a.threads)
     elif a.cmd == "make-lora":

@@ -452,3 +452,21 @@ def test_one_batch_per_out_dir(tmp_path: Path) -> None:
     assert "another convert-bnb batch is running with this --out-dir" in r.stderr
     r = _batch(jobs, out, offline_env(tmp_path))
     assert r.returncode == 0, r.stderr
+
+
+def test_out_dir_inside_a_job_input_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    import shutil
+
+    from convert.cli import main as cli_main
+
+    model = tmp_path / "model"
+    shutil.copytree(Path(__file__).parent / "fixtures/models/llama_nf4_dq", model,
+                    ignore=shutil.ignore_patterns("reference"))
+    before = sorted(p.relative_to(model) for p in model.rglob("*"))
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{model} --to bf16\n")
+    assert cli_main(["batch", str(jobs), "--out-dir", str(model / "out"), "-q"]) == 2
+    assert sorted(p.relative_to(model) for p in model.rglob("*")) == before
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli_main(["batch", str(jobs), "--out-dir", str(afile), "-q"]) == 2

@@ -1,0 +1,175 @@
+"""``convert-bnb check SRC``: validate a file or model directory, write nothing, report every problem.
+
+Conversion stops at the first broken rule; ``check`` goes on past every problem it can step over
+(a missing shard, a damaged tensor entry, a broken layer) so one run lists them all. It runs the
+same rules as a conversion -- the container (ST-xxx), the directory (CKPT-xxx) and every layer
+(BNB-xxx, including BNB-012: the absmax of every 4-bit layer is resolved and checked for inf/NaN)
+-- so a clean ``check`` means the conversion will not fail on its input.
+
+Exit code 0 when clean, 2 when a problem was found; ``--json`` prints the report as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from formats.bnb import Int8Layer, QuantizedLayer, group_layers
+from formats.checkpoint import open_checkpoint
+from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
+
+from .cli import SUBCOMMANDS
+from .plan import Dequant4Source
+
+__all__ = ["CheckReport", "check_source"]
+
+
+@dataclass
+class CheckReport:
+    """What ``check`` found.
+
+    Attributes:
+        source: the path checked.
+        problems: every problem found, in the order found.
+        files: weight files read.
+        tensors: tensors whose header entries are valid.
+        layers_4bit: 4-bit layers that passed every BNB rule.
+        layers_int8: LLM.int8 layers that passed.
+        plain: tensors that are not part of a bnb layer.
+        notes: what is unusual but accepted (e.g. a BF16 absmax written by bnb's CPU path).
+    """
+
+    source: str
+    problems: list[ConvertBnbError] = field(default_factory=list)
+    files: int = 0
+    tensors: int = 0
+    layers_4bit: int = 0
+    layers_int8: int = 0
+    plain: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready report (``--json``)."""
+        return {
+            "source": self.source,
+            "ok": self.ok,
+            "files": self.files,
+            "tensors": self.tensors,
+            "layers_4bit": self.layers_4bit,
+            "layers_int8": self.layers_int8,
+            "plain": self.plain,
+            "problems": [p.to_dict() for p in self.problems],
+            "notes": list(self.notes),
+        }
+
+    def describe(self) -> str:
+        """One line per problem, then a summary line."""
+        lines = [str(p) for p in self.problems] + [f"note: {n}" for n in self.notes]
+        counts = (f"{self.files} file{'s' * (self.files != 1)}, {self.tensors} tensors, "
+                  f"{self.layers_4bit} 4-bit layers, {self.layers_int8} int8 layers, {self.plain} plain tensors")
+        if self.ok:
+            lines.append(f"{self.source}: OK ({counts})")
+        else:
+            n = len(self.problems)
+            lines.append(f"{self.source}: {n} problem{'s' * (n != 1)} (valid: {counts})")
+        return "\n".join(lines)
+
+
+def check_source(path: str | os.PathLike[str]) -> CheckReport:
+    """Run every input rule on a file or directory and collect all problems; nothing is written.
+
+    Args:
+        path: a weight file or a model directory.
+
+    Returns:
+        the :class:`CheckReport` (``report.ok`` is True when clean).
+
+    Raises:
+        Nothing of ours: every :class:`~formats.errors.ConvertBnbError` is collected in the report.
+    """
+    report = CheckReport(os.fspath(path))
+    problems = report.problems
+    try:
+        ckpt = open_checkpoint(path, problems)
+    except ConvertBnbError as exc:
+        problems.append(exc)
+        return report
+    with ckpt:
+        report.files = len(ckpt.files)
+        report.tensors = len(ckpt.tensors)
+        try:
+            layers, plain = group_layers(ckpt.tensors, ckpt.values, problems)
+        except ConvertBnbError as exc:  # pragma: no cover - group_layers collects
+            problems.append(exc)
+            return report
+        report.plain = len(plain)
+        for layer in layers.values():
+            if isinstance(layer, QuantizedLayer):
+                try:
+                    Dequant4Source(layer).absmax()  # BNB-012, after undoing double quantization
+                except ConvertBnbError as exc:
+                    problems.append(exc)
+                    continue
+                report.layers_4bit += 1
+            elif isinstance(layer, Int8Layer):
+                scb = np.asarray(layer.scb.array(), dtype=np.float32).reshape(-1)
+                finite = np.isfinite(scb)
+                if not finite.all():  # BNB-012, as the conversion checks it
+                    j = int(np.argmin(finite))
+                    problems.append(NonFiniteAbsmaxError(
+                        "SCB must be finite", path=layer.scb.file, tensor=layer.scb.name,
+                        expected="finite values", found=f"{scb[j]} at row {j}",
+                    ))
+                    continue
+                report.layers_int8 += 1
+        seen: set[str] = set()
+        for layer in layers.values():
+            for w in getattr(layer, "warnings", ()):
+                if w not in seen:
+                    seen.add(w)
+                    report.notes.append(f"{w} (e.g. {layer.name})")
+    return report
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="a .safetensors / .bin / .pt file, a model directory or a Hub repo "
+                   "id org/name")
+    p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .cli import resolve_source
+
+    src = Path(args.src)
+    if not src.exists():
+        try:
+            src = resolve_source(args)  # a Hub repo id (fetched into the HF cache), else CKPT-010
+        except ConvertBnbError as exc:
+            report = CheckReport(str(args.src), [exc])
+            print(json.dumps(report.to_dict(), indent=2) if args.json else report.describe())
+            return 2
+    report = check_source(src)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.describe())
+    return 0 if report.ok else 2
+
+
+SUBCOMMANDS["check"] = (
+    "Validate a .safetensors file or a model directory against every rule (docs/errors.md) without "
+    "writing anything, and report every problem found. Exit 0 when clean, 2 otherwise.",
+    _add_args,
+    _run,
+)

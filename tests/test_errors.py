@@ -1,0 +1,208 @@
+"""Every rule of docs/errors.md on a hand-made malformed input: the exact class, the key parts of the
+message, exit code 2 with exactly one line on stderr, nothing left behind, the input untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from convert.check import check_source
+from convert.cli import main
+from formats import errors as E
+
+from .conftest import MODELS, SINGLE
+from .malformed import CASES, VN, Case, W, f32, layer, model_dir, one_file, st_bytes, with_state, write
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def out_for(src: Path, tmp: Path) -> Path:
+    return tmp / "outdir" / ("out" if src.is_dir() else "out.safetensors")
+
+
+def assert_nothing_left(out: Path) -> None:
+    assert not out.exists()
+    if out.parent.exists():
+        assert [p.name for p in out.parent.iterdir()] == []
+
+
+def test_every_rule_has_a_case() -> None:
+    assert sorted(E.all_rules()) == sorted({c.rule for c in CASES})
+
+
+def test_one_class_per_rule_with_builtin_parents() -> None:
+    rules = E.all_rules()
+    assert len(set(rules.values())) == len(rules)
+    families = {"ST": E.SafetensorsError, "CKPT": E.CheckpointError, "BNB": E.BnbLayerError}
+    for rule, cls in rules.items():
+        assert cls.advice, rule
+        if rule.split("-")[0] in families:
+            assert issubclass(cls, families[rule.split("-")[0]]) and issubclass(cls, ValueError), rule
+    assert issubclass(E.SourceNotFoundError, FileNotFoundError)
+    assert issubclass(E.DiskSpaceError, OSError) and issubclass(E.OutputExistsError, FileExistsError)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_malformed_input(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = case.build(tmp_path / "in")
+    out = out_for(src, tmp_path)
+    before = tree_hash(src)
+    with pytest.raises(E.ConvertBnbError) as info:
+        case.run(src, out)
+    exc = info.value
+    assert type(exc) is case.error
+    assert exc.rule == case.rule
+    message = str(exc)
+    for part in case.parts:
+        assert part in message, f"{part!r} not in {message!r}"
+    assert "\n" not in message
+    assert_nothing_left(out)
+    assert tree_hash(src) == before
+    if case.argv is None:
+        return
+    capsys.readouterr()
+    argv = [a.replace("{src}", str(src)).replace("{out}", str(out)) for a in case.argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n")
+    assert err.startswith("convert-bnb: error: ")
+    if case.same_message:
+        assert err == f"convert-bnb: error: {message}\n"
+    else:
+        assert f" {case.rule} " in err
+    assert_nothing_left(out)
+    assert tree_hash(src) == before
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    src = one_file(with_state(layer(), blocksize=48))(tmp_path)
+    with pytest.raises(E.BlocksizeError):
+        main([str(src), "-o", str(tmp_path / "o.safetensors"), "--debug"])
+
+
+def test_unexpected_exception_is_exit_1_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import convert.plan
+
+    def boom(*a: object, **k: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(convert.plan, "make_plan", boom)
+    src = one_file(layer())(tmp_path)
+    assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "internal error: RuntimeError: boom" in err and "please report it" in err
+
+
+def test_hostile_tensor_name_stays_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    name = "evil\nname\r"
+    src = write(tmp_path / "m.safetensors",
+                st_bytes({name + ".absmax": ("F32", [1], f32([1]))}))
+    assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "BNB-010" in err and "'evil\\nname\\r.absmax'" in err
+
+
+# ------------------------------------------------------------------------------------------ check
+
+
+def test_check_clean_fixtures(capsys: pytest.CaptureFixture[str]) -> None:
+    for src in [MODELS / "llama_nf4_dq", MODELS / "llama_nf4_dq_sharded", MODELS / "llama_fp4_nodq",
+                MODELS / "llama_nf4_dq_bin",
+                MODELS / "llama_int8", SINGLE / "nf4_bs32_dq_bfloat16_37x51_normal.q.safetensors"]:
+        assert main(["check", str(src)]) == 0
+        out = capsys.readouterr().out
+        assert out.strip().endswith(")") and ": OK (" in out
+    rep = check_source(MODELS / "llama_nf4_dq_sharded")
+    assert (rep.files, rep.tensors, rep.layers_4bit, rep.plain) == (4, 91, 14, 7)
+
+
+def _many_problems(root: Path) -> Path:
+    """A directory with eight problems of different kinds, in different files."""
+    a = {**with_state(layer(prefix="a.weight"), blocksize=48, prefix="a.weight"),  # BNB-002
+         **layer(prefix="b.weight", seed=2)}
+    b_abs = "b.weight.absmax"
+    a[b_abs] = ("F32", [2], f32([1.0, float("inf")]))  # BNB-012
+    c = {**layer(prefix="c.weight", nested=True), "c.weight.nested_quant_map": ("F32", [1], f32([0]))}  # BNB-007
+    c["d.weight.absmax"] = ("F32", [1], f32([1]))  # BNB-010
+    index = {"weight_map": {**{k: "model-00001-of-00003.safetensors" for k in a},
+                            **{k: "model-00002-of-00003.safetensors" for k in c},
+                            "e.weight": "model-00003-of-00003.safetensors",  # CKPT-002: shard missing
+                            "f.weight": "model-00002-of-00003.safetensors"}}  # CKPT-003
+    root = model_dir(root, {"model-00001-of-00003.safetensors": a, "model-00002-of-00003.safetensors": c},
+                     index=index, config="[]")  # CKPT-007
+    # ST-005 and ST-006 in a fourth file that the index does not name: CKPT-004 (and it is not opened)
+    write(root / "model-00004-of-00004.safetensors", b"junk")
+    return root
+
+
+def test_check_reports_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _many_problems(tmp_path / "m")
+    before = tree_hash(root)
+    rep = check_source(root)
+    rules = sorted(p.rule or "" for p in rep.problems)
+    assert rules == sorted(["CKPT-007", "CKPT-004", "CKPT-002", "CKPT-003", "BNB-002", "BNB-012", "BNB-007",
+                            "BNB-010"])
+    assert rep.layers_4bit == 0 and not rep.ok
+    assert main(["check", str(root)]) == 2
+    text = capsys.readouterr().out.splitlines()
+    assert len(text) == 9 and text[-1].startswith(f"{root}: 8 problems")
+    assert main(["check", str(root), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False
+    assert sorted(p["rule"] for p in data["problems"]) == rules
+    bnb12 = next(p for p in data["problems"] if p["rule"] == "BNB-012")
+    assert bnb12["error"] == "NonFiniteAbsmaxError" and bnb12["tensor"] == "b.weight.absmax"
+    assert bnb12["found"].startswith("inf at block 1")
+    assert tree_hash(root) == before
+    assert sorted(p.name for p in root.iterdir()) == sorted(before and [Path(k).name for k in before])
+
+
+def test_check_reports_every_bad_entry_of_one_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    header = {"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]},
+              "b": {"dtype": "F32", "shape": [-1], "data_offsets": [16, 20]},
+              "c": {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]},
+              "d": {"dtype": "F32", "shape": [2], "data_offsets": [24, 28]}}
+    from .malformed import header_bytes
+
+    src = write(tmp_path / "x.safetensors", header_bytes(header) + b"\0" * 28)
+    assert main(["check", str(src), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert [(p["rule"], p["tensor"]) for p in data["problems"]] == [("ST-005", "a"), ("ST-006", "b"),
+                                                                    ("ST-008", "d")]
+    assert data["tensors"] == 1  # 'c' is valid
+
+
+def test_check_missing_source_and_not_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(tmp_path / "nope")]) == 2
+    assert "CKPT-010" in capsys.readouterr().out
+    src = write(tmp_path / "model.safetensors", b"version https://git-lfs.github.com/spec/v1\noid x\n")
+    assert main(["check", str(src)]) == 2
+    assert "ST-004" in capsys.readouterr().out
+
+
+def test_check_nested_layer_ok(tmp_path: Path) -> None:
+    rep = check_source(one_file(VN)(tmp_path))
+    assert rep.ok and rep.layers_4bit == 1, [str(p) for p in rep.problems]
+    assert W in VN
+
+
+def test_check_int8_scb_not_finite_and_layer_notes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = "model.layers.0.mlp.up_proj"
+    bf16_absmax = layer(prefix="b.weight")
+    bf16_absmax["b.weight.absmax"] = ("BF16", [2], b"\x80\x3f\x00\x40")  # 1.0, 2.0 as bfloat16
+    src = one_file({f"{p}.weight": ("I8", [2, 2], bytes(4)), f"{p}.SCB": ("F32", [2], f32([1, float("nan")])),
+                    **bf16_absmax})(tmp_path)
+    assert main(["check", str(src), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert [(p_["rule"], p_["tensor"], p_["found"]) for p_ in data["problems"]] == [
+        ("BNB-012", f"{p}.SCB", "nan at row 1")]
+    assert data["layers_4bit"] == 1 and data["layers_int8"] == 0
+    assert len(data["notes"]) == 1 and "absmax is stored as bfloat16" in data["notes"][0]

@@ -1,0 +1,24 @@
+"""Hypothesis mutates real fixture files; every outcome is a correct conversion or one of our errors.
+
+CI runs :data:`tests.fuzzing.CI_CASES` cases (2,120 in all), derandomized so CI is reproducible;
+``python scripts/fuzz.py --cases N`` runs as many as asked with a fresh seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .fuzzing import CI_CASES, KINDS, OUTCOMES, property_test
+
+
+def test_ci_runs_at_least_2000_cases() -> None:
+    assert set(CI_CASES) == set(KINDS)
+    assert sum(CI_CASES.values()) >= 2000
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mutated_fixture(kind: str) -> None:
+    before = sum(OUTCOMES[kind].values())
+    property_test(kind, CI_CASES[kind], derandomize=True)()
+    ran = sum(OUTCOMES[kind].values()) - before
+    assert ran >= CI_CASES[kind]

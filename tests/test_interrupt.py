@@ -1,0 +1,136 @@
+"""Killing a conversion mid-write never leaves a complete-looking output; a later run removes the
+stale temporary and says so; the input is never modified.
+
+The conversion runs in a subprocess on a synthetic 4-bit layer of 8M elements (16 MiB of bf16
+output) with ``--max-memory 64MiB --threads 1``, so it is written in about 24 chunks; each chunk
+also sleeps 50 ms (a wrapper around ``Dequant4Source.produce``) so that the signal lands mid-write
+on any machine. The test waits until the temporary holds data, then signals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from convert.pipeline import TMP_MARK
+from formats.errors import TruncatedFileError
+from formats.safetensors import SafetensorsReader
+
+from .fuzzing import check_output
+from .malformed import layer, model_dir, st_bytes, write
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = (2048, 4096)
+SLOW = """
+import sys, time
+import convert.plan as plan
+_produce = plan.Dequant4Source.produce
+def slow(self, *args, **kwargs):
+    time.sleep(0.05)
+    return _produce(self, *args, **kwargs)
+plan.Dequant4Source.produce = slow
+from convert.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def big_layer() -> dict:
+    return layer(shape=SHAPE, bs=64, dtype="bfloat16")
+
+
+def make_input(kind: str, root: Path, tensors: dict) -> Path:
+    if kind == "file":
+        return write(root / "in" / "big.safetensors", st_bytes(tensors, {"format": "pt"}))
+    return model_dir(root / "in" / "model", {"model.safetensors": tensors})
+
+
+def digest(src: Path) -> dict[str, str]:
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def start(src: Path, out: Path, slow: bool = True) -> subprocess.Popen[str]:
+    argv = [str(src), "-o", str(out), "--max-memory", "64MiB", "--threads", "1"]
+    cmd = [sys.executable, "-c", SLOW, *argv] if slow else [sys.executable, "-m", "convert", *argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def temporaries(out: Path) -> list[Path]:
+    return [p for p in out.parent.iterdir() if TMP_MARK in p.name] if out.parent.exists() else []
+
+
+def data_bytes(tmp: Path) -> int:
+    files = [tmp] if tmp.is_file() else list(tmp.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
+
+
+def wait_mid_write(proc: subprocess.Popen[str], out: Path) -> Path:
+    """Wait until the temporary holds the header and at least one chunk of data."""
+    deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the conversion ended before it could be interrupted: {proc.communicate()}"
+        tmps = temporaries(out)
+        if tmps and data_bytes(tmps[0]) > 1 << 20:
+            return tmps[0]
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("the conversion never started writing")
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_sigint_remove_the_temporary(kind: str, sig: int, tmp_path: Path, big_layer: dict) -> None:
+    src = make_input(kind, tmp_path, big_layer)
+    before = digest(src)
+    out = tmp_path / "outdir" / ("out.safetensors" if kind == "file" else "out")
+    proc = start(src, out)
+    wait_mid_write(proc, out)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err == "convert-bnb: interrupted; no output was left behind\n"
+    assert not out.exists()
+    assert list(out.parent.iterdir()) == []
+    assert digest(src) == before
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_sigkill_leaves_only_a_stale_temporary_that_the_next_run_removes(
+    kind: str, tmp_path: Path, big_layer: dict
+) -> None:
+    src = make_input(kind, tmp_path, big_layer)
+    before = digest(src)
+    out = tmp_path / "outdir" / ("out.safetensors" if kind == "file" else "out")
+    proc = start(src, out)
+    tmp = wait_mid_write(proc, out)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    # nothing under the output name; only the hidden temporary, and it does not read as complete
+    assert not out.exists()
+    assert [p.name for p in out.parent.iterdir()] == [tmp.name]
+    assert tmp.name.startswith(f".{out.name}{TMP_MARK}")
+    shard = tmp if tmp.is_file() else tmp / "model.safetensors"
+    if shard.exists():
+        with pytest.raises(TruncatedFileError):
+            SafetensorsReader(shard)
+    if kind == "dir":
+        assert not (tmp / "config.json").exists()  # written only after every shard
+    assert digest(src) == before
+
+    again = start(src, out, slow=False)
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert f"removed a stale temporary left by an interrupted run: {tmp}\n" in err
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+    check_output(src if kind == "file" else src, out)
+    assert digest(src) == before
