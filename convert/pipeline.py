@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from formats.errors import (
     DiskSpaceError,
     OutputExistsError,
@@ -263,9 +265,13 @@ def run_plan(
             files = [tmp / n for n in plan.shard_names()]
         else:
             files = [tmp]
-        with ThreadPoolExecutor(max_workers=threads) as pool:
+        with ThreadPoolExecutor(max_workers=threads) as pool, ThreadPoolExecutor(max_workers=1) as syncer:
+            synced = []
             for path, shard in zip(files, plan.shards, strict=True):
                 _write_shard(plan, shard, path, pool, threads, max_memory, bar, summary)
+                synced.append(syncer.submit(_fsync, path))  # overlaps with writing the next shard
+            for fut in synced:
+                fut.result()
         if verify:
             for path, shard in zip(files, plan.shards, strict=True):
                 _verify(plan, shard, path)
@@ -309,31 +315,55 @@ def _write_shard(
     bar: Any,
     summary: Summary,
 ) -> None:
+    """Write one output file: chunks of all its tensors flow through the pool as one stream (so the
+    workers never wait for a tensor boundary), up to ``2 * threads`` in flight, written in order.
+    The file is closed without fsync; :func:`_fsync` runs in the background and is awaited before
+    verifying."""
     tensors = [plan.tensors[i] for i in shard]
     writer = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     try:
+        pending: deque[tuple[PlannedTensor, int, int, Future[Any]]] = deque()
         for t in tensors:
+            while t.source.barrier and pending:
+                _drain_one(pending, writer, bar)
             chunk = chunk_elements(t.source.unit, max_memory, threads)
-            pending: deque[tuple[int, int, Future[Any]]] = deque()
             for s, e in _ranges(t, chunk):
-                pending.append((s, e, pool.submit(t.source.produce, s, e, t.dtype)))
-                if len(pending) > threads:
-                    _drain_one(pending, writer, t, bar)
-            while pending:
-                _drain_one(pending, writer, t, bar)
-            t.source.finish()
-        writer.close()
+                pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
+                while len(pending) > 2 * threads:
+                    _drain_one(pending, writer, bar)
+            if t.numel == 0:
+                pending.append((t, 0, 0, _done(np.empty(0, dtype=t.dtype.numpy))))
+        while pending:
+            _drain_one(pending, writer, bar)
+        writer.close(fsync=False)
     except BaseException:
         writer.abort()
         raise
 
 
-def _drain_one(pending: deque[tuple[int, int, Future[Any]]], writer: SafetensorsWriter,
-               t: PlannedTensor, bar: Any) -> None:
-    s, e, fut = pending.popleft()
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _fsync(path: Path) -> None:
+    """Flush a closed file's data to disk (any descriptor of the file will do)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Future[Any]]], writer: SafetensorsWriter,
+               bar: Any) -> None:
+    t, s, e, fut = pending.popleft()
     data = fut.result()
     writer.write(data)
     t.source.release(s, e)
+    if e == t.numel:
+        t.source.finish()
     if bar is not None:
         bar.update(data.nbytes)
 

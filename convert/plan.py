@@ -62,6 +62,9 @@ class Source:
     unit: int = 1
     in_nbytes: int = 0
     kind: str = ""
+    #: True when :meth:`produce` relies on every earlier tensor of the file being written first (e.g. an
+    #: absmax tensor made from codes recorded while its weight was written): the pipeline drains first.
+    barrier: bool = False
 
     def __init__(self) -> None:
         self.stats = np.zeros(2, dtype=np.int64)

@@ -472,6 +472,8 @@ class _PackedSource(_JobSource):
 
 
 class _AbsmaxSource(_JobSource):
+    barrier = True  # nested: made from the codes recorded while the layer's weight was written
+
     def __init__(self, job: _LayerJob, name: str) -> None:
         super().__init__(job, name, job.n_blocks, max(1, job.align // job.bs),
                          "absmax (8-bit codes)" if job.settings.nested else "absmax")
