@@ -213,23 +213,22 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
            "elements": summary["elements"], "gelem_per_s": round(summary["elements"] / wall / 1e9, 3),
            "gb_per_s_written": round(out_bytes / wall / 1e9, 3), "out_bytes": out_bytes,
            "peak_rss_mib": round(max(child_rss, summary["peak_rss_bytes"]) / 2**20, 1)}
+    if do_cp:
+        # The floor: `cp` + `sync` of the output's own bytes on the same disk, one file at a time (each copy
+        # is removed before the next, so a 32 GB output needs only one shard of extra space).
+        files = sorted(out.glob("*.safetensors")) if out.is_dir() else [out]
+        cp_s = 0.0
+        for f in files:
+            copy = src_dir.parent / "cp-floor.tmp"
+            subprocess.run(["sync"], check=True)
+            t = time.perf_counter()
+            subprocess.run(["cp", str(f), str(copy)], check=True)
+            subprocess.run(["sync"], check=True)
+            cp_s += time.perf_counter() - t
+            copy.unlink()
+        res.update({"cp_sync_s": round(cp_s, 2), "ratio_to_cp": round(wall / cp_s, 2)})
     if not keep:
         shutil.rmtree(out) if out.is_dir() else out.unlink()
-    if do_cp:
-        # The floor: `cp` + `sync` of as many bytes as the output holds, on the same disk. To fit the disk,
-        # the output is removed first and the input's largest weight file is copied as often as needed.
-        big = max(src_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-        n = -(-out_bytes // big.stat().st_size)
-        copies = [src_dir.parent / f"cp-floor-{i}.tmp" for i in range(n)]
-        subprocess.run(["sync"], check=True)
-        t = time.perf_counter()
-        for c in copies:
-            subprocess.run(["cp", str(big), str(c)], check=True)
-        subprocess.run(["sync"], check=True)
-        cp_s = (time.perf_counter() - t) * out_bytes / (n * big.stat().st_size)
-        for c in copies:
-            c.unlink()
-        res.update({"cp_sync_s": round(cp_s, 2), "ratio_to_cp": round(wall / cp_s, 2)})
     print(json.dumps(res))
 
 
