@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -190,6 +189,19 @@ def kernel(n_elem: int, threads: int, dtype: str = "bfloat16") -> dict:
             "gelem_per_s": round(n_elem / best / 1e9, 3)}
 
 
+def run_measured(cmd: list[str], cwd: Path | None = None) -> tuple[int, str, str, int]:
+    """Run a command; return (exit code, stdout, stderr, that child's own peak RSS in bytes) via wait4."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=cwd)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024
+
+
 def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int | None, keep: bool,
             merge_lora: Path | None = None) -> None:
     out = src_dir.parent / f"{src_dir.name}-out-{to.replace(':', '-')}"
@@ -200,13 +212,12 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
                ["--merge-lora", str(merge_lora)] if merge_lora else [])
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    code, stdout, stderr, child_rss = run_measured(cmd, cwd=ROOT)
     wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        print(proc.stderr, file=sys.stderr)
-        raise SystemExit(proc.returncode)
-    summary = json.loads(proc.stdout)
-    child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if code != 0:
+        print(stderr, file=sys.stderr)
+        raise SystemExit(code)
+    summary = json.loads(stdout)
     out_bytes = summary["bytes_out"]
     res = {"bench": "convert" + ("+lora" if merge_lora else ""), "to": to, "max_memory": max_memory,
            "wall_s": round(wall, 2),
@@ -249,13 +260,11 @@ def hf_baseline(src_dir: Path, threads: int) -> None:
         shutil.rmtree(out)
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _HF_SCRIPT, str(src_dir), str(out), str(threads)],
-                          capture_output=True, text=True)
+    code, _stdout, stderr, rss = run_measured([sys.executable, "-c", _HF_SCRIPT, str(src_dir), str(out), str(threads)])
     wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(proc.returncode)
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if code != 0:
+        print(stderr[-3000:], file=sys.stderr)
+        raise SystemExit(code)
     out_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(json.dumps({"bench": "transformers", "wall_s": round(wall, 2), "out_bytes": out_bytes,
                       "peak_rss_mib": round(rss / 2**20, 1)}))
