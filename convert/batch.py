@@ -605,22 +605,24 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
         commit, the settings, the converter version and every file with its size and sha256.
     """
     target = {"auto": "each tensor's original dtype"}.get(job.to, job.to)
+    # a local source is named by its folder only: a pushed card must not publish this machine's paths
+    shown = job.src if job.is_repo else Path(job.src).name
     lines = ["---"]
     if job.is_repo:
         lines += [f"base_model: {job.src}"]
     lines += ["tags:", "- convert-bnb", "- bitsandbytes-dequantized", "library_name: transformers", "---", "",
               f"# {job.name}", ""]
-    src = f"[{job.src}](https://huggingface.co/{job.src})" if job.is_repo else f"`{job.src}`"
+    src = f"[{job.src}](https://huggingface.co/{job.src})" if job.is_repo else f"`{shown}`"
     lines += [f"{src} converted from its bitsandbytes quantization to {target} with "
               f"convert-bnb {__version__} (bit-exact with bitsandbytes' own dequantization).", ""]
-    lines += ["## Source", "", f"- repo: {job.src}" if job.is_repo else f"- path: {job.src}"]
+    lines += ["## Source", "", f"- repo: {job.src}" if job.is_repo else f"- path: {shown}"]
     if job.is_repo:
         lines += [f"- revision: {job.revision or 'main (default branch)'}", f"- commit: {commit}"]
     for q in quantization:
         lines.append(f"- quantization: {q}")
     lines += ["", "## Settings", "", "| setting | value |", "|---|---|", f"| --to | {job.to} |",
               f"| --max-shard-size | {job.max_shard_size} bytes |", f"| converter | convert-bnb {__version__} |", ""]
-    cmd = f"convert-bnb {job.src}" + (f" --revision {commit}" if commit else "")
+    cmd = f"convert-bnb {shown}" + (f" --revision {commit}" if commit else "")
     cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}"
     lines += ["Reproduce with:", "", "```", cmd, "```", ""]
     lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---:|---|"]

@@ -259,7 +259,8 @@ def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str
 def test_model_card_for_a_local_source() -> None:
     job = Job("/data/m", None, "fp32", 5 * 10**9, "m-fp32")
     card = model_card(job, None, {"model.safetensors": {"bytes": 10, "sha256": "ab"}})
-    assert "base_model" not in card and "- path: /data/m" in card and "| model.safetensors | 10 | ab |" in card
+    assert "base_model" not in card and "- path: m" in card and "| model.safetensors | 10 | ab |" in card
+    assert "/data" not in card  # a pushed card does not publish the local path
 
 
 # ---------------------------------------------------------------- JOBS files
