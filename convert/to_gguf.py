@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from formats.checkpoint import Checkpoint
-from formats.errors import CheckpointError, DiskSpaceError, OutputExistsError, UsageError
+from formats.errors import CheckpointError, DiskSpaceError, OutputExistsError, OutputInsideInputError, UsageError
 from formats.gguf import OUTPUT_TYPES, GGUFPlan, SourceTensor, TensorReport, parse_output_type, plan_gguf
 from formats.gguf import verify_gguf as _verify_gguf
 from formats.gguf import write_gguf as _write_gguf
@@ -194,7 +194,7 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
             hint="give a file name such as model.gguf",
         )
     if ckpt.source.resolve() in out.resolve().parents:
-        raise UsageError("output must not be inside the input", path=out, action="write")
+        raise OutputInsideInputError("output must not be the input or inside it", path=out, action="write")
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = Summary(output=str(out), notes=list(plan.notes))
     summary.removed_stale = cleanup_stale(out)
