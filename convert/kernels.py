@@ -112,7 +112,8 @@ def round_float32(x: npt.NDArray[np.float32], dtype: np.dtype | str) -> np.ndarr
     if dt == np.float32:
         return x
     if dt == BF16 or not np.isfinite(x).all():
-        return x.astype(dt)  # ml_dtypes' and NumPy's casts round to nearest even
+        with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (and counted for fp16)
+            return x.astype(dt)  # ml_dtypes' and NumPy's casts round to nearest even
     if dt != np.float16:
         raise ValueError(f"cannot round to {dt}")
     out = np.empty(x.shape, dtype=np.uint16)
@@ -228,15 +229,16 @@ def dequantize_nested_absmax(
     out = np.empty(n, dtype=np.float32)
     # in pieces of whole nested blocks: temporaries stay small whatever the layer size
     step = max(1, (1 << 16) // nested_blocksize) * nested_blocksize
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        scale = np.repeat(nested[a // nested_blocksize : -(-b // nested_blocksize)], nested_blocksize)[: b - a]
-        prod = qmap[codes[a:b]] * scale
-        if nested_dtype != "float32":
-            prod = round_float32(prod, nested_dtype).astype(np.float32)
-            out[a:b] = round_float32(prod + off, nested_dtype).astype(np.float32)
-        else:
-            np.add(prod, off, out=out[a:b])
+    with np.errstate(over="ignore", invalid="ignore"):  # IEEE inf/NaN: the caller rejects them (BNB-012)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            scale = np.repeat(nested[a // nested_blocksize : -(-b // nested_blocksize)], nested_blocksize)[: b - a]
+            prod = qmap[codes[a:b]] * scale
+            if nested_dtype != "float32":
+                prod = round_float32(prod, nested_dtype).astype(np.float32)
+                out[a:b] = round_float32(prod + off, nested_dtype).astype(np.float32)
+            else:
+                np.add(prod, off, out=out[a:b])
     return out
 
 
