@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(
         prog="convert-bnb",
-        description="Convert a bitsandbytes 4-bit checkpoint (file or model directory) to bf16/fp16/fp32 "
-        "safetensors, bit-exact with bitsandbytes, with NumPy alone, under a memory cap.",
+        description="Convert a bitsandbytes 4-bit or 8-bit checkpoint (file, model directory or Hub repo) to "
+        "bf16/fp16/fp32 safetensors bit-exact with bitsandbytes, to NF4/FP4 in bnb's own layout, or to GGUF, "
+        "optionally merging LoRA adapters, with NumPy alone, under a memory cap.",
         epilog=_EXAMPLES.format(subcommands=", ".join(sorted(SUBCOMMANDS)) or "none"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -173,10 +173,17 @@ INT8_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 class TensorLike(Protocol):
     """What a container reader hands out per tensor (see formats.checkpoint.TensorRecord)."""
 
-    name: str
-    dtype: DType
-    shape: tuple[int, ...]
-    nbytes: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> DType: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
     @property
     def file(self) -> str: ...

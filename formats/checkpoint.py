@@ -370,7 +370,7 @@ def _open_index(
         readers.append(reader)
         opened[shard] = reader
         files.append(shard_path)
-        inner = getattr(reader, "value_tensors", set())
+        inner: set[str] = getattr(reader, "value_tensors", set())
         for name in reader.tensors:
             if name in inner:
                 continue  # a tensor inside a non-tensor value (torch pickles); the index names the value

@@ -1080,7 +1080,7 @@ def _write_tensor(
     def drain() -> None:
         nonlocal max_err, sq_err, sq_ref, written
         c = pending.popleft().result()
-        fout.write(memoryview(c.data).cast("B"))
+        fout.write(np.ascontiguousarray(c.data).reshape(-1).view(np.uint8).data)
         written += c.data.nbytes
         max_err = max(max_err, c.max_err)
         sq_err += c.sq_err

@@ -499,7 +499,7 @@ class SafetensorsWriter:
     def write(self, data: np.ndarray | bytes | memoryview) -> None:
         """Append bytes of the current tensor (C-contiguous arrays are written without a copy)."""
         if isinstance(data, np.ndarray):
-            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data  # a memoryview, no copy
         buf = memoryview(data).cast("B")
         n = buf.nbytes
         while n:

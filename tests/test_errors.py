@@ -206,3 +206,28 @@ def test_check_int8_scb_not_finite_and_layer_notes(tmp_path: Path, capsys: pytes
         ("BNB-012", f"{p}.SCB", "nan at row 1")]
     assert data["layers_4bit"] == 1 and data["layers_int8"] == 0
     assert len(data["notes"]) == 1 and "absmax is stored as bfloat16" in data["notes"][0]
+
+
+def test_check_on_a_truncated_file_names_the_cause_not_its_follow_ons(tmp_path: Path) -> None:
+    whole = (Path(__file__).parent / "fixtures/models/llama_nf4_dq/model.safetensors").read_bytes()
+    src = write(tmp_path / "model.safetensors", whole[:500_000])
+    rep = check_source(src)
+    assert [p.rule for p in rep.problems] == ["ST-010"]
+    assert any("not checked" in n for n in rep.notes)
+
+
+@pytest.mark.parametrize("case_id", ["nested-absmax-inf", "truncated", "quant-map-15-values"])
+def test_cli_in_a_subprocess_prints_exactly_one_line(case_id: str, tmp_path: Path) -> None:
+    """Through the real console entry point: no warning or traceback text around the one line."""
+    import subprocess
+    import sys
+
+    case = {c.id: c for c in CASES}[case_id]
+    src = case.build(tmp_path / "in")
+    out = out_for(src, tmp_path)
+    argv = [a.replace("{src}", str(src)).replace("{out}", str(out)) for a in (case.argv or ["{src}", "-o", "{out}"])]
+    r = subprocess.run([sys.executable, "-m", "convert", *argv], capture_output=True, text=True,
+                       cwd=Path(__file__).parent.parent)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("convert-bnb: error: "), r.stderr
+    assert_nothing_left(out)
