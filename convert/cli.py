@@ -7,7 +7,9 @@ Exit codes: 0 success; 2 bad input or usage (one line on stderr naming file, ten
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import re
 import signal
 import sys
@@ -243,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the environment (a missing file, a full disk, no permission): not a bug
         if debug:
             raise
-        print(f"convert-bnb: error: {exc}".replace("\n", " "), file=sys.stderr)
+        print(f"convert-bnb: error: {_os_message(exc)}".replace("\n", " "), file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - the one place that maps unexpected errors
         if debug:
@@ -257,6 +259,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def _os_message(exc: OSError) -> str:
+    """An OS error as one line naming the path the user knows (an output, not its temporary)."""
+    if exc.strerror is None:
+        return str(exc)
+    hints = {errno.EACCES: "check the permissions", errno.EPERM: "check the permissions",
+             errno.ENOSPC: "free some disk space or write elsewhere with -o",
+             errno.EROFS: "the file system is read-only: write elsewhere with -o"}
+    hint = hints.get(exc.errno or 0)
+    text = f"{exc.strerror} (errno {exc.errno})" + (f". Hint: {hint}" if hint else "")
+    if exc.filename is None:
+        return text
+    name = Path(os.fsdecode(exc.filename))
+    from .pipeline import TMP_MARK
+
+    if TMP_MARK in name.name and name.name.startswith("."):
+        name = name.with_name(name.name[1 : name.name.index(TMP_MARK)])  # .OUT.convert-bnb-tmp-PID -> OUT
+    return f"Failed to use '{name}': {text}"
 
 
 def threading_main() -> bool:

@@ -231,3 +231,14 @@ def test_cli_in_a_subprocess_prints_exactly_one_line(case_id: str, tmp_path: Pat
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("convert-bnb: error: "), r.stderr
     assert_nothing_left(out)
+
+
+def test_os_errors_are_one_line_naming_the_users_path() -> None:
+    import errno
+
+    from convert.cli import _os_message
+
+    msg = _os_message(PermissionError(errno.EACCES, "Permission denied", "/x/ro/.out.convert-bnb-tmp-123"))
+    assert msg == "Failed to use '/x/ro/out': Permission denied (errno 13). Hint: check the permissions"
+    assert _os_message(OSError(errno.ENOSPC, "No space left on device")).startswith(
+        "No space left on device (errno 28). Hint: free some disk space")
