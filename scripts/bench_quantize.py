@@ -26,18 +26,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import SHAPES  # noqa: E402  (the same 7B-shaped layers as scripts/bench.py)
+
 from formats.dtypes import BY_CODE  # noqa: E402
 from formats.safetensors import SafetensorsWriter  # noqa: E402
 
-SHAPES = {
-    "self_attn.q_proj": (4096, 4096),
-    "self_attn.k_proj": (4096, 4096),
-    "self_attn.v_proj": (4096, 4096),
-    "self_attn.o_proj": (4096, 4096),
-    "mlp.gate_proj": (11008, 4096),
-    "mlp.up_proj": (11008, 4096),
-    "mlp.down_proj": (4096, 11008),
-}
 VOCAB = 32000
 
 
