@@ -179,8 +179,8 @@ class CastSource(Source):
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         item = self.record.dtype.itemsize
-        if dtype == self.record.dtype:
-            return np.array(self.record.raw(start * item, stop * item))
+        if dtype == self.record.dtype:  # a read-only view of the stored elements: no copy
+            return self.record.raw(start * item, stop * item).view(dtype.numpy)
         flat = self.record.raw(start * item, stop * item).view(self.record.dtype.numpy)
         x = flat.astype(np.float32)
         out = kernels.round_float32(x, dtype.name)

@@ -62,8 +62,6 @@ def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[in
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         parts = [src.produce(s, e, t.dtype) for s, e in spans]
         flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if flat.dtype != t.dtype.numpy:  # a "copy" source hands out the stored bytes
-            flat = flat.view(t.dtype.numpy)
         for s, e in spans:
             src.release(s, e)
         return flat[start - a0 : stop - a0].reshape(r1 - r0, *t.shape[1:])
