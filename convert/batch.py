@@ -503,7 +503,7 @@ def _convert_job(job: Job, src: Path, final: Path, work: Path, state: dict[str, 
     from formats.checkpoint import open_checkpoint
 
     from . import cli
-    from .pipeline import _write_directory_files, run_plan
+    from .pipeline import run_plan, write_directory_files
     from .plan import TARGETS, Plan, make_plan
 
     partial = work / f"{job.name}.partial"
@@ -552,7 +552,7 @@ def _convert_job(job: Job, src: Path, final: Path, work: Path, state: dict[str, 
         for stray in partial.iterdir():  # e.g. shards of an earlier plan or temporaries of a killed run
             if stray.name not in names:
                 _remove(stray)
-        _write_directory_files(plan, partial)
+        write_directory_files(plan, partial)
     _install(partial, final, state)
 
 

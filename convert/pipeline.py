@@ -45,8 +45,8 @@ from formats.safetensors import SafetensorsReader, SafetensorsWriter
 from .plan import Plan, PlannedTensor
 
 __all__ = [
-    "Summary", "TMP_MARK", "check_output_kind", "chunk_elements", "cleanup_stale", "peak_rss_bytes", "run_plan",
-    "temp_path",
+    "Summary", "TMP_MARK", "check_output_kind", "chunk_elements", "cleanup_stale", "peak_rss_bytes", "remove_path",
+    "run_plan", "temp_path", "write_directory_files",
 ]
 
 TMP_MARK = ".convert-bnb-tmp-"
@@ -134,12 +134,13 @@ def cleanup_stale(out: Path) -> list[str]:
             continue
         if pid != os.getpid() and _pid_alive(pid):
             continue
-        _remove(p)
+        remove_path(p)
         removed.append(str(p))
     return removed
 
 
-def _remove(p: Path) -> None:
+def remove_path(p: Path) -> None:
+    """Remove a file or a directory tree (a temporary); a missing path is fine."""
     if p.is_dir() and not p.is_symlink():
         shutil.rmtree(p, ignore_errors=True)
     else:
@@ -276,7 +277,7 @@ def run_plan(
             for path, shard in zip(files, plan.shards, strict=True):
                 _verify(plan, shard, path)
         if plan.checkpoint.is_dir:
-            _write_directory_files(plan, tmp)
+            write_directory_files(plan, tmp)
             if write_extra is not None:
                 write_extra(tmp)
         summary.bytes_out = sum(p.stat().st_size for p in files)
@@ -284,11 +285,11 @@ def run_plan(
             old = out.with_name(f".{out.name}{TMP_MARK}old-{os.getpid()}")
             os.replace(out, old)
             os.replace(tmp, out)
-            _remove(old)
+            remove_path(old)
         else:
             os.replace(tmp, out)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
     finally:
         if bar is not None:
@@ -387,7 +388,8 @@ def _verify(plan: Plan, shard: list[int], path: Path) -> None:
                 )
 
 
-def _write_directory_files(plan: Plan, tmp: Path) -> None:
+def write_directory_files(plan: Plan, tmp: Path) -> None:
+    """Write a directory output's index (when sharded), edited config.json and copied small files into ``tmp``."""
     names = plan.shard_names()
     if len(names) > 1:
         weight_map = {plan.tensors[i].name: names[k] for k, shard in enumerate(plan.shards) for i in shard}

@@ -38,6 +38,7 @@ __all__ = [
     "PlannedTensor",
     "Source",
     "make_plan",
+    "shard_tensors",
     "strip_quantization_config",
 ]
 
@@ -386,7 +387,7 @@ def make_plan(
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
     plan = Plan(checkpoint, to, tensors, notes=_layer_notes(layers))
     if checkpoint.is_dir:
-        plan.shards = _shard(tensors, max_shard_size)
+        plan.shards = shard_tensors(tensors, max_shard_size)
     else:
         plan.shards = [list(range(len(tensors)))]
     if checkpoint.config is not None:
@@ -482,7 +483,7 @@ def _int8_tensor(layer: Int8Layer, to: str, natural: DType) -> PlannedTensor:
 INT8_SOURCE: Any = _int8_source
 
 
-def _shard(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[int]]:
+def shard_tensors(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[int]]:
     """Split like transformers: start a new shard when the next tensor would pass the limit."""
     shards: list[list[int]] = [[]]
     size = 0

@@ -57,7 +57,7 @@ from formats.dtypes import BY_CODE, BY_NAME, DType
 from formats.errors import UnsupportedError, UsageError
 
 from . import cli
-from .plan import Dequant4Source, Plan, PlannedTensor, Source, _shard, make_plan
+from .plan import Dequant4Source, Plan, PlannedTensor, Source, make_plan, shard_tensors
 from .quantize import (
     NESTED_BLOCKSIZE,
     QUANT_STORAGES,
@@ -715,7 +715,7 @@ def make_quant_plan(
 
     tensors: list[PlannedTensor] = [t for g in grouped for t in g]
     if plan.checkpoint.is_dir:
-        shards = _shard(tensors, max_shard_size)
+        shards = shard_tensors(tensors, max_shard_size)
     else:
         shards = [list(range(len(tensors)))]
     for shard in shards:

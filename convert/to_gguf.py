@@ -30,7 +30,7 @@ from formats.gguf import verify_gguf as _verify_gguf
 from formats.gguf import write_gguf as _write_gguf
 
 from . import cli
-from .pipeline import Summary, _remove, chunk_elements, cleanup_stale, peak_rss_bytes, temp_path
+from .pipeline import Summary, chunk_elements, cleanup_stale, peak_rss_bytes, remove_path, temp_path
 from .plan import Plan, PlannedTensor, make_plan
 
 __all__ = ["GGUF_TARGETS", "default_gguf_output", "plan_for_gguf", "run_gguf"]
@@ -247,7 +247,7 @@ def run_gguf(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | Non
         summary.bytes_out = tmp.stat().st_size
         os.replace(tmp, out)  # with --overwrite, the rename replaces the old file atomically
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
     finally:
         if bar is not None:
