@@ -54,19 +54,23 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from formats.errors import (
     ConvertBnbError,
-    OutputExistsError,
+    ForeignFilesError,
+    JobSettingsChangedError,
     OutputInsideInputError,
     OutputKindError,
     UsageError,
+    VerificationError,
 )
 
 from . import __version__
+from .job import job_key
+from .output import recorded_shards, sha256_file
 
 if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI start-up
     import subprocess
@@ -77,7 +81,6 @@ __all__ = [
     "Job",
     "JobResult",
     "build_upload_plan",
-    "file_manifest",
     "job_key",
     "model_card",
     "parse_jobs",
@@ -123,10 +126,9 @@ class Job:
 # ---------------------------------------------------------------- JOBS file
 
 def _targets() -> list[str]:
-    from . import cli
-    from .plan import TARGETS
+    from .targets import target_names
 
-    return list(TARGETS) + list(cli.EXTRA_TARGETS)
+    return target_names()
 
 
 def _job_parser() -> argparse.ArgumentParser:
@@ -142,16 +144,11 @@ def _job_parser() -> argparse.ArgumentParser:
 
 
 def _default_name(src: str, to: str) -> str:
-    from .hub import default_repo_output, is_repo_id, parse_repo_spec
+    from .hub import is_repo_id, parse_repo_spec
+    from .output import default_output
 
     repo, _ = parse_repo_spec(src)
-    if is_repo_id(repo):
-        return default_repo_output(repo, to, Path(".")).name
-    p = Path(src)
-    suffix = "dequantized" if to == "auto" else to.replace(":", "-")
-    if p.is_file():
-        return f"{p.stem}-{suffix}" + (".gguf" if to.startswith("gguf") else ".safetensors")
-    return f"{p.name}-{suffix}"
+    return default_output(Path(src), to, repo if is_repo_id(repo) else None).name
 
 
 def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
@@ -285,20 +282,6 @@ def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> li
 
 # ---------------------------------------------------------------- state and files
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in ``chunk``-byte pieces."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
 def _matches(path: Path, rec: dict[str, Any]) -> bool:
     """Whether a file has the recorded size and sha256 (size first: cheap)."""
     try:
@@ -307,25 +290,6 @@ def _matches(path: Path, rec: dict[str, Any]) -> bool:
     except OSError:
         return False
     return sha256_file(path) == rec.get("sha256")
-
-
-def file_manifest(root: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"bytes", "sha256"}}`` of every file under ``root`` (a file: its own name).
-
-    Args:
-        root: an output directory or file.
-        known: entries already hashed (reused when the size still matches).
-    """
-    known = known or {}
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    out: dict[str, dict[str, Any]] = {}
-    for f in files:
-        rel = f.name if root.is_file() else f.relative_to(root).as_posix()
-        size = f.stat().st_size
-        rec = known.get(rel)
-        sha = rec["sha256"] if rec and rec.get("bytes") == size else sha256_file(f)
-        out[rel] = {"bytes": size, "sha256": sha}
-    return out
 
 
 def _load_state(path: Path) -> dict[str, Any]:
@@ -343,19 +307,51 @@ def _save_state(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def job_key(job: Job, source: str, commit: str | None) -> dict[str, Any]:
-    """What must be equal for finished work to be reused: source, commit, target, shard size, converter."""
-    return {"source": source, "commit": commit, "to": job.to, "max_shard_size": job.max_shard_size,
-            "converter": f"convert-bnb {__version__}"}
+def _present(root: Path) -> set[str]:
+    """Relative names of every file of an output (a file: its own name)."""
+    if root.is_file():
+        return {root.name}
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink()}
 
 
-def _remove(p: Path) -> None:
-    import shutil
+def file_manifest_matches(root: Path, files: dict[str, dict[str, Any]]) -> bool:
+    """Whether ``root`` holds exactly the recorded files with their recorded sizes and sha256."""
+    if not files or _present(root) != set(files):
+        return False
+    return all(_matches(root if root.is_file() else root / rel, rec) for rel, rec in files.items())
 
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    elif p.exists() or p.is_symlink():
-        p.unlink()
+
+def check_complete(root: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Refuse to call an output done unless it is complete: exactly the recorded files, at their
+    recorded sizes, and every shard its index names.
+
+    Raises:
+        VerificationError: a file missing, extra or of another size, or a shard of the index missing (OUT-003).
+    """
+    present = _present(root)
+    if present != set(files):
+        raise VerificationError("the installed output differs from what was written", path=root, action="verify",
+                                expected=sorted(files), found=sorted(present))
+    for rel, rec in files.items():
+        size = (root if root.is_file() else root / rel).stat().st_size
+        if size != rec["bytes"]:
+            raise VerificationError("an installed file has another size than was written", path=root / rel,
+                                    action="verify", expected=rec["bytes"], found=size)
+    if root.is_dir() and "model.safetensors.index.json" in files:
+        index = json.loads((root / "model.safetensors.index.json").read_text(encoding="utf-8"))
+        missing = sorted(set(index.get("weight_map", {}).values()) - present)
+        if missing:
+            raise VerificationError("the index names shards that are not there", path=root, action="verify",
+                                    found=missing)
+
+
+def _foreign_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
+    """Files under an existing output that the job's state does not record (the user's)."""
+    if not (root.exists() or root.is_symlink()):
+        return []
+    if root.is_symlink():
+        return [root.name]
+    return sorted(_present(root) - set(files))
 
 
 # ---------------------------------------------------------------- one job (runs in the worker process)
@@ -376,7 +372,10 @@ class JobResult:
         seconds: wall time of the job.
         peak_rss_bytes: the worker's peak resident set.
         error: the error line when failed.
+        error_class: the error's class name when failed (``OutputBusyError``, ...).
+        rule: the error's rule when failed (``OUT-004``, ...).
         pushed: the Hub repo pushed to (this run or before), or None.
+        notes: the conversion's notes.
     """
 
     name: str
@@ -390,6 +389,8 @@ class JobResult:
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     error: str | None = None
+    error_class: str | None = None
+    rule: str | None = None
     pushed: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -398,36 +399,35 @@ class JobResult:
         return asdict(self)
 
 
-def _resolve(job: Job, out: Path | None, download: bool = True) -> tuple[Path, str, str | None, Any]:
-    """(local path, source label, commit or None, HubSource or None)."""
-    if job.is_repo:
-        from .hub import resolve_repo
+def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None, overwrite: bool = False) -> Any:
+    """The :class:`~convert.job.ConvertOptions` of one job: exactly what ``convert-bnb SRC --to ...
+    -o OUT/NAME`` would use, resumable."""
+    from .job import ConvertOptions
 
-        hub = resolve_repo(job.src, job.revision, out=out, to=job.to, download=download, progress=False)
-        return hub.path, job.src, hub.commit, hub
-    if job.revision:
-        raise UsageError(f"{job.where}: a revision applies to Hub repos, but SRC is a local path", found=job.src)
-    p = Path(job.src)
-    if not p.exists():
-        raise UsageError(f"{job.where}: SRC does not exist", path=p,
-                         hint="give a local path or a Hub repo id org/name")
-    return p, str(p.resolve()), None, None
+    return ConvertOptions(src=job.src, to=job.to, output=Path(spec["out_dir"]) / job.name,
+                          revision=revision or job.revision, max_memory=spec["max_memory"], threads=spec["threads"],
+                          max_shard_size=job.max_shard_size, verify=spec.get("verify", True), overwrite=overwrite,
+                          resume_key={"batch": job.name}, manifest=True)
 
 
-def run_job(spec: dict[str, Any], pause: Callable[[int], None] | None = None) -> JobResult:
-    """Run one job of a batch (in the worker process): resolve, convert shard by shard, push.
+def run_job(spec: dict[str, Any]) -> JobResult:
+    """Run one job of a batch (in the worker process): resolve, :func:`convert.job.convert`, verify, push.
 
     Args:
         spec: the job (``job``: :class:`Job` fields) and the batch settings (``out_dir``,
-            ``max_memory`` and ``threads`` for this worker, ``verify``, ``push_to_hub``, ``private``).
-        pause: called with the number of shards written so far after each one (a test hook).
+            ``max_memory`` and ``threads`` for this worker, ``verify``, ``overwrite``, ``push_to_hub``,
+            ``private``).
 
     Returns:
         the :class:`JobResult` (also recorded in the state file).
 
     Raises:
-        ConvertBnbError: any failure of the conversion (recorded in the state file first).
+        ConvertBnbError: any failure of the job (recorded in the state file first): the conversion's
+            own errors, JobSettingsChangedError (BATCH-005), ForeignFilesError (BATCH-006).
     """
+    from .job import convert, resolve_source
+    from .pipeline import peak_rss_bytes
+
     t0 = time.perf_counter()
     job = Job(**spec["job"])
     out_dir = Path(spec["out_dir"])
@@ -438,34 +438,48 @@ def run_job(spec: dict[str, Any], pause: Callable[[int], None] | None = None) ->
     state = _load_state(state_path)
     result = JobResult(job.name, job.src, "failed", str(final))
     try:
-        src, label, commit, hub = _resolve(job, final)
+        source = resolve_source(job.src, job.revision, to=job.to, output=final)
+        commit = source.hub.commit if source.hub is not None else None
         result.commit = commit
-        key = job_key(job, label, commit)
+        options = job_options(job, spec, revision=commit)  # the commit the key names is the one converted
+        key = job_key(options, source)
+        recorded = state.get("files") or {}
         if (state.get("key") == key and state.get("status") == "done" and final.exists()
-                and file_manifest_matches(final, state.get("files", {}))):
+                and file_manifest_matches(final, recorded)):
             result.status = "skipped"
         else:
-            if state.get("key") != key:
-                if final.exists() and state.get("status") != "done":
-                    raise OutputExistsError(
-                        "output exists and is not from an earlier run of this job", path=final, action="write",
-                        hint="remove it, or give the job another --name",
-                    )
-                _remove(work / f"{job.name}.partial")
-                state = {"version": _STATE_VERSION, "key": key, "job": asdict(job), "shards": {},
-                         "status": "running"}
-            state.update(status="running", error=None)
+            overwrite = False
+            if final.exists() or final.is_symlink():
+                foreign = _foreign_files(final, recorded if state.get("status") == "done" else {})
+                if foreign:
+                    raise ForeignFilesError(
+                        "the job's output holds files this batch did not write; redoing the job would remove them",
+                        path=final, action="write", found=foreign[:5],
+                        hint="move them out of the folder, or give the job another --name")
+                if state.get("key") != key and not spec.get("overwrite"):
+                    raise JobSettingsChangedError(
+                        "the job's output was made with other settings", path=final, action="write",
+                        expected=_key_text(key), found=_key_text(state.get("key")),
+                        hint="pass --overwrite to redo it with the new settings, or give the job another --name")
+                overwrite = True
+            pushed = state.get("pushed") if state.get("key") == key else None
+            state = {"version": _STATE_VERSION, "key": key, "job": asdict(job), "status": "running"}
+            if pushed:
+                state["pushed"] = pushed
             _save_state(state_path, state)
-            _convert_job(job, src, final, work, state, state_path, spec, result, pause)
-            state["status"] = "done"
-            state["files"] = file_manifest(final, _shard_known(state))
-            if hub is not None:
-                state["source"] = {"repo": hub.repo_id, "revision": hub.revision, "commit": hub.commit}
-            _save_state(state_path, state)
+            done = convert(replace(options, overwrite=overwrite))
+            check_complete(final, done.files)
             result.status = "converted"
+            result.shards_written, result.shards_reused = done.shards_written, done.shards_reused
+            result.notes = done.notes
+            state.update(status="done", files=done.files, error=None)
+            if source.hub is not None:
+                state["source"] = {"repo": source.hub.repo_id, "revision": source.hub.revision,
+                                   "commit": source.hub.commit}
+            _save_state(state_path, state)
         result.bytes_out = sum(f["bytes"] for f in state.get("files", {}).values())
         if spec.get("push_to_hub"):
-            result.pushed = _push(job, final, state, state_path, spec, commit, _quant_summary(src))
+            result.pushed = _push(job, final, state, state_path, spec, commit, _quant_summary(source.path))
     except BaseException as exc:
         if state.get("status") != "done":  # a failed push leaves a finished conversion done
             state["status"] = "failed"
@@ -474,97 +488,17 @@ def run_job(spec: dict[str, Any], pause: Callable[[int], None] | None = None) ->
             _save_state(state_path, state)
         raise
     finally:
-        from .pipeline import peak_rss_bytes
-
         result.seconds = time.perf_counter() - t0
         result.peak_rss_bytes = peak_rss_bytes()
     return result
 
 
-def file_manifest_matches(root: Path, files: dict[str, dict[str, Any]]) -> bool:
-    """Whether ``root`` holds exactly the recorded files with their recorded sizes and sha256."""
-    if not files:
-        return False
-    present = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-    names = {p.name if root.is_file() else p.relative_to(root).as_posix() for p in present}
-    if names != set(files):
-        return False
-    return all(_matches(root if root.is_file() else root / rel, rec) for rel, rec in files.items())
-
-
-def _shard_known(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return dict(state.get("shards", {}))
-
-
-def _convert_job(job: Job, src: Path, final: Path, work: Path, state: dict[str, Any], state_path: Path,
-                 spec: dict[str, Any], result: JobResult, pause: Callable[[int], None] | None) -> None:
-    import dataclasses
-
-    from formats.checkpoint import open_checkpoint
-
-    from . import cli
-    from .pipeline import run_plan, write_directory_files
-    from .plan import TARGETS, Plan, make_plan
-
-    partial = work / f"{job.name}.partial"
-    max_memory, threads, verify = spec["max_memory"], spec["threads"], spec.get("verify", True)
-    if job.to not in TARGETS:  # a target of another module: one run, resumed per job
-        _remove(partial)
-        argv = [str(src), "--to", job.to, "-o", str(partial), "--max-memory", str(max_memory),
-                "--threads", str(threads), "--quiet", "--max-shard-size", str(job.max_shard_size)]
-        code = cli.main(argv)
-        if code != 0:
-            raise UsageError(f"the conversion to '{job.to}' failed (exit code {code}); see the log",
-                             path=src, action="convert")
-        _install(partial, final, state)
-        result.shards_written = 1
-        return
-    with open_checkpoint(src) as ckpt:
-        plan = make_plan(ckpt, job.to, max_shard_size=job.max_shard_size)
-        result.notes.extend(plan.notes)
-        if not ckpt.is_dir:  # a single file in, a single file out
-            _remove(partial)
-            run_plan(plan, partial, threads=threads, max_memory=max_memory, overwrite=True, verify=verify)
-            result.shards_written = 1
-            _install(partial, final, state)
-            return
-        partial.mkdir(parents=True, exist_ok=True)
-        single = dataclasses.replace(ckpt, is_dir=False)
-        shards: dict[str, dict[str, Any]] = state.setdefault("shards", {})
-        names = plan.shard_names()
-        for fname in list(shards):
-            if fname not in names:
-                del shards[fname]
-        for fname, shard in zip(names, plan.shards, strict=True):
-            path = partial / fname
-            rec = shards.get(fname)
-            if rec is not None and _matches(path, rec):
-                result.shards_reused += 1
-                continue
-            shards.pop(fname, None)
-            sub = Plan(single, job.to, [plan.tensors[j] for j in shard], [list(range(len(shard)))])
-            run_plan(sub, path, threads=threads, max_memory=max_memory, overwrite=True, verify=verify)
-            shards[fname] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-            _save_state(state_path, state)
-            result.shards_written += 1
-            if pause is not None:
-                pause(result.shards_written)
-        for stray in partial.iterdir():  # e.g. shards of an earlier plan or temporaries of a killed run
-            if stray.name not in names:
-                _remove(stray)
-        write_directory_files(plan, partial)
-    _install(partial, final, state)
-
-
-def _install(partial: Path, final: Path, state: dict[str, Any]) -> None:
-    """Rename the finished output into place (replacing an earlier output of this same job)."""
-    if final.exists() or final.is_symlink():
-        old = final.with_name(f".{final.name}.convert-bnb-old-{os.getpid()}")
-        os.replace(final, old)
-        os.replace(partial, final)
-        _remove(old)
-    else:
-        os.replace(partial, final)
+def _key_text(key: Any) -> str:
+    """A job key in one line for messages: the settings that differ from run to run."""
+    if not isinstance(key, dict):
+        return "no record"
+    parts = [f"{k}={key[k]}" for k in ("commit", "to", "max_shard_size", "converter") if key.get(k) is not None]
+    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------- model card and push
@@ -686,31 +620,37 @@ def _worker_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to send this worker SIGTERM when the batch process dies (``PR_SET_PDEATHSIG``), so a
+    killed batch never leaves a worker writing on; exit at once when the parent is already gone."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux: the output claim still guards
+        return
+    if os.getppid() != parent:
+        os._exit(130)
+
+
 def worker_main(argv: list[str]) -> int:
     """Entry point of a worker process: ``SPEC.json``. Prints the result as one JSON line on stdout.
 
     Exit codes: 0 done, 2 the job failed on its input (error in the state file), 1 internal error,
-    130 interrupted.
+    130 interrupted (SIGTERM, or the batch process died).
     """
     import signal
 
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     signal.signal(signal.SIGTERM, _worker_sigterm)
-    pause = None
-    pause_after = spec.get("pause_after_shards")
-    if pause_after:
-        marker = Path(spec["out_dir"]) / STATE_DIR / f"{spec['job']['name']}.paused"
-
-        def pause(n: int) -> None:
-            if n >= pause_after:
-                marker.write_text(str(os.getpid()))
-                while True:  # hold here until the test kills the batch
-                    time.sleep(3600)
-
+    _die_with_parent(int(spec["parent_pid"]))
     try:
-        result = run_job(spec, pause)
+        result = run_job(spec)
     except ConvertBnbError as exc:
-        print(json.dumps({"status": "failed", "error": str(exc)}))
+        print(json.dumps({"status": "failed", "error": str(exc), "error_class": type(exc).__name__,
+                          "rule": exc.rule}))
         return 2
     except KeyboardInterrupt:
         return 130
@@ -718,7 +658,8 @@ def worker_main(argv: list[str]) -> int:
         import traceback
 
         traceback.print_exc()
-        print(json.dumps({"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}"}))
+        print(json.dumps({"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}",
+                          "error_class": type(exc).__name__}))
         return 1
     print(json.dumps(result.to_dict()))
     return 0
@@ -732,9 +673,9 @@ def run_batch(
     max_memory: int = 1 << 30,
     threads: int | None = None,
     verify: bool = True,
+    overwrite: bool = False,
     push_to_hub: str | None = None,
     private: bool = False,
-    pause_at: tuple[str, int] | None = None,
     on_done: Callable[[JobResult], None] | None = None,
 ) -> list[JobResult]:
     """Run every job in worker processes, ``n_jobs`` at a time, within one memory budget.
@@ -746,10 +687,10 @@ def run_batch(
         max_memory: the memory budget of the whole batch in bytes; each worker gets ``max_memory // n_jobs``.
         threads: threads of the whole batch (default: all cores), split between the workers.
         verify: re-read each written shard before renaming it into place.
+        overwrite: redo jobs whose output was made with other settings (never removing files the
+            batch did not write).
         push_to_hub: an organisation (or user) to push each output to, or None.
         private: create pushed repos as private.
-        pause_at: ``(job name, shards)``: that job's worker stops after writing that many shards and
-            waits to be killed (for tests of resuming).
         on_done: called with each job's result as it finishes.
 
     Returns:
@@ -780,8 +721,9 @@ def run_batch(
     work.mkdir(parents=True, exist_ok=True)
     lock = _lock_out_dir(work)
     try:
-        return _run_jobs(jobs, out_dir, work, n_jobs, per_memory, per_threads, verify, push_to_hub, private,
-                         pause_at, on_done)
+        spec = {"out_dir": str(out_dir), "max_memory": per_memory, "threads": per_threads, "verify": verify,
+                "overwrite": overwrite, "push_to_hub": push_to_hub, "private": private, "parent_pid": os.getpid()}
+        return _run_jobs(jobs, out_dir, work, n_jobs, spec, on_done)
     finally:
         if lock is not None:
             lock.close()
@@ -807,8 +749,7 @@ def _lock_out_dir(work: Path) -> Any:
     return f
 
 
-def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, per_memory: int, per_threads: int,
-              verify: bool, push_to_hub: str | None, private: bool, pause_at: tuple[str, int] | None,
+def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings: dict[str, Any],
               on_done: Callable[[JobResult], None] | None) -> list[JobResult]:
     import subprocess
     import threading
@@ -818,10 +759,7 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, per_memor
     lock = threading.Lock()
 
     def one(job: Job) -> JobResult:
-        spec = {"job": asdict(job), "out_dir": str(out_dir), "max_memory": per_memory, "threads": per_threads,
-                "verify": verify, "push_to_hub": push_to_hub, "private": private}
-        if pause_at is not None and pause_at[0] == job.name:
-            spec["pause_after_shards"] = pause_at[1]
+        spec = {"job": asdict(job), **settings}
         spec_path = work / f"{job.name}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
         with open(work / f"{job.name}.log", "wb") as log:
@@ -892,21 +830,24 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
         entry: dict[str, Any] = {"name": job.name, "src": job.src, "revision": job.revision, "to": job.to,
                                  "max_shard_size": job.max_shard_size, "output": str(out_dir / job.name)}
         try:
-            src, label, commit, _ = _resolve(job, None, download=False)
+            source = _resolve_without_download(job)
         except ConvertBnbError as exc:
             entry.update(action="fail", error=str(exc))
             out.append(entry)
             continue
+        src = source.path
+        commit = source.hub.commit if source.hub is not None else None
         entry["commit"] = commit
         state = _load_state(out_dir / STATE_DIR / f"{job.name}.json")
         final = out_dir / job.name
-        key = job_key(job, label, commit)
+        options = job_options(job, {"out_dir": str(out_dir), "max_memory": 1 << 30, "threads": 1}, revision=commit)
+        key = job_key(options, source)
         files: dict[str, dict[str, Any]] | None = None
         if state.get("key") == key and state.get("status") == "done" and final.exists():
             entry["action"] = "skip (already converted)"
             files = state.get("files")
         else:
-            done = len(state.get("shards", {})) if state.get("key") == key else 0
+            done = len(recorded_shards(final, {**(options.resume_key or {}), "job": key}))
             entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
             files = _planned_files(src, job)
         if push_to_hub:
@@ -916,6 +857,17 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             entry["upload"] = build_upload_plan(push_to_hub, job, final, files, card, private)
         out.append(entry)
     return out
+
+
+def _resolve_without_download(job: Job) -> Any:
+    """The job's source as a :class:`~convert.job.ResolvedSource`; a Hub repo resolved to its commit only."""
+    from .hub import resolve_repo
+    from .job import ResolvedSource, resolve_source
+
+    if not job.is_repo:
+        return resolve_source(job.src, job.revision)
+    hub = resolve_repo(job.src, job.revision, download=False, progress=False)
+    return ResolvedSource(hub.path, hub)
 
 
 def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
@@ -975,10 +927,14 @@ def summary_table(results: list[JobResult]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _add_args(p: argparse.ArgumentParser) -> None:
-    from . import cli
+DESCRIPTION = ("Convert many checkpoints (Hub repos or paths) listed in JOBS into --out-dir: parallel worker processes "
+               "within one memory budget, resumable per shard, failures isolated, a summary table at the end "
+               f"(exit {EXIT_JOBS_FAILED} if any job failed); optional --push-to-hub.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``convert-bnb batch``."""
     from .cli import parse_size
-    from .plan import TARGETS
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = """\
@@ -999,7 +955,7 @@ Re-running the same command skips finished jobs and finished shards (state in OU
                    "# comments) or a JSON/YAML list")
     p.add_argument("--out-dir", type=Path, required=True, help="where the outputs and the state files go")
     p.add_argument("--jobs", type=int, default=1, help="conversions running at a time (default: 1)")
-    p.add_argument("--to", default="auto", choices=list(TARGETS) + list(cli.EXTRA_TARGETS), metavar="TARGET",
+    p.add_argument("--to", default="auto", choices=_targets(), metavar="TARGET",
                    help="default target of the jobs (default: auto)")
     p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
                    help="memory budget of the whole batch, split over --jobs (default: 1GiB)")
@@ -1012,10 +968,13 @@ Re-running the same command skips finished jobs and finished shards (state in OU
     p.add_argument("--dry-run", action="store_true",
                    help="convert nothing: print each job's plan (and with --push-to-hub the card and upload plan)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip re-reading written shards")
-    p.add_argument("--pause-at", default=None, help=argparse.SUPPRESS)  # NAME:SHARDS, a test hook
+    p.add_argument("--overwrite", action="store_true",
+                   help="redo jobs whose output was made with other settings (files the batch did not write are "
+                   "never removed)")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """``convert-bnb batch``: run (or ``--dry-run``: plan) the jobs; exit 3 if any failed."""
     jobs = parse_jobs(args.jobs_file, args)
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
@@ -1038,35 +997,15 @@ def _run(args: argparse.Namespace) -> int:
                     print("  model card:")
                     print("    " + e["card"].replace("\n", "\n    ").rstrip())
         return 0
-    pause_at = None
-    if args.pause_at:
-        name, _, n = args.pause_at.rpartition(":")
-        pause_at = (name, int(n))
-
     def progress(r: JobResult) -> None:
         if not args.quiet and not args.json:
             print(f"[{r.status}] {r.name}" + (f": {r.error}" if r.error else ""), file=sys.stderr, flush=True)
 
     results = run_batch(jobs, out_dir, n_jobs=args.jobs, max_memory=args.max_memory, threads=args.threads,
-                        verify=args.verify, push_to_hub=args.push_to_hub, private=args.private,
-                        pause_at=pause_at, on_done=progress)
+                        verify=args.verify, overwrite=args.overwrite, push_to_hub=args.push_to_hub,
+                        private=args.private, on_done=progress)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
     elif not args.quiet:
         print(summary_table(results))
     return EXIT_JOBS_FAILED if any(r.status == "failed" for r in results) else 0
-
-
-def _register() -> None:
-    from . import cli
-
-    cli.SUBCOMMANDS["batch"] = (
-        "Convert many checkpoints (Hub repos or paths) listed in JOBS into --out-dir: parallel worker processes "
-        "within one memory budget, resumable per shard, failures isolated, a summary table at the end "
-        f"(exit {EXIT_JOBS_FAILED} if any job failed); optional --push-to-hub.",
-        _add_args,
-        _run,
-    )
-
-
-_register()

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,6 @@ from formats.bnb import Int8Layer, QuantizedLayer, group_layers
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
 
-from .cli import SUBCOMMANDS
 from .plan import Dequant4Source
 
 __all__ = ["CheckReport", "check_source"]
@@ -152,34 +150,30 @@ def check_source(path: str | os.PathLike[str]) -> CheckReport:
     return report
 
 
-def _add_args(p: argparse.ArgumentParser) -> None:
+DESCRIPTION = ("Validate a .safetensors file or a model directory against every rule (docs/errors.md) without "
+               "writing anything, and report every problem found. Exit 0 when clean, 2 otherwise.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``convert-bnb check``."""
     p.add_argument("src", metavar="SRC", help="a .safetensors / .bin / .pt file, a model directory or a Hub repo "
                    "id org/name")
     p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
 
 
-def _run(args: argparse.Namespace) -> int:
-    from .cli import resolve_source
+def run_command(args: argparse.Namespace) -> int:
+    """``convert-bnb check``: print the report; exit 0 when clean, 2 otherwise."""
+    from .job import resolve_source
 
-    src = Path(args.src)
-    if not src.exists():
-        try:
-            src = resolve_source(args)  # a Hub repo id (fetched into the HF cache), else CKPT-010
-        except ConvertBnbError as exc:
-            report = CheckReport(str(args.src), [exc])
-            print(json.dumps(report.to_dict(), indent=2) if args.json else report.describe())
-            return 2
-    report = check_source(src)
+    try:
+        src = resolve_source(args.src, args.revision)  # a Hub repo id is fetched into the HF cache
+    except ConvertBnbError as exc:
+        report = CheckReport(str(args.src), [exc])
+        print(json.dumps(report.to_dict(), indent=2) if args.json else report.describe())
+        return 2
+    report = check_source(src.path)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(report.describe())
     return 0 if report.ok else 2
-
-
-SUBCOMMANDS["check"] = (
-    "Validate a .safetensors file or a model directory against every rule (docs/errors.md) without "
-    "writing anything, and report every problem found. Exit 0 when clean, 2 otherwise.",
-    _add_args,
-    _run,
-)

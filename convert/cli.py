@@ -1,7 +1,12 @@
-"""The ``convert-bnb`` command: argparse, and the one place where errors become messages and exit codes.
+"""The ``convert-bnb`` command: arguments in, :class:`~convert.job.ConvertOptions` out; errors become
+one line and an exit code here, and only here.
+
+``convert-bnb SRC --to ...`` parses into :class:`~convert.job.ConvertOptions` and calls
+:func:`convert.job.convert`; the other commands are the static table :data:`SUBCOMMANDS`.
 
 Exit codes: 0 success; 2 bad input or usage (one line on stderr naming file, tensor and rule);
-1 an internal error (one line asking for a report; ``--debug`` shows the traceback); 130 interrupted.
+1 an internal error (one line asking for a report; ``--debug`` shows the traceback); 130 interrupted
+(SIGINT or SIGTERM).
 """
 
 from __future__ import annotations
@@ -13,20 +18,26 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from formats.errors import ConvertBnbError, SourceNotFoundError, UsageError
+from formats.errors import ConvertBnbError
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_size", "resolve_source"]
+from . import batch, check, inspection
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args", "parse_size"]
 
 _EXAMPLES = """\
 examples:
   convert-bnb model.safetensors --to bf16                 one file -> model-bf16.safetensors
   convert-bnb ./model-bnb-4bit --to bf16 -o ./model-bf16  a model directory -> a plain bf16 model
   convert-bnb ./model-bnb-4bit --to fp16 --dry-run        print the plan, write nothing
-  convert-bnb ./model-bnb-4bit --max-memory 512MiB --threads 2 --json
+  convert-bnb ./model-bnb-4bit --to bf16 --merge-lora ./adapter
+  convert-bnb ./model-bnb-4bit --to gguf:q8_0 -o model.gguf
+  convert-bnb ./model-bf16 --to nf4 -o ./model-nf4       re-quantize in bitsandbytes' layout
+  convert-bnb org/model-bnb-4bit --to bf16                a Hub repo (HF cache, HF_TOKEN, HF_HUB_OFFLINE)
 
 other commands: {subcommands}
 """
@@ -50,12 +61,23 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-#: Subcommand name -> (help, function adding its arguments, function running it). Modules add theirs.
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
-                             Callable[[argparse.Namespace], int]]] = {}
+#: ``convert-bnb COMMAND ...``: name -> (description, add the arguments, run the parsed arguments).
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "batch": (batch.DESCRIPTION, batch.add_arguments, batch.run_command),
+    "check": (check.DESCRIPTION, check.add_arguments, check.run_command),
+    "inspect": (inspection.DESCRIPTION, inspection.add_arguments, inspection.run_command),
+}
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line (exit 2) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """``--debug``, ``--quiet``, ``--json``: every command has them."""
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
@@ -63,24 +85,27 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the main job, ``convert-bnb SRC --to ...``."""
-    from .plan import TARGETS
+    from .quant_settings import QUANT_STORAGES
+    from .targets import target_names
+    from .torch_reduce import TORCH_NUM_THREADS
 
     p = _Parser(
         prog="convert-bnb",
         description="Convert a bitsandbytes 4-bit or 8-bit checkpoint (file, model directory or Hub repo) to "
         "bf16/fp16/fp32 safetensors bit-exact with bitsandbytes, to NF4/FP4 in bnb's own layout, or to GGUF, "
         "optionally merging LoRA adapters, with NumPy alone, under a memory cap.",
-        epilog=_EXAMPLES.format(subcommands=", ".join(sorted(SUBCOMMANDS)) or "none"),
+        epilog=_EXAMPLES.format(subcommands=", ".join(SUBCOMMANDS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("src", metavar="SRC",
                    help="a .safetensors / .bin / .pt file, a model directory (pickles are read "
                         "without running code) or a Hub repo id org/name")
-    p.add_argument("--to", default="auto", choices=list(TARGETS) + list(EXTRA_TARGETS),
-                   metavar="TARGET",
-                   help="output: auto (each tensor's QuantState dtype), bf16, fp16, fp32"
-                   + ("".join(", " + k for k in EXTRA_TARGETS)) + " (default: auto)")
+    targets = target_names()
+    p.add_argument("--to", default="auto", choices=targets, metavar="TARGET",
+                   help="output: auto (each tensor's QuantState dtype), " + ", ".join(targets[1:]) + " (default: auto)")
     p.add_argument("-o", "--output", type=Path, help="output path (default: next to SRC, with a suffix)")
+    p.add_argument("--revision", default=None,
+                   help="with a Hub repo id as SRC: branch, tag or commit sha (default: the default branch)")
     p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
                    help="working-memory cap, e.g. 512MiB (default: 1GiB)")
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
@@ -90,40 +115,90 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip re-reading the output before renaming it into place")
-    _add_common(p)
-    for hook in PARSER_HOOKS:
-        hook(p)
+    add_common(p)
+
+    g = p.add_argument_group("LoRA merge")
+    g.add_argument("--merge-lora", action="append", default=[], metavar="ADAPTER", type=Path,
+                   help="merge a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
+                   "into the dequantized weights; repeatable, applied in order")
+    g.add_argument("--report", type=Path, metavar="JSON",
+                   help="write the per-tensor merge report (||B A|| scale, ||W||, ratio, quantization error)")
+    g.add_argument("--original", type=Path, metavar="BASE16",
+                   help="the 16-bit model before quantization: adds ||W16 - dequant(W4)|| to the report")
+
+    g = p.add_argument_group("4-bit output (--to nf4 | fp4)")
+    g.add_argument("--blocksize", type=int, default=None, choices=[32, 64, 128, 256, 512, 1024, 2048, 4096],
+                   metavar="N", help="elements per absmax block, 32..4096 (default: 64, as transformers)")
+    g.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=None,
+                   help="8-bit quantize absmax (bnb_4bit_use_double_quant; default: on)")
+    g.add_argument("--quant-storage", default=None, choices=list(QUANT_STORAGES),
+                   help="dtype the packed bytes are stored as (bnb_4bit_quant_storage; default: uint8)")
+    g.add_argument("--skip-modules", action="append", default=[], metavar="PATTERN",
+                   help="keep matching modules unquantized (transformers llm_int8_skip_modules matching; "
+                   "repeat or comma-separate)")
+    g.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                   help="quantize matching tensors whatever the rules say (e.g. a 1-D tensor of a test file)")
+    g.add_argument("--requantize", action="store_true",
+                   help="re-quantize bnb layers even when they already have the asked settings")
+    g.add_argument("--quant-report", type=Path, metavar="FILE",
+                   help="write the per-tensor quantization report (relative error, bits/weight, outlier "
+                   "blocks) as JSON")
+    g.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                   help="reproduce torch.mean as with this many torch threads, for layers with 32768+ "
+                   f"blocks (bnb's nested offset on CPU; default: {TORCH_NUM_THREADS})")
     return p
 
 
-#: Extra ``--to`` values handled by other modules: name -> runner(args, checkpoint) -> summary dict.
-EXTRA_TARGETS: dict[str, Callable[[argparse.Namespace, Any], dict[str, Any] | None]] = {}
-#: Functions that add options to the main parser.
-PARSER_HOOKS: list[Callable[[argparse.ArgumentParser], None]] = []
-#: Functions ``(args, plan) -> plan`` applied after planning (e.g. LoRA merge).
-PLAN_HOOKS: list[Callable[[argparse.Namespace, Any], Any]] = []
-#: Functions ``(args) -> Path | None`` turning a SRC that is no local path into one (Hub repo ids).
-SOURCE_HOOKS: list[Callable[[argparse.Namespace], Path | None]] = []
+def options_from_args(args: argparse.Namespace) -> Any:
+    """The parsed command line as :class:`~convert.job.ConvertOptions`."""
+    from .job import ConvertOptions, QuantOptions
+
+    quiet = args.quiet or args.json
+    return ConvertOptions(
+        src=args.src, to=args.to, output=args.output, revision=args.revision, max_memory=args.max_memory,
+        threads=args.threads, max_shard_size=args.max_shard_size, merge_lora=tuple(args.merge_lora),
+        report=args.report, original=args.original,
+        quant=QuantOptions(args.blocksize, args.double_quant, args.quant_storage, tuple(args.skip_modules),
+                           tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
+        dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
+        progress=not quiet and sys.stderr.isatty(),
+    )
 
 
-def resolve_source(args: argparse.Namespace) -> Path:
-    """A SRC that does not exist locally, through :data:`SOURCE_HOOKS` (e.g. ``org/name`` on the Hub).
+def _run_convert(args: argparse.Namespace) -> int:
+    from .job import convert
 
-    Raises:
-        SourceNotFoundError: no hook knows SRC (CKPT-010).
-    """
-    for hook in SOURCE_HOOKS:
-        found = hook(args)
-        if found is not None:
-            return found
-    raise SourceNotFoundError("SRC does not exist", path=args.src,
-                     hint="give a .safetensors file, a model directory or a Hub repo id org/name")
+    result = convert(options_from_args(args))
+    if result.dry_run is not None:
+        if args.json:
+            print(json.dumps(result.to_dict(), indent=2))
+        else:
+            exists = " (exists: --overwrite needed)" if result.output_exists else ""
+            print(f"{result.plan_text}\n  output: {result.output}{exists}")
+        return 0
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    elif not args.quiet:
+        print_summary(result)
+    return 0
 
 
-#: Functions ``(args)`` that validate option combinations before anything is opened.
-CHECK_HOOKS: list[Callable[[argparse.Namespace], None]] = []
-#: Functions ``(args, plan, summary)`` called after a run (e.g. the LoRA merge report); may add to summary.
-RESULT_HOOKS: list[Callable[[argparse.Namespace, Any, dict[str, Any]], None]] = []
+def print_summary(result: Any) -> None:
+    """The summary of a finished conversion on stderr (what was written, speed, memory, notes)."""
+    from .lora import format_table
+
+    print(f"wrote {result.output}: {result.tensors} tensors, {_human(result.bytes_in)} in, "
+          f"{_human(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
+          f"peak RSS {_human(result.peak_rss_bytes)}", file=sys.stderr)
+    if result.fp16_overflow or result.fp16_underflow:
+        print(f"float16: {result.fp16_overflow} values overflowed to inf, "
+              f"{result.fp16_underflow} non-zero values flushed to zero", file=sys.stderr)
+    for r in result.removed_stale:
+        print(r, file=sys.stderr)
+    for n in result.notes:
+        print(f"note: {n}", file=sys.stderr)
+    if "lora_merge" in result.details:
+        print(format_table(result.details["lora_merge"], limit=40), file=sys.stderr)
 
 
 def _human(n: float) -> str:
@@ -134,101 +209,33 @@ def _human(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _print_summary(s: dict[str, Any]) -> None:
-    line = (
-        f"wrote {s['output']}: {s['tensors']} tensors, {_human(s['bytes_in'])} in, "
-        f"{_human(s['bytes_out'])} out, {s['seconds']:.2f} s, {s['gelem_per_s']:.3f} G elements/s, "
-        f"peak RSS {_human(s['peak_rss_bytes'])}"
-    )
-    print(line, file=sys.stderr)
-    if s.get("fp16_overflow") or s.get("fp16_underflow"):
-        print(f"float16: {s['fp16_overflow']} values overflowed to inf, "
-              f"{s['fp16_underflow']} non-zero values flushed to zero", file=sys.stderr)
-    for r in s.get("removed_stale", []):
-        print(f"removed a stale temporary left by an interrupted run: {r}", file=sys.stderr)
-    for n in s.get("notes", []):
-        print(f"note: {n}", file=sys.stderr)
-
-
-def _convert(args: argparse.Namespace) -> int:
-    from formats.checkpoint import open_checkpoint
-
-    from .pipeline import run_plan
-    from .plan import default_output, make_plan
-
-    if args.threads is not None and args.threads < 1:
-        raise UsageError("--threads must be at least 1", found=args.threads)
-    if args.max_shard_size < 1:
-        raise UsageError("--max-shard-size must be at least 1 byte", found=args.max_shard_size)
-    for check in CHECK_HOOKS:
-        check(args)
-    src = Path(args.src)
-    if not src.exists():
-        src = resolve_source(args)
-    with open_checkpoint(src) as ckpt:
-        if args.to in EXTRA_TARGETS:
-            summary = EXTRA_TARGETS[args.to](args, ckpt)
-            if summary is None:  # the target printed its --dry-run plan
-                return 0
-        else:
-            plan = make_plan(ckpt, args.to, max_shard_size=args.max_shard_size)
-            for hook in PLAN_HOOKS:
-                plan = hook(args, plan)
-            out = args.output or default_output(src, args.to)
-            if args.dry_run:
-                exists = " (exists: --overwrite needed)" if out.exists() else ""
-                if args.json:
-                    print(json.dumps({**plan.to_dict(), "output": str(out), "output_exists": out.exists()}, indent=2))
-                else:
-                    print(f"{plan.describe()}\n  output: {out}{exists}")
-                return 0
-            summary = run_plan(
-                plan, out, threads=args.threads, max_memory=args.max_memory, overwrite=args.overwrite,
-                progress=not args.quiet and not args.json and sys.stderr.isatty(), verify=args.verify,
-            ).to_dict()
-            for result_hook in RESULT_HOOKS:
-                result_hook(args, plan, summary)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    elif not args.quiet:
-        _print_summary(summary)
-    return 0
-
-
 def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors as one line (exit 2) instead of the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line. Returns the exit code (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        _load_plugins()
         if argv and argv[0] in SUBCOMMANDS:
             name = argv.pop(0)
             help_text, add_args, run = SUBCOMMANDS[name]
             parser: argparse.ArgumentParser = _Parser(prog=f"convert-bnb {name}", description=help_text)
             add_args(parser)
-            if not any(a.dest == "debug" for a in parser._actions):
-                _add_common(parser)
+            add_common(parser)
         else:
             parser = build_parser()
-            run = _convert
+            run = _run_convert
         args = parser.parse_args(argv)  # usage errors: exit 2 with one line
     except KeyboardInterrupt:
         print("convert-bnb: interrupted", file=sys.stderr)
         return 130
-    debug = getattr(args, "debug", False)
-    old = None
-    if threading_main():
-        old = signal.signal(signal.SIGTERM, _sigterm)
+    debug = args.debug
+    old: list[tuple[int, Any]] = []
+    if threading.current_thread() is threading.main_thread():
+        # SIGINT too: a shell starts background jobs with SIGINT ignored, and a run must stay stoppable
+        old = [(sig, signal.signal(sig, handler)) for sig, handler in
+               ((signal.SIGTERM, _sigterm), (signal.SIGINT, signal.default_int_handler))]
     try:
         return run(args)
     except ConvertBnbError as exc:
@@ -257,12 +264,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old:
+            signal.signal(sig, handler)
 
 
 def _os_message(exc: OSError) -> str:
     """An OS error as one line naming the path the user knows (an output, not its temporary)."""
+    from .output import user_path
+
     if exc.strerror is None:
         return str(exc)
     hints = {errno.EACCES: "check the permissions", errno.EPERM: "check the permissions",
@@ -272,32 +281,7 @@ def _os_message(exc: OSError) -> str:
     text = f"{exc.strerror} (errno {exc.errno})" + (f". Hint: {hint}" if hint else "")
     if exc.filename is None:
         return text
-    name = Path(os.fsdecode(exc.filename))
-    from .pipeline import TMP_MARK
-
-    if TMP_MARK in name.name and name.name.startswith("."):
-        name = name.with_name(name.name[1 : name.name.index(TMP_MARK)])  # .OUT.convert-bnb-tmp-PID -> OUT
-    return f"Failed to use '{name}': {text}"
-
-
-def threading_main() -> bool:
-    """True in the main thread (signal handlers can only be installed there)."""
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _load_plugins() -> None:
-    """Import the modules that register subcommands, targets and hooks."""
-    for mod in PLUGINS:
-        __import__(mod)
-
-
-#: Modules imported at start-up to register subcommands / targets / hooks (kept light).
-PLUGINS: list[str] = [
-    "convert.lora_cli", "convert.hub", "convert.batch", "convert.inspection", "convert.to_gguf",
-    "convert.requant", "convert.check",
-]
+    return f"Failed to use '{user_path(Path(os.fsdecode(exc.filename)))}': {text}"
 
 
 if __name__ == "__main__":  # pragma: no cover

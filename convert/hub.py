@@ -25,14 +25,12 @@ huggingface_hub is imported inside the functions: the CLI's start-up stays light
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import glob
 import json
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +44,6 @@ __all__ = [
     "HubSource",
     "check_disk",
     "choose_weight_files",
-    "default_repo_output",
     "estimate_output_bytes",
     "is_repo_id",
     "parse_repo_spec",
@@ -82,17 +79,6 @@ def parse_repo_spec(spec: str) -> tuple[str, str | None]:
         repo, _, rev = spec.partition("@")
         return repo, rev or None
     return spec, None
-
-
-def default_repo_output(repo_id: str, to: str, base: Path | None = None) -> Path:
-    """Where a repo's output goes without ``-o``: ``./<name>-<suffix>`` in the working directory.
-
-    The suffix is the one :func:`convert.plan.default_output` uses (``dequantized`` for ``auto``).
-    """
-    name = repo_id.rsplit("/", 1)[-1]
-    suffix = "dequantized" if to == "auto" else to.replace(":", "-")
-    out = f"{name}-{suffix}" + (".gguf" if to.startswith("gguf") else "")
-    return (base or Path.cwd()) / out
 
 
 @dataclass(frozen=True)
@@ -500,63 +486,3 @@ def resolve_repo(
         raise
     snap = Path(path)
     return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes if plan is not None else 0)
-
-
-# ---------------------------------------------------------------- CLI integration (main job)
-
-def _add_revision(p: argparse.ArgumentParser) -> None:
-    if any("--revision" in a.option_strings for a in p._actions):
-        return
-    p.add_argument("--revision", default=None,
-                   help="with a Hub repo id as SRC: branch, tag or commit sha (default: the default branch)")
-
-
-def _source_hook(args: argparse.Namespace) -> Path | None:
-    """SRC is not a local path: resolve it as ``org/name[@rev]`` on the Hub, and default -o to ./NAME-SUFFIX."""
-    repo, rev = parse_repo_spec(str(args.src))
-    if not is_repo_id(repo):
-        return None
-    rev = getattr(args, "revision", None) or rev
-    to = getattr(args, "to", "auto")
-    if getattr(args, "output", None) is None and hasattr(args, "output"):
-        args.output = default_repo_output(repo, to)
-    quiet = getattr(args, "quiet", False) or getattr(args, "json", False) or not sys.stderr.isatty()
-    src = resolve_repo(repo, rev, out=getattr(args, "output", None), to=to, progress=not quiet)
-    args.hub_source = src
-    return src.path
-
-
-def _check_hook(args: argparse.Namespace) -> None:
-    """Before anything is opened or fetched: ``--revision`` needs a repo id."""
-    if getattr(args, "revision", None) and os.path.exists(str(args.src)):
-        raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=args.src)
-
-
-def _plan_hook(args: argparse.Namespace, plan: Any) -> Any:
-    src: HubSource | None = getattr(args, "hub_source", None)
-    if src is None:
-        _check_hook(args)  # when the CLI has no CHECK_HOOKS
-        return plan
-    note = f"source: Hub repo {src.repo_id}@{src.commit}"
-    if src.downloaded_bytes:
-        note += f" ({src.downloaded_bytes} bytes downloaded)"
-    plan.notes.append(note)
-    return plan
-
-
-def _register() -> None:
-    from . import cli
-
-    if _add_revision not in cli.PARSER_HOOKS:
-        cli.PARSER_HOOKS.append(_add_revision)
-    if _plan_hook not in cli.PLAN_HOOKS:
-        cli.PLAN_HOOKS.append(_plan_hook)
-    hooks = getattr(cli, "SOURCE_HOOKS", None)
-    if hooks is not None and _source_hook not in hooks:
-        hooks.append(_source_hook)
-    checks = getattr(cli, "CHECK_HOOKS", None)
-    if checks is not None and _check_hook not in checks:
-        checks.append(_check_hook)
-
-
-_register()

@@ -27,7 +27,6 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from formats.errors import ConvertBnbError, UsageError
@@ -297,7 +296,12 @@ def format_report(report: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------- CLI
 
-def _add_args(p: argparse.ArgumentParser) -> None:
+DESCRIPTION = ("Show what a bnb checkpoint holds (layers by settings, bytes by kind, planned output sizes) without "
+               "reading weight data; --stats reads only the absmax vectors and flags outlier layers.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``convert-bnb inspect``."""
     from .cli import parse_size
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -317,41 +321,23 @@ examples:
                    help="shard limit for the planned outputs (default: 5GB)")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """``convert-bnb inspect``: print the report (``--json``: as JSON)."""
     from formats.checkpoint import open_checkpoint
 
-    from .cli import resolve_source
+    from .job import resolve_source
 
     if args.outlier_factor <= 0 or args.flag_ratio <= 0:
         raise UsageError("--outlier-factor and --flag-ratio must be positive",
                          found=f"{args.outlier_factor}, {args.flag_ratio}")
-    src = Path(args.src)
-    if not src.exists():
-        src = resolve_source(args)
-    elif args.revision:
-        raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=args.src)
+    src = resolve_source(args.src, args.revision)
     opts = InspectOptions(args.stats, args.outlier_factor, args.flag_ratio, args.max_shard_size)
-    with open_checkpoint(src) as ckpt:
+    with open_checkpoint(src.path) as ckpt:
         report = inspect_checkpoint(ckpt, opts)
-    hub = getattr(args, "hub_source", None)
-    if hub is not None:
-        report["hub"] = {"repo": hub.repo_id, "revision": hub.revision, "commit": hub.commit}
+    if src.hub is not None:
+        report["hub"] = {"repo": src.hub.repo_id, "revision": src.hub.revision, "commit": src.hub.commit}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
     return 0
-
-
-def _register() -> None:
-    from . import cli
-
-    cli.SUBCOMMANDS["inspect"] = (
-        "Show what a bnb checkpoint holds (layers by settings, bytes by kind, planned output sizes) without "
-        "reading weight data; --stats reads only the absmax vectors and flags outlier layers.",
-        _add_args,
-        _run,
-    )
-
-
-_register()

@@ -22,12 +22,15 @@ full tensor     ``W' = round(T)``: modules_to_save, an embedding layer PEFT save
 as torch does for a Python scalar. Several adapters are applied in order, each rounding to the
 output dtype, as merging one adapter and then loading the next onto the merged model does.
 
-Bit-exactness of ``B @ A`` versus PEFT: both torch and NumPy call an optimised BLAS sgemm; on the
-machines we tested (OpenBLAS 0.3.31, torch 2.13 CPU) the products agree bit for bit. A BLAS keeps a
-fixed summation order per output element only while the row tiling is the same, so every row range
-is computed inside a range aligned to :data:`ROW_ALIGN` rows from row 0 (and never as a single-row
-product): any chunking gives the same bits as the whole matrix. The DoRA norm follows torch's fp32
-summation order (:func:`dora_norm`), so DoRA merges match PEFT bit for bit as well.
+Bit-exactness of ``B @ A`` versus PEFT: both torch and NumPy call an optimised BLAS sgemm, and PEFT
+computes the whole product at once. An sgemm's bits for one output element depend on the shape of
+the call on some BLAS builds (OpenBLAS 0.3.31 on AMD EPYC gives different bits for the same row of
+``B[a:b] @ A`` and ``B @ A``), so the product is always computed in the same pieces whatever the
+chunking, threads or memory cap: the whole matrix in one sgemm when it has at most
+:data:`WHOLE_PRODUCT_ELEMENTS` elements (as PEFT; every fixture-sized layer), else fixed blocks of
+:data:`ROW_ALIGN` rows from row 0. Where the BLAS's bits do not depend on the call's shape (the
+machines tested before: OpenBLAS 0.3.31 on Intel, torch 2.13 CPU) both agree with PEFT bit for bit.
+The DoRA norm follows torch's fp32 summation order (:func:`dora_norm`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from .kernels import BF16, round_float32
 
 __all__ = [
     "ROW_ALIGN",
+    "WHOLE_PRODUCT_ELEMENTS",
     "MergeOp",
     "MergePlan",
     "MergeStats",
@@ -58,8 +62,10 @@ __all__ = [
     "plan_merge",
 ]
 
-#: Row ranges of ``B @ A`` are computed inside ranges aligned to this many rows (see module docstring).
+#: Rows of ``B @ A`` per sgemm for products larger than :data:`WHOLE_PRODUCT_ELEMENTS` (module docstring).
 ROW_ALIGN = 64
+#: Products of at most this many elements are computed whole, in one sgemm, as PEFT does.
+WHOLE_PRODUCT_ELEMENTS = 1 << 20
 
 
 def _dtype(name: np.dtype | str) -> np.dtype:
@@ -124,8 +130,9 @@ def lora_delta_rows(
     """Rows [start, stop) of the LoRA delta ``(B @ A) * scale`` (or of ``(B @ A).T * scale``).
 
     Matches PEFT ``lora.Linear.get_delta_weight`` / ``lora.Embedding.get_delta_weight`` for fp32 adapter
-    weights: one fp32 sgemm, then one fp32 multiply by ``fp32(scale)``. The product is computed over a
-    range aligned to :data:`ROW_ALIGN` rows, so the bits do not depend on the chunking.
+    weights: fp32 sgemm, then one fp32 multiply by ``fp32(scale)``. The product is computed in fixed
+    pieces (the whole matrix, or blocks of :data:`ROW_ALIGN` rows; see the module docstring), so the
+    bits do not depend on ``start``/``stop``.
 
     Args:
         lora_A: ``float32[r, in]``.
@@ -138,15 +145,21 @@ def lora_delta_rows(
         ``float32[stop - start, in]`` (``[stop - start, out]`` when transposed), C-contiguous.
     """
     rows = lora_A.shape[1] if transposed else lora_B.shape[0]
-    a = start - start % ROW_ALIGN
-    b = stop if stop >= rows else min(rows, -(-stop // ROW_ALIGN) * ROW_ALIGN)
-    if b == rows and b - a < ROW_ALIGN and a >= ROW_ALIGN:
-        a -= ROW_ALIGN
-    if transposed:
-        # PEFT transposes B @ A; A.T @ B.T can round differently in a BLAS's edge tiles
-        out = np.ascontiguousarray(np.matmul(lora_B, lora_A[:, a:b])[:, start - a : stop - a].T)
+    cols = lora_B.shape[0] if transposed else lora_A.shape[1]
+    if rows * cols <= WHOLE_PRODUCT_ELEMENTS:
+        blocks = [(0, rows)]
     else:
-        out = np.matmul(lora_B[a:b], lora_A)[start - a : stop - a]  # row slice of a C-ordered array
+        first = start - start % ROW_ALIGN
+        blocks = [(a, min(rows, a + ROW_ALIGN)) for a in range(first, stop, ROW_ALIGN)]
+    parts = []
+    for a, b in blocks:
+        if transposed:
+            # PEFT transposes B @ A; A.T @ B.T can round differently in a BLAS's edge tiles
+            block = np.matmul(lora_B, lora_A[:, a:b]).T
+        else:
+            block = np.matmul(lora_B[a:b], lora_A)
+        parts.append(block[max(start, a) - a : min(stop, b) - a])
+    out = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
     out *= np.float32(scale)
     return out
 
@@ -264,9 +277,9 @@ class MergeStats:
         }
 
 
-def format_table(stats: MergeStats, limit: int | None = None) -> str:
-    """A short fixed-width table of the report (the CLI prints it)."""
-    rows = stats.rows()
+def format_table(report: dict[str, Any], limit: int | None = None) -> str:
+    """A short fixed-width table of a merge report (:meth:`MergeStats.to_json`; the CLI prints it)."""
+    rows = report["tensors"]
     lines = [
         f"{'tensor':<48} {'kind':<8} {'r':>4} {'scale':>8} {'|BA|*s':>10} {'|W|':>10} {'ratio':>9} "
         f"{'|W16-W4|':>10}"
@@ -283,8 +296,8 @@ def format_table(stats: MergeStats, limit: int | None = None) -> str:
         )
     if limit and len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more in the JSON report")
-    for name, (a, b) in stats.shape_changes.items():
-        lines.append(f"{name}: shape {list(a)} -> {list(b)} (taken from the adapter)")
+    for name, change in report["shape_changes"].items():
+        lines.append(f"{name}: shape {change['base']} -> {change['merged']} (taken from the adapter)")
     return "\n".join(lines)
 
 

@@ -1,18 +1,16 @@
-"""Running a :class:`~convert.plan.Plan`: chunked, threaded, bounded in memory, verify-then-rename.
+"""Writing a :class:`~convert.plan.Plan` as safetensors: chunked, threaded, bounded in memory.
 
-How a run goes:
+How the bytes are written (into a staging path that :class:`convert.output.OutputClaim` owns and
+later commits; naming, pre-flight, claims and renames are not done here):
 
-1. Pre-flight: refuse an existing output (unless ``overwrite``), remove stale temporaries left by
-   a killed run (named ``.<output name>.convert-bnb-tmp-<pid>``, removed only when that pid is gone),
-   and check free disk space against the planned bytes.
-2. Write everything under the temporary name in the output's directory: each shard's header first
-   (from the plan), then each tensor in block-aligned chunks. Chunks are computed by ``threads``
-   workers (NumPy releases the GIL) and written in order, so the bytes are the same for every
-   thread count. Consumed input pages are released (``madvise``), so the resident set stays near
-   ``max_memory`` whatever the model size.
-3. Verify: re-open every written file and check its header against the plan.
-4. Rename the temporary into place. On any error, or SIGINT/SIGTERM (the CLI turns SIGTERM into
-   KeyboardInterrupt), the temporary is removed; the input is opened read-only throughout.
+1. Each output file's header first (from the plan), then each tensor in block-aligned chunks.
+   Chunks are computed by ``threads`` workers (NumPy releases the GIL) and written in order, so the
+   bytes are the same for every thread count. Consumed input pages are released (``madvise``), so
+   the resident set stays near ``max_memory`` whatever the model size.
+2. Each finished file is fsynced in the background while the next is written; with a
+   :class:`~convert.output.ShardLedger` (resumable runs) each one is recorded once it is on disk,
+   and a recorded file still intact is not written again.
+3. :func:`verify_plan` re-opens every written file and checks its header against the plan.
 """
 
 from __future__ import annotations
@@ -22,156 +20,59 @@ import os
 import resource
 import shutil
 import sys
-import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from formats.errors import (
-    DiskSpaceError,
-    OutputExistsError,
-    OutputInsideInputError,
-    OutputKindError,
-    UsageError,
-    VerificationError,
-)
+from formats.errors import VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
 
+from .output import ShardLedger
 from .plan import Plan, PlannedTensor
 
-__all__ = [
-    "Summary", "TMP_MARK", "check_output_kind", "chunk_elements", "cleanup_stale", "peak_rss_bytes", "remove_path",
-    "run_plan", "temp_path", "write_directory_files",
-]
+__all__ = ["RunSettings", "chunk_elements", "peak_rss_bytes", "verify_plan", "write_directory_files", "write_plan"]
 
-TMP_MARK = ".convert-bnb-tmp-"
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
 #: Memory left for the interpreter, NumPy and the libraries, out of ``max_memory``.
 _BASELINE = 96 * 1024 * 1024
 
 
-@dataclass
-class Summary:
-    """What a run did (the CLI prints it; ``--json`` prints it as JSON).
+@dataclass(frozen=True)
+class RunSettings:
+    """How a target writes.
 
     Attributes:
-        output: the final output path.
-        tensors: tensors written.
-        elements: elements written.
-        bytes_in: tensor bytes read.
-        bytes_out: bytes written (headers included).
-        seconds: wall time of the run.
-        gelem_per_s: elements written per second, in billions.
-        peak_rss_bytes: the process's peak resident set (bytes).
-        fp16_overflow: values that became inf when rounded to float16.
-        fp16_underflow: non-zero values that became 0 when rounded to float16.
-        removed_stale: stale temporaries removed before the run.
-        notes: plan notes.
+        threads: worker threads (>= 1).
+        max_memory: the working-memory cap in bytes.
+        progress: show a tqdm bar (bytes written) on stderr.
+        label: the bar's label (the output's name).
     """
 
-    output: str
-    tensors: int = 0
-    elements: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    seconds: float = 0.0
-    gelem_per_s: float = 0.0
-    peak_rss_bytes: int = 0
-    fp16_overflow: int = 0
-    fp16_underflow: int = 0
-    removed_stale: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    threads: int
+    max_memory: int
+    progress: bool = False
+    label: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return asdict(self)
+    def bar(self, total: int) -> Any:
+        """A tqdm bar of ``total`` bytes on stderr, or None without ``progress``."""
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.label, file=sys.stderr,
+                    leave=False)
 
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process, in bytes (Linux ``ru_maxrss`` is in KiB)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def temp_path(out: Path) -> Path:
-    """The temporary name a run writes ``out`` under: ``.<name>.convert-bnb-tmp-<pid>`` beside it."""
-    return out.with_name(f".{out.name}{TMP_MARK}{os.getpid()}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def cleanup_stale(out: Path) -> list[str]:
-    """Remove temporaries of ``out`` left by runs that were killed (their pid no longer exists).
-
-    Returns:
-        the removed paths.
-    """
-    removed: list[str] = []
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        return removed
-    prefix = f".{out.name}{TMP_MARK}"
-    for p in parent.iterdir():
-        if not p.name.startswith(prefix):
-            continue
-        try:
-            pid = int(p.name[len(prefix):])
-        except ValueError:
-            continue
-        if pid != os.getpid() and _pid_alive(pid):
-            continue
-        remove_path(p)
-        removed.append(str(p))
-    return removed
-
-
-def remove_path(p: Path) -> None:
-    """Remove a file or a directory tree (a temporary); a missing path is fine."""
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def check_output_kind(out: Path, is_dir: bool, suffix: str = ".safetensors") -> None:
-    """Refuse an output path of the wrong kind before anything is written.
-
-    Args:
-        out: the output path.
-        is_dir: whether the output will be a directory (a model directory input).
-        suffix: the file suffix a single-file output has.
-
-    Raises:
-        OutputKindError: a directory output named ``*<suffix>``, or an existing path of the other kind.
-    """
-    if is_dir and out.suffix.lower() == suffix:
-        raise OutputKindError(
-            f"a model directory converts to a directory, but -o names a '{suffix}' file", path=out, action="write",
-            hint=f"give -o a directory name (without '{suffix}'), or convert one weight file instead",
-        )
-    if out.exists() and out.is_dir() != is_dir:
-        want, have = ("a directory", "a file") if is_dir else ("a file", "a directory")
-        raise OutputKindError(
-            "the output exists and is of the other kind; --overwrite never replaces one with the other",
-            path=out, action="write", expected=want, found=have,
-        )
 
 
 def chunk_elements(unit: int, max_memory: int, threads: int) -> int:
@@ -194,128 +95,59 @@ def _ranges(t: PlannedTensor, chunk: int) -> Iterator[tuple[int, int]]:
         yield s, min(n, s + chunk)
 
 
-def run_plan(
-    plan: Plan,
-    out: Path,
-    *,
-    threads: int | None = None,
-    max_memory: int = 1 << 30,
-    overwrite: bool = False,
-    progress: bool = False,
-    verify: bool = True,
-    write_extra: Callable[[Path], None] | None = None,
-) -> Summary:
-    """Write a plan's output to ``out`` (a file for a file input, else a directory).
+def output_files(plan: Plan, path: Path) -> list[Path]:
+    """The files a plan writes under ``path``: the shards of a directory output, or ``path`` itself."""
+    return [path / n for n in plan.shard_names()] if plan.checkpoint.is_dir else [path]
+
+
+def write_plan(plan: Plan, path: Path, run: RunSettings, ledger: ShardLedger | None = None) -> tuple[int, int]:
+    """Write a plan's tensors to ``path`` (an existing directory for a directory output, else a file).
 
     Args:
-        plan: from :func:`convert.plan.make_plan`.
-        out: the output path.
-        threads: worker threads (default: all cores).
-        max_memory: the working-memory cap in bytes.
-        overwrite: replace an existing output.
-        progress: show a tqdm bar (bytes written) on stderr.
-        verify: re-open and check every written file before renaming (on by default).
-        write_extra: called with the temporary directory to add more files (directory outputs).
+        plan: from :func:`convert.plan.make_plan` (and the merges / re-quantization applied to it).
+        path: the staging path.
+        run: threads, memory cap, progress.
+        ledger: finished shards of a resumable run (directory outputs), or None.
 
     Returns:
-        a :class:`Summary`.
+        ``(files written, files reused)``.
 
     Raises:
-        OutputExistsError: ``out`` exists and ``overwrite`` is false.
-        DiskSpaceError: not enough free space for the planned bytes.
-        VerificationError: a written file does not match the plan.
         ConvertBnbError: any input rule broken while streaming (e.g. BNB-012).
     """
-    t0 = time.perf_counter()
-    threads = max(1, threads or os.cpu_count() or 1)
-    if max_memory < 64 * 1024 * 1024:
-        raise UsageError("--max-memory is too small", expected=">= 64MiB", found=max_memory)
-    out = Path(out)
-    summary = Summary(output=str(out), notes=list(plan.notes))
-    check_output_kind(out, plan.checkpoint.is_dir)
-    if out.exists() and not overwrite:
-        raise OutputExistsError(
-            "output exists", path=out, action="write", hint="pass --overwrite to replace it, or choose -o"
-        )
-    src = plan.checkpoint.source.resolve()
-    if out.resolve() == src or src in out.resolve().parents:
-        raise OutputInsideInputError("output must not be the input or inside it", path=out, action="write",
-                                     hint="choose an output path outside the input with -o")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary.removed_stale = cleanup_stale(out)
-    need = plan.out_nbytes + 1024 * 1024
-    free = shutil.disk_usage(out.parent).free
-    if free < need:
-        raise DiskSpaceError(
-            "not enough free disk space for the output", path=out.parent, action="write",
-            expected=f">= {need} bytes free", found=f"{free} bytes free",
-            hint="free some space or write elsewhere with -o",
-        )
-
-    tmp = temp_path(out)
-    bar = None
+    files = output_files(plan, path)
+    bar = run.bar(plan.out_nbytes)
+    written = reused = 0
     try:
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=plan.out_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
-                       desc=out.name, file=sys.stderr, leave=False)
-        files: list[Path]
-        if plan.checkpoint.is_dir:
-            tmp.mkdir()
-            files = [tmp / n for n in plan.shard_names()]
-        else:
-            files = [tmp]
-        with ThreadPoolExecutor(max_workers=threads) as pool, ThreadPoolExecutor(max_workers=1) as syncer:
-            synced = []
-            for path, shard in zip(files, plan.shards, strict=True):
-                _write_shard(plan, shard, path, pool, threads, max_memory, bar, summary)
-                synced.append(syncer.submit(_fsync, path))  # overlaps with writing the next shard
+        if ledger is not None:
+            ledger.keep_only([f.name for f in files])
+        with ThreadPoolExecutor(max_workers=run.threads) as pool, ThreadPoolExecutor(max_workers=1) as syncer:
+            synced: list[Future[None]] = []
+            for file, shard in zip(files, plan.shards, strict=True):
+                if ledger is not None and ledger.reusable(file.name):
+                    reused += 1
+                    if bar is not None:
+                        bar.update(sum(plan.tensors[i].nbytes for i in shard))
+                    continue
+                _write_shard(plan, shard, file, pool, run, bar)
+                written += 1
+                if ledger is not None:  # on disk before it is recorded as finished
+                    _fsync(file)
+                    ledger.record(file.name)
+                else:
+                    synced.append(syncer.submit(_fsync, file))  # overlaps with writing the next shard
             for fut in synced:
                 fut.result()
-        if verify:
-            for path, shard in zip(files, plan.shards, strict=True):
-                _verify(plan, shard, path)
-        if plan.checkpoint.is_dir:
-            write_directory_files(plan, tmp)
-            if write_extra is not None:
-                write_extra(tmp)
-        summary.bytes_out = sum(p.stat().st_size for p in files)
-        if out.exists():  # overwrite: move the old output aside, then swap
-            old = out.with_name(f".{out.name}{TMP_MARK}old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            remove_path(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        remove_path(tmp)
-        raise
     finally:
         if bar is not None:
             bar.close()
-    for t in plan.tensors:
-        summary.fp16_overflow += int(t.source.stats[0])
-        summary.fp16_underflow += int(t.source.stats[1])
-    summary.tensors = len(plan.tensors)
-    summary.elements = sum(t.numel for t in plan.tensors)
-    summary.bytes_in = plan.in_nbytes
-    summary.seconds = time.perf_counter() - t0
-    summary.gelem_per_s = summary.elements / summary.seconds / 1e9 if summary.seconds > 0 else 0.0
-    summary.peak_rss_bytes = peak_rss_bytes()
-    return summary
+    if plan.checkpoint.is_dir:
+        write_directory_files(plan, path)
+    return written, reused
 
 
-def _write_shard(
-    plan: Plan,
-    shard: list[int],
-    path: Path,
-    pool: ThreadPoolExecutor,
-    threads: int,
-    max_memory: int,
-    bar: Any,
-    summary: Summary,
-) -> None:
+def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecutor, run: RunSettings,
+                 bar: Any) -> None:
     """Write one output file: chunks of all its tensors flow through the pool as one stream (so the
     workers never wait for a tensor boundary), up to ``2 * threads`` in flight, written in order.
     The file is closed without fsync; :func:`_fsync` runs in the background and is awaited before
@@ -327,10 +159,10 @@ def _write_shard(
         for t in tensors:
             while t.source.barrier and pending:
                 _drain_one(pending, writer, bar)
-            chunk = chunk_elements(t.source.unit, max_memory, threads)
+            chunk = chunk_elements(t.source.unit, run.max_memory, run.threads)
             for s, e in _ranges(t, chunk):
                 pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
-                while len(pending) > 2 * threads:
+                while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)
             if t.numel == 0:
                 pending.append((t, 0, 0, _done(np.empty(0, dtype=t.dtype.numpy))))
@@ -369,7 +201,17 @@ def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Future[Any]]], writ
         bar.update(data.nbytes)
 
 
-def _verify(plan: Plan, shard: list[int], path: Path) -> None:
+def verify_plan(plan: Plan, path: Path) -> None:
+    """Re-open every file written for ``plan`` under ``path`` and check its header against the plan.
+
+    Raises:
+        VerificationError: a file does not read back, or its tensor names, dtypes or shapes differ (OUT-003).
+    """
+    for file, shard in zip(output_files(plan, path), plan.shards, strict=True):
+        _verify_file(plan, shard, file)
+
+
+def _verify_file(plan: Plan, shard: list[int], path: Path) -> None:
     try:
         reader = SafetensorsReader(path)
     except Exception as exc:  # noqa: BLE001 - any failure to re-read is a verification failure

@@ -16,7 +16,6 @@ import copy
 import math
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -494,11 +493,3 @@ def shard_tensors(tensors: list[PlannedTensor], max_shard_size: int) -> list[lis
         shards[-1].append(i)
         size += t.nbytes
     return shards
-
-
-def default_output(src: Path, to: str) -> Path:
-    """Where the output goes when ``-o`` is not given: next to SRC, with a suffix."""
-    suffix = "dequantized" if to == "auto" else to
-    if src.is_dir():
-        return src.with_name(f"{src.name}-{suffix}")
-    return src.with_name(f"{src.stem}-{suffix}.safetensors")

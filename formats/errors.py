@@ -46,6 +46,7 @@ __all__ = [
     "DuplicateAdapterTargetError",
     "DuplicateTensorError",
     "FileTooShortError",
+    "ForeignFilesError",
     "GgufConfigError",
     "GgufSourceError",
     "GgufTypeError",
@@ -58,6 +59,7 @@ __all__ = [
     "IndexTensorMissingError",
     "Int8LayoutError",
     "Int8WeightFormatError",
+    "JobSettingsChangedError",
     "LegacyQuantStateError",
     "LoraShapeError",
     "MalformedPickleError",
@@ -78,6 +80,7 @@ __all__ = [
     "NotStateDictError",
     "NotTorchCheckpointError",
     "OrphanComponentError",
+    "OutputBusyError",
     "OutputExistsError",
     "OutputKindError",
     "OutputInsideInputError",
@@ -290,6 +293,20 @@ class BatchNameClashError(UsageError):
 
     default_rule = "BATCH-004"
     advice = "Give one of the jobs its own --name."
+
+
+class JobSettingsChangedError(UsageError):
+    """A batch job's output exists from a run with other settings (source commit, --to, shard size, ...)."""
+
+    default_rule = "BATCH-005"
+    advice = "Pass --overwrite to redo the job with the new settings, or give the job another --name."
+
+
+class ForeignFilesError(UsageError):
+    """A batch job's output folder holds files the batch did not write, which redoing the job would remove."""
+
+    default_rule = "BATCH-006"
+    advice = "Move the named files out of the job's output folder, or give the job another --name."
 
 
 class OutputInsideInputError(UsageError):
@@ -831,6 +848,14 @@ class VerificationError(ConvertBnbError, OSError):
 
     default_rule = "OUT-003"
     advice = "Nothing was renamed into place. Check the disk (full? failing?) and run again; report it if it repeats."
+
+
+class OutputBusyError(ConvertBnbError, BlockingIOError):
+    """Another run holds the output path (its ``.NAME.convert-bnb-lock`` claim): two runs never write one output."""
+
+    default_rule = "OUT-004"
+    advice = ("Wait for the other conversion to finish (the message names its pid), or write elsewhere with -o. "
+              "A run that died released its claim: run again.")
 
 
 class HubError(ConvertBnbError, OSError):

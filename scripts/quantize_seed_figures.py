@@ -17,7 +17,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from convert.quantize import QuantSettings, quantization_report, quantize_layer  # noqa: E402
+from convert.quant_layer import quantize_layer  # noqa: E402
+from convert.quant_report import quantization_report  # noqa: E402
+from convert.quant_settings import QuantSettings  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

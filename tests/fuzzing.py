@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from convert.check import check_source
-from convert.pipeline import TMP_MARK
+from convert.output import TMP_MARK
 from formats.errors import ConvertBnbError
 
 from .malformed import convert

@@ -10,6 +10,7 @@ under test. The 4-bit tables come from tests/fixtures/constants.json (written by
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import struct
@@ -155,13 +156,10 @@ def raw_file(data: bytes, name: str = "model.safetensors") -> Callable[[Path], P
 
 def convert(src: Path, out: Path, *, to: str = "auto", overwrite: bool = False) -> None:
     """The conversion as the CLI runs it, through the library."""
-    from convert.pipeline import run_plan
-    from convert.plan import make_plan
-    from formats.checkpoint import open_checkpoint
+    from convert.job import ConvertOptions
+    from convert.job import convert as run
 
-    with open_checkpoint(src) as ck:
-        plan = make_plan(ck, to)
-        run_plan(plan, out, threads=1, max_memory=64 << 20, overwrite=overwrite)
+    run(ConvertOptions(str(src), to=to, output=out, threads=1, max_memory=64 << 20, overwrite=overwrite))
 
 
 @dataclass
@@ -275,19 +273,19 @@ def _int8(fmt: int) -> Callable[[Path], Path]:
 
 
 def _disk_full(src: Path, out: Path) -> None:
-    with mock.patch("convert.pipeline.shutil.disk_usage", return_value=SimpleNamespace(free=4096)):
+    with mock.patch("convert.output.shutil.disk_usage", return_value=SimpleNamespace(free=4096)):
         convert(src, out)
 
 
 def _verify_mismatch(src: Path, out: Path) -> None:
-    from convert.pipeline import _verify
+    from convert.pipeline import verify_plan
     from convert.plan import make_plan
     from formats.checkpoint import open_checkpoint
 
     written = write(out, st_bytes({W: ("F32", [4, 32], f32(np.zeros(128)))}))
     try:
         with open_checkpoint(src) as ck:
-            _verify(make_plan(ck, "auto"), [0], written)
+            verify_plan(make_plan(ck, "auto"), written)
     finally:
         written.unlink()
 
@@ -460,6 +458,48 @@ def run_batch(src: Path, out: Path) -> None:
 BATCH_ARGV = ["batch", "{src}", "--out-dir", "{out}", "--dry-run"]
 
 
+def _batch_job(src: Path, out_dir: Path, to: str, overwrite: bool = False) -> None:
+    """One batch job named ``job`` as a batch worker runs it (in this process)."""
+    import os
+    from dataclasses import asdict
+
+    from convert.batch import Job, run_job
+
+    spec = {"job": asdict(Job(str(src), None, to, 5 * 10**9, "job")), "out_dir": str(out_dir),
+            "max_memory": 64 << 20, "threads": 1, "verify": True, "overwrite": overwrite, "parent_pid": os.getpid()}
+    run_job(spec)
+
+
+def _batch_settings_changed(src: Path, out: Path) -> None:
+    import shutil
+
+    d = out.parent.parent / "batch"
+    try:
+        _batch_job(src, d, "bf16")
+        _batch_job(src, d, "fp16")  # the same job name, another --to, no --overwrite
+    finally:
+        shutil.rmtree(d)
+
+
+def _batch_foreign_files(src: Path, out: Path) -> None:
+    import shutil
+
+    d = out.parent.parent / "batch"
+    try:
+        _batch_job(src, d, "bf16")
+        (d / "job" / "notes.txt").write_text("the user's own file")
+        _batch_job(src, d, "fp16", overwrite=True)  # would replace the folder, and notes.txt with it
+    finally:
+        shutil.rmtree(d)
+
+
+def _busy_output(src: Path, out: Path) -> None:
+    from convert.output import OutputClaim
+
+    with OutputClaim(out, is_dir=False, nbytes=0, inputs=[src]):  # another run holds the output
+        convert(src, out)
+
+
 def _hub_offline(src: Path, out: Path) -> None:
     from huggingface_hub import constants
 
@@ -484,11 +524,9 @@ def _empty(d: Path) -> Path:
     return d
 
 
-def _qnt(call: Callable[[Any], Any]) -> Callable[[Path, Path], None]:
+def _qnt(module: str, call: Callable[[Any], Any]) -> Callable[[Path, Path], None]:
     def run(src: Path, out: Path) -> None:
-        import convert.quantize as q
-
-        call(q)
+        call(importlib.import_module(module))
 
     return run
 
@@ -833,15 +871,17 @@ CASES: list[Case] = [
     Case("spm-no-pieces", E.SentencePiecePiecesError, ["SPM-003"], _spm(b"\x12\x00"), run=_read_pieces, argv=None),
     # ---- re-quantization (--to nf4|fp4)
     Case("qnt-int4", E.QuantTypeOptionError, ["QNT-001", "found 'int4'"], _empty,
-         run=_qnt(lambda q: q.QuantSettings(quant_type="int4")), argv=None),
+         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_type="int4")), argv=None),
     Case("qnt-blocksize-48", E.BlocksizeOptionError, ["QNT-002", "found 48"], _empty,
-         run=_qnt(lambda q: q.QuantSettings(blocksize=48)), argv=None),
+         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(blocksize=48)), argv=None),
     Case("qnt-nan-weight", E.NonFiniteWeightError, ["QNT-003", "NaN or infinite"], _empty,
-         run=_qnt(lambda q: q.quantize_4bit(np.array([1.0, np.nan, 2.0], dtype=np.float32), 64, "nf4")), argv=None),
+         run=_qnt("convert.quant4", lambda q: q.quantize_4bit(np.array([1.0, np.nan, 2.0], dtype=np.float32), 64,
+                                                               "nf4")), argv=None),
     Case("qnt-storage-int8", E.QuantStorageOptionError, ["QNT-004", "found 'int8'"], _empty,
-         run=_qnt(lambda q: q.QuantSettings(quant_storage="int8")), argv=None),
+         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_storage="int8")), argv=None),
     Case("qnt-storage-odd", E.QuantStorageSizeError, ["QNT-005", "tensor 'w'", "found 3"], _empty,
-         run=_qnt(lambda q: q.QuantSettings(quant_storage="float32").storage_shape(5, "w")), argv=None),
+         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_storage="float32").storage_shape(5, "w")),
+         argv=None),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),
          run=_existing_output, argv=None),
@@ -850,6 +890,10 @@ CASES: list[Case] = [
     Case("verify-mismatch", E.VerificationError, ["Failed to verify", "out.safetensors'", "OUT-003",
                                                   "expected 'BF16 [4, 32]', found 'F32 [4, 32]'"], one_file(V),
          run=_verify_mismatch, argv=None),
+    Case("output-busy", E.OutputBusyError, ["Failed to write", "out.safetensors'", "OUT-004",
+                                            "another convert-bnb run", ".out.safetensors.convert-bnb-lock'"],
+         one_file(V), run=_busy_output,
+         argv=None),
     # ---- usage
     Case("unknown-target", E.UsageError, ["USE-001", "unknown --to value 'int3'"], one_file(V), run=_bad_to,
          argv=["{src}", "--threads", "0", "-o", "{out}"], same_message=False),
@@ -871,6 +915,11 @@ CASES: list[Case] = [
          batch(f"{BASE_MODEL} --bogus 1\n"), run=run_batch, argv=BATCH_ARGV),
     Case("batch-same-output-name", E.BatchNameClashError, ["BATCH-004", "--name"],
          batch(f"{BASE_MODEL} --to bf16\n{BASE_MODEL} --to bf16\n"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-settings-changed", E.JobSettingsChangedError,
+         ["BATCH-005", "job'", "other settings", "to=fp16", "to=bf16", "--overwrite"], one_file(V),
+         run=_batch_settings_changed, argv=None),
+    Case("batch-foreign-files", E.ForeignFilesError, ["BATCH-006", "job'", "did not write", "notes.txt"],
+         lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_batch_foreign_files, argv=None),
     # ---- unsupported
     Case("nested-blocksize-huge", E.BlocksizeError, ["BNB-002", "nested_blocksize", "found 633787143"],
          one_file(with_state(VN, nested_blocksize=633787143))),

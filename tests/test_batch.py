@@ -66,6 +66,42 @@ def _straight(tmp_path: Path) -> dict[str, dict[str, bytes]]:
     return {"a-bf16": _files(ref / "a-bf16"), "c-fp16": _files(ref / "c-fp16")}
 
 
+HARNESS = Path(__file__).parent / "harness"
+
+
+def paused_env(env: dict[str, str], name: str, shards: int, marker: Path) -> dict[str, str]:
+    """``env`` with the test harness (tests/harness/sitecustomize.py): job ``name``'s worker stops after
+    ``shards`` finished shards and writes its pid to ``marker``."""
+    return {**env, "PYTHONPATH": f"{HARNESS}{os.pathsep}{env['PYTHONPATH']}",
+            "CONVERT_BNB_TEST_PAUSE": f"{name}:{shards}:{marker}"}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 60  # a guard against hanging, not a timing assertion
+    while _pid_alive(pid) and not _is_zombie(pid):
+        assert time.monotonic() < deadline, f"worker {pid} outlived its batch"
+        time.sleep(0.05)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _ledger(out: Path, name: str) -> dict:
+    return json.loads((out / f".{name}.convert-bnb-partial" / ".convert-bnb-shards.json").read_text())
+
+
 def _batch(jobs: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
     return run_cli(["batch", str(jobs), "--out-dir", str(out), "--to", "bf16", "--max-memory", "256MiB", *extra],
                    env)
@@ -98,31 +134,39 @@ def test_straight_parallel_run(setup: tuple[Path, Path, dict[str, str]], tmp_pat
 
 
 def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    """kill -9 of the batch process alone: its worker dies with it, nothing is marked done that is not
+    complete, and an immediate re-run finishes byte-identical to an uninterrupted run."""
     jobs, _cache, env = setup
     out = tmp_path / "out"
     work = out / ".convert-bnb"
+    marker = tmp_path / "c-fp16.paused"
     cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--to", "bf16",
-           "--max-memory", "256MiB", "--pause-at", "c-fp16:2", "--quiet"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+           "--max-memory", "256MiB", "--quiet"]
+    proc = subprocess.Popen(cmd, env=paused_env(env, "c-fp16", 2, marker), cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = work / "c-fp16.paused"
     try:
         deadline = time.monotonic() + 240  # a guard against hanging, not a timing assertion
-        while not marker.exists():
+        while not marker.exists() or not marker.read_text():
             assert proc.poll() is None, "the batch ended before reaching the pause point"
             assert time.monotonic() < deadline, "the batch never reached the pause point"
             time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the batch and its worker, no clean-up possible
+        worker = int(marker.read_text())
+        proc.kill()  # SIGKILL to the batch process only: no clean-up possible there
         proc.wait()
-    # what the kill left: a done, broken failed, c with 2 recorded shards in its partial directory
+        _wait_gone(worker)  # the worker must not write on without its batch
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if _pid_alive(proc.pid) else None
+    # what the kill left: a done, broken failed, c stopped by its batch's death (PR_SET_PDEATHSIG -> SIGTERM)
+    # with 2 recorded shards in its resumable staging
     assert json.loads((work / "a-bf16.json").read_text())["status"] == "done"
     assert json.loads((work / "broken-bf16.json").read_text())["status"] == "failed"
     c_state = json.loads((work / "c-fp16.json").read_text())
-    assert c_state["status"] == "running" and len(c_state["shards"]) == 2
+    assert (c_state["status"], c_state["error"]) == ("failed", "signal 15")
+    ledger = _ledger(out, "c-fp16")
+    assert len(ledger["shards"]) == 2
     assert not (out / "c-fp16").exists()
-    partial = work / "c-fp16.partial"
-    first, second = sorted(c_state["shards"])
+    partial = out / ".c-fp16.convert-bnb-partial"
+    first, second = sorted(ledger["shards"])
     # damage the second finished shard without changing its size: the sha256 check must catch it
     raw = bytearray((partial / second).read_bytes())
     raw[-1] ^= 0xFF
@@ -130,13 +174,13 @@ def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], t
     a_before = _stat(out / "a-bf16")
     first_before = (partial / first).stat()
 
-    r = _batch(jobs, out, env, "--json")
+    r = _batch(jobs, out, env, "--json")  # at once: the dead worker's claim on c-fp16 is free
     assert r.returncode == 3, r.stderr
     res = {x["name"]: x for x in json.loads(r.stdout)}
     assert res["a-bf16"]["status"] == "skipped"
     assert (res["a-bf16"]["shards_written"], res["a-bf16"]["shards_reused"]) == (0, 0)
     assert res["broken-bf16"]["status"] == "failed"
-    assert res["c-fp16"]["status"] == "converted"
+    assert res["c-fp16"]["status"] == "converted", res["c-fp16"]["error"]
     assert res["c-fp16"]["shards_reused"] == 1  # the intact one; the damaged one is rewritten
     index = json.loads((out / "c-fp16" / "model.safetensors.index.json").read_text())
     n_shards = len(set(index["weight_map"].values()))
@@ -150,6 +194,8 @@ def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], t
     assert _files(out / "a-bf16") == straight["a-bf16"]
     assert _files(out / "c-fp16") == straight["c-fp16"]
     assert not partial.exists()
+    c_state = json.loads((work / "c-fp16.json").read_text())
+    assert c_state["status"] == "done" and set(c_state["files"]) == set(straight["c-fp16"])
     # a third run redoes nothing
     c_before = _stat(out / "c-fp16")
     r = _batch(jobs, out, env, "--json")
@@ -158,7 +204,29 @@ def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], t
     assert _stat(out / "c-fp16") == c_before and _stat(out / "a-bf16") == a_before
 
 
-def test_changed_output_or_settings_are_redone(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+def test_a_live_worker_of_a_dead_batch_keeps_its_claim(setup: tuple[Path, Path, dict[str, str]],
+                                                       tmp_path: Path) -> None:
+    """Were a worker to outlive its batch, a re-run's job fails on the output claim (OUT-004) instead of
+    writing beside it, and is never marked done; once the worker is gone the job completes."""
+    jobs, _cache, env = setup
+    jobs.write_text("org/c@main --to fp16 --max-shard-size 1MB\n")
+    out = tmp_path / "out"
+    from convert.output import OutputClaim
+
+    claim = OutputClaim(out / "c-fp16", is_dir=True, nbytes=0, inputs=[], resume_key={"other": "run"})
+    with claim:  # held by this process, as a live worker of another batch would hold it
+        r = _batch(jobs, out, env, "--json")
+        (res,) = json.loads(r.stdout)
+        assert (r.returncode, res["status"], res["rule"], res["error_class"]) == (3, "failed", "OUT-004",
+                                                                                  "OutputBusyError")
+        assert json.loads((out / ".convert-bnb" / "c-fp16.json").read_text())["status"] == "failed"
+        assert not (out / "c-fp16").exists()
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "converted", r.stderr
+    assert _files(out / "c-fp16") == _straight(tmp_path)["c-fp16"]
+
+
+def test_changed_output_or_settings(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
     jobs, _cache, env = setup
     jobs.write_text("org/a --max-shard-size 1MB\n")
     out = tmp_path / "out"
@@ -167,11 +235,23 @@ def test_changed_output_or_settings_are_redone(setup: tuple[Path, Path, dict[str
     raw = bytearray(victim.read_bytes())
     raw[100] ^= 1
     victim.write_bytes(bytes(raw))
-    r = _batch(jobs, out, env, "--json")
+    r = _batch(jobs, out, env, "--json")  # a damaged file of ours: redone
     assert json.loads(r.stdout)[0]["status"] == "converted"
     assert _files(out / "a-bf16") == _straight(tmp_path)["a-bf16"]
-    jobs.write_text("org/a --max-shard-size 2MB --name a-bf16\n")  # another key: started over
+    before = _files(out / "a-bf16")
+    jobs.write_text("org/a --max-shard-size 2MB --name a-bf16\n")  # other settings: refused without --overwrite
     r = _batch(jobs, out, env, "--json")
+    (res,) = json.loads(r.stdout)
+    assert (r.returncode, res["status"], res["rule"]) == (3, "failed", "BATCH-005")
+    assert "max_shard_size=2000000" in res["error"] and "max_shard_size=1000000" in res["error"]
+    assert _files(out / "a-bf16") == before
+    (out / "a-bf16" / "notes.txt").write_text("mine")  # a file the batch did not write
+    r = _batch(jobs, out, env, "--json", "--overwrite")
+    (res,) = json.loads(r.stdout)
+    assert (res["status"], res["rule"]) == ("failed", "BATCH-006") and "notes.txt" in res["error"]
+    assert _files(out / "a-bf16") == {**before, "notes.txt": b"mine"}
+    (out / "a-bf16" / "notes.txt").unlink()
+    r = _batch(jobs, out, env, "--json", "--overwrite")
     (res,) = json.loads(r.stdout)
     assert (res["status"], res["shards_reused"], res["shards_written"]) == ("converted", 0, 3)
     assert len(list((out / "a-bf16").glob("model-*.safetensors"))) == 3
@@ -410,13 +490,14 @@ def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> 
                     f"{MODELS / 'llama_fp4_nodq'} --max-shard-size 1MB --name c\n")
     out = tmp_path / "out"
     env = offline_env(tmp_path)
+    marker = tmp_path / "c.paused"
     cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--max-memory", "256MiB",
-           "--to", "bf16", "--pause-at", "c:2", "--jobs", "2", "--quiet"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+           "--to", "bf16", "--jobs", "2", "--quiet"]
+    proc = subprocess.Popen(cmd, env=paused_env(env, "c", 2, marker), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while not (out / ".convert-bnb" / "c.paused").exists():
+        while not marker.exists() or not marker.read_text():
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)  # the batch only: it must stop its workers itself
@@ -427,8 +508,10 @@ def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> 
     assert proc.returncode == 130
     assert "convert-bnb: interrupted" in err
     state = json.loads((out / ".convert-bnb" / "c.json").read_text())
-    assert (state["status"], state["error"], len(state["shards"])) == ("failed", "signal 15", 2)
-    assert not list((out / ".convert-bnb" / "c.partial").glob(".*"))  # no temporaries left behind
+    assert (state["status"], state["error"]) == ("failed", "signal 15")
+    assert len(_ledger(out, "c")["shards"]) == 2
+    partial = out / ".c.convert-bnb-partial"
+    assert sorted(p.name for p in partial.iterdir() if p.name.startswith(".")) == [".convert-bnb-shards.json"]
     r = _batch(jobs, out, env, "--json")
     assert r.returncode == 0, r.stderr
     res = {x["name"]: x for x in json.loads(r.stdout)}

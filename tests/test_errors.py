@@ -88,12 +88,12 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 def test_unexpected_exception_is_exit_1_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    import convert.plan
+    import convert.job
 
     def boom(*a: object, **k: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(convert.plan, "make_plan", boom)
+    monkeypatch.setattr(convert.job, "make_plan", boom)
     src = one_file(layer())(tmp_path)
     assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == 1
     err = capsys.readouterr().err

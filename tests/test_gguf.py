@@ -835,8 +835,8 @@ def test_cli_gguf_loads_in_llama_cpp(tmp_path):
 
 def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
     """A plan hook (as --merge-lora installs) changes a source; the GGUF carries the changed values."""
-    from convert import cli
     from convert.cli import main
+    from convert.plan import make_plan
 
     class Shifted:
         def __init__(self, base):
@@ -853,13 +853,16 @@ def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
         def finish(self):
             self.base.finish()
 
-    def hook(args, plan):
+    import convert.job
+
+    def shifted_plan(*args, **kwargs):
+        plan = make_plan(*args, **kwargs)
         for t in plan.tensors:
             if t.name == "model.layers.1.self_attn.q_proj.weight":
                 t.source = Shifted(t.source)
         return plan
 
-    monkeypatch.setattr(cli, "PLAN_HOOKS", [hook])
+    monkeypatch.setattr(convert.job, "make_plan", shifted_plan)
     out = tmp_path / "m.gguf"
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f32", "-o", str(out), "-q"]) == 0
     r = gguf.GGUFReader(out)

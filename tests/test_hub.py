@@ -12,12 +12,12 @@ from convert.hub import (
     RepoFile,
     check_disk,
     choose_weight_files,
-    default_repo_output,
     estimate_output_bytes,
     is_repo_id,
     parse_repo_spec,
     resolve_repo,
 )
+from convert.output import default_output
 from convert.plan import make_plan
 from formats.checkpoint import open_checkpoint
 from formats.errors import DiskSpaceError, HubError
@@ -154,11 +154,13 @@ def test_is_repo_id(text: str, expected: bool) -> None:
     assert is_repo_id(text) is expected
 
 
-def test_parse_repo_spec_and_default_output(tmp_path: Path) -> None:
+def test_parse_repo_spec_and_default_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_repo_spec("org/name@v1.0") == ("org/name", "v1.0")
     assert parse_repo_spec("org/name") == ("org/name", None)
-    assert default_repo_output("org/m-bnb-4bit", "bf16", tmp_path) == tmp_path / "m-bnb-4bit-bf16"
-    assert default_repo_output("org/m", "auto", tmp_path) == tmp_path / "m-dequantized"
+    monkeypatch.chdir(tmp_path)
+    assert default_output(None, "bf16", "org/m-bnb-4bit") == tmp_path / "m-bnb-4bit-bf16"
+    assert default_output(None, "auto", "org/m") == tmp_path / "m-dequantized"
+    assert default_output(None, "gguf:q8_0", "org/m") == tmp_path / "m-gguf-q8_0.gguf"
 
 
 def test_choose_weight_files_reads_the_index() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from convert.pipeline import TMP_MARK
+from convert.output import TMP_MARK
 from formats.errors import TruncatedFileError
 from formats.safetensors import SafetensorsReader
 
@@ -115,9 +115,10 @@ def test_sigkill_leaves_only_a_stale_temporary_that_the_next_run_removes(
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    # nothing under the output name; only the hidden temporary, and it does not read as complete
+    # nothing under the output name; only the hidden temporary (which does not read as complete) and
+    # the dead run's claim file (a lock no process holds)
     assert not out.exists()
-    assert [p.name for p in out.parent.iterdir()] == [tmp.name]
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([tmp.name, f".{out.name}.convert-bnb-lock"])
     assert tmp.name.startswith(f".{out.name}{TMP_MARK}")
     shard = tmp if tmp.is_file() else tmp / "model.safetensors"
     if shard.exists():

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert.lora import ROW_ALIGN, lora_delta_rows, plan_merge
+from convert.lora import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows, plan_merge
 from formats.errors import AdapterError, UnsupportedError
 from formats.peft import load_lora_config, open_adapter, parse_adapter_key
 
@@ -420,6 +420,25 @@ def test_delta_rows_do_not_depend_on_chunking(shape: tuple[int, int, int], trans
         assert_bits_equal(np.concatenate(parts), np.ascontiguousarray(full))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_large_delta_rows_do_not_depend_on_chunking(transposed: bool) -> None:
+    """Past WHOLE_PRODUCT_ELEMENTS the product is computed in fixed ROW_ALIGN-row blocks: every chunking
+    gives the bits of those blocks (a BLAS may round a row differently in calls of other shapes)."""
+    rows, cols, r = 2304, 520, 8
+    assert rows * cols > WHOLE_PRODUCT_ELEMENTS
+    rng = np.random.default_rng(5)
+    if transposed:
+        a, b = lora_pair(rng, r, rows, cols, std=1.0)
+        want = np.concatenate([(b @ a[:, s : s + ROW_ALIGN]).T for s in range(0, rows, ROW_ALIGN)])
+    else:
+        a, b = lora_pair(rng, r, cols, rows, std=1.0)
+        want = np.concatenate([b[s : s + ROW_ALIGN] @ a for s in range(0, rows, ROW_ALIGN)])
+    want = want * np.float32(0.75)
+    for step in (1, 37, ROW_ALIGN, 1000, rows):
+        parts = [lora_delta_rows(a, b, 0.75, s, min(rows, s + step), transposed) for s in range(0, rows, step)]
+        assert_bits_equal(np.concatenate(parts), np.ascontiguousarray(want))
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
@@ -755,7 +774,7 @@ def test_cli_report_counts_each_element_once_whatever_the_passes(tmp_path: Path,
 
 def test_lora_source_counts_rows_once_over_uneven_passes() -> None:
     """Two passes with different chunkings (as a pre-pass and a codes pass may have): same figures as one."""
-    from convert.lora_cli import LoraSource
+    from convert.merge import LoraSource
     from convert.plan import make_plan
     from formats.checkpoint import open_checkpoint
     from formats.dtypes import BY_CODE
@@ -815,7 +834,7 @@ def test_cli_original_partly_mismatched_prints_a_note(tmp_path: Path, capsys: py
     orig = _original_with(tmp_path, {q0: None, v1: np.zeros((64, 256), BF)})
     rep = tmp_path / "merge.json"
     rc = _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"),
-               "-o", str(tmp_path / "out"), "--report", str(rep), "--original", str(orig), "-q"])
+               "-o", str(tmp_path / "out"), "--report", str(rep), "--original", str(orig)])
     assert rc == 0
     err = capsys.readouterr().err
     notes = [ln for ln in err.splitlines() if ln.startswith("note: --original")]

@@ -1,4 +1,4 @@
-"""4-bit quantization byte-identical to bitsandbytes (convert/quantize.py).
+"""4-bit quantization byte-identical to bitsandbytes (convert/quant*.py, nested8.py, torch_reduce.py).
 
 The reference files in fixtures/single were written by bitsandbytes 0.50.2 ``quantize_4bit`` on CPU
 (torch 2.13, 2 threads); the expected values of torch's mean below were read off torch 2.13.
@@ -13,24 +13,20 @@ import numpy as np
 import pytest
 
 from convert.kernels import dequantize_4bit, dequantize_nested_absmax, unpack_4bit
-from convert.quantize import (
+from convert.nested8 import double_quantize_absmax, dynamic_map_lut, quantize_blockwise_8bit
+from convert.quant4 import (
     ABSMAX_FLOOR,
     FP4_ORDER,
-    QuantSettings,
     blockwise_absmax,
-    double_quantize_absmax,
-    dynamic_map_lut,
     encode_4bit,
     iter_block_chunks,
-    layer_tensors,
-    quantization_report,
     quantize_4bit,
-    quantize_blockwise_8bit,
     quantize_bounds,
-    quantize_layer,
-    torch_mean_float32,
-    torch_sum_float32,
 )
+from convert.quant_layer import layer_tensors, quantize_layer
+from convert.quant_report import quantization_report
+from convert.quant_settings import QuantSettings
+from convert.torch_reduce import torch_mean_float32, torch_sum_float32
 from formats.bnb import DYNAMIC_MAP_SIGNED, FP4_TABLE, NF4_TABLE, QUANT_TABLES
 from formats.errors import UnsupportedError, UsageError
 from formats.safetensors import SafetensorsReader
@@ -399,7 +395,7 @@ def test_parity_bitsandbytes_quantize_4bit() -> None:
 def test_bucket_tables_equal_the_search(quant_type: str) -> None:
     """The 16-bit bucket lookup gives searchsorted(midpoints, s, 'left') at every bucket edge, around
     every midpoint and on random values."""
-    from convert.quantize import _code_tables, _pack_codes
+    from convert.quant4 import _code_tables, _pack_codes
 
     mid, order = quantize_bounds(quant_type)
     assert _code_tables(mid, order) is not None
@@ -419,7 +415,7 @@ def test_bucket_tables_equal_the_search(quant_type: str) -> None:
 @pytest.mark.parametrize("n", [65_537, 1_000_003, 704_512])
 def test_cascade_sum_in_pieces_equals_one_accumulate(n: int) -> None:
     """_multi_row_sum sums its level-0 groups a few at a time (no n-sized temporary): same bits."""
-    from convert.quantize import _multi_row_sum
+    from convert.torch_reduce import _multi_row_sum
 
     rng = np.random.default_rng(n)
     rows = (np.abs(rng.standard_normal(n - n % 32)) * 0.05).astype(np.float32).reshape(-1, 4, 8)
@@ -451,7 +447,7 @@ def test_cascade_sum_in_pieces_equals_one_accumulate(n: int) -> None:
 
 @pytest.mark.parametrize("n", [1, 255, 256, 70_000, 704_513])
 def test_nested_statistics_equal_double_quantize_absmax(n: int) -> None:
-    from convert.quantize import nested_statistics
+    from convert.nested8 import nested_statistics
 
     am = (np.random.default_rng(n).random(n, dtype=np.float32) * 0.05).astype(np.float32)
     _, nested, offset = double_quantize_absmax(am)

@@ -6,14 +6,9 @@ import numpy as np
 import pytest
 
 from convert.kernels import dequantize_4bit
-from convert.quantize import (
-    QuantSettings,
-    blockwise_absmax,
-    encode_4bit,
-    iter_block_chunks,
-    quantize_4bit,
-    quantize_layer,
-)
+from convert.quant4 import blockwise_absmax, encode_4bit, iter_block_chunks, quantize_4bit
+from convert.quant_layer import quantize_layer
+from convert.quant_settings import QuantSettings
 from formats.bnb import QUANT_TABLES
 
 hypothesis = pytest.importorskip("hypothesis")

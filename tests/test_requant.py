@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from convert.cli import main
-from convert.pipeline import run_plan
+from convert.pipeline import RunSettings, write_plan
 from convert.plan import make_plan
-from convert.quantize import QuantSettings
-from convert.requant import make_quant_plan, matches_module, safetensors_order_key, should_quantize
+from convert.quant_rules import matches_module, should_quantize
+from convert.quant_settings import QuantSettings
+from convert.requant import make_quant_plan, safetensors_order_key
 from formats.checkpoint import open_checkpoint
 from formats.dtypes import BY_CODE, BY_NAME
 
@@ -89,7 +90,7 @@ def test_bin_checkpoint_passes_through(tmp_out: Path) -> None:
 
 
 def test_int8_checkpoint_to_nf4_quantizes_its_exact_dequantization(tmp_out: Path) -> None:
-    from convert.quantize import layer_tensors, quantize_layer
+    from convert.quant_layer import layer_tensors, quantize_layer
 
     assert main([str(MODELS / "llama_int8"), "--to", "nf4", "-o", str(tmp_out), "-q"]) == 0
     got = load_all(tmp_out / "model.safetensors")
@@ -131,7 +132,7 @@ def test_requantize_round_trip_keeps_codes(tmp_out: Path, capsys: pytest.Capture
 def test_merged_lora_model_as_nf4_in_one_command(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--merge-lora + --to nf4: merged layers are bnb's quantization of PEFT's merge (merged_reference),
     the layers the adapter does not touch are copied from the 4-bit base unchanged."""
-    from convert.quantize import layer_tensors, quantize_layer
+    from convert.quant_layer import layer_tensors, quantize_layer
 
     lora = MODELS.parent / "lora"
     assert main([str(MODELS / "llama_nf4_dq"), "--merge-lora", str(lora / "adapter"), "--to", "nf4",
@@ -173,7 +174,8 @@ def test_pieces_cache_and_threads_do_not_change_bytes(tmp_path: Path) -> None:
             plan, info = make_quant_plan(make_plan(ck, "auto"), QuantSettings("nf4", 64, True),
                                          piece_elements=piece, cache_bytes=cache, threads=threads)
             out = tmp_path / f"o{i}"
-            run_plan(plan, out, threads=threads, max_memory=64 << 20)
+            out.mkdir()
+            write_plan(plan, out, RunSettings(threads, 64 << 20))
         assert (out / "model.safetensors").read_bytes() == want
         assert len(info.jobs) == 14
 
@@ -395,12 +397,13 @@ def test_nested_layers_are_read_twice_and_nothing_kept_between_passes(tmp_path: 
                                       threads=threads, max_memory=64 << 20)
         assert len(info.jobs) == 14
         for job in info.jobs:  # after the pre-pass: statistics only
-            assert counters[job.name].produced == job.n
-            assert job._absmax is None and job._codes is None and job._codes_have is None
-        run_plan(qplan, tmp_path / "out", threads=threads, max_memory=64 << 20)
+            assert counters[job.name].produced == job.input.n
+            assert job.absmax.cached is None and job.codes.values is None and job.codes.filled is None
+        (tmp_path / "out").mkdir()
+        write_plan(qplan, tmp_path / "out", RunSettings(threads, 64 << 20))
     for job in info.jobs:
-        assert counters[job.name].produced == 2 * job.n, job.name
-        assert job._codes is None  # dropped with the layer
+        assert counters[job.name].produced == 2 * job.input.n, job.name
+        assert job.codes.values is None  # dropped with the layer
     want = (MODELS / "llama_nf4_dq/model.safetensors").read_bytes()
     assert (tmp_path / "out/model.safetensors").read_bytes() == want
 
@@ -412,8 +415,8 @@ def test_prepass_drops_the_input_layers_caches() -> None:
                                   threads=2)
         assert len(info.jobs) == 14
         for job in info.jobs:
-            assert job.inner._absmax is None, job.name
-            assert job._absmax is None and job._nested is not None and job._median_max is not None
+            assert job.input.source._absmax is None, job.name
+            assert job.absmax.cached is None and job.absmax.nested is not None and job.absmax.median_max is not None
 
 
 def _resident_pages(path: Path, ranges: list[tuple[int, int]]) -> int:
@@ -444,7 +447,7 @@ def test_prepass_releases_the_input_pages(tmp_path: Path) -> None:
     """After the pre-pass no page of a layer's packed codes or absmax stays mapped (large folios too)."""
     from safetensors.numpy import save_file
 
-    from convert.quantize import layer_tensors, quantize_layer
+    from convert.quant_layer import layer_tensors, quantize_layer
 
     rng = np.random.default_rng(5)
     tensors = {}

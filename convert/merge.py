@@ -1,7 +1,7 @@
-"""``--merge-lora ADAPTER`` (repeatable), ``--report merge.json`` and ``--original BASE16`` for the CLI.
+"""LoRA merges in a plan: ``--merge-lora ADAPTER`` (repeatable), ``--report`` and ``--original BASE16``.
 
-Registered through the CLI's hooks (``PARSER_HOOKS``, ``PLAN_HOOKS``, ``RESULT_HOOKS``): after the
-dequantization plan is made, every planned tensor an adapter touches gets its source wrapped in a
+:func:`apply_lora` runs after the dequantization plan is made (:func:`convert.job.convert`, step 4):
+every planned tensor an adapter touches gets its source wrapped in a
 :class:`LoraSource`, which produces whole rows: it asks the wrapped source for the dequantized base
 rows (in the output dtype), merges them with :meth:`convert.lora.TensorMerge.merge_rows` and hands the
 merged rows on. The chunk unit becomes a multiple of both the layer's blocksize and
@@ -13,11 +13,10 @@ shape goes into the plan, and ``vocab_size`` in the output ``config.json`` is up
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,10 @@ from formats.dtypes import DType
 from formats.errors import AdapterError, UsageError
 from formats.peft import open_adapter
 
-from . import cli
-from .lora import ROW_ALIGN, MergePlan, MergeStats, TensorMerge, format_table, plan_merge
+from .lora import ROW_ALIGN, MergePlan, MergeStats, TensorMerge, plan_merge
 from .plan import Plan, PlannedTensor, Source
 
-__all__ = ["LoraSource", "add_arguments", "apply_to_plan", "check_arguments", "report"]
+__all__ = ["LoraRun", "LoraSource", "apply_lora"]
 
 
 class LoraSource(Source):
@@ -133,55 +131,53 @@ class LoraSource(Source):
         self.merge.release()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--merge-lora``, ``--report`` and ``--original`` to the main parser."""
-    g = p.add_argument_group("LoRA merge")
-    g.add_argument("--merge-lora", action="append", default=[], metavar="ADAPTER", type=Path,
-                   help="merge a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
-                   "into the dequantized weights; repeatable, applied in order")
-    g.add_argument("--report", type=Path, metavar="JSON",
-                   help="write the per-tensor merge report (||B A|| scale, ||W||, ratio, quantization error)")
-    g.add_argument("--original", type=Path, metavar="BASE16",
-                   help="the 16-bit model before quantization: adds ||W16 - dequant(W4)|| to the report")
+@dataclass
+class LoraRun:
+    """The adapters merged into one plan, and the report they fill while it is written.
 
-
-def check_arguments(args: argparse.Namespace) -> None:
-    """CHECK_HOOK: refuse option combinations the merge cannot honour (never ignore --merge-lora).
-
-    Raises:
-        UsageError: ``--report`` / ``--original`` without ``--merge-lora``; ``--merge-lora`` with a
-            ``--to`` target whose writer does not merge adapters (its runner lacks ``merges_lora = True``).
+    Attributes:
+        merge: the merge plan (opened adapters).
+        stats: the report accumulator.
+        original: the opened ``--original`` model, or None.
     """
-    if not getattr(args, "merge_lora", None):
-        for opt in ("report", "original"):
-            if getattr(args, opt, None) is not None:
-                raise UsageError(f"--{opt} needs --merge-lora")
-        return
-    runner = cli.EXTRA_TARGETS.get(args.to)
-    if runner is not None and not getattr(runner, "merges_lora", False):
-        raise UsageError(f"--merge-lora is not supported with --to {args.to} yet", found=args.to,
-                         expected="--to auto, bf16, fp16 or fp32")
-    for p in args.merge_lora:
-        if not Path(p).exists():
-            raise UsageError("adapter does not exist", path=p, hint="give a PEFT adapter directory")
+
+    merge: MergePlan
+    stats: MergeStats
+    original: Checkpoint | None
+
+    def report(self, path: Path | None = None) -> dict[str, Any]:
+        """The merge report (after writing), also written to ``path`` when given."""
+        data = self.stats.to_json()
+        data["adapters"] = [str(ad.path) for ad in self.merge.adapters]
+        if path is not None:
+            path.write_text(json.dumps(data, indent=2) + "\n")
+        return data
+
+    def close(self) -> None:
+        """Close the adapters and the original model."""
+        self.merge.close()
+        if self.original is not None:
+            self.original.close()
 
 
-_RUNS: dict[int, tuple[MergePlan, MergeStats, Checkpoint | None]] = {}
+def apply_lora(plan: Plan, adapter_paths: tuple[Path, ...] | list[Path], original_path: Path | None = None) -> LoraRun:
+    """Wrap the source of every planned tensor the adapters touch in a :class:`LoraSource` (in place).
 
+    Args:
+        plan: the dequantization plan; its tensors, notes and config are edited.
+        adapter_paths: PEFT adapter directories, merged in this order.
+        original_path: the 16-bit model before quantization (the report's quantization error), or None.
 
-def apply_to_plan(args: argparse.Namespace, plan: Plan) -> Plan:
-    """PLAN_HOOK: wrap the sources of every tensor the adapters touch (no-op without ``--merge-lora``).
+    Returns:
+        the :class:`LoraRun` (close it when the plan has been written).
 
     Raises:
-        UsageError: ``--report`` / ``--original`` without ``--merge-lora``, or a non-float output tensor.
+        UsageError: a non-float output tensor is touched; ``--original`` matches none of the merged tensors.
         AdapterError, UnsupportedError: the adapters do not fit the model (LORA-xxx).
     """
-    adapters_paths: list[Path] = list(getattr(args, "merge_lora", None) or [])
-    if not adapters_paths:
-        return plan
     adapters = []
     try:
-        for p in adapters_paths:
+        for p in adapter_paths:
             adapters.append(open_adapter(p))
         merge = plan_merge(adapters, {t.name: t.shape for t in plan.tensors})
     except BaseException:
@@ -189,7 +185,23 @@ def apply_to_plan(args: argparse.Namespace, plan: Plan) -> Plan:
             ad.close()
         raise
     stats = merge.new_stats()
-    original = open_checkpoint(args.original) if args.original is not None else None
+    original = open_checkpoint(original_path) if original_path is not None else None
+    try:
+        _wrap(plan, merge, stats, original, original_path)
+    except BaseException:
+        merge.close()
+        if original is not None:
+            original.close()
+        raise
+    plan.notes.append(
+        f"merging {len(adapters)} adapter(s) into {len(merge.tensors)} tensor(s): "
+        + ", ".join(str(p) for p in adapter_paths)
+    )
+    return LoraRun(merge, stats, original)
+
+
+def _wrap(plan: Plan, merge: MergePlan, stats: MergeStats, original: Checkpoint | None,
+          original_path: Path | None) -> None:
     wrapped: list[tuple[int, PlannedTensor, TensorMerge]] = []
     origs: dict[str, Any] = {}
     unmatched: list[str] = []
@@ -208,8 +220,8 @@ def apply_to_plan(args: argparse.Namespace, plan: Plan) -> Plan:
                 stats.notes.append(f"--original has no matching '{t.name}': no quantization error for it")
             else:
                 origs[t.name] = rec
-    if original is not None:
-        _check_original(args.original, original, plan, unmatched, len(unmatched) + len(origs))
+    if original is not None and original_path is not None:
+        _check_original(original_path, original, plan, unmatched, len(unmatched) + len(origs))
     for i, t, tm in wrapped:
         src = LoraSource(t.source, tm, stats, origs.get(t.name))
         plan.tensors[i] = PlannedTensor(t.name, t.dtype, tm.shape, src)
@@ -218,20 +230,14 @@ def apply_to_plan(args: argparse.Namespace, plan: Plan) -> Plan:
     for name, (a, b) in merge.shape_changes.items():
         plan.notes.append(f"{name}: shape {list(a)} -> {list(b)}, taken from the adapter (resized vocabulary)")
     plan.notes.extend(f"LoRA: {n}" for n in stats.notes)
-    plan.notes.append(
-        f"merging {len(adapters)} adapter(s) into {len(merge.tensors)} tensor(s): "
-        + ", ".join(str(p) for p in adapters_paths)
-    )
-    _RUNS[id(plan)] = (merge, stats, original)
-    return plan
 
 
 def _check_original(path: Path, original: Checkpoint, plan: Plan, unmatched: list[str], wanted: int) -> None:
     """Make a ``--original`` that does not fit the model visible.
 
     Nothing matches (another model, or names from another library): an error before anything is
-    written. Some tensors do not match: a ``note:`` line on stderr now (even with ``--quiet``: the
-    report's quantization-error column will be empty for them), besides the plan notes.
+    written. Some tensors do not match: a plan note (the report's quantization-error column will be
+    empty for them).
 
     Raises:
         UsageError: none of the merged tensors has a float tensor of the same name and shape in BASE16.
@@ -243,15 +249,14 @@ def _check_original(path: Path, original: Checkpoint, plan: Plan, unmatched: lis
     found = (f"'{sample}' is {list(rec.shape)} {rec.dtype.code} there" if rec is not None
              else f"no tensor named '{sample}' there")
     if len(unmatched) == wanted:
-        original.close()
         raise UsageError(
             f"--original {path} matches none of the {wanted} merged tensors",
             expected="float tensors with the merged tensors' names and base shapes (the 16-bit model "
             "the input was quantized from)", found=found,
             hint="give the unquantized model this checkpoint was made from, or leave --original out",
         )
-    print(f"note: --original: {len(unmatched)} of {wanted} merged tensors have no matching tensor in {path} "
-          f"(e.g. {found}); their quantization error is left out of the report", file=sys.stderr)
+    plan.notes.append(f"--original: {len(unmatched)} of {wanted} merged tensors have no matching tensor in {path} "
+                      f"(e.g. {found}); their quantization error is left out of the report")
 
 
 def _update_vocab(plan: Plan, merge: MergePlan) -> None:
@@ -261,27 +266,3 @@ def _update_vocab(plan: Plan, merge: MergePlan) -> None:
             if isinstance(cfg, dict) and cfg.get("vocab_size") == a[0] and a[0] != b[0]:
                 cfg["vocab_size"] = b[0]
                 plan.notes.append(f"config.json: vocab_size {a[0]} -> {b[0]}")
-
-
-def report(args: argparse.Namespace, plan: Plan, summary: dict[str, Any]) -> None:
-    """RESULT_HOOK: write ``--report``, add the report to the summary, print the short table."""
-    run = _RUNS.pop(id(plan), None)
-    if run is None:
-        return
-    merge, stats, original = run
-    data = stats.to_json()
-    data["adapters"] = [str(ad.path) for ad in merge.adapters]
-    summary["lora_merge"] = data
-    if args.report is not None:
-        args.report.write_text(json.dumps(data, indent=2) + "\n")
-    if not args.quiet and not args.json:
-        print(format_table(stats, limit=40), file=sys.stderr)
-    merge.close()
-    if original is not None:
-        original.close()
-
-
-cli.PARSER_HOOKS.append(add_arguments)
-cli.CHECK_HOOKS.append(check_arguments)
-cli.PLAN_HOOKS.append(apply_to_plan)
-cli.RESULT_HOOKS.append(report)

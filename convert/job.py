@@ -1,0 +1,360 @@
+"""``convert(ConvertOptions) -> ConvertResult``: one conversion, readable top to bottom.
+
+The command line (:mod:`convert.cli`), batch workers (:mod:`convert.batch`) and library users all
+call :func:`convert`; there is no other path to an output. The steps:
+
+1. check the options against each other (:func:`check_options`; usage errors before any I/O);
+2. resolve the source: a local path, or a Hub repo id fetched into the HF cache (:mod:`convert.hub`);
+3. open the checkpoint (:func:`formats.checkpoint.open_checkpoint`) and plan the dequantization
+   (:func:`convert.plan.make_plan`): every output tensor with the source that produces it;
+4. merge LoRA adapters into the plan (:func:`convert.merge.apply_lora`), when asked;
+5. prepare the target's writer from the static table :data:`convert.targets.TARGETS`
+   (safetensors float, bnb 4-bit, GGUF); ``dry_run`` stops here with the plan;
+6. claim the output, write into staging, verify, commit (:class:`convert.output.OutputClaim`);
+7. return what was done (:class:`ConvertResult`).
+
+Errors are the :mod:`formats.errors` classes, raised where each rule is checked; nothing here
+prints or exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from formats.checkpoint import open_checkpoint
+from formats.errors import SourceNotFoundError, UsageError
+
+from . import __version__
+from .hub import HubSource, is_repo_id, parse_repo_spec, resolve_repo
+from .merge import apply_lora
+from .output import OutputClaim, default_output
+from .pipeline import peak_rss_bytes
+from .plan import make_plan
+from .targets import TARGETS, RunSettings, target_for
+
+__all__ = ["MIN_MEMORY", "ConvertOptions", "ConvertResult", "QuantOptions", "ResolvedSource", "check_options",
+           "convert", "job_key", "resolve_source"]
+
+#: The smallest ``max_memory`` the pipeline can keep to.
+MIN_MEMORY = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """Settings of ``--to nf4|fp4`` (None: the default, as transformers' ``BitsAndBytesConfig``).
+
+    Attributes:
+        blocksize: elements per absmax block, 32..4096 (default 64).
+        double_quant: 8-bit quantize absmax (default on).
+        quant_storage: dtype the packed bytes are stored as (default uint8).
+        skip_modules: modules kept unquantized (transformers ``llm_int8_skip_modules`` matching).
+        include: tensors quantized whatever the selection rules say.
+        requantize: re-quantize bnb layers that already have the asked settings.
+        quant_report: where to write the per-tensor quantization report (JSON), or None.
+        torch_threads: reproduce ``torch.mean`` as with this many torch threads (nested absmax of
+            32768+ blocks).
+    """
+
+    blocksize: int | None = None
+    double_quant: bool | None = None
+    quant_storage: str | None = None
+    skip_modules: tuple[str, ...] = ()
+    include: tuple[str, ...] = ()
+    requantize: bool = False
+    quant_report: Path | None = None
+    torch_threads: int | None = None
+
+    def given(self) -> list[str]:
+        """The command-line flags of the settings that differ from the defaults."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value not in (None, (), False):
+                out.append("--no-double-quant" if value is False else "--" + f.name.replace("_", "-"))
+            elif f.name == "double_quant" and value is False:
+                out.append("--no-double-quant")
+        return out
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """One conversion, as asked.
+
+    Attributes:
+        src: a ``.safetensors`` / ``.bin`` / ``.pt`` file, a model directory, or a Hub repo id
+            ``org/name`` (``org/name@rev``).
+        to: ``auto``, ``bf16``, ``fp16``, ``fp32``, ``nf4``, ``fp4``, ``gguf`` or ``gguf:TYPE``.
+        output: the output path (None: :func:`convert.output.default_output`).
+        revision: with a Hub repo id: branch, tag or commit sha.
+        max_memory: the working-memory cap in bytes (>= 64 MiB).
+        threads: worker threads (None: all cores).
+        max_shard_size: largest output shard in bytes (directory outputs).
+        merge_lora: PEFT LoRA adapter directories merged in, in order.
+        report: with ``merge_lora``: where to write the merge report (JSON), or None.
+        original: with ``merge_lora``: the 16-bit model before quantization (adds the quantization
+            error to the report), or None.
+        quant: the ``--to nf4|fp4`` settings.
+        dry_run: plan only; write nothing.
+        overwrite: replace an existing output.
+        verify: re-read the output before committing it.
+        progress: show progress bars on stderr.
+        resume_key: make the run resumable (finished shards of a killed run with the same key are kept;
+            batch jobs), or None.
+        manifest: list every output file with its size and sha256 in the result.
+    """
+
+    src: str
+    to: str = "auto"
+    output: Path | None = None
+    revision: str | None = None
+    max_memory: int = 1 << 30
+    threads: int | None = None
+    max_shard_size: int = 5 * 10**9
+    merge_lora: tuple[Path, ...] = ()
+    report: Path | None = None
+    original: Path | None = None
+    quant: QuantOptions = field(default_factory=QuantOptions)
+    dry_run: bool = False
+    overwrite: bool = False
+    verify: bool = True
+    progress: bool = False
+    resume_key: dict[str, Any] | None = None
+    manifest: bool = False
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion did (``--json`` prints :meth:`to_dict`).
+
+    Attributes:
+        source: the input as given (a path, or ``org/name``).
+        commit: the Hub commit the input was read at, or None for a local path.
+        to: the target.
+        output: the output path.
+        dry_run: the plan (``dry_run``: nothing was written), else None.
+        plan_text: the plan as a table, with ``dry_run``.
+        output_exists: with ``dry_run``: whether the output path exists already.
+        tensors: tensors written.
+        elements: elements written.
+        bytes_in: tensor bytes read.
+        bytes_out: bytes written (all files).
+        seconds: wall time.
+        gelem_per_s: elements written per second, in billions.
+        peak_rss_bytes: the process's peak resident set (bytes).
+        fp16_overflow: values that became inf when rounded to float16.
+        fp16_underflow: non-zero values that became 0 when rounded to float16.
+        shards_written: output files written by this run; shards_reused: kept from a killed run.
+        removed_stale: what the output claim recovered from dead runs.
+        files: with ``manifest``: ``{relative path: {"bytes", "sha256"}}`` of the output.
+        notes: things the user should know.
+        details: target-specific results (``gguf``, ``quantized``, ``report``, ``lora_merge``).
+    """
+
+    source: str
+    to: str
+    output: str
+    commit: str | None = None
+    dry_run: dict[str, Any] | None = None
+    plan_text: str = ""
+    output_exists: bool = False
+    tensors: int = 0
+    elements: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    gelem_per_s: float = 0.0
+    peak_rss_bytes: int = 0
+    fp16_overflow: int = 0
+    fp16_underflow: int = 0
+    shards_written: int = 0
+    shards_reused: int = 0
+    removed_stale: list[str] = field(default_factory=list)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: the fields, with ``details`` flattened in (a dry run gives the plan)."""
+        if self.dry_run is not None:
+            return {**self.dry_run, "output": self.output, "output_exists": self.output_exists}
+        d = asdict(self)
+        for k in ("dry_run", "plan_text", "output_exists", "details"):
+            d.pop(k)
+        d.update(self.details)
+        return d
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """The input, as a local path.
+
+    Attributes:
+        path: the file or directory to open (a Hub snapshot directory for a repo).
+        hub: the resolved repo (id, revision, commit), or None for a local path.
+    """
+
+    path: Path
+    hub: HubSource | None = None
+
+    @property
+    def label(self) -> str:
+        """What identifies the input for resuming: the absolute path, or the repo id."""
+        return self.hub.repo_id if self.hub is not None else str(self.path.resolve())
+
+
+def check_options(options: ConvertOptions) -> None:
+    """Refuse option values and combinations that cannot be honoured, before anything is read.
+
+    Raises:
+        UsageError: an unknown target; ``threads`` or ``max_shard_size`` below 1; ``max_memory``
+            below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
+            directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1.
+    """
+    target_for(options.to)
+    if options.threads is not None and options.threads < 1:
+        raise UsageError("--threads must be at least 1", found=options.threads)
+    if options.max_shard_size < 1:
+        raise UsageError("--max-shard-size must be at least 1 byte", found=options.max_shard_size)
+    if options.max_memory < MIN_MEMORY:
+        raise UsageError("--max-memory is too small", expected=">= 64MiB", found=options.max_memory)
+    if not options.merge_lora:
+        for flag, value in (("--report", options.report), ("--original", options.original)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --merge-lora")
+    for p in options.merge_lora:
+        if not Path(p).exists():
+            raise UsageError("adapter does not exist", path=p, hint="give a PEFT adapter directory")
+    if options.to in ("nf4", "fp4"):
+        if options.quant.torch_threads is not None and options.quant.torch_threads < 1:
+            raise UsageError("--torch-threads must be at least 1", found=options.quant.torch_threads)
+    elif options.quant.given():
+        raise UsageError(f"{options.quant.given()[0]} needs --to nf4 or --to fp4", expected="--to nf4|fp4",
+                         found=f"--to {options.to}")
+
+
+def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", output: Path | None = None,
+                   progress: bool = False) -> ResolvedSource:
+    """A local path as it is; a Hub repo id (``org/name``, ``org/name@rev``) fetched into the HF cache.
+
+    Args:
+        src: the SRC argument.
+        revision: ``--revision`` (wins over ``@rev`` in SRC); only for repo ids.
+        to: the target, for the Hub disk pre-flight's output estimate.
+        output: the output path, for the Hub disk pre-flight.
+        progress: show huggingface_hub's progress bars.
+
+    Raises:
+        UsageError: ``revision`` with a local path.
+        SourceNotFoundError: no such path, and not a repo id (CKPT-010).
+        HubError, DiskSpaceError: from :func:`convert.hub.resolve_repo`.
+    """
+    if os.path.exists(src):
+        if revision:
+            raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=src)
+        return ResolvedSource(Path(src))
+    repo, rev = parse_repo_spec(src)
+    if not is_repo_id(repo):
+        raise SourceNotFoundError("SRC does not exist", path=src,
+                                  hint="give a .safetensors file, a model directory or a Hub repo id org/name")
+    hub = resolve_repo(repo, revision or rev, out=output, to=to, progress=progress)
+    return ResolvedSource(hub.path, hub)
+
+
+def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
+    """What must be equal for finished work of an earlier run to be reused: the source (and commit),
+    every setting that changes the bytes written, and the converter version. JSON data (it is stored in
+    state files and compared with what is read back)."""
+    return json.loads(json.dumps({
+        "source": source.label,
+        "commit": source.hub.commit if source.hub is not None else None,
+        "to": options.to,
+        "max_shard_size": options.max_shard_size,
+        "merge_lora": [str(Path(p).resolve()) for p in options.merge_lora],
+        "quant": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options.quant).items()
+                  if k != "quant_report"},
+        "converter": f"convert-bnb {__version__}",
+    }))
+
+
+def convert(options: ConvertOptions) -> ConvertResult:
+    """Run one conversion (see the module docstring for the steps).
+
+    Args:
+        options: what to convert, to what, where, and how.
+
+    Returns:
+        the :class:`ConvertResult`.
+
+    Raises:
+        ConvertBnbError: a usage error, an input rule broken (file, tensor and rule named), an
+            output rule (OUT-xxx, USE-002/003); OSError from the file system.
+    """
+    t0 = time.perf_counter()
+    check_options(options)
+    target = TARGETS[target_for(options.to)]
+    repo = parse_repo_spec(options.src)[0] if not os.path.exists(options.src) else None
+    out = options.output or default_output(None if repo else Path(options.src), options.to,
+                                           repo if repo and is_repo_id(repo) else None)
+    source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress)
+    result = ConvertResult(source=options.src, to=options.to, output=str(out),
+                           commit=source.hub.commit if source.hub else None)
+    with open_checkpoint(source.path) as ckpt:
+        plan = make_plan(ckpt, target.dequantize_to, max_shard_size=options.max_shard_size)
+        lora = apply_lora(plan, options.merge_lora, options.original) if options.merge_lora else None
+        try:
+            if source.hub is not None:
+                note = f"source: Hub repo {source.hub.repo_id}@{source.hub.commit}"
+                if source.hub.downloaded_bytes:
+                    note += f" ({source.hub.downloaded_bytes} bytes downloaded)"
+                plan.notes.append(note)
+            model_name = source.hub.repo_id if source.hub is not None else ckpt.source.resolve().name
+            job = target.prepare(plan, options, model_name)
+            if options.dry_run:
+                result.dry_run = job.plan_dict()
+                result.plan_text = job.describe()
+                result.output_exists = out.exists()
+                return result
+            run = RunSettings(threads=max(1, options.threads or os.cpu_count() or 1),
+                              max_memory=options.max_memory, progress=options.progress, label=out.name)
+            resume_key = None
+            if options.resume_key is not None:
+                resume_key = {**options.resume_key, "job": job_key(options, source)}
+            with OutputClaim(out, is_dir=job.is_dir, nbytes=job.out_nbytes, inputs=[ckpt.source],
+                             overwrite=options.overwrite, resume_key=resume_key,
+                             file_suffix=job.file_suffix) as claim:
+                written = job.write(claim.staging, run, claim.ledger)
+                if options.verify:
+                    job.verify(claim.staging)
+                result.bytes_out = _size(claim.staging)
+                if options.manifest:
+                    result.files = claim.manifest()
+                claim.commit()
+            result.removed_stale = claim.recovered
+            result.shards_written, result.shards_reused = written
+            if lora is not None:
+                result.details["lora_merge"] = lora.report(options.report)
+        finally:
+            if lora is not None:
+                lora.close()
+    result.notes = job.notes()
+    result.details.update(job.details())
+    result.tensors = job.tensors
+    result.elements = job.elements
+    result.bytes_in = job.in_nbytes
+    result.fp16_overflow, result.fp16_underflow = job.fp16_counts()
+    result.seconds = time.perf_counter() - t0
+    result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
+    result.peak_rss_bytes = peak_rss_bytes()
+    return result
+
+
+def _size(path: Path) -> int:
+    """Bytes of the output: a file, or every file of a directory."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))

@@ -1,0 +1,438 @@
+"""The one output protocol every target uses: naming, pre-flight, claim, staging, commit, recovery.
+
+A conversion's output (a ``.safetensors`` file, a model directory, or a ``.gguf`` file) appears at
+its final path only complete, and an existing output is replaced only when asked. The steps, in
+:class:`OutputClaim`:
+
+1. Pre-flight: the output is of the right kind (a model directory gives a directory, USE-003), is
+   not the input or inside it (USE-002), does not exist unless ``overwrite`` (OUT-001), and the disk
+   has room for the planned bytes plus :data:`DISK_HEADROOM` (OUT-002).
+2. Claim: ``.<name>.convert-bnb-lock`` beside the output, held with ``flock(LOCK_EX | LOCK_NB)`` for
+   the whole run. A second run for the same path is refused at once (OUT-004); a run that dies
+   (even by SIGKILL) drops its lock with its file descriptors.
+3. Recovery, under the claim (so no live run owns what is found): a staging temporary of a dead run
+   (``.<name>.convert-bnb-tmp-<pid>``) is removed; an old output set aside by an ``--overwrite``
+   commit that died (``.<name>.convert-bnb-old-<pid>``) is put back when the final path is empty
+   (roll back) or removed when the new output is in place (roll forward).
+4. Staging: the target writes under ``.<name>.convert-bnb-tmp-<pid>`` beside the output, or under
+   ``.<name>.convert-bnb-partial`` for a resumable run (batch jobs): that one is kept when the run
+   fails, with a record of the finished shards (:class:`ShardLedger`), so the next run writes only
+   the rest.
+5. Commit: a file is installed with one ``os.replace`` (atomic, over an old file too). A directory
+   with no output in place is one rename; over an existing directory the old one is first renamed
+   aside, then the new one renamed in, then the old one removed - a kill between the two renames
+   leaves the old output aside, which step 3 of the next run restores. The parent directory is
+   fsynced after each rename.
+
+On any error or interruption the temporary is removed (a resumable staging directory is kept) and
+the claim released; the input is never opened for writing.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from formats.errors import (
+    DiskSpaceError,
+    OutputBusyError,
+    OutputExistsError,
+    OutputInsideInputError,
+    OutputKindError,
+)
+
+__all__ = [
+    "DISK_HEADROOM",
+    "TMP_MARK",
+    "OutputClaim",
+    "ShardLedger",
+    "default_output",
+    "file_manifest",
+    "output_name",
+    "recorded_shards",
+    "remove_path",
+    "sha256_file",
+    "user_path",
+]
+
+#: Marks of the hidden names beside an output ``NAME``: ``.NAME<mark>...``.
+TMP_MARK = ".convert-bnb-tmp-"
+OLD_MARK = ".convert-bnb-old-"
+LOCK_MARK = ".convert-bnb-lock"
+PARTIAL_MARK = ".convert-bnb-partial"
+#: Free space required beyond the planned output bytes (headers, index, config, tokenizer, metadata).
+DISK_HEADROOM = 64 * 1024 * 1024
+#: The record of finished shards inside a resumable staging directory.
+LEDGER_NAME = ".convert-bnb-shards.json"
+
+
+# ---------------------------------------------------------------------------------------- naming
+
+def output_name(stem: str, to: str, *, single_file: bool) -> str:
+    """The default output name for an input named ``stem`` converted ``--to to``.
+
+    ``model-bnb-4bit`` -> ``model-bnb-4bit-bf16`` (a directory), ``weights`` (a file input) ->
+    ``weights-bf16.safetensors``, ``--to auto`` -> ``...-dequantized``, ``--to gguf:q8_0`` ->
+    ``...-gguf-q8_0.gguf`` (GGUF is one file whatever the input).
+
+    Args:
+        stem: a directory's or repo's name, or a file's name without its suffix.
+        to: the ``--to`` value.
+        single_file: whether a safetensors output would be one file (a file input).
+    """
+    suffix = "dequantized" if to == "auto" else to.replace(":", "-")
+    if to.startswith("gguf"):
+        return f"{stem}-{suffix}.gguf"
+    return f"{stem}-{suffix}" + (".safetensors" if single_file else "")
+
+
+def default_output(src: Path | None, to: str, repo_id: str | None = None) -> Path:
+    """Where the output goes without ``-o``: next to a local SRC, or in the working directory for a
+    Hub repo (``org/name`` -> ``./name-<suffix>``). See :func:`output_name`."""
+    if repo_id is not None:
+        return Path.cwd() / output_name(repo_id.rsplit("/", 1)[-1], to, single_file=False)
+    assert src is not None
+    if src.is_dir():
+        return src.with_name(output_name(src.name, to, single_file=False))
+    return src.with_name(output_name(src.stem, to, single_file=True))
+
+
+def _hidden(final: Path, mark: str, tail: str = "") -> Path:
+    return final.with_name(f".{final.name}{mark}{tail}")
+
+
+def user_path(path: Path) -> Path:
+    """The output a hidden staging or set-aside name stands for (``.OUT.convert-bnb-tmp-PID`` -> ``OUT``),
+    for messages; other paths unchanged."""
+    name = path.name
+    for mark in (TMP_MARK, OLD_MARK, PARTIAL_MARK, LOCK_MARK):
+        if name.startswith(".") and mark in name:
+            return path.with_name(name[1 : name.index(mark)])
+    return path
+
+
+# ---------------------------------------------------------------------------------------- files
+
+def remove_path(p: Path) -> None:
+    """Remove a file, link or directory tree; a missing path is fine."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in ``chunk``-byte pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def file_manifest(root: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"bytes", "sha256"}}`` of every file under ``root`` (a file: its own name).
+
+    Args:
+        root: an output directory or file.
+        known: entries already hashed, reused when the size still matches.
+    """
+    known = known or {}
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    out: dict[str, dict[str, Any]] = {}
+    for f in files:
+        rel = f.name if root.is_file() else f.relative_to(root).as_posix()
+        size = f.stat().st_size
+        rec = known.get(rel)
+        sha = rec["sha256"] if rec and rec.get("bytes") == size else sha256_file(f)
+        out[rel] = {"bytes": size, "sha256": sha}
+    return out
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some file systems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------- resume
+
+@dataclass
+class ShardLedger:
+    """Finished shards of a resumable staging directory, kept in ``LEDGER_NAME`` inside it.
+
+    A shard is reused only when the ledger's ``key`` (the job's settings) equals the run's and the
+    file still has the recorded size and sha256.
+
+    Attributes:
+        directory: the staging directory.
+        key: what must be equal for finished shards to be reused.
+        shards: ``{file name: {"bytes", "sha256"}}``.
+    """
+
+    directory: Path
+    key: dict[str, Any]
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, directory: Path, key: dict[str, Any]) -> ShardLedger:
+        """The ledger of ``directory`` for ``key``; empty (and the directory emptied) when the key differs."""
+        try:
+            data = json.loads((directory / LEDGER_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict) and data.get("key") == key and isinstance(data.get("shards"), dict):
+            return cls(directory, key, dict(data["shards"]))
+        for p in list(directory.iterdir()) if directory.is_dir() else []:
+            remove_path(p)
+        return cls(directory, key)
+
+    def reusable(self, name: str) -> bool:
+        """Whether shard ``name`` is finished: recorded, with its recorded size and sha256. A file that is
+        not (unrecorded, cut short, damaged) is removed, to be written again."""
+        rec = self.shards.get(name)
+        path = self.directory / name
+        ok = (rec is not None and path.is_file() and path.stat().st_size == rec.get("bytes")
+              and sha256_file(path) == rec.get("sha256"))
+        if not ok:
+            self.shards.pop(name, None)
+            remove_path(path)
+        return ok
+
+    def record(self, name: str) -> None:
+        """Record shard ``name`` as finished (written atomically: a kill leaves the old or the new ledger)."""
+        path = self.directory / name
+        self.shards[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        tmp = self.directory / f"{LEDGER_NAME}.tmp"
+        tmp.write_text(json.dumps({"key": self.key, "shards": self.shards}, indent=2, sort_keys=True) + "\n",
+                       encoding="utf-8")
+        os.replace(tmp, self.directory / LEDGER_NAME)
+
+    def keep_only(self, names: list[str]) -> None:
+        """Remove files the plan does not name (shards of an earlier plan, leftovers)."""
+        for p in list(self.directory.iterdir()):
+            if p.name not in names and p.name != LEDGER_NAME:
+                remove_path(p)
+        for stale in set(self.shards) - set(names):
+            del self.shards[stale]
+
+
+def recorded_shards(final: Path, key: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The shards a resumable run of ``final`` with ``key`` has finished (read only; for plans)."""
+    try:
+        data = json.loads((_hidden(final, PARTIAL_MARK) / LEDGER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if isinstance(data, dict) and data.get("key") == key and isinstance(data.get("shards"), dict):
+        return dict(data["shards"])
+    return {}
+
+
+# ---------------------------------------------------------------------------------------- the claim
+
+class OutputClaim:
+    """Owns one output path for a run: pre-flight, exclusive claim, recovery, staging and commit.
+
+    Use as a context manager; write into :attr:`staging`, then call :meth:`commit`. Leaving the
+    block without a commit (an error, an interrupt) removes the staging temporary (a resumable
+    one is kept) and releases the claim.
+
+    Args:
+        final: the output path.
+        is_dir: whether the output is a directory.
+        nbytes: the planned output bytes, for the disk pre-flight.
+        inputs: the input paths (the output must not be one of them or inside one).
+        overwrite: replace an existing output.
+        resume_key: make the staging resumable (``.NAME.convert-bnb-partial`` with a
+            :class:`ShardLedger` for this key), or None.
+        file_suffix: the suffix a file output of this kind has (a directory must not be named so).
+
+    Raises (on enter):
+        OutputKindError: USE-003; OutputInsideInputError: USE-002; OutputBusyError: OUT-004;
+        OutputExistsError: OUT-001; DiskSpaceError: OUT-002.
+    """
+
+    def __init__(self, final: Path, *, is_dir: bool, nbytes: int, inputs: list[Path], overwrite: bool = False,
+                 resume_key: dict[str, Any] | None = None, file_suffix: str = ".safetensors") -> None:
+        self.final = Path(final)
+        self.is_dir = is_dir
+        self.nbytes = nbytes
+        self.inputs = inputs
+        self.overwrite = overwrite
+        self.resume_key = resume_key
+        self.file_suffix = file_suffix
+        self.recovered: list[str] = []
+        self.ledger: ShardLedger | None = None
+        self.staging = (_hidden(self.final, PARTIAL_MARK) if resume_key is not None
+                        else _hidden(self.final, TMP_MARK, str(os.getpid())))
+        self._lock_fd: int | None = None
+        self._committed = False
+
+    # -- enter / exit
+    def __enter__(self) -> OutputClaim:
+        self._check_kind()
+        self._check_not_input()
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self._acquire()
+        try:
+            self.recovered = self._recover()
+            if (self.final.exists() or self.final.is_symlink()) and not self.overwrite:
+                raise OutputExistsError("output exists", path=self.final, action="write",
+                                        hint="pass --overwrite to replace it, or choose -o")
+            self._check_disk()
+            if self.resume_key is not None and self.is_dir:
+                self.staging.mkdir(exist_ok=True)
+                self.ledger = ShardLedger.open(self.staging, self.resume_key)
+            else:
+                remove_path(self.staging)
+                if self.is_dir:
+                    self.staging.mkdir()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if not self._committed and not (self.resume_key is not None and self.is_dir):
+                remove_path(self.staging)
+        finally:
+            self._release()
+
+    # -- pre-flight
+    def _check_kind(self) -> None:
+        out, suffix = self.final, self.file_suffix
+        if self.is_dir and out.suffix.lower() == suffix:
+            raise OutputKindError(
+                f"a model directory converts to a directory, but -o names a '{suffix}' file", path=out,
+                action="write", hint=f"give -o a directory name (without '{suffix}'), or convert one weight file "
+                "instead")
+        if not self.is_dir and out.is_dir() and suffix == ".gguf":
+            raise OutputKindError("GGUF output is one file, and -o names a directory", path=out, action="write",
+                                  expected="a file", found="a directory", hint="give a file name such as model.gguf")
+        if out.exists() and out.is_dir() != self.is_dir:
+            want, have = ("a directory", "a file") if self.is_dir else ("a file", "a directory")
+            raise OutputKindError(
+                "the output exists and is of the other kind; --overwrite never replaces one with the other",
+                path=out, action="write", expected=want, found=have)
+
+    def _check_not_input(self) -> None:
+        out = self.final.resolve()
+        for src in self.inputs:
+            src = src.resolve()
+            if out == src or src in out.parents:
+                raise OutputInsideInputError("output must not be the input or inside it", path=self.final,
+                                             action="write", hint="choose an output path outside the input with -o")
+
+    def _check_disk(self) -> None:
+        need = self.nbytes + DISK_HEADROOM
+        free = int(shutil.disk_usage(self.final.parent).free)
+        if free < need:
+            raise DiskSpaceError(
+                "not enough free disk space for the output", path=self.final.parent, action="write",
+                expected=f">= {need} bytes free", found=f"{free} bytes free",
+                hint="free some space or write elsewhere with -o")
+
+    # -- claim
+    def _acquire(self) -> None:
+        """Hold ``.NAME.convert-bnb-lock``; retried when another run removed the file between our open and
+        our lock (the lock must be on the file that is at the path)."""
+        path = _hidden(self.final, LOCK_MARK)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise OutputBusyError(
+                    "another convert-bnb run is writing this output", path=self.final, action="write",
+                    hint=f"wait for it to finish (its pid is in '{path.name}'), or choose another path with -o",
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+                self._lock_fd = fd
+                return
+            os.close(fd)
+
+    def _release(self) -> None:
+        if self._lock_fd is None:
+            return
+        try:
+            os.unlink(_hidden(self.final, LOCK_MARK))  # unlinked while held: a waiting run re-opens a new file
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def _recover(self) -> list[str]:
+        """Finish or undo what dead runs left beside the output (we hold the claim: none of it is live).
+
+        Returns:
+            one line per thing done, for the summary.
+        """
+        done: list[str] = []
+        parent = self.final.parent
+        name = self.final.name
+        for p in sorted(parent.iterdir()):
+            if p.name.startswith(f".{name}{OLD_MARK}"):
+                if self.final.exists() or self.final.is_symlink():
+                    remove_path(p)
+                    done.append(f"removed an old output set aside by an interrupted --overwrite: {p}")
+                else:
+                    os.rename(p, self.final)
+                    _fsync_dir(parent)
+                    done.append(f"restored the output that an interrupted --overwrite had set aside: {self.final}")
+        for p in sorted(parent.iterdir()):
+            if p.name.startswith(f".{name}{TMP_MARK}"):
+                remove_path(p)
+                done.append(f"removed a stale temporary left by an interrupted run: {p}")
+        return done
+
+    def manifest(self) -> dict[str, dict[str, Any]]:
+        """``{relative path: {"bytes", "sha256"}}`` of the staged output, named as it will be installed
+        (shards already hashed by the ledger are not read again)."""
+        if not self.is_dir:
+            return {self.final.name: file_manifest(self.staging)[self.staging.name]}
+        files = file_manifest(self.staging, self.ledger.shards if self.ledger is not None else None)
+        files.pop(LEDGER_NAME, None)
+        return files
+
+    # -- commit
+    def commit(self) -> None:
+        """Install the staged output at the final path (see the module docstring, step 5)."""
+        if self.ledger is not None:
+            remove_path(self.staging / LEDGER_NAME)
+        parent = self.final.parent
+        if self.final.exists() and self.is_dir:
+            old = _hidden(self.final, OLD_MARK, str(os.getpid()))
+            os.rename(self.final, old)
+            os.rename(self.staging, self.final)
+            _fsync_dir(parent)
+            remove_path(old)
+        else:
+            os.replace(self.staging, self.final)
+            _fsync_dir(parent)
+        self._committed = True

@@ -1,0 +1,295 @@
+"""4-bit quantization in bitsandbytes' layout, byte-identical to ``bitsandbytes.functional.quantize_4bit``.
+
+Pure NumPy, no I/O. Numerics (docs/bnb-format.md section 3, verified byte for byte against files
+bitsandbytes 0.50.2 wrote, and against bitsandbytes and torch 2.13 themselves):
+
+4-bit codes (``backends/default/ops.py``, the generic ``quantize_4bit`` kernel)
+    The input is upcast to fp32 and cut into flat blocks of ``blocksize`` elements (blocks cross
+    rows). ``absmax[b] = max |x|`` over the block. A full block is scaled by the fp32 reciprocal,
+    ``s = clip(x * fp32(1 / max(absmax, 1e-38)), -1, 1)``, and stores absmax as is (an all-zero
+    block stores 0.0). The partial last block uses a true division ``x / max(absmax, 1e-38)`` and
+    stores the clamped value (an all-zero tail stores 1e-38, fp32 bits 0x006ce3ee).
+    ``code = searchsorted(midpoints, s, side="left")`` over the fp32 midpoints of the sorted table,
+    so a tie goes to the lower code; FP4 maps the sorted index through :data:`FP4_ORDER`. Byte k
+    holds code 2k in its high nibble and code 2k+1 in its low one; an odd count is padded with a
+    scaled value of 0.0 (nibble 7 for NF4, 0 for FP4).
+
+The double quantization of absmax (``compress_statistics=True``) is :mod:`convert.nested8`.
+
+Chunking: every function that takes a slice of the flat tensor accepts any slice that starts on a
+block boundary; only the slice that ends the tensor may end inside a block (its partial block is the
+tensor's tail) or on an odd element. Concatenating the results of consecutive slices gives the
+result for the whole tensor, byte for byte (:func:`iter_block_chunks` yields such slices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from formats.bnb import BLOCKSIZES, QUANT_TABLES
+from formats.errors import UnsupportedError, UsageError
+
+from .kernels import PIECE
+
+__all__ = [
+    "ABSMAX_FLOOR",
+    "FP4_ORDER",
+    "blockwise_absmax",
+    "check_blocksize",
+    "check_quant_type",
+    "encode_4bit",
+    "iter_block_chunks",
+    "quantize_4bit",
+    "quantize_bounds",
+]
+
+#: The floor bnb clamps absmax to before dividing (``absmax.clamp(min=1e-38)``), fp32 bits 0x006ce3ee.
+ABSMAX_FLOOR = np.float32(1e-38)
+#: FP4 code of each position of the sorted FP4 table (``torch.argsort(code)`` in bnb, fixed here so
+#: that the two +0.0 entries, codes 0 and 8, keep bnb's order).
+FP4_ORDER = np.array([11, 10, 13, 12, 15, 14, 9, 0, 8, 1, 6, 7, 4, 5, 2, 3], dtype=np.uint8)
+
+_F32 = np.float32
+
+
+def check_quant_type(quant_type: str) -> None:
+    """Check a 4-bit quant type (also :class:`~convert.quant_settings.QuantSettings`'s check).
+
+    Raises:
+        UsageError: QNT-001, quant_type is not ``"nf4"`` or ``"fp4"``.
+    """
+    if quant_type not in QUANT_TABLES:
+        raise UsageError("quant_type must be nf4 or fp4", rule="QNT-001", expected="'nf4' or 'fp4'",
+                         found=quant_type)
+
+
+def check_blocksize(blocksize: int) -> None:
+    """Check a 4-bit blocksize against :data:`formats.bnb.BLOCKSIZES`.
+
+    Raises:
+        UsageError: QNT-002, blocksize is not a power of two from 32 to 4096.
+    """
+    if blocksize not in BLOCKSIZES:
+        raise UsageError("blocksize must be a power of two from 32 to 4096", rule="QNT-002",
+                         expected=list(BLOCKSIZES), found=blocksize)
+
+
+def quantize_bounds(quant_type: str) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]]:
+    """The decision bounds of the 4-bit encoder.
+
+    Matches bitsandbytes ``backends/default/ops.py::_get_4bit_quantize_bounds``.
+
+    Args:
+        quant_type: ``"nf4"`` or ``"fp4"``.
+
+    Returns:
+        (``float32[15]`` midpoints of the sorted table, each ``fp32((a + b) / 2)``;
+        ``uint8[16]`` the code of each sorted position: identity for NF4, :data:`FP4_ORDER` for FP4).
+
+    Raises:
+        UsageError: QNT-001, unknown quant_type.
+    """
+    check_quant_type(quant_type)
+    table = QUANT_TABLES[quant_type]
+    order = np.arange(16, dtype=np.uint8) if quant_type == "nf4" else FP4_ORDER
+    srt = table[order]
+    mid = ((srt[:-1] + srt[1:]) / _F32(2)).astype(_F32)
+    return mid, order
+
+
+def _flat_f32(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    a = np.asarray(x)
+    if a.dtype != np.float32:
+        a = a.astype(np.float32)
+    return a.reshape(-1)
+
+
+def _finite_absmax(absmax: npt.NDArray[np.float32]) -> None:
+    if not np.isfinite(absmax).all():
+        bad = int(np.flatnonzero(~np.isfinite(absmax))[0])
+        raise UnsupportedError("the tensor to quantize holds NaN or infinite values", rule="QNT-003",
+                               expected="finite values", found=f"non-finite value in block {bad}",
+                               hint="fix or skip this tensor (--skip-modules)")
+
+
+def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32]:
+    """Per-block absmax of a block-aligned slice of the flat tensor (pass 1 of two).
+
+    Matches the absmax that bitsandbytes ``quantize_4bit`` (generic kernel) returns: ``max |x|`` in
+    fp32 for full blocks; for a partial last block ``max(max |x|, 1e-38)``.
+
+    Args:
+        x: ``float16|bfloat16|float32[m]`` (any shape; read flat), starting on a block boundary.
+        blocksize: elements per block.
+
+    Returns:
+        ``float32[ceil(m / blocksize)]``.
+
+    Raises:
+        UnsupportedError: QNT-003, x holds NaN or infinity.
+    """
+    x = np.asarray(x).reshape(-1)
+    m = x.size
+    nb_full = m // blocksize
+    out = np.empty(-(-m // blocksize), dtype=_F32)
+    piece = max(1, PIECE // blocksize)
+    for b in range(0, nb_full, piece):
+        e = min(nb_full, b + piece)
+        blk = _flat_f32(x[b * blocksize : e * blocksize]).reshape(e - b, blocksize)
+        np.max(np.abs(blk), axis=1, out=out[b:e])
+    if m > nb_full * blocksize:
+        out[-1] = max(np.abs(_flat_f32(x[nb_full * blocksize :])).max(), ABSMAX_FLOOR)
+    _finite_absmax(out)
+    return out
+
+
+def encode_4bit(
+    x: npt.ArrayLike,
+    absmax: npt.NDArray[np.float32],
+    blocksize: int,
+    quant_type: str,
+    bounds: tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None = None,
+) -> npt.NDArray[np.uint8]:
+    """Packed 4-bit codes of a block-aligned slice, given its absmax (pass 2 of two).
+
+    Matches the codes of bitsandbytes ``quantize_4bit`` (generic kernel): fp32 reciprocal for full
+    blocks, true division for a partial last block, ties to the lower code, odd count padded.
+
+    Args:
+        x: ``float16|bfloat16|float32[m]`` (any shape; read flat), starting on a block boundary.
+        absmax: ``float32[ceil(m / blocksize)]`` from :func:`blockwise_absmax` of the same slice.
+        blocksize: elements per block (even).
+        quant_type: ``"nf4"`` or ``"fp4"``.
+        bounds: optional :func:`quantize_bounds` result (saves recomputing it per slice).
+
+    Returns:
+        ``uint8[ceil(m / 2)]``; byte k = code[2k] << 4 | code[2k+1].
+
+    Raises:
+        UsageError: QNT-001, unknown quant_type.
+    """
+    mid, order = bounds if bounds is not None else quantize_bounds(quant_type)
+    is_nf4 = quant_type == "nf4"
+    x = np.asarray(x).reshape(-1)
+    absmax = np.asarray(absmax, dtype=_F32).reshape(-1)
+    m = x.size
+    nb_full = m // blocksize
+    out = np.empty(-(-m // 2), dtype=np.uint8)
+    piece = max(1, PIECE // blocksize)
+    with np.errstate(over="ignore"):  # 1/1e-38 is finite; silence the huge-but-finite path
+        for b in range(0, nb_full, piece):
+            e = min(nb_full, b + piece)
+            blk = _flat_f32(x[b * blocksize : e * blocksize]).reshape(e - b, blocksize)
+            recip = _F32(1) / np.maximum(absmax[b:e], ABSMAX_FLOOR)
+            s: npt.NDArray[np.float32] = np.multiply(blk, recip[:, None], dtype=_F32)
+            np.clip(s, -1, 1, out=s)
+            _pack_codes(s.reshape(-1), mid, order, is_nf4, out[b * blocksize // 2 : e * blocksize // 2])
+        if m > nb_full * blocksize:
+            tail = _flat_f32(x[nb_full * blocksize :])
+            t = np.zeros(tail.size + tail.size % 2, dtype=_F32)  # an odd count pads with 0.0
+            np.clip(np.divide(tail, absmax[-1], dtype=_F32), -1, 1, out=t[: tail.size])
+            _pack_codes(t, mid, order, is_nf4, out[nb_full * blocksize // 2 :])
+    return out
+
+
+_TABLE_CACHE: dict[bytes, tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None] = {}
+
+
+def _code_tables(
+    mid: npt.NDArray[np.float32], order: npt.NDArray[np.uint8]
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None:
+    """Tables that replace ``order[searchsorted(mid, s, side="left")]`` by lookups on s's top 16 bits.
+
+    The fp32 values sharing their top 16 bits form one interval ("bucket"). For bucket h:
+    ``lo[h] = order[count(mid < bucket start)]``; if a midpoint m lies in the bucket, ``thr[h] = m`` and
+    ``hi[h]`` is the next code, so ``code = hi[h] if s > thr[h] else lo[h]`` equals the search exactly
+    (ties, s == m, stay low). Returns None when a bucket holds two midpoints (not the case for the
+    NF4 and FP4 tables), and the caller searches instead.
+    """
+    key = mid.tobytes() + order.tobytes()
+    if key in _TABLE_CACHE:
+        return _TABLE_CACHE[key]
+    h = np.arange(65536, dtype=np.uint32)
+    first = (h << 16).view(np.float32)
+    last = ((h << 16) | 0xFFFF).view(np.float32)
+    start = np.minimum(first, last)  # negative buckets run downwards
+    stop = np.maximum(first, last)
+    base = np.searchsorted(mid, start, side="left")  # count(mid < start)
+    inside = np.searchsorted(mid, stop, side="right") - base  # midpoints in [start, stop]
+    tables: tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None = None
+    finite = np.isfinite(start) & np.isfinite(stop)
+    if int(inside[finite].max()) <= 1:
+        thr = np.full(65536, np.inf, dtype=np.float32)
+        has = finite & (inside == 1)
+        thr[has] = mid[base[has]]
+        top = mid.size
+        lo = order[np.minimum(base, top)].astype(np.uint8)
+        hi = order[np.minimum(base + 1, top)].astype(np.uint8)
+        tables = (thr, lo, hi)
+    _TABLE_CACHE[key] = tables
+    return tables
+
+
+def _pack_codes(
+    s: npt.NDArray[np.float32],
+    mid: npt.NDArray[np.float32],
+    order: npt.NDArray[np.uint8],
+    is_nf4: bool,
+    out: npt.NDArray[np.uint8],
+) -> None:
+    tables = _code_tables(mid, order)
+    if tables is not None:
+        thr, lo, hi = tables
+        h = np.right_shift(s.view(np.uint32), 16)
+        codes = np.where(s > thr[h], hi[h], lo[h])
+    else:
+        idx = np.searchsorted(mid, s, side="left").astype(np.uint8)
+        codes = idx if is_nf4 else order[idx]
+    pairs = codes.reshape(-1, 2)
+    np.left_shift(pairs[:, 0], 4, out=out)
+    np.bitwise_or(out, pairs[:, 1], out=out)
+
+
+def quantize_4bit(
+    x: npt.ArrayLike, blocksize: int = 64, quant_type: str = "nf4"
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
+    """Quantize a tensor (or a block-aligned slice of it) to packed 4-bit codes and absmax.
+
+    Matches bitsandbytes ``functional.quantize_4bit`` (generic kernel, ``compress_statistics=False``)
+    byte for byte.
+
+    Args:
+        x: ``float16|bfloat16|float32`` of n elements, any shape (quantized flat, row-major).
+        blocksize: 32, 64, ..., 4096.
+        quant_type: ``"nf4"`` or ``"fp4"``.
+
+    Returns:
+        (``uint8[ceil(n/2)]`` packed codes, ``float32[ceil(n/blocksize)]`` absmax).
+
+    Raises:
+        UsageError: QNT-001/QNT-002, bad quant_type or blocksize.
+        UnsupportedError: QNT-003, x holds NaN or infinity.
+    """
+    check_quant_type(quant_type)
+    check_blocksize(blocksize)
+    absmax = blockwise_absmax(x, blocksize)
+    return encode_4bit(x, absmax, blocksize, quant_type), absmax
+
+
+def iter_block_chunks(n: int, blocksize: int, max_elements: int) -> Iterator[tuple[int, int]]:
+    """Block-aligned [start, stop) element ranges covering n elements, each at most ``max_elements``.
+
+    Args:
+        n: elements in the flat tensor.
+        blocksize: the 4-bit blocksize (chunks hold whole blocks, except the tail).
+        max_elements: upper bound per chunk (rounded down to whole blocks, at least one block).
+
+    Yields:
+        (start, stop) in elements.
+    """
+    step = max(blocksize, (max_elements // blocksize) * blocksize)
+    for s in range(0, n, step):
+        yield s, min(n, s + step)

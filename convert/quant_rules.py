@@ -1,0 +1,151 @@
+"""Which planned tensors ``--to nf4|fp4`` quantizes, and the ``quantization_config`` it writes.
+
+Header-only rules that equal transformers' ``replace_with_bnb_linear`` on standard models, since no
+model class is built (:func:`should_quantize`):
+
+- 2-D float ``<module>.weight`` tensors (Linear / Conv1D weights), and every layer that is already
+  4-bit or 8-bit in the input;
+- not embeddings (a name part containing ``embed``, or ``wte``, ``wpe``, ``shared``), not the
+  output head (``lm_head``, ``embed_out``, ``score``, ``classifier``, ``qa_outputs`` outside the
+  blocks: transformers' ``get_keys_to_not_convert``), never norms (1-D) or biases;
+- not modules matching ``--skip-modules`` (transformers' ``should_convert_module`` matching:
+  :func:`matches_module`); these and the head go into ``llm_int8_skip_modules`` (null when nothing
+  was asked, as transformers writes it);
+- ``--include`` forces a tensor (e.g. the 1-D or 3-D tensor of a single-tensor file).
+
+``config.json`` gets the ``quantization_config`` block transformers 5 writes
+(:func:`quantization_config`); a bnb input's own block hands on its skip list and compute dtype
+(:func:`input_quantization_config`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from formats.dtypes import DType
+
+from .quant_settings import QuantSettings
+
+__all__ = [
+    "input_quantization_config",
+    "is_head",
+    "matches_module",
+    "module_name",
+    "quantization_config",
+    "should_quantize",
+]
+
+_HEADS = ("lm_head", "embed_out", "score", "classifier", "qa_outputs")
+_EMBED_EXACT = ("wte", "wpe", "shared")
+
+
+def matches_module(full_name: str, pattern: str) -> bool:
+    """transformers' ``should_convert_module`` test for one pattern (True = the pattern matches).
+
+    A regex matched from the start up to a module boundary (``layer.1`` matches ``layer.1.attn``,
+    not ``layer.11.attn``), or a plain suffix (``fc1`` matches ``model.layers.3.fc1``).
+    """
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    try:
+        if re.match(rf"(?:{pattern}){boundary}", full_name):
+            return True
+    except re.error:
+        pass
+    return full_name.endswith(pattern)
+
+
+def module_name(name: str) -> str:
+    """The module a tensor belongs to: ``name`` without a trailing ``.weight``."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _is_embedding(module: str) -> bool:
+    return any("embed" in part or part in _EMBED_EXACT for part in module.split("."))
+
+
+def is_head(module: str) -> bool:
+    """Whether a module is an output head outside the blocks (transformers' ``get_keys_to_not_convert``)."""
+    parts = module.split(".")
+    return parts[-1] in _HEADS and not any(p.isdigit() for p in parts)
+
+
+def should_quantize(
+    name: str, shape: Sequence[int], dtype: DType, *, was_quantized: bool = False,
+    skip: Sequence[str] = (), include: Sequence[str] = (),
+) -> tuple[bool, str]:
+    """Whether a planned tensor becomes a 4-bit layer, and why (for the plan listing).
+
+    Args:
+        name: the tensor name.
+        shape: its shape in elements.
+        dtype: its (float) dtype in the plan.
+        was_quantized: the input holds it as a bnb 4-bit or 8-bit layer.
+        skip: ``--skip-modules`` patterns.
+        include: ``--include`` patterns (win over every other rule).
+
+    Returns:
+        (quantize?, reason).
+    """
+    module = module_name(name)
+    if any(matches_module(name, p) or matches_module(module, p) for p in include):
+        return (True, "--include") if dtype.is_float else (False, "not a float tensor")
+    if any(matches_module(module, p) for p in skip):
+        return False, "--skip-modules"
+    if not dtype.is_float:
+        return False, "not a float tensor"
+    if was_quantized:
+        if is_head(module):
+            return False, "output head"
+        return True, "4-bit/8-bit in the input"
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False, "not a 2-D weight"
+    if _is_embedding(module):
+        return False, "embedding"
+    if is_head(module):
+        return False, "output head"
+    return True, "Linear weight"
+
+
+def quantization_config(settings: QuantSettings, compute_dtype: str,
+                        skip_modules: list[str] | None) -> dict[str, Any]:
+    """The ``quantization_config`` block transformers 5 writes for these settings (BitsAndBytesConfig)."""
+    return {
+        "_load_in_4bit": True,
+        "_load_in_8bit": False,
+        "bnb_4bit_compute_dtype": compute_dtype,
+        "bnb_4bit_quant_storage": settings.quant_storage,
+        "bnb_4bit_quant_type": settings.quant_type,
+        "bnb_4bit_use_double_quant": settings.nested,
+        "llm_int8_enable_fp32_cpu_offload": False,
+        "llm_int8_has_fp16_weight": False,
+        "llm_int8_skip_modules": skip_modules,
+        "llm_int8_threshold": 6.0,
+        "load_in_4bit": True,
+        "load_in_8bit": False,
+        "quant_method": "bitsandbytes",
+    }
+
+
+def input_quantization_config(config: Any) -> dict[str, Any]:
+    """What carries over from an input's bnb ``quantization_config``: its skip list and compute dtype.
+
+    Args:
+        config: the input's ``config.json`` (any JSON value; None when there is none).
+
+    Returns:
+        ``llm_int8_skip_modules`` and ``bnb_4bit_compute_dtype`` (without ``torch.``) where present and
+        valid; {} when the input is not a bnb checkpoint.
+    """
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "bitsandbytes":
+        return {}
+    out: dict[str, Any] = {}
+    skip = qc.get("llm_int8_skip_modules")
+    if isinstance(skip, list) and all(isinstance(x, str) for x in skip):
+        out["llm_int8_skip_modules"] = skip
+    compute = qc.get("bnb_4bit_compute_dtype")
+    if isinstance(compute, str) and compute.replace("torch.", "") in ("bfloat16", "float16", "float32"):
+        out["bnb_4bit_compute_dtype"] = compute.replace("torch.", "")
+    return out

@@ -1,0 +1,36 @@
+"""Test harness for batch workers (subprocesses): on PYTHONPATH only in tests, active only when
+``CONVERT_BNB_TEST_PAUSE=NAME:N:MARKER`` is set.
+
+The worker of job NAME stops after its N-th finished shard is recorded in the resumable staging
+ledger: it writes its pid to MARKER and sleeps until it is killed, so a test can kill the batch at
+a known point. Nothing in the package knows about this: the harness wraps
+``convert.output.ShardLedger.record`` from outside.
+"""
+
+from __future__ import annotations
+
+import os
+
+_SPEC = os.environ.get("CONVERT_BNB_TEST_PAUSE")
+
+if _SPEC:
+    import time
+    from pathlib import Path
+
+    _name, _n, _marker = _SPEC.split(":", 2)
+
+    def _install() -> None:
+        from convert import output
+
+        record = output.ShardLedger.record
+
+        def pausing_record(self: output.ShardLedger, name: str) -> None:
+            record(self, name)
+            if output.user_path(self.directory).name == _name and len(self.shards) >= int(_n):
+                Path(_marker).write_text(str(os.getpid()))
+                while True:  # hold here until the test kills the batch (or the worker dies with it)
+                    time.sleep(3600)
+
+        output.ShardLedger.record = pausing_record  # type: ignore[method-assign]
+
+    _install()

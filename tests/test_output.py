@@ -1,0 +1,199 @@
+"""The output protocol (convert/output.py): one claim per output path, staging, atomic commit, and the
+recovery of what dead runs leave - through real processes where a kill or a second run is the point."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from convert.cli import main
+from convert.output import OutputClaim, ShardLedger, default_output, output_name
+from formats.errors import OutputBusyError, OutputExistsError
+
+from .conftest import MODELS, REFERENCES, assert_same_tensors, load_all, read_safetensors
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = MODELS / "llama_nf4_dq"
+#: The CLI with every dequantized chunk slowed down, so a second process can meet the first mid-write.
+SLOW = """
+import sys, time
+import convert.plan as plan
+_produce = plan.Dequant4Source.produce
+def slow(self, *args, **kwargs):
+    time.sleep(0.2)
+    return _produce(self, *args, **kwargs)
+plan.Dequant4Source.produce = slow
+from convert.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+#: The CLI with the process ending at once right after the N-th os.rename (kill -9 between the steps of a
+#: commit): argv[1] is N.
+CRASH_AT_RENAME = """
+import os, sys
+import convert.output as output
+calls = [0]
+_rename = os.rename
+def rename(a, b):
+    _rename(a, b)
+    calls[0] += 1
+    if calls[0] == int(sys.argv[1]):
+        os._exit(9)
+output.os.rename = rename
+from convert.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _digest(root: Path) -> dict[str, str]:
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p.relative_to(root)) if root.is_dir() else p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in files}
+
+
+def test_two_runs_to_one_output_exactly_one_wins(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "-c", SLOW, str(MODEL), "--to", "bf16", "-o", str(out),
+                              "--threads", "1"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
+        while not any(".convert-bnb-tmp-" in p.name for p in tmp_path.iterdir()):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        second = subprocess.run([sys.executable, "-m", "convert", str(MODEL), "--to", "fp16", "-o", str(out)],
+                                cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+        _, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1 and "OUT-004 another convert-bnb run is writing this output" in second.stderr
+    assert f"'{out}'" in second.stderr
+    # the winner's output is complete and is the bf16 one; nothing else is left beside it
+    assert_same_tensors(load_all(out), read_safetensors(REFERENCES["llama_nf4_dq"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("crash_at", [1, 2])
+def test_a_kill_inside_an_overwrite_commit_is_recovered(tmp_path: Path, crash_at: int) -> None:
+    """--overwrite of a directory renames the old output aside (rename 1), the new one in (rename 2), then
+    removes the old one. Killed after rename 1 the final path is empty and the next run puts the old
+    output back; killed after rename 2 the new output is in place and the next run removes the old one."""
+    out = tmp_path / "out"
+    assert main([str(MODEL), "--to", "fp16", "-o", str(out), "-q"]) == 0
+    old = _digest(out)
+    r = subprocess.run([sys.executable, "-c", CRASH_AT_RENAME, str(crash_at), str(MODEL), "--to", "bf16", "-o",
+                        str(out), "--overwrite", "-q"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 9, r.stderr
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".out.convert-bnb-old-")]
+    assert len(aside) == 1 and _digest(aside[0]) == old
+    if crash_at == 1:
+        assert not out.exists()
+    else:
+        assert_same_tensors(load_all(out), read_safetensors(REFERENCES["llama_nf4_dq"]))
+    new = tmp_path / "again"
+    r = subprocess.run([sys.executable, "-m", "convert", str(MODEL), "--to", "bf16", "-o", str(out)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    # the next run first completes or undoes the dead commit, then applies its own rules (no --overwrite)
+    assert r.returncode == 2 and "OUT-001 output exists" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    if crash_at == 1:
+        assert _digest(out) == old  # rolled back to the complete old output
+    else:
+        assert_same_tensors(load_all(out), read_safetensors(REFERENCES["llama_nf4_dq"]))  # the new one stays
+    assert not new.exists()
+
+
+def test_claim_recovers_stale_temporaries_and_restores_a_set_aside_output(tmp_path: Path) -> None:
+    final = tmp_path / "model-bf16"
+    (tmp_path / ".model-bf16.convert-bnb-tmp-999999").mkdir()
+    aside = tmp_path / ".model-bf16.convert-bnb-old-999998"
+    aside.mkdir()
+    (aside / "model.safetensors").write_bytes(b"old")
+    with OutputClaim(final, is_dir=True, nbytes=0, inputs=[], overwrite=True) as claim:
+        assert (final / "model.safetensors").read_bytes() == b"old"
+        assert claim.recovered == [
+            f"restored the output that an interrupted --overwrite had set aside: {final}",
+            f"removed a stale temporary left by an interrupted run: {tmp_path / '.model-bf16.convert-bnb-tmp-999999'}",
+        ]
+        (claim.staging / "model.safetensors").write_bytes(b"new")
+        claim.commit()
+    assert (final / "model.safetensors").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-bf16"]
+
+
+def test_claim_is_exclusive_and_released(tmp_path: Path) -> None:
+    final = tmp_path / "x.safetensors"
+    with OutputClaim(final, is_dir=False, nbytes=0, inputs=[]) as claim:
+        with pytest.raises(OutputBusyError, match="OUT-004"):
+            OutputClaim(final, is_dir=False, nbytes=0, inputs=[]).__enter__()
+        claim.staging.write_bytes(b"data")
+        claim.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # no lock file left
+    with pytest.raises(OutputExistsError, match="OUT-001"):
+        OutputClaim(final, is_dir=False, nbytes=0, inputs=[]).__enter__()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
+
+
+def test_failed_run_keeps_the_old_output_and_a_resumable_staging(tmp_path: Path) -> None:
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "keep").write_bytes(b"old")
+    key = {"job": 1}
+    with pytest.raises(RuntimeError):
+        with OutputClaim(final, is_dir=True, nbytes=0, inputs=[], overwrite=True, resume_key=key) as claim:
+            assert claim.ledger is not None
+            (claim.staging / "model-00001-of-00002.safetensors").write_bytes(b"shard one")
+            claim.ledger.record("model-00001-of-00002.safetensors")
+            raise RuntimeError("killed")
+    assert (final / "keep").read_bytes() == b"old"
+    partial = tmp_path / ".out.convert-bnb-partial"
+    ledger = ShardLedger.open(partial, key)
+    assert ledger.reusable("model-00001-of-00002.safetensors")
+    (partial / "model-00001-of-00002.safetensors").write_bytes(b"shard 0ne")  # same size, other bytes
+    assert not ledger.reusable("model-00001-of-00002.safetensors")
+    assert not (partial / "model-00001-of-00002.safetensors").exists()
+    assert ShardLedger.open(partial, {"job": 2}).shards == {}  # another key: nothing is reused
+
+
+def test_default_output_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = tmp_path / "model-bnb-4bit"
+    d.mkdir()
+    f = tmp_path / "weights.safetensors"
+    f.write_bytes(b"")
+    assert default_output(d, "bf16") == tmp_path / "model-bnb-4bit-bf16"
+    assert default_output(d, "auto") == tmp_path / "model-bnb-4bit-dequantized"
+    assert default_output(d, "gguf:q8_0") == tmp_path / "model-bnb-4bit-gguf-q8_0.gguf"
+    assert default_output(f, "fp16") == tmp_path / "weights-fp16.safetensors"
+    assert default_output(f, "nf4") == tmp_path / "weights-nf4.safetensors"
+    monkeypatch.chdir(tmp_path)
+    assert default_output(None, "bf16", "org/m") == tmp_path / "m-bf16"
+    assert output_name("m", "gguf", single_file=True) == "m-gguf.gguf"
+
+
+def test_sigterm_while_claimed_releases_everything(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW, str(MODEL), "--to", "bf16", "-o", str(out)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(".convert-bnb-tmp-" in p.name for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert list(tmp_path.iterdir()) == []
