@@ -71,6 +71,7 @@ from formats.errors import (
 from . import __version__
 from .job import job_key
 from .output import recorded_shards, sha256_file
+from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI start-up
     import subprocess
@@ -132,7 +133,6 @@ def _targets() -> list[str]:
 
 
 def _job_parser() -> argparse.ArgumentParser:
-    from .cli import parse_size
 
     p = argparse.ArgumentParser(prog="job", add_help=False, exit_on_error=False)
     p.add_argument("src")
@@ -152,7 +152,6 @@ def _default_name(src: str, to: str) -> str:
 
 
 def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
-    from .cli import parse_size
     from .hub import parse_repo_spec
 
     def bad(msg: str, **kw: Any) -> UsageError:
@@ -898,13 +897,6 @@ def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
 
 # ---------------------------------------------------------------- CLI
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
 
 def summary_table(results: list[JobResult]) -> str:
     """The table printed at the end of a batch: one row per job, then the totals."""
@@ -915,7 +907,7 @@ def summary_table(results: list[JobResult]) -> str:
         if r.commit and not r.error:
             detail = (f"@{r.commit[:10]} " + detail).strip()
         rows.append((r.name, r.status, f"{r.shards_written}/{r.shards_reused}",
-                     _human(r.bytes_out) if r.bytes_out else "-", f"{r.seconds:.1f}s", detail))
+                     format_bytes(r.bytes_out) if r.bytes_out else "-", f"{r.seconds:.1f}s", detail))
     widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head) - 1)]
     lines = []
     for row in [head, *rows]:
@@ -934,7 +926,6 @@ DESCRIPTION = ("Convert many checkpoints (Hub repos or paths) listed in JOBS int
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``convert-bnb batch``."""
-    from .cli import parse_size
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = """\

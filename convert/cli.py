@@ -15,7 +15,6 @@ import argparse
 import errno
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -26,8 +25,9 @@ from typing import Any, NoReturn
 from formats.errors import ConvertBnbError
 
 from . import batch, check, inspection
+from .units import format_bytes, parse_size
 
-__all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args", "parse_size"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args"]
 
 _EXAMPLES = """\
 examples:
@@ -41,25 +41,6 @@ examples:
 
 other commands: {subcommands}
 """
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size: ``1GiB``, ``512MiB``, ``5GB`` (decimal), ``1000000`` (bytes).
-
-    Raises:
-        argparse.ArgumentTypeError: not a size.
-    """
-    m = _SIZE_RE.match(text)
-    unit = (m.group(2) or "").lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: '{text}' (examples: 1GiB, 512MiB, 5GB)")
-    return int(float(m.group(1)) * _UNITS[unit])
-
 
 #: ``convert-bnb COMMAND ...``: name -> (description, add the arguments, run the parsed arguments).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
@@ -187,9 +168,9 @@ def print_summary(result: Any) -> None:
     """The summary of a finished conversion on stderr (what was written, speed, memory, notes)."""
     from .lora import format_table
 
-    print(f"wrote {result.output}: {result.tensors} tensors, {_human(result.bytes_in)} in, "
-          f"{_human(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
-          f"peak RSS {_human(result.peak_rss_bytes)}", file=sys.stderr)
+    print(f"wrote {result.output}: {result.tensors} tensors, {format_bytes(result.bytes_in)} in, "
+          f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
+          f"peak RSS {format_bytes(result.peak_rss_bytes)}", file=sys.stderr)
     if result.fp16_overflow or result.fp16_underflow:
         print(f"float16: {result.fp16_overflow} values overflowed to inf, "
               f"{result.fp16_underflow} non-zero values flushed to zero", file=sys.stderr)
@@ -200,13 +181,6 @@ def print_summary(result: Any) -> None:
     if "lora_merge" in result.details:
         print(format_table(result.details["lora_merge"], limit=40), file=sys.stderr)
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _sigterm(signum: int, frame: Any) -> None:

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from formats.errors import ConvertBnbError, UsageError
 
+from .units import format_bytes, parse_size
+
 if TYPE_CHECKING:  # heavy imports stay inside the functions: this module loads at CLI start-up
     import numpy as np
 
@@ -229,13 +231,6 @@ def absmax_stats(layers: Any, options: InspectOptions | None = None) -> dict[str
     }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
 
 def _ratio(r: float | None) -> str:
     return "inf (median 0)" if r is None else f"{r:.2f}"
@@ -248,7 +243,7 @@ def _count(n: int) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable text of :func:`inspect_checkpoint`'s report."""
     lines = [f"{report['source']}: {len(report['files'])} weight file(s), {report['tensors']} tensors, "
-             f"{_human(report['total_bytes'])} of tensor data"]
+             f"{format_bytes(report['total_bytes'])} of tensor data"]
     hub = report.get("hub")
     if hub is not None:
         lines.insert(0, f"Hub repo {hub['repo']} at {hub['revision'] or 'main'} = commit {hub['commit']}")
@@ -271,16 +266,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("unquantized tensors:")
         for u in report["unquantized"]:
             lines.append(f"  {u['dtype']}: {u['tensors']} tensors, {_count(u['elements'])} elements, "
-                         f"{_human(u['bytes'])}")
+                         f"{format_bytes(u['bytes'])}")
     lines.append("bytes by kind:")
     for k, v in report["bytes_by_kind"].items():
-        lines.append(f"  {k:<22} {v:>14,d}  {_human(v)}")
+        lines.append(f"  {k:<22} {v:>14,d}  {format_bytes(v)}")
     lines.append("planned output (tensor data):")
     for to, o in report["outputs"].items():
         if "error" in o:
             lines.append(f"  --to {to:<6} not possible: {o['error']}")
         else:
-            lines.append(f"  --to {to:<6} {o['bytes']:>14,d}  {_human(o['bytes'])} in {o['files']} file(s)")
+            lines.append(f"  --to {to:<6} {o['bytes']:>14,d}  {format_bytes(o['bytes'])} in {o['files']} file(s)")
     st = report.get("stats")
     if st is not None:
         lines.append(f"absmax statistics (outlier block: absmax > {st['outlier_factor']} x median; "
@@ -302,7 +297,6 @@ DESCRIPTION = ("Show what a bnb checkpoint holds (layers by settings, bytes by k
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``convert-bnb inspect``."""
-    from .cli import parse_size
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = """\

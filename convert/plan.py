@@ -27,6 +27,7 @@ from formats.dtypes import BY_NAME, DType
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 
 from . import kernels
+from .units import format_bytes
 
 __all__ = [
     "TARGETS",
@@ -291,22 +292,14 @@ class Plan:
         """A human-readable table of the plan (``--dry-run``)."""
         d = self.to_dict()
         lines = [f"{d['source']} -> --to {self.to}: {len(self.tensors)} tensors, "
-                 f"{_human(d['in_bytes'])} in, {_human(d['out_bytes'])} out"]
+                 f"{format_bytes(d['in_bytes'])} in, {format_bytes(d['out_bytes'])} out"]
         for f in d["files"]:
-            lines.append(f"  {f['file']}  ({_human(f['bytes'])})")
+            lines.append(f"  {f['file']}  ({format_bytes(f['bytes'])})")
             for t in f["tensors"]:
                 lines.append(f"    {t['name']:<60} {t['dtype']:<9} {str(t['shape']):<16} {t['how']}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
-
-def _human(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{x:.1f} {unit}" if unit != "B" else f"{n} B"
-        x /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def strip_quantization_config(config: dict[str, Any], dtype: str | None) -> dict[str, Any]:

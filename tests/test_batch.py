@@ -432,7 +432,7 @@ def test_summary_table_rows() -> None:
     t = summary_table([JobResult("a", "org/a", "converted", bytes_out=2048, shards_written=2, commit="f" * 40),
                        JobResult("b", "org/b", "failed", error="boom")])
     lines = t.splitlines()
-    assert lines[1].split() == ["a", "converted", "2/0", "2.0", "KiB", "0.0s", "@ffffffffff"]
+    assert lines[1].split() == ["a", "converted", "2/0", "2.00", "KiB", "0.0s", "@ffffffffff"]
     assert lines[2].split() == ["b", "failed", "0/0", "-", "0.0s", "boom"]
     assert lines[3] == "1 converted, 1 failed of 2 jobs"
 
