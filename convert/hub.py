@@ -298,23 +298,23 @@ def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int
         the estimate in bytes (exact for bf16/fp16/fp32 when every packed layer has an even element
         count), or None for targets it cannot price (e.g. ``gguf``).
     """
+    from formats.bnb import component_name, int8_scale_name, is_component
     from formats.dtypes import BY_CODE
 
     item = {"auto": None, "bf16": 2, "fp16": 2, "fp32": 4}
     if to not in item:
         return None
-    companions = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
     total = 0
     for name, (code, shape, nbytes) in headers.items():
-        if name.endswith(companions) or ".quant_state." in name or name.endswith((".SCB", ".weight_format")):
+        if is_component(name):
             continue
         numel = 1
         for d in shape:
             numel *= int(d)
-        if name + ".absmax" in headers:
+        if component_name(name, "absmax") in headers:
             numel = _CODES_PER_BYTE * int(nbytes)
             size = item[to] or 2
-        elif name.endswith(".weight") and name[: -len("weight")] + "SCB" in headers:
+        elif name.endswith(".weight") and int8_scale_name(name) in headers:
             size = item[to] or 2
         else:
             dt = BY_CODE.get(code)

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from formats.bnb import Int8Layer, QuantizedLayer, group_layers
 from formats.checkpoint import Checkpoint, TensorRecord
-from formats.dtypes import BY_NAME, DType
+from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 
 from . import kernels
@@ -402,11 +402,9 @@ def _int8_natural(checkpoint: Checkpoint, plain: list[str]) -> DType:
     the dtype most plain (not quantized) float elements have, else float16."""
     cfg = checkpoint.config or {}
     for key in ("dtype", "torch_dtype"):
-        v = cfg.get(key)
-        if isinstance(v, str) and BY_NAME.get(v.removeprefix("torch.")) is not None:
-            dt = BY_NAME[v.removeprefix("torch.")]
-            if dt.name in ("bfloat16", "float16", "float32"):
-                return dt
+        name = float_dtype_name(cfg.get(key))
+        if name is not None:
+            return BY_NAME[name]
     counts: dict[str, int] = {}
     for rec in (checkpoint.tensors[n] for n in plain):
         if rec.dtype.name in ("bfloat16", "float16", "float32"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState
+from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState, component_name, state_key
 
 from .nested8 import double_quantize_absmax
 from .quant4 import quantize_4bit
@@ -94,12 +94,10 @@ def layer_tensors(
     settings_shape = QuantSettings(st.quant_type, st.blocksize, st.nested, quant_storage).storage_shape(
         st.numel, weight_name)
     packed = arrays.packed.reshape(-1).view(storage_dtype(quant_storage)).reshape(settings_shape)
-    out: dict[str, np.ndarray] = {weight_name: packed, f"{weight_name}.absmax": arrays.absmax}
-    out[f"{weight_name}.quant_map"] = QUANT_TABLES[st.quant_type].copy()
+    parts: dict[str, np.ndarray] = {"absmax": arrays.absmax, "quant_map": QUANT_TABLES[st.quant_type].copy()}
     if st.nested:
         assert arrays.nested_absmax is not None
-        out[f"{weight_name}.nested_absmax"] = arrays.nested_absmax
-        out[f"{weight_name}.nested_quant_map"] = DYNAMIC_MAP_SIGNED.copy()
-    out[f"{weight_name}.quant_state.bitsandbytes__{st.quant_type}"] = np.frombuffer(
-        st.to_json().encode("utf-8"), dtype=np.uint8).copy()
-    return out
+        parts["nested_absmax"] = arrays.nested_absmax
+        parts["nested_quant_map"] = DYNAMIC_MAP_SIGNED.copy()
+    parts[state_key(st.quant_type)] = np.frombuffer(st.to_json().encode("utf-8"), dtype=np.uint8).copy()
+    return {weight_name: packed} | {component_name(weight_name, c): a for c, a in parts.items()}

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from formats.dtypes import DType
+from formats.dtypes import DType, float_dtype_name
 
 from .quant_settings import QuantSettings
 
@@ -145,7 +145,7 @@ def input_quantization_config(config: Any) -> dict[str, Any]:
     skip = qc.get("llm_int8_skip_modules")
     if isinstance(skip, list) and all(isinstance(x, str) for x in skip):
         out["llm_int8_skip_modules"] = skip
-    compute = qc.get("bnb_4bit_compute_dtype")
-    if isinstance(compute, str) and compute.replace("torch.", "") in ("bfloat16", "float16", "float32"):
-        out["bnb_4bit_compute_dtype"] = compute.replace("torch.", "")
+    compute = float_dtype_name(qc.get("bnb_4bit_compute_dtype"))
+    if compute is not None:
+        out["bnb_4bit_compute_dtype"] = compute
     return out

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES
+from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, component_name, state_key
 from formats.dtypes import BY_CODE, BY_NAME, DType
 
 from .nested8 import NESTED_BLOCKSIZE
@@ -129,21 +129,22 @@ def job_tensors(job: LayerJob, settings: QuantSettings, json_len: int | None) ->
     storage = BY_NAME[settings.quant_storage]
     out = [
         PlannedTensor(name, storage, settings.storage_shape(n, name), _PackedSource(job, name, storage)),
-        PlannedTensor(f"{name}.absmax", _U8 if settings.nested else _F32, (n_blocks,),
-                      _AbsmaxSource(job, f"{name}.absmax")),
-        PlannedTensor(f"{name}.quant_map", _F32, (16,),
-                      _ConstSource(job, f"{name}.quant_map", QUANT_TABLES[settings.quant_type], "quant_map")),
+        PlannedTensor(component_name(name, "absmax"), _U8 if settings.nested else _F32, (n_blocks,),
+                      _AbsmaxSource(job, component_name(name, "absmax"))),
+        PlannedTensor(component_name(name, "quant_map"), _F32, (16,),
+                      _ConstSource(job, component_name(name, "quant_map"), QUANT_TABLES[settings.quant_type],
+                                   "quant_map")),
     ]
     if settings.nested:
         nn = -(-n_blocks // NESTED_BLOCKSIZE)
-        out.append(PlannedTensor(f"{name}.nested_absmax", _F32, (nn,),
-                                 _NestedAbsmaxSource(job, f"{name}.nested_absmax", nn)))
-        out.append(PlannedTensor(f"{name}.nested_quant_map", _F32, (256,),
-                                 _ConstSource(job, f"{name}.nested_quant_map", DYNAMIC_MAP_SIGNED,
+        out.append(PlannedTensor(component_name(name, "nested_absmax"), _F32, (nn,),
+                                 _NestedAbsmaxSource(job, component_name(name, "nested_absmax"), nn)))
+        out.append(PlannedTensor(component_name(name, "nested_quant_map"), _F32, (256,),
+                                 _ConstSource(job, component_name(name, "nested_quant_map"), DYNAMIC_MAP_SIGNED,
                                               "nested_quant_map")))
     if json_len is None:  # not nested: the JSON is known now
         json_len = len(settings.state(job.input.shape, job.input.dtype.name).to_json().encode("utf-8"))
-    key = f"{name}.quant_state.bitsandbytes__{settings.quant_type}"
+    key = component_name(name, state_key(settings.quant_type))
     out.append(PlannedTensor(key, _U8, (json_len,), _StateSource(job, key, json_len)))
     return out
 
@@ -205,17 +206,17 @@ def passthrough_tensors(t: PlannedTensor, src: Dequant4Source, settings: QuantSe
     storage = BY_NAME[settings.quant_storage]
     shape = settings.storage_shape(st.numel, t.name)
     out = [PlannedTensor(t.name, storage, shape, _CopySource(layer.packed, t.name, storage))]
-    out.append(PlannedTensor(f"{t.name}.absmax", layer.absmax.dtype, (st.n_blocks,),
-                             _CopySource(layer.absmax, f"{t.name}.absmax", layer.absmax.dtype)))
+    out.append(PlannedTensor(component_name(t.name, "absmax"), layer.absmax.dtype, (st.n_blocks,),
+                             _CopySource(layer.absmax, component_name(t.name, "absmax"), layer.absmax.dtype)))
     const: list[tuple[str, npt.NDArray[Any]]] = [("quant_map", QUANT_TABLES[st.quant_type])]
     if st.nested:
         assert layer.nested_absmax is not None
-        out.append(PlannedTensor(f"{t.name}.nested_absmax", _F32, (st.n_nested_blocks,),
-                                 _CopySource(layer.nested_absmax, f"{t.name}.nested_absmax", _F32)))
+        out.append(PlannedTensor(component_name(t.name, "nested_absmax"), _F32, (st.n_nested_blocks,),
+                                 _CopySource(layer.nested_absmax, component_name(t.name, "nested_absmax"), _F32)))
         const.append(("nested_quant_map", DYNAMIC_MAP_SIGNED))
     text = np.frombuffer(st.to_json().encode("utf-8"), dtype=np.uint8)
-    const.append((f"quant_state.bitsandbytes__{st.quant_type}", text))
+    const.append((state_key(st.quant_type), text))
     for suffix, values in const:
         dt = _U8 if values.dtype == np.uint8 else _F32
-        out.append(PlannedTensor(f"{t.name}.{suffix}", dt, (values.size,), _ArraySource(values, suffix)))
+        out.append(PlannedTensor(component_name(t.name, suffix), dt, (values.size,), _ArraySource(values, suffix)))
     return out

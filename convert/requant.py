@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from formats.bnb import Int8Layer, QuantizedLayer
-from formats.dtypes import DType
+from formats.dtypes import DType, float_dtype_name
 
 from .plan import Dequant4Source, Plan, PlannedTensor, shard_tensors
 from .quant_passes import AbsmaxBudget, LayerJob
@@ -198,8 +198,8 @@ def _skip_modules(plan: Plan, kept: dict[str, str], skip: list[str], heads_kept:
 
 def _compute_dtype(cfg: dict[str, Any], jobs: list[LayerJob], plan: Plan) -> str:
     for key in ("dtype", "torch_dtype"):
-        v = cfg.get(key)
-        if isinstance(v, str) and v.replace("torch.", "") in ("bfloat16", "float16", "float32"):
-            return v.replace("torch.", "")
+        name = float_dtype_name(cfg.get(key))
+        if name is not None:
+            return name
     names = {j.input.dtype.name for j in jobs}
     return names.pop() if len(names) == 1 else "float32"

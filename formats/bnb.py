@@ -72,7 +72,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .dtypes import DType, by_numpy
+from .dtypes import FLOAT_OUTPUTS, DType, by_numpy, float_dtype_name
 from .errors import (
     AbsmaxCountError,
     AbsmaxDtypeError,
@@ -159,13 +159,15 @@ QUANT_TABLES: dict[str, npt.NDArray[np.float32]] = {"nf4": NF4_TABLE, "fp4": FP4
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 #: Blocksizes of the 8-bit quantization of absmax (bnb writes 256; bnb 0.39 wrote 4096).
 NESTED_BLOCKSIZES = BLOCKSIZES
-_FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-_STATE_PREFIX = "quant_state.bitsandbytes__"
-_COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+#: The tensors stored beside a 4-bit ``P.weight`` as ``P.weight.<component>`` (nested ones only when nested).
+QUANT_STATE_COMPONENTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+#: The QuantState JSON's component is ``quant_state.bitsandbytes__<quant_type>``.
+STATE_KEY_PREFIX = "quant_state.bitsandbytes__"
 _UNPACKED_FIELDS = (
     "quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset",
 )
-_INT8_COMPANIONS = ("SCB", "weight_format")
+#: The tensors stored beside an LLM.int8 ``P.weight``: ``P.SCB`` and ``P.weight_format``.
+INT8_COMPONENTS = ("SCB", "weight_format")
 #: bitsandbytes' int8 weight_format codes (``Linear8bitLt``: format_to_int).
 INT8_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 
@@ -412,12 +414,10 @@ def parse_quant_state(
     if bs not in BLOCKSIZES:
         raise _err(BlocksizeError, source, weight, "blocksize must be a power of two from 32 to 4096",
                    expected=list(BLOCKSIZES), found=bs)
-    dt = fields["dtype"]
-    if isinstance(dt, str) and dt.startswith("torch."):
-        dt = dt[len("torch."):]
-    if not isinstance(dt, str) or dt not in _FLOAT_DTYPES:
+    dt = float_dtype_name(fields["dtype"])
+    if dt is None:
         raise _err(QuantDtypeError, source, weight, "dtype must be float16, bfloat16 or float32",
-                   expected=list(_FLOAT_DTYPES), found=fields["dtype"])
+                   expected=list(FLOAT_OUTPUTS), found=fields["dtype"])
     shape = fields["shape"]
     if isinstance(shape, tuple):
         shape = list(shape)
@@ -441,11 +441,10 @@ def parse_quant_state(
     if nbs not in NESTED_BLOCKSIZES:
         raise _err(BlocksizeError, source, weight, "nested_blocksize must be a power of two from 32 to 4096",
                    expected=list(NESTED_BLOCKSIZES), found=nbs)
-    if isinstance(ndt, str) and ndt.startswith("torch."):
-        ndt = ndt[len("torch."):]
-    if not isinstance(ndt, str) or ndt not in _FLOAT_DTYPES:
+    ndt = float_dtype_name(fields["nested_dtype"])
+    if ndt is None:
         raise _err(QuantDtypeError, source, weight, "nested_dtype must be float16, bfloat16 or float32",
-                   expected=list(_FLOAT_DTYPES), found=fields["nested_dtype"])
+                   expected=list(FLOAT_OUTPUTS), found=fields["nested_dtype"])
     if not isinstance(off, (int, float)) or isinstance(off, bool) or not _finite(off):
         raise bad("QuantState field 'nested_offset' must be a finite number", found=off)
     with np.errstate(over="ignore"):
@@ -462,16 +461,40 @@ def _finite(x: int | float) -> bool:
         return False
 
 
-def _suffix_of(name: str) -> tuple[str, str] | None:
-    """Split ``P.weight.<companion>`` into (``P.weight``, companion) for 4-bit companions."""
-    marker = "." + _STATE_PREFIX
+def state_key(quant_type: str) -> str:
+    """The QuantState JSON's component name for ``quant_type``: ``quant_state.bitsandbytes__nf4`` (or fp4)."""
+    return STATE_KEY_PREFIX + quant_type
+
+
+def component_name(weight_name: str, component: str) -> str:
+    """The on-disk name of a 4-bit weight's component: (``P.weight``, ``absmax``) -> ``P.weight.absmax``."""
+    return f"{weight_name}.{component}"
+
+
+def int8_scale_name(weight_name: str) -> str:
+    """The on-disk name of an LLM.int8 weight's row scales: ``P.weight`` -> ``P.SCB``."""
+    return weight_name[: -len("weight")] + "SCB" if weight_name.endswith(".weight") else weight_name + ".SCB"
+
+
+def split_component(name: str) -> tuple[str, str] | None:
+    """Split ``P.weight.<component>`` into (``P.weight``, component) for 4-bit QuantState components.
+
+    Returns:
+        None when ``name`` is not a QuantState component (the packed weight itself, int8 parts, ...).
+    """
+    marker = "." + STATE_KEY_PREFIX
     i = name.rfind(marker)
     if i > 0:
         return name[:i], name[i + 1:]
-    for suffix in _COMPANIONS:
+    for suffix in QUANT_STATE_COMPONENTS:
         if name.endswith("." + suffix):
             return name[: -len(suffix) - 1], suffix
     return None
+
+
+def is_component(name: str) -> bool:
+    """Whether ``name`` is stored beside a quantized weight (QuantState or int8 parts), not a weight itself."""
+    return split_component(name) is not None or name.endswith(tuple("." + c for c in INT8_COMPONENTS))
 
 
 def _refs(value: Any, out: set[str]) -> set[str]:
@@ -528,7 +551,7 @@ def group_layers(
     for name, t in tensors.items():
         if name in inner:
             continue
-        split = _suffix_of(name)
+        split = split_component(name)
         if split is None:
             continue
         base, comp = split
@@ -540,7 +563,7 @@ def group_layers(
     for base, comp, t in orphans:
         # a weight of another prefix that lacks this component is the likely owner
         owners = [w for w, comps in by_weight.items() if comp not in comps]
-        owners += [n for n in tensors if n.endswith(".weight") and n not in by_weight and _suffix_of(n) is None]
+        owners += [n for n in tensors if n.endswith(".weight") and n not in by_weight and split_component(n) is None]
         close = difflib.get_close_matches(base, owners, n=1, cutoff=0.6)
         report(_err(OrphanComponentError, t, t.name, f"QuantState component '{comp}' has no weight",
                     expected=f"a tensor named '{base}'", found="none",
@@ -752,7 +775,7 @@ def _build_layer(
     state: QuantState | None = None,
     notes: tuple[str, ...] = (),
 ) -> QuantizedLayer:
-    state_keys = [k for k in comps if k.startswith(_STATE_PREFIX)]
+    state_keys = [k for k in comps if k.startswith(STATE_KEY_PREFIX)]
     if state is not None:
         pass
     elif len(state_keys) > 1:
@@ -769,7 +792,7 @@ def _build_layer(
                        hint="the quant_state bytes are damaged; download the checkpoint again") from None
         if not isinstance(obj, dict):
             raise _err(QuantStateJsonError, st, st.name, "quant_state JSON must be an object", found=type(obj).__name__)
-        state = parse_quant_state(obj, base, st, key_quant_type=state_keys[0][len(_STATE_PREFIX):])
+        state = parse_quant_state(obj, base, st, key_quant_type=state_keys[0][len(STATE_KEY_PREFIX):])
     elif "quant_type" in comps:
         fields = {f: _scalar(comps[f], f"{base}.{f}", weight) for f in _UNPACKED_FIELDS if f in comps}
         state = parse_quant_state(fields, base, weight)

@@ -22,11 +22,12 @@ F8_E5M2     ml_dtypes.float8_e5m2         float8_e5m2          1
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DType", "BY_CODE", "BY_NAME", "FLOAT_OUTPUTS", "by_code", "by_name", "by_numpy"]
+__all__ = ["DType", "BY_CODE", "BY_NAME", "FLOAT_OUTPUTS", "by_code", "by_name", "by_numpy", "float_dtype_name"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,19 @@ def by_code(code: str) -> DType | None:
 
 def by_name(name: str) -> DType | None:
     """Row for a torch dtype name; accepts ``"torch.bfloat16"`` and ``"bfloat16"``."""
-    if name.startswith("torch."):
-        name = name[len("torch.") :]
-    return BY_NAME.get(name)
+    return BY_NAME.get(name.removeprefix("torch."))
+
+
+def float_dtype_name(value: Any) -> str | None:
+    """The float dtype a config or QuantState names: ``"bfloat16"``, ``"torch.bfloat16"`` -> ``"bfloat16"``.
+
+    Returns:
+        One of :data:`FLOAT_OUTPUTS`, or None when ``value`` is not a string naming one of them.
+    """
+    if not isinstance(value, str):
+        return None
+    name = str(value).removeprefix("torch.")
+    return name if name in FLOAT_OUTPUTS else None
 
 
 def by_numpy(dtype: np.dtype) -> DType:
