@@ -149,6 +149,7 @@ class ConvertResult:
         fp16_overflow: values that became inf when rounded to float16.
         fp16_underflow: non-zero values that became 0 when rounded to float16.
         shards_written: output files written by this run; shards_reused: kept from a killed run.
+        verified: the output was re-read and checked before it was committed (False with ``verify=False``).
         removed_stale: what the output claim recovered from dead runs.
         files: with ``manifest``: ``{relative path: {"bytes", "sha256"}}`` of the output.
         notes: things the user should know.
@@ -173,6 +174,7 @@ class ConvertResult:
     fp16_underflow: int = 0
     shards_written: int = 0
     shards_reused: int = 0
+    verified: bool = False
     removed_stale: list[str] = field(default_factory=list)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -330,6 +332,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 written = job.write(claim.staging, run, claim.ledger)
                 if options.verify:
                     job.verify(claim.staging)
+                    result.verified = True
                 result.bytes_out = _size(claim.staging)
                 if options.manifest:
                     result.files = claim.manifest()
