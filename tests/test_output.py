@@ -21,17 +21,20 @@ from .conftest import MODELS, REFERENCES, assert_same_tensors, load_all, read_sa
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = MODELS / "llama_nf4_dq"
-#: The CLI with every dequantized chunk slowed down, so a second process can meet the first mid-write.
-SLOW = """
-import sys, time
+#: The CLI whose first dequantized chunk waits until the file argv[1] exists, so a second process meets it
+#: mid-write whatever the machine's load.
+HELD = """
+import os, sys, time
 import convert.plan as plan
 _produce = plan.Dequant4Source.produce
-def slow(self, *args, **kwargs):
-    time.sleep(0.2)
+def held(self, *args, **kwargs):
+    deadline = time.monotonic() + 120  # a guard against a broken test
+    while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return _produce(self, *args, **kwargs)
-plan.Dequant4Source.produce = slow
+plan.Dequant4Source.produce = held
 from convert.cli import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(main(sys.argv[2:]))
 """
 #: The CLI with the process ending at once right after the N-th os.rename (kill -9 between the steps of a
 #: commit): argv[1] is N.
@@ -63,7 +66,8 @@ def _digest(root: Path) -> dict[str, str]:
 
 def test_two_runs_to_one_output_exactly_one_wins(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    first = subprocess.Popen([sys.executable, "-c", SLOW, str(MODEL), "--to", "bf16", "-o", str(out),
+    go = tmp_path.parent / f"{tmp_path.name}.go"
+    first = subprocess.Popen([sys.executable, "-c", HELD, str(go), str(MODEL), "--to", "bf16", "-o", str(out),
                               "--threads", "1"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
@@ -74,6 +78,8 @@ def test_two_runs_to_one_output_exactly_one_wins(tmp_path: Path) -> None:
             time.sleep(0.02)
         second = subprocess.run([sys.executable, "-m", "convert", str(MODEL), "--to", "fp16", "-o", str(out)],
                                 cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+        assert first.poll() is None  # the first run was still writing when the second one gave up
+        go.touch()
         _, err = first.communicate(timeout=300)
     finally:
         if first.poll() is None:
@@ -187,13 +193,15 @@ def test_default_output_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 def test_sigterm_while_claimed_releases_everything(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW, str(MODEL), "--to", "bf16", "-o", str(out)], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    go = tmp_path.parent / f"{tmp_path.name}.go"  # the run stays held until the signal
+    proc = subprocess.Popen([sys.executable, "-c", HELD, str(go), str(MODEL), "--to", "bf16", "-o", str(out)],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not any(".convert-bnb-tmp-" in p.name for p in tmp_path.iterdir()):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
+    go.touch()  # the chunks in flight finish, then the run stops
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert list(tmp_path.iterdir()) == []
