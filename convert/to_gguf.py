@@ -1,9 +1,10 @@
 """``--to gguf[:TYPE]``: the pipeline's dequantized tensors, written as GGUF (:class:`GgufJob`).
 
 The dequantization plan (:func:`convert.plan.make_plan` with ``to="auto"``: each tensor in the dtype
-bitsandbytes dequantizes it to, LoRA merges applied) feeds :func:`formats.gguf.write_gguf` by row
-ranges, each rounded once to the GGUF type. Output naming, pre-flight, claim and commit are
-:mod:`convert.output`'s, as for every target; ``verify`` re-reads the file with ``gguf.GGUFReader``.
+bitsandbytes dequantizes it to, LoRA merges applied) is planned by :func:`convert.gguf_plan.plan_gguf`
+and feeds :func:`convert.gguf_encode.write_gguf` by row ranges, each rounded once to the GGUF type.
+Output naming, pre-flight, claim and commit are :mod:`convert.output`'s, as for every target;
+``verify`` re-reads the file with ``gguf.GGUFReader`` (:func:`formats.gguf.verify_gguf`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from formats.errors import CheckpointError
-from formats.gguf import OUTPUT_TYPES, SourceTensor, TensorReport, parse_output_type, plan_gguf
+from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
-from formats.gguf import write_gguf as _write_gguf
 
+from .gguf_encode import SourceTensor, TensorReport
+from .gguf_encode import write_gguf as _write_gguf
+from .gguf_plan import OUTPUT_TYPES, parse_output_type, plan_gguf
 from .output import ShardLedger
 from .pipeline import RunSettings, chunk_elements
 from .plan import Plan, PlannedTensor
@@ -87,8 +89,8 @@ class GgufJob:
             llama.cpp names it).
 
     Raises:
-        CheckpointError: the input is not a model directory with config.json (GGUF-004).
-        UnsupportedError: GGUF-001..006 (from :func:`formats.gguf.plan_gguf`).
+        TokenizerError: the input is not a model directory with config.json (GGUF-004).
+        UnsupportedError: GGUF-001..006 (from :func:`convert.gguf_plan.plan_gguf`).
     """
 
     is_dir = False
@@ -97,8 +99,8 @@ class GgufJob:
     def __init__(self, plan: Plan, to: str, model_name: str) -> None:
         ckpt = plan.checkpoint
         if not ckpt.is_dir or ckpt.config is None:
-            raise CheckpointError(
-                "GGUF output needs the model's config.json and tokenizer", path=ckpt.source, rule="GGUF-004",
+            raise TokenizerError(
+                "GGUF output needs the model's config.json and tokenizer", path=ckpt.source,
                 expected="a model directory", found="a lone weight file" if not ckpt.is_dir else "no config.json",
                 hint="give the model directory (config.json, tokenizer files and weights)",
             )

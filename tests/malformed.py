@@ -568,14 +568,14 @@ def _gguf_inputs(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 
 def _gguf_unmapped(src: Path, out: Path) -> None:
-    from formats.gguf import plan_gguf
+    from convert.gguf_plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
     plan_gguf(cfg, [(n, a.shape) for n, a in w.items()] + [("vision_tower.patch_embed.weight", (8, 8))], src)
 
 
 def _gguf_moe(src: Path, out: Path) -> None:
-    from formats.gguf import plan_gguf
+    from convert.gguf_plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
     moe = dict(cfg, architectures=["MistralForCausalLM"], num_local_experts=8)
@@ -583,7 +583,8 @@ def _gguf_moe(src: Path, out: Path) -> None:
 
 
 def _gguf_wrong_source(src: Path, out: Path) -> None:
-    from formats.gguf import plan_gguf, write_gguf
+    from convert.gguf_encode import write_gguf
+    from convert.gguf_plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
     plan = plan_gguf(cfg, [(n, a.shape) for n, a in w.items()], src, "f16")
@@ -598,7 +599,9 @@ def _gguf_wrong_source(src: Path, out: Path) -> None:
 
 
 def _gguf_verify(src: Path, out: Path) -> None:
-    from formats.gguf import plan_gguf, verify_gguf, write_gguf
+    from convert.gguf_encode import write_gguf
+    from convert.gguf_plan import plan_gguf
+    from formats.gguf import verify_gguf
 
     cfg, w = _gguf_inputs(src)
     shapes = [(n, a.shape) for n, a in w.items()]
@@ -613,7 +616,7 @@ def _gguf_verify(src: Path, out: Path) -> None:
 
 
 def _gguf_type(src: Path, out: Path) -> None:
-    from formats.gguf import parse_output_type
+    from convert.gguf_plan import parse_output_type
 
     parse_output_type("q4_k_m")
 

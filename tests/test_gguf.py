@@ -15,17 +15,12 @@ import pytest
 from gguf.vocab import bytes_to_unicode
 from safetensors.numpy import save_file
 
+from convert.gguf_arch import ARCHITECTURES
+from convert.gguf_encode import SourceTensor, write_gguf
+from convert.gguf_plan import OUTPUT_TYPES, parse_output_type, plan_gguf
 from formats import sentencepiece
 from formats.errors import CheckpointError, UnsupportedError, VerificationError
-from formats.gguf import (
-    ARCHITECTURES,
-    OUTPUT_TYPES,
-    SourceTensor,
-    parse_output_type,
-    plan_gguf,
-    verify_gguf,
-    write_gguf,
-)
+from formats.gguf import verify_gguf
 from formats.safetensors import SafetensorsReader
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama_nf4_dq"
@@ -69,7 +64,7 @@ def _tensor(reader: gguf.GGUFReader, name: str):
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    # llama.cpp LlamaModel.permute, written independently of formats.gguf
+    # llama.cpp LlamaModel.permute, written independently of convert.gguf_arch
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 

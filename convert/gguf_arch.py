@@ -1,0 +1,483 @@
+"""Architectures as data: how a Hugging Face text model's config.json and tensor names become GGUF.
+
+Follows llama.cpp's ``convert_hf_to_gguf.py`` (classes ``TextModel``, ``LlamaModel``,
+``Qwen2Model``, ``GemmaModel``) and gguf-py's name tables, one :class:`Architecture` row per model
+class instead of one class with methods:
+
+- :data:`ARCHITECTURES` and :func:`find_architecture`: ``config.json`` ``architectures[0]`` -> the
+  row (``general.architecture``, the ``gguf.MODEL_ARCH`` that selects the ``TensorNameMap``);
+- :func:`hparams`: config.json plus the defaults transformers' config classes fill in (llama.cpp
+  reads the config through ``AutoConfig``), ``text_config`` merged, ``rope_theta`` found where
+  transformers >= 5 keeps it; :func:`block_count`; :class:`Param` rows map keys to
+  ``GGUFWriter.add_*`` calls (``TextModel.set_gguf_parameters``, ``GemmaModel.set_gguf_parameters``);
+- :func:`rope_metadata` (RoPE scaling keys, ``TextModel.set_gguf_parameters``) and
+  :func:`llama3_rope_freqs` (``rope_freqs.weight``, ``LlamaModel.generate_extra_tensors``);
+- tensor names: :func:`is_skipped` (tensors llama.cpp never writes) and :func:`gguf_tensor_name`
+  (gguf-py's ``TensorNameMap.get_name``: ``model.layers.3.self_attn.q_proj.weight`` ->
+  ``blk.3.attn_q.weight``), refused before any weight is read;
+- weight transforms: Llama's q/k row permutation (:func:`permute_heads`, :func:`permutation`: HF
+  rotary halves -> GGML interleaved pairs, ``LlamaModel.permute``) and Gemma's ``+1`` on every
+  ``*norm.weight`` (:func:`norm_offset`; Gemma's RMSNorm multiplies by ``1 + weight``), both applied
+  in float32 by :mod:`convert.gguf_encode`.
+
+Rules raised here (see docs/errors.md):
+
+========  ======================================================================================
+GGUF-001  the architecture is one of :data:`ARCHITECTURES` (:class:`UnsupportedArchitectureError`)
+GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
+GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama
+          (:class:`RopeScalingError`)
+GGUF-006  config.json holds the hyperparameters the architecture needs, no MoE experts, q/k rows
+          split into heads (:class:`GgufConfigError`)
+========  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from formats.errors import (
+    GgufConfigError,
+    RopeScalingError,
+    UnmappedTensorError,
+    UnsupportedArchitectureError,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "Param",
+    "block_count",
+    "find_architecture",
+    "gguf_tensor_name",
+    "hparams",
+    "is_skipped",
+    "llama3_rope_freqs",
+    "norm_offset",
+    "permutation",
+    "permute_heads",
+    "rope_metadata",
+]
+
+#: Source tensors llama.cpp never writes.
+_ALWAYS_SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One metadata entry: a ``GGUFWriter`` method fed from the first ``config.json`` key present.
+
+    Attributes:
+        method: the ``GGUFWriter.add_*`` method (it fixes the GGUF key and value type), e.g.
+            ``"add_context_length"`` -> ``{arch}.context_length`` (uint32).
+        keys: config.json keys tried in order (``"@head_dim"`` is head_dim or hidden/heads).
+        required: raise GGUF-006 when none is present (otherwise the entry is left out).
+    """
+
+    method: str
+    keys: tuple[str, ...]
+    required: bool = False
+
+
+# TextModel.set_gguf_parameters (order kept); rope scaling and the file type are added separately.
+_TEXT_PARAMS = (
+    Param(
+        "add_context_length",
+        (
+            "max_position_embeddings",
+            "n_ctx",
+            "n_positions",
+            "max_length",
+            "max_sequence_length",
+            "model_max_length",
+        ),
+    ),
+    Param("add_embedding_length", ("hidden_size", "n_embd", "dim"), required=True),
+    Param("add_feed_forward_length", ("intermediate_size", "n_inner", "hidden_dim")),
+    Param("add_head_count", ("num_attention_heads", "n_head", "n_heads"), required=True),
+    Param("add_head_count_kv", ("num_key_value_heads", "n_kv_heads")),
+    Param("add_rope_freq_base", ("rope_theta",)),
+    Param("add_layer_norm_rms_eps", ("rms_norm_eps", "norm_eps")),
+    Param("add_layer_norm_eps", ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")),
+    Param("add_key_length", ("head_dim",)),
+    Param("add_value_length", ("head_dim",)),
+)
+
+# GemmaModel.set_gguf_parameters writes its own list (no rope keys).
+_GEMMA_PARAMS = (
+    Param("add_context_length", ("max_position_embeddings",), required=True),
+    Param("add_embedding_length", ("hidden_size",), required=True),
+    Param("add_feed_forward_length", ("intermediate_size",), required=True),
+    Param("add_head_count", ("num_attention_heads",), required=True),
+    Param("add_head_count_kv", ("num_key_value_heads",), required=True),
+    Param("add_layer_norm_rms_eps", ("rms_norm_eps",), required=True),
+    Param("add_key_length", ("head_dim",), required=True),
+    Param("add_value_length", ("head_dim",), required=True),
+)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one Hugging Face architecture becomes GGUF (the data behind llama.cpp's model class).
+
+    Attributes:
+        name: the GGUF architecture (``general.architecture``), e.g. ``"llama"``.
+        model_arch: the gguf package's enum member (selects the ``TensorNameMap``).
+        hf_architectures: ``config.json`` ``architectures`` values handled.
+        params: metadata entries, in order.
+        extra_params: entries written after ``params`` (Llama: vocab size, rope dimension count).
+        config_defaults: values transformers' config class fills in when config.json omits them
+            (llama.cpp reads the config through ``AutoConfig``); ``"=key"`` copies another key.
+        permute_qk: apply ``LlamaModel.permute`` to q_proj/k_proj weights and biases.
+        norm_offset: added to every ``*norm.weight`` (Gemma: 1.0).
+        skip: source tensor names not written (Gemma's tied ``lm_head.weight``).
+        tokenizers: tokenizer sources tried in order: ``"sentencepiece"``, ``"bpe"``.
+        bpe_pre: ``tokenizer.ggml.pre`` for a byte-level BPE ``tokenizer.json``.
+        add_space_prefix: value of ``tokenizer.ggml.add_space_prefix`` (None: from
+            tokenizer_config.json ``add_prefix_space`` when set, as Llama does).
+        extra_special: (special token types, {type: id}) added after the tokenizer (CodeGemma ids).
+        vocab_quirks: vocab size -> special token ids (CodeLlama's infill tokens).
+        rope_types: RoPE scaling types accepted.
+    """
+
+    name: str
+    model_arch: gguf.MODEL_ARCH
+    hf_architectures: tuple[str, ...]
+    params: tuple[Param, ...]
+    extra_params: tuple[Param, ...] = ()
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    permute_qk: bool = False
+    norm_offset: float = 0.0
+    skip: tuple[str, ...] = ()
+    tokenizers: tuple[str, ...] = ("sentencepiece", "bpe")
+    bpe_pre: str = "default"
+    add_space_prefix: bool | None = None
+    extra_special: tuple[tuple[str, ...], Mapping[str, int]] | None = None
+    vocab_quirks: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    rope_types: tuple[str, ...] = ("default", "linear", "yarn")
+
+
+_LLAMA_DEFAULTS = {
+    "max_position_embeddings": 2048,
+    "num_key_value_heads": "=num_attention_heads",
+    "head_dim": "@head_dim",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture(
+        name="llama",
+        model_arch=gguf.MODEL_ARCH.LLAMA,
+        hf_architectures=("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
+        params=_TEXT_PARAMS,
+        extra_params=(
+            Param("add_vocab_size", ("vocab_size",), required=True),
+            Param("add_rope_dimension_count", ("@head_dim",)),
+        ),
+        config_defaults=_LLAMA_DEFAULTS,
+        permute_qk=True,
+        tokenizers=("sentencepiece", "bpe"),
+        bpe_pre="llama-bpe",
+        vocab_quirks={32016: {"prefix": 32007, "suffix": 32008, "middle": 32009, "eot": 32010}},
+        rope_types=("default", "linear", "yarn", "llama3"),
+    ),
+    Architecture(
+        name="qwen2",
+        model_arch=gguf.MODEL_ARCH.QWEN2,
+        hf_architectures=("Qwen2ForCausalLM",),
+        params=_TEXT_PARAMS,
+        config_defaults={
+            "max_position_embeddings": 32768,
+            "num_key_value_heads": "=num_attention_heads",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+        },
+        tokenizers=("sentencepiece", "bpe"),
+        bpe_pre="qwen2",
+    ),
+    Architecture(
+        name="gemma",
+        model_arch=gguf.MODEL_ARCH.GEMMA,
+        hf_architectures=("GemmaForCausalLM",),
+        params=_GEMMA_PARAMS,
+        config_defaults={
+            "max_position_embeddings": 8192,
+            "num_key_value_heads": "=num_attention_heads",
+            "head_dim": 256,
+            "rms_norm_eps": 1e-6,
+        },
+        norm_offset=1.0,
+        skip=("lm_head.weight",),
+        tokenizers=("sentencepiece",),
+        add_space_prefix=False,
+        extra_special=(
+            ("prefix", "suffix", "middle", "fsep", "eot"),
+            {"prefix": 67, "suffix": 69, "middle": 68, "fsep": 70, "eot": 107},
+        ),
+        rope_types=("default",),
+    ),
+)
+
+
+def _supported() -> str:
+    return ", ".join(f"{a} ({arch.name})" for arch in ARCHITECTURES for a in arch.hf_architectures)
+
+
+def find_architecture(config: Mapping[str, Any], *, path: str | None = None) -> Architecture:
+    """The :class:`Architecture` for a ``config.json``.
+
+    Args:
+        config: the parsed config.json.
+        path: the config file, for error messages.
+
+    Returns:
+        The table row whose ``hf_architectures`` holds ``config["architectures"][0]``.
+
+    Raises:
+        UnsupportedArchitectureError: GGUF-001, naming every supported architecture.
+    """
+    archs = config.get("architectures") or []
+    hf = archs[0] if isinstance(archs, list) and archs else None
+    for arch in ARCHITECTURES:
+        if hf in arch.hf_architectures:
+            return arch
+    raise UnsupportedArchitectureError(
+        "architecture not supported for GGUF output",
+        path=path,
+        expected=f"one of {_supported()}",
+        found=hf if hf is not None else f"model_type {config.get('model_type')!r}",
+        hint="convert to safetensors (--to bf16) instead, and use llama.cpp's converter on the result",
+        action="convert",
+    )
+
+
+def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> dict[str, Any]:
+    """config.json plus the defaults transformers fills in, with derived ``@`` keys.
+
+    Args:
+        config: the parsed config.json (``text_config`` entries override the top level).
+        arch: the architecture row (its ``config_defaults``).
+        path: the config file, for error messages.
+
+    Returns:
+        The hyperparameters; ``"@head_dim"`` is ``head_dim`` or hidden size / heads.
+
+    Raises:
+        GgufConfigError: GGUF-006 (a mixture-of-experts model).
+    """
+    hp: dict[str, Any] = dict(config)
+    text = hp.get("text_config")
+    if isinstance(text, dict):
+        hp = {**hp, **text}
+    # rope_theta lives in rope_parameters (transformers >= 5) or at the top level (older configs).
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        rope = {}
+    if "rope_theta" not in hp or hp["rope_theta"] is None:
+        theta = rope.get("rope_theta", hp.get("rotary_emb_base"))
+        if theta is not None:
+            hp["rope_theta"] = theta
+    heads = hp.get("num_attention_heads")
+    hidden = hp.get("hidden_size")
+    derived_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    for key, default in arch.config_defaults.items():
+        if hp.get(key) is not None:
+            continue
+        if isinstance(default, str) and default.startswith("="):
+            default = hp.get(default[1:])
+        elif default == "@head_dim":
+            default = derived_head_dim
+        if default is not None:
+            hp[key] = default
+    hp["@head_dim"] = hp.get("head_dim") or derived_head_dim
+    for key in ("num_local_experts", "num_experts"):
+        if hp.get(key):
+            raise GgufConfigError(
+                "mixture-of-experts models are not supported for GGUF output",
+                path=path,
+                expected="no experts",
+                found=f"{key} = {hp[key]}",
+                action="convert",
+            )
+    return hp
+
+
+def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -> list[tuple[str, Any]]:
+    """(writer method, value) for the RoPE scaling keys (TextModel.set_gguf_parameters).
+
+    Raises:
+        RopeScalingError: GGUF-005 (a scaling type the architecture does not take).
+    """
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return []
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind is None:
+        return []
+    kind = str(kind).lower()
+    if kind not in arch.rope_types:
+        raise RopeScalingError(
+            "RoPE scaling type not supported for GGUF output",
+            path=path,
+            expected=f"one of {', '.join(arch.rope_types)}",
+            found=kind,
+            action="convert",
+        )
+    factor = rope.get("factor")
+    out: list[tuple[str, Any]] = []
+    if kind == "linear" and factor is not None:
+        out += [("add_rope_scaling_type", gguf.RopeScalingType.LINEAR), ("add_rope_scaling_factor", factor)]
+    elif kind == "yarn" and factor is not None:
+        out += [
+            ("add_rope_scaling_type", gguf.RopeScalingType.YARN),
+            ("add_rope_scaling_factor", factor),
+            ("add_rope_scaling_orig_ctx_len", rope["original_max_position_embeddings"]),
+        ]
+        for method, keys in (
+            ("add_rope_scaling_yarn_ext_factor", ("extrapolation_factor",)),
+            ("add_rope_scaling_yarn_attn_factor", ("attention_factor", "attn_factor")),
+            ("add_rope_scaling_yarn_beta_fast", ("beta_fast",)),
+            ("add_rope_scaling_yarn_beta_slow", ("beta_slow",)),
+        ):
+            value = next((rope[k] for k in keys if rope.get(k) is not None), None)
+            if value is not None:
+                out.append((method, value))
+    return out
+
+
+def llama3_rope_freqs(hp: Mapping[str, Any]) -> npt.NDArray[np.float32] | None:
+    """The ``rope_freqs.weight`` factors of Llama 3.1 RoPE scaling (LlamaModel.generate_extra_tensors)."""
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or str(rope.get("rope_type", rope.get("type", ""))).lower() != "llama3":
+        return None
+    base = float(rope.get("rope_theta", hp.get("rope_theta", 10000.0)))
+    dim = int(hp["@head_dim"])
+    freqs = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
+    factor = float(rope.get("factor", 8.0))
+    low = float(rope.get("low_freq_factor", 1.0))
+    high = float(rope.get("high_freq_factor", 4.0))
+    old_ctx = float(hp.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192)))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / float(f)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def block_count(hp: Mapping[str, Any], path: str | None) -> int:
+    """The number of transformer blocks (``{arch}.block_count``; sizes the ``TensorNameMap``).
+
+    Raises:
+        GgufConfigError: GGUF-006 (config.json has no layer count).
+    """
+    n_blocks = hp.get("num_hidden_layers", hp.get("n_layer", hp.get("num_layers")))
+    if not isinstance(n_blocks, int):
+        raise GgufConfigError(
+            "config.json has no layer count",
+            path=path,
+            expected="num_hidden_layers",
+            found=None,
+            action="convert",
+        )
+    return n_blocks
+
+
+def is_skipped(arch: Architecture, hf_name: str) -> bool:
+    """True for a source tensor llama.cpp never writes (rotary caches, masks, Gemma's tied head)."""
+    return hf_name.endswith(_ALWAYS_SKIPPED) or hf_name in arch.skip
+
+
+def gguf_tensor_name(
+    name_map: gguf.TensorNameMap, arch: Architecture, hf_name: str, path: str | None
+) -> str:
+    """The GGUF name of a Hugging Face tensor (gguf-py ``TensorNameMap.get_name``).
+
+    Args:
+        name_map: ``gguf.get_tensor_name_map(arch.model_arch, block_count)``.
+        arch: the architecture row.
+        hf_name: e.g. ``model.layers.3.self_attn.q_proj.weight``.
+        path: the config file, for error messages.
+
+    Returns:
+        e.g. ``blk.3.attn_q.weight``.
+
+    Raises:
+        UnmappedTensorError: GGUF-003 (no GGUF name for this architecture).
+    """
+    gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if gguf_name is None:
+        raise UnmappedTensorError(
+            "tensor has no GGUF name for this architecture",
+            path=path,
+            tensor=hf_name,
+            expected=f"a tensor of a {arch.name} model",
+            found=hf_name,
+            action="convert",
+            hint="only the text model's weights can be written (no vision towers or extra heads)",
+        )
+    return gguf_name
+
+
+def permute_heads(
+    arch: Architecture, hf_name: str, shape: tuple[int, ...], hp: Mapping[str, Any], path: str | None
+) -> int:
+    """The head count ``LlamaModel.permute`` uses for this tensor's rows, 0 when it is not permuted.
+
+    q_proj weight/bias: ``num_attention_heads``; k_proj: ``num_key_value_heads``; only for an
+    architecture with ``permute_qk``.
+
+    Raises:
+        GgufConfigError: GGUF-006 (the rows do not split into 2 x heads).
+    """
+    n_head = hp.get("num_attention_heads")
+    n_head_kv = hp.get("num_key_value_heads", n_head)
+    heads = 0
+    if arch.permute_qk and isinstance(n_head, int):
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = n_head
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = n_head_kv if isinstance(n_head_kv, int) else n_head
+        if heads and shape[0] % (2 * heads):
+            raise GgufConfigError(
+                "q/k rows do not split into heads",
+                path=path,
+                tensor=hf_name,
+                expected=f"a multiple of 2 x {heads}",
+                found=shape[0],
+                action="convert",
+            )
+    return heads
+
+
+def norm_offset(arch: Architecture, hf_name: str) -> float:
+    """Value added in float32 before rounding: Gemma's ``1.0`` on every ``*norm.weight``, else 0."""
+    return arch.norm_offset if arch.norm_offset and hf_name.endswith("norm.weight") else 0.0
+
+
+def permutation(rows: int, heads: int) -> npt.NDArray[np.intp]:
+    """Row order of ``LlamaModel.permute``: ``out[r] = in[perm[r]]``.
+
+    ``LlamaModel.permute`` reshapes to ``(heads, 2, rows/heads/2, ...)`` and swaps axes 1 and 2, so
+    each head's two rotary halves become interleaved pairs; rows stay inside their head's block of
+    ``rows/heads``.
+
+    Returns:
+        intp[rows], a permutation of ``range(rows)``.
+    """
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, 2, half).swapaxes(1, 2).reshape(-1)

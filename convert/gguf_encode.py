@@ -1,0 +1,288 @@
+"""Encoding a planned GGUF file's tensors: float weights -> GGML types, streamed in row chunks.
+
+:func:`write_gguf` writes a :class:`convert.gguf_plan.GGUFPlan` through the container writer
+(:class:`formats.gguf.GGUFFileWriter`), asking each source for its values only when its turn comes,
+by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per chunk of rows
+(matching llama.cpp's ``convert_hf_to_gguf.py`` ``ModelBase.prepare_tensors`` + gguf-py
+``gguf.quants.quantize``, which works row by row, so chunking changes no byte):
+
+1. the values become float32, except an unchanged bf16 -> BF16 or f16 -> F16 tensor, whose stored
+   bits are written as they are;
+2. the architecture's transforms (:mod:`convert.gguf_arch`): Llama's q/k rows in
+   ``LlamaModel.permute`` order (:func:`convert.gguf_arch.permutation`; chunks hold whole heads),
+   Gemma's ``+1`` on norms, in float32;
+3. ``gguf.quants.quantize`` to the tensor's GGML type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1);
+4. the added error is measured by decoding the result again (``gguf.quants.dequantize``): zero for
+   F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`).
+
+Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
+not depend on the thread count or the chunk size; at most ``threads + 1`` chunks (or one whole
+source array) are resident.
+
+Rules raised here (see docs/errors.md):
+
+========  ======================================================================================
+GGUF-007  a source array has the planned shape and a float dtype (:class:`GgufSourceError`)
+GGUF-008  each tensor's encoded bytes match the plan (from :class:`formats.gguf.GGUFFileWriter`)
+========  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from formats.errors import GgufSourceError
+from formats.gguf import GGUFFileWriter
+
+from .gguf_arch import permutation
+from .gguf_plan import GGUFPlan, PlannedTensor
+
+__all__ = ["SourceTensor", "TensorReport", "write_gguf"]
+
+GT = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One float tensor offered for writing.
+
+    Give ``produce`` (the whole array at once) or ``rows`` (a range of rows at a time, so the
+    tensor is never whole in memory); when both are given ``rows`` is used.
+
+    Attributes:
+        name: the Hugging Face tensor name (``model.layers.0.mlp.up_proj.weight``).
+        shape: its shape in elements (PyTorch order, rows first).
+        produce: returns the values, any float dtype (float32, float16, bfloat16), ``shape``.
+        rows: ``rows(r0, r1)`` returns rows [r0, r1) as a float array of ``(r1 - r0, *shape[1:])``
+            (a 1-D tensor is one row); may be called from several threads at once.
+        done: called once the tensor is written (e.g. to drop its input pages).
+        row_align: chunks start on multiples of this many rows (the source's natural unit).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    produce: Callable[[], np.ndarray] | None = None
+    rows: Callable[[int, int], np.ndarray] | None = None
+    done: Callable[[], None] | None = None
+    row_align: int = 1
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """What writing one tensor did to its values.
+
+    The error is the GGUF value (decoded back to float32) minus the float32 weight given (after the
+    architecture's transforms), over all elements.
+
+    Attributes:
+        name: the GGUF name.
+        source: the Hugging Face name (None for generated tensors).
+        ggml_type: the type written.
+        shape: rows first.
+        nbytes: bytes written (padding excluded).
+        max_abs_error: largest absolute error.
+        rms_error: root mean square of the error.
+        rel_rms_error: rms_error / root mean square of the weight (0 for an all-zero weight).
+    """
+
+    name: str
+    source: str | None
+    ggml_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    nbytes: int
+    max_abs_error: float
+    rms_error: float
+    rel_rms_error: float
+
+
+#: Source dtypes whose values the GGML type holds exactly.
+_SAME_FLOAT = {"bfloat16": GT.BF16, "float16": GT.F16}
+
+
+@dataclass
+class _Chunk:
+    data: np.ndarray
+    max_err: float
+    sq_err: float
+    sq_ref: float
+
+
+def _convert_chunk(
+    t: PlannedTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str
+) -> _Chunk:
+    """Rows of one tensor: float32, the architecture's transforms, encode, measure the added error."""
+    if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
+        raise GgufSourceError(
+            "source array is not a float array",
+            path=path,
+            tensor=t.source,
+            expected="a float dtype",
+            found=str(x_in.dtype),
+            action="write",
+        )
+    if not t.offset and _SAME_FLOAT.get(x_in.dtype.name) == t.ggml_type:
+        # already in the output type (bf16 -> BF16, f16 -> F16): the stored bits, nothing to measure
+        same = np.ascontiguousarray(x_in if perm is None else x_in[perm])
+        return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0)
+    x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
+    if t.offset:
+        x = x + np.float32(t.offset)  # never in place: x may be the caller's array
+    data = np.ascontiguousarray(gguf.quants.quantize(x, t.ggml_type))
+    max_err = sq_err = 0.0
+    if not exact and x.size:
+        err = gguf.quants.dequantize(data, t.ggml_type).reshape(x.shape)
+        err -= x
+        max_err = float(max(err.max(), -err.min()))
+        np.square(err, out=err)
+        sq_err = float(err.sum())  # NumPy's pairwise float32 sum: ample for a 3-digit report
+    return _Chunk(data, max_err, sq_err, float(np.square(x).sum()))
+
+
+def write_gguf(
+    plan: GGUFPlan,
+    path: str | os.PathLike[str],
+    sources: Mapping[str, Callable[[], np.ndarray]] | Iterable[SourceTensor],
+    *,
+    chunk_elements: int = 1 << 20,
+    threads: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> list[TensorReport]:
+    """Write the planned GGUF file, streaming one tensor at a time in row chunks.
+
+    Header, key/value pairs and tensor infos, then the tensor data chunk by chunk, go through
+    :class:`formats.gguf.GGUFFileWriter` (gguf-py's ``GGUFWriter`` with 32-byte padding). Chunks
+    are converted by ``threads`` workers and written in order, so the bytes do not depend on the
+    thread count or the chunk size; at most ``threads + 1`` chunks are in flight.
+
+    Args:
+        plan: from :func:`convert.gguf_plan.plan_gguf`.
+        path: the file to create or overwrite (the caller picks a temporary name and renames it
+            after :func:`formats.gguf.verify_gguf`).
+        sources: Hugging Face name -> callable returning the whole float array, or
+            :class:`SourceTensor` records (whole arrays or row ranges); used in plan order.
+        chunk_elements: elements converted per chunk (rounded to whole rows, and to whole heads
+            for permuted q/k).
+        threads: worker threads converting chunks.
+        progress: called with the bytes written after each chunk.
+
+    Returns:
+        One :class:`TensorReport` per tensor, in file order.
+
+    Raises:
+        GgufSourceError: GGUF-007 (a source has another shape or a non-float dtype).
+        GgufVerificationError: GGUF-008 (a tensor's encoded bytes differ from the plan).
+        KeyError: a planned tensor has no source.
+    """
+    spath = os.fspath(path)
+    if isinstance(sources, Mapping):
+        records = {name: SourceTensor(name, (), produce=fn) for name, fn in sources.items()}
+    else:
+        records = {s.name: s for s in sources}
+    reports: list[TensorReport] = []
+    with GGUFFileWriter(spath, plan) as out:
+        pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+        try:
+            for t in plan.tensors:
+                rec = records[t.source] if t.source is not None else None
+                reports.append(_write_tensor(out, t, rec, plan, chunk_elements, pool, threads, progress, spath))
+                out.end_tensor()
+                if rec is not None and rec.done is not None:
+                    rec.done()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+    return reports
+
+
+def _write_tensor(
+    out: GGUFFileWriter,
+    t: PlannedTensor,
+    rec: SourceTensor | None,
+    plan: GGUFPlan,
+    chunk_elements: int,
+    pool: ThreadPoolExecutor | None,
+    threads: int,
+    progress: Callable[[int], None] | None,
+    path: str,
+) -> TensorReport:
+    rows = t.shape[0] if t.shape else 1
+    cols = t.numel // rows if rows else 0
+    whole: np.ndarray | None = None
+    if rec is None or rec.rows is None:
+        whole = plan.generated[t.name] if rec is None else rec.produce() if rec.produce is not None else None
+        if whole is None or tuple(whole.shape) != t.shape:
+            raise GgufSourceError(
+                "source array does not match the plan",
+                path=path,
+                tensor=t.source,
+                expected=f"float {list(t.shape)}",
+                found=None if whole is None else f"{whole.dtype} {list(whole.shape)}",
+                action="write",
+            )
+        whole = whole.reshape(rows, cols)
+    perm = permutation(rows, t.permute_heads) if t.permute_heads else None
+    align = rows // t.permute_heads if t.permute_heads else 1
+    if rec is not None and rec.row_align > 1:
+        align = math.lcm(align, rec.row_align)
+    step = max(1, chunk_elements // max(cols, 1))
+    step = -(-step // align) * align
+    exact = t.ggml_type == GT.F32
+
+    def task(r0: int, r1: int) -> _Chunk:
+        if whole is not None:
+            x = whole[r0:r1]
+        else:
+            assert rec is not None and rec.rows is not None
+            x = rec.rows(r0, r1)
+            if tuple(x.shape) != (r1 - r0, *t.shape[1:]) and x.size != (r1 - r0) * cols:
+                raise GgufSourceError(
+                    "source rows do not match the plan",
+                    path=path,
+                    tensor=t.source,
+                    expected=f"{r1 - r0} x {cols} values",
+                    found=f"{x.dtype} {list(x.shape)}",
+                    action="write",
+                )
+            x = x.reshape(r1 - r0, cols)
+        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path)
+
+    max_err = sq_err = sq_ref = 0.0
+    pending: deque[Future[_Chunk]] = deque()
+
+    def drain() -> None:
+        nonlocal max_err, sq_err, sq_ref
+        c = pending.popleft().result()
+        out.write(c.data)
+        max_err = max(max_err, c.max_err)
+        sq_err += c.sq_err
+        sq_ref += c.sq_ref
+        if progress is not None:
+            progress(c.data.nbytes)
+
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        if pool is None:
+            fut: Future[_Chunk] = Future()
+            fut.set_result(task(r0, r1))
+        else:
+            fut = pool.submit(task, r0, r1)
+        pending.append(fut)
+        if len(pending) > threads:
+            drain()
+    while pending:
+        drain()
+    n = max(t.numel, 1)
+    rms_err = math.sqrt(sq_err / n)
+    rms_ref = math.sqrt(sq_ref / n)
+    return TensorReport(
+        t.name, t.source, t.ggml_type, t.shape, t.nbytes, max_err, rms_err, rms_err / rms_ref if rms_ref else 0.0
+    )

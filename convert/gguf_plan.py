@@ -1,0 +1,298 @@
+"""Planning a GGUF file from headers alone: output types, which tensor gets which GGML type, metadata.
+
+:func:`plan_gguf` turns a config.json, the (name, shape) list of the float tensors and the tokenizer
+directory into a :class:`GGUFPlan`: every tensor's GGUF name, GGML type, shape and byte count, and
+every metadata key, before any weight is read. It matches what llama.cpp's ``convert_hf_to_gguf.py``
+writes for the same model and ``--outtype`` (``TextModel.set_gguf_parameters``,
+``ModelBase.prepare_tensors``, ``LlamaModel.generate_extra_tensors``); the metadata keys and value
+types are the gguf package's own (the plan fills a scratch ``GGUFWriter`` with ``add_*`` calls and
+keeps its key/value table). The architecture rows are :mod:`convert.gguf_arch`'s, the tokenizer keys
+:mod:`convert.gguf_tokenizer`'s; :mod:`convert.gguf_encode` writes the plan.
+
+GGML types (``--to gguf:TYPE``, :data:`OUTPUT_TYPES`): ``f32``, ``f16`` (default), ``bf16``,
+``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``. As in llama.cpp's ``prepare_tensors``
+(:func:`choose_type`), 1-D tensors, norms and biases stay F32, and a matrix whose rows are not a
+multiple of the type's block falls back to F16.
+
+Where the output knowingly differs from ``convert_hf_to_gguf.py`` (which needs torch and
+transformers):
+
+- ``general.*`` holds type, name (the directory name), size label, file type and quantization
+  version; llama.cpp also reads the model card (basename, finetune, license, ...).
+- ``q4_0`` ... ``q5_1`` are not converter types in llama.cpp (``llama-quantize`` makes them, and
+  keeps ``output.weight`` at Q6_K, which ``gguf.quants`` cannot encode): here every matrix,
+  ``token_embd`` and ``output`` included, gets the type asked for.
+
+Rules raised here (see docs/errors.md), besides those of :mod:`convert.gguf_arch` (GGUF-001, 003,
+005, 006) and :mod:`convert.gguf_tokenizer` (GGUF-004):
+
+========  ======================================================================================
+GGUF-002  the output type is one of :data:`OUTPUT_TYPES` (:class:`GgufTypeError`)
+GGUF-006  config.json holds every required hyperparameter of the architecture
+          (:class:`GgufConfigError`)
+========  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from formats.errors import GgufConfigError, GgufTypeError
+from formats.gguf import tensor_nbytes
+
+from .gguf_arch import (
+    Architecture,
+    block_count,
+    find_architecture,
+    gguf_tensor_name,
+    hparams,
+    is_skipped,
+    llama3_rope_freqs,
+    norm_offset,
+    permute_heads,
+    rope_metadata,
+)
+from .gguf_tokenizer import add_tokenizer
+
+__all__ = [
+    "DEFAULT_OUTPUT_TYPE",
+    "OUTPUT_TYPES",
+    "GGUFPlan",
+    "PlannedTensor",
+    "choose_type",
+    "parse_output_type",
+    "plan_gguf",
+]
+
+GT = gguf.GGMLQuantizationType
+FT = gguf.LlamaFileType
+
+#: ``--to gguf:TYPE`` names -> (GGML type of the matrices, ``general.file_type``).
+OUTPUT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f32": (GT.F32, FT.ALL_F32),
+    "f16": (GT.F16, FT.MOSTLY_F16),
+    "bf16": (GT.BF16, FT.MOSTLY_BF16),
+    "q8_0": (GT.Q8_0, FT.MOSTLY_Q8_0),
+    "q4_0": (GT.Q4_0, FT.MOSTLY_Q4_0),
+    "q4_1": (GT.Q4_1, FT.MOSTLY_Q4_1),
+    "q5_0": (GT.Q5_0, FT.MOSTLY_Q5_0),
+    "q5_1": (GT.Q5_1, FT.MOSTLY_Q5_1),
+}
+DEFAULT_OUTPUT_TYPE = "f16"
+
+
+def parse_output_type(spec: str | None) -> str:
+    """Normalize a ``TYPE`` of ``--to gguf:TYPE`` (None or "" -> the default, ``f16``).
+
+    Raises:
+        GgufTypeError: GGUF-002, listing the supported types.
+    """
+    name = (spec or DEFAULT_OUTPUT_TYPE).strip().lower()
+    if name not in OUTPUT_TYPES:
+        raise GgufTypeError(
+            "GGUF output type not supported",
+            expected=f"one of {', '.join(OUTPUT_TYPES)}",
+            found=spec,
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of the GGUF file.
+
+    Attributes:
+        source: the Hugging Face name (None for generated tensors such as ``rope_freqs.weight``).
+        name: the GGUF name (``blk.0.attn_q.weight``).
+        shape: shape in elements, rows first (the GGUF header stores it reversed).
+        ggml_type: its GGML type.
+        nbytes: bytes in the data section (before the 32-byte padding).
+        permute_heads: rows are permuted as ``LlamaModel.permute`` with this many heads (0: not).
+        offset: value added in float32 before rounding (Gemma norms: 1.0).
+        fallback: why the type differs from the requested one ("" when it does not).
+    """
+
+    source: str | None
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: gguf.GGMLQuantizationType
+    nbytes: int
+    permute_heads: int = 0
+    offset: float = 0.0
+    fallback: str = ""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (Python int)."""
+        return math.prod(self.shape)
+
+
+@dataclass
+class GGUFPlan:
+    """Everything :func:`convert.gguf_encode.write_gguf` needs except the weights.
+
+    It is the :class:`formats.gguf.FileLayout` that :class:`formats.gguf.GGUFFileWriter` writes and
+    :func:`formats.gguf.verify_gguf` checks.
+
+    Attributes:
+        arch: the architecture row.
+        output_type: the ``--to gguf:TYPE`` name.
+        file_type: ``general.file_type``.
+        metadata: key -> (value, GGUF value type, array element type), in write order, without
+            ``general.architecture`` (the writer adds it).
+        tensors: the tensors in file order.
+        generated: GGUF name -> values of tensors made from the config (``rope_freqs.weight``).
+    """
+
+    arch: Architecture
+    output_type: str
+    file_type: gguf.LlamaFileType
+    metadata: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]
+    tensors: list[PlannedTensor]
+    generated: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+
+    @property
+    def arch_name(self) -> str:
+        """``general.architecture`` (the architecture row's GGUF name)."""
+        return self.arch.name
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (padding excluded)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def describe(self) -> list[str]:
+        """One line per tensor for ``--dry-run``: GGUF name, type, shape (rows first), bytes, source."""
+        lines = []
+        for t in self.tensors:
+            note = f" ({t.fallback})" if t.fallback else ""
+            lines.append(
+                f"{t.name:<28} {t.ggml_type.name:<5} {list(t.shape)!s:<14} {t.nbytes:>12} "
+                f"<- {t.source or 'generated'}{note}"
+            )
+        return lines
+
+
+def choose_type(
+    gguf_name: str, shape: tuple[int, ...], wanted: gguf.GGMLQuantizationType
+) -> tuple[gguf.GGMLQuantizationType, str]:
+    """llama.cpp's prepare_tensors: 1-D, norms and non-``.weight`` tensors are F32; odd rows -> F16."""
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
+        return GT.F32, "" if wanted == GT.F32 else "kept F32 (1-D, norm or bias)"
+    block, _ = gguf.GGML_QUANT_SIZES[wanted]
+    if shape[-1] % block:
+        return GT.F16, f"row of {shape[-1]} is not a multiple of the {wanted.name} block of {block}: F16"
+    return wanted, ""
+
+
+def plan_gguf(
+    config: Mapping[str, Any],
+    tensors: Iterable[tuple[str, Sequence[int]]],
+    tokenizer_dir: str | os.PathLike[str],
+    output_type: str | None = None,
+    *,
+    model_name: str | None = None,
+    config_path: str | None = None,
+) -> GGUFPlan:
+    """Plan a GGUF file from headers alone: names, types, shapes, sizes, metadata and tokenizer.
+
+    Matches the metadata, tensor names, tensor types and tokenizer llama.cpp's
+    ``convert_hf_to_gguf.py`` writes for the same model and ``--outtype``.
+
+    Args:
+        config: the model's config.json (``quantization_config`` is ignored).
+        tensors: (Hugging Face name, shape) of every float tensor to write, in file order.
+        tokenizer_dir: the directory with ``tokenizer.model`` / ``tokenizer.json`` /
+            ``tokenizer_config.json`` (and config.json for special token ids).
+        output_type: a key of :data:`OUTPUT_TYPES` (default ``f16``).
+        model_name: ``general.name`` (default: the tokenizer directory's name).
+        config_path: the config file, for error messages.
+
+    Returns:
+        The plan; no weight has been read.
+
+    Raises:
+        UnsupportedArchitectureError: GGUF-001.
+        GgufTypeError: GGUF-002.
+        UnmappedTensorError: GGUF-003.
+        TokenizerError: GGUF-004 (no tokenizer, or one of an unsupported kind).
+        RopeScalingError: GGUF-005.
+        GgufConfigError: GGUF-006.
+        CheckpointError: SPM-xxx (bad tokenizer.model).
+    """
+    arch = find_architecture(config, path=config_path)
+    out_name = parse_output_type(output_type)
+    wanted, file_type = OUTPUT_TYPES[out_name]
+    hp = hparams(config, arch, config_path)
+    n_blocks = block_count(hp, config_path)
+    name_map = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
+
+    planned: list[PlannedTensor] = []
+    generated: dict[str, npt.NDArray[np.float32]] = {}
+    rope_freqs = llama3_rope_freqs(hp) if "llama3" in arch.rope_types else None
+    if rope_freqs is not None:
+        rf_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        generated[rf_name] = rope_freqs
+        planned.append(PlannedTensor(None, rf_name, rope_freqs.shape, GT.F32, rope_freqs.nbytes))
+    total_params = 0
+    for hf_name, shape_seq in tensors:
+        shape = tuple(int(d) for d in shape_seq)
+        if is_skipped(arch, hf_name):
+            continue
+        gguf_name = gguf_tensor_name(name_map, arch, hf_name, config_path)
+        qtype, why = choose_type(gguf_name, shape, wanted)
+        heads = permute_heads(arch, hf_name, shape, hp, config_path)
+        offset = norm_offset(arch, hf_name)
+        planned.append(
+            PlannedTensor(hf_name, gguf_name, shape, qtype, tensor_nbytes(shape, qtype), heads, offset, why)
+        )
+        n = 1
+        for d in shape:
+            n *= d
+        total_params += n
+
+    scratch = gguf.GGUFWriter(path=None, arch=arch.name)
+    scratch.add_type(gguf.GGUFType.MODEL)
+    name = model_name if model_name is not None else Path(tokenizer_dir).resolve().name
+    scratch.add_name(name)
+    if total_params > 0:
+        scratch.add_size_label(gguf.size_label(total_params, total_params, 0, 0))
+    scratch.add_block_count(n_blocks)
+    for param in arch.params + arch.extra_params:
+        if param.method == "add_rope_freq_base":
+            # TextModel writes the scaling keys just before the frequency base
+            for method, v in rope_metadata(hp, arch, config_path):
+                getattr(scratch, method)(v)
+        value = next((hp[k] for k in param.keys if hp.get(k) is not None), None)
+        if value is None:
+            if param.required:
+                raise GgufConfigError(
+                    "config.json lacks a hyperparameter llama.cpp needs",
+                    path=config_path,
+                    expected=" or ".join(param.keys),
+                    found=None,
+                    action="convert",
+                )
+            continue
+        getattr(scratch, param.method)(value)
+    if not any(p.method == "add_rope_freq_base" for p in arch.params):
+        rope_metadata(hp, arch, config_path)  # validates the scaling type
+    if hp.get("is_causal") is False:
+        scratch.add_causal_attention(False)
+    scratch.add_file_type(file_type)
+    scratch.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_tokenizer(scratch, Path(tokenizer_dir), arch, hp)
+
+    metadata = {
+        k: (v.value, v.type, v.sub_type) for k, v in scratch.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE
+    }
+    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated)
