@@ -44,7 +44,7 @@ from formats.errors import GgufSourceError
 from formats.gguf import GGUFFileWriter
 
 from .gguf_arch import permutation
-from .gguf_plan import GGUFPlan, PlannedTensor
+from .gguf_plan import GGUFPlan, GGUFTensor
 
 __all__ = ["SourceTensor", "TensorReport", "write_gguf"]
 
@@ -117,7 +117,7 @@ class _Chunk:
 
 
 def _convert_chunk(
-    t: PlannedTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str
+    t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str
 ) -> _Chunk:
     """Rows of one tensor: float32, the architecture's transforms, encode, measure the added error."""
     if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
@@ -205,7 +205,7 @@ def write_gguf(
 
 def _write_tensor(
     out: GGUFFileWriter,
-    t: PlannedTensor,
+    t: GGUFTensor,
     rec: SourceTensor | None,
     plan: GGUFPlan,
     chunk_elements: int,

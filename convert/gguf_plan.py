@@ -67,7 +67,7 @@ __all__ = [
     "DEFAULT_OUTPUT_TYPE",
     "OUTPUT_TYPES",
     "GGUFPlan",
-    "PlannedTensor",
+    "GGUFTensor",
     "choose_type",
     "parse_output_type",
     "plan_gguf",
@@ -107,7 +107,7 @@ def parse_output_type(spec: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class PlannedTensor:
+class GGUFTensor:
     """One tensor of the GGUF file.
 
     Attributes:
@@ -157,7 +157,7 @@ class GGUFPlan:
     output_type: str
     file_type: gguf.LlamaFileType
     metadata: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]
-    tensors: list[PlannedTensor]
+    tensors: list[GGUFTensor]
     generated: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
 
     @property
@@ -236,13 +236,13 @@ def plan_gguf(
     n_blocks = block_count(hp, config_path)
     name_map = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
 
-    planned: list[PlannedTensor] = []
+    planned: list[GGUFTensor] = []
     generated: dict[str, npt.NDArray[np.float32]] = {}
     rope_freqs = llama3_rope_freqs(hp) if "llama3" in arch.rope_types else None
     if rope_freqs is not None:
         rf_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         generated[rf_name] = rope_freqs
-        planned.append(PlannedTensor(None, rf_name, rope_freqs.shape, GT.F32, rope_freqs.nbytes))
+        planned.append(GGUFTensor(None, rf_name, rope_freqs.shape, GT.F32, rope_freqs.nbytes))
     total_params = 0
     for hf_name, shape_seq in tensors:
         shape = tuple(int(d) for d in shape_seq)
@@ -253,7 +253,7 @@ def plan_gguf(
         heads = permute_heads(arch, hf_name, shape, hp, config_path)
         offset = norm_offset(arch, hf_name)
         planned.append(
-            PlannedTensor(hf_name, gguf_name, shape, qtype, tensor_nbytes(shape, qtype), heads, offset, why)
+            GGUFTensor(hf_name, gguf_name, shape, qtype, tensor_nbytes(shape, qtype), heads, offset, why)
         )
         n = 1
         for d in shape:

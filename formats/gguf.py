@@ -227,7 +227,7 @@ def verify_gguf(path: str | os.PathLike[str], plan: FileLayout) -> None:
 
     try:
         reader = gguf.GGUFReader(spath, "r")
-    except (ValueError, OSError) as e:
+    except (ValueError, IndexError, OSError) as e:  # GGUFReader indexes past a truncated file
         raise fail(f"the file does not parse as GGUF ({e})", "a GGUF file", "unreadable") from None
     arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
     arch = arch_field.contents() if arch_field is not None else None

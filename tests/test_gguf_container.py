@@ -90,3 +90,11 @@ def test_verify_names_the_difference(tmp_path: Path) -> None:
     (tmp_path / "bad.gguf").write_bytes(b"GGML" + bytes(60))
     with pytest.raises(GgufVerificationError, match="does not parse as GGUF"):
         verify_gguf(tmp_path / "bad.gguf", layout)
+
+
+@pytest.mark.parametrize("data", [b"GGUF", b"GGUF\x03\x00\x00\x00", b""])
+def test_verify_a_truncated_file(tmp_path: Path, data: bytes) -> None:
+    (tmp_path / "t.gguf").write_bytes(data)
+    with pytest.raises(GgufVerificationError, match="does not parse as GGUF") as e:
+        verify_gguf(tmp_path / "t.gguf", _layout())
+    assert e.value.rule == "GGUF-008"
