@@ -8,13 +8,13 @@ Pushing
     the source's quantization, the settings, the converter version, the command that reproduces the
     output and every file with its size and sha256. The push is recorded in the job's state file
     (``pushed``: repo, job key, Hub commit); a re-run does not push a job again that was pushed to the
-    same repo with the same key. A failed push is a :class:`~formats.errors.HubError`; the
-    conversion stays done.
+    same repo with the same key. A push the Hub refuses raises :class:`~formats.errors.HubError`;
+    the conversion stays done.
 
 Dry run
     :func:`plan_batch` converts, downloads and writes nothing: for each job it resolves the source
     (a Hub repo to its commit only, from the cache when offline), says whether a run would skip it
-    (done with the same key), convert it or resume it (with the number of finished shards kept), and
+    (done with the same key, output in place), convert it or resume it (with the number of finished shards kept), and
     with ``--push-to-hub`` gives the card and the upload plan (:func:`build_upload_plan`).
 """
 
