@@ -463,7 +463,8 @@ def _batch_job(src: Path, out_dir: Path, to: str, overwrite: bool = False) -> No
     import os
     from dataclasses import asdict
 
-    from convert.batch import Job, run_job
+    from convert.batch import run_job
+    from convert.batch_jobs import Job
 
     spec = {"job": asdict(Job(str(src), None, to, 5 * 10**9, "job")), "out_dir": str(out_dir),
             "max_memory": 64 << 20, "threads": 1, "verify": True, "overwrite": overwrite, "parent_pid": os.getpid()}

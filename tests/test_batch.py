@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from convert.batch import Job, model_card, parse_jobs, sha256_file, summary_table
+from convert.batch import summary_table
+from convert.batch_card import model_card
+from convert.batch_jobs import Job, parse_jobs
 from convert.cli import main
+from convert.output import sha256_file
 from formats.errors import UsageError
 
 from .conftest import MODELS, REFERENCES, assert_same_tensors, load_all, read_safetensors

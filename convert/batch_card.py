@@ -1,0 +1,241 @@
+"""What ``convert-bnb batch --push-to-hub ORG`` publishes, and what ``--dry-run`` shows.
+
+Pushing
+    After a job is done (its output verified complete), :func:`push_output` creates ``ORG/NAME``
+    (``exist_ok``; ``--private`` makes it private) and uploads every file of the output and a model
+    card (``README.md``, :func:`model_card`) in one commit. The card records the source repo (or a
+    local source's folder name only: no paths of this machine are published), revision and commit,
+    the source's quantization, the settings, the converter version, the command that reproduces the
+    output and every file with its size and sha256. The push is recorded in the job's state file
+    (``pushed``: repo, job key, Hub commit); a re-run does not push a job again that was pushed to the
+    same repo with the same key. A push the Hub refuses raises :class:`~formats.errors.HubError`;
+    the conversion stays done.
+
+Dry run
+    :func:`plan_batch` converts, downloads and writes nothing: for each job it resolves the source
+    (a Hub repo to its commit only, from the cache when offline), says whether a run would skip it
+    (done with the same key, output in place), convert it or resume it (with the number of finished shards kept), and
+    with ``--push-to-hub`` gives the card and the upload plan (:func:`build_upload_plan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from formats.errors import ConvertBnbError
+
+from . import __version__
+from .batch_jobs import Job, job_options
+from .batch_state import STATE_DIR, load_state, save_state
+from .job import job_key
+from .output import recorded_shards
+
+__all__ = ["build_upload_plan", "model_card", "plan_batch", "push_output", "quant_summary"]
+
+
+def quant_summary(src: Path) -> list[str]:
+    """One line per group of quantized layers in the source (headers only)."""
+    from formats.checkpoint import open_checkpoint
+
+    from .inspection import InspectOptions, inspect_checkpoint
+
+    try:
+        with open_checkpoint(src) as ckpt:
+            rep = inspect_checkpoint(ckpt, InspectOptions())
+    except (ConvertBnbError, OSError):
+        return []
+    lines = []
+    for g in rep["quantized"]:
+        nested = f", nested (blocksize {g['nested_blocksize']}, {g['nested_dtype']})" if g["nested"] else ""
+        lines.append(f"{g['quant_type']}, blocksize {g['blocksize']}{nested}, dtype {g['dtype']}, "
+                     f"storage {g['storage']}: {g['layers']} layers")
+    for g in rep["int8"]:
+        lines.append(f"LLM.int8 ({g['weight_dtype']} weight, {g['scale_dtype']} scale): {g['layers']} layers")
+    return lines
+
+
+def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
+               quantization: Iterable[str] = ()) -> str:
+    """The model card (``README.md``) pushed with an output.
+
+    Args:
+        job: the job (source, revision, target, shard size).
+        commit: the source commit the output was made from (None for a local source).
+        files: the output's manifest ``{path: {"bytes", "sha256"}}``.
+        quantization: lines describing the source's quantized layers.
+
+    Returns:
+        the card text: YAML front matter (``base_model``, tags) and a body naming the source repo and
+        commit, the settings, the converter version and every file with its size and sha256.
+    """
+    target = {"auto": "each tensor's original dtype"}.get(job.to, job.to)
+    # a local source is named by its folder only: a pushed card must not publish this machine's paths
+    shown = job.src if job.is_repo else Path(job.src).name
+    lines = ["---"]
+    if job.is_repo:
+        lines += [f"base_model: {job.src}"]
+    lines += ["tags:", "- convert-bnb", "- bitsandbytes-dequantized", "library_name: transformers", "---", "",
+              f"# {job.name}", ""]
+    src = f"[{job.src}](https://huggingface.co/{job.src})" if job.is_repo else f"`{shown}`"
+    lines += [f"{src} converted from its bitsandbytes quantization to {target} with "
+              f"convert-bnb {__version__} (bit-exact with bitsandbytes' own dequantization).", ""]
+    lines += ["## Source", "", f"- repo: {job.src}" if job.is_repo else f"- path: {shown}"]
+    if job.is_repo:
+        lines += [f"- revision: {job.revision or 'main (default branch)'}", f"- commit: {commit}"]
+    for q in quantization:
+        lines.append(f"- quantization: {q}")
+    lines += ["", "## Settings", "", "| setting | value |", "|---|---|", f"| --to | {job.to} |",
+              f"| --max-shard-size | {job.max_shard_size} bytes |", f"| converter | convert-bnb {__version__} |", ""]
+    cmd = f"convert-bnb {shown}" + (f" --revision {commit}" if commit else "")
+    cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}"
+    lines += ["Reproduce with:", "", "```", cmd, "```", ""]
+    lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---:|---|"]
+    for rel, rec in sorted(files.items()):
+        lines.append(f"| {rel} | {rec['bytes']} | {rec['sha256']} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def build_upload_plan(org: str, job: Job, out: Path, files: dict[str, dict[str, Any]] | None,
+                      card: str, private: bool) -> dict[str, Any]:
+    """What ``--push-to-hub`` does for one job: the repo to create and the files of the one commit."""
+    ops: list[dict[str, Any]] = []
+    for rel, rec in sorted((files or {}).items()):
+        ops.append({"path_in_repo": rel, "bytes": rec["bytes"], "from": str(out / rel) if out.is_dir() else str(out)})
+    ops.append({"path_in_repo": "README.md", "bytes": len(card.encode("utf-8")), "from": "model card"})
+    return {
+        "create_repo": {"repo_id": f"{org}/{job.name}", "repo_type": "model", "private": private, "exist_ok": True},
+        "commit": {"repo_id": f"{org}/{job.name}", "operations": ops,
+                   "commit_message": f"convert-bnb {__version__}: {job.src} --to {job.to}"},
+    }
+
+
+def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, spec: dict[str, Any],
+                commit: str | None, quantization: list[str]) -> str:
+    """Push a done job's output to ``ORG/NAME`` in one commit with its model card, unless the state
+    records a push to that repo with the same key; record the push in the state file.
+
+    Args:
+        job: the job.
+        final: its output.
+        state: its state (``key``, ``files``, ``pushed``); updated with ``pushed``.
+        state_path: the state file.
+        spec: the batch settings (``push_to_hub``: ORG, ``private``).
+        commit: the source commit (None for a local source).
+        quantization: lines describing the source's quantized layers, for the card.
+
+    Returns:
+        the repo id pushed to (now or before).
+
+    Raises:
+        HubError: the Hub refused (no write access, network).
+    """
+    org = spec["push_to_hub"]
+    target = f"{org}/{job.name}"
+    pushed = state.get("pushed")
+    if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
+        return target
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    files = state.get("files", {})
+    card = model_card(job, commit, files, quantization)
+    plan = build_upload_plan(org, job, final, files, card, bool(spec.get("private")))
+    ops = [CommitOperationAdd(path_in_repo=o["path_in_repo"], path_or_fileobj=o["from"])
+           for o in plan["commit"]["operations"] if o["from"] != "model card"]
+    ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
+    api = HfApi()
+    try:
+        api.create_repo(**plan["create_repo"])
+        info = api.create_commit(target, ops, commit_message=plan["commit"]["commit_message"])
+    except Exception as exc:
+        if type(exc).__module__.startswith("huggingface_hub"):
+            from formats.errors import HubError
+
+            raise HubError(f"cannot push to '{target}' ({type(exc).__name__}: {str(exc).splitlines()[0]})",
+                           action="push", hint="check HF_TOKEN has write access to the organisation") from None
+        raise
+    state["pushed"] = {"repo": target, "key": state.get("key"), "commit": getattr(info, "oid", None)}
+    save_state(state_path, state)
+    return target
+
+
+def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private: bool) -> list[dict[str, Any]]:
+    """``--dry-run``: for each job, its source and commit, what a run would do, and the card and upload plan.
+
+    Nothing is downloaded or written: a Hub repo is resolved to its commit (from the cache when
+    offline), its files are listed from the snapshot when it is cached, else from a finished output.
+
+    Raises:
+        HubError: a repo cannot be resolved.
+    """
+    out: list[dict[str, Any]] = []
+    for job in jobs:
+        entry: dict[str, Any] = {"name": job.name, "src": job.src, "revision": job.revision, "to": job.to,
+                                 "max_shard_size": job.max_shard_size, "output": str(out_dir / job.name)}
+        try:
+            source = _resolve_without_download(job)
+        except ConvertBnbError as exc:
+            entry.update(action="fail", error=str(exc))
+            out.append(entry)
+            continue
+        src = source.path
+        commit = source.hub.commit if source.hub is not None else None
+        entry["commit"] = commit
+        state = load_state(out_dir / STATE_DIR / f"{job.name}.json")
+        final = out_dir / job.name
+        options = job_options(job, {"out_dir": str(out_dir), "max_memory": 1 << 30, "threads": 1}, revision=commit)
+        key = job_key(options, source)
+        files: dict[str, dict[str, Any]] | None = None
+        if state.get("key") == key and state.get("status") == "done" and final.exists():
+            entry["action"] = "skip (already converted)"
+            files = state.get("files")
+        else:
+            done = len(recorded_shards(final, {**(options.resume_key or {}), "job": key}))
+            entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
+            files = _planned_files(src, job)
+        if push_to_hub:
+            quant = quant_summary(src) if src.exists() else []
+            card = model_card(job, commit, files or {}, quant)
+            entry["card"] = card
+            entry["upload"] = build_upload_plan(push_to_hub, job, final, files, card, private)
+        out.append(entry)
+    return out
+
+
+def _resolve_without_download(job: Job) -> Any:
+    """The job's source as a :class:`~convert.job.ResolvedSource`; a Hub repo resolved to its commit only."""
+    from .hub import resolve_repo
+    from .job import ResolvedSource, resolve_source
+
+    if not job.is_repo:
+        return resolve_source(job.src, job.revision)
+    hub = resolve_repo(job.src, job.revision, download=False, progress=False)
+    return ResolvedSource(hub.path, hub)
+
+
+def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
+    """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local."""
+    if not src.exists():
+        return None
+    from formats.checkpoint import open_checkpoint
+
+    from .plan import TARGETS, make_plan
+
+    if job.to not in TARGETS:
+        return None
+    try:
+        with open_checkpoint(src) as ckpt:
+            plan = make_plan(ckpt, job.to, max_shard_size=job.max_shard_size)
+            names = plan.shard_names() if ckpt.is_dir else [job.name]
+            files = {n: {"bytes": sum(plan.tensors[i].nbytes for i in s), "sha256": "(after conversion)"}
+                     for n, s in zip(names, plan.shards, strict=True)}
+            if ckpt.is_dir:
+                for extra in ckpt.extra_files:
+                    files[extra.name] = {"bytes": extra.stat().st_size, "sha256": "(after conversion)"}
+                if len(names) > 1:
+                    files["model.safetensors.index.json"] = {"bytes": 0, "sha256": "(after conversion)"}
+            return files
+    except ConvertBnbError:
+        return None

@@ -1,0 +1,257 @@
+"""The JOBS file of ``convert-bnb batch``: what each job converts, to what, under which name.
+
+Format
+    A text file with one job per line: ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S]
+    [--name NAME]``, where SRC is a Hub repo id (``org/name``) or a local path (made absolute, so every
+    worker reads the same one); ``#`` starts a comment; blank lines are skipped. Or a JSON list
+    (``.json``, or text starting with ``[``), or a YAML list (``.yaml``/``.yml``, when PyYAML is
+    installed), whose items are such lines or objects ``{"src", "revision", "to", "max_shard_size",
+    "name"}`` (``repo`` is accepted for ``src``; ``max_shard_size`` is bytes or a size such as
+    ``"2GB"``). Options a job leaves out come from the command line (``--to``, ``--max-shard-size``).
+    ``NAME`` defaults to the name a single conversion would give its output
+    (:func:`convert.output.default_output`: the repo's, folder's or file's name with the target's
+    suffix, and a file's extension for a single-file source); it is a plain name under the batch's DIR
+    and the name of the pushed repo.
+
+Rules, checked before any job runs (each a :class:`~formats.errors.UsageError` subclass naming the
+file and the line ``FILE:LINE`` or item ``FILE[i]``):
+
+- BATCH-001 :class:`~formats.errors.BatchFileError`: the file reads and parses (text, JSON or YAML
+  list) and lists at least one job.
+- BATCH-002 :class:`~formats.errors.BatchJobError`: every item is a job line or an object with
+  ``src`` (or ``repo``).
+- BATCH-003 :class:`~formats.errors.BatchOptionError`: per-job options are known and valid (``--to``
+  a known target, a positive shard size, a plain directory name).
+- BATCH-004 :class:`~formats.errors.BatchNameClashError`: no two jobs write the same output name
+  (give one of them ``--name``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError
+
+from .units import parse_size
+
+if TYPE_CHECKING:
+    from .job import ConvertOptions
+
+__all__ = ["Job", "job_options", "parse_jobs", "target_names"]
+
+_FIELDS = ["src", "revision", "to", "max_shard_size", "name"]
+
+
+@dataclass
+class Job:
+    """One conversion of a batch.
+
+    Attributes:
+        src: a Hub repo id ``org/name`` or a local path.
+        revision: branch, tag or commit (Hub only), or None (the default branch).
+        to: the ``--to`` target.
+        max_shard_size: largest output shard in bytes.
+        name: the output name under the batch's out dir (also the pushed repo's name).
+        where: ``FILE:LINE`` (or ``FILE[i]``) the job came from, for messages.
+    """
+
+    src: str
+    revision: str | None
+    to: str
+    max_shard_size: int
+    name: str
+    where: str = ""
+
+    @property
+    def is_repo(self) -> bool:
+        """Whether SRC is a Hub repo id (not an existing local path)."""
+        from .hub import is_repo_id
+
+        return is_repo_id(self.src)
+
+
+def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
+                overwrite: bool = False) -> ConvertOptions:
+    """The :class:`~convert.job.ConvertOptions` of one job: exactly what ``convert-bnb SRC --to ...
+    -o DIR/NAME`` would use, made resumable (``resume_key``) and with a file manifest.
+
+    Args:
+        job: the job.
+        spec: the batch settings: ``out_dir``, ``max_memory`` and ``threads`` (this worker's share),
+            optionally ``verify``.
+        revision: the resolved commit to convert (default: the job's revision).
+        overwrite: replace an existing output.
+    """
+    from .job import ConvertOptions
+
+    return ConvertOptions(src=job.src, to=job.to, output=Path(spec["out_dir"]) / job.name,
+                          revision=revision or job.revision, max_memory=spec["max_memory"], threads=spec["threads"],
+                          max_shard_size=job.max_shard_size, verify=spec.get("verify", True), overwrite=overwrite,
+                          resume_key={"batch": job.name}, manifest=True)
+
+
+def target_names() -> list[str]:
+    """The ``--to`` values a job may ask for."""
+    from .targets import target_names
+
+    return target_names()
+
+
+def _job_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="job", add_help=False, exit_on_error=False)
+    p.add_argument("src")
+    p.add_argument("--to")
+    p.add_argument("--revision")
+    p.add_argument("--max-shard-size", type=parse_size)
+    p.add_argument("--name")
+    return p
+
+
+def _default_name(src: str, to: str) -> str:
+    from .hub import is_repo_id, parse_repo_spec
+    from .output import default_output
+
+    repo, _ = parse_repo_spec(src)
+    return default_output(Path(src), to, repo if is_repo_id(repo) else None).name
+
+
+def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
+    from .hub import parse_repo_spec
+
+    def bad(msg: str, **kw: Any) -> BatchOptionError:
+        return BatchOptionError(f"{where}: {msg}", path=path, **kw)
+
+    src = fields.get("src")
+    if not isinstance(src, str) or not src.strip():
+        raise BatchJobError(f"{where}: a job needs a source (repo id or path)", path=path, found=fields)
+    src, rev_in_src = parse_repo_spec(src.strip())
+    if os.path.exists(src):  # a local path: absolute, so every worker reads the same one
+        src = os.path.abspath(src)
+    revision = fields.get("revision") or rev_in_src
+    if revision is not None and not isinstance(revision, str):
+        raise bad("revision must be a string", found=revision)
+    to = fields.get("to") or defaults.to
+    if to not in target_names():
+        raise bad(f"unknown --to value '{to}'", expected=target_names(), found=to)
+    mss = fields.get("max_shard_size")
+    if mss is None:
+        mss = defaults.max_shard_size
+    elif isinstance(mss, str):
+        try:
+            mss = parse_size(mss)
+        except argparse.ArgumentTypeError as exc:
+            raise bad(str(exc)) from None
+    if not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0:
+        raise bad("max_shard_size must be a positive size", found=mss)
+    name = fields.get("name") or _default_name(src, to)
+    if not isinstance(name, str) or "/" in name or name.startswith(".") or name in ("", ".."):
+        raise bad("name must be a plain directory name", found=name)
+    unknown = sorted(set(fields) - set(_FIELDS))
+    if unknown:
+        raise bad("unknown job fields", expected=_FIELDS, found=unknown)
+    return Job(src, revision, to, int(mss), name, where)
+
+
+def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path) -> Job | None:
+    import shlex
+
+    try:
+        tokens = shlex.split(text, comments=True)
+    except ValueError as exc:
+        raise BatchFileError(f"{where}: {exc}", path=path) from None
+    if not tokens:
+        return None
+    try:
+        ns, rest = _job_parser().parse_known_args(tokens)
+    except (argparse.ArgumentError, argparse.ArgumentTypeError) as exc:
+        raise BatchOptionError(f"{where}: {exc}", path=path) from None
+    if rest:
+        raise BatchOptionError(f"{where}: unknown job options", path=path,
+                               expected="--to, --revision, --max-shard-size, --name", found=rest)
+    fields = {k: v for k, v in vars(ns).items() if v is not None}
+    return _make_job(fields, defaults, where, path)
+
+
+def _read_list(p: Path, text: str) -> list[Any] | None:
+    """The items of a JSON or YAML JOBS file, or None for a text file (one job per line)."""
+    items: Any
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml  # type: ignore[import-untyped]
+        except ImportError:
+            raise BatchFileError("a YAML JOBS file needs PyYAML, which is not installed", path=p,
+                                 hint="write the list as JSON, or one job per line") from None
+        try:
+            items = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise BatchFileError(f"the JOBS file is not valid YAML ({exc})", path=p) from None
+    elif p.suffix.lower() == ".json" or text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BatchFileError(f"the JOBS file is not valid JSON ({exc})", path=p) from None
+    else:
+        return None
+    if not isinstance(items, list):
+        raise BatchFileError("the JOBS file must hold a list", path=p, found=type(items).__name__)
+    return items
+
+
+def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> list[Job]:
+    """Read a JOBS file (text lines, a JSON list or a YAML list).
+
+    Args:
+        path: the JOBS file.
+        defaults: an object with ``to`` and ``max_shard_size`` (bytes) for jobs that leave them out.
+
+    Returns:
+        the jobs, in file order.
+
+    Raises:
+        BatchFileError: BATCH-001, the file cannot be read or parsed, or lists no jobs.
+        BatchJobError: BATCH-002, an item without a source.
+        BatchOptionError: BATCH-003, an unknown or invalid per-job option.
+        BatchNameClashError: BATCH-004, two jobs with the same output name.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BatchFileError(f"cannot read the JOBS file ({exc})", path=p) from None
+    items = _read_list(p, text)
+    jobs: list[Job] = []
+    if items is not None:
+        for i, item in enumerate(items):
+            where = f"{p.name}[{i}]"
+            if isinstance(item, str):
+                job = _parse_line(item, defaults, where, p)
+            elif isinstance(item, dict):
+                fields = dict(item)
+                if "repo" in fields and "src" not in fields:
+                    fields["src"] = fields.pop("repo")
+                job = _make_job(fields, defaults, where, p)
+            else:
+                raise BatchJobError(f"{where}: a job must be a string or an object", path=p,
+                                    found=type(item).__name__)
+            if job is not None:
+                jobs.append(job)
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            job = _parse_line(line, defaults, f"{p.name}:{n}", p)
+            if job is not None:
+                jobs.append(job)
+    seen: dict[str, str] = {}
+    for job in jobs:
+        if job.name in seen:
+            raise BatchNameClashError(f"{job.where}: output name '{job.name}' is also written by {seen[job.name]}",
+                                      path=p, hint="give one of them --name")
+        seen[job.name] = job.where
+    if not jobs:
+        raise BatchFileError("the JOBS file lists no jobs", path=p,
+                             expected="one job per line, or a non-empty list", found="none")
+    return jobs

@@ -1,0 +1,134 @@
+"""A batch job's record under ``DIR/.convert-bnb/``, and the checks made against it.
+
+The state file ``DIR/.convert-bnb/NAME.json`` (written atomically: a killed run leaves the old or the
+new one) holds::
+
+    {"version": 1, "key": {...}, "job": {...}, "status": "running" | "done" | "failed",
+     "files": {"<relative path>": {"bytes": N, "sha256": "..."}},     # once done
+     "source": {"repo", "revision", "commit"},                        # a Hub source, once done
+     "pushed": {"repo", "key", "commit"},                             # once pushed
+     "error": "..." | null}
+
+``key`` is :func:`convert.job.job_key` (source and resolved commit, ``--to``, ``--max-shard-size``,
+every other setting that changes the bytes written, converter version). A state file of another
+``version``, or one that does not parse, counts as no record.
+
+The checks: :func:`file_manifest_matches` (a done job is skipped only when its output holds exactly
+the recorded files with their recorded sizes and sha256), :func:`check_complete` (a job is marked
+done only when the installed output is complete), :func:`foreign_files` (files in an output the
+state does not record are the user's: BATCH-006 refuses to redo such an output rather than delete
+them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from formats.errors import VerificationError
+
+from .output import sha256_file
+
+__all__ = [
+    "STATE_DIR",
+    "STATE_VERSION",
+    "check_complete",
+    "file_manifest_matches",
+    "foreign_files",
+    "key_text",
+    "load_state",
+    "save_state",
+]
+
+#: The batch's own folder under DIR: state files, specs, logs and the batch lock.
+STATE_DIR = ".convert-bnb"
+#: The ``version`` of the state files this module reads and writes.
+STATE_VERSION = 1
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """The state file at ``path``, or ``{}`` when there is none (or it is unreadable or of another version)."""
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return state if isinstance(state, dict) and state.get("version") == STATE_VERSION else {}
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    """Write the state atomically (a killed run leaves the old or the new state, never half of one)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def key_text(key: Any) -> str:
+    """A job key in one line for messages: the settings that differ from run to run."""
+    if not isinstance(key, dict):
+        return "no record"
+    parts = [f"{k}={key[k]}" for k in ("commit", "to", "max_shard_size", "converter") if key.get(k) is not None]
+    return ", ".join(parts)
+
+
+def _matches(path: Path, rec: dict[str, Any]) -> bool:
+    """Whether a file has the recorded size and sha256 (size first: cheap)."""
+    try:
+        if not path.is_file() or path.stat().st_size != rec.get("bytes"):
+            return False
+    except OSError:
+        return False
+    return sha256_file(path) == rec.get("sha256")
+
+
+def _present(root: Path) -> set[str]:
+    """Relative names of every file of an output (a file: its own name)."""
+    if root.is_file():
+        return {root.name}
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink()}
+
+
+def file_manifest_matches(root: Path, files: dict[str, dict[str, Any]]) -> bool:
+    """Whether ``root`` holds exactly the recorded files with their recorded sizes and sha256."""
+    if not files or _present(root) != set(files):
+        return False
+    return all(_matches(root if root.is_file() else root / rel, rec) for rel, rec in files.items())
+
+
+def check_complete(root: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Refuse to call an output done unless it is complete: exactly the recorded files, at their
+    recorded sizes, and every shard its index names.
+
+    Args:
+        root: the installed output (a directory or a file).
+        files: the manifest the conversion returned, ``{relative path: {"bytes", "sha256"}}``.
+
+    Raises:
+        VerificationError: a file missing, extra or of another size, or a shard of the index missing (OUT-003).
+    """
+    present = _present(root)
+    if present != set(files):
+        raise VerificationError("the installed output differs from what was written", path=root, action="verify",
+                                expected=sorted(files), found=sorted(present))
+    for rel, rec in files.items():
+        size = (root if root.is_file() else root / rel).stat().st_size
+        if size != rec["bytes"]:
+            raise VerificationError("an installed file has another size than was written", path=root / rel,
+                                    action="verify", expected=rec["bytes"], found=size)
+    if root.is_dir() and "model.safetensors.index.json" in files:
+        index = json.loads((root / "model.safetensors.index.json").read_text(encoding="utf-8"))
+        missing = sorted(set(index.get("weight_map", {}).values()) - present)
+        if missing:
+            raise VerificationError("the index names shards that are not there", path=root, action="verify",
+                                    found=missing)
+
+
+def foreign_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
+    """Files under an existing output that ``files`` (the job's recorded manifest) does not name: the
+    user's. A symlink in place of the output is foreign as a whole; no output, no foreign files."""
+    if not (root.exists() or root.is_symlink()):
+        return []
+    if root.is_symlink():
+        return [root.name]
+    return sorted(_present(root) - set(files))
