@@ -107,9 +107,11 @@ from .batch_state import (
     check_complete,
     file_manifest_matches,
     foreign_files,
+    installed_manifest,
     key_text,
     load_state,
     save_state,
+    state_path,
 )
 from .job import job_key
 from .units import format_bytes, parse_size
@@ -149,6 +151,7 @@ class JobResult:
         shards_written: shards written by this run.
         shards_reused: finished shards kept from an earlier run.
         bytes_out: bytes of the output (all files).
+        verified: the conversion re-read its output before committing it (False with ``--no-verify``).
         seconds: wall time of the job.
         peak_rss_bytes: the worker's peak resident set.
         error: the error line when failed.
@@ -166,6 +169,7 @@ class JobResult:
     shards_written: int = 0
     shards_reused: int = 0
     bytes_out: int = 0
+    verified: bool = False
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     error: str | None = None
@@ -202,9 +206,9 @@ def run_job(spec: dict[str, Any]) -> JobResult:
     out_dir = Path(spec["out_dir"])
     work = out_dir / STATE_DIR
     work.mkdir(parents=True, exist_ok=True)
-    state_path = work / f"{job.name}.json"
+    state_file = state_path(out_dir, job.name)
     final = out_dir / job.name
-    state = load_state(state_path)
+    state = load_state(state_file)
     result = JobResult(job.name, job.src, "failed", str(final))
     try:
         source = resolve_source(job.src, job.revision, to=job.to, output=final)
@@ -212,14 +216,22 @@ def run_job(spec: dict[str, Any]) -> JobResult:
         result.commit = commit
         options = job_options(job, spec, revision=commit)  # the commit the key names is the one converted
         key = job_key(options, source)
-        recorded = state.get("files") or {}
-        if (state.get("key") == key and state.get("status") == "done" and final.exists()
-                and file_manifest_matches(final, recorded)):
+        recorded = (state.get("files") or {}) if state.get("status") == "done" else {}
+        installed = installed_manifest(state_file)  # what the last conversion committed, maybe unrecorded
+        if state.get("key") == key and final.exists() and file_manifest_matches(final, recorded):
             result.status = "skipped"
+        elif (state.get("key") == key and state.get("status") != "done" and final.exists()
+              and file_manifest_matches(final, installed)):
+            # an earlier worker committed this output and died before recording it: record it now
+            check_complete(final, installed)
+            state.update(status="done", files=installed, error=None)
+            save_state(state_file, state)
+            result.status = "skipped"
+            result.notes = ["the output was committed by an earlier run that stopped before recording it"]
         else:
             overwrite = False
             if final.exists() or final.is_symlink():
-                foreign = foreign_files(final, recorded if state.get("status") == "done" else {})
+                foreign = foreign_files(final, {**installed, **recorded})
                 if foreign:
                     raise ForeignFilesError(
                         "the job's output holds files this batch did not write; redoing the job would remove them",
@@ -235,26 +247,27 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             state = {"version": STATE_VERSION, "key": key, "job": asdict(job), "status": "running"}
             if pushed:
                 state["pushed"] = pushed
-            save_state(state_path, state)
+            save_state(state_file, state)
             done = convert(replace(options, overwrite=overwrite))
             check_complete(final, done.files)
             result.status = "converted"
             result.shards_written, result.shards_reused = done.shards_written, done.shards_reused
+            result.verified = done.verified
             result.notes = done.notes
             state.update(status="done", files=done.files, error=None)
             if source.hub is not None:
                 state["source"] = {"repo": source.hub.repo_id, "revision": source.hub.revision,
                                    "commit": source.hub.commit}
-            save_state(state_path, state)
+            save_state(state_file, state)
         result.bytes_out = sum(f["bytes"] for f in state.get("files", {}).values())
         if spec.get("push_to_hub"):
-            result.pushed = push_output(job, final, state, state_path, spec, commit, quant_summary(source.path))
+            result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
     except BaseException as exc:
         if state.get("status") != "done":  # a failed push leaves a finished conversion done
             state["status"] = "failed"
         state["error"] = str(exc) or type(exc).__name__
         if state.get("version"):
-            save_state(state_path, state)
+            save_state(state_file, state)
         raise
     finally:
         result.seconds = time.perf_counter() - t0

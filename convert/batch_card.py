@@ -28,7 +28,7 @@ from formats.errors import ConvertBnbError
 
 from . import __version__
 from .batch_jobs import Job, job_options
-from .batch_state import STATE_DIR, load_state, save_state
+from .batch_state import load_state, save_state, state_path
 from .job import job_key
 from .output import recorded_shards
 
@@ -183,7 +183,7 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
         src = source.path
         commit = source.hub.commit if source.hub is not None else None
         entry["commit"] = commit
-        state = load_state(out_dir / STATE_DIR / f"{job.name}.json")
+        state = load_state(state_path(out_dir, job.name))
         final = out_dir / job.name
         options = job_options(job, {"out_dir": str(out_dir), "max_memory": 1 << 30, "threads": 1}, revision=commit)
         key = job_key(options, source)

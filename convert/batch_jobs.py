@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError
 
+from .batch_state import manifest_path, state_path
 from .units import parse_size
 
 if TYPE_CHECKING:
@@ -89,10 +90,12 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
     """
     from .job import ConvertOptions
 
-    return ConvertOptions(src=job.src, to=job.to, output=Path(spec["out_dir"]) / job.name,
+    out_dir = Path(spec["out_dir"])
+    return ConvertOptions(src=job.src, to=job.to, output=out_dir / job.name,
                           revision=revision or job.revision, max_memory=spec["max_memory"], threads=spec["threads"],
                           max_shard_size=job.max_shard_size, verify=spec.get("verify", True), overwrite=overwrite,
-                          resume_key={"batch": job.name}, manifest=True)
+                          resume_key={"batch": job.name},
+                          manifest=manifest_path(state_path(out_dir, job.name)))
 
 
 def target_names() -> list[str]:

@@ -9,6 +9,12 @@ new one) holds::
      "pushed": {"repo", "key", "commit"},                             # once pushed
      "error": "..." | null}
 
+Beside it, ``DIR/.convert-bnb/NAME.files.json`` is the manifest of the job's last conversion, written
+by :func:`convert.job.convert` just before it commits the output. A worker killed between that commit
+and saving the state as done leaves an installed, complete output that the state does not record
+yet; the next run recognises it by this manifest (same key, files match) and records it as done
+instead of refusing the files as foreign.
+
 ``key`` is :func:`convert.job.job_key` (source and resolved commit, ``--to``, ``--max-shard-size``,
 every other setting that changes the bytes written, converter version). A state file of another
 ``version``, or one that does not parse, counts as no record.
@@ -23,13 +29,12 @@ them).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from formats.errors import VerificationError
 
-from .output import sha256_file
+from .output import sha256_file, write_json
 
 __all__ = [
     "STATE_DIR",
@@ -37,9 +42,12 @@ __all__ = [
     "check_complete",
     "file_manifest_matches",
     "foreign_files",
+    "installed_manifest",
     "key_text",
     "load_state",
+    "manifest_path",
     "save_state",
+    "state_path",
 ]
 
 #: The batch's own folder under DIR: state files, specs, logs and the batch lock.
@@ -57,11 +65,30 @@ def load_state(path: Path) -> dict[str, Any]:
     return state if isinstance(state, dict) and state.get("version") == STATE_VERSION else {}
 
 
+def state_path(out_dir: Path, name: str) -> Path:
+    """The state file of job ``name``: ``DIR/.convert-bnb/NAME.json``."""
+    return out_dir / STATE_DIR / f"{name}.json"
+
+
+def manifest_path(state_path: Path) -> Path:
+    """Where the job's conversion writes its manifest before the commit: ``NAME.files.json`` beside the state."""
+    return state_path.with_name(state_path.stem + ".files.json")
+
+
+def installed_manifest(state_path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest the job's last conversion wrote before its commit, or ``{}`` (none, or unreadable)."""
+    try:
+        files = json.loads(manifest_path(state_path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    ok = isinstance(files, dict) and all(isinstance(r, dict) and isinstance(r.get("bytes"), int)
+                                          and isinstance(r.get("sha256"), str) for r in files.values())
+    return files if ok else {}
+
+
 def save_state(path: Path, state: dict[str, Any]) -> None:
     """Write the state atomically (a killed run leaves the old or the new state, never half of one)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, state)
 
 
 def key_text(key: Any) -> str:

@@ -32,7 +32,7 @@ from formats.errors import SourceNotFoundError, UsageError
 from . import __version__
 from .hub import HubSource, is_repo_id, parse_repo_spec, resolve_repo
 from .merge import apply_lora
-from .output import OutputClaim, default_output
+from .output import OutputClaim, default_output, write_json
 from .pipeline import peak_rss_bytes
 from .plan import make_plan
 from .targets import TARGETS, RunSettings, target_for
@@ -105,7 +105,9 @@ class ConvertOptions:
         progress: show progress bars on stderr.
         resume_key: make the run resumable (finished shards of a killed run with the same key are kept;
             batch jobs), or None.
-        manifest: list every output file with its size and sha256 in the result.
+        manifest: list every output file with its size and sha256 in the result, and write that list
+            to this JSON file before the output is committed (so whoever asked can tell its own complete
+            output from someone else's files even when the run dies right after the commit), or None.
     """
 
     src: str
@@ -124,7 +126,7 @@ class ConvertOptions:
     verify: bool = True
     progress: bool = False
     resume_key: dict[str, Any] | None = None
-    manifest: bool = False
+    manifest: Path | None = None
 
 
 @dataclass
@@ -334,8 +336,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
                     job.verify(claim.staging)
                     result.verified = True
                 result.bytes_out = _size(claim.staging)
-                if options.manifest:
+                if options.manifest is not None:
                     result.files = claim.manifest()
+                    write_json(options.manifest, result.files)
                 claim.commit()
             result.removed_stale = claim.recovered
             result.shards_written, result.shards_reused = written

@@ -56,6 +56,7 @@ __all__ = [
     "ShardLedger",
     "default_output",
     "file_manifest",
+    "write_json",
     "output_name",
     "recorded_shards",
     "remove_path",
@@ -141,6 +142,13 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically: a kill leaves the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def file_manifest(root: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """``{relative path: {"bytes", "sha256"}}`` of every file under ``root`` (a file: its own name).
 
@@ -218,10 +226,7 @@ class ShardLedger:
         """Record shard ``name`` as finished (written atomically: a kill leaves the old or the new ledger)."""
         path = self.directory / name
         self.shards[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        tmp = self.directory / f"{LEDGER_NAME}.tmp"
-        tmp.write_text(json.dumps({"key": self.key, "shards": self.shards}, indent=2, sort_keys=True) + "\n",
-                       encoding="utf-8")
-        os.replace(tmp, self.directory / LEDGER_NAME)
+        write_json(self.directory / LEDGER_NAME, {"key": self.key, "shards": self.shards})
 
     def keep_only(self, names: list[str]) -> None:
         """Remove files the plan does not name (shards of an earlier plan, leftovers)."""

@@ -207,6 +207,54 @@ def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], t
     assert _stat(out / "c-fp16") == c_before and _stat(out / "a-bf16") == a_before
 
 
+def test_killed_between_commit_and_record(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    """kill -9 of the batch after a worker committed its output but before the state said done: the
+    next run recognises the complete output by the manifest written before the commit and records it
+    as done (not BATCH-006 'foreign files', not converted again)."""
+    jobs, _cache, env = setup
+    jobs.write_text("org/a --max-shard-size 1MB\n")
+    out = tmp_path / "out"
+    work = out / ".convert-bnb"
+    marker = tmp_path / "a-bf16.paused"
+    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--to", "bf16",
+           "--max-memory", "256MiB", "--quiet"]
+    proc = subprocess.Popen(cmd, env=paused_env(env, "a-bf16", "commit", marker), cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240  # a guard against hanging, not a timing assertion
+        while not marker.exists() or not marker.read_text():
+            assert proc.poll() is None, "the batch ended before reaching the pause point"
+            assert time.monotonic() < deadline, "the batch never reached the pause point"
+            time.sleep(0.05)
+        worker = int(marker.read_text())
+        proc.kill()
+        proc.wait()
+        _wait_gone(worker)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if _pid_alive(proc.pid) else None
+    state = json.loads((work / "a-bf16.json").read_text())
+    assert (state["status"], state["error"]) == ("failed", "signal 15") and "files" not in state
+    straight = _straight(tmp_path)
+    assert _files(out / "a-bf16") == straight["a-bf16"]  # committed complete, but not recorded
+    before = _stat(out / "a-bf16")
+
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)
+    assert res["status"] == "skipped" and res["shards_written"] == 0
+    assert res["notes"] == ["the output was committed by an earlier run that stopped before recording it"]
+    assert _stat(out / "a-bf16") == before and _files(out / "a-bf16") == straight["a-bf16"]
+    state = json.loads((work / "a-bf16.json").read_text())
+    assert state["status"] == "done" and set(state["files"]) == set(straight["a-bf16"])
+    # a file the user adds afterwards is still theirs: a changed setting is refused, nothing removed
+    (out / "a-bf16" / "mine.txt").write_text("keep")
+    jobs.write_text("org/a --max-shard-size 2MB\n")
+    r = _batch(jobs, out, env, "--json", "--overwrite")
+    (res,) = json.loads(r.stdout)
+    assert (res["status"], res["rule"]) == ("failed", "BATCH-006")
+    assert (out / "a-bf16" / "mine.txt").read_text() == "keep"
+
+
 def test_a_live_worker_of_a_dead_batch_keeps_its_claim(setup: tuple[Path, Path, dict[str, str]],
                                                        tmp_path: Path) -> None:
     """Were a worker to outlive its batch, a re-run's job fails on the output claim (OUT-004) instead of
@@ -393,6 +441,43 @@ def test_local_file_job_writes_one_file(tmp_path: Path) -> None:
     assert json.loads(r.stdout)[0]["status"] == "skipped"
     after = (out / "model-fp32.safetensors").stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_batch_jobs_behave_as_the_cli(tmp_path: Path) -> None:
+    """Every target goes through convert() in the worker: --no-verify reaches nf4 and GGUF jobs, and an
+    input error of any target is the CLI's error (class, rule, message), not a usage error."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in (MODELS / "llama_nf4_dq").iterdir():
+        if p.is_file():
+            (broken / p.name).write_bytes(p.read_bytes())
+    _rewrite_data(broken / "model.safetensors",
+                  ["model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"], 0x00)
+    good = MODELS / "llama_nf4_dq"
+    targets = ("bf16", "nf4", "gguf:q8_0")
+    lines = [f"{src} --to {t} --name {kind}-{t.replace(':', '-')}" for kind, src in (("good", good), ("bad", broken))
+             for t in targets]
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("\n".join(lines) + "\n")
+    env = offline_env(tmp_path)
+    results = {}
+    for verify in (True, False):
+        out = tmp_path / f"out-{verify}"
+        r = run_cli(["batch", str(jobs), "--out-dir", str(out), "--json", *([] if verify else ["--no-verify"])], env)
+        assert r.returncode == 3, r.stderr
+        results[verify] = {x["name"]: x for x in json.loads(r.stdout)}
+    for t in targets:
+        name = t.replace(":", "-")
+        assert [results[v][f"good-{name}"]["verified"] for v in (True, False)] == [True, False]
+        assert results[True][f"good-{name}"]["status"] == "converted"
+        cli = run_cli([str(broken), "--to", t, "-o", str(tmp_path / f"cli-{name}")], env)
+        assert cli.returncode == 2 and cli.stderr.count("\n") == 1
+        bad = results[True][f"bad-{name}"]
+        assert (bad["status"], bad["rule"], bad["error_class"]) == ("failed", "BNB-009", "QuantStateJsonError")
+        assert bad["error"] in cli.stderr  # the same message, naming file, tensor and rule
+    out = tmp_path / "out-True"
+    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "good-bf16", "good-gguf-q8_0", "good-nf4"]
+    assert (out / "good-gguf-q8_0").read_bytes()[:4] == b"GGUF"
 
 
 def test_local_paths_become_absolute(tmp_path: Path) -> None:

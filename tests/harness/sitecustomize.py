@@ -1,10 +1,11 @@
 """Test harness for batch workers (subprocesses): on PYTHONPATH only in tests, active only when
-``CONVERT_BNB_TEST_PAUSE=NAME:N:MARKER`` is set.
+``CONVERT_BNB_TEST_PAUSE=NAME:POINT:MARKER`` is set.
 
-The worker of job NAME stops after its N-th finished shard is recorded in the resumable staging
-ledger: it writes its pid to MARKER and sleeps until it is killed, so a test can kill the batch at
-a known point. Nothing in the package knows about this: the harness wraps
-``convert.output.ShardLedger.record`` from outside.
+The worker of job NAME stops at POINT: after its N-th finished shard is recorded in the resumable
+staging ledger (POINT is the number N), or right after its output is committed (POINT is ``commit``,
+before the batch records the job as done). It writes its pid to MARKER and sleeps until it is
+killed, so a test can kill the batch at a known point. Nothing in the package knows about this: the
+harness wraps ``convert.output.ShardLedger.record`` / ``OutputClaim.commit`` from outside.
 """
 
 from __future__ import annotations
@@ -17,19 +18,32 @@ if _SPEC:
     import time
     from pathlib import Path
 
-    _name, _n, _marker = _SPEC.split(":", 2)
+    _name, _point, _marker = _SPEC.split(":", 2)
+
+    def _hold() -> None:
+        Path(_marker).write_text(str(os.getpid()))
+        while True:  # hold here until the test kills the batch (or the worker dies with it)
+            time.sleep(3600)
 
     def _install() -> None:
         from convert import output
 
+        if _point == "commit":
+            commit = output.OutputClaim.commit
+
+            def pausing_commit(self: output.OutputClaim) -> None:
+                commit(self)
+                if self.final.name == _name:
+                    _hold()
+
+            output.OutputClaim.commit = pausing_commit  # type: ignore[method-assign]
+            return
         record = output.ShardLedger.record
 
         def pausing_record(self: output.ShardLedger, name: str) -> None:
             record(self, name)
-            if output.user_path(self.directory).name == _name and len(self.shards) >= int(_n):
-                Path(_marker).write_text(str(os.getpid()))
-                while True:  # hold here until the test kills the batch (or the worker dies with it)
-                    time.sleep(3600)
+            if output.user_path(self.directory).name == _name and len(self.shards) >= int(_point):
+                _hold()
 
         output.ShardLedger.record = pausing_record  # type: ignore[method-assign]
 
