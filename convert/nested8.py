@@ -29,7 +29,7 @@ import numpy.typing as npt
 from formats.bnb import DYNAMIC_MAP_SIGNED
 
 from .kernels import PIECE
-from .torch_reduce import TORCH_NUM_THREADS, torch_mean_float32
+from .torch_reduce import TORCH_NUM_THREADS, flat_f32, torch_mean_float32
 
 __all__ = [
     "NESTED_BLOCKSIZE",
@@ -46,12 +46,6 @@ NESTED_BLOCKSIZE = 256
 
 _F32 = np.float32
 
-
-def _flat_f32(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
-    a = np.asarray(x)
-    if a.dtype != np.float32:
-        a = a.astype(np.float32)
-    return a.reshape(-1)
 
 
 _LUT_CACHE: dict[bytes, npt.NDArray[np.uint8]] = {}
@@ -98,7 +92,7 @@ def quantize_blockwise_8bit(
     Returns:
         (``uint8[n]`` codes, ``float32[ceil(n / blocksize)]`` per-block max |v|).
     """
-    v = _flat_f32(v)
+    v = flat_f32(v)
     n = v.size
     nb = -(-n // blocksize)
     padded = np.zeros(nb * blocksize, dtype=_F32)
@@ -124,8 +118,8 @@ def encode_8bit(
     Returns:
         ``uint8[n]``.
     """
-    v = _flat_f32(v)
-    scale = _flat_f32(scale)
+    v = flat_f32(v)
+    scale = flat_f32(scale)
     zero = scale == 0
     recip = _F32(1) / np.where(zero, _F32(1), scale)
     t = v * recip
@@ -157,7 +151,7 @@ def resolve_nested(
     Returns:
         ``float32[n]``.
     """
-    prod = np.asarray(code, dtype=_F32)[np.asarray(codes, dtype=np.uint8)] * _flat_f32(scale)
+    prod = np.asarray(code, dtype=_F32)[np.asarray(codes, dtype=np.uint8)] * flat_f32(scale)
     return (prod + _F32(offset)).astype(_F32)
 
 
@@ -177,7 +171,7 @@ def double_quantize_absmax(
         (``uint8[n_blocks]`` codes (the stored ``absmax``), ``float32[ceil(n_blocks/256)]``
         ``nested_absmax``, ``nested_offset`` as a Python float holding the fp32 exactly).
     """
-    absmax = _flat_f32(absmax)
+    absmax = flat_f32(absmax)
     offset = torch_mean_float32(absmax, num_threads=num_threads)
     codes, nested = quantize_blockwise_8bit(absmax - offset, NESTED_BLOCKSIZE, DYNAMIC_MAP_SIGNED)
     return codes, nested, float(offset)
@@ -200,7 +194,7 @@ def nested_statistics(
         (``float32[ceil(n_blocks/256)]`` ``nested_absmax``, ``nested_offset`` as a Python float holding
         the fp32 exactly).
     """
-    absmax = _flat_f32(absmax)
+    absmax = flat_f32(absmax)
     offset = torch_mean_float32(absmax, num_threads=num_threads)
     n = absmax.size
     nested = np.empty(-(-n // NESTED_BLOCKSIZE), dtype=_F32)

@@ -48,7 +48,8 @@ TORCH_NUM_THREADS = 2
 _F32 = np.float32
 
 
-def _flat_f32(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+def flat_f32(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """``x`` as a flat float32 array (no copy when it already is float32)."""
     a = np.asarray(x)
     if a.dtype != np.float32:
         a = a.astype(np.float32)
@@ -150,7 +151,7 @@ def torch_sum_float32(
     Returns:
         the sum as ``np.float32``.
     """
-    x = _flat_f32(x)
+    x = flat_f32(x)
     n = x.size
     if n < TORCH_GRAIN_SIZE or num_threads <= 1:
         return _F32(_row_sum(x, vector_width) + _F32(0))
@@ -184,6 +185,6 @@ def torch_mean_float32(
     Returns:
         the mean as ``np.float32``.
     """
-    x = _flat_f32(x)
+    x = flat_f32(x)
     total = torch_sum_float32(x, vector_width=vector_width, num_threads=num_threads)
     return _F32(total / _F32(x.size))
