@@ -261,6 +261,17 @@ def _called_name(call: ast.Call) -> str | None:
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
 
 
+def test_the_class_is_the_rule() -> None:
+    # no class swapping in __new__ and no rule= argument: an instance's rule is its class's default_rule
+    assert "__new__" not in vars(E.ConvertBnbError)
+    for rule, cls in E.all_rules().items():
+        exc = cls("message", path="f", tensor="t")
+        assert type(exc) is cls and exc.rule == rule and str(exc) == f"Failed to read 'f': tensor 't': {rule} message"
+    assert E.AdapterError("message").rule is None
+    with pytest.raises(TypeError):
+        E.AdapterError("message", rule="LORA-010")  # type: ignore[call-arg]
+
+
 def test_no_error_class_is_given_a_rule_keyword() -> None:
     # the class is the rule: ``AdapterError(..., rule="LORA-010")`` is written ``LoraShapeError(...)``
     bad = [
