@@ -75,7 +75,6 @@ from .checkpoint import READERS, ContainerReader, TensorRecord
 from .errors import (
     AdapterConfigError,
     AdapterConfigValueError,
-    AdapterError,
     AdapterKeyNameError,
     AdapterTargetMissingError,
     DuplicateAdapterTargetError,
@@ -310,7 +309,7 @@ class LoraConfig:
         return int(match.group("idx")) in self.layers_to_transform
 
 
-def _bad(path: Path | None, key: str, message: str, found: Any, expected: Any = None) -> AdapterError:
+def _bad(path: Path | None, key: str, message: str, found: Any, expected: Any = None) -> AdapterConfigValueError:
     return AdapterConfigValueError(
         f"config key '{key}': {message}", path=path, expected=expected, found=found
     )
@@ -393,7 +392,7 @@ def parse_lora_config(obj: Any, path: str | os.PathLike[str] | None = None) -> L
             hint="other PEFT methods (AdaLoRA, IA3, LoHa, prompt tuning, ...) are not supported",
         )
 
-    def refuse(key: str, why: str, expected: Any = None) -> UnsupportedError:
+    def refuse(key: str, why: str, expected: Any = None) -> UnsupportedAdapterConfigError:
         return UnsupportedAdapterConfigError(
             f"config key '{key}' is not supported: {why}",
             path=p,
