@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from formats.errors import DiskSpaceError, HubError, UsageError
+from formats.errors import DiskSpaceError, HubError, IndexJsonError, NoWeightsError, UsageError
 
 __all__ = [
     "SMALL_FILE_PATTERNS",
@@ -199,7 +199,9 @@ def choose_weight_files(names: list[str], read_index: Callable[[str], Any]) -> l
         the index (if any) followed by its shards, or the one single weight file.
 
     Raises:
-        HubError: the repo has no weights convert-bnb can read (names the weight-like files found).
+        IndexJsonError: CKPT-001, the repo's index has no ``weight_map`` object.
+        NoWeightsError: CKPT-005, the repo has no weights convert-bnb can read (names the weight-like files
+            found).
     """
     from formats.checkpoint import INDEX_NAMES, READERS, SINGLE_NAMES
 
@@ -209,7 +211,7 @@ def choose_weight_files(names: list[str], read_index: Callable[[str], Any]) -> l
             index = read_index(index_name)
             wmap = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wmap, dict):
-                raise HubError("the repo's index has no 'weight_map' object", path=index_name, rule="CKPT-001")
+                raise IndexJsonError("the repo's index has no 'weight_map' object", path=index_name)
             shards: list[str] = []
             for v in wmap.values():
                 if isinstance(v, str) and v not in shards:
@@ -219,8 +221,8 @@ def choose_weight_files(names: list[str], read_index: Callable[[str], Any]) -> l
         if single in present and Path(single).suffix in READERS:
             return [single]
     weightish = sorted(n for n in names if any(fnmatch.fnmatch(n, g) for g in _WEIGHT_GLOBS))
-    raise HubError(
-        "the repo has no weights convert-bnb can read", rule="CKPT-005",
+    raise NoWeightsError(
+        "the repo has no weights convert-bnb can read",
         expected=" or ".join([n for n, _ in INDEX_NAMES] + SINGLE_NAMES), found=weightish or "no weight files",
     )
 
@@ -242,7 +244,8 @@ def plan_download(
         the :class:`DownloadPlan`, or None in offline mode (resolution then comes from the cache).
 
     Raises:
-        HubError: the repo or revision cannot be reached, or it holds no readable weights.
+        HubError: the repo or revision cannot be reached.
+        IndexJsonError, NoWeightsError: the repo holds no readable weights (CKPT-001, CKPT-005).
     """
     if _offline():
         return None
@@ -353,7 +356,7 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
     def read_index(name: str) -> Any:
         hit = huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=revision)
         if not isinstance(hit, str):
-            raise HubError("the repo's index is not in the cache", path=name, rule="CKPT-002",
+            raise HubError("the repo's index is not in the cache", path=name,
                            hint="HF_HUB_OFFLINE is set; run once online to fetch it")
         return json.loads(Path(hit).read_text(encoding="utf-8"))
 
@@ -454,7 +457,8 @@ def resolve_repo(
         the :class:`HubSource`.
 
     Raises:
-        HubError: not found, gated, revision unknown, offline without the snapshot, no weights.
+        HubError: not found, gated, revision unknown, offline without the snapshot (or its index).
+        IndexJsonError, NoWeightsError: the repo holds no readable weights (CKPT-001, CKPT-005).
         DiskSpaceError: the download (and output, on the same disk) does not fit.
     """
     from huggingface_hub import constants, snapshot_download

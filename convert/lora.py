@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formats.checkpoint import TensorRecord
-from formats.errors import AdapterError
+from formats.errors import LoraShapeError
 from formats.peft import Adapter
 
 from .kernels import BF16, round_float32
@@ -367,23 +367,21 @@ class TensorMerge:
         """
         dt = _dtype(out_dtype)
         if self.whole_tensor and (start, stop) != (0, self.shape[0]):
-            raise AdapterError(
+            raise LoraShapeError(
                 "DoRA with fan_in_fan_out needs the whole tensor in one piece",
                 tensor=self.name,
-                rule="LORA-010",
                 expected=[0, self.shape[0]],
                 found=[start, stop],
             )
         x: np.ndarray | None = None
         if self.needs_base:
             if base_rows is None:
-                raise AdapterError("base rows are needed for this merge", tensor=self.name, rule="LORA-010")
+                raise LoraShapeError("base rows are needed for this merge", tensor=self.name)
             want = (stop - start, *self.base_shape[1:])
             if tuple(base_rows.shape) != want:
-                raise AdapterError(
+                raise LoraShapeError(
                     "base rows have the wrong shape",
                     tensor=self.name,
-                    rule="LORA-010",
                     expected=list(want),
                     found=list(base_rows.shape),
                 )
@@ -568,11 +566,10 @@ def plan_merge(adapters: Sequence[Adapter], base: Mapping[str, Sequence[int]]) -
                     "fan_in_fan_out": "[in, out] (fan_in_fan_out)",
                     "embedding": "[num_embeddings, dim] = [A columns, B rows]",
                 }[layout]
-                raise AdapterError(
+                raise LoraShapeError(
                     f"LoRA weights do not fit the base tensor {what}",
                     path=ad.weights_file,
                     tensor=a.name,
-                    rule="LORA-010",
                     expected=list(cur),
                     found=list(want),
                     hint="check fan_in_fan_out in adapter_config.json"
@@ -605,11 +602,10 @@ def plan_merge(adapters: Sequence[Adapter], base: Mapping[str, Sequence[int]]) -
         if tm.shape != shapes[name]:
             if len(tm.shape) != len(shapes[name]) or tm.shape[1:] != shapes[name][1:]:
                 op = lst[0]
-                raise AdapterError(
+                raise LoraShapeError(
                     "adapter's full tensor has another shape than the base tensor, beyond the row count",
                     path=op.adapter,
                     tensor=op.keys[0],
-                    rule="LORA-010",
                     expected=list(shapes[name]),
                     found=list(tm.shape),
                     hint="only the vocabulary (rows) may be resized",

@@ -24,7 +24,7 @@ import numpy as np
 
 from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.dtypes import DType
-from formats.errors import AdapterError, UsageError
+from formats.errors import LoraShapeError, UsageError
 from formats.peft import open_adapter
 
 from .lora import ROW_ALIGN, MergePlan, MergeStats, TensorMerge, plan_merge
@@ -68,8 +68,8 @@ class LoraSource(Source):
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         if start % self.cols or stop % self.cols:
-            raise AdapterError("merge chunks must hold whole rows", tensor=self.name, rule="LORA-010",
-                               expected=f"multiples of {self.cols}", found=[start, stop])
+            raise LoraShapeError("merge chunks must hold whole rows", tensor=self.name,
+                                 expected=f"multiples of {self.cols}", found=[start, stop])
         r0, r1 = start // self.cols, stop // self.cols
         base = None
         if self.merge.needs_base:

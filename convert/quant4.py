@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formats.bnb import BLOCKSIZES, QUANT_TABLES
-from formats.errors import UnsupportedError, UsageError
+from formats.errors import BlocksizeOptionError, NonFiniteWeightError, QuantTypeOptionError
 
 from .kernels import PIECE
 
@@ -59,22 +59,22 @@ def check_quant_type(quant_type: str) -> None:
     """Check a 4-bit quant type (also :class:`~convert.quant_settings.QuantSettings`'s check).
 
     Raises:
-        UsageError: QNT-001, quant_type is not ``"nf4"`` or ``"fp4"``.
+        QuantTypeOptionError: QNT-001, quant_type is not ``"nf4"`` or ``"fp4"``.
     """
     if quant_type not in QUANT_TABLES:
-        raise UsageError("quant_type must be nf4 or fp4", rule="QNT-001", expected="'nf4' or 'fp4'",
-                         found=quant_type)
+        raise QuantTypeOptionError("quant_type must be nf4 or fp4", expected="'nf4' or 'fp4'",
+                                   found=quant_type)
 
 
 def check_blocksize(blocksize: int) -> None:
     """Check a 4-bit blocksize against :data:`formats.bnb.BLOCKSIZES`.
 
     Raises:
-        UsageError: QNT-002, blocksize is not a power of two from 32 to 4096.
+        BlocksizeOptionError: QNT-002, blocksize is not a power of two from 32 to 4096.
     """
     if blocksize not in BLOCKSIZES:
-        raise UsageError("blocksize must be a power of two from 32 to 4096", rule="QNT-002",
-                         expected=list(BLOCKSIZES), found=blocksize)
+        raise BlocksizeOptionError("blocksize must be a power of two from 32 to 4096",
+                                   expected=list(BLOCKSIZES), found=blocksize)
 
 
 def quantize_bounds(quant_type: str) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]]:
@@ -90,7 +90,7 @@ def quantize_bounds(quant_type: str) -> tuple[npt.NDArray[np.float32], npt.NDArr
         ``uint8[16]`` the code of each sorted position: identity for NF4, :data:`FP4_ORDER` for FP4).
 
     Raises:
-        UsageError: QNT-001, unknown quant_type.
+        QuantTypeOptionError: QNT-001, unknown quant_type.
     """
     check_quant_type(quant_type)
     table = QUANT_TABLES[quant_type]
@@ -110,9 +110,9 @@ def _flat_f32(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
 def _finite_absmax(absmax: npt.NDArray[np.float32]) -> None:
     if not np.isfinite(absmax).all():
         bad = int(np.flatnonzero(~np.isfinite(absmax))[0])
-        raise UnsupportedError("the tensor to quantize holds NaN or infinite values", rule="QNT-003",
-                               expected="finite values", found=f"non-finite value in block {bad}",
-                               hint="fix or skip this tensor (--skip-modules)")
+        raise NonFiniteWeightError("the tensor to quantize holds NaN or infinite values",
+                                   expected="finite values", found=f"non-finite value in block {bad}",
+                                   hint="fix or skip this tensor (--skip-modules)")
 
 
 def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32]:
@@ -129,7 +129,7 @@ def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32
         ``float32[ceil(m / blocksize)]``.
 
     Raises:
-        UnsupportedError: QNT-003, x holds NaN or infinity.
+        NonFiniteWeightError: QNT-003, x holds NaN or infinity.
     """
     x = np.asarray(x).reshape(-1)
     m = x.size
@@ -169,7 +169,7 @@ def encode_4bit(
         ``uint8[ceil(m / 2)]``; byte k = code[2k] << 4 | code[2k+1].
 
     Raises:
-        UsageError: QNT-001, unknown quant_type.
+        QuantTypeOptionError: QNT-001, unknown quant_type.
     """
     mid, order = bounds if bounds is not None else quantize_bounds(quant_type)
     is_nf4 = quant_type == "nf4"
@@ -270,8 +270,8 @@ def quantize_4bit(
         (``uint8[ceil(n/2)]`` packed codes, ``float32[ceil(n/blocksize)]`` absmax).
 
     Raises:
-        UsageError: QNT-001/QNT-002, bad quant_type or blocksize.
-        UnsupportedError: QNT-003, x holds NaN or infinity.
+        QuantTypeOptionError, BlocksizeOptionError: QNT-001/QNT-002, bad quant_type or blocksize.
+        NonFiniteWeightError: QNT-003, x holds NaN or infinity.
     """
     check_quant_type(quant_type)
     check_blocksize(blocksize)

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formats.bnb import QUANT_TABLES, QuantState
-from formats.errors import UnsupportedError
+from formats.errors import NonFiniteWeightError
 
 from .kernels import dequantize_4bit
 from .nested8 import NESTED_BLOCKSIZE, encode_8bit, nested_statistics, resolve_nested
@@ -103,16 +103,16 @@ class LayerInput:
         """:func:`~convert.quant4.blockwise_absmax` of elements read from ``start``.
 
         Raises:
-            UnsupportedError: QNT-003, naming this tensor, its file and the block holding NaN or infinity.
+            NonFiniteWeightError: QNT-003, naming this tensor, its file and the block holding NaN or infinity.
         """
         try:
             return blockwise_absmax(x, self.blocksize)
-        except UnsupportedError as exc:
+        except NonFiniteWeightError as exc:
             am = np.abs(np.asarray(x, dtype=np.float32))
             bad = start // self.blocksize + int(np.flatnonzero(~np.isfinite(am))[0]) // self.blocksize
-            raise UnsupportedError(exc.reason, path=_source_file(self.source), tensor=self.name, rule=exc.rule,
-                                   expected=exc.expected, found=f"non-finite value in block {bad}",
-                                   hint=exc.hint) from None
+            raise NonFiniteWeightError(exc.reason, path=_source_file(self.source), tensor=self.name,
+                                       expected=exc.expected, found=f"non-finite value in block {bad}",
+                                       hint=exc.hint) from None
 
     def absmax_blocks(self, ba: int, bb: int) -> npt.NDArray[np.float32]:
         """``float32[bb - ba]`` fp32 absmax of blocks [ba, bb), read from the source."""

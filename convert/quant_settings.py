@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from formats.bnb import QuantState
-from formats.errors import UnsupportedError, UsageError
+from formats.errors import QuantStorageOptionError, QuantStorageSizeError
 
 from .nested8 import NESTED_BLOCKSIZE
 from .quant4 import check_blocksize, check_quant_type
@@ -49,8 +49,8 @@ class QuantSettings:
         check_quant_type(self.quant_type)
         check_blocksize(self.blocksize)
         if self.quant_storage not in QUANT_STORAGES:
-            raise UsageError("quant storage must be uint8, bfloat16, float16 or float32", rule="QNT-004",
-                             expected=list(QUANT_STORAGES), found=self.quant_storage)
+            raise QuantStorageOptionError("quant storage must be uint8, bfloat16, float16 or float32",
+                                          expected=list(QUANT_STORAGES), found=self.quant_storage)
 
     def state(self, shape: tuple[int, ...], dtype: str, nested_offset: float | None = None) -> QuantState:
         """The :class:`QuantState` of a weight of ``shape`` and torch dtype name ``dtype``."""
@@ -63,14 +63,14 @@ class QuantSettings:
         """Shape of the stored ``P.weight`` for n elements: ``[ceil(n/2) / itemsize, 1]``.
 
         Raises:
-            UnsupportedError: QNT-005, ceil(n/2) bytes do not fill whole storage elements (bnb's
+            QuantStorageSizeError: QNT-005, ceil(n/2) bytes do not fill whole storage elements (bnb's
                 ``packed.squeeze().view(quant_storage)`` fails there too).
         """
         nbytes = -(-n // 2)
         item = np.dtype(storage_dtype(self.quant_storage)).itemsize
         if nbytes % item:
-            raise UnsupportedError(
-                f"the packed codes cannot be stored as {self.quant_storage}", rule="QNT-005", tensor=name,
+            raise QuantStorageSizeError(
+                f"the packed codes cannot be stored as {self.quant_storage}", tensor=name,
                 expected=f"ceil(n/2) a multiple of {item} bytes", found=nbytes,
                 hint="use --quant-storage uint8, or skip this tensor",
             )

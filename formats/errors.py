@@ -131,31 +131,20 @@ class ConvertBnbError(Exception):
         message: the rule that was broken, in words (without file or tensor: those are added).
         path: the file or directory being read or written.
         tensor: the tensor name, when the problem is about one tensor.
-        rule: a stable rule id such as ``"ST-005"`` or ``"BNB-003"`` (see docs/errors.md); defaults to
-            the class's ``default_rule``.
         expected: what the rule wants (rendered with ``repr`` for strings).
         found: what was actually read.
         hint: what the user can do about it.
         action: the verb in "Failed to <action> '<path>'" (default "read").
 
     Class attributes:
-        default_rule: the rule id this class stands for (one class per failure kind).
+        default_rule: the rule id this class stands for (one class per failure kind), e.g. ``"ST-005"``;
+            every instance's ``rule`` attribute. A rule is raised by naming its class, so
+            ``grep ClassName`` finds every place it is checked; there is no ``rule=`` argument.
         advice: what the user should do, in general, when this error occurs (docs/errors.md).
     """
 
     default_rule: str | None = None
     advice: str = ""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> ConvertBnbError:
-        # ``FamilyError(..., rule="X-007")`` builds the one subclass that stands for rule X-007, so code
-        # that names the rule on a family class still raises the precise class
-        rule = kwargs.get("rule")
-        if rule is not None:
-            sub = all_rules().get(rule)
-            if sub is not None and sub is not cls and issubclass(sub, cls):
-                cls = sub
-        base: Any = OSError if issubclass(cls, OSError) else BaseException
-        return base.__new__(cls, *args)  # type: ignore[no-any-return]
 
     def __init__(
         self,
@@ -163,7 +152,6 @@ class ConvertBnbError(Exception):
         *,
         path: str | os.PathLike[str] | None = None,
         tensor: str | None = None,
-        rule: str | None = None,
         expected: Any = None,
         found: Any = None,
         hint: str | None = None,
@@ -172,7 +160,7 @@ class ConvertBnbError(Exception):
         self.reason = message
         self.path = os.fspath(path) if path is not None else None
         self.tensor = tensor
-        self.rule = rule if rule is not None else self.default_rule
+        self.rule = self.default_rule
         self.expected = expected
         self.found = found
         self.hint = hint

@@ -72,7 +72,21 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import READERS, ContainerReader, TensorRecord
-from .errors import AdapterError, UnsupportedError
+from .errors import (
+    AdapterConfigError,
+    AdapterConfigValueError,
+    AdapterKeyNameError,
+    AdapterTargetMissingError,
+    DuplicateAdapterTargetError,
+    IncompleteLoraModuleError,
+    LoraShapeError,
+    ModulesToSaveMismatchError,
+    NoAdapterWeightsError,
+    NotLoraAdapterError,
+    UnsupportedAdapterConfigError,
+    UnsupportedError,
+    UntargetedModuleError,
+)
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -295,9 +309,9 @@ class LoraConfig:
         return int(match.group("idx")) in self.layers_to_transform
 
 
-def _bad(path: Path | None, key: str, message: str, found: Any, expected: Any = None) -> AdapterError:
-    return AdapterError(
-        f"config key '{key}': {message}", path=path, rule="LORA-004", expected=expected, found=found
+def _bad(path: Path | None, key: str, message: str, found: Any, expected: Any = None) -> AdapterConfigValueError:
+    return AdapterConfigValueError(
+        f"config key '{key}': {message}", path=path, expected=expected, found=found
     )
 
 
@@ -365,25 +379,23 @@ def parse_lora_config(obj: Any, path: str | os.PathLike[str] | None = None) -> L
     """
     p = Path(path) if path is not None else None
     if not isinstance(obj, dict):
-        raise AdapterError(
-            "adapter config must be a JSON object", path=p, rule="LORA-001", found=type(obj).__name__
+        raise AdapterConfigError(
+            "adapter config must be a JSON object", path=p, found=type(obj).__name__
         )
     peft_type = obj.get("peft_type")
     if peft_type != "LORA":
-        raise AdapterError(
+        raise NotLoraAdapterError(
             "only LoRA adapters can be merged",
             path=p,
-            rule="LORA-002",
             expected="LORA",
             found=peft_type,
             hint="other PEFT methods (AdaLoRA, IA3, LoHa, prompt tuning, ...) are not supported",
         )
 
-    def refuse(key: str, why: str, expected: Any = None) -> UnsupportedError:
-        return UnsupportedError(
+    def refuse(key: str, why: str, expected: Any = None) -> UnsupportedAdapterConfigError:
+        return UnsupportedAdapterConfigError(
             f"config key '{key}' is not supported: {why}",
             path=p,
-            rule="LORA-003",
             expected=expected,
             found=obj.get(key),
         )
@@ -481,16 +493,15 @@ def load_lora_config(path: str | os.PathLike[str]) -> LoraConfig:
     if p.is_dir():
         p = p / ADAPTER_CONFIG
     if not p.is_file():
-        raise AdapterError(
+        raise AdapterConfigError(
             "adapter config not found",
             path=p,
-            rule="LORA-001",
             hint="a PEFT adapter directory holds adapter_config.json and adapter_model.safetensors",
         )
     try:
         obj = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"adapter config is not valid JSON ({exc})", path=p, rule="LORA-001") from None
+        raise AdapterConfigError(f"adapter config is not valid JSON ({exc})", path=p) from None
     return parse_lora_config(obj, p)
 
 
@@ -528,11 +539,10 @@ def parse_adapter_key(key: str, path: str | os.PathLike[str] | None = None) -> A
         AdapterError: LORA-006, the key lacks the prefix ``base_model.model.`` or a known suffix.
     """
     if not key.startswith(KEY_PREFIX):
-        raise AdapterError(
+        raise AdapterKeyNameError(
             "adapter key does not start with 'base_model.model.'",
             path=path,
             tensor=key,
-            rule="LORA-006",
             hint="only LoRA adapters saved by PEFT's save_pretrained are read",
         )
     rest = key[len(KEY_PREFIX) :]
@@ -543,11 +553,10 @@ def parse_adapter_key(key: str, path: str | os.PathLike[str] | None = None) -> A
             if any(part in _RESERVED for part in parts) or "" in parts:
                 break
             return AdapterKey(key, module, kind, param)
-    raise AdapterError(
+    raise AdapterKeyNameError(
         "unknown adapter key",
         path=path,
         tensor=key,
-        rule="LORA-006",
         expected="base_model.model.<module> + one of " + ", ".join(s for s, _, _ in _SUFFIXES),
         found=key,
         hint="keys with an adapter name left in (lora_A.default.weight) or from other PEFT methods "
@@ -643,11 +652,10 @@ class Adapter:
                 ak = parse_adapter_key(key, self.weights_file)
                 if ak.base_tensor not in base:
                     close = difflib.get_close_matches(ak.base_tensor, names, n=1)
-                    raise AdapterError(
+                    raise AdapterTargetMissingError(
                         "adapter key matches no tensor of the base model",
                         path=self.weights_file,
                         tensor=key,
-                        rule="LORA-007",
                         expected=ak.base_tensor,
                         found="absent",
                         hint=f"closest base tensor: '{close[0]}'"
@@ -655,11 +663,10 @@ class Adapter:
                         else "is this adapter for another model?",
                     )
             if mod.has_lora and not cfg.is_targeted(mod.module) and cfg.target_modules != "all-linear":
-                raise AdapterError(
+                raise UntargetedModuleError(
                     "adapter holds LoRA weights for a module the config does not target (PEFT drops them)",
                     path=self.weights_file,
                     tensor=mod.keys[0],
-                    rule="LORA-009",
                     expected=f"target_modules={_show_targets(cfg.target_modules)}",
                     found=mod.module,
                 )
@@ -678,11 +685,10 @@ class Adapter:
                     if found is None or not found.has_lora
                     else ("lora_A" if found.lora_A is None else "lora_B")
                 )
-                raise AdapterError(
+                raise IncompleteLoraModuleError(
                     f"module is targeted by the adapter config but the adapter has no {missing} for it",
                     path=self.weights_file,
                     tensor=module,
-                    rule="LORA-008",
                     expected=f"{KEY_PREFIX}{module}.lora_A.weight and .lora_B.weight",
                     found="absent",
                     hint=f"target_modules={_show_targets(cfg.target_modules)}",
@@ -706,10 +712,9 @@ def _open_weights(directory: Path) -> tuple[Path, ContainerReader]:
                     found=p.suffix,
                 )
             return p, reader(p)
-    raise AdapterError(
+    raise NoAdapterWeightsError(
         "adapter weights not found",
         path=directory,
-        rule="LORA-005",
         expected=" or ".join(ADAPTER_WEIGHTS),
         found=sorted(q.name for q in directory.iterdir()) or "an empty directory",
     )
@@ -739,10 +744,9 @@ def open_adapter(path: str | os.PathLike[str]) -> Adapter:
         if directory.name == ADAPTER_CONFIG or directory.suffix.lower() in (".safetensors", ".bin"):
             directory = directory.parent
         else:
-            raise AdapterError(
+            raise AdapterConfigError(
                 "adapter path must be a PEFT adapter directory",
                 path=directory,
-                rule="LORA-001",
                 found="not a directory",
             )
     config = load_lora_config(directory)
@@ -770,20 +774,18 @@ def _group(
     for key, rec in tensors.items():
         ak = parse_adapter_key(key, wfile)
         if not rec.dtype.is_float:
-            raise AdapterError(
+            raise LoraShapeError(
                 "adapter tensor must be floating point",
                 path=wfile,
                 tensor=key,
-                rule="LORA-010",
                 expected="F32, BF16 or F16",
                 found=rec.dtype.code,
             )
         if ak.kind == "lora_B_bias":
-            raise UnsupportedError(
+            raise UnsupportedAdapterConfigError(
                 "config key 'lora_bias' is not supported: merging trained lora_B biases is not implemented",
                 path=wfile,
                 tensor=key,
-                rule="LORA-003",
             )
         if ak.kind in ("mts_copy", "original"):
             copies.append((ak, rec))
@@ -793,11 +795,10 @@ def _group(
         if ak.kind in ("lora_A", "embedding_A", "lora_B", "embedding_B"):
             emb = ak.kind.startswith("embedding")
             if mod.has_lora and mod.embedding != emb:
-                raise AdapterError(
+                raise DuplicateAdapterTargetError(
                     "module mixes lora_A/B and lora_embedding_A/B keys",
                     path=wfile,
                     tensor=key,
-                    rule="LORA-011",
                 )
             mod.embedding = emb
             if ak.kind.endswith("A"):
@@ -806,18 +807,17 @@ def _group(
                 mod.lora_B = rec
         elif ak.kind == "magnitude":
             if mod.magnitude is not None:
-                raise AdapterError(
-                    "two magnitude vectors for one module", path=wfile, tensor=key, rule="LORA-011"
+                raise DuplicateAdapterTargetError(
+                    "two magnitude vectors for one module", path=wfile, tensor=key
                 )
             mod.magnitude = rec
         else:  # full or base_layer
             prev = landed.get(ak.base_tensor)
             if prev is not None:
-                raise AdapterError(
+                raise DuplicateAdapterTargetError(
                     "two adapter tensors replace the same base tensor",
                     path=wfile,
                     tensor=key,
-                    rule="LORA-011",
                     expected=f"only '{prev}'",
                     found=[prev, key],
                 )
@@ -835,31 +835,28 @@ def _group(
         saved = owner.full.get(ak.param) if owner is not None else None
         if ak.kind == "original":
             if saved is None:
-                raise AdapterError(
+                raise ModulesToSaveMismatchError(
                     "PEFT's original_module copy without the module's saved tensor",
                     path=wfile,
                     tensor=ak.key,
-                    rule="LORA-012",
                     expected=f"{KEY_PREFIX}{ak.base_tensor}",
                     found="absent",
                 )
             ignored.append((ak.key, "PEFT's copy of the untrained module; the saved tensor is used"))
             continue
         if saved is None:
-            raise AdapterError(
+            raise ModulesToSaveMismatchError(
                 "modules_to_save copy without the module's saved tensor",
                 path=wfile,
                 tensor=ak.key,
-                rule="LORA-012",
                 expected=f"{KEY_PREFIX}{ak.base_tensor}",
                 found="absent",
             )
         if saved.shape != rec.shape or saved.dtype != rec.dtype or bytes(saved.raw()) != bytes(rec.raw()):
-            raise AdapterError(
+            raise ModulesToSaveMismatchError(
                 "modules_to_save copy differs from the module's saved tensor",
                 path=wfile,
                 tensor=ak.key,
-                rule="LORA-012",
                 expected=f"equal to '{KEY_PREFIX}{ak.base_tensor}'",
                 found="different",
             )
@@ -873,87 +870,79 @@ def _group(
 def _check_module(wfile: Path, cfg: LoraConfig, mod: AdapterModule) -> None:
     if not mod.has_lora:
         if mod.magnitude is not None:
-            raise AdapterError(
-                "DoRA magnitude vector without lora_A/lora_B", path=wfile, tensor=mod.keys[0], rule="LORA-008"
+            raise IncompleteLoraModuleError(
+                "DoRA magnitude vector without lora_A/lora_B", path=wfile, tensor=mod.keys[0]
             )
         if "base_layer" in mod.full_kind.values():
-            raise AdapterError(
-                "base_layer tensor without lora_A/lora_B", path=wfile, tensor=mod.keys[0], rule="LORA-008"
+            raise IncompleteLoraModuleError(
+                "base_layer tensor without lora_A/lora_B", path=wfile, tensor=mod.keys[0]
             )
         return
     a_name = "lora_embedding_A" if mod.embedding else "lora_A.weight"
     b_name = "lora_embedding_B" if mod.embedding else "lora_B.weight"
     if mod.lora_A is None or mod.lora_B is None:
         missing = a_name if mod.lora_A is None else b_name
-        raise AdapterError(
+        raise IncompleteLoraModuleError(
             f"LoRA pair is incomplete: {missing} is missing",
             path=wfile,
             tensor=mod.keys[0],
-            rule="LORA-008",
             expected=f"{KEY_PREFIX}{mod.module}.{missing}",
             found="absent",
         )
     if any(k == "modules_to_save" or k == "saved_layer" for k in mod.full_kind.values()):
-        raise AdapterError(
+        raise DuplicateAdapterTargetError(
             "module has both LoRA weights and a full saved tensor",
             path=wfile,
             tensor=mod.keys[0],
-            rule="LORA-011",
             hint="a LoRA-targeted module saves its base as '.base_layer.weight'",
         )
     a, b = mod.lora_A, mod.lora_B
     r = cfg.rank_for(mod.module)
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
-        raise AdapterError(
+        raise LoraShapeError(
             f"{a_name} must be [r, in] and {b_name} [out, r]",
             path=wfile,
             tensor=a.name,
-            rule="LORA-010",
             expected="matching r",
             found=f"A {list(a.shape)}, B {list(b.shape)}",
         )
     if a.shape[0] != r:
-        raise AdapterError(
+        raise LoraShapeError(
             "LoRA rank (lora_A rows) differs from the config",
             path=wfile,
             tensor=a.name,
-            rule="LORA-010",
             expected=r,
             found=a.shape[0],
             hint="check r and rank_pattern in adapter_config.json",
         )
     if cfg.use_dora:
         if mod.embedding:
-            raise UnsupportedError(
+            raise UnsupportedAdapterConfigError(
                 "config key 'use_dora' is not supported on embedding layers",
                 path=wfile,
                 tensor=a.name,
-                rule="LORA-003",
             )
         if mod.magnitude is None:
-            raise AdapterError(
+            raise IncompleteLoraModuleError(
                 "use_dora is set but the module has no lora_magnitude_vector",
                 path=wfile,
                 tensor=mod.module,
-                rule="LORA-008",
                 expected=f"{KEY_PREFIX}{mod.module}.lora_magnitude_vector",
                 found="absent",
             )
         if mod.magnitude.shape != (b.shape[0],):
-            raise AdapterError(
+            raise LoraShapeError(
                 "DoRA magnitude vector must have one value per output feature",
                 path=wfile,
                 tensor=mod.magnitude.name,
-                rule="LORA-010",
                 expected=[b.shape[0]],
                 found=list(mod.magnitude.shape),
             )
     elif mod.magnitude is not None:
-        raise AdapterError(
+        raise IncompleteLoraModuleError(
             "adapter holds a DoRA magnitude vector but use_dora is false",
             path=wfile,
             tensor=mod.magnitude.name,
-            rule="LORA-008",
             expected="use_dora: true",
             found=False,
         )

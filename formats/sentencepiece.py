@@ -38,7 +38,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import SentencePieceFormatError, SentencePiecePiecesError, SentencePieceWireTypeError
 
 __all__ = ["NORMAL", "UNKNOWN", "CONTROL", "USER_DEFINED", "UNUSED", "BYTE", "Piece", "read_pieces"]
 
@@ -65,8 +65,8 @@ def _varint(buf: bytes, pos: int, path: str) -> tuple[int, int]:
     shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
-            raise CheckpointError(
-                "truncated or overlong varint", path=path, rule="SPM-001", found=f"byte {pos}"
+            raise SentencePieceFormatError(
+                "truncated or overlong varint", path=path, found=f"byte {pos}"
             )
         b = buf[pos]
         pos += 1
@@ -95,18 +95,16 @@ def _fields(buf: bytes, path: str) -> list[tuple[int, int, int | bytes]]:
         elif wire == 5:
             value, pos = buf[pos : pos + 4], pos + 4
         else:
-            raise CheckpointError(
+            raise SentencePieceWireTypeError(
                 "unsupported protobuf wire type",
                 path=path,
-                rule="SPM-002",
                 expected="0, 1, 2 or 5",
                 found=wire,
             )
         if pos > end:
-            raise CheckpointError(
+            raise SentencePieceFormatError(
                 "field runs past the end of the message",
                 path=path,
-                rule="SPM-001",
                 expected=f"<= {end} bytes",
                 found=pos,
             )
@@ -127,7 +125,8 @@ def read_pieces(path: str | os.PathLike[str]) -> list[Piece]:
         One :class:`Piece` per token id, in id order.
 
     Raises:
-        CheckpointError: SPM-001..003 (not a well-formed SentencePiece model).
+        SentencePieceFormatError, SentencePieceWireTypeError, SentencePiecePiecesError: SPM-001..003 (not a
+            well-formed SentencePiece model).
         OSError: the file cannot be read.
     """
     spath = os.fspath(path)
@@ -144,8 +143,8 @@ def read_pieces(path: str | os.PathLike[str]) -> list[Piece]:
                 try:
                     text = f_value.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise CheckpointError(
-                        "piece is not valid UTF-8", path=spath, rule="SPM-003", found=f"piece {len(pieces)}"
+                    raise SentencePiecePiecesError(
+                        "piece is not valid UTF-8", path=spath, found=f"piece {len(pieces)}"
                     ) from None
             elif f_number == 2 and f_wire == 5:
                 assert isinstance(f_value, bytes)
@@ -155,10 +154,9 @@ def read_pieces(path: str | os.PathLike[str]) -> list[Piece]:
                 kind = f_value
         pieces.append(Piece(text, score, kind))
     if not pieces:
-        raise CheckpointError(
+        raise SentencePiecePiecesError(
             "no vocabulary pieces (field 1) in the model",
             path=spath,
-            rule="SPM-003",
             hint="is this a SentencePiece tokenizer.model?",
         )
     return pieces

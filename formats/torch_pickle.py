@@ -81,7 +81,19 @@ import numpy as np
 import numpy.typing as npt
 
 from .dtypes import BY_NAME, DType
-from .errors import ConvertBnbError, TorchPickleError, UnsafePickleError, all_rules
+from .errors import (
+    ByteOrderError,
+    ConvertBnbError,
+    MalformedPickleError,
+    NonContiguousTensorError,
+    NotStateDictError,
+    NotTorchCheckpointError,
+    PickleTooLargeError,
+    StorageRecordError,
+    TensorViewError,
+    TorchPickleError,
+    UnsafePickleError,
+)
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -328,7 +340,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if stand_in is None:
             raise UnsafePickleError(
                 "pickle names a global outside the allow-list; nothing was imported or run",
-                path=self._path, rule="PT-003",
+                path=self._path,
                 expected="torch tensor/storage/dtype globals, OrderedDict, plain containers",
                 found=f"{module}.{name}",
                 hint="only state dicts of tensors are read; convert trusted files with torch "
@@ -428,20 +440,20 @@ class TorchPickleReader:
                 self.layout = "legacy"
                 obj = self._load_legacy(f)
             elif len(head) > 262 and head[257:262] == b"ustar":
-                raise self._fail("PT-001", "tar-format torch checkpoint (torch < 0.4) is not supported",
+                raise self._fail(NotTorchCheckpointError, "tar-format torch checkpoint (torch < 0.4) is not supported",
                                  hint="re-save it with a current torch, or convert it to safetensors")
             else:
-                raise self._fail("PT-001", "not a PyTorch checkpoint",
+                raise self._fail(NotTorchCheckpointError, "not a PyTorch checkpoint",
                                  expected="a zip archive (PK\\x03\\x04) or a pickle (\\x80)",
                                  found=repr(head[:8]))
         self._collect(obj)
 
     # ----------------------------------------------------------------------------------- loading
 
-    def _fail(self, rule: str, message: str, tensor: str | None = None, **kw: Any) -> TorchPickleError:
-        found = all_rules().get(rule)  # one subclass per rule (formats/errors.py)
-        cls = found if found is not None and issubclass(found, TorchPickleError) else TorchPickleError
-        return cls(message, path=self._spath, tensor=tensor, rule=rule, **kw)
+    def _fail(
+        self, cls: type[TorchPickleError], message: str, tensor: str | None = None, **kw: Any
+    ) -> TorchPickleError:
+        return cls(message, path=self._spath, tensor=tensor, **kw)
 
     def _unpickle(self, f: BinaryIO, storage_for: Any) -> Any:
         unpickler = _RestrictedUnpickler(f, self._spath, storage_for)
@@ -450,46 +462,47 @@ class TorchPickleReader:
         except ConvertBnbError:
             raise
         except _Refused as exc:
-            raise self._fail("PT-004", f"malformed pickle: {exc}") from None
+            raise self._fail(MalformedPickleError, f"malformed pickle: {exc}") from None
         except (pickle.UnpicklingError, ValueError, TypeError, EOFError, KeyError, IndexError,
                 AttributeError, RecursionError, OverflowError, struct.error, UnicodeDecodeError) as exc:
-            raise self._fail("PT-004", f"malformed pickle ({type(exc).__name__}: {exc})") from None
+            raise self._fail(MalformedPickleError, f"malformed pickle ({type(exc).__name__}: {exc})") from None
         except MemoryError:  # a length field (e.g. BYTEARRAY8) far beyond the pickle's own size
-            raise self._fail("PT-004", "malformed pickle: a length field asks for more memory than exists") from None
+            raise self._fail(MalformedPickleError,
+                             "malformed pickle: a length field asks for more memory than exists") from None
 
     def _load_zip(self, f: BinaryIO) -> Any:
         try:
             zf = zipfile.ZipFile(f)
         except _ZIP_ERRORS as exc:
-            raise self._fail("PT-001", f"not a readable zip archive ({exc})",
+            raise self._fail(NotTorchCheckpointError, f"not a readable zip archive ({exc})",
                              hint="the download may be truncated; fetch the file again") from None
         with zf:
             infos = {i.filename: i for i in zf.infolist()}
             pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkls) != 1:
-                raise self._fail("PT-001", "zip archive is not a torch.save checkpoint",
+                raise self._fail(NotTorchCheckpointError, "zip archive is not a torch.save checkpoint",
                                  expected="exactly one '<archive>/data.pkl'", found=pkls or "none")
             prefix = pkls[0][: -len("data.pkl")]
             if prefix + "constants.pkl" in infos or any(n.startswith(prefix + "code/") for n in infos):
-                raise self._fail("PT-001", "a TorchScript archive (torch.jit.save), not a state dict",
+                raise self._fail(NotTorchCheckpointError, "a TorchScript archive (torch.jit.save), not a state dict",
                                  hint="save model.state_dict() with torch.save, or use safetensors")
             bo = infos.get(prefix + "byteorder")
             if bo is not None:
                 try:
                     order = zf.read(bo).strip()
                 except _ZIP_ERRORS as exc:  # a damaged member header
-                    raise self._fail("PT-001", f"cannot read byteorder ({exc})") from None
+                    raise self._fail(NotTorchCheckpointError, f"cannot read byteorder ({exc})") from None
                 if order != b"little":
-                    raise self._fail("PT-008", "only little-endian checkpoints are read",
+                    raise self._fail(ByteOrderError, "only little-endian checkpoints are read",
                                      expected="little", found=order.decode("ascii", "replace"))
             pinfo = infos[pkls[0]]
             if pinfo.file_size > MAX_PICKLE_BYTES:
-                raise self._fail("PT-002", "data.pkl is larger than the limit",
+                raise self._fail(PickleTooLargeError, "data.pkl is larger than the limit",
                                  expected=f"<= {MAX_PICKLE_BYTES} bytes", found=pinfo.file_size)
             try:
                 data = zf.read(pinfo)
             except _ZIP_ERRORS as exc:
-                raise self._fail("PT-001", f"cannot read data.pkl ({exc})") from None
+                raise self._fail(NotTorchCheckpointError, f"cannot read data.pkl ({exc})") from None
 
             def storage_for(pid: Any) -> _Storage:
                 if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] not in ("storage", b"storage"):
@@ -503,12 +516,12 @@ class TorchPickleReader:
                 for _ in pickletools.genops(data):
                     pass
             except (ValueError, EOFError, struct.error, UnicodeDecodeError) as exc:
-                raise self._fail("PT-004", f"malformed pickle ({exc})") from None
+                raise self._fail(MalformedPickleError, f"malformed pickle ({exc})") from None
             obj = self._unpickle(io.BytesIO(data), storage_for)
             for key, st in self._storages.items():
                 info = infos.get(f"{prefix}data/{key}")
                 if info is None:
-                    raise self._fail("PT-005", f"storage record 'data/{key}' is missing",
+                    raise self._fail(StorageRecordError, f"storage record 'data/{key}' is missing",
                                      expected=f"a member '{prefix}data/{key}'", found="none")
                 self._locate_member(f, info, st)
         return obj
@@ -516,22 +529,22 @@ class TorchPickleReader:
     def _locate_member(self, f: BinaryIO, info: zipfile.ZipInfo, st: _Storage) -> None:
         want = st.numel * st.dtype.itemsize
         if info.compress_type != zipfile.ZIP_STORED:
-            raise self._fail("PT-005", f"storage record '{info.filename}' is compressed",
+            raise self._fail(StorageRecordError, f"storage record '{info.filename}' is compressed",
                              expected="stored (method 0)", found=f"method {info.compress_type}",
                              hint="torch.save never compresses; re-save the file with torch.save")
         if info.file_size != want:
-            raise self._fail("PT-005", f"storage record '{info.filename}' has the wrong size for "
+            raise self._fail(StorageRecordError, f"storage record '{info.filename}' has the wrong size for "
                              f"{st.numel} {st.dtype.name} elements", expected=want, found=info.file_size)
         f.seek(info.header_offset)
         raw = f.read(_LOCAL_HEADER.size)
         if len(raw) != _LOCAL_HEADER.size or raw[:4] != b"PK\x03\x04":
-            raise self._fail("PT-005", f"zip local header of '{info.filename}' is damaged",
+            raise self._fail(StorageRecordError, f"zip local header of '{info.filename}' is damaged",
                              found=f"offset {info.header_offset}")
         fields = _LOCAL_HEADER.unpack(raw)
         name_len, extra_len = fields[-2], fields[-1]
         start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         if start + want > self.file_size:
-            raise self._fail("PT-005", f"storage record '{info.filename}' runs past the end of the file",
+            raise self._fail(StorageRecordError, f"storage record '{info.filename}' runs past the end of the file",
                              expected=f"{start + want} bytes", found=f"{self.file_size} bytes",
                              hint="the file is truncated; fetch it again")
         self._storage_start[st.key] = start
@@ -569,16 +582,16 @@ class TorchPickleReader:
 
         magic = self._unpickle(f, no_storage)
         if magic != LEGACY_MAGIC:
-            raise self._fail("PT-001", "a pickle, but not a torch checkpoint (no torch magic number)",
+            raise self._fail(NotTorchCheckpointError, "a pickle, but not a torch checkpoint (no torch magic number)",
                              expected=hex(LEGACY_MAGIC), found=repr(magic)[:40],
                              hint="plain pickles are never read: they can run code")
         proto = self._unpickle(f, no_storage)
         if proto != LEGACY_PROTOCOL:
-            raise self._fail("PT-001", "unknown legacy torch protocol version", expected=LEGACY_PROTOCOL,
+            raise self._fail(NotTorchCheckpointError, "unknown legacy torch protocol version", expected=LEGACY_PROTOCOL,
                              found=repr(proto)[:40])
         sys_info = self._unpickle(f, no_storage)
         if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
-            raise self._fail("PT-008", "only little-endian checkpoints are read",
+            raise self._fail(ByteOrderError, "only little-endian checkpoints are read",
                              expected="little", found="big")
 
         def storage_for(pid: Any) -> _Storage:
@@ -594,23 +607,23 @@ class TorchPickleReader:
         obj = self._unpickle(f, storage_for)
         keys = self._unpickle(f, no_storage)
         if not isinstance(keys, list) or not all(isinstance(k, (str, int)) for k in keys):
-            raise self._fail("PT-004", "legacy storage key list is malformed")
+            raise self._fail(MalformedPickleError, "legacy storage key list is malformed")
         pos = f.tell()
         for k in keys:
             st = self._storages.get(str(k))
             if st is None:
-                raise self._fail("PT-005", f"storage '{k}' is listed but no tensor uses it")
+                raise self._fail(StorageRecordError, f"storage '{k}' is listed but no tensor uses it")
             f.seek(pos)
             raw = f.read(8)
             if len(raw) != 8:
-                raise self._fail("PT-005", f"file ends before storage '{k}'", hint="the file is truncated")
+                raise self._fail(StorageRecordError, f"file ends before storage '{k}'", hint="the file is truncated")
             (count,) = struct.unpack("<q", raw)
             if count != st.numel:
-                raise self._fail("PT-005", f"storage '{k}' has the wrong element count",
+                raise self._fail(StorageRecordError, f"storage '{k}' has the wrong element count",
                                  expected=st.numel, found=count)
             start, nbytes = pos + 8, count * st.dtype.itemsize
             if start + nbytes > self.file_size:
-                raise self._fail("PT-005", f"storage '{k}' runs past the end of the file",
+                raise self._fail(StorageRecordError, f"storage '{k}' runs past the end of the file",
                                  expected=f"{start + nbytes} bytes", found=f"{self.file_size} bytes",
                                  hint="the file is truncated; fetch it again")
             self._storage_start[st.key] = start
@@ -618,7 +631,7 @@ class TorchPickleReader:
             pos = start + nbytes
         missing = sorted(set(self._storages) - set(self._storage_start))
         if missing:
-            raise self._fail("PT-005", "storages used by tensors are not in the file", found=missing)
+            raise self._fail(StorageRecordError, "storages used by tensors are not in the file", found=missing)
         return obj
 
     # ------------------------------------------------------------------------------- flattening
@@ -626,28 +639,28 @@ class TorchPickleReader:
     def _collect(self, obj: Any) -> None:
         self._budget = MAX_VALUE_NODES
         if not isinstance(obj, dict):
-            raise self._fail("PT-009", "the checkpoint is not a state dict", expected="a dict of tensors",
+            raise self._fail(NotStateDictError, "the checkpoint is not a state dict", expected="a dict of tensors",
                              found=type(obj).__name__ if not isinstance(obj, _Tensor) else "a single tensor")
         try:
             self._flatten(obj, "")
         except RecursionError:
-            raise self._fail("PT-009", "values are nested too deeply") from None
+            raise self._fail(NotStateDictError, "values are nested too deeply") from None
 
     def _add_name(self, name: str) -> None:
         if name in self.tensors or name in self.values:
-            raise self._fail("PT-009", "a name appears twice after flattening nested dicts", tensor=name)
+            raise self._fail(NotStateDictError, "a name appears twice after flattening nested dicts", tensor=name)
 
     def _spend(self, name: str) -> None:
         self._budget -= 1
         if self._budget < 0:
-            raise self._fail("PT-009", "the pickle holds too many values", tensor=name,
+            raise self._fail(NotStateDictError, "the pickle holds too many values", tensor=name,
                              expected=f"<= {MAX_VALUE_NODES} containers and scalars")
 
     def _flatten(self, obj: dict[Any, Any], prefix: str) -> None:
         for k, v in obj.items():
             self._spend(prefix + str(k))
             if not isinstance(k, str):
-                raise self._fail("PT-009", "state dict keys must be strings", found=repr(k)[:60])
+                raise self._fail(NotStateDictError, "state dict keys must be strings", found=repr(k)[:60])
             name = prefix + k
             if isinstance(v, _Tensor):
                 self._add_name(name)
@@ -675,14 +688,14 @@ class TorchPickleReader:
             state = {str(k): self._value(x, f"{name}.{k}") for k, x in v.state.items()}
             return PickledObject(v._cls_name, state)
         if isinstance(v, (_Storage, _StorageType)):
-            raise self._fail("PT-009", "a bare storage is not a tensor", tensor=name)
+            raise self._fail(NotStateDictError, "a bare storage is not a tensor", tensor=name)
         return v
 
     def _add_tensor(self, name: str, t: _Tensor) -> None:
         st = t.storage
         dt = st.dtype
         if any(d < 0 for d in t.size) or any(s < 0 for s in t.stride) or t.offset < 0:
-            raise self._fail("PT-006", "tensor size, stride and offset must be non-negative", tensor=name,
+            raise self._fail(TensorViewError, "tensor size, stride and offset must be non-negative", tensor=name,
                              found=f"size {list(t.size)} stride {list(t.stride)} offset {t.offset}")
         numel = 1
         for d in t.size:
@@ -690,12 +703,12 @@ class TorchPickleReader:
         if numel:
             last = t.offset + sum((d - 1) * s for d, s in zip(t.size, t.stride, strict=True))
             if last >= st.numel:
-                raise self._fail("PT-006", "tensor view reaches past its storage", tensor=name,
+                raise self._fail(TensorViewError, "tensor view reaches past its storage", tensor=name,
                                  expected=f"last element < {st.numel}", found=last)
         contiguous = _is_contiguous(t.size, t.stride)
         nbytes = numel * dt.itemsize
         if not contiguous and nbytes > MAX_COPY_BYTES:
-            raise self._fail("PT-007", "tensor is a non-contiguous view too large to copy", tensor=name,
+            raise self._fail(NonContiguousTensorError, "tensor is a non-contiguous view too large to copy", tensor=name,
                              expected=f"contiguous, or <= {MAX_COPY_BYTES} bytes", found=nbytes,
                              hint="save it with tensor.contiguous(), or convert the file with torch")
         start = (st.elem_offset + t.offset) * dt.itemsize  # relative to the root storage until located

@@ -3,6 +3,7 @@ message, exit code 2 with exactly one line on stderr, nothing left behind, the i
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from pathlib import Path
@@ -242,3 +243,61 @@ def test_os_errors_are_one_line_naming_the_users_path() -> None:
     assert msg == "Failed to use '/x/ro/out': Permission denied (errno 13). Hint: check the permissions"
     assert _os_message(OSError(errno.ENOSPC, "No space left on device")).startswith(
         "No space left on device (errno 28). Hint: free some disk space")
+
+
+# --- every rule is raised by naming its class (issue 11, item 5) -------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+ERROR_CLASSES = {name for name, obj in vars(E).items() if isinstance(obj, type) and issubclass(obj, E.ConvertBnbError)}
+
+
+def _library_trees() -> list[tuple[str, ast.Module]]:
+    files = sorted([*ROOT.glob("convert/**/*.py"), *ROOT.glob("formats/**/*.py")])
+    return [(str(p.relative_to(ROOT)), ast.parse(p.read_text(encoding="utf-8"), str(p))) for p in files]
+
+
+def _called_name(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def test_the_class_is_the_rule() -> None:
+    # no class swapping in __new__ and no rule= argument: an instance's rule is its class's default_rule
+    assert "__new__" not in vars(E.ConvertBnbError)
+    for rule, cls in E.all_rules().items():
+        exc = cls("message", path="f", tensor="t")
+        assert type(exc) is cls and exc.rule == rule and str(exc) == f"Failed to read 'f': tensor 't': {rule} message"
+    assert E.AdapterError("message").rule is None
+    with pytest.raises(TypeError):
+        E.AdapterError("message", rule="LORA-010")  # type: ignore[call-arg]
+
+
+def test_no_error_class_is_given_a_rule_keyword() -> None:
+    # the class is the rule: ``AdapterError(..., rule="LORA-010")`` is written ``LoraShapeError(...)``
+    bad = [
+        f"{path}:{node.lineno}: {_called_name(node)}(rule={ast.unparse(kw.value)})"
+        for path, tree in _library_trees()
+        for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: n.lineno)
+        if _called_name(node) in ERROR_CLASSES
+        for kw in node.keywords
+        if kw.arg == "rule"
+    ]
+    assert not bad, "error classes given rule=:\n" + "\n".join(bad)
+
+
+def test_every_rule_class_is_raised_by_name() -> None:
+    # ``grep ClassName`` finds where a rule is checked: the class is named in a ``raise`` (``raise
+    # Cls(...)``, or a helper given the class: ``raise _err(Cls, ...)``), in check mode's
+    # ``report(Cls(...))`` (which raises it when problems are not collected), or in the return of a
+    # one-rule factory that call sites raise (``return Cls(...)``: peft's ``_bad``, bnb's ``bad``)
+    named: set[str] = set()
+    for _, tree in _library_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                named.update(n.id for n in ast.walk(node.exc) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
+                named.update(n.id for n in ast.walk(node.value) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.Call) and _called_name(node) == "report":
+                named.update(n.id for a in node.args for n in ast.walk(a) if isinstance(n, ast.Name))
+    missing = [f"{rule} {cls.__name__}" for rule, cls in E.all_rules().items() if cls.__name__ not in named]
+    assert not missing, "rule classes never raised by name in convert/ or formats/:\n" + "\n".join(missing)

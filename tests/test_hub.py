@@ -20,7 +20,7 @@ from convert.hub import (
 from convert.output import default_output
 from convert.plan import make_plan
 from formats.checkpoint import open_checkpoint
-from formats.errors import DiskSpaceError, HubError
+from formats.errors import DiskSpaceError, HubError, NoWeightsError
 
 from .conftest import MODELS, REFERENCES, assert_same_tensors, load_all, read_safetensors
 from .hubcache import add_model_dir, commit_sha, offline_env, run_cli
@@ -173,9 +173,9 @@ def test_choose_weight_files_reads_the_index() -> None:
     assert choose_weight_files(["pytorch_model.bin", "config.json"], lambda n: {}) == ["pytorch_model.bin"]
     both = ["pytorch_model.bin", "model.safetensors", "config.json"]
     assert choose_weight_files(both, lambda n: {}) == ["model.safetensors"]  # never both
-    with pytest.raises(HubError) as ei:
+    with pytest.raises(NoWeightsError) as ei:
         choose_weight_files(["config.json", "model.gguf"], lambda n: {})
-    assert ei.value.rule == "CKPT-005"
+    assert type(ei.value) is NoWeightsError and ei.value.rule == "CKPT-005"
 
 
 @pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_fp4_nodq", "llama_nf4_dq_qsbf16", "llama_nf4_dq_sharded"])
