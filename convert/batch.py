@@ -230,7 +230,9 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             result.notes = ["the output was committed by an earlier run that stopped before recording it"]
         else:
             overwrite = False
-            if final.exists() or final.is_symlink():
+            if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
+                overwrite = True  # an empty folder holds nothing to lose or to check
+            elif final.exists() or final.is_symlink():
                 foreign = foreign_files(final, {**installed, **recorded})
                 if foreign:
                     raise ForeignFilesError(

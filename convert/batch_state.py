@@ -19,8 +19,8 @@ instead of refusing the files as foreign.
 every other setting that changes the bytes written, converter version). A state file of another
 ``version``, or one that does not parse, counts as no record.
 
-The checks: :func:`file_manifest_matches` (a done job is skipped only when its output holds exactly
-the recorded files with their recorded sizes and sha256), :func:`check_complete` (a job is marked
+The checks: :func:`file_manifest_matches` (a done job is skipped only when its output holds every
+recorded file with its recorded size and sha256), :func:`check_complete` (a job is marked
 done only when the installed output is complete), :func:`foreign_files` (files in an output the
 state does not record are the user's: BATCH-006 refuses to redo such an output rather than delete
 them).
@@ -117,8 +117,9 @@ def _present(root: Path) -> set[str]:
 
 
 def file_manifest_matches(root: Path, files: dict[str, dict[str, Any]]) -> bool:
-    """Whether ``root`` holds exactly the recorded files with their recorded sizes and sha256."""
-    if not files or _present(root) != set(files):
+    """Whether ``root`` holds every recorded file with its recorded size and sha256 (files the user added
+    beside them are theirs and do not make the output incomplete)."""
+    if not files or not set(files) <= _present(root):
         return False
     return all(_matches(root if root.is_file() else root / rel, rec) for rel, rec in files.items())
 

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     targets = target_names()
     p.add_argument("--to", default="auto", choices=targets, metavar="TARGET",
                    help="output: auto (each tensor's QuantState dtype), " + ", ".join(targets[1:]) + " (default: auto)")
-    p.add_argument("-o", "--output", type=Path, help="output path (default: next to SRC, with a suffix)")
+    p.add_argument("-o", "--output", help="output path (default: next to SRC, with a suffix); DIR/ puts a one-file "
+                   "output (a file input, GGUF) into DIR under its default name")
     p.add_argument("--revision", default=None,
                    help="with a Hub repo id as SRC: branch, tag or commit sha (default: the default branch)")
     p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),

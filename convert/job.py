@@ -32,7 +32,7 @@ from formats.errors import SourceNotFoundError, UsageError
 from . import __version__
 from .hub import HubSource, is_repo_id, parse_repo_spec, resolve_repo
 from .merge import apply_lora
-from .output import OutputClaim, default_output, write_json
+from .output import OutputClaim, default_output, output_path, write_json
 from .pipeline import peak_rss_bytes
 from .plan import make_plan
 from .targets import TARGETS, RunSettings, target_for
@@ -89,7 +89,8 @@ class ConvertOptions:
         src: a ``.safetensors`` / ``.bin`` / ``.pt`` file, a model directory, or a Hub repo id
             ``org/name`` (``org/name@rev``).
         to: ``auto``, ``bf16``, ``fp16``, ``fp32``, ``nf4``, ``fp4``, ``gguf`` or ``gguf:TYPE``.
-        output: the output path (None: :func:`convert.output.default_output`).
+        output: the output path (None: :func:`convert.output.default_output`); a str ending in a path
+            separator names the directory a one-file output goes into (:func:`convert.output.output_path`).
         revision: with a Hub repo id: branch, tag or commit sha.
         max_memory: the working-memory cap in bytes (>= 64 MiB).
         threads: worker threads (None: all cores).
@@ -112,7 +113,7 @@ class ConvertOptions:
 
     src: str
     to: str = "auto"
-    output: Path | None = None
+    output: str | Path | None = None
     revision: str | None = None
     max_memory: int = 1 << 30
     threads: int | None = None
@@ -302,8 +303,11 @@ def convert(options: ConvertOptions) -> ConvertResult:
     check_options(options)
     target = TARGETS[target_for(options.to)]
     repo = parse_repo_spec(options.src)[0] if not os.path.exists(options.src) else None
-    out = options.output or default_output(None if repo else Path(options.src), options.to,
-                                           repo if repo and is_repo_id(repo) else None)
+    if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
+        default = out = Path(options.output or options.src)
+    else:
+        default = default_output(None if repo else Path(options.src), options.to, repo)
+        out = output_path(options.output, default, is_dir=True)  # -o checked now; a file output's name below
     source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress)
     result = ConvertResult(source=options.src, to=options.to, output=str(out),
                            commit=source.hub.commit if source.hub else None)
@@ -318,6 +322,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 plan.notes.append(note)
             model_name = source.hub.repo_id if source.hub is not None else ckpt.source.resolve().name
             job = target.prepare(plan, options, model_name)
+            out = output_path(options.output, default, is_dir=job.is_dir)
+            result.output = str(out)
             if options.dry_run:
                 result.dry_run = job.plan_dict()
                 result.plan_text = job.describe()

@@ -47,6 +47,8 @@ from formats.errors import (
     OutputExistsError,
     OutputInsideInputError,
     OutputKindError,
+    OverwriteRefusedError,
+    UsageError,
 )
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "ShardLedger",
     "default_output",
     "file_manifest",
+    "output_path",
     "write_json",
     "output_name",
     "recorded_shards",
@@ -104,6 +107,33 @@ def default_output(src: Path | None, to: str, repo_id: str | None = None) -> Pat
     if src.is_dir():
         return src.with_name(output_name(src.name, to, single_file=False))
     return src.with_name(output_name(src.stem, to, single_file=True))
+
+
+def output_path(given: str | os.PathLike[str] | None, default: Path, *, is_dir: bool) -> Path:
+    """The output path of a run: ``-o`` as given, or ``default`` without it.
+
+    ``-o DIR/`` (ending in a path separator) for an output that is one file (a file input, GGUF) puts
+    the file under its default name in DIR; for a directory output it is DIR itself.
+
+    Args:
+        given: ``-o`` as the user typed it (a str keeps a trailing separator), or None.
+        default: :func:`default_output` for this run.
+        is_dir: whether the output is a directory.
+
+    Raises:
+        UsageError: USE-001, ``-o`` names no output of its own (``.``, ``..``, ``/``, an empty string).
+    """
+    if given is None:
+        return default
+    text = os.fspath(given)
+    path = Path(text)
+    if text.endswith(("/", os.sep)) and not is_dir:
+        return path / default.name
+    if text == "" or path.name in ("", ".", ".."):
+        raise UsageError("-o must name the output itself", path=text or "''", action="write",
+                         expected="a path such as ./model-bf16 (or DIR/ to put a one-file output into DIR)",
+                         found=repr(text))
+    return path
 
 
 def _hidden(final: Path, mark: str, tail: str = "") -> Path:
@@ -299,6 +329,8 @@ class OutputClaim:
             if (self.final.exists() or self.final.is_symlink()) and not self.overwrite:
                 raise OutputExistsError("output exists", path=self.final, action="write",
                                         hint="pass --overwrite to replace it, or choose -o")
+            if self.final.is_dir() and not self.final.is_symlink():
+                self._check_replaceable()
             self._check_disk()
             if self.resume_key is not None and self.is_dir:
                 self.staging.mkdir(exist_ok=True)
@@ -336,6 +368,24 @@ class OutputClaim:
             raise OutputKindError(
                 "the output exists and is of the other kind; --overwrite never replaces one with the other",
                 path=out, action="write", expected=want, found=have)
+
+    def _check_replaceable(self) -> None:
+        """``--overwrite`` replaces a directory only when it is a model output: no subdirectories, some
+        ``.safetensors`` or ``config.json`` in it (or nothing at all), and not the working directory or
+        one of its parents."""
+        out = self.final.resolve()
+        cwd = Path.cwd().resolve()
+        if out == cwd or out in cwd.parents:
+            raise OverwriteRefusedError("--overwrite would replace the working directory or one of its parents",
+                                        path=self.final, action="write", found=str(cwd))
+        entries = list(self.final.iterdir())
+        subdirs = sorted(p.name for p in entries if p.is_dir())
+        model = [p.name for p in entries if p.name == "config.json" or p.suffix == ".safetensors"]
+        if subdirs or (entries and not model):
+            raise OverwriteRefusedError(
+                "--overwrite replaces a model output, and this directory holds other things", path=self.final,
+                action="write", expected="a model directory (shards, config.json, tokenizer files)",
+                found=f"subdirectories {subdirs[:3]}" if subdirs else f"no model files ({len(entries)} entries)")
 
     def _check_not_input(self) -> None:
         out = self.final.resolve()
@@ -431,6 +481,8 @@ class OutputClaim:
         if self.ledger is not None:
             remove_path(self.staging / LEDGER_NAME)
         parent = self.final.parent
+        if self.final.is_symlink() and self.is_dir:  # the link itself is replaced, never what it points to
+            self.final.unlink()
         if self.final.exists() and self.is_dir:
             old = _hidden(self.final, OLD_MARK, str(os.getpid()))
             os.rename(self.final, old)

@@ -846,6 +846,15 @@ class OutputBusyError(ConvertBnbError, BlockingIOError):
               "A run that died released its claim: run again.")
 
 
+class OverwriteRefusedError(ConvertBnbError, IsADirectoryError):
+    """``--overwrite`` would replace a directory that is not a model output (it holds subdirectories or no
+    model files), or the working directory or one of its parents."""
+
+    default_rule = "OUT-005"
+    advice = ("--overwrite replaces a model output, never a folder of other things: give -o the output's own "
+              "path (e.g. ./model-bf16), or move the folder's contents away first.")
+
+
 class HubError(ConvertBnbError, OSError):
     """A Hugging Face Hub repo cannot be resolved or fetched (not found, gated, offline without a cache)."""
 

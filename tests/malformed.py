@@ -306,6 +306,24 @@ def _existing_output(src: Path, out: Path) -> None:
         out.unlink()
 
 
+def _overwrite_a_folder(src: Path, out: Path) -> None:
+    """--overwrite aimed at a folder of other things (a model directory input, so the output is a directory)."""
+    folder = out.with_name("things")
+    (folder / "photos").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    import shutil
+
+    model = src.parent / "model_dir"
+    model.mkdir()
+    shutil.copy(src, model / "model.safetensors")
+    try:
+        convert(model, folder, overwrite=True)
+    finally:
+        assert (folder / "notes.txt").read_text() == "mine"
+        shutil.rmtree(folder)
+        shutil.rmtree(model)
+
+
 def _overwrite_other_kind(src: Path, out: Path) -> None:
     existing = write(out.with_name("existing"), b"a file, not a model directory")
     try:
@@ -894,6 +912,9 @@ CASES: list[Case] = [
     Case("verify-mismatch", E.VerificationError, ["Failed to verify", "out.safetensors'", "OUT-003",
                                                   "expected 'BF16 [4, 32]', found 'F32 [4, 32]'"], one_file(V),
          run=_verify_mismatch, argv=None),
+    Case("overwrite-a-folder", E.OverwriteRefusedError, ["Failed to write", "things'", "OUT-005",
+                                                        "found \"subdirectories ['photos']\""], one_file(V),
+         run=_overwrite_a_folder, argv=None),
     Case("output-busy", E.OutputBusyError, ["Failed to write", "out.safetensors'", "OUT-004",
                                             "another convert-bnb run", ".out.safetensors.convert-bnb-lock'"],
          one_file(V), run=_busy_output,

@@ -308,6 +308,20 @@ def test_changed_output_or_settings(setup: tuple[Path, Path, dict[str, str]], tm
     assert len(list((out / "a-bf16").glob("model-*.safetensors"))) == 3
 
 
+def test_user_files_beside_a_finished_output_and_an_empty_folder(setup: tuple[Path, Path, dict[str, str]],
+                                                                  tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    jobs.write_text("org/a\n")
+    out = tmp_path / "out"
+    (out / "a-bf16").mkdir(parents=True)  # an empty folder where the output goes: nothing to lose
+    r = _batch(jobs, out, env, "--json")
+    assert (r.returncode, json.loads(r.stdout)[0]["status"]) == (0, "converted"), r.stderr
+    (out / "a-bf16" / "mine.txt").write_text("mine")  # the user's file beside a finished output
+    r = _batch(jobs, out, env, "--json")
+    assert (r.returncode, json.loads(r.stdout)[0]["status"]) == (0, "skipped"), r.stdout
+    assert (out / "a-bf16" / "mine.txt").read_text() == "mine"
+
+
 def test_summary_table_text(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
     jobs, _cache, env = setup
     r = _batch(jobs, tmp_path / "out", env)

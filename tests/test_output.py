@@ -158,7 +158,7 @@ def test_claim_is_exclusive_and_released(tmp_path: Path) -> None:
 def test_failed_run_keeps_the_old_output_and_a_resumable_staging(tmp_path: Path) -> None:
     final = tmp_path / "out"
     final.mkdir()
-    (final / "keep").write_bytes(b"old")
+    (final / "model.safetensors").write_bytes(b"old")
     key = {"job": 1}
     with pytest.raises(RuntimeError):
         with OutputClaim(final, is_dir=True, nbytes=0, inputs=[], overwrite=True, resume_key=key) as claim:
@@ -166,7 +166,7 @@ def test_failed_run_keeps_the_old_output_and_a_resumable_staging(tmp_path: Path)
             (claim.staging / "model-00001-of-00002.safetensors").write_bytes(b"shard one")
             claim.ledger.record("model-00001-of-00002.safetensors")
             raise RuntimeError("killed")
-    assert (final / "keep").read_bytes() == b"old"
+    assert (final / "model.safetensors").read_bytes() == b"old"
     partial = tmp_path / ".out.convert-bnb-partial"
     ledger = ShardLedger.open(partial, key)
     assert ledger.reusable("model-00001-of-00002.safetensors")
@@ -205,3 +205,58 @@ def test_sigterm_while_claimed_releases_everything(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", [".", "..", "/", ""])
+def test_o_must_name_the_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main([str(MODEL), "--to", "bf16", "-o", given]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "USE-001 -o must name the output itself" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_o_ending_in_a_separator_puts_a_file_output_into_the_directory(tmp_path: Path) -> None:
+    src = MODEL / "model.safetensors"
+    assert main([str(src), "--to", "bf16", "-o", f"{tmp_path / 'into'}/", "-q"]) == 0
+    assert [p.name for p in (tmp_path / "into").iterdir()] == ["model-bf16.safetensors"]
+    assert main([str(MODEL), "--to", "gguf:q8_0", "-o", f"{tmp_path / 'g'}/", "-q"]) == 0
+    assert [p.name for p in (tmp_path / "g").iterdir()] == ["llama_nf4_dq-gguf-q8_0.gguf"]
+    assert main([str(MODEL), "--to", "bf16", "-o", f"{tmp_path / 'd'}/", "-q"]) == 0  # a directory output: DIR
+    assert (tmp_path / "d" / "config.json").is_file()
+
+
+def test_overwrite_replaces_only_a_model_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "things"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "precious.txt").write_text("keep")
+    assert main([str(MODEL), "--to", "bf16", "-o", str(folder), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "OUT-005 --overwrite replaces a model output, and this directory holds other things" in err
+    assert "found \"subdirectories ['sub']\"" in err
+    (folder / "sub").rmdir()
+    assert main([str(MODEL), "--to", "bf16", "-o", str(folder), "--overwrite"]) == 2
+    assert "found 'no model files (1 entries)'" in capsys.readouterr().err
+    assert (folder / "precious.txt").read_text() == "keep"
+    monkeypatch.chdir(folder)
+    (folder / "config.json").write_text("{}")
+    assert main([str(MODEL), "--to", "bf16", "-o", str(folder), "--overwrite"]) == 2
+    assert "OUT-005 --overwrite would replace the working directory" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main([str(MODEL), "--to", "bf16", "-o", str(folder), "--overwrite", "-q"]) == 0  # a model output
+    assert not (folder / "precious.txt").exists() and (folder / "model.safetensors").is_file()
+
+
+def test_a_symlink_in_place_of_the_output_is_replaced_not_followed(tmp_path: Path) -> None:
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert main([str(MODEL), "--to", "fp16", "-o", str(tmp_path / "dangling"), "--overwrite", "-q"]) == 0
+    assert not (tmp_path / "dangling").is_symlink() and (tmp_path / "dangling" / "config.json").is_file()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("keep")
+    (tmp_path / "link").symlink_to(target)
+    assert main([str(MODEL), "--to", "fp16", "-o", str(tmp_path / "link"), "--overwrite", "-q"]) == 0
+    assert (tmp_path / "link" / "config.json").is_file() and not (tmp_path / "link").is_symlink()
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
