@@ -18,6 +18,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _BINARY = ("KiB", "MiB", "GiB", "TiB")
+#: Sizes are below 2**63 bytes (what a file offset can be).
+MAX_SIZE = 2**63
 
 
 def parse_size(text: str) -> int:
@@ -27,13 +29,17 @@ def parse_size(text: str) -> int:
         The size in bytes (fractions rounded down: ``1.5KiB`` -> 1536).
 
     Raises:
-        argparse.ArgumentTypeError: not a size (argparse turns it into a usage error naming the option).
+        argparse.ArgumentTypeError: not a size, or not below :data:`MAX_SIZE` (argparse turns it into a
+            usage error naming the option).
     """
     m = _SIZE_RE.match(text)
     unit = (m.group(2) or "").lower() if m else None
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: '{text}' (examples: 1GiB, 512MiB, 5GB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value < MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"not a size: '{text[:40]}' is larger than 2**63 bytes")
+    return int(value)
 
 
 def format_bytes(n: float) -> str:

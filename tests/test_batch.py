@@ -72,11 +72,34 @@ def _straight(tmp_path: Path) -> dict[str, dict[str, bytes]]:
 HARNESS = Path(__file__).parent / "harness"
 
 
-def paused_env(env: dict[str, str], name: str, shards: int, marker: Path) -> dict[str, str]:
+def paused_env(env: dict[str, str], name: str, point: int | str, marker: Path) -> dict[str, str]:
     """``env`` with the test harness (tests/harness/sitecustomize.py): job ``name``'s worker stops after
-    ``shards`` finished shards and writes its pid to ``marker``."""
+    ``point`` finished shards (an int) or right after its commit (``"commit"``) and writes its pid to
+    ``marker``."""
     return {**env, "PYTHONPATH": f"{HARNESS}{os.pathsep}{env['PYTHONPATH']}",
-            "CONVERT_BNB_TEST_PAUSE": f"{name}:{shards}:{marker}"}
+            "CONVERT_BNB_TEST_PAUSE": f"{name}:{point}:{marker}"}
+
+
+def kill_batch_at_pause(jobs: Path, out: Path, env: dict[str, str], name: str, point: int | str,
+                        marker: Path) -> None:
+    """Run ``batch JOBS --to bf16`` until job ``name``'s worker holds at ``point`` (see paused_env), then
+    SIGKILL the batch process alone and wait until its worker is gone (it must not write on)."""
+    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--to", "bf16",
+           "--max-memory", "256MiB", "--quiet"]
+    proc = subprocess.Popen(cmd, env=paused_env(env, name, point, marker), cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240  # a guard against hanging, not a timing assertion
+        while not marker.exists() or not marker.read_text():
+            assert proc.poll() is None, "the batch ended before reaching the pause point"
+            assert time.monotonic() < deadline, "the batch never reached the pause point"
+            time.sleep(0.05)
+        worker = int(marker.read_text())
+        proc.kill()  # SIGKILL to the batch process only: no clean-up possible there
+        proc.wait()
+        _wait_gone(worker)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if _pid_alive(proc.pid) else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -142,23 +165,7 @@ def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], t
     jobs, _cache, env = setup
     out = tmp_path / "out"
     work = out / ".convert-bnb"
-    marker = tmp_path / "c-fp16.paused"
-    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--to", "bf16",
-           "--max-memory", "256MiB", "--quiet"]
-    proc = subprocess.Popen(cmd, env=paused_env(env, "c-fp16", 2, marker), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240  # a guard against hanging, not a timing assertion
-        while not marker.exists() or not marker.read_text():
-            assert proc.poll() is None, "the batch ended before reaching the pause point"
-            assert time.monotonic() < deadline, "the batch never reached the pause point"
-            time.sleep(0.05)
-        worker = int(marker.read_text())
-        proc.kill()  # SIGKILL to the batch process only: no clean-up possible there
-        proc.wait()
-        _wait_gone(worker)  # the worker must not write on without its batch
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL) if _pid_alive(proc.pid) else None
+    kill_batch_at_pause(jobs, out, env, "c-fp16", 2, tmp_path / "c-fp16.paused")
     # what the kill left: a done, broken failed, c stopped by its batch's death (PR_SET_PDEATHSIG -> SIGTERM)
     # with 2 recorded shards in its resumable staging
     assert json.loads((work / "a-bf16.json").read_text())["status"] == "done"
@@ -215,23 +222,7 @@ def test_killed_between_commit_and_record(setup: tuple[Path, Path, dict[str, str
     jobs.write_text("org/a --max-shard-size 1MB\n")
     out = tmp_path / "out"
     work = out / ".convert-bnb"
-    marker = tmp_path / "a-bf16.paused"
-    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--to", "bf16",
-           "--max-memory", "256MiB", "--quiet"]
-    proc = subprocess.Popen(cmd, env=paused_env(env, "a-bf16", "commit", marker), cwd=ROOT,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240  # a guard against hanging, not a timing assertion
-        while not marker.exists() or not marker.read_text():
-            assert proc.poll() is None, "the batch ended before reaching the pause point"
-            assert time.monotonic() < deadline, "the batch never reached the pause point"
-            time.sleep(0.05)
-        worker = int(marker.read_text())
-        proc.kill()
-        proc.wait()
-        _wait_gone(worker)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL) if _pid_alive(proc.pid) else None
+    kill_batch_at_pause(jobs, out, env, "a-bf16", "commit", tmp_path / "a-bf16.paused")
     state = json.loads((work / "a-bf16.json").read_text())
     assert (state["status"], state["error"]) == ("failed", "signal 15") and "files" not in state
     straight = _straight(tmp_path)

@@ -58,7 +58,7 @@ def test_parse_size(text: str, n: int) -> None:
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "1 XB", "-1GiB", "1e9"])
+@pytest.mark.parametrize("text", ["", "GiB", "1 XB", "-1GiB", "1e9", "9" * 400, "8EiB", "9223372036854775808"])
 def test_parse_size_refuses(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_size(text)
