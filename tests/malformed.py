@@ -781,7 +781,7 @@ CASES: list[Case] = [
     Case("nested-absmax-count", E.NestedAbsmaxError, [f"tensor '{W}.nested_absmax'", "BNB-008",
                                                       "expected 1, found 2"],
          one_file({**VN, f"{W}.nested_absmax": ("F32", [2], f32([1, 1]))})),
-    Case("quant-state-not-json", E.QuantStateJsonError, [f"tensor '{QS}'", "BNB-009", "not valid UTF-8 JSON"],
+    Case("quant-state-not-json", E.QuantStateJsonError, [f"tensor '{QS}'", "BNB-009", "quant_state is not valid JSON"],
          one_file({**V, QS: quant_state(b'{"quant_type": "nf4", ')})),
     Case("quant-state-missing-shape", E.QuantStateJsonError, ["BNB-009", "'shape' is missing"],
          one_file(with_state(V, shape=DELETE))),
