@@ -379,7 +379,10 @@ def _remote_output_estimate(plan: DownloadPlan, to: str) -> int | None:
 
         meta = get_safetensors_metadata(plan.repo_id, revision=plan.commit)
     except Exception as exc:  # noqa: BLE001 - an estimate is optional; the pipeline checks again later
-        if _is_hub_exception(exc) or isinstance(exc, OSError):
+        # huggingface_hub parses the served headers with plain json: a hostile one raises ValueError (an
+        # integer of 4,300+ digits) or RecursionError; our reader refuses the same header by its rule (ST-003)
+        # once it is downloaded
+        if _is_hub_exception(exc) or isinstance(exc, (OSError, ValueError, RecursionError)):
             return None
         raise
     headers: dict[str, tuple[str, list[int], int]] = {}

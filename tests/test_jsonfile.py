@@ -167,9 +167,10 @@ def test_check_and_inspect_name_the_conversions_error(case: Case, tmp_path: Path
 # --------------------------------------------------------------------------------------- the Hub index
 
 
-def test_hub_index_is_bounded(tmp_path: Path) -> None:
+def test_hub_index_and_headers_are_bounded(tmp_path: Path) -> None:
     """The shard index fetched from the Hub to choose the shards goes through the same loader (CKPT-001):
-    refused before any shard is downloaded."""
+    refused before any shard is downloaded. A header that huggingface_hub's metadata call cannot parse
+    (the output estimate) is refused by our reader once downloaded (ST-003), never an internal error."""
     from .fakehub import FakeHub
     from .hubcache import commit_sha, offline_env, run_cli
 
@@ -178,6 +179,12 @@ def test_hub_index_is_bounded(tmp_path: Path) -> None:
     index.write_text(index.read_text().replace('"weight_map": {', '"x": ' + DEEP + ', "weight_map": {'))
     hub = FakeHub()
     hub.add("org/deep-index", commit_sha("deep"), {p.name: p for p in model.iterdir()})
+    # a safetensors header huggingface_hub's own metadata call (the output estimate) cannot parse
+    for name, value in (("deep-header", DEEP), ("big-header", BIG_INT)):
+        header = ('{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "x": ' + value + "}").encode()
+        header += b" " * (-len(header) % 8)
+        hub.add(f"org/{name}", commit_sha(name), {"config.json": b"{}", "model.safetensors":
+                                                  len(header).to_bytes(8, "little") + header + b"\0"})
     url = hub.start()
     try:
         env = offline_env(tmp_path, tmp_path / "hub")
@@ -192,6 +199,11 @@ def test_hub_index_is_bounded(tmp_path: Path) -> None:
         assert r.stderr == ""
         assert set(hub.full_downloads) == {"org/deep-index/model.safetensors.index.json"}  # no shard
         assert not (tmp_path / "o").exists()
+        for name, part in (("deep-header", "nested too deeply"), ("big-header", "5000 digits")):
+            r = run_cli([f"org/{name}", "--to", "bf16", "-o", str(tmp_path / name)], env)
+            assert r.returncode == 2, r.stderr
+            assert r.stderr.count("\n") == 1 and "model.safetensors': ST-003 header" in r.stderr, r.stderr
+            assert part in r.stderr and not (tmp_path / name).exists()
     finally:
         hub.stop()
 
