@@ -33,9 +33,9 @@ Rules raised here (see docs/errors.md):
 
 ========  ======================================================================================
 GGUF-004  a tokenizer (``tokenizer.model`` or ``tokenizer.json``) of a supported kind is present
-          and readable (:class:`TokenizerError`); every tokenizer JSON file present
-          (:data:`TOKENIZER_JSON_FILES`) is an object within :mod:`formats.jsonfile`'s limits
-          (64 MiB, nesting, integer digits), checked before gguf-py's ``SpecialVocab`` reads it
+          and readable (:class:`TokenizerError`); its JSON files are objects within
+          :mod:`formats.jsonfile`'s limits (64 MiB, nesting, integer digits), checked before gguf-py's
+          ``SpecialVocab`` reads them
 ========  ======================================================================================
 
 A malformed ``tokenizer.model`` raises :mod:`formats.sentencepiece`'s SPM-xxx errors.
@@ -67,39 +67,24 @@ def _looks_special(text: str) -> bool:
     )
 
 
-#: The JSON files read here or by gguf-py's ``SpecialVocab`` (which uses plain ``json.load``): each is
-#: loaded once, within :data:`formats.jsonfile.TOKENIZER`'s limits, before ``SpecialVocab`` sees it.
-#: (``config.json`` is loaded within limits when the checkpoint is opened.)
-TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "chat_template.json")
+#: The JSON files gguf-py's ``SpecialVocab`` opens with plain ``json.load`` (``config.json`` is loaded
+#: within limits when the checkpoint is opened); each is loaded here first, within limits.
+SPECIAL_VOCAB_JSON = ("tokenizer.json", "tokenizer_config.json", "chat_template.json")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A tokenizer JSON file, within :data:`formats.jsonfile.TOKENIZER`'s limits; it must be an object."""
     try:
-        obj = jsonfile.load_json_file(path, jsonfile.TOKENIZER, TokenizerError, path.name)
+        doc = jsonfile.load_json_file(path, jsonfile.TOKENIZER, TokenizerError, path.name)
     except OSError as e:
         raise TokenizerError(f"cannot read JSON: {e}", path=path) from None
-    if not isinstance(obj, dict):
+    if not isinstance(doc, dict):
         raise TokenizerError(f"{path.name} must be a JSON object", path=path, expected="object",
-                             found=type(obj).__name__)
-    return obj
+                             found=type(doc).__name__)
+    return doc
 
 
-def _read_tokenizer_files(tok_dir: Path) -> dict[str, dict[str, Any]]:
-    """The :data:`TOKENIZER_JSON_FILES` present in ``tok_dir``, by name, each checked (GGUF-004)."""
-    return {name: _read_json(tok_dir / name) for name in TOKENIZER_JSON_FILES if (tok_dir / name).is_file()}
-
-
-def _token_id(key: Any, path: Path) -> int:
-    """An ``added_tokens_decoder`` key: a decimal token id (``int()`` refuses 4,300+ digits with a bare ValueError)."""
-    if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18):
-        raise TokenizerError("added_tokens_decoder has a key that is not a token id", path=path,
-                             expected="a decimal id", found=key if len(str(key)) <= 40 else f"{str(key)[:40]}...")
-    return int(key)
-
-
-def _sentencepiece_vocab(
-    tok_dir: Path, vocab_size: int | None, files: Mapping[str, dict[str, Any]]
-) -> tuple[list[bytes], list[float], list[int]]:
+def _sentencepiece_vocab(tok_dir: Path, vocab_size: int | None) -> tuple[list[bytes], list[float], list[int]]:
     """TextModel._create_vocab_sentencepiece, from tokenizer.model + added tokens."""
     pieces = sentencepiece.read_pieces(tok_dir / "tokenizer.model")
     n = vocab_size or len(pieces)
@@ -116,18 +101,20 @@ def _sentencepiece_vocab(
         tokens[i] = piece.text.encode("utf-8")
         scores[i] = piece.score
         types[i] = int(spm_type.get(piece.type, gguf.TokenType.NORMAL))
-    if "added_tokens.json" in files:
-        for text, tid in files["added_tokens.json"].items():
+    added_file = tok_dir / "added_tokens.json"
+    if added_file.is_file():
+        for text, tid in _read_json(added_file).items():
             if isinstance(tid, int) and 0 <= tid < n:
                 tokens[tid], scores[tid], types[tid] = (
                     text.encode("utf-8"),
                     -1000.0,
                     int(gguf.TokenType.USER_DEFINED),
                 )
-    if "tokenizer_config.json" in files:
-        decoder = files["tokenizer_config.json"].get("added_tokens_decoder", {}) or {}
+    config_file = tok_dir / "tokenizer_config.json"
+    if config_file.is_file():
+        decoder = _read_json(config_file).get("added_tokens_decoder", {}) or {}
         for key, data in decoder.items():
-            tid = _token_id(key, tok_dir / "tokenizer_config.json")
+            tid = int(key)
             if not 0 <= tid < n:
                 continue
             text = data["content"]
@@ -198,14 +185,17 @@ def add_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, arch: Architecture, hp: Map
     """
     vocab_size = hp.get("vocab_size")
     vocab_size = vocab_size if isinstance(vocab_size, int) else None
-    files = _read_tokenizer_files(tok_dir)
-    if arch.add_space_prefix is None and "tokenizer_config.json" in files:
-        add_prefix = files["tokenizer_config.json"].get("add_prefix_space")
+    for name in SPECIAL_VOCAB_JSON:  # before SpecialVocab reads them unbounded
+        if (tok_dir / name).is_file():
+            _read_json(tok_dir / name)
+    config_file = tok_dir / "tokenizer_config.json"
+    if arch.add_space_prefix is None and config_file.is_file():
+        add_prefix = _read_json(config_file).get("add_prefix_space")
         if add_prefix is not None:
             w.add_add_space_prefix(bool(add_prefix))
     spm, tjson = tok_dir / "tokenizer.model", tok_dir / "tokenizer.json"
     if "sentencepiece" in arch.tokenizers and spm.is_file():
-        tokens, scores, types = _sentencepiece_vocab(tok_dir, vocab_size, files)
+        tokens, scores, types = _sentencepiece_vocab(tok_dir, vocab_size)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
@@ -213,7 +203,7 @@ def add_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, arch: Architecture, hp: Map
         w.add_token_types(types)
         gguf.SpecialVocab(tok_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
     elif "bpe" in arch.tokenizers and tjson.is_file():
-        tok = files["tokenizer.json"]
+        tok = _read_json(tjson)
         model = tok.get("model") or {}
         if model.get("type") != "BPE" or model.get("byte_fallback", False):
             raise TokenizerError(
