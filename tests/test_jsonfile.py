@@ -72,7 +72,7 @@ def test_deep_input_never_recurses_and_stays_linear() -> None:
     t0 = time.perf_counter()
     refused("[]" * (10 << 20) + "[" * 300, TOKENIZER)
     big = time.perf_counter() - t0
-    assert big < 40 * small + 1.0, (small, big)
+    assert big < 40 * small + 5.0, (small, big)
     # an unterminated string full of escaped quotes (quadratic for a naive string regex)
     t0 = time.perf_counter()
     assert "not valid JSON" in refused('["' + '\\"[' * (5 << 20), TOKENIZER)
