@@ -17,7 +17,8 @@ Rules, checked before any job runs (each a :class:`~formats.errors.UsageError` s
 file and the line ``FILE:LINE`` or item ``FILE[i]``):
 
 - BATCH-001 :class:`~formats.errors.BatchFileError`: the file reads and parses (text, JSON or YAML
-  list) and lists at least one job.
+  list) and lists at least one job; it is at most 16 MiB and a JSON list stays within
+  :mod:`formats.jsonfile`'s limits (nesting, integer digits, no NaN/Infinity, no key twice).
 - BATCH-002 :class:`~formats.errors.BatchJobError`: every item is a job line or an object with
   ``src`` (or ``repo``).
 - BATCH-003 :class:`~formats.errors.BatchOptionError`: per-job options are known and valid (``--to``
@@ -29,12 +30,12 @@ file and the line ``FILE:LINE`` or item ``FILE[i]``):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from formats import jsonfile
 from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError
 
 from .batch_state import manifest_path, state_path
@@ -193,11 +194,13 @@ def _read_list(p: Path, text: str) -> list[Any] | None:
             items = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise BatchFileError(f"the JOBS file is not valid YAML ({exc})", path=p) from None
+        except RecursionError:  # PyYAML's composer recurses per level
+            raise BatchFileError("the JOBS file is nested too deeply", path=p,
+                                 expected=f"at most {jsonfile.MAX_DEPTH} levels", found="more") from None
+        except ValueError as exc:  # e.g. an integer of 4,300+ digits (int() refuses it)
+            raise BatchFileError(f"the JOBS file holds a value YAML cannot convert ({exc})", path=p) from None
     elif p.suffix.lower() == ".json" or text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BatchFileError(f"the JOBS file is not valid JSON ({exc})", path=p) from None
+        items = jsonfile.load_json_bytes(text.encode("utf-8"), jsonfile.JOBS, BatchFileError, "the JOBS file", path=p)
     else:
         return None
     if not isinstance(items, list):
@@ -222,10 +225,16 @@ def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> li
         BatchNameClashError: BATCH-004, two jobs with the same output name.
     """
     p = Path(path)
+    limit = jsonfile.JOBS.max_bytes
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            raw = f.read(limit + 1)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise BatchFileError(f"cannot read the JOBS file ({exc})", path=p) from None
+    if len(raw) > limit:
+        raise BatchFileError("the JOBS file is larger than the limit", path=p, expected=f"at most {limit} bytes",
+                             found=f"more than {limit} bytes")
     items = _read_list(p, text)
     jobs: list[Job] = []
     if items is not None:

@@ -33,7 +33,9 @@ Rules raised here (see docs/errors.md):
 
 ========  ======================================================================================
 GGUF-004  a tokenizer (``tokenizer.model`` or ``tokenizer.json``) of a supported kind is present
-          and readable (:class:`TokenizerError`)
+          and readable (:class:`TokenizerError`); its JSON files are objects within
+          :mod:`formats.jsonfile`'s limits (64 MiB, nesting, integer digits), checked before gguf-py's
+          ``SpecialVocab`` reads them
 ========  ======================================================================================
 
 A malformed ``tokenizer.model`` raises :mod:`formats.sentencepiece`'s SPM-xxx errors.
@@ -41,14 +43,13 @@ A malformed ``tokenizer.model`` raises :mod:`formats.sentencepiece`'s SPM-xxx er
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import gguf
 
-from formats import sentencepiece
+from formats import jsonfile, sentencepiece
 from formats.errors import TokenizerError
 
 from .gguf_arch import Architecture
@@ -66,12 +67,21 @@ def _looks_special(text: str) -> bool:
     )
 
 
-def _read_json(path: Path) -> Any:
+#: The JSON files gguf-py's ``SpecialVocab`` opens with plain ``json.load`` (``config.json`` is loaded
+#: within limits when the checkpoint is opened); each is loaded here first, within limits.
+SPECIAL_VOCAB_JSON = ("tokenizer.json", "tokenizer_config.json", "chat_template.json")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A tokenizer JSON file, within :data:`formats.jsonfile.TOKENIZER`'s limits; it must be an object."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
+        doc = jsonfile.load_json_file(path, jsonfile.TOKENIZER, TokenizerError, path.name)
+    except OSError as e:
         raise TokenizerError(f"cannot read JSON: {e}", path=path) from None
+    if not isinstance(doc, dict):
+        raise TokenizerError(f"{path.name} must be a JSON object", path=path, expected="object",
+                             found=type(doc).__name__)
+    return doc
 
 
 def _sentencepiece_vocab(tok_dir: Path, vocab_size: int | None) -> tuple[list[bytes], list[float], list[int]]:
@@ -175,6 +185,9 @@ def add_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, arch: Architecture, hp: Map
     """
     vocab_size = hp.get("vocab_size")
     vocab_size = vocab_size if isinstance(vocab_size, int) else None
+    for name in SPECIAL_VOCAB_JSON:  # before SpecialVocab reads them unbounded
+        if (tok_dir / name).is_file():
+            _read_json(tok_dir / name)
     config_file = tok_dir / "tokenizer_config.json"
     if arch.add_space_prefix is None and config_file.is_file():
         add_prefix = _read_json(config_file).get("add_prefix_space")

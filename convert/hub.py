@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import json
 import os
 import re
 import shutil
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from formats import jsonfile
 from formats.errors import DiskSpaceError, HubError, IndexJsonError, NoWeightsError, UsageError
 
 __all__ = [
@@ -188,6 +188,11 @@ def _offline() -> bool:
     return bool(fn() if callable(fn) else constants.HF_HUB_OFFLINE)
 
 
+def _load_index(path: str | Path) -> Any:
+    """A shard index from the cache, as :func:`formats.checkpoint.open_checkpoint` reads a local one (CKPT-001)."""
+    return jsonfile.load_json_file(path, jsonfile.INDEX, IndexJsonError, "the index")
+
+
 def choose_weight_files(names: list[str], read_index: Callable[[str], Any]) -> list[str]:
     """Pick exactly the weight files a conversion reads, as :func:`formats.checkpoint.open_checkpoint` would.
 
@@ -266,7 +271,7 @@ def plan_download(
             if not isinstance(try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=commit), str):
                 fetched.add(name)  # fetched now (a few KB) to learn the shards: counted as downloaded
             path = hf_hub_download(repo_id, name, revision=commit, cache_dir=cache_dir)
-            return json.loads(Path(path).read_text(encoding="utf-8"))
+            return _load_index(path)
 
         weights = choose_weight_files(top, read_index)
     except HubError:
@@ -358,7 +363,7 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
         if not isinstance(hit, str):
             raise HubError("the repo's index is not in the cache", path=name,
                            hint="HF_HUB_OFFLINE is set; run once online to fetch it")
-        return json.loads(Path(hit).read_text(encoding="utf-8"))
+        return _load_index(hit)
 
     weights = choose_weight_files(top, read_index)
     small = [n for n in top if n not in weights and any(fnmatch.fnmatch(n, p) for p in SMALL_FILE_PATTERNS)]
@@ -374,7 +379,10 @@ def _remote_output_estimate(plan: DownloadPlan, to: str) -> int | None:
 
         meta = get_safetensors_metadata(plan.repo_id, revision=plan.commit)
     except Exception as exc:  # noqa: BLE001 - an estimate is optional; the pipeline checks again later
-        if _is_hub_exception(exc) or isinstance(exc, OSError):
+        # huggingface_hub parses the served headers with plain json: a hostile one raises ValueError (an
+        # integer of 4,300+ digits) or RecursionError; our reader refuses the same header by its rule (ST-003)
+        # once it is downloaded
+        if _is_hub_exception(exc) or isinstance(exc, (OSError, ValueError, RecursionError)):
             return None
         raise
     headers: dict[str, tuple[str, list[int], int]] = {}

@@ -33,7 +33,8 @@ BNB-005  quant_map holds the 16 fp32 values of the table for quant_type (bit for
 BNB-006  nested fields are all present or all absent
 BNB-007  nested_quant_map holds 256 fp32 values
 BNB-008  nested_absmax holds ceil(n_absmax / nested_blocksize) values
-BNB-009  the QuantState JSON / fields are valid (object, required fields present, right types)
+BNB-009  the QuantState JSON / fields are valid (object, required fields present, right types; the
+         JSON within :mod:`formats.jsonfile`'s limits: 1 MiB, nesting, integer digits)
 BNB-010  a QuantState component has its weight
 BNB-011  a weight with QuantState components has all the required ones (absmax, quant_map, state)
 BNB-012  absmax (after undoing double quantization) is finite
@@ -72,6 +73,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from . import jsonfile
 from .dtypes import FLOAT_OUTPUTS, DType, by_numpy, float_dtype_name
 from .errors import (
     AbsmaxCountError,
@@ -783,13 +785,13 @@ def _build_layer(
                    expected="one", found=sorted(state_keys))
     elif state_keys:
         st = comps[state_keys[0]]
-        text = bytes(st.raw())
-        try:
-            obj = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-            detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise _err(QuantStateJsonError, st, st.name, f"quant_state is not valid UTF-8 JSON ({detail})",
-                       hint="the quant_state bytes are damaged; download the checkpoint again") from None
+        hint = "the quant_state bytes are damaged; download the checkpoint again"
+        if st.nbytes > jsonfile.QUANT_STATE.max_bytes:  # checked before a byte is read
+            raise _err(QuantStateJsonError, st, st.name, "quant_state is larger than the limit for a JSON QuantState",
+                       expected=f"at most {jsonfile.QUANT_STATE.max_bytes} bytes", found=f"{st.nbytes} bytes",
+                       hint=hint)
+        obj = jsonfile.load_json_bytes(bytes(st.raw()), jsonfile.QUANT_STATE, QuantStateJsonError, "quant_state",
+                                       path=st.file, tensor=st.name, hint=hint)
         if not isinstance(obj, dict):
             raise _err(QuantStateJsonError, st, st.name, "quant_state JSON must be an object", found=type(obj).__name__)
         state = parse_quant_state(obj, base, st, key_quant_type=state_keys[0][len(STATE_KEY_PREFIX):])

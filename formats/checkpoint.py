@@ -15,14 +15,16 @@ Non-tensor values of torch pickles (an unpacked or legacy-list QuantState) are i
 Directory rules, each with its own subclass of :class:`~formats.errors.CheckpointError`:
 
 ========  ==========================  ==========================================================
-CKPT-001  IndexJsonError              the index is valid JSON with a ``weight_map`` object of strings
+CKPT-001  IndexJsonError              the index is valid JSON (within :mod:`formats.jsonfile`'s limits)
+                                      with a ``weight_map`` object of strings
 CKPT-002  MissingShardError           every shard the index names exists
 CKPT-003  IndexTensorMissingError     every tensor the index names is in the shard it names
 CKPT-004  UnindexedShardError         no shard-named weight file (``model-00001-of-00002.safetensors``)
                                       is left out of the index
 CKPT-005  NoWeightsError              the directory holds weights at all
 CKPT-006  ShardDuplicateTensorError   a tensor name appears in only one shard
-CKPT-007  ConfigJsonError             config.json, when present, is a JSON object
+CKPT-007  ConfigJsonError             config.json, when present, is a JSON object (within
+                                      :mod:`formats.jsonfile`'s limits)
 CKPT-008  UnindexedTensorError        every tensor of a shard is mapped to that shard by the index
 CKPT-009  ShardPathError              shard names are plain file names inside the directory
 CKPT-010  SourceNotFoundError         SRC exists
@@ -35,7 +37,6 @@ problems it can step over (a missing shard, a stray file, a damaged tensor entry
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -47,6 +48,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from . import jsonfile
 from .dtypes import DType
 from .errors import (
     ConfigJsonError,
@@ -222,14 +224,6 @@ def _records(reader: ContainerReader, names: list[str] | None = None) -> dict[st
     return out
 
 
-def _load_json(path: Path, error: type[ConvertBnbError], what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise error(f"{what} is not valid JSON ({detail})", path=path) from None
-
-
 def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> Checkpoint:
     """Open a weight file or a model directory.
 
@@ -265,7 +259,7 @@ def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError
     cfg_path = src / "config.json"
     if cfg_path.is_file():
         try:
-            config = _load_json(cfg_path, ConfigJsonError, "config.json")
+            config = jsonfile.load_json_file(cfg_path, jsonfile.CONFIG, ConfigJsonError, "config.json")
             if not isinstance(config, dict):
                 raise ConfigJsonError("config.json must be a JSON object", path=cfg_path,
                                       expected="object", found=type(config).__name__)
@@ -327,7 +321,7 @@ def _open_index(
     report: Callable[[ConvertBnbError], None],
     problems: list[ConvertBnbError] | None,
 ) -> tuple[list[Path], dict[str, TensorRecord]]:
-    index = _load_json(index_path, IndexJsonError, "the index")
+    index = jsonfile.load_json_file(index_path, jsonfile.INDEX, IndexJsonError, "the index")
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
         raise IndexJsonError(

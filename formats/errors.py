@@ -256,7 +256,7 @@ class UsageError(ConvertBnbError, ValueError):
 
 
 class BatchFileError(UsageError):
-    """The batch JOBS file cannot be read or parsed (text, JSON or YAML list)."""
+    """The batch JOBS file cannot be read or parsed (text, JSON or YAML list), or breaks the JSON limits."""
 
     default_rule = "BATCH-001"
     advice = "Fix the JOBS file at the line named: one job per line, or a JSON/YAML list (see `convert-bnb batch -h`)."
@@ -344,7 +344,7 @@ class HeaderTooLargeError(SafetensorsError):
 
 
 class HeaderJsonError(SafetensorsError):
-    """The header is not UTF-8 JSON, or not an object of tensor entries."""
+    """The header is not UTF-8 JSON within the JSON limits, or not an object of tensor entries."""
 
     default_rule = "ST-003"
     advice = "The header is damaged: download the file again, or re-save it with the safetensors library."
@@ -508,7 +508,7 @@ class CheckpointError(ConvertBnbError, ValueError):
 
 
 class IndexJsonError(CheckpointError):
-    """The shard index is not valid JSON with a ``weight_map`` object of strings."""
+    """The shard index is not valid JSON within the JSON limits, with a ``weight_map`` object of strings."""
 
     default_rule = "CKPT-001"
     advice = "The index file is damaged: download `model.safetensors.index.json` again."
@@ -550,7 +550,7 @@ class ShardDuplicateTensorError(CheckpointError):
 
 
 class ConfigJsonError(CheckpointError):
-    """``config.json`` is not a JSON object."""
+    """``config.json`` is not a JSON object within the JSON limits."""
 
     default_rule = "CKPT-007"
     advice = "config.json is damaged: download it again (the weights do not need it, the output does)."
@@ -644,7 +644,8 @@ class NestedAbsmaxError(BnbLayerError):
 
 
 class QuantStateJsonError(BnbLayerError):
-    """The QuantState JSON (or its unpacked fields) is invalid: not JSON, fields missing or ill-typed."""
+    """The QuantState JSON (or its unpacked fields) is invalid: not JSON within the JSON limits, fields missing or
+    ill-typed."""
 
     default_rule = "BNB-009"
     advice = "The quant_state entry is damaged: download the checkpoint again."
@@ -731,7 +732,7 @@ class AdapterError(ConvertBnbError, ValueError):
 
 
 class AdapterConfigError(AdapterError):
-    """adapter_config.json is missing, not valid JSON, or not a JSON object."""
+    """adapter_config.json is missing, not valid JSON within the JSON limits, or not a JSON object."""
 
     default_rule = "LORA-001"
     advice = "Point --merge-lora at the adapter directory PEFT saved (`save_pretrained`), with adapter_config.json."
@@ -890,7 +891,8 @@ class UnmappedTensorError(UnsupportedError):
 
 
 class TokenizerError(CheckpointError, UnsupportedError):
-    """No usable tokenizer (tokenizer.model or tokenizer.json) for the GGUF."""
+    """No usable tokenizer (tokenizer.model or tokenizer.json) for the GGUF, or a tokenizer JSON file breaks the
+    JSON limits."""
 
     default_rule = "GGUF-004"
     advice = ('Download the tokenizer files into the model directory (GGUF files carry the tokenizer).')

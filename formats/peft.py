@@ -62,7 +62,6 @@ LORA-012  a module's ``modules_to_save`` copy equals its saved tensor
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 import re
@@ -71,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import jsonfile
 from .checkpoint import READERS, ContainerReader, TensorRecord
 from .errors import (
     AdapterConfigError,
@@ -498,10 +498,7 @@ def load_lora_config(path: str | os.PathLike[str]) -> LoraConfig:
             path=p,
             hint="a PEFT adapter directory holds adapter_config.json and adapter_model.safetensors",
         )
-    try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterConfigError(f"adapter config is not valid JSON ({exc})", path=p) from None
+    obj = jsonfile.load_json_file(p, jsonfile.CONFIG, AdapterConfigError, "adapter config")
     return parse_lora_config(obj, p)
 
 

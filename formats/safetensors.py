@@ -18,7 +18,9 @@ fixed-width overflow); each has its own subclass of :class:`~formats.errors.Safe
 =======  ==========================  =======================================================
 ST-001   FileTooShortError           the file holds at least 8 bytes
 ST-002   HeaderTooLargeError         N <= file size - 8 and N <= MAX_HEADER_BYTES (100 MiB)
-ST-003   HeaderJsonError             the header is UTF-8 JSON: an object of tensor objects
+ST-003   HeaderJsonError             the header is UTF-8 JSON: an object of tensor objects, within
+                                     :mod:`formats.jsonfile`'s limits (nesting, integer digits,
+                                     no NaN/Infinity)
 ST-004   NotSafetensorsError         the file is a safetensors file at all (Git LFS pointer,
                                      HTML, zip, pickle and text are named)
 ST-005   UnknownDtypeError           dtype is a known safetensors code
@@ -53,6 +55,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
+from . import jsonfile
 from .dtypes import DType, by_code
 from .errors import (
     ByteSpanError,
@@ -70,6 +73,7 @@ from .errors import (
     TruncatedFileError,
     UnknownDtypeError,
 )
+from .jsonfile import load_json_bytes
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -81,7 +85,7 @@ __all__ = [
 ]
 
 #: Largest header accepted, in bytes (the Rust library's own limit is 100 MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = jsonfile.HEADER.max_bytes
 _PAGE = mmap.PAGESIZE
 
 
@@ -129,20 +133,6 @@ def sniff(head: bytes) -> str | None:
     if head and all(32 <= c < 127 or c in (9, 10, 13) for c in head[:64]):
         return "a text file"
     return None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
 
 
 def _is_int(x: Any) -> bool:
@@ -209,18 +199,11 @@ def _parse_header(
             raise exc
         problems.append(exc)
 
-    try:
-        text = header_bytes.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise HeaderJsonError(f"header is not valid UTF-8 (byte {exc.start})", path=path) from None
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as dup:
-        raise DuplicateTensorError("tensor name appears twice in the header", path=path, tensor=dup.key,
-                                   expected="each name once", found="twice") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        msg = f"{exc.msg} at char {exc.pos}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-        raise HeaderJsonError(f"header is not valid JSON ({msg})", path=path) from None
+    def duplicate(key: str) -> ConvertBnbError:
+        return DuplicateTensorError("tensor name appears twice in the header", path=path, tensor=key,
+                                    expected="each name once", found="twice")
+
+    obj = load_json_bytes(header_bytes, jsonfile.HEADER, HeaderJsonError, "header", path=path, on_duplicate=duplicate)
     if not isinstance(obj, dict):
         raise HeaderJsonError("header must be a JSON object", path=path, expected="object",
                               found=type(obj).__name__)

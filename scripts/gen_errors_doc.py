@@ -67,6 +67,14 @@ name; a temporary left by a killed run (SIGKILL, power loss) is removed by the n
 `convert-bnb check SRC` runs every rule without writing anything and lists **every** problem, not
 only the first (exit 0 when clean, 2 otherwise; `--json` for machines).
 
+**The JSON limits.** Every JSON file or blob read from the input -- the safetensors header, the shard
+index (local or from the Hub), config.json, adapter_config.json, a QuantState, the tokenizer files of a
+GGUF output, a JSON JOBS file -- is parsed by one bounded loader (`formats/jsonfile.py`) and refused,
+under the rule of that file (ST-003, CKPT-001, CKPT-007, BNB-009, LORA-001, GGUF-004, BATCH-001), when it
+is larger than its kind allows (header 100 MiB, index and tokenizer files 64 MiB, config files and
+JOBS 16 MiB, QuantState 1 MiB), nests deeper than 256 levels, holds an integer of more than 100 digits
+or a key twice in one object, or holds NaN/Infinity where the format has none (header, index, JOBS).
+
 The examples below are the real messages for the hand-made files of `tests/malformed.py`.
 """
 

@@ -76,8 +76,8 @@ def split(raw: bytes) -> tuple[dict[str, Any], bytes]:
     return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
-def join(header: dict[str, Any], data: bytes) -> bytes:
-    text = json.dumps(header).encode()
+def join(header: dict[str, Any], data: bytes, raw: str | None = None) -> bytes:
+    text = with_raw(json.dumps(header), raw).encode()
     text += b" " * (-(8 + len(text)) % 8)
     return struct.pack("<Q", len(text)) + text + data
 
@@ -118,6 +118,18 @@ HOSTILE = st.one_of(
     st.lists(st.one_of(st.integers(-(2**65), 2**65), st.floats(allow_nan=False), st.text(max_size=3)), max_size=3),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
+
+
+#: JSON texts ``json.dumps`` cannot write, put in place of a value (issue 12): integers Python refuses to
+#: convert or that are too long to be real, deep nesting, NaN and Infinity. :data:`RAW` marks the place.
+HOSTILE_RAW = ["1" * 5000, "-" + "9" * 101, "[" * 20_000 + "]" * 20_000, '{"a": ' * 3000 + "1" + "}" * 3000,
+               "NaN", "-Infinity"]
+RAW = "\x00raw\x00"
+
+
+def with_raw(text: str, raw: str | None) -> str:
+    """``text`` (JSON) with the :data:`RAW` string value replaced by the raw JSON ``raw``."""
+    return text if raw is None else text.replace(json.dumps(RAW), raw, 1)
 
 
 def _pick_seed(data: st.DataObject, seeds: list[Path] | None = None) -> bytes:
@@ -174,11 +186,15 @@ def mut_header_json(data: st.DataObject) -> bytes:
     names = [k for k in header if k != "__metadata__"]
     name = data.draw(st.sampled_from(names), label="tensor")
     op = data.draw(st.sampled_from(["set", "set", "set", "delete-field", "drop-entry", "metadata", "shape-same-size",
-                                    "offsets-shift", "dtype-same-size"]), label="op")
+                                    "offsets-shift", "dtype-same-size", "raw"]), label="op")
     entry = header[name]
     field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets"]), label="field")
+    raw = None
     if op == "set":
         entry[field] = data.draw(HOSTILE, label="value")
+    elif op == "raw":
+        raw = data.draw(st.sampled_from(HOSTILE_RAW), label="raw")
+        entry[field] = data.draw(st.sampled_from([RAW, [RAW], [1, RAW]]), label="where")
     elif op == "delete-field":
         entry.pop(field)
     elif op == "drop-entry":
@@ -199,7 +215,7 @@ def mut_header_json(data: st.DataObject) -> bytes:
                  4: ["F32", "I32", "U32"], 8: ["F64", "I64", "U64"]}
         size = {c: k for k, v in codes.items() for c in v}.get(entry["dtype"], 1)
         entry["dtype"] = data.draw(st.sampled_from(codes[size]), label="dtype")
-    return join(header, body)
+    return join(header, body, raw)
 
 
 def mut_quant_state(data: st.DataObject) -> bytes:
@@ -208,11 +224,16 @@ def mut_quant_state(data: st.DataObject) -> bytes:
     key = next(k for k in tensors if ".quant_state." in k)
     code, shape, blob = tensors[key]
     state = json.loads(blob)
-    op = data.draw(st.sampled_from(["set", "set", "set", "delete", "add", "valid", "garbage", "key"]), label="op")
+    op = data.draw(st.sampled_from(["set", "set", "set", "delete", "add", "valid", "garbage", "key", "raw"]),
+                   label="op")
     fields = ["quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"]
     field = data.draw(st.sampled_from(fields), label="field")
+    raw = None
     if op == "set":
         state[field] = data.draw(HOSTILE, label="value")
+    elif op == "raw":
+        raw = data.draw(st.sampled_from(HOSTILE_RAW), label="raw")
+        state[field] = data.draw(st.sampled_from([RAW, [RAW, 32]]), label="where")
     elif op == "delete":
         state.pop(field, None)
     elif op == "add":
@@ -233,7 +254,7 @@ def mut_quant_state(data: st.DataObject) -> bytes:
     if op == "garbage":
         new_blob = data.draw(st.binary(max_size=40), label="blob")
     else:
-        new_blob = json.dumps(state).encode()
+        new_blob = with_raw(json.dumps(state), raw).encode()
     if op == "key":
         tensors = {(k.replace("bitsandbytes__nf4", "bitsandbytes__fp4") if "bitsandbytes__nf4" in k else
                     k.replace("bitsandbytes__fp4", "bitsandbytes__nf4")): v for k, v in tensors.items()}
@@ -281,7 +302,7 @@ def mut_directory(data: st.DataObject, root: Path) -> None:
         index = json.loads(index_path.read_text())
         wmap = index["weight_map"]
         name = data.draw(st.sampled_from(sorted(wmap)), label="tensor")
-        sub = data.draw(st.sampled_from(["drop", "move", "add", "value", "garbage", "weight_map"]), label="sub")
+        sub = data.draw(st.sampled_from(["drop", "move", "add", "value", "garbage", "weight_map", "raw"]), label="sub")
         if sub == "drop":
             del wmap[name]
         elif sub == "move":
@@ -292,14 +313,19 @@ def mut_directory(data: st.DataObject, root: Path) -> None:
             wmap[name] = data.draw(HOSTILE, label="value")
         elif sub == "weight_map":
             index["weight_map"] = data.draw(HOSTILE, label="value")
-        text = json.dumps(index)
+        raw = None
+        if sub == "raw":
+            index["metadata"]["total_size"] = RAW
+            raw = data.draw(st.sampled_from(HOSTILE_RAW), label="raw")
+        text = with_raw(json.dumps(index), raw)
         if sub == "garbage":
             text = text[: data.draw(st.integers(0, len(text) - 1), label="cut")]
         index_path.write_text(text)
     elif op == "drop-shard":
         data.draw(st.sampled_from(shards), label="shard").unlink()
     elif op == "config":
-        (root / "config.json").write_text(data.draw(st.sampled_from(["", "[]", "{", '{"a": 1}', "null"])))
+        (root / "config.json").write_text(data.draw(st.sampled_from(
+            ["", "[]", "{", '{"a": 1}', "null", *('{"vocab_size": ' + r + "}" for r in HOSTILE_RAW)])))
     elif op == "shard-bytes":
         shard = data.draw(st.sampled_from(shards), label="shard")
         raw = bytearray(shard.read_bytes())

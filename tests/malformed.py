@@ -657,6 +657,58 @@ GGUF_F16 = gguf_cli("gguf:f16")
 SYSTEM_PICKLE = b"\x80\x02cposix\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03."
 
 
+# ---- hostile JSON (issue 12, classes 1 and 5): formats/jsonfile.py's limits, raised as each reader's own rule
+#: an integer token Python refuses to convert (4,300+ digits), and 100,000 levels of nesting
+BIG_INT = "1" * 5000
+DEEP = "[" * 100_000 + "]" * 100_000
+MiB = 1 << 20
+INT_PARTS = ["holds an integer too long to be a real value", "expected 'at most 100 digits'",
+             "found '5000 digits (111111111111...)'"]
+DEEP_PARTS = ["is nested too deeply", "expected 'at most 256 levels'", "found 'level 257 at byte"]
+
+
+def _st_header(text: str) -> Callable[[Path], Path]:
+    return raw_file(header_bytes(text) + b"\0")
+
+
+def _index_text(edit: Callable[[str], str]) -> Callable[[Path], Path]:
+    return lambda d: _two_shards(d, index=edit(json.dumps(_full_index())))
+
+
+def _config_text(text: str) -> Callable[[Path], Path]:
+    return lambda d: model_dir(d / "model", {"model.safetensors": layer()}, config=text)
+
+
+def _state_text(text: str) -> Callable[[Path], Path]:
+    return one_file({**V, QS: quant_state(text)})
+
+
+def adapter_text(edit: Callable[[str], str]) -> Callable[[Path], Path]:
+    """The real adapter with its adapter_config.json text edited."""
+    def build(d: Path) -> Path:
+        a = adapter()(d)
+        cfg = a / "adapter_config.json"
+        cfg.write_text(edit(cfg.read_text()))
+        return a
+
+    return build
+
+
+def tokenizer_file(name: str, edit: Callable[[str], str]) -> Callable[[Path], Path]:
+    """A copy of the tiny llama with one tokenizer JSON file's text edited."""
+    def build(d: Path) -> Path:
+        root = model_copy()(d)
+        (root / name).write_text(edit((root / name).read_text()))
+        return root
+
+    return build
+
+
+def _first_key(raw: str, key: str = "x") -> Callable[[str], str]:
+    """Insert ``"KEY": RAW`` as the first key of a JSON object text."""
+    return lambda text: text.replace("{", f'{{"{key}": {raw}, ', 1)
+
+
 V = layer()
 VN = layer(nested=True)
 QS = f"{W}.quant_state.bitsandbytes__nf4"
@@ -717,6 +769,11 @@ CASES: list[Case] = [
     Case("duplicate-name", E.DuplicateTensorError, ["ST-013", "tensor 'w'", "appears twice"],
          raw_file(header_bytes('{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
                                '"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}') + b"\0")),
+    Case("header-int-5000-digits", E.HeaderJsonError, ["/model.safetensors'", "ST-003 header", *INT_PARTS],
+         _st_header('{"w": {"dtype": "U8", "shape": [' + BIG_INT + '], "data_offsets": [0, 1]}}')),
+    Case("header-nested-100k", E.HeaderJsonError, ["ST-003 header", *DEEP_PARTS], _st_header('{"w": ' + DEEP + "}")),
+    Case("header-nan", E.HeaderJsonError, ["ST-003 header holds NaN, which is not JSON", "found 'NaN'"],
+         _st_header('{"w": {"dtype": "U8", "shape": [NaN], "data_offsets": [0, 1]}}')),
     # ---- torch pickles
     Case("pt-junk", E.NotTorchCheckpointError, ["/junk.bin'", "PT-001", "not a PyTorch checkpoint"],
          raw_file(b"\x00\x01junk" * 10, "junk.bin")),
@@ -749,6 +806,16 @@ CASES: list[Case] = [
          lambda d: _two_shards(d, index='{"weight_map": ')),
     Case("index-without-weight-map", E.IndexJsonError, ["CKPT-001", "'weight_map'", "found 'NoneType'"],
          lambda d: _two_shards(d, index={"metadata": {}})),
+    Case("index-total-size-5000-digits", E.IndexJsonError,
+         ["model.safetensors.index.json'", "CKPT-001 the index", *INT_PARTS],
+         _index_text(lambda t: t.replace('"total_size": 0', '"total_size": ' + BIG_INT))),
+    Case("index-nested-100k", E.IndexJsonError, ["CKPT-001 the index", *DEEP_PARTS],
+         _index_text(lambda t: t.replace('"total_size": 0', '"total_size": ' + DEEP))),
+    Case("index-too-large", E.IndexJsonError,
+         ["CKPT-001 the index is larger than the limit for a JSON shard index",
+          f"expected 'at most {64 * MiB} bytes'"], _index_text(lambda t: t + " " * (64 * MiB))),
+    Case("index-tensor-twice", E.IndexJsonError, ["CKPT-001 the index has the key 'lm_head.weight' twice"],
+         _index_text(lambda t: t.replace('"weight_map": {', '"weight_map": {"lm_head.weight": "x.safetensors", '))),
     Case("missing-shard", E.MissingShardError, ["CKPT-002", "expected \"a file 'model-00002-of-00002.safetensors'\"",
                                                 "fetch the missing shard"], _missing_shard),
     Case("index-names-absent-tensor", E.IndexTensorMissingError,
@@ -767,6 +834,13 @@ CASES: list[Case] = [
          lambda d: model_dir(d / "model", {"model.safetensors": layer()}, config="{model_type")),
     Case("config-not-object", E.ConfigJsonError, ["CKPT-007", "must be a JSON object", "found 'list'"],
          lambda d: model_dir(d / "model", {"model.safetensors": layer()}, config="[1]")),
+    Case("config-int-5000-digits", E.ConfigJsonError, ["config.json'", "CKPT-007 config.json", *INT_PARTS],
+         _config_text('{"model_type": "llama", "vocab_size": ' + BIG_INT + "}")),
+    Case("config-nested-100k", E.ConfigJsonError, ["CKPT-007 config.json", *DEEP_PARTS],
+         _config_text('{"model_type": "llama", "x": ' + DEEP + "}")),
+    Case("config-too-large", E.ConfigJsonError,
+         ["CKPT-007 config.json is larger than the limit for a JSON config", f"expected 'at most {16 * MiB} bytes'",
+          f"found '{16 * MiB + 24} bytes'"], _config_text('{"model_type": "llama"}' + " " * (16 * MiB + 1))),
     Case("tensor-not-in-index", E.UnindexedTensorError,
          ["CKPT-008", "tensor 'model.norm.weight'",
           "expected 'model-00002-of-00002.safetensors', found 'not in the index'"],
@@ -799,12 +873,20 @@ CASES: list[Case] = [
     Case("nested-absmax-count", E.NestedAbsmaxError, [f"tensor '{W}.nested_absmax'", "BNB-008",
                                                       "expected 1, found 2"],
          one_file({**VN, f"{W}.nested_absmax": ("F32", [2], f32([1, 1]))})),
-    Case("quant-state-not-json", E.QuantStateJsonError, [f"tensor '{QS}'", "BNB-009", "not valid UTF-8 JSON"],
+    Case("quant-state-not-json", E.QuantStateJsonError, [f"tensor '{QS}'", "BNB-009", "quant_state is not valid JSON"],
          one_file({**V, QS: quant_state(b'{"quant_type": "nf4", ')})),
     Case("quant-state-missing-shape", E.QuantStateJsonError, ["BNB-009", "'shape' is missing"],
          one_file(with_state(V, shape=DELETE))),
     Case("quant-state-blocksize-string", E.QuantStateJsonError,
          ["BNB-009", "'blocksize' must be an integer", "found '64'"], one_file(with_state(V, blocksize="64"))),
+    Case("quant-state-shape-5000-digits", E.QuantStateJsonError, [f"tensor '{QS}'", "BNB-009 quant_state", *INT_PARTS],
+         _state_text('{"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [' + BIG_INT + ", 32]}")),
+    Case("quant-state-nested-100k", E.QuantStateJsonError, [f"tensor '{QS}'", "BNB-009 quant_state", *DEEP_PARTS],
+         _state_text('{"quant_type": "nf4", "shape": ' + DEEP + "}")),
+    Case("quant-state-too-large", E.QuantStateJsonError,
+         ["BNB-009 quant_state is larger than the limit", f"expected 'at most {MiB} bytes'",
+          f"found '{MiB + 1} bytes'"],
+         _state_text('{"quant_type": "nf4"}'.ljust(MiB + 1))),
     Case("absmax-under-another-prefix", E.OrphanComponentError,
          ["tensor 'model.layers.0.mlp.down_prj.weight.absmax'", "BNB-010", "'absmax' has no weight",
           f"may belong to '{W}'"],
@@ -839,6 +921,14 @@ CASES: list[Case] = [
     # ---- LoRA adapters (--merge-lora)
     Case("lora-no-config", E.AdapterConfigError, ["LORA-001", "adapter"], adapter(write_config=False), run=merge,
          argv=MERGE_ARGV),
+    Case("lora-config-r-5000-digits", E.AdapterConfigError, ["adapter_config.json'", "LORA-001 adapter config",
+                                                             *INT_PARTS],
+         adapter_text(lambda t: t.replace('"r": 8', '"r": ' + BIG_INT)), run=merge, argv=MERGE_ARGV),
+    Case("lora-config-nested-100k", E.AdapterConfigError, ["LORA-001 adapter config", *DEEP_PARTS],
+         adapter_text(_first_key(DEEP)), run=merge, argv=MERGE_ARGV),
+    Case("lora-config-too-large", E.AdapterConfigError,
+         ["LORA-001 adapter config is larger than the limit", f"expected 'at most {16 * MiB} bytes'"],
+         adapter_text(lambda t: t + " " * (16 * MiB)), run=merge, argv=MERGE_ARGV),
     Case("lora-ia3", E.NotLoraAdapterError, ["LORA-002", "only LoRA adapters"], adapter({"peft_type": "IA3"}),
          run=merge, argv=MERGE_ARGV),
     Case("lora-qalora", E.UnsupportedAdapterConfigError, ["LORA-003", "config key 'use_qalora'"],
@@ -876,6 +966,15 @@ CASES: list[Case] = [
     Case("gguf-no-tokenizer", E.TokenizerError, ["GGUF-004", "tokenizer.model or tokenizer.json"],
          model_copy(drop=("tokenizer.model", "tokenizer.json", "tokenizer_config.json")),
          run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-tokenizer-config-nested-100k", E.TokenizerError,
+         ["tokenizer_config.json'", "GGUF-004 tokenizer_config.json", *DEEP_PARTS],
+         tokenizer_file("tokenizer_config.json", _first_key(DEEP)), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-tokenizer-json-int-5000-digits", E.TokenizerError, ["GGUF-004 tokenizer.json", *INT_PARTS],
+         tokenizer_file("tokenizer.json", _first_key(BIG_INT)), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-tokenizer-json-too-large", E.TokenizerError,
+         ["GGUF-004 tokenizer.json is larger than the limit for a JSON tokenizer",
+          f"expected 'at most {64 * MiB} bytes'"],
+         tokenizer_file("tokenizer.json", lambda t: t + " " * (64 * MiB)), run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-longrope", E.RopeScalingError, ["GGUF-005", "found 'longrope'"],
          model_copy({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}),
          run=GGUF_F16[0], argv=GGUF_F16[1]),
@@ -934,6 +1033,15 @@ CASES: list[Case] = [
     # ---- batch JOBS files (convert-bnb batch)
     Case("batch-bad-json", E.BatchFileError, ["BATCH-001", "jobs.json'", "not valid JSON"],
          batch('[{"src": ', "jobs.json"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-json-nested-100k", E.BatchFileError, ["jobs.json'", "BATCH-001 the JOBS file", *DEEP_PARTS],
+         batch(DEEP, "jobs.json"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-json-int-5000-digits", E.BatchFileError, ["BATCH-001 the JOBS file", *INT_PARTS],
+         batch('[{"src": "org/a", "max_shard_size": ' + BIG_INT + "}]", "jobs.json"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-json-nan", E.BatchFileError, ["BATCH-001 the JOBS file holds NaN, which is not JSON"],
+         batch('[{"src": "org/a", "max_shard_size": NaN}]', "jobs.json"), run=run_batch, argv=BATCH_ARGV),
+    Case("batch-too-large", E.BatchFileError,
+         ["BATCH-001 the JOBS file is larger than the limit", f"expected 'at most {16 * MiB} bytes'"],
+         batch("# a comment\n" * (16 * MiB // 12 + 1)), run=run_batch, argv=BATCH_ARGV),
     Case("batch-job-without-src", E.BatchJobError, ["BATCH-002", "needs a source"],
          batch('[{"to": "bf16"}]', "jobs.json"), run=run_batch, argv=BATCH_ARGV),
     Case("batch-unknown-option", E.BatchOptionError, ["BATCH-003", "--bogus"],

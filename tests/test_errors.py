@@ -217,7 +217,8 @@ def test_check_on_a_truncated_file_names_the_cause_not_its_follow_ons(tmp_path: 
     assert any("not checked" in n for n in rep.notes)
 
 
-@pytest.mark.parametrize("case_id", ["nested-absmax-inf", "truncated", "quant-map-15-values"])
+@pytest.mark.parametrize("case_id", ["nested-absmax-inf", "truncated", "quant-map-15-values", "config-nested-100k",
+                                     "quant-state-shape-5000-digits"])
 def test_cli_in_a_subprocess_prints_exactly_one_line(case_id: str, tmp_path: Path) -> None:
     """Through the real console entry point: no warning or traceback text around the one line."""
     import subprocess
