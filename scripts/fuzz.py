@@ -5,11 +5,16 @@ from the mutated input) or in one of convert-bnb's own errors, with no output or
 behind and the input unchanged, and ``convert-bnb check`` must agree (clean exactly when the
 conversion succeeds, naming the rule it failed on); anything else stops the run with hypothesis's
 falsifying example.
-See tests/fuzzing.py for the mutations and the oracle.
+See tests/fuzzing.py for the byte-level mutations and the oracle, tests/fuzzing_struct.py for the
+structure-aware kinds (``struct-*``: fields of the QuantState / header / config / index JSON set to
+extreme values and wrong types, companion tensors swapped between layers, absmax dtypes, GGUF
+config and tokenizer fields, adapter configs, patterns and non-finite adapter tensors).
 
     python scripts/fuzz.py --cases 20000            # a fresh random seed (printed)
     python scripts/fuzz.py --cases 2000 --seed 7    # reproducible
     python scripts/fuzz.py --cases 500 --kind truncate
+    python scripts/fuzz.py --cases 10000 --kind struct-quant-state --kind struct-companions \
+        --kind struct-gguf-config --kind struct-adapter      # the structure-aware fuzzer alone
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=2000, help="total cases (default 2000)")
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     ap.add_argument("--kind", action="append", help="only these mutation kinds (repeatable)")
+    ap.add_argument("--no-shrink", action="store_true",
+                    help="report a failing case as found, without minimising it (slow struct-* cases)")
     ap.add_argument("--max-address-space", type=float, default=4.0, metavar="GIB",
                     help="cap the process's address space (RLIMIT_AS, GiB; 0 = no cap) so that a runaway "
                          "allocation fails the case instead of exhausting the machine (default 4)")
@@ -53,7 +60,7 @@ def main() -> int:
     t0 = time.perf_counter()
     for k in kinds:
         t = time.perf_counter()
-        property_test(k, share[k], derandomize=False, seed=seed)()
+        property_test(k, share[k], derandomize=False, seed=seed, shrink=not args.no_shrink)()
         c = OUTCOMES[k]
         print(f"  {k:<17} {sum(c.values()):>6} cases in {time.perf_counter() - t:6.1f} s: ok {c['ok']}, "
               + ", ".join(f"{r} {n}" for r, n in sorted(c.items()) if r != "ok"), flush=True)

@@ -35,7 +35,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from convert.check import check_source
@@ -388,10 +388,13 @@ FILE_KINDS: dict[str, Callable[[st.DataObject], bytes]] = {
     "tensors": mut_tensors,
     "torch-pickle": mut_torch_pickle,
 }
-KINDS = [*FILE_KINDS, "directory"]
-#: Cases per kind in CI (tests/test_fuzz.py): 2,120 in all.
+#: The structure-aware kinds of tests/fuzzing_struct.py (fields of parsed JSON and companion tensors).
+STRUCT_KINDS = ["struct-quant-state", "struct-companions", "struct-gguf-config", "struct-adapter"]
+KINDS = [*FILE_KINDS, "directory", *STRUCT_KINDS]
+#: Cases per kind in CI (tests/test_fuzz.py): 2,120 byte-level and 2,000 structure-aware.
 CI_CASES = {"header-bytes": 360, "data-bytes": 360, "truncate": 260, "header-json": 360,
-            "quant-state-json": 360, "tensors": 160, "torch-pickle": 200, "directory": 60}
+            "quant-state-json": 360, "tensors": 160, "torch-pickle": 200, "directory": 60,
+            "struct-quant-state": 700, "struct-companions": 500, "struct-gguf-config": 500, "struct-adapter": 300}
 
 
 # ------------------------------------------------------------------------------------ the oracle
@@ -549,6 +552,10 @@ def judge(kind: str, src: Path, workdir: Path) -> str:
 
 
 def run_one(kind: str, data: st.DataObject) -> str:
+    if kind in STRUCT_KINDS:
+        from .fuzzing_struct import run_struct
+
+        return run_struct(kind, data)
     with tempfile.TemporaryDirectory(prefix="convert-bnb-fuzz-") as d:
         work = Path(d)
         if kind == "directory":
@@ -562,11 +569,14 @@ def run_one(kind: str, data: st.DataObject) -> str:
         return judge(kind, src, work)
 
 
-def property_test(kind: str, cases: int, *, derandomize: bool, seed: int | None = None) -> Callable[[], None]:
-    """A hypothesis test running ``cases`` mutations of one kind."""
+def property_test(kind: str, cases: int, *, derandomize: bool, seed: int | None = None,
+                  shrink: bool = True) -> Callable[[], None]:
+    """A hypothesis test running ``cases`` mutations of one kind (``shrink=False``: report the first
+    failing case as found, without minimising it; for slow cases)."""
+    phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
 
     @settings(max_examples=cases, deadline=None, derandomize=derandomize, database=None, print_blob=True,
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), phases=phases)
     @given(st.data())
     def test(data: st.DataObject) -> None:
         run_one(kind, data)
