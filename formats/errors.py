@@ -85,6 +85,7 @@ __all__ = [
     "OutputKindError",
     "OutputInsideInputError",
     "PackedSizeError",
+    "PatternTimeoutError",
     "PickleTooLargeError",
     "QuantDtypeError",
     "QuantMapError",
@@ -812,6 +813,15 @@ class ModulesToSaveMismatchError(AdapterError):
 
     default_rule = "LORA-012"
     advice = 'The adapter file is inconsistent: download it again.'
+
+
+class PatternTimeoutError(AdapterError):
+    """A regular expression of adapter_config.json (``target_modules``, ``rank_pattern``, ...) takes too long to
+    match a module name (catastrophic backtracking), or is too large to compile (nested counted repetitions)."""
+
+    default_rule = "LORA-013"
+    advice = ("Rewrite the named pattern without nested repetition (such as `(a+)+` or `(.*.*)*`), or list the "
+              "module names instead of a regular expression.")
 
 
 # ------------------------------------------------------------------------------------------ output
