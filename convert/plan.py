@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import Int8Layer, QuantizedLayer, group_layers
+from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
 from formats.checkpoint import Checkpoint, TensorRecord
 from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
@@ -360,7 +360,8 @@ def make_plan(
     """
     if to not in TARGETS:
         raise UsageError(f"unknown --to value '{to}'", expected=sorted(TARGETS), found=to)
-    layers, plain = group_layers(checkpoint.tensors, checkpoint.values)
+    layers, plain = group_layers(checkpoint.tensors, checkpoint.values,
+                                 int8_model=is_int8_config(checkpoint.config))
     tensors: list[PlannedTensor] = []
     q_dtypes: set[str] = set()
     int8_natural = _int8_natural(checkpoint, plain)

@@ -58,6 +58,7 @@ __all__ = [
     "IndexJsonError",
     "IndexTensorMissingError",
     "Int8LayoutError",
+    "Int8ScaleMissingError",
     "Int8WeightFormatError",
     "JobSettingsChangedError",
     "LegacyQuantStateError",
@@ -74,6 +75,7 @@ __all__ = [
     "NoWeightsError",
     "NonContiguousTensorError",
     "NonFiniteAbsmaxError",
+    "NonFiniteAdapterError",
     "NonFiniteWeightError",
     "NotLoraAdapterError",
     "NotSafetensorsError",
@@ -722,6 +724,14 @@ class ConflictingQuantStateError(BnbLayerError):
     advice = "The layer's QuantState entries contradict each other: download the checkpoint again."
 
 
+class Int8ScaleMissingError(BnbLayerError):
+    """An LLM.int8 weight has no ``SCB`` row scales (it has a ``weight_format``, or the config says 8-bit)."""
+
+    default_rule = "BNB-020"
+    advice = ("The checkpoint is incomplete (its int8 row scales were not saved or not downloaded): without SCB "
+              "the int8 codes cannot be turned back into weights. Download the checkpoint again.")
+
+
 # ------------------------------------------------------------------------------------- LoRA adapters
 
 
@@ -822,6 +832,14 @@ class PatternTimeoutError(AdapterError):
     default_rule = "LORA-013"
     advice = ("Rewrite the named pattern without nested repetition (such as `(a+)+` or `(.*.*)*`), or list the "
               "module names instead of a regular expression.")
+
+
+class NonFiniteAdapterError(AdapterError):
+    """A LoRA tensor (lora_A, lora_B, or DoRA's magnitude vector) holds NaN or infinite values."""
+
+    default_rule = "LORA-014"
+    advice = ("The adapter's training diverged or its file is damaged: use an earlier checkpoint of the adapter "
+              "or download it again. Merging it would write NaN/inf into the model.")
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -432,6 +432,15 @@ def _lm_head_copy_differs() -> dict[str, Tensor]:
             f"{LP}lm_head.modules_to_save.weight": ("F32", [1000, 256], f32(head + 1))}
 
 
+def _adapter_value(key: str, index: int, value: float) -> dict[str, Tensor]:
+    """The fixture adapter's tensors with one F32 value of ``key`` replaced."""
+    t = adapter_tensors()
+    code, shape, raw = t[key]
+    arr = np.frombuffer(raw, dtype="<f4").copy()
+    arr[index] = value
+    return {**t, key: (code, shape, arr.tobytes())}
+
+
 def _pt_damaged_member_header(d: Path) -> Path:
     """A torch zip whose 'byteorder' local header names another file (a flipped byte)."""
     import zipfile
@@ -818,6 +827,20 @@ CASES: list[Case] = [
          one_file({**V, f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
     Case("key-fp4-json-nf4", E.ConflictingQuantStateError, ["BNB-019", "expected 'fp4', found 'nf4'"],
          one_file({**without(V, QS), f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
+    Case("int8-weight-format-without-scb", E.Int8ScaleMissingError,
+         ["tensor 'model.layers.0.mlp.up_proj.weight'", "BNB-020", "no SCB row scales",
+          "it has 'model.layers.0.mlp.up_proj.weight_format'",
+          "expected \"a tensor named 'model.layers.0.mlp.up_proj.SCB'\", found 'none'"],
+         one_file({"model.layers.0.mlp.up_proj.weight": ("I8", [4, 4], bytes(range(16))),
+                   "model.layers.0.mlp.up_proj.weight_format": ("U8", [], bytes([0]))})),
+    Case("int8-config-weight-without-scb", E.Int8ScaleMissingError,
+         ["tensor 'model.layers.0.mlp.up_proj.weight'", "BNB-020", "the config says load_in_8bit"],
+         lambda d: model_dir(d / "model", {"model.safetensors": {
+             "model.layers.0.mlp.up_proj.weight": ("I8", [4, 4], bytes(range(16))),
+             "model.layers.0.mlp.down_proj.weight": ("I8", [4, 4], bytes(range(16))),
+             "model.layers.0.mlp.down_proj.SCB": ("F32", [4], f32([1, 2, 3, 4]))}},
+             config={"model_type": "llama", "torch_dtype": "bfloat16",
+                     "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}})),
     # ---- LoRA adapters (--merge-lora)
     Case("lora-no-config", E.AdapterConfigError, ["LORA-001", "adapter"], adapter(write_config=False), run=merge,
          argv=MERGE_ARGV),
@@ -858,6 +881,14 @@ CASES: list[Case] = [
     Case("lora-pattern-nested-counts", E.PatternTimeoutError,
          ["adapter_config.json'", "LORA-013", "config key 'alpha_pattern'", "too large", "(a{1000}){1000}"],
          adapter({"alpha_pattern": {"((a{1000}){1000}){1000}": 4}}), run=merge, argv=MERGE_ARGV),
+    Case("lora-b-nan", E.NonFiniteAdapterError,
+         ["adapter_model.safetensors'", f"tensor '{LQ}.lora_B.weight'", "LORA-014", "NaN or infinite",
+          "found '1 NaN and 0 infinite of 2048, the first at flat index 5'"],
+         adapter(tensors=_adapter_value(f"{LQ}.lora_B.weight", 5, np.nan)), run=merge, argv=MERGE_ARGV),
+    Case("lora-a-inf", E.NonFiniteAdapterError,
+         [f"tensor '{LP}model.layers.1.self_attn.v_proj.lora_A.weight'", "LORA-014", "0 NaN and 1 infinite"],
+         adapter(tensors=_adapter_value(f"{LP}model.layers.1.self_attn.v_proj.lora_A.weight", 2047, -np.inf)),
+         run=merge, argv=MERGE_ARGV),
     Case("lora-rank-pattern-flags-inside", E.AdapterConfigValueError,
          ["adapter_config.json'", "LORA-004", "config key 'rank_pattern'", "pattern '(?i)q_proj'",
           "not a valid regular expression", "global flags"],
