@@ -41,6 +41,8 @@ __all__ = ["RunSettings", "chunk_elements", "peak_rss_bytes", "verify_plan", "wr
 _BYTES_PER_ELEMENT = 16
 #: Memory left for the interpreter, NumPy and the libraries, out of ``max_memory``.
 _BASELINE = 96 * 1024 * 1024
+#: Tensors of at most this many elements are made in the writing thread (a worker round trip costs more).
+_INLINE_ELEMENTS = 4096
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,12 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
             while t.source.barrier and pending:
                 _drain_one(pending, writer, bar)
             chunk = chunk_elements(t.source.unit, run.max_memory, run.threads)
+            if 0 < t.numel <= _INLINE_ELEMENTS:
+                # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
+                pending.append((t, 0, t.numel, _done(t.source.produce(0, t.numel, t.dtype))))
+                while len(pending) > 2 * run.threads:
+                    _drain_one(pending, writer, bar)
+                continue
             for s, e in _ranges(t, chunk):
                 pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
                 while len(pending) > 2 * run.threads:

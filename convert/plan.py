@@ -365,6 +365,7 @@ def make_plan(
     tensors: list[PlannedTensor] = []
     q_dtypes: set[str] = set()
     int8_natural = _int8_natural(checkpoint, plain)
+    plain_names = set(plain)  # a list lookup per tensor made planning quadratic in the tensor count
     for name, rec in checkpoint.tensors.items():
         layer = layers.get(name)
         if isinstance(layer, QuantizedLayer):
@@ -375,7 +376,7 @@ def make_plan(
         elif isinstance(layer, Int8Layer):
             q_dtypes.add(int8_natural.name)
             tensors.append(_int8_tensor(layer, to, int8_natural))
-        elif name in plain:
+        elif name in plain_names:
             out = _output_dtype(to, rec.dtype)
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
     plan = Plan(checkpoint, to, tensors, notes=_layer_notes(layers))
