@@ -157,14 +157,15 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
     tensors = [plan.tensors[i] for i in shard]
     writer = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     try:
-        pending: deque[tuple[PlannedTensor, int, int, Future[Any]]] = deque()
+        # (tensor, start, stop, a worker's future or the data itself), in file order
+        pending: deque[tuple[PlannedTensor, int, int, Any]] = deque()
         for t in tensors:
             while t.source.barrier and pending:
                 _drain_one(pending, writer, bar)
             chunk = chunk_elements(t.source.unit, run.max_memory, run.threads)
             if 0 < t.numel <= _INLINE_ELEMENTS:
                 # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
-                pending.append((t, 0, t.numel, _done(t.source.produce(0, t.numel, t.dtype))))
+                pending.append((t, 0, t.numel, t.source.produce(0, t.numel, t.dtype)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)
                 continue
@@ -173,19 +174,13 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)
             if t.numel == 0:
-                pending.append((t, 0, 0, _done(np.empty(0, dtype=t.dtype.numpy))))
+                pending.append((t, 0, 0, np.empty(0, dtype=t.dtype.numpy)))
         while pending:
             _drain_one(pending, writer, bar)
         writer.close(fsync=False)
     except BaseException:
         writer.abort()
         raise
-
-
-def _done(value: Any) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(value)
-    return fut
 
 
 def _fsync(path: Path) -> None:
@@ -197,10 +192,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Future[Any]]], writer: SafetensorsWriter,
+def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Any]], writer: SafetensorsWriter,
                bar: Any) -> None:
     t, s, e, fut = pending.popleft()
-    data = fut.result()
+    data = fut.result() if isinstance(fut, Future) else fut
     writer.write(data)
     t.source.release(s, e)
     if e == t.numel:

@@ -524,6 +524,10 @@ def is_int8_config(config: Any) -> bool:
     return isinstance(qc, dict) and qc.get("load_in_8bit") is True
 
 
+#: Orphan components that get a "it may belong to ..." hint (a fuzzy search over every weight name).
+_ORPHAN_HINTS = 5
+
+
 def group_layers(
     tensors: Mapping[str, TensorLike],
     values: Mapping[str, Any] | None = None,
@@ -575,11 +579,15 @@ def group_layers(
             broken.add(name)
             continue
         by_weight.setdefault(base, {})[comp] = t
-    for base, comp, t in orphans:
-        # a weight of another prefix that lacks this component is the likely owner
-        owners = [w for w, comps in by_weight.items() if comp not in comps]
-        owners += [n for n in tensors if n.endswith(".weight") and n not in by_weight and split_component(n) is None]
-        close = difflib.get_close_matches(base, owners, n=1, cutoff=0.6)
+    lone_weights = [n for n in tensors if n.endswith(".weight") and n not in by_weight
+                    and split_component(n) is None] if orphans else []
+    for k, (base, comp, t) in enumerate(orphans):
+        # a weight of another prefix that lacks this component is the likely owner; the search is
+        # linear per orphan, so only the first few get it (check mode reports every orphan)
+        close: list[str] = []
+        if k < _ORPHAN_HINTS:
+            owners = [w for w, comps in by_weight.items() if comp not in comps] + lone_weights
+            close = difflib.get_close_matches(base, owners, n=1, cutoff=0.6)
         report(_err(OrphanComponentError, t, t.name, f"QuantState component '{comp}' has no weight",
                     expected=f"a tensor named '{base}'", found="none",
                     hint=f"it may belong to '{close[0]}' under another prefix; the names were changed"

@@ -335,10 +335,7 @@ def _open_index(
             path=index_path, expected="{tensor name: shard file}",
             found=type(wmap).__name__ if not isinstance(wmap, dict) else "non-string entries",
         )
-    shard_names: list[str] = []
-    for shard in wmap.values():
-        if shard not in shard_names:
-            shard_names.append(shard)
+    shard_names = list(dict.fromkeys(wmap.values()))  # in index order, once each (linear)
     stray = _stray_shards(root, set(shard_names), suffix)
     if stray:
         report(UnindexedShardError(
