@@ -35,7 +35,8 @@ from formats.safetensors import SafetensorsReader, SafetensorsWriter
 from .output import ShardLedger
 from .plan import Plan, PlannedTensor
 
-__all__ = ["RunSettings", "chunk_elements", "peak_rss_bytes", "verify_plan", "write_directory_files", "write_plan"]
+__all__ = ["RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "verify_plan", "write_directory_files",
+           "write_plan"]
 
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
@@ -89,6 +90,24 @@ def chunk_elements(unit: int, max_memory: int, threads: int) -> int:
     n = budget // ((2 * threads + 1) * _BYTES_PER_ELEMENT)
     n = min(n, 1 << 24)
     return max(unit, (n // unit) * unit)
+
+
+#: The smallest chunk worth giving a thread, in elements: more threads than the cap allows at this size
+#: would only cut every chunk smaller.
+MIN_CHUNK_ELEMENTS = 1 << 16
+
+
+def max_threads(max_memory: int, unit: int = 1) -> int:
+    """The most worker threads whose chunks in flight (``2 * threads + 1`` of at least
+    ``max(unit, MIN_CHUNK_ELEMENTS)`` elements) fit ``max_memory``.
+
+    Args:
+        max_memory: the memory cap in bytes.
+        unit: the largest chunk alignment of the plan, in elements (an int8 row, a blocksize).
+    """
+    budget = max(max_memory - _BASELINE, 16 * 1024 * 1024)
+    per_chunk = max(unit, MIN_CHUNK_ELEMENTS) * _BYTES_PER_ELEMENT
+    return max(1, (budget // per_chunk - 1) // 2)
 
 
 def _ranges(t: PlannedTensor, chunk: int) -> Iterator[tuple[int, int]]:

@@ -26,6 +26,8 @@ CKPT-007  ConfigJsonError             config.json, when present, is a JSON objec
 CKPT-008  UnindexedTensorError        every tensor of a shard is mapped to that shard by the index
 CKPT-009  ShardPathError              shard names are plain file names inside the directory
 CKPT-010  SourceNotFoundError         SRC exists
+CKPT-011  NotRegularFileError         SRC and the weight files are regular files or directories (not a FIFO,
+                                      a device, a socket, or a symlink loop)
 ========  ==========================  ==========================================================
 
 :func:`open_checkpoint` raises the first problem; given a ``problems`` list it appends the
@@ -35,10 +37,12 @@ problems it can step over (a missing shard, a stray file, a damaged tensor entry
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +58,7 @@ from .errors import (
     IndexJsonError,
     IndexTensorMissingError,
     MissingShardError,
+    NotRegularFileError,
     NoWeightsError,
     ShardDuplicateTensorError,
     ShardPathError,
@@ -72,6 +77,7 @@ __all__ = [
     "ContainerReader",
     "TensorRecord",
     "open_checkpoint",
+    "path_kind",
 ]
 
 
@@ -202,6 +208,34 @@ class Checkpoint:
         self.close()
 
 
+def path_kind(path: str | os.PathLike[str]) -> str:
+    """What a path is, following symlinks: ``"file"``, ``"directory"``, ``"missing"`` (also a dangling
+    symlink), or a description of anything else (``"a FIFO (named pipe)"``, ``"a symlink loop"``, ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink loop"
+        if exc.errno == errno.ENOTDIR:
+            return "missing"
+        return f"unreadable ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
 def _open_file(path: Path, problems: list[ConvertBnbError] | None = None) -> ContainerReader:
     reader = READERS.get(path.suffix.lower())
     if reader is None:
@@ -254,10 +288,14 @@ def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError
         problems.append(exc)
 
     src = Path(path)
-    if not src.exists():
+    kind = path_kind(src)
+    if kind == "missing":
         raise SourceNotFoundError("SRC does not exist", path=src,
                                   hint="give a .safetensors file or a model directory")
-    if src.is_file():
+    if kind not in ("file", "directory"):
+        raise NotRegularFileError("SRC is not a regular file or a directory", path=src,
+                                  expected="a weight file or a model directory", found=kind)
+    if kind == "file":
         reader = _open_file(src, problems)
         return Checkpoint(src, False, [src], _records(reader), readers=[reader])
 
@@ -287,8 +325,12 @@ def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError
                 return Checkpoint(src, True, files, tensors, config, extra, readers)
             for single in (n for n in SINGLE_NAMES if n.endswith(suffix)):
                 single_path = src / single
-                if not single_path.is_file():
+                single_kind = path_kind(single_path)
+                if single_kind == "missing":
                     continue
+                if single_kind != "file":
+                    raise NotRegularFileError("weight file is not a regular file", path=single_path,
+                                              expected="a regular file", found=single_kind)
                 reader = _open_file(single_path, problems)
                 readers.append(reader)
                 stray = _stray_shards(src, {single_path.name}, single_path.suffix.lower())
@@ -352,11 +394,18 @@ def _open_index(
             report(ShardPathError("index names a shard outside the directory", path=index_path,
                                   expected="a plain file name", found=shard))
             continue
-        if not shard_path.is_file():
+        shard_kind = path_kind(shard_path)
+        if shard_kind == "missing":
             report(MissingShardError(
                 "index names a shard that does not exist", path=index_path,
                 expected=f"a file '{shard}'", found="none",
                 hint="the download is incomplete; fetch the missing shard",
+            ))
+            continue
+        if shard_kind != "file":
+            report(NotRegularFileError(
+                "index names a shard that is not a regular file", path=shard_path,
+                expected="a regular file", found=shard_kind,
             ))
             continue
         try:

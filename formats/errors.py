@@ -78,6 +78,7 @@ __all__ = [
     "NonFiniteAdapterError",
     "NonFiniteWeightError",
     "NotLoraAdapterError",
+    "NotRegularFileError",
     "NotSafetensorsError",
     "NotStateDictError",
     "NotTorchCheckpointError",
@@ -578,6 +579,15 @@ class SourceNotFoundError(CheckpointError, FileNotFoundError):
 
     default_rule = "CKPT-010"
     advice = "Check the path; give a .safetensors file or a model directory."
+
+
+class NotRegularFileError(CheckpointError):
+    """SRC, or a weight file it names, is neither a regular file nor a directory: a FIFO, a device, a socket,
+    or a symlink loop."""
+
+    default_rule = "CKPT-011"
+    advice = ("Point SRC at the model directory or a weight file; a named pipe, a device or a symlink loop is not "
+              "read (it could block or never end). Fix the link or copy the real file into place.")
 
 
 # --------------------------------------------------------------------------------------- bnb layers

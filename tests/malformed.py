@@ -10,9 +10,11 @@ under test. The 4-bit tables come from tests/fixtures/constants.json (written by
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -321,6 +323,51 @@ def _inside_input(src: Path, out: Path) -> None:
 
 def _missing_src(d: Path) -> Path:
     return d / "no-such-model"
+
+
+def _fifo_shard(d: Path) -> Path:
+    root = _two_shards(d)
+    shard = root / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    return root
+
+
+def _looping_shard(d: Path) -> Path:
+    root = _two_shards(d)
+    shard = root / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    shard.symlink_to(shard.name)  # a link to itself
+    return root
+
+
+def _fifo_src(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(d / "model.safetensors")
+    return d / "model.safetensors"
+
+
+def _fifo_single(d: Path) -> Path:
+    root = model_dir(d / "model", {"model.safetensors": V})
+    (root / "model.safetensors").unlink()
+    os.mkfifo(root / "model.safetensors")
+    return root
+
+
+def _full_mid_run(src: Path, out: Path) -> None:
+    def full(self: Any, data: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch("formats.safetensors.SafetensorsWriter.write", full):
+        convert(src, out, to="bf16")
+
+
+def _report_in_missing_dir(src: Path, out: Path) -> None:
+    from convert.job import ConvertOptions
+    from convert.job import convert as run
+
+    run(ConvertOptions(str(BASE_MODEL), to="bf16", output=out, merge_lora=(src,),
+                       report=out.parent / "no-such-dir" / "merge.json"))
 
 
 # ---- torch pickles, built with tests/torchsave_helpers.py (no torch)
@@ -764,6 +811,18 @@ CASES: list[Case] = [
          _unindexed_tensor),
     Case("shard-outside-directory", E.ShardPathError, ["CKPT-009", "found '../evil.safetensors'"],
          lambda d: _two_shards(d, index=_full_index({"model.norm.weight": "../evil.safetensors"}))),
+    Case("shard-is-a-fifo", E.NotRegularFileError,
+         ["model-00002-of-00002.safetensors'", "CKPT-011", "not a regular file", "found 'a FIFO (named pipe)'"],
+         _fifo_shard),
+    Case("shard-symlink-loop", E.NotRegularFileError,
+         ["model-00002-of-00002.safetensors'", "CKPT-011", "found 'a symlink loop'"], _looping_shard),
+    Case("src-is-a-fifo", E.NotRegularFileError,
+         ["model.safetensors'", "CKPT-011", "SRC is not a regular file or a directory", "a FIFO (named pipe)"],
+         _fifo_src),
+    Case("src-is-a-device", E.NotRegularFileError, ["'/dev/zero'", "CKPT-011", "found 'a character device'"],
+         lambda d: Path("/dev/zero")),
+    Case("model-safetensors-is-a-fifo", E.NotRegularFileError,
+         ["model/model.safetensors'", "CKPT-011", "weight file is not a regular file"], _fifo_single),
     Case("source-missing", E.SourceNotFoundError, ["CKPT-010", "no-such-model'", "does not exist"], _missing_src,
          same_message=False),  # the CLI's hint also offers a Hub repo id
     # ---- bnb 4-bit layer
@@ -939,6 +998,9 @@ CASES: list[Case] = [
          run=_existing_output, argv=None),
     Case("disk-full", E.DiskSpaceError, ["Failed to write", "OUT-002", "found '4096 bytes free'"], one_file(V),
          run=_disk_full, argv=None),
+    Case("disk-full-mid-run", E.DiskSpaceError,
+         ["Failed to write", "out.safetensors'", "OUT-002", "filled up while the output was written",
+          "No space left on device (errno 28)"], one_file(V), run=_full_mid_run, argv=None),
     Case("verify-mismatch", E.VerificationError, ["Failed to verify", "out.safetensors'", "OUT-003",
                                                   "expected 'BF16 [4, 32]', found 'F32 [4, 32]'"], one_file(V),
          run=_verify_mismatch, argv=None),
@@ -949,6 +1011,11 @@ CASES: list[Case] = [
     # ---- usage
     Case("unknown-target", E.UsageError, ["USE-001", "unknown --to value 'int3'"], one_file(V), run=_bad_to,
          argv=["{src}", "--threads", "0", "-o", "{out}"], same_message=False),
+    Case("report-in-missing-directory", E.UsageError,
+         ["Failed to write", "no-such-dir/merge.json'", "USE-001", "--report: the report's directory does not exist"],
+         adapter(), run=_report_in_missing_dir,
+         argv=[str(BASE_MODEL), "--to", "bf16", "--merge-lora", "{src}", "-o", "{out}", "--report",
+               "{out}/../no-such-dir/merge.json"], same_message=False),
     Case("output-inside-input", E.OutputInsideInputError, ["USE-002", "converted'", "inside it"],
          lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_inside_input,
          argv=["{src}", "-o", "{src}/converted"]),
