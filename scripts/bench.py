@@ -305,7 +305,8 @@ def make_many(n: int, path: Path, zero_size: bool, share_4bit: float) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
 
 
-def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, threads: int) -> None:
+def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, threads: int,
+                 do_convert: bool = True) -> None:
     """Time opening, planning and converting a file of ``n`` tiny tensors (in this process)."""
     from convert.job import ConvertOptions
     from convert.job import convert as run
@@ -327,13 +328,15 @@ def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, thre
     out = out_dir / f"many-{n}-out.safetensors"
     if out.exists():
         out.unlink()
-    t = time.perf_counter()
-    run(ConvertOptions(str(src), to="bf16", output=out, threads=threads, max_memory=512 << 20))
-    converted = time.perf_counter() - t
-    out.unlink()
+    converted = None
+    if do_convert:
+        t = time.perf_counter()
+        run(ConvertOptions(str(src), to="bf16", output=out, threads=threads, max_memory=512 << 20))
+        converted = round(time.perf_counter() - t, 2)
+        out.unlink()
     print(json.dumps({"bench": "tensors", "tensors": n, "zero_size": zero_size, "layers_4bit": int(n * share_4bit) // 5,
                       "out_tensors": n_out, "make_s": round(made, 2), "open_s": round(opened, 2),
-                      "plan_s": round(planned, 2), "convert_s": round(converted, 2),
+                      "plan_s": round(planned, 2), "convert_s": converted,
                       "file_mib": round(src.stat().st_size / 2**20, 1)}))
     src.unlink()
 
@@ -364,6 +367,7 @@ def main() -> None:
     mt.add_argument("--zero-size", action="store_true", help="plain tensors of shape [0]")
     mt.add_argument("--share-4bit", type=float, default=0.5, help="share of the tensors in tiny NF4 layers")
     mt.add_argument("--threads", type=int, default=2)
+    mt.add_argument("--no-convert", action="store_true", help="time open and plan only")
     h = sub.add_parser("transformers", help="time transformers from_pretrained -> dequantize -> save_pretrained")
     h.add_argument("--dir", type=Path, required=True)
     h.add_argument("--threads", type=int, default=2)
@@ -377,7 +381,7 @@ def main() -> None:
     elif a.cmd == "transformers":
         hf_baseline(a.dir, a.threads)
     elif a.cmd == "tensors":
-        many_tensors(a.tensors, a.dir, a.zero_size, a.share_4bit, a.threads)
+        many_tensors(a.tensors, a.dir, a.zero_size, a.share_4bit, a.threads, not a.no_convert)
     elif a.cmd == "make-lora":
         make_lora(a.model, a.dir, a.rank)
     else:
