@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from formats.checkpoint import gc_paused
 from formats.errors import VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
 
@@ -174,7 +175,8 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
     The file is closed without fsync; :func:`_fsync` runs in the background and is awaited before
     verifying."""
     tensors = [plan.tensors[i] for i in shard]
-    writer = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    with gc_paused():
+        writer = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     try:
         # (tensor, start, stop, a worker's future or the data itself), in file order
         pending: deque[tuple[PlannedTensor, int, int, Any]] = deque()
@@ -230,7 +232,8 @@ def verify_plan(plan: Plan, path: Path) -> None:
         VerificationError: a file does not read back, or its tensor names, dtypes or shapes differ (OUT-003).
     """
     for file, shard in zip(output_files(plan, path), plan.shards, strict=True):
-        _verify_file(plan, shard, file)
+        with gc_paused():
+            _verify_file(plan, shard, file)
 
 
 def _verify_file(plan: Plan, shard: list[int], path: Path) -> None:

@@ -37,13 +37,15 @@ problems it can step over (a missing shard, a stray file, a damaged tensor entry
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
 import math
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,6 +78,7 @@ __all__ = [
     "Checkpoint",
     "ContainerReader",
     "TensorRecord",
+    "gc_paused",
     "open_checkpoint",
     "path_kind",
 ]
@@ -264,7 +267,26 @@ def _load_json(path: Path, error: type[ConvertBnbError], what: str) -> Any:
         raise error(f"{what} is not valid JSON ({detail})", path=path) from None
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: building millions of header records would otherwise run
+    full collections over them again and again (a third to a half of the time for 10^5-10^6 tensors)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> Checkpoint:
+    """Open a weight file or a model directory (see :func:`_open_checkpoint`)."""
+    with gc_paused():
+        return _open_checkpoint(path, problems)
+
+
+def _open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> Checkpoint:
     """Open a weight file or a model directory.
 
     Args:
