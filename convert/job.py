@@ -381,7 +381,12 @@ def convert(options: ConvertOptions) -> ConvertResult:
             result.removed_stale = claim.recovered
             result.shards_written, result.shards_reused = written
             if lora is not None:
-                result.details["lora_merge"] = lora.report(options.report)
+                try:
+                    result.details["lora_merge"] = lora.report(options.report)
+                except OSError as exc:
+                    if options.report is None:
+                        raise
+                    raise _write_error(exc, Path(options.report), 0) from None
         finally:
             if lora is not None:
                 lora.close()
@@ -404,7 +409,8 @@ def _write_error(exc: OSError, out: Path, nbytes: int) -> OSError:
         return exc
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskSpaceError("the disk filled up while the output was written", path=out, action="write",
-                              expected=f"room for {nbytes} bytes", found=f"{exc.strerror} (errno {exc.errno})",
+                              expected=f"room for {nbytes} bytes" if nbytes else None,
+                              found=f"{exc.strerror} (errno {exc.errno})",
                               hint="free disk space, or write the output to another disk with -o")
     if exc.filename is None:
         exc.filename = os.fspath(out)
