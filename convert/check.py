@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.bnb import Int8Layer, QuantizedLayer, group_layers
+from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
 
@@ -110,7 +110,8 @@ def check_source(path: str | os.PathLike[str]) -> CheckReport:
         # files that broke a container rule: some of their tensors may be missing from the map
         broken = {p.path for p in problems if (p.rule or "").startswith(("ST-", "PT-"))}
         try:
-            layers, plain = group_layers(ckpt.tensors, ckpt.values, problems)
+            layers, plain = group_layers(ckpt.tensors, ckpt.values, problems,
+                                         int8_model=is_int8_config(ckpt.config))
         except ConvertBnbError as exc:  # pragma: no cover - group_layers collects
             problems.append(exc)
             return report

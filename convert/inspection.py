@@ -86,12 +86,12 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     Raises:
         BnbLayerError: a layer breaks a BNB-xxx rule (as the conversion would report it).
     """
-    from formats.bnb import Int8Layer, QuantizedLayer, group_layers
+    from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
 
     from .plan import TARGETS, make_plan
 
     opts = options or InspectOptions()
-    layers, plain = group_layers(ckpt.tensors)  # type: ignore[arg-type]  # as convert.plan
+    layers, plain = group_layers(ckpt.tensors, int8_model=is_int8_config(ckpt.config))  # type: ignore[arg-type]
     by_kind: dict[str, int] = {}
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     int8_groups: dict[tuple[str, str], dict[str, Any]] = {}

@@ -19,6 +19,7 @@ prints or exits.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -26,16 +27,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from formats.checkpoint import open_checkpoint
-from formats.errors import SourceNotFoundError, UsageError
+from formats.checkpoint import open_checkpoint, path_kind
+from formats.errors import ConvertBnbError, DiskSpaceError, SourceNotFoundError, UsageError
 
 from . import __version__
 from .hub import HubSource, is_repo_id, parse_repo_spec, resolve_repo
 from .merge import apply_lora
 from .output import OutputClaim, default_output, output_path, write_json
-from .pipeline import peak_rss_bytes
+from .pipeline import max_threads, peak_rss_bytes
 from .plan import make_plan
 from .targets import TARGETS, RunSettings, target_for
+from .units import format_bytes
 
 __all__ = ["MIN_MEMORY", "ConvertOptions", "ConvertResult", "QuantOptions", "ResolvedSource", "check_options",
            "convert", "job_key", "resolve_source"]
@@ -218,7 +220,9 @@ def check_options(options: ConvertOptions) -> None:
     Raises:
         UsageError: an unknown target; ``threads`` or ``max_shard_size`` below 1; ``max_memory``
             below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
-            directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1.
+            directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
+            a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
+            cannot be written (checked now: the report is written after the whole output).
     """
     target_for(options.to)
     if options.threads is not None and options.threads < 1:
@@ -240,6 +244,29 @@ def check_options(options: ConvertOptions) -> None:
     elif options.quant.given():
         raise UsageError(f"{options.quant.given()[0]} needs --to nf4 or --to fp4", expected="--to nf4|fp4",
                          found=f"--to {options.to}")
+    for flag, value in (("--report", options.report), ("--quant-report", options.quant.quant_report)):
+        if value is not None:
+            _check_report_path(flag, Path(value))
+
+
+def _check_report_path(flag: str, path: Path) -> None:
+    """A report is written after the whole output: refuse a path it could not be written to, now."""
+    kind = path_kind(path)
+    if kind == "directory":
+        raise UsageError(f"{flag} names a directory; give the report's file name", path=path, action="write",
+                         expected="a file path", found="a directory")
+    if kind not in ("file", "missing"):
+        raise UsageError(f"{flag} is not a regular file", path=path, action="write", expected="a file path",
+                         found=kind)
+    parent = path.parent
+    parent_kind = path_kind(parent)
+    if parent_kind != "directory":
+        raise UsageError(f"{flag}: the report's directory does not exist", path=path, action="write",
+                         expected=f"an existing directory '{parent}'",
+                         found="none" if parent_kind == "missing" else parent_kind)
+    if not os.access(parent, os.W_OK | os.X_OK) or (kind == "file" and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} cannot be written (permission denied)", path=path, action="write",
+                         hint="choose a report path in a directory you can write")
 
 
 def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", output: Path | None = None,
@@ -258,7 +285,7 @@ def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", o
         SourceNotFoundError: no such path, and not a repo id (CKPT-010).
         HubError, DiskSpaceError: from :func:`convert.hub.resolve_repo`.
     """
-    if os.path.exists(src):
+    if os.path.lexists(src):  # a symlink loop or a dangling link is local too (open_checkpoint says which)
         if revision:
             raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=src)
         return ResolvedSource(Path(src))
@@ -302,7 +329,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     check_options(options)
     target = TARGETS[target_for(options.to)]
-    repo = parse_repo_spec(options.src)[0] if not os.path.exists(options.src) else None
+    repo = parse_repo_spec(options.src)[0] if not os.path.lexists(options.src) else None
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         default = out = Path(options.output or options.src)
     else:
@@ -311,6 +338,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress)
     result = ConvertResult(source=options.src, to=options.to, output=str(out),
                            commit=source.hub.commit if source.hub else None)
+    extra_notes: list[str] = []
     with open_checkpoint(source.path) as ckpt:
         plan = make_plan(ckpt, target.dequantize_to, max_shard_size=options.max_shard_size)
         lora = apply_lora(plan, options.merge_lora, options.original) if options.merge_lora else None
@@ -329,18 +357,28 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 result.plan_text = job.describe()
                 result.output_exists = out.exists()
                 return result
-            run = RunSettings(threads=max(1, options.threads or os.cpu_count() or 1),
-                              max_memory=options.max_memory, progress=options.progress, label=out.name)
+            threads = max(1, options.threads or os.cpu_count() or 1)
+            unit = max((t.source.unit for t in plan.tensors), default=1)
+            cap = max_threads(options.max_memory, unit)
+            if threads > cap:
+                extra_notes.append(f"--threads {threads} lowered to {cap}: more threads' chunks would not fit "
+                                   f"--max-memory {format_bytes(options.max_memory)}")
+                threads = cap
+            run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress,
+                              label=out.name)
             resume_key = None
             if options.resume_key is not None:
                 resume_key = {**options.resume_key, "job": job_key(options, source)}
             with OutputClaim(out, is_dir=job.is_dir, nbytes=job.out_nbytes, inputs=[ckpt.source],
                              overwrite=options.overwrite, resume_key=resume_key,
                              file_suffix=job.file_suffix) as claim:
-                written = job.write(claim.staging, run, claim.ledger)
-                if options.verify:
-                    job.verify(claim.staging)
-                    result.verified = True
+                try:
+                    written = job.write(claim.staging, run, claim.ledger)
+                    if options.verify:
+                        job.verify(claim.staging)
+                        result.verified = True
+                except OSError as exc:
+                    raise _write_error(exc, out, job.out_nbytes) from None
                 result.bytes_out = _size(claim.staging)
                 if options.manifest is not None:
                     result.files = claim.manifest()
@@ -349,11 +387,16 @@ def convert(options: ConvertOptions) -> ConvertResult:
             result.removed_stale = claim.recovered
             result.shards_written, result.shards_reused = written
             if lora is not None:
-                result.details["lora_merge"] = lora.report(options.report)
+                try:
+                    result.details["lora_merge"] = lora.report(options.report)
+                except OSError as exc:
+                    if options.report is None:
+                        raise
+                    raise _write_error(exc, Path(options.report), 0) from None
         finally:
             if lora is not None:
                 lora.close()
-    result.notes = job.notes()
+    result.notes = extra_notes + job.notes()
     result.details.update(job.details())
     result.tensors = job.tensors
     result.elements = job.elements
@@ -363,6 +406,21 @@ def convert(options: ConvertOptions) -> ConvertResult:
     result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
     result.peak_rss_bytes = peak_rss_bytes()
     return result
+
+
+def _write_error(exc: OSError, out: Path, nbytes: int) -> OSError:
+    """An OS error while writing, named after the output: a full disk is OUT-002; any other error
+    without a file name (a failed ``write()``) gets the output path, so the message says where."""
+    if isinstance(exc, ConvertBnbError):
+        return exc
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskSpaceError("the disk filled up while the output was written", path=out, action="write",
+                              expected=f"room for {nbytes} bytes" if nbytes else None,
+                              found=f"{exc.strerror} (errno {exc.errno})",
+                              hint="free disk space, or write the output to another disk with -o")
+    if exc.filename is None:
+        exc.filename = os.fspath(out)
+    return exc
 
 
 def _size(path: Path) -> int:

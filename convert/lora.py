@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formats.checkpoint import TensorRecord
-from formats.errors import LoraShapeError
+from formats.errors import LoraShapeError, NonFiniteAdapterError
 from formats.peft import Adapter
 
 from .kernels import BF16, round_float32
@@ -301,6 +301,24 @@ def format_table(report: dict[str, Any], limit: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _check_finite(rec: TensorRecord, values: npt.NDArray[np.float32]) -> None:
+    """Raise LORA-014 when an adapter tensor holds NaN or infinite values (PEFT would merge them)."""
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    flat = values.reshape(-1)
+    bad = ~finite.reshape(-1)
+    n_nan = int(np.isnan(flat).sum())
+    first = int(np.argmax(bad))
+    raise NonFiniteAdapterError(
+        "adapter tensor holds NaN or infinite values (merging it would write them into the model)",
+        path=rec.file,
+        tensor=rec.name,
+        expected="finite values",
+        found=f"{n_nan} NaN and {int(bad.sum()) - n_nan} infinite of {flat.size}, the first at flat index {first}",
+    )
+
+
 class TensorMerge:
     """Every op that applies to one base tensor, and the row-range merge.
 
@@ -335,9 +353,12 @@ class TensorMerge:
                     rec.release()
 
     def _arr(self, i: int, what: str, rec: TensorRecord) -> npt.NDArray[np.float32]:
+        """The adapter tensor in fp32, read once per merge and checked finite (LORA-014)."""
         key = (i, what)
         if key not in self._cache:
-            self._cache[key] = _f32(rec)
+            values = _f32(rec)
+            _check_finite(rec, values)
+            self._cache[key] = values
         return self._cache[key]
 
     def merge_rows(

@@ -260,8 +260,9 @@ class ShardLedger:
 
     def keep_only(self, names: list[str]) -> None:
         """Remove files the plan does not name (shards of an earlier plan, leftovers)."""
+        wanted = set(names)
         for p in list(self.directory.iterdir()):
-            if p.name not in names and p.name != LEDGER_NAME:
+            if p.name not in wanted and p.name != LEDGER_NAME:
                 remove_path(p)
         for stale in set(self.shards) - set(names):
             del self.shards[stale]

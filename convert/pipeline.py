@@ -29,18 +29,22 @@ from typing import Any
 
 import numpy as np
 
+from formats.checkpoint import gc_paused
 from formats.errors import VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
 
 from .output import ShardLedger
 from .plan import Plan, PlannedTensor
 
-__all__ = ["RunSettings", "chunk_elements", "peak_rss_bytes", "verify_plan", "write_directory_files", "write_plan"]
+__all__ = ["RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "verify_plan", "write_directory_files",
+           "write_plan"]
 
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
 #: Memory left for the interpreter, NumPy and the libraries, out of ``max_memory``.
 _BASELINE = 96 * 1024 * 1024
+#: Tensors of at most this many elements are made in the writing thread (a worker round trip costs more).
+_INLINE_ELEMENTS = 4096
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,24 @@ def chunk_elements(unit: int, max_memory: int, threads: int) -> int:
     n = budget // ((2 * threads + 1) * _BYTES_PER_ELEMENT)
     n = min(n, 1 << 24)
     return max(unit, (n // unit) * unit)
+
+
+#: The smallest chunk worth giving a thread, in elements: more threads than the cap allows at this size
+#: would only cut every chunk smaller.
+MIN_CHUNK_ELEMENTS = 1 << 16
+
+
+def max_threads(max_memory: int, unit: int = 1) -> int:
+    """The most worker threads whose chunks in flight (``2 * threads + 1`` of at least
+    ``max(unit, MIN_CHUNK_ELEMENTS)`` elements) fit ``max_memory``.
+
+    Args:
+        max_memory: the memory cap in bytes.
+        unit: the largest chunk alignment of the plan, in elements (an int8 row, a blocksize).
+    """
+    budget = max(max_memory - _BASELINE, 16 * 1024 * 1024)
+    per_chunk = max(unit, MIN_CHUNK_ELEMENTS) * _BYTES_PER_ELEMENT
+    return max(1, (budget // per_chunk - 1) // 2)
 
 
 def _ranges(t: PlannedTensor, chunk: int) -> Iterator[tuple[int, int]]:
@@ -153,31 +175,33 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
     The file is closed without fsync; :func:`_fsync` runs in the background and is awaited before
     verifying."""
     tensors = [plan.tensors[i] for i in shard]
-    writer = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
+    with gc_paused():
+        writer = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     try:
-        pending: deque[tuple[PlannedTensor, int, int, Future[Any]]] = deque()
+        # (tensor, start, stop, a worker's future or the data itself), in file order
+        pending: deque[tuple[PlannedTensor, int, int, Any]] = deque()
         for t in tensors:
             while t.source.barrier and pending:
                 _drain_one(pending, writer, bar)
             chunk = chunk_elements(t.source.unit, run.max_memory, run.threads)
+            if 0 < t.numel <= _INLINE_ELEMENTS:
+                # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
+                pending.append((t, 0, t.numel, t.source.produce(0, t.numel, t.dtype)))
+                while len(pending) > 2 * run.threads:
+                    _drain_one(pending, writer, bar)
+                continue
             for s, e in _ranges(t, chunk):
                 pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)
             if t.numel == 0:
-                pending.append((t, 0, 0, _done(np.empty(0, dtype=t.dtype.numpy))))
+                pending.append((t, 0, 0, np.empty(0, dtype=t.dtype.numpy)))
         while pending:
             _drain_one(pending, writer, bar)
         writer.close(fsync=False)
     except BaseException:
         writer.abort()
         raise
-
-
-def _done(value: Any) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(value)
-    return fut
 
 
 def _fsync(path: Path) -> None:
@@ -189,10 +213,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Future[Any]]], writer: SafetensorsWriter,
+def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Any]], writer: SafetensorsWriter,
                bar: Any) -> None:
     t, s, e, fut = pending.popleft()
-    data = fut.result()
+    data = fut.result() if isinstance(fut, Future) else fut
     writer.write(data)
     t.source.release(s, e)
     if e == t.numel:
@@ -208,7 +232,8 @@ def verify_plan(plan: Plan, path: Path) -> None:
         VerificationError: a file does not read back, or its tensor names, dtypes or shapes differ (OUT-003).
     """
     for file, shard in zip(output_files(plan, path), plan.shards, strict=True):
-        _verify_file(plan, shard, file)
+        with gc_paused():
+            _verify_file(plan, shard, file)
 
 
 def _verify_file(plan: Plan, shard: list[int], path: Path) -> None:

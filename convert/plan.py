@@ -13,6 +13,7 @@ pages with :meth:`Source.release`.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import Int8Layer, QuantizedLayer, group_layers
-from formats.checkpoint import Checkpoint, TensorRecord
+from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
+from formats.checkpoint import Checkpoint, TensorRecord, gc_paused
 from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 
@@ -212,12 +213,12 @@ class PlannedTensor:
     shape: tuple[int, ...]
     source: Source
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
-        """Elements (a Python int)."""
+        """Elements (a Python int; computed once: a planned tensor's shape does not change)."""
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Output bytes."""
         return self.numel * self.dtype.itemsize
@@ -360,10 +361,17 @@ def make_plan(
     """
     if to not in TARGETS:
         raise UsageError(f"unknown --to value '{to}'", expected=sorted(TARGETS), found=to)
-    layers, plain = group_layers(checkpoint.tensors, checkpoint.values)
+    with gc_paused():
+        return _make_plan(checkpoint, to, max_shard_size)
+
+
+def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
+    layers, plain = group_layers(checkpoint.tensors, checkpoint.values,
+                                 int8_model=is_int8_config(checkpoint.config))
     tensors: list[PlannedTensor] = []
     q_dtypes: set[str] = set()
     int8_natural = _int8_natural(checkpoint, plain)
+    plain_names = set(plain)  # a list lookup per tensor made planning quadratic in the tensor count
     for name, rec in checkpoint.tensors.items():
         layer = layers.get(name)
         if isinstance(layer, QuantizedLayer):
@@ -374,7 +382,7 @@ def make_plan(
         elif isinstance(layer, Int8Layer):
             q_dtypes.add(int8_natural.name)
             tensors.append(_int8_tensor(layer, to, int8_natural))
-        elif name in plain:
+        elif name in plain_names:
             out = _output_dtype(to, rec.dtype)
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
     plan = Plan(checkpoint, to, tensors, notes=_layer_notes(layers))

@@ -45,6 +45,8 @@ BNB-016  an int8 layer's weight_format is 0 / "row" (col32, col_turing, col_ampe
 BNB-017  a legacy QuantState (list or pickled object) has the documented layout
 BNB-018  absmax has a dtype bnb writes (F32/F16/BF16; U8 codes when nested)
 BNB-019  one QuantState per weight (packed, unpacked or legacy), whose key names the quant type of its JSON
+BNB-020  an int8 weight has its SCB: a ``P.weight_format`` without ``P.SCB``, or an I8 ``P.weight`` without
+         ``P.SCB`` in a model whose config says ``load_in_8bit``, is an LLM.int8 layer missing its scales
 =======  ==========================================================================================
 
 Layouts from older or buggy bitsandbytes, all accepted (bnb-format.md section 1):
@@ -83,6 +85,7 @@ from .errors import (
     ConflictingQuantStateError,
     ConvertBnbError,
     Int8LayoutError,
+    Int8ScaleMissingError,
     Int8WeightFormatError,
     LegacyQuantStateError,
     MissingComponentError,
@@ -111,6 +114,7 @@ __all__ = [
     "QuantizedLayer",
     "TensorLike",
     "group_layers",
+    "is_int8_config",
     "parse_quant_state",
 ]
 
@@ -514,10 +518,23 @@ def _refs(value: Any, out: set[str]) -> set[str]:
     return out
 
 
+def is_int8_config(config: Any) -> bool:
+    """Whether a transformers ``config.json`` object says the model is LLM.int8 (``load_in_8bit``)."""
+    if not isinstance(config, dict):
+        return False
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("load_in_8bit") is True
+
+
+#: Orphan components that get a "it may belong to ..." hint (a fuzzy search over every weight name).
+_ORPHAN_HINTS = 5
+
+
 def group_layers(
     tensors: Mapping[str, TensorLike],
     values: Mapping[str, Any] | None = None,
     problems: list[ConvertBnbError] | None = None,
+    int8_model: bool = False,
 ) -> tuple[dict[str, QuantizedLayer | Int8Layer], list[str]]:
     """Group bitsandbytes companions with their weights by exact prefix.
 
@@ -529,6 +546,8 @@ def group_layers(
         problems: when given, a broken layer's error is appended to it and the layer (with its
             components) is left out of both results, so every layer can be checked
             (``convert-bnb check``); without, the first error is raised.
+        int8_model: the config says ``load_in_8bit`` (:func:`is_int8_config`): an I8 ``P.weight``
+            without ``P.SCB`` is then a broken int8 layer (BNB-020), not a plain int8 tensor.
 
     Returns:
         (layers by weight name, names of the remaining plain tensors in input order).
@@ -562,11 +581,15 @@ def group_layers(
             broken.add(name)
             continue
         by_weight.setdefault(base, {})[comp] = t
-    for base, comp, t in orphans:
-        # a weight of another prefix that lacks this component is the likely owner
-        owners = [w for w, comps in by_weight.items() if comp not in comps]
-        owners += [n for n in tensors if n.endswith(".weight") and n not in by_weight and split_component(n) is None]
-        close = difflib.get_close_matches(base, owners, n=1, cutoff=0.6)
+    lone_weights = [n for n in tensors if n.endswith(".weight") and n not in by_weight
+                    and split_component(n) is None] if orphans else []
+    for k, (base, comp, t) in enumerate(orphans):
+        # a weight of another prefix that lacks this component is the likely owner; the search is
+        # linear per orphan, so only the first few get it (check mode reports every orphan)
+        close: list[str] = []
+        if k < _ORPHAN_HINTS:
+            owners = [w for w, comps in by_weight.items() if comp not in comps] + lone_weights
+            close = difflib.get_close_matches(base, owners, n=1, cutoff=0.6)
         report(_err(OrphanComponentError, t, t.name, f"QuantState component '{comp}' has no weight",
                     expected=f"a tensor named '{base}'", found="none",
                     hint=f"it may belong to '{close[0]}' under another prefix; the names were changed"
@@ -632,6 +655,25 @@ def group_layers(
                 continue
             layers[base] = layer8
             consumed.update(layer8.components)
+    # an int8 weight whose SCB is missing: copied as raw codes it would be silently wrong
+    fmt_names = [n for n in tensors if n.endswith(".weight_format") and n not in inner]
+    fmt_names += [n for n in values if n.endswith(".weight_format") and n not in tensors]
+    suspects = {n[: -len("_format")]: n for n in fmt_names}
+    if int8_model:
+        for name, t in tensors.items():
+            if name.endswith(".weight") and t.dtype.code == "I8" and name not in inner:
+                suspects.setdefault(name, "")
+    for base, fmt_name in suspects.items():
+        if base in layers or base in broken:
+            continue
+        scb_name = int8_scale_name(base)
+        weight = tensors.get(base)
+        why = f"it has '{fmt_name}'" if fmt_name else "the config says load_in_8bit"
+        report(_err(Int8ScaleMissingError, weight if weight is not None else tensors.get(fmt_name), base,
+                    f"int8 weight has no SCB row scales ({why})",
+                    expected=f"a tensor named '{scb_name}'", found="none",
+                    hint="without SCB the int8 codes cannot be dequantized; the checkpoint is incomplete"))
+        broken.update(n for n in (base, fmt_name) if n)
     plain = [n for n in tensors if n not in consumed and n not in inner and n not in broken]
     return layers, plain
 

@@ -58,6 +58,7 @@ __all__ = [
     "IndexJsonError",
     "IndexTensorMissingError",
     "Int8LayoutError",
+    "Int8ScaleMissingError",
     "Int8WeightFormatError",
     "JobSettingsChangedError",
     "LegacyQuantStateError",
@@ -74,8 +75,10 @@ __all__ = [
     "NoWeightsError",
     "NonContiguousTensorError",
     "NonFiniteAbsmaxError",
+    "NonFiniteAdapterError",
     "NonFiniteWeightError",
     "NotLoraAdapterError",
+    "NotRegularFileError",
     "NotSafetensorsError",
     "NotStateDictError",
     "NotTorchCheckpointError",
@@ -85,6 +88,7 @@ __all__ = [
     "OutputKindError",
     "OutputInsideInputError",
     "PackedSizeError",
+    "PatternTimeoutError",
     "PickleTooLargeError",
     "QuantDtypeError",
     "QuantMapError",
@@ -577,6 +581,15 @@ class SourceNotFoundError(CheckpointError, FileNotFoundError):
     advice = "Check the path; give a .safetensors file or a model directory."
 
 
+class NotRegularFileError(CheckpointError):
+    """SRC, or a weight file it names, is neither a regular file nor a directory: a FIFO, a device, a socket,
+    or a symlink loop."""
+
+    default_rule = "CKPT-011"
+    advice = ("Point SRC at the model directory or a weight file; a named pipe, a device or a symlink loop is not "
+              "read (it could block or never end). Fix the link or copy the real file into place.")
+
+
 # --------------------------------------------------------------------------------------- bnb layers
 
 
@@ -722,6 +735,14 @@ class ConflictingQuantStateError(BnbLayerError):
     advice = "The layer's QuantState entries contradict each other: download the checkpoint again."
 
 
+class Int8ScaleMissingError(BnbLayerError):
+    """An LLM.int8 weight has no ``SCB`` row scales (it has a ``weight_format``, or the config says 8-bit)."""
+
+    default_rule = "BNB-020"
+    advice = ("The checkpoint is incomplete (its int8 row scales were not saved or not downloaded): without SCB "
+              "the int8 codes cannot be turned back into weights. Download the checkpoint again.")
+
+
 # ------------------------------------------------------------------------------------- LoRA adapters
 
 
@@ -813,6 +834,23 @@ class ModulesToSaveMismatchError(AdapterError):
 
     default_rule = "LORA-012"
     advice = 'The adapter file is inconsistent: download it again.'
+
+
+class PatternTimeoutError(AdapterError):
+    """A regular expression of adapter_config.json (``target_modules``, ``rank_pattern``, ...) takes too long to
+    match a module name (catastrophic backtracking), or is too large to compile (nested counted repetitions)."""
+
+    default_rule = "LORA-013"
+    advice = ("Rewrite the named pattern without nested repetition (such as `(a+)+` or `(.*.*)*`), or list the "
+              "module names instead of a regular expression.")
+
+
+class NonFiniteAdapterError(AdapterError):
+    """A LoRA tensor (lora_A, lora_B, or DoRA's magnitude vector) holds NaN or infinite values."""
+
+    default_rule = "LORA-014"
+    advice = ("The adapter's training diverged or its file is damaged: use an earlier checkpoint of the adapter "
+              "or download it again. Merging it would write NaN/inf into the model.")
 
 
 # ------------------------------------------------------------------------------------------ output

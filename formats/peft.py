@@ -37,6 +37,10 @@ Matching rules, as PEFT applies them (``tuners_utils.check_target_module_exists`
   ``(^|.*\\.)<m>($|\\..*)`` for an ``m`` in ``modules_to_save`` is never a LoRA target.
 - ``rank_pattern`` / ``alpha_pattern``: the first key (in file order) for which
   ``re.match(rf"(.*\\.)?({key})$", module)`` matches gives the rank / alpha; else ``r`` / ``lora_alpha``.
+- Every pattern is validated with Python's ``re`` (PEFT's engine: what it refuses PEFT refuses) and
+  matched with the ``regex`` package, same syntax and semantics, under a time limit
+  (:data:`PATTERN_CALL_TIMEOUT` per module name, :data:`PATTERN_BUDGET` per pattern in all): a
+  pattern that backtracks catastrophically, such as ``(.*.*)*x``, is LORA-013, not a hang.
 - scale = ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora`` (a Python double, as in
   ``LoraLayer.update_layer``).
 
@@ -56,6 +60,7 @@ LORA-009  the adapter holds no LoRA weights for a module the config does not tar
 LORA-010  shapes fit: A [r, in], B [out, r], r as configured, base [out, in] (or transposed)
 LORA-011  no two adapter keys land on the same base tensor
 LORA-012  a module's ``modules_to_save`` copy equals its saved tensor
+LORA-013  every config pattern matches a module name within its time limit
 ========  ==========================================================================================
 """
 
@@ -65,10 +70,18 @@ import difflib
 import math
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import regex
+
+try:  # the parser behind re.compile: Python >= 3.11
+    from re import _parser as _sre_parse  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as _sre_parse  # type: ignore[no-redef]
 
 from . import jsonfile
 from .checkpoint import READERS, ContainerReader, TensorRecord
@@ -83,6 +96,7 @@ from .errors import (
     ModulesToSaveMismatchError,
     NoAdapterWeightsError,
     NotLoraAdapterError,
+    PatternTimeoutError,
     UnsupportedAdapterConfigError,
     UnsupportedError,
     UntargetedModuleError,
@@ -92,6 +106,8 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "KEY_PREFIX",
+    "PATTERN_BUDGET",
+    "PATTERN_CALL_TIMEOUT",
     "Adapter",
     "AdapterKey",
     "AdapterModule",
@@ -103,6 +119,14 @@ __all__ = [
 ]
 
 ADAPTER_CONFIG = "adapter_config.json"
+#: CPU seconds one config pattern may take to match one module name (legitimate patterns take microseconds;
+#: ``regex`` counts CPU time, so a loaded machine does not make a pattern fail).
+PATTERN_CALL_TIMEOUT = 1.0
+#: CPU seconds one config pattern may take over all the module names of one run.
+PATTERN_BUDGET = 10.0
+#: Largest pattern, counting each counted repetition ``x{n}`` expanded n times, that ``regex`` compiles
+#: (it expands them: ``((a{1000}){1000}){1000}`` would take gigabytes).
+PATTERN_MAX_SIZE = 100_000
 #: Weight file names, in order of preference (``.bin`` goes through the reader registered for it).
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 #: The exact prefix PEFT puts before every module name of a LoRA adapter.
@@ -206,6 +230,99 @@ def _neutral(value: Any) -> bool:
     return value is None or value is False or (isinstance(value, (dict, list, str)) and len(value) == 0)
 
 
+class _Pattern:
+    """One PEFT pattern as PEFT composes it, compiled once and matched under a time limit.
+
+    Validated with ``re`` (PEFT's engine), matched with ``regex`` (same syntax, plus ``timeout=``).
+    """
+
+    def __init__(self, path: Path | None, key: str, pattern: str, composed: str, full: bool) -> None:
+        self.path, self.key, self.pattern, self.full = path, key, pattern, full
+        what = f"pattern '{_clip(pattern)}'" if composed != pattern else "pattern"
+        try:
+            re.compile(composed)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise _bad(path, key, f"{what} is not a valid regular expression ({exc})", pattern) from None
+        size = _expanded_size(_sre_parse.parse(composed), 1)
+        if size > PATTERN_MAX_SIZE:
+            raise PatternTimeoutError(
+                f"config key '{key}': pattern '{_clip(pattern)}' is too large once its counted repetitions "
+                "are expanded",
+                path=path,
+                expected=f"<= {PATTERN_MAX_SIZE} items",
+                found=f"more than {PATTERN_MAX_SIZE}",
+                hint="nested counts such as (a{1000}){1000} multiply",
+            )
+        try:
+            self.compiled = regex.compile(composed)
+        except (regex.error, RecursionError, OverflowError) as exc:
+            raise _bad(path, key, f"{what} is not a valid regular expression ({exc})", pattern) from None
+        self.spent = 0.0
+
+    def __call__(self, module: str) -> Any:
+        """``re.fullmatch`` (``full``) or ``re.match`` of the composed pattern on ``module``.
+
+        Raises:
+            PatternTimeoutError: LORA-013, over :data:`PATTERN_CALL_TIMEOUT` for this name or
+                :data:`PATTERN_BUDGET` in all.
+        """
+        timeout = min(PATTERN_CALL_TIMEOUT, PATTERN_BUDGET - self.spent)
+        start = time.thread_time()
+        try:
+            if timeout <= 0:
+                raise TimeoutError
+            run = self.compiled.fullmatch if self.full else self.compiled.match
+            return run(module, timeout=timeout)
+        except TimeoutError:
+            raise PatternTimeoutError(
+                f"config key '{self.key}': pattern '{_clip(self.pattern)}' did not finish matching module "
+                f"'{_clip(module)}' in time",
+                path=self.path,
+                expected=f"<= {PATTERN_CALL_TIMEOUT} s of CPU per module name and {PATTERN_BUDGET} s in all",
+                found="timed out",
+                hint="the regular expression backtracks catastrophically",
+            ) from None
+        finally:
+            self.spent += time.thread_time() - start
+
+
+_REPEATS = {_sre_parse.MAX_REPEAT, _sre_parse.MIN_REPEAT, getattr(_sre_parse, "POSSESSIVE_REPEAT", None)}
+
+
+def _expanded_size(node: Any, factor: int) -> int:
+    """Items of a parsed pattern with every repetition's minimum count expanded (stops past the limit)."""
+    total = 0
+    if isinstance(node, _sre_parse.SubPattern):
+        for op, av in node:
+            if op in _REPEATS:
+                total += _expanded_size(av[2], factor * max(av[0], 1))
+            else:
+                total += factor + _expanded_size(av, factor)
+            if total > PATTERN_MAX_SIZE:
+                break
+    elif isinstance(node, (tuple, list)):
+        for item in node:
+            total += _expanded_size(item, factor)
+            if total > PATTERN_MAX_SIZE:
+                break
+    return total
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _compose(kind: str, pattern: str) -> tuple[str, bool]:
+    """The regular expression PEFT builds from a config pattern, and whether it is a fullmatch."""
+    if kind in ("rank_pattern", "alpha_pattern"):
+        return rf"(.*\.)?({pattern})$", False  # get_pattern_key
+    if kind == "modules_to_save":
+        return rf"(^|.*\.){pattern}($|\..*)", False
+    if kind == "layers_pattern":
+        return rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", False
+    return pattern, True  # target_modules / exclude_modules as a string
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """A validated PEFT ``LoraConfig`` (the fields that decide a merge).
@@ -243,18 +360,55 @@ class LoraConfig:
     use_dora: bool = False
     bias: str = "none"
     ignored: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    _patterns: dict[tuple[str, str], _Pattern] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Compile every pattern now, so that an invalid one is LORA-004 before anything is read."""
+        for key, _ in self.rank_pattern:
+            self._match("rank_pattern", key, "")
+        for key, _ in self.alpha_pattern:
+            self._match("alpha_pattern", key, "")
+        for kind in ("target_modules", "exclude_modules"):
+            value = getattr(self, kind)
+            if isinstance(value, str) and value != "all-linear":
+                self._match(kind, value, "")
+        for m in self.modules_to_save:
+            self._match("modules_to_save", m, "")
+        for m in self.layers_pattern or ():
+            self._match("layers_pattern", m, "")
+
+    def _match(self, kind: str, pattern: str, module: str) -> Any:
+        """PEFT's match of config ``kind``'s ``pattern`` on ``module`` (an empty module only compiles).
+
+        Raises:
+            AdapterConfigValueError: LORA-004, the pattern is not a valid regular expression.
+            PatternTimeoutError: LORA-013.
+        """
+        compiled = self._patterns.get((kind, pattern))
+        if compiled is None:
+            composed, full = _compose(kind, pattern)
+            compiled = self._patterns[(kind, pattern)] = _Pattern(self.path, kind, pattern, composed, full)
+        return compiled(module) if module else None
 
     def rank_for(self, module: str) -> int:
-        """Rank of ``module`` (``rank_pattern`` as ``get_pattern_key`` resolves it, else ``r``)."""
+        """Rank of ``module`` (``rank_pattern`` as ``get_pattern_key`` resolves it, else ``r``).
+
+        Raises:
+            PatternTimeoutError: LORA-013.
+        """
         for key, value in self.rank_pattern:
-            if re.match(rf"(.*\.)?({key})$", module):
+            if self._match("rank_pattern", key, module):
                 return value
         return self.r
 
     def alpha_for(self, module: str) -> float:
-        """lora_alpha of ``module`` (``alpha_pattern`` first match, else ``lora_alpha``)."""
+        """lora_alpha of ``module`` (``alpha_pattern`` first match, else ``lora_alpha``).
+
+        Raises:
+            PatternTimeoutError: LORA-013.
+        """
         for key, value in self.alpha_pattern:
-            if re.match(rf"(.*\.)?({key})$", module):
+            if self._match("alpha_pattern", key, module):
                 return value
         return self.lora_alpha
 
@@ -273,23 +427,27 @@ class LoraConfig:
         return any(module.endswith(m) for m in self.modules_to_save)
 
     def is_targeted(self, module: str) -> bool:
-        """Whether PEFT puts LoRA on ``module`` (``check_target_module_exists``)."""
+        """Whether PEFT puts LoRA on ``module`` (``check_target_module_exists``).
+
+        Raises:
+            PatternTimeoutError: LORA-013.
+        """
         ex = self.exclude_modules
         if ex:
             if isinstance(ex, str):
-                if re.fullmatch(ex, module):
+                if self._match("exclude_modules", ex, module):
                     return False
             elif module in ex or any(module.endswith(f".{e}") for e in ex):
                 return False
         if self.modules_to_save and any(
-            re.match(rf"(^|.*\.){m}($|\..*)", module) for m in self.modules_to_save
+            self._match("modules_to_save", m, module) for m in self.modules_to_save
         ):
             return False
         tm = self.target_modules
         if tm is None:
             return False
         if isinstance(tm, str):
-            return re.fullmatch(tm, module) is not None
+            return self._match("target_modules", tm, module) is not None
         if module in tm:
             return True
         if not any(module.endswith(f".{t}") for t in tm):
@@ -301,7 +459,7 @@ class LoraConfig:
             match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
         else:
             for pattern in self.layers_pattern:
-                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+                match = self._match("layers_pattern", pattern, module)
                 if match is not None:
                     break
         if match is None:
@@ -329,7 +487,7 @@ def _names(path: Path | None, key: str, value: Any, allow_regex: bool) -> tuple[
             return value
         try:
             re.compile(value)
-        except re.error as exc:
+        except (re.error, RecursionError, OverflowError) as exc:
             raise _bad(path, key, f"not a valid regular expression ({exc})", value) from None
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -356,7 +514,7 @@ def _pattern(path: Path | None, key: str, value: Any, want_int: bool) -> tuple[t
             )
         try:
             re.compile(k)
-        except re.error as exc:
+        except (re.error, RecursionError, OverflowError) as exc:
             raise _bad(path, key, f"pattern '{k}' is not a valid regular expression ({exc})", k) from None
         out.append((k, v))
     return tuple(out)

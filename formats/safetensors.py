@@ -154,16 +154,17 @@ def _check_entry(path: str, name: str, entry: Any) -> tuple[int, int, DType, tup
             expected="a safetensors dtype code such as 'BF16', 'F16', 'F32', 'U8'", found=code,
         )
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):  # no bool, no float
         raise TensorShapeError(
             "shape must be a list of non-negative integers", path=path, tensor=name,
             expected="[d0, d1, ...] with integers >= 0", found=shape,
         )
     offsets = entry.get("data_offsets")
     if (
-        not isinstance(offsets, list)
+        type(offsets) is not list
         or len(offsets) != 2
-        or not all(_is_int(o) for o in offsets)
+        or type(offsets[0]) is not int
+        or type(offsets[1]) is not int
         or offsets[0] < 0
         or offsets[1] < offsets[0]
     ):

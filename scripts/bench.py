@@ -10,6 +10,7 @@ realistic absmax (0.03..0.07 around a 0.05 offset), as many blocks as fit the si
     python scripts/bench.py convert --dir bench-data/2g --max-memory 512MiB [--to bf16] [--cp]
     python scripts/bench.py make-lora --model bench-data/2g --dir bench-data/2g-lora64 --rank 64
     python scripts/bench.py convert --dir bench-data/2g --max-memory 512MiB --merge-lora bench-data/2g-lora64
+    python scripts/bench.py tensors --tensors 100000 --dir bench-data/many   # many small tensors: planning cost
 
 `convert` runs `convert-bnb` in a subprocess (so peak RSS is the conversion's own), prints G elements/s,
 GB/s written and peak RSS, and with --cp also times `cp` + `sync` of a file of the output's size on the
@@ -271,6 +272,75 @@ def hf_baseline(src_dir: Path, threads: int) -> None:
     shutil.rmtree(out)
 
 
+def make_many(n: int, path: Path, zero_size: bool, share_4bit: float) -> None:
+    """A valid safetensors file of ``n`` tiny tensors: F32 [4] (or [0]) plain tensors, and a share of them as
+    the 5 tensors of tiny NF4 layers (4x32, blocksize 64), so grouping and planning see both kinds."""
+    import struct
+
+    n_layers = int(n * share_4bit) // 5
+    header: dict = {"__metadata__": {"format": "pt"}}
+    blobs: list[bytes] = []
+    off = 0
+
+    def add(name: str, code: str, shape: list[int], raw: bytes) -> None:
+        nonlocal off
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+
+    qmap = NF4_TABLE.astype("<f4").tobytes()
+    state = json.dumps({"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [4, 32]}).encode()
+    for i in range(n_layers):
+        w = f"model.layers.{i}.mlp.down_proj.weight"
+        add(w, "U8", [64, 1], bytes(range(64)))
+        add(f"{w}.absmax", "F32", [2], np.array([0.05, 0.04], "<f4").tobytes())
+        add(f"{w}.quant_map", "F32", [16], qmap)
+        add(f"{w}.quant_state.bitsandbytes__nf4", "U8", [len(state)], state)
+    plain = np.arange(4, dtype="<f4").tobytes()
+    for i in range(n - 4 * n_layers):
+        add(f"model.extra.{i}.weight", "F32", [0] if zero_size else [4], b"" if zero_size else plain)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, threads: int,
+                 do_convert: bool = True) -> None:
+    """Time opening, planning and converting a file of ``n`` tiny tensors (in this process)."""
+    from convert.job import ConvertOptions
+    from convert.job import convert as run
+    from convert.plan import make_plan
+    from formats.checkpoint import open_checkpoint
+
+    src = out_dir / f"many-{n}{'-zero' if zero_size else ''}.safetensors"
+    t = time.perf_counter()
+    make_many(n, src, zero_size, share_4bit)
+    made = time.perf_counter() - t
+    t = time.perf_counter()
+    ckpt = open_checkpoint(src)
+    opened = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = make_plan(ckpt, "bf16")
+    planned = time.perf_counter() - t
+    n_out = len(plan.tensors)
+    ckpt.close()
+    out = out_dir / f"many-{n}-out.safetensors"
+    if out.exists():
+        out.unlink()
+    converted = None
+    if do_convert:
+        t = time.perf_counter()
+        run(ConvertOptions(str(src), to="bf16", output=out, threads=threads, max_memory=512 << 20))
+        converted = round(time.perf_counter() - t, 2)
+        out.unlink()
+    print(json.dumps({"bench": "tensors", "tensors": n, "zero_size": zero_size, "layers_4bit": int(n * share_4bit) // 5,
+                      "out_tensors": n_out, "make_s": round(made, 2), "open_s": round(opened, 2),
+                      "plan_s": round(planned, 2), "convert_s": converted,
+                      "file_mib": round(src.stat().st_size / 2**20, 1)}))
+    src.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -291,6 +361,13 @@ def main() -> None:
     ml.add_argument("--model", type=Path, required=True)
     ml.add_argument("--dir", type=Path, required=True)
     ml.add_argument("--rank", type=int, default=64)
+    mt = sub.add_parser("tensors", help="a file of many tiny tensors: time open, plan and convert")
+    mt.add_argument("--tensors", type=int, default=100_000)
+    mt.add_argument("--dir", type=Path, default=ROOT / "bench-data")
+    mt.add_argument("--zero-size", action="store_true", help="plain tensors of shape [0]")
+    mt.add_argument("--share-4bit", type=float, default=0.5, help="share of the tensors in tiny NF4 layers")
+    mt.add_argument("--threads", type=int, default=2)
+    mt.add_argument("--no-convert", action="store_true", help="time open and plan only")
     h = sub.add_parser("transformers", help="time transformers from_pretrained -> dequantize -> save_pretrained")
     h.add_argument("--dir", type=Path, required=True)
     h.add_argument("--threads", type=int, default=2)
@@ -303,6 +380,8 @@ def main() -> None:
                 print(json.dumps(kernel(a.elements, th, dt)))
     elif a.cmd == "transformers":
         hf_baseline(a.dir, a.threads)
+    elif a.cmd == "tensors":
+        many_tensors(a.tensors, a.dir, a.zero_size, a.share_4bit, a.threads, not a.no_convert)
     elif a.cmd == "make-lora":
         make_lora(a.model, a.dir, a.rank)
     else:

@@ -10,9 +10,11 @@ under test. The 4-bit tables come from tests/fixtures/constants.json (written by
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -341,6 +343,51 @@ def _missing_src(d: Path) -> Path:
     return d / "no-such-model"
 
 
+def _fifo_shard(d: Path) -> Path:
+    root = _two_shards(d)
+    shard = root / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    return root
+
+
+def _looping_shard(d: Path) -> Path:
+    root = _two_shards(d)
+    shard = root / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    shard.symlink_to(shard.name)  # a link to itself
+    return root
+
+
+def _fifo_src(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(d / "model.safetensors")
+    return d / "model.safetensors"
+
+
+def _fifo_single(d: Path) -> Path:
+    root = model_dir(d / "model", {"model.safetensors": V})
+    (root / "model.safetensors").unlink()
+    os.mkfifo(root / "model.safetensors")
+    return root
+
+
+def _full_mid_run(src: Path, out: Path) -> None:
+    def full(self: Any, data: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch("formats.safetensors.SafetensorsWriter.write", full):
+        convert(src, out, to="bf16")
+
+
+def _report_in_missing_dir(src: Path, out: Path) -> None:
+    from convert.job import ConvertOptions
+    from convert.job import convert as run
+
+    run(ConvertOptions(str(BASE_MODEL), to="bf16", output=out, merge_lora=(src,),
+                       report=out.parent / "no-such-dir" / "merge.json"))
+
+
 # ---- torch pickles, built with tests/torchsave_helpers.py (no torch)
 ARR = np.arange(24, dtype=np.float32).reshape(4, 6)
 
@@ -448,6 +495,15 @@ def _lm_head_copy_differs() -> dict[str, Tensor]:
     head = np.zeros((1000, 256), dtype=np.float32)
     return {**adapter_tensors(), f"{LP}lm_head.weight": ("F32", [1000, 256], f32(head)),
             f"{LP}lm_head.modules_to_save.weight": ("F32", [1000, 256], f32(head + 1))}
+
+
+def _adapter_value(key: str, index: int, value: float) -> dict[str, Tensor]:
+    """The fixture adapter's tensors with one F32 value of ``key`` replaced."""
+    t = adapter_tensors()
+    code, shape, raw = t[key]
+    arr = np.frombuffer(raw, dtype="<f4").copy()
+    arr[index] = value
+    return {**t, key: (code, shape, arr.tobytes())}
 
 
 def _pt_damaged_member_header(d: Path) -> Path:
@@ -847,6 +903,18 @@ CASES: list[Case] = [
          _unindexed_tensor),
     Case("shard-outside-directory", E.ShardPathError, ["CKPT-009", "found '../evil.safetensors'"],
          lambda d: _two_shards(d, index=_full_index({"model.norm.weight": "../evil.safetensors"}))),
+    Case("shard-is-a-fifo", E.NotRegularFileError,
+         ["model-00002-of-00002.safetensors'", "CKPT-011", "not a regular file", "found 'a FIFO (named pipe)'"],
+         _fifo_shard),
+    Case("shard-symlink-loop", E.NotRegularFileError,
+         ["model-00002-of-00002.safetensors'", "CKPT-011", "found 'a symlink loop'"], _looping_shard),
+    Case("src-is-a-fifo", E.NotRegularFileError,
+         ["model.safetensors'", "CKPT-011", "SRC is not a regular file or a directory", "a FIFO (named pipe)"],
+         _fifo_src),
+    Case("src-is-a-device", E.NotRegularFileError, ["'/dev/zero'", "CKPT-011", "found 'a character device'"],
+         lambda d: Path("/dev/zero")),
+    Case("model-safetensors-is-a-fifo", E.NotRegularFileError,
+         ["model/model.safetensors'", "CKPT-011", "weight file is not a regular file"], _fifo_single),
     Case("source-missing", E.SourceNotFoundError, ["CKPT-010", "no-such-model'", "does not exist"], _missing_src,
          same_message=False),  # the CLI's hint also offers a Hub repo id
     # ---- bnb 4-bit layer
@@ -918,6 +986,20 @@ CASES: list[Case] = [
          one_file({**V, f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
     Case("key-fp4-json-nf4", E.ConflictingQuantStateError, ["BNB-019", "expected 'fp4', found 'nf4'"],
          one_file({**without(V, QS), f"{W}.quant_state.bitsandbytes__fp4": V[QS]})),
+    Case("int8-weight-format-without-scb", E.Int8ScaleMissingError,
+         ["tensor 'model.layers.0.mlp.up_proj.weight'", "BNB-020", "no SCB row scales",
+          "it has 'model.layers.0.mlp.up_proj.weight_format'",
+          "expected \"a tensor named 'model.layers.0.mlp.up_proj.SCB'\", found 'none'"],
+         one_file({"model.layers.0.mlp.up_proj.weight": ("I8", [4, 4], bytes(range(16))),
+                   "model.layers.0.mlp.up_proj.weight_format": ("U8", [], bytes([0]))})),
+    Case("int8-config-weight-without-scb", E.Int8ScaleMissingError,
+         ["tensor 'model.layers.0.mlp.up_proj.weight'", "BNB-020", "the config says load_in_8bit"],
+         lambda d: model_dir(d / "model", {"model.safetensors": {
+             "model.layers.0.mlp.up_proj.weight": ("I8", [4, 4], bytes(range(16))),
+             "model.layers.0.mlp.down_proj.weight": ("I8", [4, 4], bytes(range(16))),
+             "model.layers.0.mlp.down_proj.SCB": ("F32", [4], f32([1, 2, 3, 4]))}},
+             config={"model_type": "llama", "torch_dtype": "bfloat16",
+                     "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}})),
     # ---- LoRA adapters (--merge-lora)
     Case("lora-no-config", E.AdapterConfigError, ["LORA-001", "adapter"], adapter(write_config=False), run=merge,
          argv=MERGE_ARGV),
@@ -956,6 +1038,31 @@ CASES: list[Case] = [
          argv=MERGE_ARGV),
     Case("lora-modules-to-save-copy-differs", E.ModulesToSaveMismatchError, ["LORA-012"],
          adapter({"modules_to_save": ["lm_head"]}, tensors=_lm_head_copy_differs()), run=merge, argv=MERGE_ARGV),
+    Case("lora-target-modules-backtracks", E.PatternTimeoutError,
+         ["adapter_config.json'", "LORA-013", "config key 'target_modules'", r"pattern '(.|..|...)+\d\d\d'",
+          "did not finish matching module 'model.layers.0.", "backtracks catastrophically"],
+         adapter({"target_modules": r"(.|..|...)+\d\d\d"}), run=merge, argv=MERGE_ARGV),
+    Case("lora-rank-pattern-backtracks", E.PatternTimeoutError,
+         ["adapter_config.json'", "LORA-013", "config key 'rank_pattern'", r"pattern '(.|..|...)+\d\d\d'"],
+         adapter({"rank_pattern": {r"(.|..|...)+\d\d\d": 4}}), run=merge, argv=MERGE_ARGV),
+    Case("lora-pattern-nested-counts", E.PatternTimeoutError,
+         ["adapter_config.json'", "LORA-013", "config key 'alpha_pattern'", "too large", "(a{1000}){1000}"],
+         adapter({"alpha_pattern": {"((a{1000}){1000}){1000}": 4}}), run=merge, argv=MERGE_ARGV),
+    Case("lora-b-nan", E.NonFiniteAdapterError,
+         ["adapter_model.safetensors'", f"tensor '{LQ}.lora_B.weight'", "LORA-014", "NaN or infinite",
+          "found '1 NaN and 0 infinite of 2048, the first at flat index 5'"],
+         adapter(tensors=_adapter_value(f"{LQ}.lora_B.weight", 5, np.nan)), run=merge, argv=MERGE_ARGV),
+    Case("lora-a-inf", E.NonFiniteAdapterError,
+         [f"tensor '{LP}model.layers.1.self_attn.v_proj.lora_A.weight'", "LORA-014", "0 NaN and 1 infinite"],
+         adapter(tensors=_adapter_value(f"{LP}model.layers.1.self_attn.v_proj.lora_A.weight", 2047, -np.inf)),
+         run=merge, argv=MERGE_ARGV),
+    Case("lora-rank-pattern-flags-inside", E.AdapterConfigValueError,
+         ["adapter_config.json'", "LORA-004", "config key 'rank_pattern'", "pattern '(?i)q_proj'",
+          "not a valid regular expression", "global flags"],
+         adapter({"rank_pattern": {"(?i)q_proj": 4}}), run=merge, argv=MERGE_ARGV),
+    Case("lora-layers-pattern-invalid", E.AdapterConfigValueError,
+         ["adapter_config.json'", "LORA-004", "config key 'layers_pattern'", "not a valid regular expression"],
+         adapter({"layers_pattern": "layers(", "layers_to_transform": [0]}), run=merge, argv=MERGE_ARGV),
     # ---- GGUF output
     Case("gguf-falcon", E.UnsupportedArchitectureError, ["GGUF-001", "found 'FalconForCausalLM'"],
          model_copy({"architectures": ["FalconForCausalLM"]}), run=GGUF_F16[0], argv=GGUF_F16[1]),
@@ -1008,6 +1115,9 @@ CASES: list[Case] = [
          run=_existing_output, argv=None),
     Case("disk-full", E.DiskSpaceError, ["Failed to write", "OUT-002", "found '4096 bytes free'"], one_file(V),
          run=_disk_full, argv=None),
+    Case("disk-full-mid-run", E.DiskSpaceError,
+         ["Failed to write", "out.safetensors'", "OUT-002", "filled up while the output was written",
+          "No space left on device (errno 28)"], one_file(V), run=_full_mid_run, argv=None),
     Case("verify-mismatch", E.VerificationError, ["Failed to verify", "out.safetensors'", "OUT-003",
                                                   "expected 'BF16 [4, 32]', found 'F32 [4, 32]'"], one_file(V),
          run=_verify_mismatch, argv=None),
@@ -1021,6 +1131,11 @@ CASES: list[Case] = [
     # ---- usage
     Case("unknown-target", E.UsageError, ["USE-001", "unknown --to value 'int3'"], one_file(V), run=_bad_to,
          argv=["{src}", "--threads", "0", "-o", "{out}"], same_message=False),
+    Case("report-in-missing-directory", E.UsageError,
+         ["Failed to write", "no-such-dir/merge.json'", "USE-001", "--report: the report's directory does not exist"],
+         adapter(), run=_report_in_missing_dir,
+         argv=[str(BASE_MODEL), "--to", "bf16", "--merge-lora", "{src}", "-o", "{out}", "--report",
+               "{out}/../no-such-dir/merge.json"], same_message=False),
     Case("output-inside-input", E.OutputInsideInputError, ["USE-002", "converted'", "inside it"],
          lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_inside_input,
          argv=["{src}", "-o", "{src}/converted"]),

@@ -206,3 +206,32 @@ def test_cli_refuses_col_formats(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "BNB-016" in err and "2 (col_turing)" in err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_missing_scb_is_reported_by_check_and_refused_by_convert(tmp_path, capsys):
+    """An int8 model whose SCB tensors were dropped: not copied as raw codes (BNB-020), and check says so."""
+    import shutil
+
+    from convert.check import check_source
+    from formats.errors import Int8ScaleMissingError
+
+    from .malformed import st_bytes
+
+    src = tmp_path / "m"
+    shutil.copytree(MODEL, src)
+    q = SafetensorsReader(MODEL / "model.safetensors")
+    kept = {n: (q.tensors[n].dtype.code, list(q.tensors[n].shape), bytes(q.raw(n))) for n in q.tensors
+            if n != "model.layers.1.self_attn.o_proj.SCB"}
+    q.close()
+    (src / "model.safetensors").write_bytes(st_bytes(kept, {"format": "pt"}))
+    rep = check_source(src)
+    assert [p.rule for p in rep.problems] == ["BNB-020"]
+    assert rep.problems[0].tensor == "model.layers.1.self_attn.o_proj.weight"
+    assert type(rep.problems[0]) is Int8ScaleMissingError
+    assert main(["check", str(src)]) == 2
+    assert "BNB-020" in capsys.readouterr().out
+    out = tmp_path / "o"
+    assert main([str(src), "--to", "bf16", "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "BNB-020" in err and "no SCB row scales" in err and "o_proj.weight'" in err
+    assert not out.exists()

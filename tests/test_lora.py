@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from convert.lora import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows, plan_merge
-from formats.errors import AdapterError, UnsupportedError
-from formats.peft import load_lora_config, open_adapter, parse_adapter_key
+from formats.errors import AdapterError, NonFiniteAdapterError, PatternTimeoutError, UnsupportedError
+from formats.peft import LoraConfig, load_lora_config, open_adapter, parse_adapter_key, parse_lora_config
 
 from .conftest import FIXTURES, REFERENCES, bits, read_safetensors
 
@@ -340,6 +340,74 @@ def test_dora_merge(tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match="LORA-008") as e:
         open_adapter(d3)
     assert ATTN[1] in str(e.value)
+
+
+@pytest.mark.parametrize("what", ["magnitude", "lora_A", "lora_B"])
+def test_non_finite_adapter_tensors_are_errors(tmp_path: Path, what: str) -> None:
+    """NaN/inf in lora_A, lora_B or a DoRA magnitude is LORA-014 naming the file and the key, not merged."""
+    rng = np.random.default_rng(8)
+    base = base_tensors()
+    t = dora_adapter(rng, base)
+    key = f"{P}{ATTN[2]}.lora_magnitude_vector" if what == "magnitude" else f"{P}{ATTN[2]}.{what}.weight"
+    t[key] = t[key].astype(BF)  # bf16 adapter tensors are checked after the exact upcast
+    t[key].reshape(-1)[3] = np.nan if what != "lora_B" else np.inf
+    d = write_adapter(tmp_path / "a", {"use_dora": True}, t)
+    with pytest.raises(NonFiniteAdapterError) as e:
+        merge_all([d], base)
+    msg = str(e.value)
+    assert e.value.rule == "LORA-014" and e.value.tensor == key
+    assert f"'{d / 'adapter_model.safetensors'}'" in msg and f"tensor '{key}'" in msg
+    assert ("1 NaN and 0 infinite" if what != "lora_B" else "0 NaN and 1 infinite") in msg
+    assert "the first at flat index 3" in msg
+
+
+NAMES = ["model.layers.0.self_attn.q_proj", "model.layers.11.mlp.down_proj", "lm_head", "model.embed_tokens",
+         "transformer.h.3.attn.c_attn", "q_proj", "model.layers.0.self_attn.q_proj\n", "a.b.c"]
+
+
+@pytest.mark.parametrize("pattern", [r".*\.(q|v)_proj", r"model\.layers\.\d+\..*", "q_proj", r".*proj$", "(?i)LM_HEAD",
+                                     r"(a|b)\.c", r".*\.h\.\d\..*attn.*", "", r"\w+"])
+def test_patterns_match_as_peft_with_re(pattern: str) -> None:
+    """The regex package under a timeout gives the same answers as PEFT's own re calls."""
+    import re
+
+    composable = bool(pattern) and not pattern.startswith("(?")  # global flags only at the start (re.error)
+    cfg = load_lora_config_obj({"target_modules": pattern, "rank_pattern": {pattern: 3} if composable else {},
+                                "alpha_pattern": {pattern: 5} if composable else {},
+                                "exclude_modules": None})
+    for name in NAMES:
+        assert cfg.is_targeted(name) == (re.fullmatch(pattern, name) is not None), name
+        if composable:
+            hit = re.match(rf"(.*\.)?({pattern})$", name) is not None
+            assert cfg.rank_for(name) == (3 if hit else 8) and cfg.alpha_for(name) == (5 if hit else 16), name
+    ex = load_lora_config_obj({"target_modules": ["q_proj", "down_proj", "c_attn"], "exclude_modules": pattern,
+                               "layers_to_transform": [0, 3], "layers_pattern": ["layers", "h"]})
+    for name in NAMES:
+        want = not (pattern and re.fullmatch(pattern, name))
+        if want:
+            want = name.endswith((".q_proj", ".down_proj", ".c_attn")) or name in ("q_proj", "down_proj", "c_attn")
+            if want and name not in ("q_proj",):
+                m = next((m for lp in ("layers", "h")
+                          if (m := re.match(rf"(?:^|.*?\.){lp}\.(?P<idx>\d+)\.", name)) is not None), None)
+                want = m is not None and int(m.group("idx")) in (0, 3)
+        assert ex.is_targeted(name) == want, name
+
+
+def load_lora_config_obj(extra: dict) -> LoraConfig:
+    return parse_lora_config({"peft_type": "LORA", "r": 8, "lora_alpha": 16, **extra}, "a/adapter_config.json")
+
+
+def test_pattern_time_limit_counts_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is per pattern over all module names: many slow-but-finishing matches end as LORA-013 too."""
+    import formats.peft as peft
+
+    monkeypatch.setattr(peft, "PATTERN_BUDGET", 0.3)
+    cfg = load_lora_config_obj({"target_modules": r"(.|..)+\d\d\d"})
+    with pytest.raises(PatternTimeoutError) as e:
+        for _ in range(10_000):
+            cfg.is_targeted("model.layers.0.self_attn.q_proj"[:20])
+    assert e.value.rule == "LORA-013" and "config key 'target_modules'" in str(e.value)
+    assert "a/adapter_config.json" in str(e.value)
 
 
 def test_dora_fan_in_fan_out_normalises_columns(tmp_path: Path) -> None:

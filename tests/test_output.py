@@ -260,3 +260,87 @@ def test_a_symlink_in_place_of_the_output_is_replaced_not_followed(tmp_path: Pat
     assert main([str(MODEL), "--to", "fp16", "-o", str(tmp_path / "link"), "--overwrite", "-q"]) == 0
     assert (tmp_path / "link" / "config.json").is_file() and not (tmp_path / "link").is_symlink()
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+# ------------------------------------------------------------------ environment errors name the output
+
+
+def test_disk_full_mid_run_names_the_output_and_out_002(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import formats.safetensors as st
+
+    calls = []
+
+    def write(self, data):  # the third write() finds the disk full, as a real write() would
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, data)
+
+    original = st.SafetensorsWriter.write
+    monkeypatch.setattr(st.SafetensorsWriter, "write", write)
+    out = tmp_path / "out"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"Failed to write '{out}'" in err and "OUT-002" in err and "No space left on device (errno 28)" in err
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_other_write_errors_name_the_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import formats.safetensors as st
+
+    def write(self, data):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(st.SafetensorsWriter, "write", write)
+    out = tmp_path / "o.safetensors"
+    src = REFERENCES["llama_nf4_dq"]
+    assert main([str(src), "--to", "bf16", "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"convert-bnb: error: Failed to use '{out}': Input/output error (errno 5)\n"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--report", "--quant-report"])
+def test_report_paths_are_checked_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    import convert.job
+
+    def no_work(*a, **k):
+        raise AssertionError("the input was opened before the report path was checked")
+
+    monkeypatch.setattr(convert.job, "open_checkpoint", no_work)
+    extra = (["--merge-lora", str(MODELS.parent / "lora" / "adapter")] if flag == "--report" else ["--to", "nf4"])
+    base = [str(MODELS / "llama_nf4_dq"), "-o", str(tmp_path / "out"), "-q"] + extra
+    if flag == "--report":
+        base += ["--to", "bf16"]
+    for path, part in [(tmp_path, "names a directory"),
+                       (tmp_path / "missing" / "r.json", "the report's directory does not exist")]:
+        assert main(base + [flag, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "USE-001" in err and part in err and flag in err, err
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_threads_are_capped_so_the_memory_cap_holds(tmp_path: Path) -> None:
+    from convert.job import ConvertOptions, convert
+    from convert.pipeline import _BASELINE, _BYTES_PER_ELEMENT, MIN_CHUNK_ELEMENTS, chunk_elements, max_threads
+
+    cap = max_threads(64 << 20)
+    budget = max((64 << 20) - _BASELINE, 16 << 20)
+    assert (2 * cap + 1) * MIN_CHUNK_ELEMENTS * _BYTES_PER_ELEMENT <= budget
+    assert (2 * cap + 3) * MIN_CHUNK_ELEMENTS * _BYTES_PER_ELEMENT > budget
+    assert (2 * cap + 1) * chunk_elements(64, 64 << 20, cap) * _BYTES_PER_ELEMENT <= budget
+    assert max_threads(64 << 20, unit=1 << 30) == 1  # a row larger than the budget: one thread
+    res = convert(ConvertOptions(str(MODELS / "llama_nf4_dq"), to="bf16", output=tmp_path / "o", threads=1000,
+                                 max_memory=64 << 20))
+    assert any(n.startswith(f"--threads 1000 lowered to {cap}:") and "--max-memory 64.00 MiB" in n
+               for n in res.notes), res.notes
+    want = load_all(REFERENCES["llama_nf4_dq"])
+    assert_same_tensors({k: v for k, v in load_all(tmp_path / "o").items() if k in want}, want)
