@@ -85,6 +85,7 @@ __all__ = [
     "OutputKindError",
     "OutputInsideInputError",
     "PackedSizeError",
+    "PickleLimitError",
     "PickleTooLargeError",
     "QuantDtypeError",
     "QuantMapError",
@@ -496,6 +497,17 @@ class NotStateDictError(TorchPickleError):
 
     default_rule = "PT-009"
     advice = "Save `model.state_dict()`, not the model object or a list; or save as safetensors."
+
+
+class PickleLimitError(TorchPickleError):
+    """The pickle exceeds a limit of the reader (opcodes, memo, elements, depth, integer or key size).
+
+    A torch.save state dict stays far within them; the limits are in formats/torch_pickle.py.
+    """
+
+    default_rule = "PT-010"
+    advice = ("A state dict's pickle is small and flat; one over these limits is damaged or hostile. Get the "
+              "weights from a trusted source, preferably as safetensors.")
 
 
 # --------------------------------------------------------------------------------------- directories
