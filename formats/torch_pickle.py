@@ -405,7 +405,7 @@ def _summary(obj: Any, limit: int = 80) -> str:
         if type(x) is _Text:
             s = str(x)
         elif isinstance(x, (str, bytes, bytearray)):
-            s = repr(x[:limit]) + ("..." if len(x) > limit else "")
+            s = repr(x[:limit])
         elif isinstance(x, bool) or x is None or isinstance(x, float):
             s = repr(x)
         elif isinstance(x, int):
@@ -442,7 +442,11 @@ def _summary(obj: Any, limit: int = 80) -> str:
             s = f"<class {x.__name__}>"
         else:
             s = f"<{type(x).__name__}>"
-        parts.append(s[: limit - used + 3])
+        if used + len(s) > limit:
+            parts.append(s[: limit - used])
+            used = limit + 1
+            break
+        parts.append(s)
         used += len(s)
     if todo or used > limit:
         parts.append("...")
@@ -523,13 +527,32 @@ class _Machine:
 
     def tuple_of(self, items: Any) -> tuple[Any, ...]:
         t = tuple(items)
-        self.count(len(t), len(t))
+        n = len(t)
+        self.items += n + 1
+        if n > MAX_CONTAINER_ITEMS or self.items > MAX_TOTAL_ITEMS:
+            self.count(0, n)  # raises
         depth, cost = 0, 1
-        for x in t:
-            d, c = self.info(x)
-            depth = max(depth, d)
-            cost = _NOT_KEY if c == _NOT_KEY or cost == _NOT_KEY else min(cost + c, MAX_KEY_COST + 1)
-        return self.note(t, depth + 1, cost, new=True)
+        meta = self.meta
+        for x in t:  # the hot path of a torch pickle: inlined info()
+            if type(x) in _KEY_SCALARS:
+                cost += 1
+                continue
+            m = meta.get(id(x))
+            if m is None:
+                cost = _NOT_KEY
+                continue
+            if m[0] > depth:
+                depth = m[0]
+            if m[1] == _NOT_KEY:
+                cost = _NOT_KEY
+            elif cost != _NOT_KEY:
+                cost += m[1]
+        if cost == _NOT_KEY or cost > MAX_KEY_COST:
+            cost = _NOT_KEY if cost == _NOT_KEY else MAX_KEY_COST + 1
+        if depth >= MAX_DEPTH:
+            self.note(t, depth + 1, cost)  # raises
+        meta[id(t)] = (depth + 1, cost)
+        return t
 
     def key(self, k: Any, where: str) -> Any:
         cost = self.info(k)[1]
@@ -543,8 +566,12 @@ class _Machine:
 
     def grow(self, c: Any, children: Any) -> None:
         depth, cost = self.info(c)
+        meta = self.meta
         for x in children:
-            depth = max(depth, self.info(x)[0] + 1)
+            if type(x) not in _KEY_SCALARS:
+                m = meta.get(id(x))
+                if m is not None and m[0] >= depth:
+                    depth = m[0] + 1
         self.note(c, depth, cost)
 
     def extend(self, lst: Any, items: list[Any]) -> None:
@@ -705,7 +732,14 @@ class _Machine:
             put(u8())
 
         def binget() -> None:
-            get(u8())
+            nonlocal pos
+            if pos >= stop:
+                take(1)
+            pos += 1
+            try:
+                push(memo[buf[pos - 1]])
+            except KeyError:
+                raise _Refused(f"memo key {buf[pos - 1]} is not defined") from None
 
         def long_binput() -> None:
             put(_U32.unpack(take(4))[0])
@@ -746,7 +780,11 @@ class _Machine:
             push(self.tuple_of(()))
 
         def binint1() -> None:
-            push(u8())
+            nonlocal pos
+            if pos >= stop:
+                take(1)
+            push(buf[pos])
+            pos += 1
 
         def binint2() -> None:
             push(_U16.unpack(take(2))[0])
