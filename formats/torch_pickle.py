@@ -56,9 +56,11 @@ MAX_KEY_COST          256          a dict key or set member is a str/bytes/numbe
                                    of them with at most 256 elements in all (nothing else is hashed)
 MAX_DIMS              64           dimensions of a tensor
 MAX_VALUE_NODES       1,000,000    nodes visited flattening the values (a list shared 2**40 ways) (PT-009)
+MAX_ZIP_MEMBERS       200,000      members of the zip (one per storage), from the end record before the
+                                   directory is read: ~600 bytes of memory each (PT-001)
 ====================  ===========  ========================================================================
 
-Each limit but the two marked is rule PT-010 (:class:`~formats.errors.PickleLimitError`), naming the limit
+Each limit but the three marked is rule PT-010 (:class:`~formats.errors.PickleLimitError`), naming the limit
 and what was found. Storage keys are at most 256 characters (PT-004).
 
 Allowed globals: ``torch._utils._rebuild_tensor_v2`` / ``_rebuild_tensor`` / ``_rebuild_parameter``,
@@ -159,6 +161,8 @@ MAX_INT_BYTES = 16
 MAX_KEY_COST = 256
 #: Most dimensions of a tensor (size and stride tuples).
 MAX_DIMS = 64
+#: Most members of a torch zip (one per storage, plus ~5), checked before zipfile reads the directory.
+MAX_ZIP_MEMBERS = 200_000
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
 _PAGE = mmap.PAGESIZE
@@ -1105,6 +1109,7 @@ class TorchPickleReader:
     Raises:
         TorchPickleError: a PT-xxx rule (see the module docstring).
         UnsafePickleError: the pickle names a global outside the allow-list (PT-003).
+        PickleLimitError: the pickle exceeds a limit of the pickle machine (PT-010).
         OSError: the file cannot be opened.
     """
 
@@ -1186,6 +1191,15 @@ class TorchPickleReader:
             machine.meta.clear()
 
     def _load_zip(self, f: BinaryIO) -> Any:
+        try:  # the member count from the end record, before zipfile makes an object per member
+            end = zipfile._EndRecData(f)  # type: ignore[attr-defined]
+        except _ZIP_ERRORS:
+            end = None
+        if end is not None and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_ZIP_MEMBERS:  # type: ignore[attr-defined]
+            raise self._fail(NotTorchCheckpointError, "zip archive has more members than a torch checkpoint can",
+                             expected=f"<= {MAX_ZIP_MEMBERS} (one per storage)",
+                             found=end[zipfile._ECD_ENTRIES_TOTAL])  # type: ignore[attr-defined]
+        f.seek(0)
         try:
             zf = zipfile.ZipFile(f)
         except _ZIP_ERRORS as exc:

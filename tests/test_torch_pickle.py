@@ -29,6 +29,7 @@ from formats.errors import (
     ConvertBnbError,
     MalformedPickleError,
     NotStateDictError,
+    NotTorchCheckpointError,
     PickleLimitError,
     PickleTooLargeError,
     TorchPickleError,
@@ -783,3 +784,15 @@ def test_protocol_0_and_5_pickles_read_as_pickle_does(tmp_path):
         blob = pickle.dumps(value, protocol=proto, fix_imports=False)  # builtins.set, not __builtin__.set
         obj, end = tp._Machine(lambda m, n: tp.ALLOWED_GLOBALS[(m, n)], None).run(blob, 0, len(blob))
         assert obj == value and end == len(blob), proto
+
+
+def test_a_zip_with_too_many_members_is_refused_before_its_directory_is_read(tmp_path, monkeypatch):
+    path = save_zip(tmp_path / "m.pt", {"w": Tensor(ARR)})
+    with zipfile.ZipFile(path, "a") as zf:
+        for i in range(20):
+            zf.writestr(f"archive/extra/{i}", b"")
+    monkeypatch.setattr(tp, "MAX_ZIP_MEMBERS", 10)
+    _expect(path, "PT-001", "more members than a torch checkpoint can", "expected '<= 10 (one per storage)', found 24",
+            cls=NotTorchCheckpointError)
+    monkeypatch.setattr(tp, "MAX_ZIP_MEMBERS", 24)
+    assert list(TorchPickleReader(path).tensors) == ["w"]
