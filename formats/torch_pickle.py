@@ -596,7 +596,7 @@ class _Machine:
         self.grow(d, items[1::2])
 
     def new_dict(self) -> dict[Any, Any]:
-        return self.note(collections.OrderedDict(), 1, _NOT_KEY, new=True)
+        return self.note({}, 1, _NOT_KEY, new=True)  # plain: it keeps order, at half OrderedDict's memory
 
     def new_set(self, kind: type, items: Any, what: str) -> Any:
         if not isinstance(items, (list, tuple)):
@@ -628,7 +628,7 @@ class _Machine:
             return self.new_set(kind, args[0] if args else [], f"{kind.__name__}()")
         if isinstance(func, type) and issubclass(func, _Object):
             return self.note(func.__new__(func), 1, _NOT_KEY, new=True)
-        if func in _CALLABLES or isinstance(func, _StorageType):
+        if any(func is c for c in _CALLABLES) or isinstance(func, _StorageType):  # `is`: func may be unhashable
             try:
                 out = func(*args)
             except TypeError as exc:  # wrong number of arguments
@@ -1043,7 +1043,7 @@ _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct(">d")
-_CALLABLES = frozenset({_rebuild_tensor, _rebuild_parameter, _torch_size, _torch_device, _codecs_encode})
+_CALLABLES = (_rebuild_tensor, _rebuild_parameter, _torch_size, _torch_device, _codecs_encode)
 
 
 # ---------------------------------------------------------------------------------------------------

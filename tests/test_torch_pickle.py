@@ -755,6 +755,8 @@ def test_pickle_over_the_byte_limit_is_pt_002_in_both_layouts(tmp_path, monkeypa
     (b"\x80\x02}X\x00\x00\x00\x01", "pickle data was truncated"),
     (b"\x80\x02\xff.", "invalid load key"),
     (b"\x80\x02a.", "stack underflow"),
+    (b"\x80\x02}])R.", "[] is not callable"),
+    (b"\x80\x02}]]R.", "call arguments must be a tuple, got list"),
     (b"\x80\x02]\x97.", "out-of-band buffers"),
 ])
 def test_malformed_opcodes_are_pt_004(tmp_path, blob, part):
