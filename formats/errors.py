@@ -17,6 +17,7 @@ The CLI prints that line and exits with code 2; the library never prints or exit
 from __future__ import annotations
 
 import os
+import reprlib
 from typing import Any
 
 __all__ = [
@@ -89,6 +90,7 @@ __all__ = [
     "OutputInsideInputError",
     "PackedSizeError",
     "PatternTimeoutError",
+    "PickleLimitError",
     "PickleTooLargeError",
     "QuantDtypeError",
     "QuantMapError",
@@ -210,21 +212,46 @@ def _odd(name: str) -> bool:
     return any(not c.isprintable() for c in name) or "'" in name
 
 
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` of found values for messages, truncated while it is built (never a giant string first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 4, 32, 32, 32, 32
+        self.maxstring, self.maxother, self.maxlong = 200, 200, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        return _show_int(x)
+
+
+_REPR = _BoundedRepr()
+
+
+def _show_int(x: int) -> str:
+    return str(x) if x.bit_length() <= 200 else f"an integer of {x.bit_length()} bits"
+
+
 def _show(value: Any) -> str:
+    """A found/expected value for a message: at most about 300 characters, built without first making a
+    longer string (a 5000-digit integer, a huge or deeply nested container)."""
     if isinstance(value, str):
-        return repr(value)
-    text = str(value)
+        return repr(value[:300]) + ("..." if len(value) > 300 else "")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _show_int(value)
+    text = _REPR.repr(value) if isinstance(value, (list, tuple, dict, set, frozenset)) else str(value)
     if len(text) > 300:
         text = text[:300] + "..."
     return text
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return _show_int(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
+    if isinstance(value, (list, tuple)) and depth < 3:
+        return [_jsonable(v, depth + 1) for v in value[:64]]
+    return _show(value)
 
 
 def all_rules() -> dict[str, type[ConvertBnbError]]:
@@ -500,6 +527,17 @@ class NotStateDictError(TorchPickleError):
 
     default_rule = "PT-009"
     advice = "Save `model.state_dict()`, not the model object or a list; or save as safetensors."
+
+
+class PickleLimitError(TorchPickleError):
+    """The pickle exceeds a limit of the reader (opcodes, memo, elements, depth, integer or key size).
+
+    A torch.save state dict stays far within them; the limits are in formats/torch_pickle.py.
+    """
+
+    default_rule = "PT-010"
+    advice = ("A state dict's pickle is small and flat; one over these limits is damaged or hostile. Get the "
+              "weights from a trusted source, preferably as safetensors.")
 
 
 # --------------------------------------------------------------------------------------- directories

@@ -342,12 +342,25 @@ def mut_directory(data: st.DataObject, root: Path) -> None:
 
 def mut_torch_pickle(data: st.DataObject) -> bytes:
     """Damage a real torch.save zip: its pickle (re-zipped with a valid CRC, so the unpickler sees the
-    damage), its byteorder/storage records, raw bytes anywhere, or truncate it."""
+    damage), its byteorder/storage records, raw bytes anywhere, or truncate it; or put a hostile pickle
+    in it (:func:`hostile_pickle`), or deflate its data.pkl."""
     import io
     import zipfile
 
     raw = seed_bytes(SEED_PT)
-    op = data.draw(st.sampled_from(["pickle", "pickle", "pickle", "record", "anywhere", "truncate"]), label="op")
+    op = data.draw(st.sampled_from(["pickle", "pickle", "pickle", "record", "anywhere", "truncate", "hostile",
+                                    "deflate"]), label="op")
+    if op == "hostile":
+        return hostile_pickle(data, raw)
+    if op == "deflate":  # the same file with data.pkl deflated: still read (within the limits)
+        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+            members = [(i.filename, zf.read(i)) for i in zf.infolist()]
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as zf:
+            for name, blob in members:
+                zf.writestr(name, blob, compress_type=zipfile.ZIP_DEFLATED if name.endswith("/data.pkl")
+                            else zipfile.ZIP_STORED)
+        return out.getvalue()
     if op == "truncate":
         return raw[: data.draw(st.integers(0, len(raw) - 1), label="length")]
     if op == "anywhere":
@@ -376,6 +389,38 @@ def mut_torch_pickle(data: st.DataObject) -> bytes:
                         buf[i] = data.draw(st.integers(0, 255), label="byte")
                 blob = bytes(buf)
             zf.writestr(name, blob)
+    return out.getvalue()
+
+
+def hostile_pickle(data: st.DataObject, raw: bytes) -> bytes:
+    """One of the classes of hostile pickle of issue 12 (tests/torchsave_helpers.py), at a drawn size, as
+    the seed's data.pkl (or a whole legacy file): each must end at PT-010 / PT-004 / PT-009, in a blink."""
+    import io
+    import pickle
+    import zipfile
+
+    from . import torchsave_helpers as h
+
+    how = data.draw(st.sampled_from(["long-int", "tuple-key", "tuple-set", "tuple-pid", "deep-lists", "deep-marks",
+                                     "deep-mutation", "legacy-deep"]), label="hostile")
+    if how == "long-int":
+        blob = h.tensor_with_numel(h.huge_long4(10 ** data.draw(st.integers(39, 6000), label="digits")))
+    elif how in ("tuple-key", "tuple-set", "tuple-pid"):
+        build = {"tuple-key": h.shared_tuple_key, "tuple-set": h.shared_tuple_set, "tuple-pid": h.shared_tuple_pid}
+        blob = build[how](data.draw(st.integers(9, 200), label="levels"))
+    else:
+        depth = data.draw(st.integers(101, 100_000), label="depth")
+        if how == "legacy-deep":
+            return h.LEGACY_HEADER + h.nested_lists(depth) + pickle.dumps([], protocol=2)
+        blob = {"deep-lists": lambda: b"\x80\x02}" + h._u("x") + h.nested_lists(depth)[2:-1] + b"s.",
+                "deep-marks": lambda: h.nested_marks(depth),
+                "deep-mutation": lambda: h.deep_by_mutation(min(depth, 5000))}[how]()
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        members = [(i.filename, blob if i.filename.endswith("/data.pkl") else zf.read(i)) for i in zf.infolist()]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, member in members:
+            zf.writestr(name, member)
     return out.getvalue()
 
 

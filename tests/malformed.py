@@ -412,6 +412,12 @@ def _pt_raw(pickle_bytes: bytes) -> Callable[[Path], Path]:
     return build
 
 
+def _torchsave() -> Any:
+    from . import torchsave_helpers
+
+    return torchsave_helpers
+
+
 def _tensor(*args: Any, **kw: Any) -> Any:
     from .torchsave_helpers import Tensor
 
@@ -854,6 +860,10 @@ CASES: list[Case] = [
          _pt({"w": _tensor(ARR)}, byteorder=b"big")),
     Case("pt-list-not-dict", E.NotStateDictError, ["PT-009", "not a state dict", "found 'list'"],
          _pt([_tensor(ARR)])),
+    # issue 12: a dict key shared 2**60 ways (exponential to hash) stops at a limit of the pickle machine
+    Case("pt-shared-tuple-key", E.PickleLimitError,
+         ["PT-010", "a dict key is too large to hash", "expected 'a tuple of <= 256 elements in all'"],
+         lambda d: _pt_raw(_torchsave().shared_tuple_key(60))(d)),
     # ---- Hugging Face Hub (SRC = org/name)
     Case("hub-offline-not-cached", E.HubError, ["HUB-001", "org/not-in-the-cache", "HF_HUB_OFFLINE"],
          lambda d: d.mkdir(parents=True) or d, run=_hub_offline, argv=None),

@@ -8,10 +8,14 @@ import mmap
 import os
 import pickle
 import pickletools
+import signal
 import struct
 import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -21,7 +25,16 @@ import formats.torch_pickle as tp
 from convert.cli import main
 from formats.bnb import BnbLayerError, QuantizedLayer, group_layers
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError, TorchPickleError, UnsafePickleError
+from formats.errors import (
+    ConvertBnbError,
+    MalformedPickleError,
+    NotStateDictError,
+    NotTorchCheckpointError,
+    PickleLimitError,
+    PickleTooLargeError,
+    TorchPickleError,
+    UnsafePickleError,
+)
 from formats.safetensors import SafetensorsReader
 from formats.torch_pickle import PickledObject, TensorRef, TorchPickleReader
 
@@ -33,11 +46,22 @@ from .torchsave_helpers import (
     NewObj,
     Reduce,
     Tensor,
+    deep_by_mutation,
     dtype_global,
+    huge_long4,
+    nested_lists,
+    nested_marks,
     save_legacy,
+    save_legacy_raw,
     save_zip,
+    save_zip_deflated_pickle,
     save_zip_raw_pickle,
+    shared_tuple_key,
+    shared_tuple_pid,
+    shared_tuple_set,
+    shared_tuples,
     size,
+    tensor_with_numel,
 )
 
 SINGLE = FIXTURES / "single"
@@ -570,3 +594,207 @@ def test_safetensors_index_preferred_over_bin_index(tmp_path):
     (d / "model.safetensors").unlink()
     with open_checkpoint(d) as ckpt:
         assert [p.name for p in ckpt.files] == ["pytorch_model-00001-of-00001.bin"]
+
+
+# ------------------------------------------------------------------ hostile pickles (issue 12)
+# Each class an independent fuzzer found to crash (internal error), hang (ignoring SIGINT/SIGTERM) or
+# eat memory before the reader ran its own bounded pickle machine. Each now ends at a named rule.
+
+_LIMIT_HINT = "Hint: a torch.save state dict is far within it; this file is damaged or hostile"
+HOSTILE: dict[str, tuple[Any, type, str, list[str]]] = {
+    # a storage's element count as LONG4 of 10**5000: was "internal error: ValueError: Exceeds the limit
+    # (4300 digits) for integer string conversion"
+    "long4-numel": (lambda p: save_zip_raw_pickle(p, tensor_with_numel(huge_long4())), PickleLimitError, "PT-010",
+                    ["an integer in the pickle is too large", "expected '<= 16 bytes', found '2077 bytes'",
+                     _LIMIT_HINT]),
+    # a dict key shared 2**60 ways: hashing it was exponential (a hang that ignored SIGINT/SIGTERM)
+    "shared-tuple-key": (lambda p: save_zip_raw_pickle(p, shared_tuple_key(60)), PickleLimitError, "PT-010",
+                         ["a dict key is too large to hash",
+                          "expected 'a tuple of <= 256 elements in all', found 'more than 256'"]),
+    "shared-tuple-set": (lambda p: save_zip_raw_pickle(p, shared_tuple_set(60)), PickleLimitError, "PT-010",
+                         ["a set member is too large to hash"]),
+    # a persistent id shared 2**60 ways: its repr in the message grew to 959 MB
+    "shared-tuple-pid": (lambda p: save_zip_raw_pickle(p, shared_tuple_pid(60)), MalformedPickleError, "PT-004",
+                         ["malformed pickle: persistent id must be ('storage', type, key, location, numel), "
+                          "got ((((((((((", "(1,), (1,))", "..."]),
+    # 250 MiB of pickle deflated into a small zip member: reached 554 MB RSS
+    "deflated-250MiB": (lambda p: save_zip_deflated_pickle(p, 250 << 20), PickleTooLargeError, "PT-002",
+                        ["data.pkl is larger than the limit", "expected '<= 67108864 bytes', found 262144000"]),
+    # 200,000-deep legacy pickles: RecursionError, exit 1
+    "deep-legacy": (lambda p: save_legacy_raw(p, nested_lists(200_000)), PickleLimitError, "PT-010",
+                    ["containers are nested too deeply", "expected '<= 100 levels', found '101 levels'"]),
+    "deep-legacy-magic": (lambda p: p.write_bytes(nested_lists(200_000)) and p, PickleLimitError, "PT-010",
+                          ["containers are nested too deeply"]),
+    "deep-legacy-marks": (lambda p: save_legacy_raw(p, nested_marks(200_000)), PickleLimitError, "PT-010",
+                          ["MARKs are nested too deeply", "expected '<= 100', found 101"]),
+    # deep only after placement (each list appended to after it was placed): the flattening walk stops it
+    "deep-by-mutation": (lambda p: save_zip_raw_pickle(p, deep_by_mutation(5000)), NotStateDictError, "PT-009",
+                         ["tensor 'x'", "values are nested too deeply", "expected '<= 100 levels'"]),
+}
+#: The five classes of the fuzzer's report, also run through the command line.
+HOSTILE_CLI = ["long4-numel", "shared-tuple-key", "shared-tuple-pid", "deflated-250MiB", "deep-legacy"]
+
+
+@pytest.fixture(scope="module")
+def hostile_files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("hostile")
+    return {name: build(d / f"{name}.bin") for name, (build, *_) in HOSTILE.items()}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_pickles_end_at_a_named_rule(hostile_files, name):
+    _, cls, rule, parts = HOSTILE[name]
+    err = _expect(hostile_files[name], rule, *parts, cls=cls)
+    assert type(err) is cls
+    assert len(str(err)) < 400 and "\n" not in str(err)
+
+
+_RSS_WRAPPER = """
+import json, resource, subprocess, sys
+r = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(json.dumps({"rc": r.returncode, "out": r.stdout, "err": r.stderr,
+                  "rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*argv: str) -> dict:
+    """``python -m convert ARGV`` in a subprocess; its exit code, output and peak RSS in bytes (its own)."""
+    r = subprocess.run([sys.executable, "-c", _RSS_WRAPPER, sys.executable, "-m", "convert", *argv],
+                       capture_output=True, text=True, cwd=_ROOT, timeout=300)
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("name", HOSTILE_CLI)
+def test_hostile_pickles_through_the_cli(hostile_files, tmp_path, name):
+    _, _, rule, parts = HOSTILE[name]
+    src, out = hostile_files[name], tmp_path / "out.safetensors"
+    r = _cli(str(src), "--to", "bf16", "-o", str(out))
+    assert r["rc"] == 2, r
+    assert r["err"].startswith("convert-bnb: error: Failed to read ") and r["err"].count("\n") == 1, r["err"]
+    assert rule in r["err"] and all(p in r["err"] for p in parts), r["err"]
+    assert "Traceback" not in r["err"] and r["out"] == ""
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert r["rss"] < 1 << 30, r["rss"]
+    c = _cli("check", str(src))
+    assert c["rc"] == 2 and c["err"] == "", c
+    assert rule in c["out"] and all(p in c["out"] for p in parts), c["out"]
+    assert c["rss"] < 1 << 30, c["rss"]
+
+
+_SLOW_PARSE = """
+import sys
+import formats.torch_pickle as tp
+tp.MAX_OPCODES = 10**9  # a pickle that parses for a long time, to be interrupted while it does
+run = tp._Machine.run
+def announced(self, *args):
+    print("parsing", flush=True)
+    return run(self, *args)
+tp._Machine.run = announced
+from convert.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["convert", "check"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_parse_at_once(tmp_path, command, sig):
+    src = save_zip_raw_pickle(tmp_path / "slow.bin", b"\x80\x02" + b"N0" * 25_000_000 + b"}.")
+    out = tmp_path / "out.safetensors"
+    argv = ["check", str(src)] if command == "check" else [str(src), "--to", "bf16", "-o", str(out)]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PARSE, *argv], cwd=_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "parsing\n"
+        time.sleep(0.2)
+        proc.send_signal(sig)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        stopped = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.startswith("convert-bnb: interrupted") and err.count("\n") == 1, err
+    assert stopped < 2.0, stopped
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("limit,value,blob,parts", [
+    ("MAX_OPCODES", 5000, b"\x80\x02" + b"N0" * 6000 + b"}.", ["too many opcodes", "expected '<= 5000'"]),
+    ("MAX_MEMO", 10, b"\x80\x02}" + b"".join(b"K\x01r" + struct.pack("<I", i) + b"0" for i in range(11)) + b".",
+     ["memo has too many entries", "expected '<= 10'"]),
+    ("MAX_CONTAINER_ITEMS", 10, b"\x80\x02}(" + b"".join(b"K" + bytes([i]) + b"N" for i in range(11)) + b"u.",
+     ["a list, tuple, dict or set has too many elements", "expected '<= 10', found 11"]),
+    ("MAX_TOTAL_ITEMS", 10, b"\x80\x02}" + b"K\x01\x850" * 6 + b".", ["too many elements in all"]),
+    ("MAX_DEPTH", 5, b"\x80\x02}" + b")" + b"\x85" * 5 + b"0.", ["nested too deeply", "found '6 levels'"]),
+    ("MAX_INT_BYTES", 16, b"\x80\x02}\x8a\x11" + b"\x01" * 17 + b"0.", ["expected '<= 16 bytes', found '17 bytes'"]),
+    ("MAX_INT_BYTES", 16, b"\x80\x02}L" + b"9" * 41 + b"L\n0.", ["expected '<= 40 digits'"]),
+    ("MAX_KEY_COST", 8, b"\x80\x02}" + shared_tuples(3) + b"Ns.", ["a dict key is too large to hash"]),
+])
+def test_each_limit_is_pt_010(tmp_path, monkeypatch, limit, value, blob, parts):
+    monkeypatch.setattr(tp, limit, value)
+    _expect(save_zip_raw_pickle(tmp_path / "l.pt", blob), "PT-010", *parts, cls=PickleLimitError)
+
+
+def test_pickle_over_the_byte_limit_is_pt_002_in_both_layouts(tmp_path, monkeypatch):
+    blob = b"\x80\x02}" + b"N0" * 100 + b"."
+    monkeypatch.setattr(tp, "MAX_PICKLE_BYTES", 64)
+    _expect(save_zip_raw_pickle(tmp_path / "z.pt", blob), "PT-002", "data.pkl is larger than the limit",
+            cls=PickleTooLargeError)
+    _expect(save_legacy_raw(tmp_path / "l.pt", blob), "PT-002", "pickle data is larger than the limit",
+            cls=PickleTooLargeError)
+
+
+@pytest.mark.parametrize("blob,part", [
+    (tensor_with_numel(b"\x8a\x09" + (2**64).to_bytes(9, "little")), "storage numel must fit in 64 bits"),
+    (tensor_with_numel(b"K\x18").replace(b"K\x18\x85", b"(" + b"K\x01" * 65 + b"t"),
+     "tensor size has 65 dimensions (at most 64)"),
+    (b"\x80\x02}]Ns.", "a dict key must be a string, number, bytes, None or a tuple of them, got list"),
+    (b"\x80\x02}" + b"K\x01" * 3 + b"u.", "could not find MARK"),
+    (b"\x80\x02}(K\x01u.", "odd number of items"),
+    (b"\x80\x02}X\x00\x00\x00\x01", "pickle data was truncated"),
+    (b"\x80\x02\xff.", "invalid load key"),
+    (b"\x80\x02a.", "stack underflow"),
+    (b"\x80\x02}])R.", "[] is not callable"),
+    (b"\x80\x02}]]R.", "call arguments must be a tuple, got list"),
+    (b"\x80\x02]\x97.", "out-of-band buffers"),
+])
+def test_malformed_opcodes_are_pt_004(tmp_path, blob, part):
+    _expect(save_zip_raw_pickle(tmp_path / "m.pt", blob), "PT-004", "malformed pickle", part,
+            cls=MalformedPickleError)
+
+
+def test_the_summary_of_a_value_is_bounded():
+    blob = b"\x80\x02" + shared_tuples(90) + b"."  # 2**90 leaves
+    obj, _ = tp._Machine(None, None).run(blob, 0, len(blob))
+    text = tp._summary(obj)
+    assert len(text) < 120 and text.startswith("((((") and text.endswith("...")
+    deep: list = []
+    for _ in range(200_000):
+        deep = [deep]
+    assert len(tp._summary(deep)) < 120
+    assert tp._summary(10**5000) == "<integer of 16610 bits>"
+    assert tp._summary("x" * 10**6) == "'" + "x" * 79 + "..."
+    assert tp._summary({"a": [1, (2,)], "b": set()}) == "{'a': [1, (2,)], 'b': set()}"
+
+
+def test_protocol_0_and_5_pickles_read_as_pickle_does(tmp_path):
+    """The machine runs every protocol's opcodes, as the stdlib writes them (plain values here)."""
+    value = {"i": [1, -2, 2**40, -(2**70)], "f": 0.5, "s": "t\u00e9xt", "b": b"\x00\xff", "t": (1, "a", None),
+             "n": None, "bool": [True, False], "d": {"k": ((1, 2), frozenset({3}))}, "set": {4, 5}}
+    for proto in range(6):
+        blob = pickle.dumps(value, protocol=proto, fix_imports=False)  # builtins.set, not __builtin__.set
+        obj, end = tp._Machine(lambda m, n: tp.ALLOWED_GLOBALS[(m, n)], None).run(blob, 0, len(blob))
+        assert obj == value and end == len(blob), proto
+
+
+def test_a_zip_with_too_many_members_is_refused_before_its_directory_is_read(tmp_path, monkeypatch):
+    path = save_zip(tmp_path / "m.pt", {"w": Tensor(ARR)})
+    with zipfile.ZipFile(path, "a") as zf:
+        for i in range(20):
+            zf.writestr(f"archive/extra/{i}", b"")
+    monkeypatch.setattr(tp, "MAX_ZIP_MEMBERS", 10)
+    _expect(path, "PT-001", "more members than a torch checkpoint can", "expected '<= 10 (one per storage)', found 24",
+            cls=NotTorchCheckpointError)
+    monkeypatch.setattr(tp, "MAX_ZIP_MEMBERS", 24)
+    assert list(TorchPickleReader(path).tensors) == ["w"]

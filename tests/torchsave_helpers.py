@@ -204,3 +204,99 @@ def save_legacy(path: Path, obj: Any) -> Path:
             f.write(struct.pack("<q", arr.size))
             f.write(arr.tobytes())
     return path
+
+
+# ---------------------------------------------------------------------------------- hostile pickles
+# Raw opcodes, each a class of input an independent fuzzer found to crash, hang or eat memory before
+# the reader had its own bounded pickle machine (issue 12). Protocol 2 opcodes throughout.
+
+LEGACY_MAGIC_PICKLE = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+LEGACY_HEADER = (LEGACY_MAGIC_PICKLE + pickle.dumps(1001, protocol=2)
+                 + pickle.dumps({"protocol_version": 1001, "little_endian": True,
+                                 "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2))
+
+
+def _u(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def tensor_with_numel(numel_opcodes: bytes) -> bytes:
+    """A state dict {'w': tensor} whose storage's element count is the given raw opcodes."""
+    pid = b"(" + _u("storage") + b"ctorch\nFloatStorage\n" + _u("0") + _u("cpu") + numel_opcodes + b"tQ"
+    return (b"\x80\x02}(" + _u("w") + b"ctorch._utils\n_rebuild_tensor_v2\n(" + pid
+            + b"K\x00K\x18\x85K\x01\x85\x89tRu.")
+
+
+def huge_long4(value: int = 10**5000) -> bytes:
+    """LONG4 opcode of ``value`` (10**5000 is 2077 bytes)."""
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8b" + struct.pack("<i", len(raw)) + raw
+
+
+def shared_tuples(levels: int) -> bytes:
+    """Opcodes leaving t_levels on the stack: t0 = (1,), t_i = (t_{i-1}, t_{i-1}) through the memo, so
+    t_levels has 2**levels leaves in 2 * levels + 1 opcodes (exponential to hash, compare or repr)."""
+    out = b"K\x01\x85r" + struct.pack("<I", 0)
+    for i in range(1, levels + 1):
+        get = b"j" + struct.pack("<I", i - 1)
+        out += b"0" + get + get + b"\x86r" + struct.pack("<I", i)
+    return out
+
+
+def shared_tuple_key(levels: int = 60) -> bytes:
+    """A state dict whose one key is a tuple shared 2**levels ways."""
+    return b"\x80\x02}" + shared_tuples(levels) + b"K\x02s."
+
+
+def shared_tuple_set(levels: int = 60) -> bytes:
+    """{'s': builtins.set([t_levels])}: the tuple would be hashed as a set member."""
+    return (b"\x80\x02}" + _u("s") + b"cbuiltins\nset\n" + b"]" + shared_tuples(levels) + b"a\x85Rs.")
+
+
+def shared_tuple_pid(levels: int = 60) -> bytes:
+    """A state dict whose value is a persistent id shared 2**levels ways (its repr would be exponential)."""
+    return b"\x80\x02}" + _u("w") + shared_tuples(levels) + b"Qs."
+
+
+def nested_lists(depth: int) -> bytes:
+    """A pickle of a list nested ``depth`` deep: [[[...]]], built by appending each list to the one before."""
+    return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+
+
+def nested_marks(depth: int) -> bytes:
+    """``depth`` MARKs, each opening a tuple: ((((...)))), nested on the machine's mark stack."""
+    return b"\x80\x02" + b"(" * depth + b"t" * depth + b"."
+
+
+def deep_by_mutation(depth: int) -> bytes:
+    """{'x': L_0} where L_i holds L_{i+1}, made by appending to each list after it was placed in the one
+    before, so no container is ever deeper than 2 when it is placed; only the walk sees the depth."""
+    out = b"\x80\x02}" + _u("x") + b"]r" + struct.pack("<I", 0)
+    for i in range(1, depth):
+        out += b"]r" + struct.pack("<I", i) + b"0j" + struct.pack("<I", i - 1) + b"j" + struct.pack("<I", i) + b"a0"
+    return out + b"s."
+
+
+def save_legacy_raw(path: Path, obj_pickle: bytes, header: bytes = LEGACY_HEADER) -> Path:
+    """A legacy-layout file: the three header pickles, ``obj_pickle``, an empty storage key list."""
+    path.write_bytes(header + obj_pickle + pickle.dumps([], protocol=2))
+    return path
+
+
+def save_zip_deflated_pickle(path: Path, nbytes: int, archive: str = "archive") -> Path:
+    """A torch zip whose data.pkl is ``nbytes`` of pickle (NONE/POP pairs), deflated: a small file that
+    inflates to ``nbytes``. Written in chunks, so the test itself stays small in memory."""
+    info = zipfile.ZipInfo(f"{archive}/data.pkl")
+    info.compress_type = zipfile.ZIP_DEFLATED
+    chunk = b"N0" * (1 << 19)
+    with zipfile.ZipFile(path, "w") as zf:
+        with zf.open(info, "w", force_zip64=nbytes > 0x7FFFFFFF) as w:
+            w.write(b"\x80\x02")
+            left = nbytes - 4
+            while left > 0:
+                w.write(chunk[:left])
+                left -= len(chunk)
+            w.write(b"N.")
+        zf.writestr(f"{archive}/byteorder", b"little")
+    return path
