@@ -25,11 +25,16 @@ Rules raised here (see docs/errors.md):
 ========  ======================================================================================
 GGUF-001  the architecture is one of :data:`ARCHITECTURES` (:class:`UnsupportedArchitectureError`)
 GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
-GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama
-          (:class:`RopeScalingError`)
+GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama; the
+          RoPE object is an object, its type a string, its keys as llama.cpp reads them
+          (:func:`convert.gguf_config.check_rope`) (:class:`RopeScalingError`)
 GGUF-006  config.json holds the hyperparameters the architecture needs, no MoE experts, q/k rows
-          split into heads (:class:`GgufConfigError`)
+          split into heads, ``text_config`` an object, head counts and the layer count positive
+          integers that divide (:mod:`convert.gguf_config`) (:class:`GgufConfigError`)
 ========  ======================================================================================
+
+Every value is checked (:mod:`convert.gguf_config`) before it is used; nothing here trusts a
+config.json type or range.
 """
 
 from __future__ import annotations

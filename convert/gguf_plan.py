@@ -31,6 +31,12 @@ GGUF-002  the output type is one of :data:`OUTPUT_TYPES` (:class:`GgufTypeError`
 GGUF-006  config.json holds every required hyperparameter of the architecture
           (:class:`GgufConfigError`)
 ========  ======================================================================================
+
+Order (nothing is sized by a config value before it is checked): the hyperparameters and RoPE keys
+(:mod:`convert.gguf_config`), the layer count against the tensor names, then gguf's
+``TensorNameMap`` for that many layers, the tensors, ``vocab_size``/``hidden_size`` against the
+token embedding, the tokenizer bounded by the embedding's rows, and last a check that every
+metadata value packs as its GGUF type (:func:`convert.gguf_config.check_packable`).
 """
 
 from __future__ import annotations

@@ -33,8 +33,16 @@ Rules raised here (see docs/errors.md):
 
 ========  ======================================================================================
 GGUF-004  a tokenizer (``tokenizer.model`` or ``tokenizer.json``) of a supported kind is present
-          and readable (:class:`TokenizerError`)
+          and readable; every tokenizer file read here or by ``SpecialVocab`` has the structure and
+          types read from it (:func:`check_tokenizer_json`, :func:`check_tokenizer_config`,
+          :func:`check_special_files`), is at most :data:`FILE_BYTES_BASE` +
+          :data:`FILE_BYTES_PER_TOKEN` x embedding rows bytes (checked before it is parsed), and
+          holds no more tokens than the embedding has rows (checked before any per-token list is
+          built) (:class:`TokenizerError`)
 ========  ======================================================================================
+
+Ids at or past the vocabulary (``added_tokens.json``, ``added_tokens_decoder``, special token ids)
+are skipped as llama.cpp skips them; negative or non-integer ids are refused.
 
 A malformed ``tokenizer.model`` raises :mod:`formats.sentencepiece`'s SPM-xxx errors.
 """
