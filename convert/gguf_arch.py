@@ -506,13 +506,13 @@ def permute_heads(
             heads = n_head
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = n_head_kv if isinstance(n_head_kv, int) else n_head
-        if heads and shape[0] % (2 * heads):
+        if heads and (not shape or shape[0] % (2 * heads)):
             raise GgufConfigError(
                 "q/k rows do not split into heads",
                 path=path,
                 tensor=hf_name,
                 expected=f"a multiple of 2 x {heads}",
-                found=shape[0],
+                found=shape[0] if shape else "a scalar",
                 action="convert",
             )
     return heads

@@ -94,8 +94,9 @@ PARAM_RULES: dict[str, tuple[Any, ...]] = {
 SPECIAL_TOKEN_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask", "prefix", "suffix", "middle", "fsep",
                        "eot", "eom")
 
-#: A tensor of transformer block N (``model.layers.N.``, ``transformer.h.N.``, ``blocks.N.``).
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+#: A tensor of the text model's transformer block N (``model.layers.N.``, ``transformer.h.N.``, ``layers.N.``;
+#: not a vision tower's ``vision_model.encoder.layers.N.``, which GGUF-003 refuses by name).
+_LAYER = re.compile(r"^(?:model\.|transformer\.)?(?:layers|h|blocks)\.(\d+)\.")
 
 
 def _kind(value: Any) -> str:
@@ -317,6 +318,9 @@ def check_special_ids(config: Mapping[str, Any], path: str | None) -> None:
 
 def layer_count(n_blocks: int, names: Iterable[str], path: str | None) -> None:
     """``num_hidden_layers`` equals the layers the tensors hold: indices 0 .. n_blocks - 1, each present.
+
+    Runs before gguf's ``TensorNameMap`` is built for ``n_blocks`` layers (it makes names per layer),
+    so the map is never larger than the tensor list.
 
     Raises:
         GgufConfigError: GGUF-006 (a tensor of a layer past the count, or layers missing).
