@@ -110,9 +110,11 @@ def big_tokenizer(megabytes: int) -> Mutate:
         merges = ",".join(f'["t@@@", "{i:x}"]' for i in range(per_block)).encode()
         with open(root / "tokenizer.json", "wb") as f:
             f.write(b'{"added_tokens": [], "model": {"type": "BPE", "byte_fallback": false, "vocab": {')
-            f.write(b",".join(vocab.replace(b"@@@", b"%04d" % j) for j in range(megabytes)))
+            for j in range(megabytes):  # block by block: the test process stays small (its RSS is
+                f.write(b"," * (j > 0) + vocab.replace(b"@@@", b"%04d" % j))  # inherited by the fork)
             f.write(b'}, "merges": [')
-            f.write(b",".join(merges.replace(b"@@@", b"%04d" % j) for j in range(megabytes)))
+            for j in range(megabytes):
+                f.write(b"," * (j > 0) + merges.replace(b"@@@", b"%04d" % j))
             f.write(b"]}}")
 
     return run
@@ -274,7 +276,8 @@ def test_bad_value_is_a_named_error_before_any_output(case: str, tmp_path: Path,
 
 
 def _run_measured(argv: list[str], env: dict[str, str]) -> tuple[int, str, float, int]:
-    """(exit code, stderr, seconds, peak RSS in bytes) of one process (os.wait4: its own rusage)."""
+    """(exit code, stderr, seconds, peak RSS in bytes) of one process (os.wait4: its own rusage; it
+    includes the pages the fork shared with this process, so it over-counts, never under-counts)."""
     start = time.monotonic()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.stderr is not None
