@@ -79,6 +79,11 @@ def _looks_special(text: str) -> bool:
 #: (real tokenizer.json files hold 40-130 bytes per token, tokenizer.model 15-20).
 FILE_BYTES_BASE = 16 << 20
 FILE_BYTES_PER_TOKEN = 1024
+#: Merges a byte-level BPE tokenizer.json may hold per embedding row. Each merge makes a token of the
+#: vocabulary; real files hold up to about 2.2 per token (Llama 3: 280,147 merges for 128,256 tokens,
+#: converted from tiktoken ranks), GPT-2 and Qwen2 about 1. Every merge costs Python objects when
+#: it is written and re-read, so their number is bounded by the model, not by the file.
+MERGES_PER_TOKEN = 4
 
 
 def _check_size(path: Path, n_vocab: int | None) -> None:
@@ -165,14 +170,26 @@ def _list_of_objects(value: Any, path: Path, key: str, *, optional: bool = True)
     return value
 
 
-def check_tokenizer_json(tok: Mapping[str, Any], path: Path) -> None:
+def _too_many(path: Path, what: str, limit: int, found: int) -> TokenizerError:
+    return TokenizerError(
+        f"tokenizer.json holds more {what} than a model with this many token embeddings can use",
+        path=path,
+        expected=f"<= {limit}",
+        found=found,
+        hint="the tokenizer files belong to another (larger) model, or are damaged",
+        action="convert",
+    )
+
+
+def check_tokenizer_json(tok: Mapping[str, Any], path: Path, n_vocab: int | None = None) -> None:
     """The parts of tokenizer.json that this module and gguf-py's SpecialVocab read, structurally.
 
     ``model``: an object; its ``vocab`` an object of token -> id >= 0; its ``merges`` an array of
     strings or of [string, string] pairs; ``added_tokens``: objects with a string ``content``, an id
     >= 0 and a boolean ``special``; ``post_processor``: an object whose ``processors``,
     TemplateProcessing ``single``/``pair`` entries and ``SpecialToken``/``Sequence`` values are the
-    objects and arrays SpecialVocab indexes.
+    objects and arrays SpecialVocab indexes. With ``n_vocab`` (the embedding rows), counted first:
+    at most ``n_vocab`` added tokens and :data:`MERGES_PER_TOKEN` x ``n_vocab`` merges.
 
     Raises:
         TokenizerError: GGUF-004, naming the key.
@@ -191,6 +208,9 @@ def check_tokenizer_json(tok: Mapping[str, Any], path: Path) -> None:
     if merges is not None:
         if not isinstance(merges, list):
             raise _bad(path, "model.merges", "an array", merges)
+        if n_vocab is not None and len(merges) > MERGES_PER_TOKEN * n_vocab:
+            raise _too_many(path, f"merges (model.merges; {MERGES_PER_TOKEN} per token)", MERGES_PER_TOKEN * n_vocab,
+                            len(merges))
         pairs = bool(merges) and not isinstance(merges[0], str)
         for i, m in enumerate(merges):
             ok = (isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and isinstance(m[1], str)
@@ -198,7 +218,10 @@ def check_tokenizer_json(tok: Mapping[str, Any], path: Path) -> None:
             if not ok:
                 raise _bad(path, f"model.merges[{i}]", "a [string, string] pair" if pairs else
                            "a string 'left right' (like model.merges[0])", m)
-    for i, t in enumerate(_list_of_objects(tok.get("added_tokens", []), path, "added_tokens", optional=False)):
+    added = tok.get("added_tokens", [])
+    if n_vocab is not None and isinstance(added, list) and len(added) > n_vocab:
+        raise _too_many(path, "added tokens (added_tokens)", n_vocab, len(added))
+    for i, t in enumerate(_list_of_objects(added, path, "added_tokens", optional=False)):
         if not isinstance(t.get("content"), str):
             raise _bad(path, f"added_tokens[{i}].content", "a string", t.get("content"))
         if not _token_id(t.get("id")):
@@ -291,7 +314,7 @@ def check_special_files(tok_dir: Path, n_vocab: int | None, *, merges_txt: bool)
     """
     tok_json, tok_cfg = tok_dir / "tokenizer.json", tok_dir / "tokenizer_config.json"
     if tok_json.is_file():
-        check_tokenizer_json(_read_json(tok_json, n_vocab), tok_json)
+        check_tokenizer_json(_read_json(tok_json, n_vocab), tok_json, n_vocab)
     if tok_cfg.is_file():
         check_tokenizer_config(_read_json(tok_cfg, n_vocab), tok_cfg)
     jinja, ct_json = tok_dir / "chat_template.jinja", tok_dir / "chat_template.json"
@@ -373,7 +396,7 @@ def _bpe_vocab(
     The structure is checked (:func:`check_tokenizer_json`) and the vocabulary counted against the
     embedding rows before any per-token list is built.
     """
-    check_tokenizer_json(tok_json, path)
+    check_tokenizer_json(tok_json, path, n_vocab)
     model = tok_json.get("model") or {}
     base = model.get("vocab") or {}
     entries = len(base) + sum(1 for t in tok_json.get("added_tokens") or [] if t["content"] not in base)
