@@ -422,7 +422,11 @@ def check_packable(writer: gguf.GGUFWriter, tok_dir: str | os.PathLike[str], pat
     """
     for key, v in writer.kv_data[0].items():
         try:
-            writer._pack_val(v.value, v.type, add_vtype=True, sub_type=v.sub_type)
+            if (v.type == gguf.GGUFValueType.ARRAY and isinstance(v.value, list) and v.value
+                    and all(isinstance(x, str) for x in v.value)):
+                "".join(v.value).encode("utf-8")  # tokens, merges: the only way a str array fails
+            else:
+                writer._pack_val(v.value, v.type, add_vtype=True, sub_type=v.sub_type)
         except _PACK_ERRORS as e:
             where, err, kind = key, e, v.type
             if v.type == gguf.GGUFValueType.ARRAY and isinstance(v.value, (list, tuple)) and v.value:

@@ -37,8 +37,9 @@ GGUF-004  a tokenizer (``tokenizer.model`` or ``tokenizer.json``) of a supported
           types read from it (:func:`check_tokenizer_json`, :func:`check_tokenizer_config`,
           :func:`check_special_files`), is at most :data:`FILE_BYTES_BASE` +
           :data:`FILE_BYTES_PER_TOKEN` x embedding rows bytes (checked before it is parsed), and
-          holds no more tokens than the embedding has rows (checked before any per-token list is
-          built) (:class:`TokenizerError`)
+          holds no more tokens than the embedding has rows, no more added tokens than rows and
+          no more than :data:`MERGES_PER_TOKEN` merges per row (checked before any per-token list
+          is built) (:class:`TokenizerError`)
 ========  ======================================================================================
 
 Ids at or past the vocabulary (``added_tokens.json``, ``added_tokens_decoder``, special token ids)
