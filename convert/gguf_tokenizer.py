@@ -307,14 +307,15 @@ def _check_text(path: Path, n_vocab: int | None) -> None:
         ) from None
 
 
-def check_special_files(tok_dir: Path, n_vocab: int | None, *, merges_txt: bool) -> None:
-    """Every file gguf-py's SpecialVocab opens in ``tok_dir``, checked before it runs.
+def check_special_files(tok_dir: Path, n_vocab: int | None, *, merges_txt: bool, tokenizer_json: bool = True) -> None:
+    """Every file gguf-py's SpecialVocab opens in ``tok_dir``, checked before it runs
+    (``tokenizer_json=False``: the caller checks tokenizer.json itself).
 
     Raises:
         TokenizerError: GGUF-004.
     """
     tok_json, tok_cfg = tok_dir / "tokenizer.json", tok_dir / "tokenizer_config.json"
-    if tok_json.is_file():
+    if tokenizer_json and tok_json.is_file():
         check_tokenizer_json(_read_json(tok_json, n_vocab), tok_json, n_vocab)
     if tok_cfg.is_file():
         check_tokenizer_config(_read_json(tok_cfg, n_vocab), tok_cfg)
@@ -394,10 +395,9 @@ def _bpe_vocab(
 ) -> tuple[list[str], list[int]]:
     """TextModel.get_vocab_base, from tokenizer.json alone (no transformers).
 
-    The structure is checked (:func:`check_tokenizer_json`) and the vocabulary counted against the
-    embedding rows before any per-token list is built.
+    The caller has checked the structure (:func:`check_tokenizer_json`); the vocabulary is counted
+    against the embedding rows before any per-token list is built.
     """
-    check_tokenizer_json(tok_json, path, n_vocab)
     model = tok_json.get("model") or {}
     base = model.get("vocab") or {}
     entries = len(base) + sum(1 for t in tok_json.get("added_tokens") or [] if t["content"] not in base)
@@ -472,7 +472,8 @@ def add_tokenizer(
     config_file = tok_dir / "tokenizer_config.json"
     spm, tjson = tok_dir / "tokenizer.model", tok_dir / "tokenizer.json"
     use_spm = "sentencepiece" in arch.tokenizers and spm.is_file()
-    check_special_files(tok_dir, n_vocab, merges_txt=not use_spm)
+    use_bpe = not use_spm and "bpe" in arch.tokenizers and tjson.is_file()
+    check_special_files(tok_dir, n_vocab, merges_txt=not use_spm, tokenizer_json=not use_bpe)
     if arch.add_space_prefix is None and config_file.is_file():
         add_prefix = _read_json(config_file, n_vocab).get("add_prefix_space")
         if add_prefix is not None:
@@ -485,8 +486,9 @@ def add_tokenizer(
         w.add_token_scores(scores)
         w.add_token_types(types)
         gguf.SpecialVocab(tok_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
-    elif "bpe" in arch.tokenizers and tjson.is_file():
+    elif use_bpe:
         tok = _read_json(tjson, n_vocab)
+        check_tokenizer_json(tok, tjson, n_vocab)
         model = tok.get("model") or {}
         if model.get("type") != "BPE" or model.get("byte_fallback", False):
             raise TokenizerError(
