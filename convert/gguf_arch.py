@@ -25,11 +25,16 @@ Rules raised here (see docs/errors.md):
 ========  ======================================================================================
 GGUF-001  the architecture is one of :data:`ARCHITECTURES` (:class:`UnsupportedArchitectureError`)
 GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
-GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama
-          (:class:`RopeScalingError`)
+GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama; the
+          RoPE object is an object, its type a string, its keys as llama.cpp reads them
+          (:func:`convert.gguf_config.check_rope`) (:class:`RopeScalingError`)
 GGUF-006  config.json holds the hyperparameters the architecture needs, no MoE experts, q/k rows
-          split into heads (:class:`GgufConfigError`)
+          split into heads, ``text_config`` an object, head counts and the layer count positive
+          integers that divide (:mod:`convert.gguf_config`) (:class:`GgufConfigError`)
 ========  ======================================================================================
+
+Every value is checked (:mod:`convert.gguf_config`) before it is used; nothing here trusts a
+config.json type or range.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from formats.errors import (
     UnmappedTensorError,
     UnsupportedArchitectureError,
 )
+
+from .gguf_config import check_heads, check_rope, real, whole
 
 __all__ = [
     "ARCHITECTURES",
@@ -271,23 +278,42 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
         The hyperparameters; ``"@head_dim"`` is ``head_dim`` or hidden size / heads.
 
     Raises:
-        GgufConfigError: GGUF-006 (a mixture-of-experts model).
+        GgufConfigError: GGUF-006 (a mixture-of-experts model, a ``text_config`` that is not an object,
+            head counts that are not positive integers or do not divide:
+            :func:`convert.gguf_config.check_heads`).
+        RopeScalingError: GGUF-005 (``rope_parameters`` / ``rope_scaling`` that is not an object).
     """
     hp: dict[str, Any] = dict(config)
     text = hp.get("text_config")
     if isinstance(text, dict):
         hp = {**hp, **text}
+    elif "text_config" in hp:  # gguf-py's SpecialVocab reads token ids from it
+        raise GgufConfigError(
+            "config.json 'text_config' is not an object",
+            path=path,
+            expected="an object",
+            found=f"{type(text).__name__} {str(text)[:40]}",
+            action="convert",
+        )
+    for key in ("rope_parameters", "rope_scaling"):
+        if hp.get(key) is not None and not isinstance(hp[key], dict):
+            raise RopeScalingError(
+                f"config.json '{key}' is not an object",
+                path=path,
+                expected="an object (or null)",
+                found=f"{type(hp[key]).__name__} {str(hp[key])[:40]}",
+                action="convert",
+            )
     # rope_theta lives in rope_parameters (transformers >= 5) or at the top level (older configs).
-    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        rope = {}
+    rope = _rope(hp)
     if "rope_theta" not in hp or hp["rope_theta"] is None:
         theta = rope.get("rope_theta", hp.get("rotary_emb_base"))
         if theta is not None:
             hp["rope_theta"] = theta
+    check_heads(hp, path)  # before the defaults: head_dim is derived only when config.json has none
     heads = hp.get("num_attention_heads")
     hidden = hp.get("hidden_size")
-    derived_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    derived_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
     for key, default in arch.config_defaults.items():
         if hp.get(key) is not None:
             continue
@@ -310,19 +336,36 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     return hp
 
 
+def _rope(hp: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE object (``rope_parameters``, else ``rope_scaling``; {} when neither is an object)."""
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    return rope if isinstance(rope, dict) else {}
+
+
+def _rope_kind(rope: Mapping[str, Any], path: str | None) -> str | None:
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind is None or isinstance(kind, str):
+        return kind.lower() if kind is not None else None
+    raise RopeScalingError(
+        "config.json RoPE 'rope_type' is not a string",
+        path=path,
+        expected="a string such as 'linear'",
+        found=f"{type(kind).__name__} {str(kind)[:40]}",
+        action="convert",
+    )
+
+
 def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -> list[tuple[str, Any]]:
     """(writer method, value) for the RoPE scaling keys (TextModel.set_gguf_parameters).
 
     Raises:
-        RopeScalingError: GGUF-005 (a scaling type the architecture does not take).
+        RopeScalingError: GGUF-005 (a scaling type the architecture does not take, or keys the type
+            needs missing, of the wrong type or out of range: :func:`convert.gguf_config.check_rope`).
     """
-    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        return []
-    kind = rope.get("rope_type", rope.get("type"))
+    rope = _rope(hp)
+    kind = _rope_kind(rope, path)
     if kind is None:
         return []
-    kind = str(kind).lower()
     if kind not in arch.rope_types:
         raise RopeScalingError(
             "RoPE scaling type not supported for GGUF output",
@@ -331,6 +374,7 @@ def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -
             found=kind,
             action="convert",
         )
+    checked = check_rope(rope, kind, hp, path)
     factor = rope.get("factor")
     out: list[tuple[str, Any]] = []
     if kind == "linear" and factor is not None:
@@ -339,7 +383,7 @@ def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -
         out += [
             ("add_rope_scaling_type", gguf.RopeScalingType.YARN),
             ("add_rope_scaling_factor", factor),
-            ("add_rope_scaling_orig_ctx_len", rope["original_max_position_embeddings"]),
+            ("add_rope_scaling_orig_ctx_len", checked["original_max_position_embeddings"]),
         ]
         for method, keys in (
             ("add_rope_scaling_yarn_ext_factor", ("extrapolation_factor",)),
@@ -353,22 +397,31 @@ def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -
     return out
 
 
-def llama3_rope_freqs(hp: Mapping[str, Any]) -> npt.NDArray[np.float32] | None:
-    """The ``rope_freqs.weight`` factors of Llama 3.1 RoPE scaling (LlamaModel.generate_extra_tensors)."""
-    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    if not isinstance(rope, dict) or str(rope.get("rope_type", rope.get("type", ""))).lower() != "llama3":
+def llama3_rope_freqs(hp: Mapping[str, Any], path: str | None = None) -> npt.NDArray[np.float32] | None:
+    """The ``rope_freqs.weight`` factors of Llama 3.1 RoPE scaling (LlamaModel.generate_extra_tensors).
+
+    Raises:
+        RopeScalingError: GGUF-005 (:func:`convert.gguf_config.check_rope`).
+        GgufConfigError: GGUF-006 (``rope_theta`` or the head dimension not a positive number).
+    """
+    rope = _rope(hp)
+    if _rope_kind(rope, path) != "llama3":
         return None
-    base = float(rope.get("rope_theta", hp.get("rope_theta", 10000.0)))
-    dim = int(hp["@head_dim"])
+    checked = check_rope(rope, "llama3", hp, path)
+    base = checked.get("rope_theta")
+    if base is None:
+        base = float(hp["rope_theta"]) if hp.get("rope_theta") is not None else 10000.0
+    base = real(base, "rope_theta", path)
+    dim = whole(hp.get("@head_dim"), "head_dim", path)
     freqs = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
-    factor = float(rope.get("factor", 8.0))
-    low = float(rope.get("low_freq_factor", 1.0))
-    high = float(rope.get("high_freq_factor", 4.0))
-    old_ctx = float(hp.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192)))
+    factor = checked.get("factor", 8.0)
+    low = checked.get("low_freq_factor", 1.0)
+    high = checked.get("high_freq_factor", 4.0)
+    old_ctx = float(checked.get("original_max_position_embeddings", 8192))
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     out = []
     for f in freqs:
-        wavelen = 2 * math.pi / float(f)
+        wavelen = 2 * math.pi / float(f) if f > 0 else math.inf
         if wavelen < high_wavelen:
             out.append(1.0)
         elif wavelen > low_wavelen:
@@ -383,18 +436,19 @@ def block_count(hp: Mapping[str, Any], path: str | None) -> int:
     """The number of transformer blocks (``{arch}.block_count``; sizes the ``TensorNameMap``).
 
     Raises:
-        GgufConfigError: GGUF-006 (config.json has no layer count).
+        GgufConfigError: GGUF-006 (config.json has no layer count, or one that is not an integer
+            from 1 to 2**32 - 1; :func:`convert.gguf_config.layer_count` checks it against the tensors).
     """
-    n_blocks = hp.get("num_hidden_layers", hp.get("n_layer", hp.get("num_layers")))
-    if not isinstance(n_blocks, int):
-        raise GgufConfigError(
-            "config.json has no layer count",
-            path=path,
-            expected="num_hidden_layers",
-            found=None,
-            action="convert",
-        )
-    return n_blocks
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if key in hp:
+            return whole(hp[key], key, path)
+    raise GgufConfigError(
+        "config.json has no layer count",
+        path=path,
+        expected="num_hidden_layers",
+        found=None,
+        action="convert",
+    )
 
 
 def is_skipped(arch: Architecture, hf_name: str) -> bool:
@@ -452,13 +506,13 @@ def permute_heads(
             heads = n_head
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = n_head_kv if isinstance(n_head_kv, int) else n_head
-        if heads and shape[0] % (2 * heads):
+        if heads and (not shape or shape[0] % (2 * heads)):
             raise GgufConfigError(
                 "q/k rows do not split into heads",
                 path=path,
                 tensor=hf_name,
                 expected=f"a multiple of 2 x {heads}",
-                found=shape[0],
+                found=shape[0] if shape else "a scalar",
                 action="convert",
             )
     return heads

@@ -31,6 +31,12 @@ GGUF-002  the output type is one of :data:`OUTPUT_TYPES` (:class:`GgufTypeError`
 GGUF-006  config.json holds every required hyperparameter of the architecture
           (:class:`GgufConfigError`)
 ========  ======================================================================================
+
+Order (nothing is sized by a config value before it is checked): the hyperparameters and RoPE keys
+(:mod:`convert.gguf_config`), the layer count against the tensor names, then gguf's
+``TensorNameMap`` for that many layers, the tensors, ``vocab_size``/``hidden_size`` against the
+token embedding, the tokenizer bounded by the embedding's rows, and last a check that every
+metadata value packs as its GGUF type (:func:`convert.gguf_config.check_packable`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from formats.gguf import tensor_nbytes
 
 from .gguf_arch import (
     Architecture,
+    Param,
     block_count,
     find_architecture,
     gguf_tensor_name,
@@ -61,6 +68,7 @@ from .gguf_arch import (
     permute_heads,
     rope_metadata,
 )
+from .gguf_config import check_packable, check_param, check_special_ids, check_vocab, layer_count
 from .gguf_tokenizer import add_tokenizer
 
 __all__ = [
@@ -233,22 +241,45 @@ def plan_gguf(
     out_name = parse_output_type(output_type)
     wanted, file_type = OUTPUT_TYPES[out_name]
     hp = hparams(config, arch, config_path)
+    # every value is checked before it sizes anything: the layer count against the tensors before
+    # the name map (built per layer), the parameters before the writer, the vocabulary below
+    check_special_ids(config, config_path)
     n_blocks = block_count(hp, config_path)
+    shapes = [(hf_name, tuple(int(d) for d in shape_seq)) for hf_name, shape_seq in tensors]
+    layer_count(n_blocks, (n for n, _ in shapes), config_path)
+    values: list[tuple[Param, Any]] = []
+    for param in arch.params + arch.extra_params:
+        key = next((k for k in param.keys if hp.get(k) is not None), None)
+        if key is None:
+            if param.required:
+                raise GgufConfigError(
+                    "config.json lacks a hyperparameter llama.cpp needs",
+                    path=config_path,
+                    expected=" or ".join(param.keys),
+                    found=None,
+                    action="convert",
+                )
+            continue
+        name = "head_dim" if key == "@head_dim" else key
+        values.append((param, check_param(param.method, name, hp[key], config_path)))
+    rope_keys = rope_metadata(hp, arch, config_path)
     name_map = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
 
     planned: list[GGUFTensor] = []
     generated: dict[str, npt.NDArray[np.float32]] = {}
-    rope_freqs = llama3_rope_freqs(hp) if "llama3" in arch.rope_types else None
+    rope_freqs = llama3_rope_freqs(hp, config_path) if "llama3" in arch.rope_types else None
     if rope_freqs is not None:
         rf_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         generated[rf_name] = rope_freqs
         planned.append(GGUFTensor(None, rf_name, rope_freqs.shape, GT.F32, rope_freqs.nbytes))
     total_params = 0
-    for hf_name, shape_seq in tensors:
-        shape = tuple(int(d) for d in shape_seq)
+    embedding: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for hf_name, shape in shapes:
         if is_skipped(arch, hf_name):
             continue
         gguf_name = gguf_tensor_name(name_map, arch, hf_name, config_path)
+        if gguf_name in ("token_embd.weight", "output.weight"):
+            embedding[gguf_name] = (hf_name, shape)
         qtype, why = choose_type(gguf_name, shape, wanted)
         heads = permute_heads(arch, hf_name, shape, hp, config_path)
         offset = norm_offset(arch, hf_name)
@@ -259,6 +290,12 @@ def plan_gguf(
         for d in shape:
             n *= d
         total_params += n
+    n_vocab = check_vocab(
+        hp,
+        embedding.get("token_embd.weight", embedding.get("output.weight")),
+        config_path,
+        needs_vocab_size=any(p.method == "add_vocab_size" for p in arch.extra_params),
+    )
 
     scratch = gguf.GGUFWriter(path=None, arch=arch.name)
     scratch.add_type(gguf.GGUFType.MODEL)
@@ -267,30 +304,20 @@ def plan_gguf(
     if total_params > 0:
         scratch.add_size_label(gguf.size_label(total_params, total_params, 0, 0))
     scratch.add_block_count(n_blocks)
+    by_method = dict((p.method, v) for p, v in values)
     for param in arch.params + arch.extra_params:
         if param.method == "add_rope_freq_base":
             # TextModel writes the scaling keys just before the frequency base
-            for method, v in rope_metadata(hp, arch, config_path):
+            for method, v in rope_keys:
                 getattr(scratch, method)(v)
-        value = next((hp[k] for k in param.keys if hp.get(k) is not None), None)
-        if value is None:
-            if param.required:
-                raise GgufConfigError(
-                    "config.json lacks a hyperparameter llama.cpp needs",
-                    path=config_path,
-                    expected=" or ".join(param.keys),
-                    found=None,
-                    action="convert",
-                )
-            continue
-        getattr(scratch, param.method)(value)
-    if not any(p.method == "add_rope_freq_base" for p in arch.params):
-        rope_metadata(hp, arch, config_path)  # validates the scaling type
+        if param.method in by_method:
+            getattr(scratch, param.method)(by_method[param.method])
     if hp.get("is_causal") is False:
         scratch.add_causal_attention(False)
     scratch.add_file_type(file_type)
     scratch.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_tokenizer(scratch, Path(tokenizer_dir), arch, hp)
+    add_tokenizer(scratch, Path(tokenizer_dir), arch, hp, n_vocab=n_vocab)
+    check_packable(scratch, Path(tokenizer_dir), config_path)
 
     metadata = {
         k: (v.value, v.type, v.sub_type) for k, v in scratch.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE

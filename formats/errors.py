@@ -967,25 +967,28 @@ class UnmappedTensorError(UnsupportedError):
 
 
 class TokenizerError(CheckpointError, UnsupportedError):
-    """No usable tokenizer (tokenizer.model or tokenizer.json) for the GGUF, or a tokenizer JSON file breaks the
-    JSON limits."""
+    """No usable tokenizer for the GGUF: none, or a tokenizer file of the wrong structure or size, or one that
+    breaks the JSON limits."""
 
     default_rule = "GGUF-004"
-    advice = ('Download the tokenizer files into the model directory (GGUF files carry the tokenizer).')
+    advice = ('Download the tokenizer files into the model directory (GGUF files carry the tokenizer); '
+              'tokenizer files must be the model\'s own: no more tokens than the embedding has rows.')
 
 
 class RopeScalingError(UnsupportedError):
-    """The RoPE scaling type is not supported for GGUF."""
+    """The RoPE scaling type is not supported for GGUF, or its keys are missing or out of range."""
 
     default_rule = "GGUF-005"
-    advice = ("Convert to safetensors (--to bf16) and use llama.cpp's own converter for this model.")
+    advice = ("Use the model's own config.json; for a RoPE type convert-bnb does not write, convert to "
+              "safetensors (--to bf16) and use llama.cpp's own converter.")
 
 
 class GgufConfigError(UnsupportedError):
-    """config.json lacks a hyperparameter the architecture needs, or is a MoE model."""
+    """config.json lacks a hyperparameter, has one of a wrong type or range, disagrees with the weights, or is MoE."""
 
     default_rule = "GGUF-006"
-    advice = ('Use the config.json that came with the model; MoE models are not supported for GGUF yet.')
+    advice = ('Use the config.json that came with the model (its values must match the weights); MoE models '
+              'are not supported for GGUF yet.')
 
 
 class GgufSourceError(UnsupportedError):

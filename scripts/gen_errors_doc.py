@@ -33,7 +33,8 @@ FAMILIES = [
     ("LORA", "LoRA adapters (--merge-lora)", "Checked when an adapter is opened (config, keys, pairs, shapes) and "
      "when it is matched against the base model, before anything is written."),
     ("GGUF", "GGUF output (--to gguf[:TYPE])", "Checked when the GGUF output is planned (architecture, type, "
-     "names, tokenizer, config) and after it is written."),
+     "names, tokenizer, every config.json and tokenizer value against its GGUF type and the weights), before "
+     "anything is written, and after it is written."),
     ("SPM", "SentencePiece tokenizers", "Checked when a `tokenizer.model` is read for a GGUF output (a protobuf "
      "reader of our own: no sentencepiece package)."),
     ("QNT", "re-quantization (--to nf4|fp4)", "Checked when a 4-bit output is planned and when each tensor is "

@@ -3,7 +3,10 @@
 Each *kind* of mutation takes a real file written by bitsandbytes (tests/fixtures) and damages it
 the way files get damaged in the wild: flipped bytes in the header or the data, truncation,
 changed fields of the header JSON or of the QuantState JSON, renamed/dropped/duplicated tensors,
-and for a sharded model directory, a changed index, config or shard. Every outcome must be either
+and for a sharded model directory, a changed index, config or shard; and (kind ``gguf-config``) the
+config.json, RoPE and tokenizer values ``--to gguf`` reads, set to edge or hostile values (judged by
+:func:`judge_gguf`: a GGUF that re-opens, or one of our errors with nothing left behind). Every
+other outcome must be either
 
 - a correct conversion: the output equals an independent NumPy reference computed here from the
   mutated input (bnb-format.md section 2, not our kernels) bit for bit, or
@@ -424,6 +427,86 @@ def hostile_pickle(data: st.DataObject, raw: bytes) -> bytes:
     return out.getvalue()
 
 
+#: The GGUF seed: the tiny Llama directory (config.json, tokenizer.model, tokenizer.json, tokenizer_config.json).
+SEED_GGUF = FIXTURES / "models" / "llama_nf4_dq"
+#: config.json keys the GGUF writer reads, and RoPE keys per type.
+GGUF_CONFIG_KEYS = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "num_hidden_layers", "max_position_embeddings", "vocab_size", "rms_norm_eps", "rope_theta",
+                    "rope_parameters", "rope_scaling", "text_config", "bos_token_id", "eos_token_id", "pad_token_id",
+                    "original_max_position_embeddings", "architectures", "is_causal"]
+ROPE_KEYS = ["rope_type", "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+             "beta_fast", "beta_slow", "attention_factor", "extrapolation_factor", "rope_theta"]
+#: Values next to the GGUF rules' edges.
+GGUF_EDGES = st.one_of(HOSTILE, st.sampled_from([2**32 - 1, 2**32, 10**12, 10**7, -256, 4.0, 1e39, 3.4e38, 0.0, "x",
+                                                 "yarn", "llama3", "linear", "default", "longrope", [1, 2], {}]))
+
+
+def _json_paths(doc: Any, prefix: tuple[Any, ...] = (), limit: int = 40) -> list[tuple[Any, ...]]:
+    """Paths to values of a JSON document (the first ``limit`` entries of each object/array)."""
+    out = [prefix]
+    items = list(doc.items())[:limit] if isinstance(doc, dict) else list(enumerate(doc[:limit])) if isinstance(
+        doc, list) else []
+    for k, v in items:
+        out += _json_paths(v, (*prefix, k), limit)
+    return out
+
+
+def mut_gguf_config(data: st.DataObject, root: Path) -> None:
+    """Damage the values ``--to gguf`` reads: a config.json key (or RoPE key), or any value of the
+    tokenizer JSON files, set to an edge or hostile value."""
+    op = data.draw(st.sampled_from(["config", "config", "rope", "tokenizer_config.json", "tokenizer.json"]),
+                   label="op")
+    if op in ("config", "rope"):
+        path = root / "config.json"
+        cfg = json.loads(path.read_text())
+        if op == "config":
+            cfg[data.draw(st.sampled_from(GGUF_CONFIG_KEYS), label="key")] = data.draw(GGUF_EDGES, label="value")
+        else:
+            rope = {"rope_type": data.draw(st.sampled_from(["yarn", "llama3", "linear"]), label="type"),
+                    "factor": 4.0, "original_max_position_embeddings": 64}
+            rope[data.draw(st.sampled_from(ROPE_KEYS), label="key")] = data.draw(GGUF_EDGES, label="value")
+            cfg["rope_parameters"] = rope
+        path.write_text(json.dumps(cfg))
+        return
+    path = root / op
+    doc = json.loads(path.read_text())
+    where = data.draw(st.sampled_from(_json_paths(doc)), label="path")
+    value = data.draw(GGUF_EDGES, label="value")
+    if not where:
+        doc = value
+    else:
+        target = doc
+        for k in where[:-1]:
+            target = target[k]
+        target[where[-1]] = value
+    path.write_text(json.dumps(doc))
+
+
+def judge_gguf(src: Path, workdir: Path) -> str:
+    """``--to gguf:q8_0`` of ``src``: a GGUF that re-opens (the job verifies it against its plan) or
+    one of our errors with nothing left at the output; never another exception, never a hang."""
+    import gguf
+
+    out = workdir / "outdir" / "m.gguf"
+    before = tree_hash(src)
+    try:
+        with hang_guard():
+            convert(src, out, to="gguf:q8_0")
+    except ConvertBnbError as exc:
+        message = str(exc)
+        assert exc.rule and exc.rule in message and "\n" not in message, message
+        assert not out.exists(), f"output left behind after {exc.rule}"
+        leftovers = list(out.parent.iterdir()) if out.parent.exists() else []
+        assert leftovers == [], f"temporaries left behind after {exc.rule}: {leftovers}"
+        outcome = exc.rule
+    else:
+        assert len(gguf.GGUFReader(out).tensors) > 0
+        outcome = "ok"
+    assert tree_hash(src) == before, "the input was modified"
+    OUTCOMES["gguf-config"][outcome] += 1
+    return outcome
+
+
 FILE_KINDS: dict[str, Callable[[st.DataObject], bytes]] = {
     "header-bytes": mut_header_flip,
     "data-bytes": mut_data_flip,
@@ -435,10 +518,10 @@ FILE_KINDS: dict[str, Callable[[st.DataObject], bytes]] = {
 }
 #: The structure-aware kinds of tests/fuzzing_struct.py (fields of parsed JSON and companion tensors).
 STRUCT_KINDS = ["struct-quant-state", "struct-companions", "struct-gguf-config", "struct-adapter"]
-KINDS = [*FILE_KINDS, "directory", *STRUCT_KINDS]
-#: Cases per kind in CI (tests/test_fuzz.py): 2,120 byte-level and 2,000 structure-aware.
+KINDS = [*FILE_KINDS, "directory", "gguf-config", *STRUCT_KINDS]
+#: Cases per kind in CI (tests/test_fuzz.py): 2,160 byte-level and field-level, 2,000 structure-aware.
 CI_CASES = {"header-bytes": 360, "data-bytes": 360, "truncate": 260, "header-json": 360,
-            "quant-state-json": 360, "tensors": 160, "torch-pickle": 200, "directory": 60,
+            "quant-state-json": 360, "tensors": 160, "torch-pickle": 200, "directory": 60, "gguf-config": 40,
             "struct-quant-state": 700, "struct-companions": 500, "struct-gguf-config": 500, "struct-adapter": 300}
 
 
@@ -603,6 +686,11 @@ def run_one(kind: str, data: st.DataObject) -> str:
         return run_struct(kind, data)
     with tempfile.TemporaryDirectory(prefix="convert-bnb-fuzz-") as d:
         work = Path(d)
+        if kind == "gguf-config":
+            src = work / "in" / "model"
+            shutil.copytree(SEED_GGUF, src, ignore=shutil.ignore_patterns("reference"))
+            mut_gguf_config(data, src)
+            return judge_gguf(src, work)
         if kind == "directory":
             src = work / "in" / "model"
             shutil.copytree(SEED_DIR, src)

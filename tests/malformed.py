@@ -630,6 +630,15 @@ def model_copy(config: dict[str, Any] | None = None, drop: tuple[str, ...] = ())
     return build
 
 
+def _with_file(build: Callable[[Path], Path], name: str, data: bytes) -> Callable[[Path], Path]:
+    def run(d: Path) -> Path:
+        root = build(d)
+        (root / name).write_bytes(data)
+        return root
+
+    return run
+
+
 def gguf_cli(to: str) -> tuple[Callable[[Path, Path], None], list[str]]:
     def run(src: Path, out: Path) -> None:
         from convert.cli import main
@@ -1089,14 +1098,29 @@ CASES: list[Case] = [
     Case("gguf-tokenizer-json-int-5000-digits", E.TokenizerError, ["GGUF-004 tokenizer.json", *INT_PARTS],
          tokenizer_file("tokenizer.json", _first_key(BIG_INT)), run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-tokenizer-json-too-large", E.TokenizerError,
-         ["GGUF-004 tokenizer.json is larger than the limit for a JSON tokenizer",
-          f"expected 'at most {64 * MiB} bytes'"],
+         ["GGUF-004 tokenizer file is larger than a vocabulary of the model's size can need",
+          "16 MiB + 1 KiB x 1000 embedding rows"],  # the model's bound comes first; jsonfile's 64 MiB is the cap
          tokenizer_file("tokenizer.json", lambda t: t + " " * (64 * MiB)), run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-longrope", E.RopeScalingError, ["GGUF-005", "found 'longrope'"],
          model_copy({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}),
          run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-moe", E.GgufConfigError, ["GGUF-006", "num_local_experts = 8"], model_copy(), run=_gguf_moe,
          argv=None),
+    # config.json / tokenizer values the GGUF writer reads: type, range, agreement with the weights
+    Case("gguf-hidden-size-negative", E.GgufConfigError, ["config.json'", "GGUF-006", "'hidden_size' is out of range",
+                                                         "found -256"],
+         model_copy({"hidden_size": -256}), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-layers-past-tensors", E.GgufConfigError, ["GGUF-006", "'num_hidden_layers' differs from the layers",
+                                                        "found '10000000 (no tensor of layer 2)'"],
+         model_copy({"num_hidden_layers": 10**7}), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-vocab-size-past-embedding", E.GgufConfigError, ["GGUF-006", "'vocab_size' differs from the token "
+                                                              "embedding's rows", "expected 1000, found 1024"],
+         model_copy({"vocab_size": 1024}), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-yarn-no-original-context", E.RopeScalingError, ["GGUF-005", "type yarn lacks a key",
+                                                              "original_max_position_embeddings"],
+         model_copy({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-tokenizer-json-list", E.TokenizerError, ["tokenizer.json'", "GGUF-004", "not a JSON object"],
+         _with_file(model_copy(), "tokenizer.json", b"[1, 2]"), run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-source-shape", E.GgufSourceError, ["GGUF-007", "tensor 'model.norm.weight'"], model_copy(),
          run=_gguf_wrong_source, argv=None),
     Case("gguf-verify-type", E.GgufVerificationError, ["GGUF-008", "GGML type differs"], model_copy(),
