@@ -493,12 +493,7 @@ def judge_gguf(src: Path, workdir: Path) -> str:
         with hang_guard():
             convert(src, out, to="gguf:q8_0")
     except ConvertBnbError as exc:
-        message = str(exc)
-        assert exc.rule and exc.rule in message and "\n" not in message, message
-        assert not out.exists(), f"output left behind after {exc.rule}"
-        leftovers = list(out.parent.iterdir()) if out.parent.exists() else []
-        assert leftovers == [], f"temporaries left behind after {exc.rule}: {leftovers}"
-        outcome = exc.rule
+        outcome = clean_error(exc, out)
     else:
         assert len(gguf.GGUFReader(out).tensors) > 0
         outcome = "ok"
@@ -531,6 +526,17 @@ CI_CASES = {"header-bytes": 360, "data-bytes": 360, "truncate": 260, "header-jso
 def tree_hash(root: Path) -> dict[str, str]:
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def clean_error(exc: ConvertBnbError, out: Path) -> str:
+    """Assert ``exc`` is a clean failure (its rule in a one-line message, nothing at ``out`` or beside
+    it) and return its rule."""
+    message = str(exc)
+    assert exc.rule and exc.rule in message and "\n" not in message, message
+    assert not out.exists(), f"output left behind after {exc.rule}"
+    leftovers = list(out.parent.iterdir()) if out.parent.exists() else []
+    assert leftovers == [], f"temporaries left behind after {exc.rule}: {leftovers}"
+    return exc.rule
 
 
 class Hang(Exception):
@@ -658,12 +664,7 @@ def judge(kind: str, src: Path, workdir: Path) -> str:
         with hang_guard():
             convert(src, out)
     except ConvertBnbError as exc:
-        message = str(exc)
-        assert exc.rule and exc.rule in message and "\n" not in message, message
-        assert not out.exists(), f"output left behind after {exc.rule}"
-        leftovers = list(out.parent.iterdir()) if out.parent.exists() else []
-        assert leftovers == [], f"temporaries left behind after {exc.rule}: {leftovers}"
-        outcome = exc.rule
+        outcome = clean_error(exc, out)
     else:
         assert out.exists()
         assert not [p for p in out.parent.iterdir() if TMP_MARK in p.name]
