@@ -420,7 +420,14 @@ class TensorMerge:
             w = np.asarray(x, dtype=np.float32)
             a = self._arr(i, "A", op.lora_A)
             b = self._arr(i, "B", op.lora_B)
-            delta = lora_delta_rows(a, b, op.scale, start, stop, transposed=op.transposed)
+            with np.errstate(over="ignore", invalid="ignore"):
+                delta = lora_delta_rows(a, b, op.scale, start, stop, transposed=op.transposed)
+            if not np.isfinite(delta).all():  # finite A, B and scale whose product overflows float32
+                raise NonFiniteAdapterError(
+                    "the LoRA delta (B @ A) * scale overflows float32 (merging it would write inf into the model)",
+                    path=op.lora_B.file, tensor=self.name, expected="a finite delta",
+                    found=f"{int((~np.isfinite(delta)).sum())} non-finite values in rows {start}-{stop} "
+                          f"(scale {op.scale:g})")
             if st is not None:
                 st.delta_sq += float(np.square(delta, dtype=np.float64).sum())
                 st.base_sq += float(np.square(w, dtype=np.float64).sum())

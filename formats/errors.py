@@ -884,7 +884,8 @@ class PatternTimeoutError(AdapterError):
 
 
 class NonFiniteAdapterError(AdapterError):
-    """A LoRA tensor (lora_A, lora_B, or DoRA's magnitude vector) holds NaN or infinite values."""
+    """A LoRA tensor (lora_A, lora_B, or DoRA's magnitude vector) holds NaN or infinite values, or the delta
+    ``(B @ A) * scale`` of finite ones overflows float32."""
 
     default_rule = "LORA-014"
     advice = ("The adapter's training diverged or its file is damaged: use an earlier checkpoint of the adapter "

@@ -1039,3 +1039,30 @@ def test_dora_norm_matches_torch(peft_env, n: int) -> None:
     assert_bits_equal(dora_norm(v), torch.linalg.norm(torch.from_numpy(v), dim=1).numpy())
     w = np.ascontiguousarray(v.T)
     assert_bits_equal(dora_norm(w, columns=True), torch.linalg.norm(torch.from_numpy(w).T, dim=1).numpy())
+
+
+def test_a_delta_that_overflows_float32_is_refused(tmp_path: Path) -> None:
+    """Finite lora_A/lora_B whose product overflows: LORA-014 naming the adapter file and tensor, not an
+    all-inf weight written with exit 0."""
+    import subprocess
+    import sys
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(LORA / "adapter", adapter)
+    path = adapter / "adapter_model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), bytearray(raw[8 + n :])
+    for key, entry in header.items():
+        if "layers.0.self_attn.q_proj" in key:
+            b, e = entry["data_offsets"]
+            data[b:e] = np.full((e - b) // 4, 3e38, dtype="<f4").tobytes()
+    path.write_bytes(raw[: 8 + n] + bytes(data))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "convert", str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16",
+                        "--merge-lora", str(adapter), "-o", str(out)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "LORA-014 the LoRA delta (B @ A) * scale overflows float32" in r.stderr
+    assert "adapter_model.safetensors'" in r.stderr and "model.layers.0.self_attn.q_proj.weight" in r.stderr
+    assert not out.exists()
