@@ -227,7 +227,7 @@ def load_json_bytes(
     if deep is not None:
         raise fail("is nested too deeply", f"at most {MAX_DEPTH} levels", f"level {MAX_DEPTH + 1} at byte {deep}")
     try:
-        return json.loads(text, **_hooks(kind, _LONG_DIGITS.search(raw) is not None))
+        return json.loads(text, **_hooks(kind, _LONG_DIGITS.search(raw) is not None))  # type: ignore[arg-type]
     except _Refused as exc:
         if exc.key is not None and on_duplicate is not None:
             raise on_duplicate(exc.key) from None

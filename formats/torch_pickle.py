@@ -415,7 +415,8 @@ def _summary(obj: Any, limit: int = 80) -> str:
         elif isinstance(x, int):
             s = repr(x) if x.bit_length() <= 128 else f"<integer of {x.bit_length()} bits>"
         elif isinstance(x, (list, tuple, set, frozenset, dict)):
-            opener, closer = {list: "[]", tuple: "()", dict: "{}"}.get(type(x), "{}")
+            brackets = {list: "[]", tuple: "()", dict: "{}"}.get(type(x), "{}")
+            opener, closer = brackets[0], brackets[1]
             if isinstance(x, (set, frozenset)) and not x:
                 opener, closer = f"{type(x).__name__}(", ")"
             room = max(1, (limit - used) // 2)
@@ -991,7 +992,7 @@ class _Machine:
             def op() -> None:
                 raw = take(size)
                 code = raw[0] if size == 1 else _U16.unpack(raw)[0] if size == 2 else _I32.unpack(raw)[0]
-                pair = copyreg._inverted_registry.get(code)
+                pair = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
                 if pair is None:
                     raise _Refused(f"unregistered extension code {code}")
                 push(self.plain(self.find_class(*pair)))
