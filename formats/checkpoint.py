@@ -226,19 +226,12 @@ def path_kind(path: str | os.PathLike[str]) -> str:
         if exc.errno == errno.ENOTDIR:
             return "missing"
         return f"unreadable ({exc.strerror})"
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
+    return _FILE_TYPES.get(stat.S_IFMT(mode), "not a regular file")
+
+
+#: ``stat.S_IFMT`` of a path -> what :func:`path_kind` calls it.
+_FILE_TYPES = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFIFO: "a FIFO (named pipe)",
+               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 
 
 def _open_file(path: Path, problems: list[ConvertBnbError] | None = None) -> ContainerReader:

@@ -33,18 +33,23 @@ org/c@main --to fp16 --max-shard-size 1MB   # the sharded input, fp16
 A, C = commit_sha("a"), commit_sha("c")
 
 
+def broken_model(root: Path) -> Path:
+    """A copy of llama_nf4_dq whose layer-1 up_proj QuantState JSON is zeroed (BNB-009)."""
+    root.mkdir()
+    for p in (MODELS / "llama_nf4_dq").iterdir():
+        if p.is_file():
+            (root / p.name).write_bytes(p.read_bytes())
+    _rewrite_data(root / "model.safetensors", ["model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"],
+                  0x00)
+    return root
+
+
 @pytest.fixture
 def setup(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     cache = tmp_path / "hub"
     add_model_dir(cache, "org/a", MODELS / "llama_nf4_dq", A)
     add_model_dir(cache, "org/c", MODELS / "llama_nf4_dq_sharded", C)
-    broken = tmp_path / "broken_src"
-    broken.mkdir()
-    for p in (MODELS / "llama_nf4_dq").iterdir():
-        if p.is_file():
-            (broken / p.name).write_bytes(p.read_bytes())
-    _rewrite_data(broken / "model.safetensors",
-                  ["model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"], 0x00)
+    broken = broken_model(tmp_path / "broken_src")
     add_model_dir(cache, "org/broken", broken, commit_sha("broken"))
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(JOBS)
@@ -451,13 +456,7 @@ def test_local_file_job_writes_one_file(tmp_path: Path) -> None:
 def test_batch_jobs_behave_as_the_cli(tmp_path: Path) -> None:
     """Every target goes through convert() in the worker: --no-verify reaches nf4 and GGUF jobs, and an
     input error of any target is the CLI's error (class, rule, message), not a usage error."""
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for p in (MODELS / "llama_nf4_dq").iterdir():
-        if p.is_file():
-            (broken / p.name).write_bytes(p.read_bytes())
-    _rewrite_data(broken / "model.safetensors",
-                  ["model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"], 0x00)
+    broken = broken_model(tmp_path / "broken")
     good = MODELS / "llama_nf4_dq"
     targets = ("bf16", "nf4", "gguf:q8_0")
     lines = [f"{src} --to {t} --name {kind}-{t.replace(':', '-')}" for kind, src in (("good", good), ("bad", broken))
