@@ -11,8 +11,8 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
 2. the architecture's transforms (:mod:`convert.gguf_arch`): Llama's q/k rows in
    ``LlamaModel.permute`` order (:func:`convert.gguf_arch.permutation`; chunks hold whole heads),
    Gemma's ``+1`` on norms, in float32;
-3. ``gguf.quants.quantize`` to the tensor's GGML type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1);
-4. the added error is measured by decoding the result again (``gguf.quants.dequantize``): zero for
+3. the tensor's GGML type's codec (:func:`convert.ggml_codecs.codec`) encodes them;
+4. the added error is measured by decoding the result again (the codec's ``dequantize``): zero for
    F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`).
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
@@ -43,6 +43,7 @@ import numpy.typing as npt
 from formats.errors import GgufSourceError
 from formats.gguf import GGUFFileWriter
 
+from .ggml_codecs import codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
 
@@ -136,10 +137,11 @@ def _convert_chunk(
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
-    data = np.ascontiguousarray(gguf.quants.quantize(x, t.ggml_type))
+    coder = codec(t.ggml_type)
+    data = coder.quantize(x)
     max_err = sq_err = 0.0
     if not exact and x.size:
-        err = gguf.quants.dequantize(data, t.ggml_type).reshape(x.shape)
+        err = coder.dequantize(data).reshape(x.shape)
         err -= x
         max_err = float(max(err.max(), -err.min()))
         np.square(err, out=err)

@@ -1,0 +1,76 @@
+"""GGML codecs: one class per GGML quantization type, with ``quantize`` and ``dequantize``.
+
+The GGUF writer (:mod:`convert.gguf_encode`) encodes every tensor through :func:`codec`; a new type
+is one class and one row in :data:`CODECS` (as gguf-py's ``gguf/quants.py``).
+
+- F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf-py's own encoders (``gguf.quants.quantize``),
+  which reproduce llama.cpp's ``quantize_row_*_ref``.
+- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (and IQ4_NL, llama-quantize's fallback for Q2_K/Q3_K rows that are
+  not a multiple of 256): our NumPy encoders (:mod:`convert.kquant_minmax`,
+  :mod:`convert.kquant_scale`), byte-identical to ``quantize_row_q{2..6}_K_ref`` of the llama.cpp
+  revision vendored in llama-cpp-python 0.3.36; decoding is gguf-py's ``dequantize``.
+
+Shapes: ``quantize`` takes float32 ``(rows, n_per_row)`` (``n_per_row`` a multiple of the block
+size) and returns uint8 ``(rows, n_per_row // block_size * type_size)``; ``dequantize`` inverts it
+(float32, same shape as the input of ``quantize``).
+
+The base class and the float32 helpers byte identity needs are in :mod:`convert.codec_base`.
+"""
+
+from __future__ import annotations
+
+import gguf
+
+from .codec_base import Codec
+
+__all__ = ["CODECS", "codec"]
+
+GT = gguf.GGMLQuantizationType
+
+
+class F32Codec(Codec):
+    ggml_type = GT.F32
+
+
+class F16Codec(Codec):
+    ggml_type = GT.F16
+
+
+class BF16Codec(Codec):
+    ggml_type = GT.BF16
+
+
+class Q8_0Codec(Codec):
+    ggml_type = GT.Q8_0
+
+
+class Q4_0Codec(Codec):
+    ggml_type = GT.Q4_0
+
+
+class Q4_1Codec(Codec):
+    ggml_type = GT.Q4_1
+
+
+class Q5_0Codec(Codec):
+    ggml_type = GT.Q5_0
+
+
+class Q5_1Codec(Codec):
+    ggml_type = GT.Q5_1
+
+
+#: GGML type -> its codec. The K-quant rows are added by their modules' classes below.
+CODECS: dict[gguf.GGMLQuantizationType, type[Codec]] = {
+    c.ggml_type: c
+    for c in (F32Codec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Codec, Q4_1Codec, Q5_0Codec, Q5_1Codec)
+}
+
+
+def codec(ggml_type: gguf.GGMLQuantizationType) -> type[Codec]:
+    """The codec of a GGML type.
+
+    Raises:
+        KeyError: a type no codec encodes (planning only chooses types of :data:`CODECS`).
+    """
+    return CODECS[ggml_type]
