@@ -86,8 +86,8 @@ __all__ = [
     "OrphanComponentError",
     "OutputBusyError",
     "OutputExistsError",
-    "OutputKindError",
     "OutputInsideInputError",
+    "OutputKindError",
     "PackedSizeError",
     "PatternTimeoutError",
     "PickleLimitError",
@@ -113,6 +113,7 @@ __all__ = [
     "TensorShapeError",
     "TensorViewError",
     "TokenizerError",
+    "TooManyTensorsError",
     "TorchPickleError",
     "TruncatedFileError",
     "UnindexedShardError",
@@ -450,6 +451,16 @@ class DuplicateTensorError(SafetensorsError):
 
     default_rule = "ST-013"
     advice = "The header is damaged (or hand-made): each name must appear once; re-save the file."
+
+
+class TooManyTensorsError(SafetensorsError):
+    """A header lists more tensors than one file may hold (``formats.safetensors.MAX_TENSORS``)."""
+
+    default_rule = "ST-014"
+    advice = (
+        "Real checkpoint files hold at most tens of thousands of tensors; each one costs memory before any "
+        "data is read. Re-save the model in shards (save_pretrained(max_shard_size=...))."
+    )
 
 
 # ------------------------------------------------------------------------------------- torch pickles

@@ -32,6 +32,8 @@ ST-010   TruncatedFileError          the data area is as long as the header says
 ST-011   MetadataError               __metadata__ is an object of strings
 ST-012   DataGapError                the tensors cover the data area with no gap or trailing bytes
 ST-013   DuplicateTensorError        a name appears once in the header
+ST-014   TooManyTensorsError         the header lists at most MAX_TENSORS (200,000) tensors,
+                                     counted in the raw header before it is parsed
 =======  ==========================  =======================================================
 
 Reading never copies tensor data: :meth:`SafetensorsReader.raw` and :meth:`SafetensorsReader.array`
@@ -70,6 +72,7 @@ from .errors import (
     NotSafetensorsError,
     TensorOverlapError,
     TensorShapeError,
+    TooManyTensorsError,
     TruncatedFileError,
     UnknownDtypeError,
 )
@@ -77,6 +80,7 @@ from .jsonfile import load_json_bytes
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
     "SafetensorsReader",
     "SafetensorsWriter",
     "TensorInfo",
@@ -86,6 +90,14 @@ __all__ = [
 
 #: Largest header accepted, in bytes (the Rust library's own limit is 100 MB).
 MAX_HEADER_BYTES = jsonfile.HEADER.max_bytes
+#: Most tensors one file may list (ST-014). Every tensor costs about 2.5 KiB of records from the
+#: header to the written output (``scripts/bench.py tensors``), so 200,000 take about half of the
+#: default 1 GiB ``--max-memory``; real shards hold a few thousand (a 5 GB shard of a bnb-4bit MoE
+#: model with 6 tensors per expert matrix, about 10,000). A header of 100 MiB could list 1.7 million.
+MAX_TENSORS = 200_000
+#: Every tensor entry has exactly one ``"data_offsets"`` key; a name or value holding the text has its
+#: quotes escaped (``\"``), so counting this in the raw header counts the entries, in C, before parsing.
+_ENTRY_KEY = b'"data_offsets"'
 _PAGE = mmap.PAGESIZE
 
 
@@ -337,6 +349,13 @@ class SafetensorsReader:
                     hint="the file is damaged or cut short inside its header; download it again",
                 )
             header_bytes = f.read(n)
+        entries = header_bytes.count(_ENTRY_KEY)
+        if entries > MAX_TENSORS:
+            raise TooManyTensorsError(
+                "header lists more tensors than a checkpoint file may hold", path=spath,
+                expected=f"at most {MAX_TENSORS:,} tensors", found=f"{entries:,} tensors",
+                hint="each tensor costs memory before any data is read; re-save the model in shards",
+            )
         self.header_size = 8 + n
         self.file_size = size
         try:

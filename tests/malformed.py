@@ -742,6 +742,12 @@ def _st_header(text: str) -> Callable[[Path], Path]:
     return raw_file(header_bytes(text) + b"\0")
 
 
+def _too_many_tensors(d: Path) -> Path:
+    """A valid header of 200,001 zero-size tensors (12 MB): refused before it is parsed."""
+    entries = ",".join(f'"t{i}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}' for i in range(200_001))
+    return _st_header("{" + entries + "}")(d)
+
+
 def _index_text(edit: Callable[[str], str]) -> Callable[[Path], Path]:
     return lambda d: _two_shards(d, index=edit(json.dumps(_full_index())))
 
@@ -840,6 +846,9 @@ CASES: list[Case] = [
     Case("duplicate-name", E.DuplicateTensorError, ["ST-013", "tensor 'w'", "appears twice"],
          raw_file(header_bytes('{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
                                '"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}') + b"\0")),
+    Case("too-many-tensors", E.TooManyTensorsError,
+         ["ST-014", "expected 'at most 200,000 tensors', found '200,001 tensors'", "shards"],
+         _too_many_tensors),
     Case("header-int-5000-digits", E.HeaderJsonError, ["/model.safetensors'", "ST-003 header", *INT_PARTS],
          _st_header('{"w": {"dtype": "U8", "shape": [' + BIG_INT + '], "data_offsets": [0, 1]}}')),
     Case("header-nested-100k", E.HeaderJsonError, ["ST-003 header", *DEEP_PARTS], _st_header('{"w": ' + DEEP + "}")),
