@@ -13,7 +13,6 @@ pages with :meth:`Source.release`.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -197,31 +196,29 @@ class CastSource(Source):
         self.record.release(start * item, stop * item)
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedTensor:
-    """One output tensor.
+    """One output tensor (never changed once made: a merge or re-quantization makes new ones).
 
     Attributes:
         name: output name.
         dtype: output dtype row.
         shape: output shape, in elements.
         source: what produces its elements.
+        numel: elements (a Python int), from ``shape``.
+        nbytes: output bytes, ``numel * dtype.itemsize``.
     """
 
     name: str
     dtype: DType
     shape: tuple[int, ...]
     source: Source
+    numel: int = field(init=False)
+    nbytes: int = field(init=False)
 
-    @functools.cached_property
-    def numel(self) -> int:
-        """Elements (a Python int; computed once: a planned tensor's shape does not change)."""
-        return math.prod(self.shape)
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        """Output bytes."""
-        return self.numel * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        self.numel = math.prod(self.shape)
+        self.nbytes = self.numel * self.dtype.itemsize
 
 
 @dataclass
