@@ -135,3 +135,26 @@ def test_sigkill_leaves_only_a_stale_temporary_that_the_next_run_removes(
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
     check_output(src if kind == "file" else src, out)
     assert digest(src) == before
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_start_up_imports_is_one_line_and_exit_130(sig: int, tmp_path: Path) -> None:
+    """The harness (tests/harness/sitecustomize.py) holds the process while ``convert.cli`` (and with it
+    NumPy) is being imported: the signal there used to print a KeyboardInterrupt traceback (SIGINT) or
+    end with 143 (SIGTERM)."""
+    marker = tmp_path / "pid"
+    harness = ROOT / "tests" / "harness"
+    env = {**os.environ, "PYTHONPATH": f"{harness}{os.pathsep}{ROOT}",
+           "CONVERT_BNB_TEST_PAUSE": f"import:convert.cli:{marker}"}
+    out = tmp_path / "out.safetensors"
+    proc = subprocess.Popen([sys.executable, "-m", "convert", str(tmp_path / "in.safetensors"), "-o", str(out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60  # a guard against a broken test, not a speed check
+    while not marker.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    assert marker.read_text() == str(proc.pid)
+    proc.send_signal(sig)
+    stdout, err = proc.communicate(timeout=60)
+    assert (proc.returncode, stdout, err) == (130, "", "convert-bnb: interrupted\n")
+    assert not out.exists()

@@ -1,7 +1,10 @@
 """Test harness for batch workers (subprocesses): on PYTHONPATH only in tests, active only when
 ``CONVERT_BNB_TEST_PAUSE=NAME:POINT:MARKER`` is set.
 
-The worker of job NAME stops at POINT: after its N-th finished shard is recorded in the resumable
+With NAME ``import``, the process stops while POINT (a module name, e.g. ``convert.cli``) is being
+imported: it writes its pid to MARKER and sleeps, so a test can signal a command during start-up.
+
+Otherwise the worker of job NAME stops at POINT: after its N-th finished shard is recorded in the resumable
 staging ledger (POINT is the number N), or right after its output is committed (POINT is ``commit``,
 before the batch records the job as done). It writes its pid to MARKER and sleeps until it is
 killed, so a test can kill the batch at a known point. Nothing in the package knows about this: the
@@ -47,4 +50,18 @@ if _SPEC:
 
         output.ShardLedger.record = pausing_record  # type: ignore[method-assign]
 
-    _install()
+    class _PauseOnImport:
+        """A meta path finder that holds the process when ``_point`` is imported."""
+
+        @staticmethod
+        def find_spec(fullname: str, path: object = None, target: object = None) -> None:
+            if fullname == _point:
+                _hold()
+            return None
+
+    if _name == "import":
+        import sys
+
+        sys.meta_path.insert(0, _PauseOnImport())  # type: ignore[arg-type]
+    else:
+        _install()
