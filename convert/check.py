@@ -6,6 +6,11 @@ same rules as a conversion -- the container (ST-xxx), the directory (CKPT-xxx) a
 (BNB-xxx, including BNB-012: the absmax of every 4-bit layer is resolved and checked for inf/NaN)
 -- so a clean ``check`` means the conversion will not fail on its input.
 
+With ``--to TARGET`` the target's own planning runs too, from the headers, config.json and tokenizer
+(for ``gguf[:TYPE]``: the architecture, every hyperparameter and RoPE key the GGUF writer reads, the
+tokenizer, GGUF-001..006), so a clean ``check --to TARGET`` means ``--to TARGET`` will not fail on
+its input either. Without it, ``check`` asks what every target needs (``--to auto``).
+
 Exit code 0 when clean, 2 when a problem was found; ``--json`` prints the report as JSON.
 """
 
@@ -20,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
-from formats.checkpoint import open_checkpoint
+from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
 
 from .plan import Dequant4Source
@@ -84,11 +89,15 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def check_source(path: str | os.PathLike[str]) -> CheckReport:
+def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str | None = None) -> CheckReport:
     """Run every input rule on a file or directory and collect all problems; nothing is written.
 
     Args:
         path: a weight file or a model directory.
+        to: a ``--to`` value; when the input is clean, the target's planning runs too (its first
+            problem is reported).
+        model_name: the name the target gives the model (GGUF ``general.name``; default the
+            directory's name).
 
     Returns:
         the :class:`CheckReport` (``report.ok`` is True when clean).
@@ -148,7 +157,24 @@ def check_source(path: str | os.PathLike[str]) -> CheckReport:
                 if w not in seen:
                     seen.add(w)
                     report.notes.append(f"{w} (e.g. {layer.name})")
+        if not problems and to != "auto":
+            _check_target(ckpt, to, model_name, problems)
     return report
+
+
+def _check_target(ckpt: Checkpoint, to: str, model_name: str | None, problems: list[ConvertBnbError]) -> None:
+    """Plan ``--to`` as the conversion would (no data is read); its first problem joins ``problems``."""
+    from .job import ConvertOptions
+    from .plan import make_plan
+    from .targets import TARGETS, target_for
+
+    try:
+        target = TARGETS[target_for(to)]
+        plan = make_plan(ckpt, target.dequantize_to)
+        target.prepare(plan, ConvertOptions(src=str(ckpt.source), to=to),
+                       model_name or ckpt.source.resolve().name)
+    except ConvertBnbError as exc:
+        problems.append(exc)
 
 
 DESCRIPTION = ("Validate a .safetensors file or a model directory against every rule (docs/errors.md) without "
@@ -160,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="a .safetensors / .bin / .pt file, a model directory or a Hub repo "
                    "id org/name")
     p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
+    p.add_argument("--to", default="auto", metavar="TARGET",
+                   help="also plan this target from the headers, config.json and tokenizer (e.g. gguf:q8_0): "
+                   "a clean check then means --to TARGET will not fail on the input")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -172,7 +201,7 @@ def run_command(args: argparse.Namespace) -> int:
         report = CheckReport(str(args.src), [exc])
         print(json.dumps(report.to_dict(), indent=2) if args.json else report.describe())
         return 2
-    report = check_source(src.path)
+    report = check_source(src.path, args.to, src.hub.repo_id if src.hub is not None else None)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

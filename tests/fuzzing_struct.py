@@ -17,8 +17,9 @@ extreme value or a wrong type, then write the structure back as a well-formed fi
 The judge is :func:`tests.fuzzing.judge` for the first two kinds (a correct conversion, bit-exact with
 the independent reference, or one of our errors with nothing left behind, and ``check`` agreeing);
 GGUF and adapter cases have no value oracle, so there the outcome must be a finished output or one of
-our errors with nothing left behind and the input unchanged (``check`` does not read GGUF configs or
-adapters). Every case runs under the hang guard; scripts/fuzz.py also caps the address space.
+our errors with nothing left behind and the input unchanged; for GGUF, ``check --to gguf:q8_0`` must
+agree (clean exactly when the conversion succeeds, else the same rule). ``check`` does not read
+adapters. Every case runs under the hang guard; scripts/fuzz.py also caps the address space.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
+from convert.check import check_source
 from convert.output import TMP_MARK
 from formats.errors import ConvertBnbError
 
@@ -267,6 +269,10 @@ def _judge_any(kind: str, src: Path, work: Path, to: str, merge_lora: tuple[Path
         assert out.exists() and not [p for p in out.parent.iterdir() if TMP_MARK in p.name]
         outcome = "ok"
     assert {p: tree_hash(p) for p in before} == before, "an input was modified"
+    if to.startswith("gguf"):
+        report = check_source(src, to)
+        found = [p.rule for p in report.problems]
+        assert found == ([] if outcome == "ok" else [outcome]), f"check --to {to} says {found}, convert {outcome}"
     OUTCOMES[kind][outcome] += 1
     return outcome
 

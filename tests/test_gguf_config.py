@@ -325,3 +325,23 @@ def test_valid_rope_variants_and_bounds_still_convert(tmp_path: Path) -> None:
     assert md["tokenizer.ggml.eos_token_id"][0] == 2  # from tokenizer_config.json; the list is ignored
     plain = dict(config, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0})
     assert plan_gguf(plain, shapes, FIXTURE, "f16").tensors[0].name == "rope_freqs.weight"
+
+
+def test_check_with_to_gguf_reports_the_config_problem_the_conversion_would_fail_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "model"
+    shutil.copytree(FIXTURE, src, ignore=shutil.ignore_patterns("reference"))
+    config = json.loads((src / "config.json").read_text())
+    config["rope_theta"] = "x"
+    (src / "config.json").write_text(json.dumps(config))
+    assert main(["check", str(src)]) == 0  # bf16 does not read rope_theta
+    assert main(["check", str(src), "--to", "bf16"]) == 0
+    capsys.readouterr()
+    assert main(["check", str(src), "--to", "gguf:q8_0"]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert "GGUF-006 config.json 'rope_theta' is not a number" in lines[0]
+    assert lines[-1].startswith(f"{src}: 1 problem")
+    with pytest.raises(E.GgufConfigError):
+        convert(src, tmp_path / "out.gguf", to="gguf:q8_0")
+    assert not (tmp_path / "out.gguf").exists()
