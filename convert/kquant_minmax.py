@@ -59,9 +59,12 @@ never wins. ``nearest_int`` is the magic-number trick bit for bit
 fp16 conversion rounds to nearest even, overflow to inf (``ggml_compute_fp32_to_fp16``).
 
 Vectorization: every sub-block of a chunk of super-blocks at once, data laid out as
-``(positions, sub-blocks)`` so each position is one contiguous float32 vector; Python loops run only
-over the 16/32 positions (the sequential sums) and the trials. Working set: about ten float32 arrays
-the size of the chunk (:data:`CHUNK_BLOCKS` super-blocks).
+``(positions, sub-blocks)`` so each position is one contiguous float32 row; a sequential sum over
+the positions is then a row-after-row ``np.add.reduce(axis=0)`` (:func:`_seq_sum`), and Python loops
+run only over the positions (min/max with the C comparisons) and the trials. Scratch arrays are
+allocated once per chunk and written in place (fresh arrays cost page faults; chained temporaries
+with broadcast operands hit a slow NumPy path). Working set: about ten float32 arrays the size of
+the chunk (:data:`CHUNK_BLOCKS` super-blocks, 512 KiB each) plus the output.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ I32 = npt.NDArray[np.int32]
 U8 = npt.NDArray[np.uint8]
 
 QK_K = 256
-#: Super-blocks encoded per step (64k values: each working array is 256 KiB, L2-sized).
-CHUNK_BLOCKS = 256
+#: Super-blocks encoded per step (128k values: each working array is 512 KiB; 256..1024 measure alike).
+CHUNK_BLOCKS = 512
 
 _MAGIC = np.float32(12582912.0)  # nearest_int's 1.5 * 2**23
 _ZERO = np.float32(0.0)
@@ -99,36 +102,59 @@ class _Fit(NamedTuple):
     flat: npt.NDArray[np.bool_]  # max == min: L = 0
 
 
-def _levels(t: F32, nmax: int) -> F32:
-    """``MAX(0, MIN(nmax, nearest_int(t)))`` as float32; ``t`` (any shape) is overwritten."""
+def _levels(t: F32, nmax: int, out: F32) -> F32:
+    """``out = MAX(0, MIN(nmax, nearest_int(t)))`` as float32 (``nearest_int`` bit for bit).
+
+    ``t`` is overwritten (scratch); ``out`` has its shape and is returned.
+    """
     t += _MAGIC
     bits = t.view(np.int32)
     bits &= 0x7FFFFF
     np.clip(bits, 0x400000, 0x400000 + nmax, out=bits)
-    out = bits.astype(np.float32)
+    np.copyto(out, bits, casting="unsafe")  # int32 -> float32, exact below 2**24
     out -= np.float32(0x400000)
     return out
 
 
+def _levels_shifted(x: F32, shift: F32, iscale: F32, nmax: int, t: F32, out: F32) -> F32:
+    """``out = clamp(nearest_int(iscale * (x - shift)))``: ``x``, ``t`` (scratch), ``out`` ``(n, m)``,
+    ``shift``/``iscale`` ``(m,)``. In place: fresh arrays cost page faults, and NumPy's temporary
+    elision makes ``(x - shift) * iscale`` several times slower than two in-place steps."""
+    np.subtract(x, shift, out=t)
+    t *= iscale
+    return _levels(t, nmax, out)
+
+
 def _seq_sum(a: F32, first: bool = False) -> F32:
-    """Sequential float32 sum over axis 0 of ``(n, m)``: from ``a[0]`` if ``first``, else from 0.f."""
+    """Sequential float32 sum over axis 0 of ``(n, m)``: from ``a[0]`` if ``first``, else from 0.f.
+
+    For ``m >= 2`` this is one ``np.add.reduce(axis=0)``: NumPy adds pairwise only along the
+    contiguous axis (documented under ``numpy.sum``); across rows of a C-contiguous array it
+    accumulates row after row, as the C loop does. With ``m == 1`` the reduced axis becomes the
+    contiguous one (pairwise), so that case loops in Python.
+    """
+    if a.shape[1] >= 2 and a.flags.c_contiguous:
+        if first:
+            return np.add.reduce(a, axis=0)
+        return np.add.reduce(a, axis=0, initial=_ZERO)
     acc = a[0].copy() if first else _ZERO + a[0]
     for row in a[1:]:
         acc += row
     return acc
 
 
-def _sum_error(w: F32, lf: F32, scale: F32, mn: F32, x: F32, use_mad: bool) -> F32:
-    """``sum_i w * f(scale*L + min - x)`` (f = abs or square), sequential; arrays ``(n, m)``/``(m,)``."""
-    diff = lf * scale
-    diff += mn
-    diff -= x
+def _sum_error(w: F32, lf: F32, scale: F32, mn: F32, x: F32, use_mad: bool, tmp: F32) -> F32:
+    """``sum_i w * f(scale*L + min - x)`` (f = abs or square), sequential; ``(n, m)`` arrays, ``(m,)``
+    ``scale``/``mn``; ``tmp`` is scratch."""
+    np.multiply(lf, scale, out=tmp)
+    tmp += mn
+    tmp -= x
     if use_mad:
-        np.abs(diff, out=diff)
+        np.abs(tmp, out=tmp)
     else:
-        diff *= diff
-    diff *= w
-    return _seq_sum(diff)
+        tmp *= tmp
+    tmp *= w
+    return _seq_sum(tmp)
 
 
 def make_qkx2_quants(
@@ -137,6 +163,7 @@ def make_qkx2_quants(
     """``make_qkx2_quants`` of ggml-quants.c for every column of ``x``/``w`` (float32 ``(n, n_sub)``).
 
     Returns the scale, ``the_min`` and what rebuilds the kept ``L`` (:func:`_fit_levels`).
+    Working set: four scratch arrays the shape of ``x``, allocated once.
     """
     n = x.shape[0]
     mn = x[0].copy()
@@ -145,27 +172,30 @@ def make_qkx2_quants(
         xi = x[i]
         np.copyto(mn, xi, where=xi < mn)
         np.copyto(mx, xi, where=xi > mx)
+    t = np.empty_like(x)
+    lf = np.empty_like(x)
+    wl = np.empty_like(x)
+    tmp = np.empty_like(x)
     sum_w = _seq_sum(w, first=True)
-    sum_x = _seq_sum(w * x, first=True)
+    sum_x = _seq_sum(np.multiply(w, x, out=tmp), first=True)
     mn[mn > 0] = _ZERO
     flat = mx == mn
     fnmax = np.float32(nmax)
     with np.errstate(all="ignore"):
         iscale = fnmax / (mx - mn)
         scale = np.float32(1.0) / iscale
-        lf = _levels((x - mn) * iscale, nmax)
-        best = _sum_error(w, lf, scale, mn, x, use_mad)
+        _levels_shifted(x, mn, iscale, nmax, t, lf)
+        best = _sum_error(w, lf, scale, mn, x, use_mad, tmp)
         best_iscale = iscale.copy()
         shift = mn.copy()
         for step in range(nstep + 1):
             num = np.float32(rmin) + np.float32(rdelta) * np.float32(step) + fnmax
             isc = num / (mx - mn)
-            lf = _levels((x - mn) * isc, nmax)
-            wl = w * lf
+            _levels_shifted(x, mn, isc, nmax, t, lf)
+            np.multiply(w, lf, out=wl)
             sum_l = _seq_sum(wl)
-            sum_l2 = _seq_sum(wl * lf)
-            wl *= x
-            sum_xl = _seq_sum(wl)
+            sum_l2 = _seq_sum(np.multiply(wl, lf, out=tmp))
+            sum_xl = _seq_sum(np.multiply(wl, x, out=tmp))
             d = sum_w * sum_l2 - sum_l * sum_l
             this_scale = np.asarray((sum_w * sum_xl - sum_x * sum_l) / d, dtype=np.float32)  # float32 already
             this_min = np.asarray((sum_l2 * sum_x - sum_l * sum_xl) / d, dtype=np.float32)
@@ -173,7 +203,7 @@ def make_qkx2_quants(
             if pos.any():
                 this_min[pos] = _ZERO
                 np.copyto(this_scale, sum_xl / sum_l2, where=pos)
-            cur = _sum_error(w, lf, this_scale, this_min, x, use_mad)
+            cur = _sum_error(w, lf, this_scale, this_min, x, use_mad, tmp)
             take = (d > 0) & (cur < best) & ~flat
             np.copyto(best, cur, where=take)
             np.copyto(scale, this_scale, where=take)
@@ -186,8 +216,9 @@ def make_qkx2_quants(
 
 def _fit_levels(x: F32, fit: _Fit, nmax: int) -> F32:
     """The ``L`` ``make_qkx2_quants`` left behind, float32 ``(n, n_sub)``."""
+    lf = np.empty_like(x)
     with np.errstate(all="ignore"):
-        lf = _levels((x - fit.shift) * fit.iscale, nmax)
+        _levels_shifted(x, fit.shift, fit.iscale, nmax, np.empty_like(x), lf)
     lf[:, fit.flat] = _ZERO
     return lf
 
@@ -209,7 +240,7 @@ def _requantize(x: F32, d: F32, dm: F32, nmax: int, x_sub: F32, fit: _Fit) -> U8
     with np.errstate(all="ignore"):
         t = x + dm
         t /= d
-    lf = _levels(t, nmax)
+    lf = _levels(t, nmax, np.empty_like(t))
     skip = d == 0
     if skip.any():
         keep = _fit_levels(x_sub[:, skip], _Fit(*(a[skip] for a in fit)), nmax)

@@ -316,3 +316,20 @@ def test_nearest_int_bits() -> None:
         want = [((np.float32(v) + np.float32(12582912.0)).view(np.int32) & 0x7FFFFF) - 0x400000 for v in odd]
     assert nearest_int_bits(odd).tolist() == [int(w) for w in want]
     assert nearest_int_bits(odd)[:3].tolist() == [-4194304, -4194304, 0]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 17, 4096])
+@pytest.mark.parametrize("n", [16, 32])
+def test_seq_sum_is_sequential(n: int, m: int) -> None:
+    """``_seq_sum`` (one ``np.add.reduce(axis=0)`` for ``m >= 2``) adds row after row in float32,
+    as the C loops do: pairwise or reordered summation would differ on these magnitudes."""
+    from convert.kquant_minmax import _seq_sum
+
+    rng = np.random.default_rng(n * 1000 + m)
+    a = (rng.standard_normal((n, m)) * 10.0 ** rng.integers(-7, 7, (n, m))).astype(np.float32)
+    a[0, 0] = -0.0
+    acc0, acc1 = np.float32(0.0) + a[0], a[0].copy()
+    for row in a[1:]:
+        acc0, acc1 = acc0 + row, acc1 + row
+    assert np.array_equal(_seq_sum(a).view(np.uint32), acc0.view(np.uint32))
+    assert np.array_equal(_seq_sum(a, first=True).view(np.uint32), acc1.view(np.uint32))
