@@ -81,7 +81,6 @@ __all__ = ["Q2_KCodec", "Q4_KCodec", "Q5_KCodec"]
 
 GT = gguf.GGMLQuantizationType
 F32 = npt.NDArray[np.float32]
-I32 = npt.NDArray[np.int32]
 U8 = npt.NDArray[np.uint8]
 
 QK_K = 256
@@ -232,7 +231,7 @@ def _running_max(v: F32) -> F32:
     return m
 
 
-def _requantize(x: F32, d: F32, dm: F32, nmax: int, x_sub: F32, fit: _Fit) -> U8:
+def _requantize(x: F32, d: F32, dm: F32, nmax: int, fit: _Fit) -> U8:
     """``L = clamp(nearest_int((x + dm) / d))``; sub-blocks with ``d == 0`` keep their fit's ``L``.
 
     ``x`` is ``(n, n_sub)``, ``d``/``dm`` ``(n_sub,)``; returns uint8 ``(n, n_sub)``.
@@ -243,7 +242,7 @@ def _requantize(x: F32, d: F32, dm: F32, nmax: int, x_sub: F32, fit: _Fit) -> U8
     lf = _levels(t, nmax, np.empty_like(t))
     skip = d == 0
     if skip.any():
-        keep = _fit_levels(x_sub[:, skip], _Fit(*(a[skip] for a in fit)), nmax)
+        keep = _fit_levels(x[:, skip], _Fit(*(a[skip] for a in fit)), nmax)
         lf[:, skip] = keep
     return lf.astype(np.uint8)
 
@@ -294,7 +293,7 @@ def _q45_block(xb: F32, nmax: int, rmin: float, nstep: int) -> tuple[U8, U8, U8,
     sc[:, 8:12] = (ls[:, 4:8] & 0xF) | (lm[:, 4:8] & 0xF) << 4
     d = d16.view("<f2").astype(np.float32) * ls.astype(np.float32)  # (nb, 8)
     dm = dmin16.view("<f2").astype(np.float32) * lm.astype(np.float32)
-    levels = _requantize(xs, d.reshape(-1), dm.reshape(-1), nmax, xs, fit)
+    levels = _requantize(xs, d.reshape(-1), dm.reshape(-1), nmax, fit)
     return d16, dmin16, sc.astype(np.uint8), _to_blocks(levels, 32)
 
 
@@ -390,7 +389,7 @@ class Q2_KCodec(Codec):
         dmin16 = _fp16_bytes(max_min / c15)
         d = d16.view("<f2").astype(np.float32) * (sc & 0xF).astype(np.float32)
         dm = dmin16.view("<f2").astype(np.float32) * (sc >> 4).astype(np.float32)
-        lv = _to_blocks(_requantize(xs, d.reshape(-1), dm.reshape(-1), 3, xs, fit), 16)
+        lv = _to_blocks(_requantize(xs, d.reshape(-1), dm.reshape(-1), 3, fit), 16)
         out = np.empty((nb, 84), dtype=np.uint8)
         out[:, 0:16] = sc
         q = lv.reshape(-1, 2, 4, 32)
