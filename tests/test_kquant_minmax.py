@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -100,11 +101,15 @@ def _random_rows(kind: str, seed: int, shape: tuple[int, int] = (48, 1024)) -> n
         return x
     if kind == "levels":  # few distinct values: ties in min/max and exact halves
         return (rng.integers(-4, 5, shape) * 0.25).astype(np.float32)
+    if kind == "grid_pow2":  # integer grids times powers of two: exact .5 ties in nearest_int
+        return (rng.integers(-64, 64, shape) * 2.0 ** rng.integers(-10, 10, (shape[0], 1))).astype(np.float32)
+    if kind == "bf16":  # bf16-rounded weights (what bitsandbytes checkpoints dequantize to)
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16).astype(np.float32)
     raise ValueError(kind)
 
 
 RANDOM_KINDS = ["normal", "uniform", "uniform_pos", "student_t1", "student_t3", "row_scales", "offset", "sparse",
-                "levels"]
+                "levels", "grid_pow2", "bf16"]
 
 
 def _edge_blocks(with_nonfinite: bool = False) -> tuple[list[str], np.ndarray]:
