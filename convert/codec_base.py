@@ -76,3 +76,21 @@ class Codec:
     def dequantize(cls, data: U8) -> F32:
         """uint8 ``(rows, nbytes)`` -> float32 ``(rows, nbytes // type_size * block_size)``."""
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
+
+
+_NEAREST_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23
+
+
+def nearest_int_bits(x: F32) -> npt.NDArray[np.int32]:
+    """llama.cpp's ``nearest_int`` bit for bit for every float32, not only ``|x| <= 4194303``.
+
+    The C function adds ``12582912.f`` (1.5 * 2**23), reads the float's bits as an int and keeps
+    ``(bits & 0x7fffff) - 0x400000``; its range assert is compiled out, so large values, infinities
+    and NaNs (canonical NaN -> 0, +-inf -> -4194304) give that formula's result, which
+    :func:`nearest_int` does not reproduce. Same shape as ``x``, int32.
+    """
+    v = np.asarray(x, dtype=np.float32) + _NEAREST_MAGIC
+    bits = v.view(np.int32)
+    bits &= 0x7FFFFF
+    bits -= 0x400000
+    return bits
