@@ -76,3 +76,35 @@ class Codec:
     def dequantize(cls, data: U8) -> F32:
         """uint8 ``(rows, nbytes)`` -> float32 ``(rows, nbytes // type_size * block_size)``."""
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
+
+
+def nearest_int_bits(x: F32) -> npt.NDArray[np.int32]:
+    """llama.cpp's ``nearest_int`` bit for bit, for every float32 (also ``|x| >= 2**22``, inf, NaN).
+
+    C adds ``12582912.f`` (``1.5 * 2**23``) in float32 and keeps the low 23 bits of the sum minus
+    ``0x400000``; outside ``|x| < 2**22`` that is not a rounding, and this function gives the same
+    value. Three vector passes (add, and, subtract), against two for :func:`nearest_int`.
+    """
+    v = np.asarray(x, dtype=np.float32) + np.float32(12582912.0)
+    i = v.view(np.int32)
+    i &= 0x007FFFFF
+    i -= 0x00400000
+    return i
+
+
+def first_absmax(x: F32, axis: int = -1) -> tuple[F32, F32]:
+    """``(amax, max)`` of C's ``if (fabsf(x[i]) > amax) { amax = fabsf(x[i]); max = x[i]; }`` loop.
+
+    ``amax`` starts at 0, so ``max`` is the first element of largest ``|x|`` (its sign kept) and 0
+    when every ``|x|`` is 0; a NaN never wins (``fabsf(NaN) > amax`` is false). Both float32, with
+    ``axis`` removed.
+    """
+    ax = np.abs(np.asarray(x, dtype=np.float32))
+    ax[np.isnan(ax)] = 0
+    idx = np.expand_dims(np.argmax(ax, axis=axis), axis)
+    amax = np.take_along_axis(ax, idx, axis=axis).squeeze(axis)
+    mx = np.take_along_axis(np.asarray(x, dtype=np.float32), idx, axis=axis).squeeze(axis)
+    return amax, np.where(amax > 0, mx, np.float32(0)).astype(np.float32)
+
+
+__all__ += ["first_absmax", "nearest_int_bits"]

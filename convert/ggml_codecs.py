@@ -22,6 +22,7 @@ from __future__ import annotations
 import gguf
 
 from .codec_base import Codec
+from .kquant_scale import Q6_KCodec
 
 __all__ = ["CODECS", "codec"]
 
@@ -65,6 +66,8 @@ CODECS: dict[gguf.GGMLQuantizationType, type[Codec]] = {
     c.ggml_type: c
     for c in (F32Codec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Codec, Q4_1Codec, Q5_0Codec, Q5_1Codec)
 }
+CODECS[Q6_KCodec.ggml_type] = Q6_KCodec
+
 
 
 def codec(ggml_type: gguf.GGMLQuantizationType) -> type[Codec]:

@@ -1,0 +1,213 @@
+"""NumPy encoders for the scale-only GGML K-quants Q6_K and Q3_K, byte-identical to llama.cpp.
+
+Matched revision: the llama.cpp copy vendored in llama-cpp-python 0.3.36
+(``vendor/llama.cpp/ggml/src/ggml-quants.c``), the functions ``ggml_quantize_chunk`` calls when
+llama-quantize runs without an importance matrix: ``quantize_q6_K`` -> ``quantize_row_q6_K_ref``
+and ``quantize_q3_K`` -> ``quantize_row_q3_K_ref``. IQ4_NL, the fallback type for Q2_K/Q3_K rows
+that are not a multiple of 256, is in :mod:`convert.iq4_nl`.
+
+Block layouts (little-endian, ``QK_K = 256`` weights per super-block of 16 sub-blocks of 16):
+
+- ``block_q6_K`` (210 bytes): ``ql[128]`` low 4 bits of the 6-bit codes, ``qh[64]`` their high 2
+  bits, ``scales[16]`` int8 sub-block scales, ``d`` fp16 super-block scale. Code ``L`` (0..63) of
+  weight ``j`` of half ``h`` (``j = 128*h + 32*q + l``, ``q`` 0..3, ``l`` 0..31): ``ql[64*h + l]``
+  holds ``q = 0`` (low nibble) and ``q = 2`` (high nibble), ``ql[64*h + 32 + l]`` holds ``q = 1``
+  and ``q = 3``; ``qh[32*h + l]`` holds ``L >> 4`` of ``q`` at bits ``2q``. Value
+  ``d * scales[j // 16] * (L - 32)``.
+- ``block_q3_K`` (110 bytes): ``hmask[32]`` (bit ``j // 32`` of byte ``j % 32`` is bit 2 of the
+  3-bit code of weight ``j``), ``qs[64]`` (low 2 bits: ``qs[32*h + l]`` holds weights
+  ``128*h + 32*q + l`` at bits ``2q``), ``scales[12]`` (16 6-bit scales ``s + 32``: low nibbles of
+  0..7 in bytes 0..7, of 8..15 in the high nibbles of bytes 0..7; high 2 bits of scale ``j`` in
+  byte ``8 + j % 4`` at bits ``2 * (j // 4)``), ``d`` fp16. Value ``d * s * (L - 4)``.
+
+Algorithm (per super-block; all float32):
+
+- Q6_K: each sub-block gets a scale from ``make_qx_quants(16, nmax=32, rmse_type=1, qw=NULL)``:
+  ``iscale = -32 / max`` (``max`` the first element of largest ``|x|``), codes
+  ``clamp(nearest_int(iscale * x), -32, 31)``, weights ``w = x * x``, least-squares scale
+  ``sumlx / suml2``; then 18 more trial ``iscale = -(32 + 0.1f * is) / max`` (``is`` = -9..9 but 0),
+  keeping a trial when ``sumlx**2 > best * suml2``. A sub-block with ``amax < GROUP_MAX_EPS``
+  (1e-15) gets scale 0 and codes 0. The 16 scales are quantized to int8 with
+  ``iscale = -128 / max_scale``, ``d = fp16(1 / iscale)``, ``scales = min(127, nearest_int(iscale
+  * scale))``; the codes are re-made from the rounded factor ``d * scales[j]`` by
+  ``clamp(nearest_int(x / (d * s)), -32, 31) + 32``, except in a sub-block whose ``d * s`` is 0,
+  which keeps the ``make_qx_quants`` codes. A super-block whose scales all are below
+  ``GROUP_MAX_EPS`` is all zero bytes.
+- Q3_K: each sub-block gets a scale from ``make_q3_quants(16, nmax=4, do_rmse=true)``: codes from
+  ``iscale = -4 / max``, then up to 5 passes that move one code at a time to
+  ``nearest_int(x * sl2 / slx)`` when that raises ``sumlx**2 / suml2`` (weights ``x * x``), scale
+  ``sumlx / suml2``. The scales go to 6 bits with ``iscale = -32 / max_scale``,
+  ``d = fp16(1 / iscale)`` (0 and zero scale bytes when ``max_scale`` is 0); codes are re-made
+  from ``d * s`` as for Q6_K (range -4..3).
+
+Float32 order rules (what byte identity needs): sums are sequential loops over the 16 positions
+of a sub-block (``s = 0; s += v[i]``), never pairwise; products associate left to right as
+written in C (``w*x[i]*l`` is ``(w * x) * l``, ``w*l*l`` is ``(w * l) * l``); division stays
+division (``x / d``, not ``x * (1 / d)``) and ``1 / iscale`` is a division; no fused multiply-add
+(the x86-64 ``libggml-base`` has none); ``nearest_int`` is the ``+ 1.5 * 2**23`` bit trick
+(:func:`~convert.codec_base.nearest_int_bits` where the argument can be large). A Q3_K sub-block
+whose refinement stopped early is run through the remaining passes too: a pass without a change
+leaves the state as it was, so later passes change nothing either.
+
+Vectorization: one NumPy operation covers every sub-block of a chunk of super-blocks (data laid
+out position-major, ``(16, sub-blocks)``); Python loops only run over the 16 positions and the
+trial scales. Chunks of :data:`CHUNK_BLOCKS` super-blocks keep the working set in cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .codec_base import GT, Codec, first_absmax, fp16_round, nearest_int_bits
+
+__all__ = ["CHUNK_BLOCKS", "Q6_KCodec", "make_qx_quants"]
+
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+
+QK_K = 256
+GROUP_MAX_EPS = np.float32(1e-15)
+#: Super-blocks per vectorized chunk (64 KiB of float32 per working array).
+CHUNK_BLOCKS = 64
+
+
+def _seq_sum0(p: F32) -> F32:
+    """Sequential float32 sum over axis 0 of ``(16, m)``, starting from ``0.0f`` as C does."""
+    acc = p[0] + np.float32(0)
+    for row in p[1:]:
+        acc += row
+    return acc
+
+
+def _qx_sums(x: F32, w: F32, wx: F32, iscale: F32, lo: float, hi: float, t: F32, p: F32) -> tuple[F32, F32]:
+    """``(sumlx, suml2)`` of codes ``clamp(rint(iscale * x), lo, hi)``; ``t``, ``p`` are scratch."""
+    np.multiply(x, iscale, out=t)
+    np.rint(t, out=t)
+    np.clip(t, lo, hi, out=t)
+    np.multiply(wx, t, out=p)
+    sumlx = _seq_sum0(p)
+    np.multiply(w, t, out=p)
+    p *= t
+    return sumlx, _seq_sum0(p)
+
+
+def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``x`` at once.
+
+    ``x``: float32 ``(n, m)``, one sub-block per column (position-major). Returns the scales
+    (float32 ``(m,)``), the ``iscale`` whose codes C leaves in ``L`` (``L = clamp(nearest_int(
+    iscale * x), -nmax, nmax - 1) + nmax``) and the all-zero mask (``amax < GROUP_MAX_EPS``: scale 0,
+    ``L`` 0). Codes ``iscale * x`` stay below ``nmax + 1`` in magnitude, so ``rint`` is
+    ``nearest_int`` there.
+    """
+    amax, mx = first_absmax(x, axis=0)
+    zero = amax < GROUP_MAX_EPS
+    mx[zero] = 1
+    w = x * x
+    wx = w * x
+    t = np.empty_like(x)
+    p = np.empty_like(x)
+    lo, hi = -nmax, nmax - 1
+    best_is = np.float32(-nmax) / mx
+    sumlx, suml2 = _qx_sums(x, w, wx, best_is, lo, hi, t, p)
+    scale = np.where(suml2 != 0, sumlx / suml2, np.float32(0))
+    best = scale * sumlx
+    for i in range(-9, 10):
+        if i == 0:
+            continue
+        iscale = -(np.float32(nmax) + np.float32(0.1) * np.float32(i)) / mx
+        sumlx, suml2 = _qx_sums(x, w, wx, iscale, lo, hi, t, p)
+        upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        if upd.any():
+            scale = np.where(upd, sumlx / suml2, scale)
+            best = np.where(upd, scale * sumlx, best)
+            best_is = np.where(upd, iscale, best_is)
+    scale[zero] = 0
+    return scale, best_is, zero
+
+
+def _requant(x: F32, d: F32, l_keep: npt.NDArray[np.int32], nmax: int) -> npt.NDArray[np.int32]:
+    """Codes ``clamp(nearest_int(x / d), -nmax, nmax - 1) + nmax``; ``l_keep`` where ``d == 0``.
+
+    ``x`` float32 ``(n, m)``, ``d`` float32 ``(m,)``, ``l_keep`` int32 ``(n, m)``.
+    """
+    dz = d == 0
+    d1 = d.copy()
+    d1[dz] = 1
+    q = x / d1
+    li = nearest_int_bits(q)
+    np.clip(li, -nmax, nmax - 1, out=li)
+    li += nmax
+    return np.where(dz, l_keep, li)
+
+
+def _position_major(xb: F32) -> F32:
+    """float32 ``(blocks, 256)`` -> ``(16, blocks * 16)``: column ``16*b + j`` is sub-block ``j``."""
+    return np.ascontiguousarray(xb.reshape(-1, 16).T)
+
+
+def _from_position_major(lp: npt.NDArray[np.int32], nblocks: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`_position_major` for codes: uint8 ``(blocks, 256)``."""
+    return lp.T.reshape(nblocks, QK_K).astype(np.uint8)
+
+
+def _chunked(x: F32, type_size: int, encode: object) -> U8:
+    """Run ``encode`` (float32 ``(blocks, 256)`` -> uint8 ``(blocks, type_size)``) by chunks."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % QK_K:
+        raise ValueError(f"expected float32 (rows, n) with n a multiple of {QK_K}, got {x.shape}")
+    rows, n = x.shape
+    flat = x.reshape(-1, QK_K)
+    out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
+    assert callable(encode)
+    with np.errstate(all="ignore"):
+        for s in range(0, flat.shape[0], CHUNK_BLOCKS):
+            out[s : s + CHUNK_BLOCKS] = encode(flat[s : s + CHUNK_BLOCKS])
+    return out.reshape(rows, n // QK_K * type_size)
+
+
+def _fp16_bytes(d: F32) -> U8:
+    """float32 ``(m,)`` -> uint8 ``(m, 2)``: the little-endian fp16 (``GGML_FP32_TO_FP16``)."""
+    return np.asarray(d, dtype=np.float32).astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _q6_k_blocks(xb: F32) -> U8:
+    """``quantize_row_q6_K_ref`` of float32 ``(m, 256)`` -> uint8 ``(m, 210)``."""
+    m = xb.shape[0]
+    xp = _position_major(xb)
+    scale, best_is, zero = make_qx_quants(xp, 32)
+    prod: F32 = xp * best_is
+    l_make = nearest_int_bits(prod)
+    np.clip(l_make, -32, 31, out=l_make)
+    l_make += 32
+    l_make[:, zero] = 0
+    scales = scale.reshape(m, 16)
+    max_abs, max_scale = first_absmax(scales, axis=1)
+    blank = max_abs < GROUP_MAX_EPS
+    max_scale[blank] = 1
+    iscale = np.float32(-128) / max_scale
+    d = fp16_round(np.float32(1) / iscale)
+    sc = np.minimum(nearest_int_bits(iscale[:, None] * scales), 127).astype(np.int8)
+    dl = (d[:, None] * sc.astype(np.float32)).reshape(-1)
+    codes = _from_position_major(_requant(xp, dl, l_make, 32), m)
+    lr = codes.reshape(m, 2, 4, 32)
+    out = np.empty((m, 210), dtype=np.uint8)
+    out[:, :128] = ((lr[:, :, 0:2] & 15) | ((lr[:, :, 2:4] & 15) << 4)).reshape(m, 128)
+    qh = (lr[:, :, 0] >> 4) | ((lr[:, :, 1] >> 4) << 2) | ((lr[:, :, 2] >> 4) << 4) | ((lr[:, :, 3] >> 4) << 6)
+    out[:, 128:192] = qh.reshape(m, 64)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = _fp16_bytes(d)
+    out[blank] = 0
+    return out
+
+
+class Q6_KCodec(Codec):
+    """Q6_K: ``quantize_row_q6_K_ref`` (via ``quantize_q6_K`` without imatrix), byte for byte."""
+
+    ggml_type = GT.Q6_K
+
+    @classmethod
+    def quantize(cls, x: F32) -> U8:
+        """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 210)``."""
+        return _chunked(x, 210, _q6_k_blocks)

@@ -1,0 +1,210 @@
+"""Byte identity of the Q6_K / Q3_K / IQ4_NL encoders (convert.kquant_scale, convert.iq4_nl)
+with llama.cpp's C quantizers.
+
+The oracle is the C library llama-cpp-python 0.3.36 installs (libggml-base.so, the llama.cpp
+revision the encoders are written against): ``ggml_quantize_chunk`` with no imatrix, which is what
+llama-quantize calls, and ``dequantize_row_*``. Those tests skip without llama_cpp; the golden
+hashes at the end (taken from the C oracle) run everywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from convert.codec_base import Codec
+from convert.ggml_codecs import CODECS
+from convert.kquant_scale import Q6_KCodec
+from tests.conftest import read_safetensors
+
+GT = gguf.GGMLQuantizationType
+CODEC_LIST: list[type[Codec]] = [Q6_KCodec]
+IDS = [c.ggml_type.name for c in CODEC_LIST]
+DEQUANT = {GT.Q6_K: "dequantize_row_q6_K", GT.Q3_K: "dequantize_row_q3_K", GT.IQ4_NL: "dequantize_row_iq4_nl"}
+REFERENCE = Path(__file__).parent / "fixtures" / "models" / "llama_nf4_dq" / "reference" / "dequantized.safetensors"
+
+
+class Oracle:
+    """ctypes view of libggml-base.so's ``ggml_quantize_chunk`` and ``dequantize_row_*``."""
+
+    def __init__(self) -> None:
+        spec = importlib.util.find_spec("llama_cpp")
+        assert spec is not None and spec.origin is not None
+        self.lib = ctypes.CDLL(os.path.join(os.path.dirname(spec.origin), "lib", "libggml-base.so"))
+        f = self.lib.ggml_quantize_chunk
+        f.restype = ctypes.c_size_t
+        f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_int64, ctypes.c_void_p]
+        for name in DEQUANT.values():
+            g = getattr(self.lib, name)
+            g.restype = None
+            g.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+
+    def quantize(self, t: GT, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        bs, ts = gguf.GGML_QUANT_SIZES[t]
+        out = np.zeros((x.shape[0], x.shape[1] // bs * ts), dtype=np.uint8)
+        n = self.lib.ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], None)
+        assert n == out.size
+        return out
+
+    def dequantize(self, t: GT, q: np.ndarray) -> np.ndarray:
+        q = np.ascontiguousarray(q, dtype=np.uint8)
+        bs, ts = gguf.GGML_QUANT_SIZES[t]
+        out = np.zeros((q.shape[0], q.shape[1] // ts * bs), dtype=np.float32)
+        getattr(self.lib, DEQUANT[t])(q.ctypes.data, out.ctypes.data, out.size)
+        return out
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Oracle:
+    pytest.importorskip("llama_cpp")
+    return Oracle()
+
+
+def _rows(n: int) -> Callable[[np.random.Generator], np.ndarray]:
+    return lambda rng: rng.standard_normal((8, n), dtype=np.float32)
+
+
+def _edge_blocks() -> np.ndarray:
+    """One 256-weight row per edge case (every sub-block size divides 256)."""
+    rng = np.random.default_rng(7)
+    rows = []
+    z = np.zeros(256, np.float32)
+    rows.append(z.copy())                                    # all zeros
+    rows.append(np.full(256, 0.37, np.float32))              # constant positive
+    rows.append(np.full(256, -5.0, np.float32))              # constant negative
+    for pos, v in ((0, 1.0), (17, -3.0), (255, 2e-3)):       # single nonzero
+        r = z.copy()
+        r[pos] = v
+        rows.append(r)
+    rows.append(-np.abs(rng.standard_normal(256).astype(np.float32)))   # all negative
+    rows.append(np.abs(rng.standard_normal(256).astype(np.float32)))    # all positive
+    rows.append((rng.standard_normal(256) * 1e-16).astype(np.float32))  # below GROUP_MAX_EPS
+    rows.append((rng.standard_normal(256) * 1e-14).astype(np.float32))  # just above it
+    rows.append((rng.standard_normal(256) * 1e-40).astype(np.float32))  # subnormals
+    rows.append((rng.standard_normal(256) * 1e-6).astype(np.float32))   # fp16 d underflows
+    rows.append((rng.standard_normal(256) * 1e30).astype(np.float32))   # w = x*x overflows
+    rows.append((rng.standard_normal(256) * 6e4).astype(np.float32))    # fp16 d near its max
+    mixed = rng.standard_normal(256) * 10.0 ** rng.integers(-12, 12, 256)
+    rows.append(mixed.astype(np.float32))                               # mixed magnitudes
+    big_small = rng.standard_normal(256).astype(np.float32) * 1e-3
+    big_small[:16] *= 1e5
+    rows.append(big_small)                                              # one loud sub-block
+    tie = rng.standard_normal(256).astype(np.float32)
+    tie[::16], tie[1::16] = 4.0, -4.0                                   # |max| ties, + first
+    rows.append(tie)
+    tie2 = tie.copy()
+    tie2[::16], tie2[1::16] = -4.0, 4.0                                 # |max| ties, - first
+    rows.append(tie2)
+    rows.append(rng.integers(-8, 8, 256).astype(np.float32))            # integer grid (rounding ties)
+    rows.append((rng.integers(-3, 4, 256) * 0.25).astype(np.float32))
+    rows.append(((np.arange(256) % 16) - 8).astype(np.float32))         # exact ramps
+    ones = z.copy()
+    ones[::2] = 1e-15                                                   # exactly GROUP_MAX_EPS-ish
+    rows.append(ones)
+    return np.stack(rows)
+
+
+CASES: dict[str, Callable[[np.random.Generator], np.ndarray]] = {
+    "normal": lambda rng: rng.standard_normal((32, 1024), dtype=np.float32),
+    "normal_wide": lambda rng: rng.standard_normal((2, 8192), dtype=np.float32) * 0.02,
+    "uniform": lambda rng: rng.uniform(-1, 1, (32, 512)).astype(np.float32),
+    "uniform_pos": lambda rng: rng.uniform(0, 3, (16, 512)).astype(np.float32),
+    "student_t2": lambda rng: (rng.standard_t(2, (32, 768)) * 0.02).astype(np.float32),
+    "student_t1": lambda rng: rng.standard_t(1, (16, 512)).astype(np.float32),
+    "sparse": lambda rng: (rng.standard_normal((16, 512)) * (rng.random((16, 512)) < 0.05)).astype(np.float32),
+    "edge": lambda rng: _edge_blocks(),
+}
+
+
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_c(oracle: Oracle, codec: type[Codec], case: str) -> None:
+    x = CASES[case](np.random.default_rng(zlib.crc32(case.encode())))
+    got = codec.quantize(x)
+    want = oracle.quantize(codec.ggml_type, x)
+    assert got.shape == want.shape and got.dtype == np.uint8
+    bad = np.nonzero((got != want).any(axis=1))[0]
+    assert bad.size == 0, f"{case}: rows {bad[:8]} differ"
+
+
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+def test_many_superblocks(oracle: Oracle, codec: type[Codec]) -> None:
+    """4096 super-blocks, each with its own scale (1e-20 .. 1e20), shape and sparsity."""
+    rng = np.random.default_rng(12345)
+    nb = 4096
+    scale = 10.0 ** rng.uniform(-20, 20, (nb, 1))
+    kind = rng.integers(0, 4, (nb, 1))
+    base = np.where(kind == 0, rng.standard_normal((nb, 256)),
+                    np.where(kind == 1, rng.standard_t(1.5, (nb, 256)),
+                             np.where(kind == 2, rng.uniform(-1, 1, (nb, 256)), rng.integers(-4, 5, (nb, 256)))))
+    keep = rng.random((nb, 256)) >= rng.uniform(0, 0.9, (nb, 1))
+    x = (base * scale * keep).astype(np.float32).reshape(64, -1)
+    np.testing.assert_array_equal(codec.quantize(x), oracle.quantize(codec.ggml_type, x))
+
+
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+def test_real_weights(oracle: Oracle, codec: type[Codec]) -> None:
+    """The fixture model's dequantized weights (bf16 -> float32), every 2-D tensor."""
+    tensors = read_safetensors(REFERENCE)
+    for name, t in sorted(tensors.items()):
+        if t.ndim != 2 or t.shape[1] % codec.block_size():
+            continue
+        x = np.asarray(t, dtype=np.float32)
+        got = codec.quantize(x)
+        assert np.array_equal(got, oracle.quantize(codec.ggml_type, x)), name
+
+
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+def test_dequantize_matches_c(oracle: Oracle, codec: type[Codec]) -> None:
+    x = np.concatenate([CASES["normal"](np.random.default_rng(3)).reshape(-1, 256), _edge_blocks()]).reshape(-1, 512)
+    q = codec.quantize(x)
+    with np.errstate(invalid="ignore"):  # the 1e30 block: fp16 d is inf, inf * 0 is NaN in C too
+        got = codec.dequantize(q)
+    want = oracle.dequantize(codec.ggml_type, q)
+    assert got.shape == x.shape
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_codec_table() -> None:
+    for c in CODEC_LIST:
+        assert CODECS[c.ggml_type] is c
+
+
+def test_rejects_bad_shape() -> None:
+    with pytest.raises(ValueError):
+        Q6_KCodec.quantize(np.zeros((2, 100), np.float32))
+
+
+# sha256 of the C oracle's output (ggml_quantize_chunk of libggml-base.so, llama-cpp-python 0.3.36),
+# computed from the C library, not from our encoders, for the inputs of _golden_input(seed).
+GOLDEN: dict[tuple[str, int], str] = {
+    ("Q6_K", 0): "a53a6148580c06632f40861f420574c5852740b795dd2c6bf1022c50d5b9c70b",
+    ("Q6_K", 1): "e75b5fc9e7108b40a7b19510e29e19e202ad8848e818c54691fbedb2e1d8de29",
+    ("Q6_K", 2): "d905ba24364185bf5912214d9195b99fa85952c3f90ba306e0edb9857c2a1b7c",
+}
+
+
+def _golden_input(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((8, 1024), dtype=np.float32) * np.float32(0.05)
+    x[::3] = rng.standard_t(2, (3, 1024)).astype(np.float32)
+    x[1, :256] = 0
+    return x
+
+
+@pytest.mark.parametrize(("tname", "seed"), sorted(GOLDEN))
+def test_golden_hashes(tname: str, seed: int) -> None:
+    codec = CODECS[GT[tname]]
+    got = hashlib.sha256(codec.quantize(_golden_input(seed)).tobytes()).hexdigest()
+    assert got == GOLDEN[(tname, seed)]
