@@ -61,7 +61,7 @@ import numpy.typing as npt
 
 from .codec_base import GT, Codec, first_absmax, fp16_round, nearest_int_bits
 
-__all__ = ["CHUNK_BLOCKS", "Q6_KCodec", "make_qx_quants"]
+__all__ = ["CHUNK_BLOCKS", "Q3_KCodec", "Q6_KCodec", "make_q3_quants", "make_qx_quants"]
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
@@ -211,3 +211,94 @@ class Q6_KCodec(Codec):
     def quantize(cls, x: F32) -> U8:
         """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 210)``."""
         return _chunked(x, 210, _q6_k_blocks)
+
+
+def make_q3_quants(x: F32, nmax: int) -> tuple[F32, npt.NDArray[np.int32]]:
+    """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``x`` at once.
+
+    ``x``: float32 ``(n, m)``, one sub-block per column (position-major). Returns the scales
+    (float32 ``(m,)``) and the codes C leaves in ``L`` (int32 ``(n, m)``, ``0 .. 2*nmax - 1``; 0 in an
+    all-zero sub-block). The refinement runs its 5 passes position by position, each position one
+    vector operation over all sub-blocks; it stops when no sub-block changed in a pass (a sub-block
+    that C stopped earlier is left unchanged by the extra passes).
+    """
+    amax, mx = first_absmax(x, axis=0)
+    zero = amax < GROUP_MAX_EPS
+    mx[zero] = 1
+    iscale = np.float32(-nmax) / mx
+    lv = np.rint(x * iscale)
+    np.clip(lv, -nmax, nmax - 1, out=lv)
+    w = x * x
+    wx = w * x
+    sumlx = _seq_sum0(wx * lv)
+    p = w * lv
+    p *= lv
+    suml2 = _seq_sum0(p)
+    for _ in range(5):
+        changed = False
+        for i in range(x.shape[0]):
+            li = lv[i]
+            slx = sumlx - wx[i] * li
+            pos = slx > 0
+            sl2 = suml2 - (w[i] * li) * li
+            ratio: F32 = (x[i] * sl2) / slx
+            new = nearest_int_bits(ratio)
+            np.clip(new, -nmax, nmax - 1, out=new)
+            newf = new.astype(np.float32)
+            slx += wx[i] * newf
+            sl2 += (w[i] * newf) * newf
+            take = pos & (newf != li) & (sl2 > 0) & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2)
+            if take.any():
+                changed = True
+                lv[i] = np.where(take, newf, li)
+                sumlx = np.where(take, slx, sumlx)
+                suml2 = np.where(take, sl2, suml2)
+        if not changed:
+            break
+    scale = np.where(suml2 > 0, sumlx / suml2, np.float32(0))
+    scale[zero] = 0
+    codes = lv.astype(np.int32) + nmax
+    codes[:, zero] = 0
+    return scale, codes
+
+
+def _q3_k_blocks(xb: F32) -> U8:
+    """``quantize_row_q3_K_ref`` of float32 ``(m, 256)`` -> uint8 ``(m, 110)``."""
+    m = xb.shape[0]
+    xp = _position_major(xb)
+    scale, l_make = make_q3_quants(xp, 4)
+    scales = scale.reshape(m, 16)
+    _, max_scale = first_absmax(scales, axis=1)
+    nz = max_scale != 0
+    max_scale[~nz] = 1
+    iscale = np.float32(-32) / max_scale
+    ls = nearest_int_bits(iscale[:, None] * scales).astype(np.int8).astype(np.int32)
+    np.clip(ls, -32, 31, out=ls)
+    ls += 32
+    ls[~nz] = 0
+    d = fp16_round(np.float32(1) / iscale)
+    d[~nz] = 0
+    dl = (d[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
+    codes = _from_position_major(_requant(xp, dl, l_make, 4), m)
+    out = np.empty((m, 110), dtype=np.uint8)
+    high = (codes > 3).astype(np.uint8).reshape(m, 8, 32)
+    out[:, :32] = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    lr = (codes & 3).reshape(m, 2, 4, 32)
+    out[:, 32:96] = (lr[:, :, 0] | (lr[:, :, 1] << 2) | (lr[:, :, 2] << 4) | (lr[:, :, 3] << 6)).reshape(m, 64)
+    lb = ls.astype(np.uint8)
+    out[:, 96:104] = (lb[:, :8] & 15) | ((lb[:, 8:] & 15) << 4)
+    hi = (lb >> 4).reshape(m, 4, 4)
+    out[:, 104:108] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    out[:, 108:110] = _fp16_bytes(d)
+    return out
+
+
+class Q3_KCodec(Codec):
+    """Q3_K: ``quantize_row_q3_K_ref`` (via ``quantize_q3_K`` without imatrix), byte for byte."""
+
+    ggml_type = GT.Q3_K
+
+    @classmethod
+    def quantize(cls, x: F32) -> U8:
+        """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 110)``."""
+        return _chunked(x, 110, _q3_k_blocks)

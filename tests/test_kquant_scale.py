@@ -23,11 +23,11 @@ import pytest
 
 from convert.codec_base import Codec
 from convert.ggml_codecs import CODECS
-from convert.kquant_scale import Q6_KCodec
+from convert.kquant_scale import Q3_KCodec, Q6_KCodec
 from tests.conftest import read_safetensors
 
 GT = gguf.GGMLQuantizationType
-CODEC_LIST: list[type[Codec]] = [Q6_KCodec]
+CODEC_LIST: list[type[Codec]] = [Q6_KCodec, Q3_KCodec]
 IDS = [c.ggml_type.name for c in CODEC_LIST]
 DEQUANT = {GT.Q6_K: "dequantize_row_q6_K", GT.Q3_K: "dequantize_row_q3_K", GT.IQ4_NL: "dequantize_row_iq4_nl"}
 REFERENCE = Path(__file__).parent / "fixtures" / "models" / "llama_nf4_dq" / "reference" / "dequantized.safetensors"
@@ -181,9 +181,10 @@ def test_codec_table() -> None:
         assert CODECS[c.ggml_type] is c
 
 
-def test_rejects_bad_shape() -> None:
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+def test_rejects_bad_shape(codec: type[Codec]) -> None:
     with pytest.raises(ValueError):
-        Q6_KCodec.quantize(np.zeros((2, 100), np.float32))
+        codec.quantize(np.zeros((2, 100), np.float32))
 
 
 # sha256 of the C oracle's output (ggml_quantize_chunk of libggml-base.so, llama-cpp-python 0.3.36),
@@ -192,6 +193,9 @@ GOLDEN: dict[tuple[str, int], str] = {
     ("Q6_K", 0): "a53a6148580c06632f40861f420574c5852740b795dd2c6bf1022c50d5b9c70b",
     ("Q6_K", 1): "e75b5fc9e7108b40a7b19510e29e19e202ad8848e818c54691fbedb2e1d8de29",
     ("Q6_K", 2): "d905ba24364185bf5912214d9195b99fa85952c3f90ba306e0edb9857c2a1b7c",
+    ("Q3_K", 0): "fbab36fa5654cd943a76f1b31f106a0499096e4ce3d86633dcd54799056919b0",
+    ("Q3_K", 1): "3b0d4ed58c81b4eb6d53feeb1a3b13bfd36b9422b70ba4dbe0d8b1880c26dafc",
+    ("Q3_K", 2): "4246baf4eee7e14b17bb1de7dccc8d4eaee7e57ec030454c04e054a2eb8dc2e9",
 }
 
 
