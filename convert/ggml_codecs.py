@@ -22,6 +22,7 @@ from __future__ import annotations
 import gguf
 
 from .codec_base import Codec
+from .iq4_nl import IQ4_NLCodec
 from .kquant_scale import Q3_KCodec, Q6_KCodec
 
 __all__ = ["CODECS", "codec"]
@@ -66,7 +67,7 @@ CODECS: dict[gguf.GGMLQuantizationType, type[Codec]] = {
     c.ggml_type: c
     for c in (F32Codec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Codec, Q4_1Codec, Q5_0Codec, Q5_1Codec)
 }
-CODECS.update({c.ggml_type: c for c in (Q3_KCodec, Q6_KCodec)})
+CODECS.update({c.ggml_type: c for c in (Q3_KCodec, Q6_KCodec, IQ4_NLCodec)})
 
 
 

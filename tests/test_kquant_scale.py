@@ -23,11 +23,12 @@ import pytest
 
 from convert.codec_base import Codec
 from convert.ggml_codecs import CODECS
+from convert.iq4_nl import IQ4_NLCodec
 from convert.kquant_scale import Q3_KCodec, Q6_KCodec
 from tests.conftest import read_safetensors
 
 GT = gguf.GGMLQuantizationType
-CODEC_LIST: list[type[Codec]] = [Q6_KCodec, Q3_KCodec]
+CODEC_LIST: list[type[Codec]] = [Q6_KCodec, Q3_KCodec, IQ4_NLCodec]
 IDS = [c.ggml_type.name for c in CODEC_LIST]
 DEQUANT = {GT.Q6_K: "dequantize_row_q6_K", GT.Q3_K: "dequantize_row_q3_K", GT.IQ4_NL: "dequantize_row_iq4_nl"}
 REFERENCE = Path(__file__).parent / "fixtures" / "models" / "llama_nf4_dq" / "reference" / "dequantized.safetensors"
@@ -176,6 +177,27 @@ def test_dequantize_matches_c(oracle: Oracle, codec: type[Codec]) -> None:
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("n", [32, 96, 288, 4000])
+def test_iq4_nl_rows_not_multiple_of_256(oracle: Oracle, n: int) -> None:
+    """IQ4_NL is the fallback for rows that are not a multiple of 256: any multiple of 32."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_t(3, (16, n)) * 10.0 ** rng.uniform(-6, 3, (16, 1))).astype(np.float32)
+    np.testing.assert_array_equal(IQ4_NLCodec.quantize(x), oracle.quantize(GT.IQ4_NL, x))
+
+
+def test_iq4_nl_is_not_the_ref_function(oracle: Oracle) -> None:
+    """quantize_row_iq4_nl_ref (ntry=-1) differs from llama-quantize's path; we match the latter."""
+    x = np.random.default_rng(0).standard_normal((4, 256), dtype=np.float32)
+    ref = np.zeros((4, 8 * 18), np.uint8)
+    f = oracle.lib.quantize_row_iq4_nl_ref
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    f(x.ctypes.data, ref.ctypes.data, x.size)
+    got = IQ4_NLCodec.quantize(x)
+    assert np.array_equal(got, oracle.quantize(GT.IQ4_NL, x))
+    assert not np.array_equal(got, ref)
+
+
 def test_codec_table() -> None:
     for c in CODEC_LIST:
         assert CODECS[c.ggml_type] is c
@@ -196,6 +218,9 @@ GOLDEN: dict[tuple[str, int], str] = {
     ("Q3_K", 0): "fbab36fa5654cd943a76f1b31f106a0499096e4ce3d86633dcd54799056919b0",
     ("Q3_K", 1): "3b0d4ed58c81b4eb6d53feeb1a3b13bfd36b9422b70ba4dbe0d8b1880c26dafc",
     ("Q3_K", 2): "4246baf4eee7e14b17bb1de7dccc8d4eaee7e57ec030454c04e054a2eb8dc2e9",
+    ("IQ4_NL", 0): "643e7ccb51823c416d00bdca20ba83f88657a142181ab98df6e4ad7babee3264",
+    ("IQ4_NL", 1): "6059a63a7d23046c211be5ae3d9d698342f5497cf0c17d368aefca055a7ba4f9",
+    ("IQ4_NL", 2): "ca39eb16866b268751a867cabd149b05c3e7cab103fcba8b3d99187e71470964",
 }
 
 

@@ -1,0 +1,132 @@
+"""NumPy encoder for GGML's IQ4_NL, byte-identical to llama-quantize's (no importance matrix).
+
+IQ4_NL is what llama-quantize writes for a Q2_K/Q3_K tensor whose rows are not a multiple of 256.
+Matched revision: the llama.cpp copy vendored in llama-cpp-python 0.3.36
+(``vendor/llama.cpp/ggml/src/ggml-quants.c``). llama-quantize goes through ``ggml_quantize_chunk``
+-> ``quantize_iq4_nl`` -> ``quantize_row_iq4_nl_impl(32, 32, ..., kvalues_iq4nl, qw=NULL,
+ntry=7)``. That is *not* ``quantize_row_iq4_nl_ref``, which passes ``ntry=-1`` (no trial scales,
+other signs) and gives other bytes; this module matches the ``ntry=7`` path.
+
+Block layout ``block_iq4_nl`` (18 bytes, 32 weights): ``d`` fp16 (little-endian), then ``qs[16]``:
+byte ``j`` holds the 4-bit index of weight ``j`` (low nibble) and of weight ``j + 16`` (high nibble).
+Value ``d * kvalues_iq4nl[index]``, ``kvalues_iq4nl = -127, -104, -83, -65, -49, -35, -22, -10, 1,
+13, 25, 38, 53, 69, 89, 113``.
+
+Algorithm (per block, float32): weights ``w = x * x``; ``max`` the first element of largest
+``|x|``; a block with ``amax < GROUP_MAX_EPS`` (1e-15) gets ``d = 0`` (every index then is that of
+0, 8). Otherwise ``d = -max / -127``, ``id = 1 / d``, each weight takes the table value nearest to
+``id * x`` (``best_index_int8``: below -127 or above 113 the end values, a tie between two values
+goes to the upper one), and the least-squares ``d = sumqx / sumq2`` (``sumqx = sum((w*q)*x)``,
+``sumq2 = sum((w*q)*q)``); then the trial ``id = (itry - 127) / max`` for ``itry = -7 .. 7`` replace
+``d`` when ``sumqx**2 > best * sumq2`` (``best = d * sumqx``). Last, ``d`` is stored as fp16 and the
+indices are made again from the unrounded ``id = 1 / d`` (``0`` when ``d`` is 0).
+
+Float32 order rules: sums are sequential loops over the 32 positions of the block (``s = 0;
+s += v[i]``); ``w*q*x`` is ``(w * q) * x``; divisions stay divisions; the nearest-value test is
+``x - val[mu-1] < val[mu] - x`` in float32. Vectorized over all blocks of a chunk (position-major
+``(32, blocks)``); Python loops run over the 32 positions (sums) and the 16 trials.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .codec_base import GT, Codec, first_absmax, fp16_round
+
+__all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl"]
+
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+
+QK4_NL = 32
+GROUP_MAX_EPS = np.float32(1e-15)
+#: ``kvalues_iq4nl`` of ggml-common.h, as float32.
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+#: Blocks per vectorized chunk (64 KiB of float32 per working array).
+CHUNK_BLOCKS = 512
+
+
+def best_index_iq4nl(al: F32) -> tuple[npt.NDArray[np.intp], F32]:
+    """``best_index_int8(16, kvalues_iq4nl, al)`` elementwise: (indices, their table values).
+
+    The index ``mu`` C's binary search ends on is the count of table values ``<= al`` (kept in
+    1..15); then ``mu - 1`` if ``al - val[mu-1] < val[mu] - al`` else ``mu``. That also gives C's
+    answer below the first value, above the last and for NaN (15).
+    """
+    mu = np.searchsorted(KVALUES_IQ4NL, al, side="right")
+    np.clip(mu, 1, 15, out=mu)
+    lo = KVALUES_IQ4NL[mu - 1]
+    hi = KVALUES_IQ4NL[mu]
+    down = (al - lo) < (hi - al)
+    mu -= down
+    return mu, np.where(down, lo, hi)
+
+
+def _seq_sum0(p: F32) -> F32:
+    """Sequential float32 sum over axis 0, starting from ``0.0f`` as C does."""
+    acc = p[0] + np.float32(0)
+    for row in p[1:]:
+        acc += row
+    return acc
+
+
+def _sums(x: F32, w: F32, iscale: F32) -> tuple[F32, F32]:
+    """``(sumqx, sumq2)`` of the table values nearest to ``iscale * x``; ``x``, ``w`` ``(32, m)``."""
+    al: F32 = x * iscale
+    _, q = best_index_iq4nl(al)
+    wq = w * q
+    return _seq_sum0(wq * x), _seq_sum0(wq * q)
+
+
+def _iq4_nl_blocks(xb: F32) -> U8:
+    """``quantize_row_iq4_nl_impl(32, 32, ..., ntry=7)`` of float32 ``(m, 32)`` -> uint8 ``(m, 18)``."""
+    m = xb.shape[0]
+    xp = np.ascontiguousarray(xb.T)
+    amax, mx = first_absmax(xp, axis=0)
+    zero = amax < GROUP_MAX_EPS
+    mx[zero] = 1
+    w = xp * xp
+    d = (-mx) / np.float32(-127)
+    sumqx, sumq2 = _sums(xp, w, np.float32(1) / d)
+    d = np.where(sumq2 > 0, sumqx / sumq2, np.float32(0))
+    best = d * sumqx
+    for itry in range(-7, 8):
+        sumqx, sumq2 = _sums(xp, w, np.float32(itry - 127) / mx)
+        upd = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        if upd.any():
+            d = np.where(upd, sumqx / sumq2, d)
+            best = np.where(upd, d * sumqx, best)
+    d[zero] = 0
+    dz = d == 0
+    d1 = d.copy()
+    d1[dz] = 1
+    iscale = np.float32(1) / d1
+    iscale[dz] = 0
+    al: F32 = xp * iscale
+    idx, _ = best_index_iq4nl(al)
+    codes = idx.T.astype(np.uint8)
+    out = np.empty((m, 18), dtype=np.uint8)
+    out[:, :2] = fp16_round(d).astype("<f2").view(np.uint8).reshape(m, 2)
+    out[:, 2:] = codes[:, :16] | (codes[:, 16:] << 4)
+    return out
+
+
+class IQ4_NLCodec(Codec):
+    """IQ4_NL as llama-quantize writes it (``quantize_iq4_nl``, ``ntry=7``), byte for byte."""
+
+    ggml_type = GT.IQ4_NL
+
+    @classmethod
+    def quantize(cls, x: F32) -> U8:
+        """float32 ``(rows, n)`` (``n % 32 == 0``) -> uint8 ``(rows, n // 32 * 18)``."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] % QK4_NL:
+            raise ValueError(f"expected float32 (rows, n) with n a multiple of {QK4_NL}, got {x.shape}")
+        rows, n = x.shape
+        flat = x.reshape(-1, QK4_NL)
+        out = np.empty((flat.shape[0], 18), dtype=np.uint8)
+        with np.errstate(all="ignore"):
+            for s in range(0, flat.shape[0], CHUNK_BLOCKS):
+                out[s : s + CHUNK_BLOCKS] = _iq4_nl_blocks(flat[s : s + CHUNK_BLOCKS])
+        return out.reshape(rows, n // QK4_NL * 18)
