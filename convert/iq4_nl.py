@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import GT, Codec, first_absmax, fp16_round
+from .codec_base import GT, Codec, first_absmax, fp16_round, select, seq_sum0
 
 __all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl"]
 
@@ -60,15 +60,7 @@ def best_index_iq4nl(al: F32) -> tuple[npt.NDArray[np.intp], F32]:
     hi = KVALUES_IQ4NL[mu]
     down = (al - lo) < (hi - al)
     mu -= down
-    return mu, np.where(down, lo, hi)
-
-
-def _seq_sum0(p: F32) -> F32:
-    """Sequential float32 sum over axis 0, starting from ``0.0f`` as C does."""
-    acc = p[0] + np.float32(0)
-    for row in p[1:]:
-        acc += row
-    return acc
+    return mu, select(down, lo, hi)
 
 
 def _sums(x: F32, w: F32, iscale: F32) -> tuple[F32, F32]:
@@ -76,7 +68,7 @@ def _sums(x: F32, w: F32, iscale: F32) -> tuple[F32, F32]:
     al: F32 = x * iscale
     _, q = best_index_iq4nl(al)
     wq = w * q
-    return _seq_sum0(wq * x), _seq_sum0(wq * q)
+    return seq_sum0(wq * x), seq_sum0(wq * q)
 
 
 def _iq4_nl_blocks(xb: F32) -> U8:
@@ -95,8 +87,8 @@ def _iq4_nl_blocks(xb: F32) -> U8:
         sumqx, sumq2 = _sums(xp, w, np.float32(itry - 127) / mx)
         upd = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         if upd.any():
-            d = np.where(upd, sumqx / sumq2, d)
-            best = np.where(upd, d * sumqx, best)
+            d = select(upd, sumqx / sumq2, d)
+            best = select(upd, d * sumqx, best)
     d[zero] = 0
     dz = d == 0
     d1 = d.copy()

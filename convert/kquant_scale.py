@@ -59,7 +59,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import GT, Codec, first_absmax, fp16_round, nearest_int_bits
+from .codec_base import GT, Codec, first_absmax, fp16_round, nearest_int_bits, select, seq_sum0
 
 __all__ = ["CHUNK_BLOCKS", "Q3_KCodec", "Q6_KCodec", "make_q3_quants", "make_qx_quants"]
 
@@ -72,24 +72,16 @@ GROUP_MAX_EPS = np.float32(1e-15)
 CHUNK_BLOCKS = 64
 
 
-def _seq_sum0(p: F32) -> F32:
-    """Sequential float32 sum over axis 0 of ``(16, m)``, starting from ``0.0f`` as C does."""
-    acc = p[0] + np.float32(0)
-    for row in p[1:]:
-        acc += row
-    return acc
-
-
 def _qx_sums(x: F32, w: F32, wx: F32, iscale: F32, lo: float, hi: float, t: F32, p: F32) -> tuple[F32, F32]:
     """``(sumlx, suml2)`` of codes ``clamp(rint(iscale * x), lo, hi)``; ``t``, ``p`` are scratch."""
     np.multiply(x, iscale, out=t)
     np.rint(t, out=t)
     np.clip(t, lo, hi, out=t)
     np.multiply(wx, t, out=p)
-    sumlx = _seq_sum0(p)
+    sumlx = seq_sum0(p)
     np.multiply(w, t, out=p)
     p *= t
-    return sumlx, _seq_sum0(p)
+    return sumlx, seq_sum0(p)
 
 
 def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
@@ -120,9 +112,9 @@ def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
         sumlx, suml2 = _qx_sums(x, w, wx, iscale, lo, hi, t, p)
         upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         if upd.any():
-            scale = np.where(upd, sumlx / suml2, scale)
-            best = np.where(upd, scale * sumlx, best)
-            best_is = np.where(upd, iscale, best_is)
+            scale = select(upd, sumlx / suml2, scale)
+            best = select(upd, scale * sumlx, best)
+            best_is = select(upd, iscale, best_is)
     scale[zero] = 0
     return scale, best_is, zero
 
@@ -213,14 +205,50 @@ class Q6_KCodec(Codec):
         return _chunked(x, 210, _q6_k_blocks)
 
 
+def _q3_pass(x: F32, w: F32, wx: F32, lv: F32, sumlx: F32, suml2: F32, cols: npt.NDArray[np.intp] | slice,
+             nmax: int) -> npt.NDArray[np.bool_]:
+    """One refinement pass of ``make_q3_quants`` over the sub-blocks ``cols`` (or all: ``slice(None)``).
+
+    Returns which of them changed.
+
+    ``x``, ``w = x*x``, ``wx = w*x``: float32 ``(n, len(cols))``, gathered. ``lv`` (float32 codes
+    ``(n, m)``, -nmax..nmax-1), ``sumlx`` and ``suml2`` (float32 ``(m,)``) are updated in place.
+    """
+    lc = lv[:, cols]
+    sx = sumlx[cols]
+    s2 = suml2[cols]
+    changed = np.zeros(x.shape[1], dtype=np.bool_)
+    for i in range(x.shape[0]):
+        li = lc[i]
+        slx = sx - wx[i] * li
+        pos = slx > 0
+        sl2 = s2 - (w[i] * li) * li
+        ratio: F32 = (x[i] * sl2) / slx
+        new = nearest_int_bits(ratio)
+        np.clip(new, -nmax, nmax - 1, out=new)
+        newf = new.astype(np.float32)
+        slx += wx[i] * newf
+        sl2 += (w[i] * newf) * newf
+        take = pos & (newf != li) & (sl2 > 0) & ((slx * slx) * s2 > (sx * sx) * sl2)
+        if take.any():
+            changed |= take
+            li[:] = select(take, newf, li)
+            sx = select(take, slx, sx)
+            s2 = select(take, sl2, s2)
+    lv[:, cols] = lc
+    sumlx[cols] = sx
+    suml2[cols] = s2
+    return changed
+
+
 def make_q3_quants(x: F32, nmax: int) -> tuple[F32, npt.NDArray[np.int32]]:
     """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``x`` at once.
 
     ``x``: float32 ``(n, m)``, one sub-block per column (position-major). Returns the scales
     (float32 ``(m,)``) and the codes C leaves in ``L`` (int32 ``(n, m)``, ``0 .. 2*nmax - 1``; 0 in an
     all-zero sub-block). The refinement runs its 5 passes position by position, each position one
-    vector operation over all sub-blocks; it stops when no sub-block changed in a pass (a sub-block
-    that C stopped earlier is left unchanged by the extra passes).
+    vector operation over the sub-blocks still refining: a sub-block leaves after a pass that changed
+    none of its codes (C's ``break``).
     """
     amax, mx = first_absmax(x, axis=0)
     zero = amax < GROUP_MAX_EPS
@@ -230,31 +258,16 @@ def make_q3_quants(x: F32, nmax: int) -> tuple[F32, npt.NDArray[np.int32]]:
     np.clip(lv, -nmax, nmax - 1, out=lv)
     w = x * x
     wx = w * x
-    sumlx = _seq_sum0(wx * lv)
+    sumlx = seq_sum0(wx * lv)
     p = w * lv
     p *= lv
-    suml2 = _seq_sum0(p)
-    for _ in range(5):
-        changed = False
-        for i in range(x.shape[0]):
-            li = lv[i]
-            slx = sumlx - wx[i] * li
-            pos = slx > 0
-            sl2 = suml2 - (w[i] * li) * li
-            ratio: F32 = (x[i] * sl2) / slx
-            new = nearest_int_bits(ratio)
-            np.clip(new, -nmax, nmax - 1, out=new)
-            newf = new.astype(np.float32)
-            slx += wx[i] * newf
-            sl2 += (w[i] * newf) * newf
-            take = pos & (newf != li) & (sl2 > 0) & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2)
-            if take.any():
-                changed = True
-                lv[i] = np.where(take, newf, li)
-                sumlx = np.where(take, slx, sumlx)
-                suml2 = np.where(take, sl2, suml2)
-        if not changed:
+    suml2 = seq_sum0(p)
+    active = np.nonzero(_q3_pass(x, w, wx, lv, sumlx, suml2, slice(None), nmax))[0]
+    for _ in range(4):
+        if not active.size:
             break
+        changed = _q3_pass(x[:, active], w[:, active], wx[:, active], lv, sumlx, suml2, active, nmax)
+        active = active[changed]
     scale = np.where(suml2 > 0, sumlx / suml2, np.float32(0))
     scale[zero] = 0
     codes = lv.astype(np.int32) + nmax
