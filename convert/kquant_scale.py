@@ -51,7 +51,8 @@ leaves the state as it was, so later passes change nothing either.
 
 Vectorization: one NumPy operation covers every sub-block of a chunk of super-blocks (data laid
 out position-major, ``(16, sub-blocks)``); Python loops only run over the 16 positions and the
-trial scales. Chunks of :data:`CHUNK_BLOCKS` super-blocks keep the working set in cache.
+trial scales. Chunks of :data:`CHUNK_BLOCKS` (Q6_K) / :data:`CHUNK_BLOCKS_Q3` super-blocks bound
+the working set (a few float32 copies of the chunk).
 """
 
 from __future__ import annotations
@@ -61,15 +62,20 @@ import numpy.typing as npt
 
 from .codec_base import GT, Codec, first_absmax, fp16_round, nearest_int_bits, select, seq_sum0
 
-__all__ = ["CHUNK_BLOCKS", "Q3_KCodec", "Q6_KCodec", "make_q3_quants", "make_qx_quants"]
+__all__ = ["CHUNK_BLOCKS", "CHUNK_BLOCKS_Q3", "Q3_KCodec", "Q6_KCodec", "make_q3_quants", "make_qx_quants"]
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
 
 QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
-#: Super-blocks per vectorized chunk (64 KiB of float32 per working array).
-CHUNK_BLOCKS = 64
+#: Super-blocks per vectorized chunk of Q6_K (512 KiB of float32 per working array): large enough
+#: that NumPy's per-call cost (~3 us) is small against the 19 trial passes, small enough to stay
+#: in L2/L3.
+CHUNK_BLOCKS = 512
+#: Super-blocks per chunk of Q3_K: larger, because the refinement passes after the first run over
+#: few sub-blocks and cost mostly per-call overhead, paid once per chunk.
+CHUNK_BLOCKS_Q3 = 4096
 
 
 def _qx_sums(x: F32, w: F32, wx: F32, iscale: F32, lo: float, hi: float, t: F32, p: F32) -> tuple[F32, F32]:
@@ -144,7 +150,7 @@ def _from_position_major(lp: npt.NDArray[np.int32], nblocks: int) -> npt.NDArray
     return lp.T.reshape(nblocks, QK_K).astype(np.uint8)
 
 
-def _chunked(x: F32, type_size: int, encode: object) -> U8:
+def _chunked(x: F32, type_size: int, encode: object, chunk: int) -> U8:
     """Run ``encode`` (float32 ``(blocks, 256)`` -> uint8 ``(blocks, type_size)``) by chunks."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] % QK_K:
@@ -154,8 +160,8 @@ def _chunked(x: F32, type_size: int, encode: object) -> U8:
     out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
     assert callable(encode)
     with np.errstate(all="ignore"):
-        for s in range(0, flat.shape[0], CHUNK_BLOCKS):
-            out[s : s + CHUNK_BLOCKS] = encode(flat[s : s + CHUNK_BLOCKS])
+        for s in range(0, flat.shape[0], chunk):
+            out[s : s + chunk] = encode(flat[s : s + chunk])
     return out.reshape(rows, n // QK_K * type_size)
 
 
@@ -202,7 +208,7 @@ class Q6_KCodec(Codec):
     @classmethod
     def quantize(cls, x: F32) -> U8:
         """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 210)``."""
-        return _chunked(x, 210, _q6_k_blocks)
+        return _chunked(x, 210, _q6_k_blocks, CHUNK_BLOCKS)
 
 
 def _q3_pass(x: F32, w: F32, wx: F32, lv: F32, sumlx: F32, suml2: F32, cols: npt.NDArray[np.intp] | slice,
@@ -225,7 +231,8 @@ def _q3_pass(x: F32, w: F32, wx: F32, lv: F32, sumlx: F32, suml2: F32, cols: npt
         sl2 = s2 - (w[i] * li) * li
         ratio: F32 = (x[i] * sl2) / slx
         new = nearest_int_bits(ratio)
-        np.clip(new, -nmax, nmax - 1, out=new)
+        np.maximum(new, -nmax, out=new)  # np.clip's Python wrapper costs more than two ufuncs
+        np.minimum(new, nmax - 1, out=new)
         newf = new.astype(np.float32)
         slx += wx[i] * newf
         sl2 += (w[i] * newf) * newf
@@ -314,4 +321,4 @@ class Q3_KCodec(Codec):
     @classmethod
     def quantize(cls, x: F32) -> U8:
         """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 110)``."""
-        return _chunked(x, 110, _q3_k_blocks)
+        return _chunked(x, 110, _q3_k_blocks, CHUNK_BLOCKS_Q3)
