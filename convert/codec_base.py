@@ -149,14 +149,21 @@ def _reduce_axis0_is_sequential() -> bool:
 REDUCE_AXIS0_IS_SEQUENTIAL = _reduce_axis0_is_sequential()
 
 
-def select(mask: npt.NDArray[np.bool_], a: F32, b: F32) -> F32:
+def bitmask(mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.int32]:
+    """bool -> int32 all-ones / all-zeros: the mask :func:`select` takes, made once for several."""
+    m = mask.view(np.uint8).astype(np.int32)
+    np.negative(m, out=m)
+    return m
+
+
+def select(mask: npt.NDArray[np.bool_] | npt.NDArray[np.int32], a: F32, b: F32) -> F32:
     """``np.where(mask, a, b)`` for float32 arrays of one shape, by bit masks: every bit kept.
 
     NumPy's ``where`` (and ``copyto(where=)``) branches per element, which costs ~10 ns an element
-    on the random masks of the trial loops; this is five branch-free vector passes.
+    on the random masks of the trial loops; this is three branch-free vector passes (five when
+    ``mask`` is bool rather than a :func:`bitmask`).
     """
-    m = mask.view(np.uint8).astype(np.int32)
-    np.negative(m, out=m)
+    m = mask if mask.dtype == np.int32 else bitmask(mask.astype(np.bool_, copy=False))
     ai = np.asarray(a, dtype=np.float32).view(np.int32)
     bi = np.asarray(b, dtype=np.float32).view(np.int32)
     r = ai ^ bi
@@ -165,4 +172,4 @@ def select(mask: npt.NDArray[np.bool_], a: F32, b: F32) -> F32:
     return r.view(np.float32)
 
 
-__all__ += ["REDUCE_AXIS0_IS_SEQUENTIAL", "first_absmax", "nearest_int_bits", "select", "seq_sum0"]
+__all__ += ["REDUCE_AXIS0_IS_SEQUENTIAL", "first_absmax", "bitmask", "nearest_int_bits", "select", "seq_sum0"]

@@ -60,7 +60,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import GT, Codec, first_absmax, fp16_round, nearest_int_bits, select, seq_sum0
+from .codec_base import GT, Codec, bitmask, first_absmax, fp16_round, nearest_int_bits, select, seq_sum0
 
 __all__ = ["CHUNK_BLOCKS", "CHUNK_BLOCKS_Q3", "Q3_KCodec", "Q6_KCodec", "make_q3_quants", "make_qx_quants"]
 
@@ -76,6 +76,8 @@ CHUNK_BLOCKS = 512
 #: Super-blocks per chunk of Q3_K: larger, because the refinement passes after the first run over
 #: few sub-blocks and cost mostly per-call overhead, paid once per chunk.
 CHUNK_BLOCKS_Q3 = 4096
+#: Sub-blocks per column block of Q3_K's first refinement pass (256 KiB of float32 per array).
+Q3_COLUMNS = 4096
 
 
 def _qx_sums(x: F32, w: F32, wx: F32, iscale: F32, lo: float, hi: float, t: F32, p: F32) -> tuple[F32, F32]:
@@ -118,9 +120,10 @@ def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
         sumlx, suml2 = _qx_sums(x, w, wx, iscale, lo, hi, t, p)
         upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         if upd.any():
-            scale = select(upd, sumlx / suml2, scale)
-            best = select(upd, scale * sumlx, best)
-            best_is = select(upd, iscale, best_is)
+            bm = bitmask(upd)
+            scale = select(bm, sumlx / suml2, scale)
+            best = select(bm, scale * sumlx, best)
+            best_is = select(bm, iscale, best_is)
     scale[zero] = 0
     return scale, best_is, zero
 
@@ -239,9 +242,10 @@ def _q3_pass(x: F32, w: F32, wx: F32, lv: F32, sumlx: F32, suml2: F32, cols: npt
         take = pos & (newf != li) & (sl2 > 0) & ((slx * slx) * s2 > (sx * sx) * sl2)
         if take.any():
             changed |= take
-            li[:] = select(take, newf, li)
-            sx = select(take, slx, sx)
-            s2 = select(take, sl2, s2)
+            bm = bitmask(take)
+            li[:] = select(bm, newf, li)
+            sx = select(bm, slx, sx)
+            s2 = select(bm, sl2, s2)
     lv[:, cols] = lc
     sumlx[cols] = sx
     suml2[cols] = s2
@@ -257,23 +261,36 @@ def make_q3_quants(x: F32, nmax: int) -> tuple[F32, npt.NDArray[np.int32]]:
     vector operation over the sub-blocks still refining: a sub-block leaves after a pass that changed
     none of its codes (C's ``break``).
     """
-    amax, mx = first_absmax(x, axis=0)
-    zero = amax < GROUP_MAX_EPS
-    mx[zero] = 1
-    iscale = np.float32(-nmax) / mx
-    lv = np.rint(x * iscale)
-    np.clip(lv, -nmax, nmax - 1, out=lv)
-    w = x * x
-    wx = w * x
-    sumlx = seq_sum0(wx * lv)
-    p = w * lv
-    p *= lv
-    suml2 = seq_sum0(p)
-    active = np.nonzero(_q3_pass(x, w, wx, lv, sumlx, suml2, slice(None), nmax))[0]
-    for _ in range(4):
+    n, m = x.shape
+    lv = np.empty((n, m), dtype=np.float32)
+    sumlx = np.empty(m, dtype=np.float32)
+    suml2 = np.empty(m, dtype=np.float32)
+    zero = np.empty(m, dtype=np.bool_)
+    still = []
+    for c0 in range(0, m, Q3_COLUMNS):  # first pass by cache-sized column blocks
+        cs = slice(c0, c0 + Q3_COLUMNS)
+        xs = x[:, cs]
+        amax, mx = first_absmax(xs, axis=0)
+        zero[cs] = amax < GROUP_MAX_EPS
+        mx[zero[cs]] = 1
+        ls = lv[:, cs]
+        np.multiply(xs, np.float32(-nmax) / mx, out=ls)
+        np.rint(ls, out=ls)
+        np.clip(ls, -nmax, nmax - 1, out=ls)
+        w = xs * xs
+        wx = w * xs
+        sumlx[cs] = seq_sum0(wx * ls)
+        p = w * ls
+        p *= ls
+        suml2[cs] = seq_sum0(p)
+        still.append(c0 + np.nonzero(_q3_pass(xs, w, wx, lv, sumlx, suml2, cs, nmax))[0])
+    active = np.concatenate(still)
+    for _ in range(4):  # the later passes over the few sub-blocks still changing, all at once
         if not active.size:
             break
-        changed = _q3_pass(x[:, active], w[:, active], wx[:, active], lv, sumlx, suml2, active, nmax)
+        xs = x[:, active]
+        w = xs * xs
+        changed = _q3_pass(xs, w, w * xs, lv, sumlx, suml2, active, nmax)
         active = active[changed]
     scale = np.where(suml2 > 0, sumlx / suml2, np.float32(0))
     scale[zero] = 0
