@@ -214,6 +214,35 @@ def test_iq4_nl_is_not_the_ref_function(oracle: Oracle) -> None:
     assert not np.array_equal(got, ref)
 
 
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+def test_ragged_chunks(oracle: Oracle, codec: type[Codec], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk and column-block sizes that do not divide the input give the same bytes."""
+    import convert.iq4_nl as iq4
+    import convert.kquant_scale as ks
+
+    monkeypatch.setattr(ks, "CHUNK_BLOCKS", 3)
+    monkeypatch.setattr(ks, "CHUNK_BLOCKS_Q3", 5)
+    monkeypatch.setattr(ks, "Q3_COLUMNS", 7)
+    monkeypatch.setattr(iq4, "CHUNK_BLOCKS", 11)
+    x = CASES["student_t2"](np.random.default_rng(99))[:7]
+    np.testing.assert_array_equal(codec.quantize(x), oracle.quantize(codec.ggml_type, x))
+
+
+def test_iq4_nl_bracket_table_matches_search() -> None:
+    """The table path of best_index_iq4nl equals the searchsorted path (C's binary search)."""
+    from convert.iq4_nl import KVALUES_IQ4NL, best_index_iq4nl
+
+    v = KVALUES_IQ4NL.astype(np.float64)
+    mids = (v[1:] + v[:-1]) / 2
+    grid = np.concatenate([np.arange(-140, 130, 0.25), v, mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9),
+                           [-np.inf, np.inf, -1e30, 1e30, 0.0, -0.0, 1e-30]])
+    al = grid.astype(np.float32).reshape(1, -1)
+    fast = best_index_iq4nl(al.copy(), finite=True)
+    slow = best_index_iq4nl(al.copy(), finite=False)
+    np.testing.assert_array_equal(fast[0], slow[0])
+    np.testing.assert_array_equal(fast[1], slow[1])
+
+
 def test_codec_table() -> None:
     for c in CODEC_LIST:
         assert CODECS[c.ggml_type] is c
