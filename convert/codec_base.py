@@ -11,6 +11,7 @@ has none, and NumPy's ``a * b + c`` rounds twice as C does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import gguf
@@ -172,4 +173,33 @@ def select(mask: npt.NDArray[np.bool_] | npt.NDArray[np.int32], a: F32, b: F32) 
     return r.view(np.float32)
 
 
-__all__ += ["REDUCE_AXIS0_IS_SEQUENTIAL", "first_absmax", "bitmask", "nearest_int_bits", "select", "seq_sum0"]
+def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32], U8], chunk: int) -> U8:
+    """Run a block encoder over float32 ``(..., n)`` (``n % block == 0``) ``chunk`` blocks at a time.
+
+    ``encode``: float32 ``(blocks, block)`` -> uint8 ``(blocks, type_size)``, blocks independent.
+    Returns uint8 ``(..., n // block * type_size)`` (gguf-py's ``quantize`` shape); NumPy's
+    floating-point warnings are off inside (inf/NaN arithmetic is part of C's behaviour).
+
+    Raises:
+        ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim < 1 or x.shape[-1] % block:
+        raise ValueError(f"expected float32 (..., n) with n a multiple of {block}, got {x.shape}")
+    flat = x.reshape(-1, block)
+    out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        for s in range(0, flat.shape[0], chunk):
+            out[s : s + chunk] = encode(flat[s : s + chunk])
+    return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
+
+
+__all__ += [
+    "REDUCE_AXIS0_IS_SEQUENTIAL",
+    "bitmask",
+    "encode_by_chunks",
+    "first_absmax",
+    "nearest_int_bits",
+    "select",
+    "seq_sum0",
+]

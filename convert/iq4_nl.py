@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import GT, Codec, bitmask, first_absmax, fp16_round, select, seq_sum0
+from .codec_base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_round, select, seq_sum0
 
 __all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl"]
 
@@ -138,14 +138,5 @@ class IQ4_NLCodec(Codec):
 
     @classmethod
     def quantize(cls, x: F32) -> U8:
-        """float32 ``(rows, n)`` (``n % 32 == 0``) -> uint8 ``(rows, n // 32 * 18)``."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] % QK4_NL:
-            raise ValueError(f"expected float32 (rows, n) with n a multiple of {QK4_NL}, got {x.shape}")
-        rows, n = x.shape
-        flat = x.reshape(-1, QK4_NL)
-        out = np.empty((flat.shape[0], 18), dtype=np.uint8)
-        with np.errstate(all="ignore"):
-            for s in range(0, flat.shape[0], CHUNK_BLOCKS):
-                out[s : s + CHUNK_BLOCKS] = _iq4_nl_blocks(flat[s : s + CHUNK_BLOCKS])
-        return out.reshape(rows, n // QK4_NL * 18)
+        """float32 ``(..., n)`` (``n % 32 == 0``) -> uint8 ``(..., n // 32 * 18)``."""
+        return encode_by_chunks(x, QK4_NL, 18, _iq4_nl_blocks, CHUNK_BLOCKS)

@@ -69,7 +69,17 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import GT, Codec, bitmask, first_absmax, fp16_round, nearest_int_bits, select, seq_sum0
+from .codec_base import (
+    GT,
+    Codec,
+    bitmask,
+    encode_by_chunks,
+    first_absmax,
+    fp16_round,
+    nearest_int_bits,
+    select,
+    seq_sum0,
+)
 
 __all__ = ["CHUNK_BLOCKS", "CHUNK_BLOCKS_Q3", "Q3_KCodec", "Q6_KCodec", "make_q3_quants", "make_qx_quants"]
 
@@ -162,21 +172,6 @@ def _from_position_major(lp: npt.NDArray[np.int32], nblocks: int) -> npt.NDArray
     return lp.T.reshape(nblocks, QK_K).astype(np.uint8)
 
 
-def _chunked(x: F32, type_size: int, encode: object, chunk: int) -> U8:
-    """Run ``encode`` (float32 ``(blocks, 256)`` -> uint8 ``(blocks, type_size)``) by chunks."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % QK_K:
-        raise ValueError(f"expected float32 (rows, n) with n a multiple of {QK_K}, got {x.shape}")
-    rows, n = x.shape
-    flat = x.reshape(-1, QK_K)
-    out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
-    assert callable(encode)
-    with np.errstate(all="ignore"):
-        for s in range(0, flat.shape[0], chunk):
-            out[s : s + chunk] = encode(flat[s : s + chunk])
-    return out.reshape(rows, n // QK_K * type_size)
-
-
 def _fp16_bytes(d: F32) -> U8:
     """float32 ``(m,)`` -> uint8 ``(m, 2)``: the little-endian fp16 (``GGML_FP32_TO_FP16``)."""
     return np.asarray(d, dtype=np.float32).astype("<f2").view(np.uint8).reshape(-1, 2)
@@ -219,8 +214,8 @@ class Q6_KCodec(Codec):
 
     @classmethod
     def quantize(cls, x: F32) -> U8:
-        """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 210)``."""
-        return _chunked(x, 210, _q6_k_blocks, CHUNK_BLOCKS)
+        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 210)``."""
+        return encode_by_chunks(x, QK_K, 210, _q6_k_blocks, CHUNK_BLOCKS)
 
 
 def _q3_pass(x: F32, w: F32, wx: F32, lv: F32, sumlx: F32, suml2: F32, cols: npt.NDArray[np.intp] | slice,
@@ -351,5 +346,5 @@ class Q3_KCodec(Codec):
 
     @classmethod
     def quantize(cls, x: F32) -> U8:
-        """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 110)``."""
-        return _chunked(x, 110, _q3_k_blocks, CHUNK_BLOCKS_Q3)
+        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 110)``."""
+        return encode_by_chunks(x, QK_K, 110, _q3_k_blocks, CHUNK_BLOCKS_Q3)

@@ -243,6 +243,17 @@ def test_iq4_nl_bracket_table_matches_search() -> None:
     np.testing.assert_array_equal(fast[1], slow[1])
 
 
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+def test_shapes(oracle: Oracle, codec: type[Codec]) -> None:
+    """No rows gives no bytes; (..., n) inputs keep their leading axes, as gguf-py's quantize."""
+    ts = codec.type_size()
+    assert codec.quantize(np.zeros((0, 512), np.float32)).shape == (0, 512 // codec.block_size() * ts)
+    x = np.random.default_rng(4).standard_normal((2, 3, 512), dtype=np.float32)
+    got = codec.quantize(x)
+    assert got.shape == (2, 3, 512 // codec.block_size() * ts)
+    np.testing.assert_array_equal(got.reshape(6, -1), oracle.quantize(codec.ggml_type, x.reshape(6, 512)))
+
+
 def test_codec_table() -> None:
     for c in CODEC_LIST:
         assert CODECS[c.ggml_type] is c
