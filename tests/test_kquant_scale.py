@@ -199,6 +199,8 @@ def test_iq4_nl_rows_not_multiple_of_256(oracle: Oracle, n: int) -> None:
     rng = np.random.default_rng(n)
     x = (rng.standard_t(3, (16, n)) * 10.0 ** rng.uniform(-6, 3, (16, 1))).astype(np.float32)
     np.testing.assert_array_equal(IQ4_NLCodec.quantize(x), oracle.quantize(GT.IQ4_NL, x))
+    one = x[:1, :32]  # a single block: the sums take the explicit loop (seq_sum0 with m < 2)
+    np.testing.assert_array_equal(IQ4_NLCodec.quantize(one), oracle.quantize(GT.IQ4_NL, one))
 
 
 def test_iq4_nl_is_not_the_ref_function(oracle: Oracle) -> None:
