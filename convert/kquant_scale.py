@@ -117,8 +117,9 @@ def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
     ``x``: float32 ``(n, m)``, one sub-block per column (position-major). Returns the scales
     (float32 ``(m,)``), the ``iscale`` whose codes C leaves in ``L`` (``L = clamp(nearest_int(
     iscale * x), -nmax, nmax - 1) + nmax``) and the all-zero mask (``amax < GROUP_MAX_EPS``: scale 0,
-    ``L`` 0). Codes ``iscale * x`` stay below ``nmax + 1`` in magnitude, so ``rint`` is
-    ``nearest_int`` there.
+    ``L`` 0). In the trials ``rint`` stands for ``nearest_int``: ``iscale * x`` stays below
+    ``nmax + 1`` in magnitude, or is NaN where ``w`` is NaN or inf, and then the sums are NaN
+    whatever the code; the kept codes are made with the exact bit trick.
     """
     amax, mx = first_absmax(x, axis=0)
     zero = amax < GROUP_MAX_EPS
@@ -283,9 +284,10 @@ def make_q3_quants(x: F32, nmax: int) -> tuple[F32, npt.NDArray[np.int32]]:
         zero[cs] = amax < GROUP_MAX_EPS
         mx[zero[cs]] = 1
         ls = lv[:, cs]
-        np.multiply(xs, np.float32(-nmax) / mx, out=ls)
-        np.rint(ls, out=ls)
-        np.clip(ls, -nmax, nmax - 1, out=ls)
+        prod: F32 = xs * (np.float32(-nmax) / mx)
+        li = nearest_int_bits(prod)  # not rint: these codes are kept, and C's of a NaN come from its bits
+        np.clip(li, -nmax, nmax - 1, out=li)
+        ls[...] = li
         w = xs * xs
         wx = w * xs
         sumlx[cs] = seq_sum0(wx * ls)

@@ -88,6 +88,9 @@ def _nonfinite(rng: np.random.Generator) -> np.ndarray:
     x[6, ::5] = np.nan
     x[7, :32] = 0
     x[7, 33] = np.inf
+    payload = np.array([0x7FC00005, 0xFFC0ABCD, 0x7F800001, 0x7FFFFFFF], dtype=np.uint32).view(np.float32)
+    x[0, 260:264] = payload  # NaNs with payloads (and a signalling one): C's nearest_int reads their bits
+    x[2, 300::37] = payload[(np.arange(len(x[2, 300::37]))) % 4]
     return x
 
 
