@@ -194,11 +194,28 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
 
 
+def fp16_bytes(x: F32) -> U8:
+    """float32 ``(m,)`` -> uint8 ``(m, 2)``: little-endian ``GGML_FP32_TO_FP16`` of each value.
+
+    ggml-base converts in software (``ggml_compute_fp32_to_fp16``): round to nearest even, as
+    NumPy's ``float16``, except that every NaN becomes ``sign | 0x7e00`` where NumPy keeps payload
+    bits.
+    """
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):
+        h = x.astype("<f2").view("<u2")
+    nan = np.isnan(x)
+    if nan.any():
+        h[nan] = ((x[nan].view(np.uint32) >> 16) & 0x8000).astype(np.uint16) | 0x7E00
+    return h.view(np.uint8).reshape(-1, 2)
+
+
 __all__ += [
     "REDUCE_AXIS0_IS_SEQUENTIAL",
     "bitmask",
     "encode_by_chunks",
     "first_absmax",
+    "fp16_bytes",
     "nearest_int_bits",
     "select",
     "seq_sum0",

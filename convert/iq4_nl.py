@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_round, select, seq_sum0
+from .codec_base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_bytes, select, seq_sum0
 
 __all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl"]
 
@@ -133,7 +133,7 @@ def _iq4_nl_blocks(xb: F32) -> U8:
     idx, _ = best_index_iq4nl(al, finite and bool(np.isfinite(iscale).all()))
     codes = idx.T.astype(np.uint8)
     out = np.empty((m, 18), dtype=np.uint8)
-    out[:, :2] = fp16_round(d).astype("<f2").view(np.uint8).reshape(m, 2)
+    out[:, :2] = fp16_bytes(d)
     out[:, 2:] = codes[:, :16] | (codes[:, 16:] << 4)
     return out
 

@@ -75,6 +75,7 @@ from .codec_base import (
     bitmask,
     encode_by_chunks,
     first_absmax,
+    fp16_bytes,
     fp16_round,
     nearest_int_bits,
     select,
@@ -173,11 +174,6 @@ def _from_position_major(lp: npt.NDArray[np.int32], nblocks: int) -> npt.NDArray
     return lp.T.reshape(nblocks, QK_K).astype(np.uint8)
 
 
-def _fp16_bytes(d: F32) -> U8:
-    """float32 ``(m,)`` -> uint8 ``(m, 2)``: the little-endian fp16 (``GGML_FP32_TO_FP16``)."""
-    return np.asarray(d, dtype=np.float32).astype("<f2").view(np.uint8).reshape(-1, 2)
-
-
 def _q6_k_blocks(xb: F32) -> U8:
     """``quantize_row_q6_K_ref`` of float32 ``(m, 256)`` -> uint8 ``(m, 210)``."""
     m = xb.shape[0]
@@ -203,7 +199,7 @@ def _q6_k_blocks(xb: F32) -> U8:
     qh = (lr[:, :, 0] >> 4) | ((lr[:, :, 1] >> 4) << 2) | ((lr[:, :, 2] >> 4) << 4) | ((lr[:, :, 3] >> 4) << 6)
     out[:, 128:192] = qh.reshape(m, 64)
     out[:, 192:208] = sc.view(np.uint8)
-    out[:, 208:210] = _fp16_bytes(d)
+    out[:, 208:210] = fp16_bytes(d)
     out[blank] = 0
     return out
 
@@ -337,7 +333,7 @@ def _q3_k_blocks(xb: F32) -> U8:
     out[:, 96:104] = (lb[:, :8] & 15) | ((lb[:, 8:] & 15) << 4)
     hi = (lb >> 4).reshape(m, 4, 4)
     out[:, 104:108] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
-    out[:, 108:110] = _fp16_bytes(d)
+    out[:, 108:110] = fp16_bytes(d)
     return out
 
 

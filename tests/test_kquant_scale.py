@@ -259,6 +259,23 @@ def test_shapes(oracle: Oracle, codec: type[Codec]) -> None:
     np.testing.assert_array_equal(got.reshape(6, -1), oracle.quantize(codec.ggml_type, x.reshape(6, 512)))
 
 
+def test_fp16_bytes_matches_ggml(oracle: Oracle) -> None:
+    """fp16_bytes is GGML_FP32_TO_FP16 for every float32 class: random bit patterns (NaNs with
+    payloads included), rounding ties, overflow and subnormal edges."""
+    from convert.codec_base import fp16_bytes
+
+    f = oracle.lib.ggml_fp32_to_fp16_row
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    edges = [0x7FC0ABCD, 0xFFC00001, 0x7F800001, 0x7F800000, 0xFF800000, 0x477FF000, 0x477FEFFF,
+             0x33000000, 0x33000001, 0x32FFFFFF, 0x38801000, 0x80000000, 0]
+    rnd = np.random.default_rng(8).integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([rnd, np.array(edges, np.uint32)]).view(np.float32)
+    want = np.zeros(x.size, np.uint16)
+    f(x.ctypes.data, want.ctypes.data, x.size)
+    np.testing.assert_array_equal(fp16_bytes(x).view("<u2").ravel(), want)
+
+
 def test_codec_table() -> None:
     for c in CODEC_LIST:
         assert CODECS[c.ggml_type] is c
