@@ -149,10 +149,11 @@ def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
     return scale, best_is, zero
 
 
-def _requant(x: F32, d: F32, l_keep: npt.NDArray[np.int32], nmax: int) -> npt.NDArray[np.int32]:
-    """Codes ``clamp(nearest_int(x / d), -nmax, nmax - 1) + nmax``; ``l_keep`` where ``d == 0``.
+def _requant(x: F32, d: F32, nmax: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.intp]]:
+    """Codes ``clamp(nearest_int(x / d), -nmax, nmax - 1) + nmax`` and the columns where ``d == 0``.
 
-    ``x`` float32 ``(n, m)``, ``d`` float32 ``(m,)``, ``l_keep`` int32 ``(n, m)``.
+    ``x`` float32 ``(n, m)``, ``d`` float32 ``(m,)``. C skips a sub-block whose ``d`` is 0 and keeps
+    the codes it had: the caller puts those into the returned columns (their codes here are junk).
     """
     dz = d == 0
     d1 = d.copy()
@@ -161,7 +162,7 @@ def _requant(x: F32, d: F32, l_keep: npt.NDArray[np.int32], nmax: int) -> npt.ND
     li = nearest_int_bits(q)
     np.clip(li, -nmax, nmax - 1, out=li)
     li += nmax
-    return np.where(dz, l_keep, li)
+    return li, np.nonzero(dz)[0]
 
 
 def _position_major(xb: F32) -> F32:
@@ -179,11 +180,6 @@ def _q6_k_blocks(xb: F32) -> U8:
     m = xb.shape[0]
     xp = _position_major(xb)
     scale, best_is, zero = make_qx_quants(xp, 32)
-    prod: F32 = xp * best_is
-    l_make = nearest_int_bits(prod)
-    np.clip(l_make, -32, 31, out=l_make)
-    l_make += 32
-    l_make[:, zero] = 0
     scales = scale.reshape(m, 16)
     max_abs, max_scale = first_absmax(scales, axis=1)
     blank = max_abs < GROUP_MAX_EPS
@@ -192,7 +188,15 @@ def _q6_k_blocks(xb: F32) -> U8:
     d = fp16_round(np.float32(1) / iscale)
     sc = np.minimum(nearest_int_bits(iscale[:, None] * scales), 127).astype(np.int8)
     dl = (d[:, None] * sc.astype(np.float32)).reshape(-1)
-    codes = _from_position_major(_requant(xp, dl, l_make, 32), m)
+    li, keep = _requant(xp, dl, 32)
+    if keep.size:  # make_qx_quants' codes (0 in an all-zero sub-block)
+        prod: F32 = xp[:, keep] * best_is[keep]
+        l_make = nearest_int_bits(prod)
+        np.clip(l_make, -32, 31, out=l_make)
+        l_make += 32
+        l_make[:, zero[keep]] = 0
+        li[:, keep] = l_make
+    codes = _from_position_major(li, m)
     lr = codes.reshape(m, 2, 4, 32)
     out = np.empty((m, 210), dtype=np.uint8)
     out[:, :128] = ((lr[:, :, 0:2] & 15) | ((lr[:, :, 2:4] & 15) << 4)).reshape(m, 128)
@@ -258,14 +262,15 @@ def _q3_pass(x: F32, w: F32, wx: F32, lv: F32, sumlx: F32, suml2: F32, cols: npt
     return changed
 
 
-def make_q3_quants(x: F32, nmax: int) -> tuple[F32, npt.NDArray[np.int32]]:
+def make_q3_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
     """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for every column of ``x`` at once.
 
     ``x``: float32 ``(n, m)``, one sub-block per column (position-major). Returns the scales
-    (float32 ``(m,)``) and the codes C leaves in ``L`` (int32 ``(n, m)``, ``0 .. 2*nmax - 1``; 0 in an
-    all-zero sub-block). The refinement runs its 5 passes position by position, each position one
-    vector operation over the sub-blocks still refining: a sub-block leaves after a pass that changed
-    none of its codes (C's ``break``).
+    (float32 ``(m,)``), the codes before C's final ``+ nmax`` (float32 ``(n, m)``, ``-nmax ..
+    nmax - 1``) and the all-zero mask (``amax < GROUP_MAX_EPS``: scale 0 and C's ``L`` all 0, not
+    ``nmax``). The refinement runs its 5 passes position by position, each position one vector
+    operation over the sub-blocks still refining: a sub-block leaves after a pass that changed none
+    of its codes (C's ``break``).
     """
     n, m = x.shape
     lv = np.empty((n, m), dtype=np.float32)
@@ -301,16 +306,14 @@ def make_q3_quants(x: F32, nmax: int) -> tuple[F32, npt.NDArray[np.int32]]:
         active = active[changed]
     scale = np.where(suml2 > 0, sumlx / suml2, np.float32(0))
     scale[zero] = 0
-    codes = lv.astype(np.int32) + nmax
-    codes[:, zero] = 0
-    return scale, codes
+    return scale, lv, zero
 
 
 def _q3_k_blocks(xb: F32) -> U8:
     """``quantize_row_q3_K_ref`` of float32 ``(m, 256)`` -> uint8 ``(m, 110)``."""
     m = xb.shape[0]
     xp = _position_major(xb)
-    scale, l_make = make_q3_quants(xp, 4)
+    scale, lv, zero = make_q3_quants(xp, 4)
     scales = scale.reshape(m, 16)
     _, max_scale = first_absmax(scales, axis=1)
     nz = max_scale != 0
@@ -323,7 +326,12 @@ def _q3_k_blocks(xb: F32) -> U8:
     d = fp16_round(np.float32(1) / iscale)
     d[~nz] = 0
     dl = (d[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
-    codes = _from_position_major(_requant(xp, dl, l_make, 4), m)
+    li, keep = _requant(xp, dl, 4)
+    if keep.size:  # make_q3_quants' codes (0 in an all-zero sub-block)
+        l_make = lv[:, keep].astype(np.int32) + 4
+        l_make[:, zero[keep]] = 0
+        li[:, keep] = l_make
+    codes = _from_position_major(li, m)
     out = np.empty((m, 110), dtype=np.uint8)
     high = (codes > 3).astype(np.uint8).reshape(m, 8, 32)
     out[:, :32] = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
