@@ -55,8 +55,8 @@ CHUNK_BLOCKS = 512
 
 
 def _bracket_table() -> npt.NDArray[np.uint64]:
-    """For ``k`` = 0..242 (``floor(al) + 128``): C's ``mu`` in bits 32.. and, as float32 bit
-    patterns packed in one uint64, ``(val[mu-1], val[mu])`` (low word, high word)."""
+    """For ``k`` = 0..242 (``floor(al) + 128``, clamped): ``(val[mu-1], val[mu])`` as two float32
+    bit patterns packed in one uint64 (low word, high word), ``mu`` as in :data:`_MU`."""
     mu = np.clip(np.searchsorted(KVALUES_IQ4NL, np.arange(-128, 115, dtype=np.float32), side="right"), 1, 15)
     pair = np.stack([KVALUES_IQ4NL[mu - 1], KVALUES_IQ4NL[mu]], axis=1)
     return np.ascontiguousarray(pair).view(np.uint64).reshape(-1)
@@ -66,17 +66,18 @@ def _bracket_table() -> npt.NDArray[np.uint64]:
 #: search ends on), indexed by ``clip(al + 128, 0, 242)`` truncated (values are integers, so the
 #: count of values ``<= al`` is that of values ``<= floor(al)``).
 _BRACKETS = _bracket_table()
+#: C's ``mu`` (count of table values ``<= k - 128``, kept in 1..15) for ``k`` = 0..242.
 _MU = np.clip(np.searchsorted(KVALUES_IQ4NL, np.arange(-128, 115, dtype=np.float32), side="right"), 1, 15)
 
 
-def best_index_iq4nl(al: F32, finite: bool = False) -> tuple[npt.NDArray[np.intp], F32]:
-    """``best_index_int8(16, kvalues_iq4nl, al)`` elementwise: (indices, their table values).
+def _brackets(al: F32, finite: bool) -> tuple[npt.NDArray[np.intp] | None, F32, F32, npt.NDArray[np.bool_]]:
+    """C's final bracket for each ``al``: (``mu`` or None, ``val[mu-1]``, ``val[mu]``, take the lower).
 
-    The index ``mu`` C's binary search ends on is the count of table values ``<= al`` (kept in
-    1..15); then ``mu - 1`` if ``al - val[mu-1] < val[mu] - al`` else ``mu``. That also gives C's
-    answer below the first value, above the last and for NaN (15). With ``finite`` (the caller
-    knows ``al`` holds no NaN; infinities are fine) the bracket comes from one table ``take`` on
-    ``floor(al)``; otherwise from ``np.searchsorted``, ~20x slower, which places NaN last as C does.
+    ``mu`` is the count of table values ``<= al``, kept in 1..15 (where C's binary search ends);
+    the lower value is taken when ``al - val[mu-1] < val[mu] - al``. With ``finite`` (no NaN in
+    ``al``; infinities are fine) both values come from one table ``take`` on ``floor(al)`` and ``mu``
+    is not made (None); otherwise from ``np.searchsorted``, ~20x slower, which places NaN last as
+    C's search does.
     """
     if finite:
         t = al + np.float32(128)
@@ -84,13 +85,25 @@ def best_index_iq4nl(al: F32, finite: bool = False) -> tuple[npt.NDArray[np.intp
         k = t.astype(np.int32)
         pair = _BRACKETS.take(k).view(np.float32).reshape(*k.shape, 2)
         lo, hi = pair[..., 0], pair[..., 1]
-        mu = _MU.take(k)
+        mu = None
     else:
         mu = np.searchsorted(KVALUES_IQ4NL, al, side="right")
         np.clip(mu, 1, 15, out=mu)
         lo = KVALUES_IQ4NL[mu - 1]
         hi = KVALUES_IQ4NL[mu]
-    down = (al - lo) < (hi - al)
+    return mu, lo, hi, (al - lo) < (hi - al)
+
+
+def best_index_iq4nl(al: F32, finite: bool = False) -> tuple[npt.NDArray[np.intp], F32]:
+    """``best_index_int8(16, kvalues_iq4nl, al)`` elementwise: (indices, their table values).
+
+    The index is ``mu - 1`` or ``mu`` of :func:`_brackets`; that also gives C's answer below the
+    first value, above the last and for NaN (15). ``finite``: ``al`` holds no NaN (faster path).
+    """
+    mu, lo, hi, down = _brackets(al, finite)
+    if mu is None:
+        k = np.clip(al + np.float32(128), 0, 242).astype(np.int32)
+        mu = _MU.take(k)
     mu -= down
     return mu, select(down, lo, hi)
 
@@ -98,7 +111,8 @@ def best_index_iq4nl(al: F32, finite: bool = False) -> tuple[npt.NDArray[np.intp
 def _sums(x: F32, w: F32, iscale: F32, finite: bool) -> tuple[F32, F32]:
     """``(sumqx, sumq2)`` of the table values nearest to ``iscale * x``; ``x``, ``w`` ``(32, m)``."""
     al: F32 = x * iscale
-    _, q = best_index_iq4nl(al, finite and bool(np.isfinite(iscale).all()))
+    _, lo, hi, down = _brackets(al, finite and bool(np.isfinite(iscale).all()))
+    q = hi - down * (hi - lo)  # exact: small integers (select() bit for bit would cost 5 passes, this 3)
     wq = w * q
     return seq_sum0(wq * x), seq_sum0(wq * q)
 
