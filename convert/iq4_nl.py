@@ -28,7 +28,8 @@ s += v[i]``); ``w*q*x`` is ``(w * q) * x``; divisions stay divisions; the neares
 :func:`~convert.codec_base.seq_sum0`); Python loops run over the 16 trials only. The bracket
 ``(val[mu-1], val[mu])`` of every weight comes from one ``take`` in a 243-entry table indexed by
 ``floor(al) + 128`` (the table values are integers) when the chunk is finite, from
-``np.searchsorted`` otherwise (NaN); choices are bit selects (:func:`~convert.codec_base.select`).
+``np.searchsorted`` otherwise (NaN). In the trials the nearest value is ``hi - down * (hi - lo)``
+(exact: small integers); the scale choices are bit selects (:func:`~convert.codec_base.select`).
 
 Cost (4096 x 4096 float32, one thread, CPU time): about 5 s against C's 7.4 s (C's per-weight
 binary search over 16 trials is slow; here a table ``take`` per weight and trial dominates).
