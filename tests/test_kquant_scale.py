@@ -174,6 +174,18 @@ def test_many_superblocks(oracle: Oracle, codec: type[Codec]) -> None:
 
 
 @pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
+def test_wild_magnitudes(oracle: Oracle, codec: type[Codec]) -> None:
+    """2048 super-blocks whose every weight has its own magnitude (1e-40 .. 1e38: subnormals and
+    float32 overflow to inf included), and integer grids times powers of two (rounding ties)."""
+    rng = np.random.default_rng(777)
+    with np.errstate(over="ignore"):
+        wild = (rng.standard_normal((1024, 256)) * 10.0 ** rng.uniform(-40, 38, (1024, 256))).astype(np.float32)
+    grid = (rng.integers(-40, 40, (1024, 256)) * 2.0 ** rng.integers(-20, 20, (1024, 1))).astype(np.float32)
+    x = np.concatenate([wild, grid]).reshape(64, -1)
+    np.testing.assert_array_equal(codec.quantize(x), oracle.quantize(codec.ggml_type, x))
+
+
+@pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
 def test_real_weights(oracle: Oracle, codec: type[Codec]) -> None:
     """The fixture model's dequantized weights (bf16 -> float32), every 2-D tensor."""
     tensors = read_safetensors(REFERENCE)
