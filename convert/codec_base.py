@@ -11,6 +11,7 @@ has none, and NumPy's ``a * b + c`` rounds twice as C does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -125,29 +126,27 @@ def seq_sum0(x: F32) -> F32:
 
     NumPy reduces axis 0 of such an array row by row (its inner loop runs along the contiguous axis,
     one elementwise add per row), which is C's order; pairwise summation only happens along a
-    reduced inner axis. :data:`REDUCE_AXIS0_IS_SEQUENTIAL` checks that at import, and with
+    reduced inner axis. :func:`reduce_axis0_is_sequential` checks that once, and with
     ``m < 2`` (where the reduced axis may become the inner loop) or if the check failed this falls
     back to the explicit loop. The first add is ``x[0]`` rather than ``0.0f + x[0]``: only the sign
     of a zero sum can differ, and the encoders here never let that sign reach their output.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if REDUCE_AXIS0_IS_SEQUENTIAL and x.ndim == 2 and x.shape[1] >= 2:
+    if x.ndim == 2 and x.shape[1] >= 2 and reduce_axis0_is_sequential():
         return np.add.reduce(x, axis=0)
     return seq_sum(x, axis=0)
 
 
-def _reduce_axis0_is_sequential() -> bool:
-    """Whether ``np.add.reduce(axis=0)`` adds rows in order (values that tell pairwise apart)."""
+@functools.cache
+def reduce_axis0_is_sequential() -> bool:
+    """Whether ``np.add.reduce(axis=0)`` adds rows in order, on values that tell pairwise apart and
+    the shapes the encoders use; checked on first use (~50 ms), then remembered."""
     rng = np.random.default_rng(0)
     for n, m in ((16, 2), (32, 3), (32, 512), (16, 4096), (16, 16384)):
         a = (rng.standard_normal((n, m)) * 10.0 ** rng.uniform(-8, 8, (n, m))).astype(np.float32)
         if not np.array_equal(np.add.reduce(a, axis=0), seq_sum(a, axis=0)):
             return False
     return True
-
-
-#: Checked once at import: see :func:`seq_sum0`.
-REDUCE_AXIS0_IS_SEQUENTIAL = _reduce_axis0_is_sequential()
 
 
 def bitmask(mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.int32]:
@@ -211,12 +210,12 @@ def fp16_bytes(x: F32) -> U8:
 
 
 __all__ += [
-    "REDUCE_AXIS0_IS_SEQUENTIAL",
     "bitmask",
     "encode_by_chunks",
     "first_absmax",
     "fp16_bytes",
     "nearest_int_bits",
+    "reduce_axis0_is_sequential",
     "select",
     "seq_sum0",
 ]

@@ -288,6 +288,15 @@ def test_fp16_bytes_matches_ggml(oracle: Oracle) -> None:
     np.testing.assert_array_equal(fp16_bytes(x).view("<u2").ravel(), want)
 
 
+def test_fast_sum_path_is_used() -> None:
+    """This NumPy reduces axis 0 row by row, so the tests above exercise seq_sum0's fast path."""
+    from convert.codec_base import reduce_axis0_is_sequential, seq_sum, seq_sum0
+
+    assert reduce_axis0_is_sequential()
+    a = (np.random.default_rng(1).standard_normal((16, 300)) * 1e6).astype(np.float32)
+    np.testing.assert_array_equal(seq_sum0(a), seq_sum(a, axis=0))
+
+
 def test_codec_table() -> None:
     for c in CODEC_LIST:
         assert CODECS[c.ggml_type] is c
