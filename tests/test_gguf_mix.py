@@ -1117,3 +1117,15 @@ def test_summary_shows_the_type_mix_and_json_carries_types(tmp_path, capsys):
     assert g["type"] == "q5_1" and g["type_counts"] == {"Q6_K": 1, "Q5_1": 15, "F32": 5}
     assert {t["name"]: t["type"] for t in g["tensors"]}["output.weight"] == "Q6_K"
     assert any(n.startswith("gguf q5_1: 15 Q5_1, 5 F32, 1 Q6_K") for n in summary["notes"])
+
+
+def test_any_case_reaches_the_library_and_the_default_name(capsys):
+    """``gguf:Q4_K_M`` given to convert() (not only the CLI) is the q4_k_m mix, named in lower case."""
+    from convert.cli import main
+    from convert.job import ConvertOptions, convert
+
+    result = convert(ConvertOptions(src=str(FIXTURE), to="gguf:Q4_K_M", dry_run=True))
+    assert result.to == "gguf:q4_k_m" and result.output.endswith("llama_nf4_dq-gguf-q4_k_m.gguf")
+    assert main([str(FIXTURE), "--to", "gguf:Q3_K_L", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "q3_k_l" in text and "attn_output: Q5_K" in text
