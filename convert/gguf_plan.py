@@ -132,7 +132,8 @@ class GGUFTensor:
         nbytes: bytes in the data section (before the 32-byte padding).
         permute_heads: rows are permuted as ``LlamaModel.permute`` with this many heads (0: not).
         offset: value added in float32 before rounding (Gemma norms: 1.0).
-        fallback: why the type differs from the requested one ("" when it does not).
+        fallback: why the type differs from the requested one ("" when it does not): a fallback for
+            the row length, or llama-quantize's rule in a mix (``attn_v on a use_more_bits layer: Q6_K``).
     """
 
     source: str | None

@@ -155,7 +155,8 @@ class GgufJob:
     def describe(self) -> str:
         g = self.gplan
         lines = [f"{self.plan.checkpoint.source} -> GGUF {g.arch.name}, {self.out_type}: {len(g.tensors)} tensors, "
-                 f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys"]
+                 f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys; "
+                 f"{mix_summary([t.ggml_type for t in g.tensors])}"]
         lines += ["  " + line for line in g.describe()]
         lines += [f"  note: {n}" for n in self.plan.notes]
         return "\n".join(lines)
