@@ -9,7 +9,9 @@ Three layers of checks:
   ``general.file_type`` and the bytes of every tensor whose type has a codec in
   :data:`convert.ggml_codecs.CODECS` (a loop over tensors; the K-quant codecs are merged
   separately, and until then the test checks what it can and skips naming the types left);
-- unit tests of :func:`convert.gguf_mix.mix_types` on synthetic tensor lists.
+- unit tests of :func:`convert.gguf_mix.mix_types` on synthetic tensor lists, and on header-only
+  GGUF files (tiny tensors, real hyperparameters) for the rules no small model reaches: a 70B
+  Llama, 80-layer Qwen2, 8 experts, tied embeddings with 32 layers, against llama.cpp.
 
 Models: every fixture under ``tests/fixtures/models`` (one Llama layout: hidden 256, ff 704, which
 is not a multiple of 256, 2 layers, GQA 2) and synthetic float models made here in a temporary
@@ -1129,3 +1131,48 @@ def test_any_case_reaches_the_library_and_the_default_name(capsys):
     assert main([str(FIXTURE), "--to", "gguf:Q3_K_L", "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "q3_k_l" in text and "attn_output: Q5_K" in text
+
+
+def _header_only_gguf(path: Path, arch: str, layers: int, heads: int, kv: int, experts: int,
+                      tied: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """A GGUF llama.cpp's quantizer accepts, with the hyperparameters asked for and tiny tensors:
+    llama-quantize reads only the hyperparameters and the tensor names and row lengths, so every
+    matrix is 2 rows of 256 (the rules see a row length that is a multiple of 256, as in a real model)."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(layers)
+    w.add_context_length(128)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(256)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+    ts = [(n, (2, 256) if len(s) == 2 else (256,)) for n, s in llama_tensors(layers, 256, 8, 2, 256, 1000, tied)]
+    for n, s in ts:
+        w.add_tensor(n, np.full(s, 0.01, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ts
+
+
+@pytest.mark.skipif(not _has_llama_cpp(), reason="llama_cpp (llama-cpp-python) is not installed")
+@pytest.mark.parametrize("arch,layers,heads,kv,experts,tied", [
+    ("llama", 80, 64, 8, 0, False),   # a 70B Llama: attn_v never Q3_K/Q4_K
+    ("llama", 80, 64, 64, 0, False),  # 80 layers without GQA: a 65B, not 70B
+    ("llama", 8, 8, 2, 8, False),     # 8 experts: attn_v/attn_k Q8_0, attn_output Q5_K
+    ("qwen2", 80, 64, 64, 0, False),  # any 80-layer Qwen2 is 70B
+    ("llama", 32, 32, 8, 0, True),    # tied embeddings, 32 layers, GQA 4
+])
+def test_70b_experts_and_tied_rules_equal_llama_quantize(tmp_path, arch, layers, heads, kv, experts, tied):
+    src = tmp_path / "in.gguf"
+    ts = _header_only_gguf(src, arch, layers, heads, kv, experts, tied)
+    model = MixModel(arch, layers, heads, kv, experts)
+    for mix in MIXES:
+        ref = {t.name: t.tensor_type.name for t in _llama_quantize(src, tmp_path / f"{mix}.gguf", mix).tensors}
+        ours = {n: c.ggml_type.name for (n, _), c in zip(ts, mix_types(mix, ts, model), strict=True)}
+        assert ours == ref, mix
