@@ -4,7 +4,9 @@
 ``llama-quantize`` writes when given our ``--to gguf:f32`` file and that file type: the same GGML
 type for every tensor. :func:`mix_types` is a re-implementation, from reading the source, of
 ``src/llama-quant.cpp`` of the llama.cpp revision vendored in llama-cpp-python 0.3.36
-(``vendor/llama.cpp``; the functions named below are that file's) for the file types listed, with
+(``vendor/llama.cpp``, ggml 0.25.3; the sdist names no commit, so the file is pinned by its sha256
+``24305a44864f6e12bdbaa29c28ce71395c6ff5af806576f966020939164e13f1``; the functions named below are
+that file's) for the file types listed, with
 ``llama_model_quantize_default_params()`` (no imatrix, no ``--pure``, no type overrides, output
 tensor quantized):
 
@@ -56,7 +58,7 @@ GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
 
 #: Upstream pinned by this module: llama.cpp as vendored in llama-cpp-python 0.3.36.
-UPSTREAM = "llama.cpp vendored in llama-cpp-python 0.3.36, src/llama-quant.cpp"
+UPSTREAM = "llama.cpp vendored in llama-cpp-python 0.3.36 (ggml 0.25.3), src/llama-quant.cpp sha256 24305a44..."
 
 
 @dataclass(frozen=True)

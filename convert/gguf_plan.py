@@ -83,7 +83,9 @@ __all__ = [
     "OUTPUT_TYPES",
     "GGUFPlan",
     "GGUFTensor",
+    "apply_mix",
     "choose_type",
+    "mix_model",
     "parse_output_type",
     "plan_gguf",
 ]
@@ -221,7 +223,9 @@ def plan_gguf(
     """Plan a GGUF file from headers alone: names, types, shapes, sizes, metadata and tokenizer.
 
     Matches the metadata, tensor names, tensor types and tokenizer llama.cpp's
-    ``convert_hf_to_gguf.py`` writes for the same model and ``--outtype``.
+    ``convert_hf_to_gguf.py`` writes for the same model and ``--outtype``; for llama-quantize's file
+    types (:data:`convert.gguf_mix.FILE_TYPES`) each tensor's type is llama-quantize's
+    (:func:`apply_mix`, from the planned metadata's block count, heads, kv heads and experts).
 
     Args:
         config: the model's config.json (``quantization_config`` is ignored).
