@@ -232,16 +232,15 @@ TARGETS: dict[str, Target] = {
 
 
 def target_names() -> list[str]:
-    """Every accepted ``--to`` value, for ``--help`` and error messages (GGUF types in lower case;
-    :func:`normalize_target` accepts them in any case, as llama.cpp spells them: ``gguf:Q4_K_M``)."""
+    """Every accepted ``--to`` value, for ``--help`` and error messages (in lower case;
+    :func:`normalize_target` accepts any case, as llama.cpp spells its types: ``gguf:Q4_K_M``)."""
     return list(TARGETS) + [f"gguf:{t}" for t in _gguf_types()]
 
 
 def normalize_target(to: str) -> str:
-    """A ``--to`` value with its GGUF type in lower case (``gguf:Q4_K_M`` -> ``gguf:q4_k_m``);
-    other values unchanged. The CLI's ``--to`` type, applied before its choices are checked."""
-    family, sep, spec = to.partition(":")
-    return f"{family}:{spec.strip().lower()}" if sep and family == "gguf" else to
+    """A ``--to`` value in lower case, as every target is named (``GGUF:Q4_K_M`` -> ``gguf:q4_k_m``,
+    ``BF16`` -> ``bf16``). The ``--to`` type of every command, applied before its choices are checked."""
+    return to.strip().lower()
 
 
 def target_for(to: str) -> str:
