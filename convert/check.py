@@ -171,7 +171,7 @@ def _check_target(ckpt: Checkpoint, to: str, model_name: str | None, problems: l
 
     try:
         target = TARGETS[target_for(to)]
-        plan = make_plan(ckpt, target.dequantize_to)
+        plan = make_plan(ckpt, target.dequantize_to(to))
         target.prepare(plan, ConvertOptions(src=str(ckpt.source), to=to),
                        model_name or ckpt.source.resolve().name)
     except ConvertBnbError as exc:

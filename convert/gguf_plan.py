@@ -26,6 +26,11 @@ transformers):
 
 - ``general.*`` holds type, name (the directory name), size label, file type and quantization
   version; llama.cpp also reads the model card (basename, finetune, license, ...).
+- ``f32`` holds the exact float32 dequantized weights (a 4-bit layer's fp32 products, before the
+  rounding to the checkpoint's bf16/f16 that transformers' ``dequantize()`` does), and the
+  llama-quantize types are quantized from them (:data:`FLOAT32_INPUT`): never from a 16-bit
+  intermediate, so they are at least as close to the bnb weights as bnb -> bf16 -> F16 GGUF ->
+  ``llama-quantize`` (scripts/kquant_routes.py measures both routes).
 - llama-quantize writes its tensors in its loader's order (outside-layer tensors first, then by
   layer and name); ours keep the converter's order. Types and bytes are the same.
 
@@ -80,6 +85,7 @@ from .gguf_tokenizer import add_tokenizer
 
 __all__ = [
     "DEFAULT_OUTPUT_TYPE",
+    "FLOAT32_INPUT",
     "OUTPUT_TYPES",
     "GGUFPlan",
     "GGUFTensor",
@@ -104,6 +110,13 @@ OUTPUT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = 
     **{name: (ft.default, ft.ftype) for name, ft in FILE_TYPES.items()},
 }
 DEFAULT_OUTPUT_TYPE = "f16"
+#: Output types whose writer gets every weight as exact float32 (a 4-bit layer's fp32 products
+#: ``quant_map[code] * absmax`` before any 16-bit rounding, so ``f32`` holds more than the bf16/f16
+#: checkpoint transformers would save): ``f32``, and llama-quantize's types, which llama.cpp makes
+#: from an ``f32`` file, so ours equal ``llama-quantize`` of our ``f32`` output byte for byte. The
+#: other types (``f16``, ``bf16``, ``q8_0``) take each tensor at its own dtype, as
+#: ``convert_hf_to_gguf.py`` does from the dequantized model.
+FLOAT32_INPUT = frozenset({"f32", *FILE_TYPES})
 
 
 def parse_output_type(spec: str | None) -> str:

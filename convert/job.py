@@ -341,7 +341,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                            commit=source.hub.commit if source.hub else None)
     extra_notes: list[str] = []
     with open_checkpoint(source.path) as ckpt:
-        plan = make_plan(ckpt, target.dequantize_to, max_shard_size=options.max_shard_size)
+        plan = make_plan(ckpt, target.dequantize_to(options.to), max_shard_size=options.max_shard_size)
         lora = apply_lora(plan, options.merge_lora, options.original) if options.merge_lora else None
         try:
             if source.hub is not None:

@@ -208,12 +208,21 @@ class Target:
     """One row of :data:`TARGETS`.
 
     Attributes:
-        dequantize_to: the ``to`` of :func:`convert.plan.make_plan` that feeds the writer.
+        dequantize_to: ``--to`` value -> the ``to`` of :func:`convert.plan.make_plan` that feeds the
+            writer.
         prepare: ``(plan, options, model name) -> TargetJob``.
     """
 
-    dequantize_to: str
+    dequantize_to: Callable[[str], str]
     prepare: Callable[[Plan, ConvertOptions, str], TargetJob]
+
+
+def _gguf_input(to: str) -> str:
+    """``fp32`` for the GGUF types llama.cpp makes from an f32 file (see
+    :data:`convert.gguf_plan.FLOAT32_INPUT`), else each tensor's own dtype (``auto``)."""
+    from .gguf_plan import FLOAT32_INPUT, parse_output_type
+
+    return "fp32" if parse_output_type(to.partition(":")[2] or None) in FLOAT32_INPUT else "auto"
 
 
 def _gguf_types() -> list[str]:
@@ -224,10 +233,10 @@ def _gguf_types() -> list[str]:
 
 #: Every target family; :func:`target_for` maps a ``--to`` value to its row.
 TARGETS: dict[str, Target] = {
-    **{name: Target(name, prepare_safetensors) for name in FLOAT_TARGETS},
-    "nf4": Target("auto", prepare_bnb4),
-    "fp4": Target("auto", prepare_bnb4),
-    "gguf": Target("auto", prepare_gguf),
+    **{name: Target(lambda to: to, prepare_safetensors) for name in FLOAT_TARGETS},
+    "nf4": Target(lambda to: "auto", prepare_bnb4),
+    "fp4": Target(lambda to: "auto", prepare_bnb4),
+    "gguf": Target(_gguf_input, prepare_gguf),
 }
 
 

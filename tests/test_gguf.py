@@ -883,13 +883,14 @@ def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
 
     monkeypatch.setattr(convert.job, "make_plan", shifted_plan)
     out = tmp_path / "m.gguf"
-    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f32", "-o", str(out), "-q"]) == 0
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(out), "-q"]) == 0
     r = gguf.GGUFReader(out)
     q = np.asarray(_tensor(r, "blk.1.attn_q.weight").data).reshape(256, 256)
     shifted = (REF_W["model.layers.1.self_attn.q_proj.weight"].astype(np.float32) + 0.5).astype(ml_dtypes.bfloat16)
-    assert np.array_equal(q, _permute(shifted.astype(np.float32), 4))
+    assert np.array_equal(q, _permute(shifted.astype(np.float32), 4).astype(np.float16))
     k = np.asarray(_tensor(r, "blk.1.attn_k.weight").data).reshape(128, 256)
-    assert np.array_equal(k, _expected_f32("k_proj.weight", REF_W["model.layers.1.self_attn.k_proj.weight"]))
+    want_k = _expected_f32("k_proj.weight", REF_W["model.layers.1.self_attn.k_proj.weight"]).astype(np.float16)
+    assert np.array_equal(k, want_k)
 
 
 def test_llama_with_a_byte_level_bpe_tokenizer_is_llama_bpe(tmp_path):
@@ -919,12 +920,26 @@ def test_cli_gguf_with_merge_lora_equals_the_peft_merged_model(tmp_path):
     out = tmp_path / "merged.gguf"
     args = [str(FIXTURE), "--merge-lora", str(lora / "adapter"), "--to", "gguf:f32", "-o", str(out), "-q"]
     assert main(args) == 0
+    # gguf:f32 holds the exact float32 dequantized base with the delta added in float32 (no bf16
+    # intermediate): exactly our own `--merge-lora --to fp32`, and within one bf16 rounding of PEFT's
+    # bf16 merge (PEFT adds the delta to the bf16 base)
+    fp32 = tmp_path / "merged-fp32"
+    assert main([str(FIXTURE), "--merge-lora", str(lora / "adapter"), "--to", "fp32", "-o", str(fp32), "-q"]) == 0
+    base32 = tmp_path / "base-fp32"
+    assert main([str(FIXTURE), "--to", "fp32", "-o", str(base32), "-q"]) == 0
+    exact = load_reference(fp32 / "model.safetensors")
+    base = load_reference(base32 / "model.safetensors")
     want = load_reference(lora / "merged_reference" / "model.safetensors")
     plan = plan_gguf(CONFIG, _shapes(want), FIXTURE, "f32")
     r = gguf.GGUFReader(out)
     for t in plan.tensors:
-        x = _expected_f32(t.source, want[t.source])
-        assert np.array_equal(np.asarray(_tensor(r, t.name).data).reshape(x.shape), x), t.name
+        x = _expected_f32(t.source, exact[t.source])
+        got = np.asarray(_tensor(r, t.name).data).reshape(x.shape)
+        assert np.array_equal(got, x), t.name
+        peft = _expected_f32(t.source, want[t.source])
+        # PEFT rounds the base to bf16 and the sum to bf16: half a bf16 ulp (2^-8 relative) of each
+        bound = 2.0**-8 * (np.abs(_expected_f32(t.source, base[t.source])) + np.abs(peft))
+        assert (np.abs(got - peft) <= bound).all(), t.name
     if _has_llama_cpp():
         lr = SafetensorsReader(lora / "merged_reference" / "logits.safetensors")
         ids = [int(i) for i in np.array(lr.array("input_ids")).reshape(-1)]
