@@ -134,6 +134,9 @@ __all__ = [
 
 #: Exit code of ``convert-bnb batch`` when at least one job failed.
 EXIT_JOBS_FAILED = 3
+#: What an interrupted batch leaves, as the command line says it.
+INTERRUPTED_TAIL = ("finished jobs are kept, and so are the finished shards of unfinished directory outputs "
+                    "(OUT/.NAME.convert-bnb-partial); run the same command again to resume")
 
 
 # ---------------------------------------------------------------- one job (runs in the worker process)
