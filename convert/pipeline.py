@@ -280,7 +280,9 @@ def write_directory_files(plan: Plan, tmp: Path) -> None:
     names = plan.shard_names()
     if len(names) > 1:
         weight_map = {plan.tensors[i].name: names[k] for k, shard in enumerate(plan.shards) for i in shard}
-        index = {"metadata": {"total_size": plan.out_nbytes}, "weight_map": weight_map}
+        # as transformers' save_pretrained writes it (sort_keys, indent 2)
+        index = {"metadata": {"total_parameters": plan.total_parameters, "total_size": plan.out_nbytes},
+                 "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     for extra in plan.checkpoint.extra_files:
         if extra.name == "config.json" and plan.config is not None:

@@ -205,6 +205,8 @@ class PlannedTensor:
         dtype: output dtype row.
         shape: output shape, in elements.
         source: what produces its elements.
+        parameters: the model parameters it stands for, as transformers' ``num_parameters()`` counts
+            them (a packed 4-bit weight: its unpacked elements; a QuantState companion: 0); None: ``numel``.
         numel: elements (a Python int), from ``shape``.
         nbytes: output bytes, ``numel * dtype.itemsize``.
     """
@@ -213,6 +215,7 @@ class PlannedTensor:
     dtype: DType
     shape: tuple[int, ...]
     source: Source
+    parameters: int | None = None
     numel: int = field(init=False)
     nbytes: int = field(init=False)
 
@@ -245,6 +248,12 @@ class Plan:
     def out_nbytes(self) -> int:
         """Bytes of tensor data to write."""
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def total_parameters(self) -> int:
+        """Model parameters written, as transformers' ``num_parameters()`` counts them (the index's
+        ``metadata.total_parameters``)."""
+        return sum(t.numel if t.parameters is None else t.parameters for t in self.tensors)
 
     @property
     def in_nbytes(self) -> int:

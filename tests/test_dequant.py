@@ -109,6 +109,10 @@ def test_sharded_output_and_index(tmp_out: Path) -> None:
     assert len(shards) > 1
     tensors = load_all(tmp_out)
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    # total_parameters as transformers 5 writes it: the index transformers wrote for the same model
+    written_by_transformers = json.loads((MODELS / "llama_nf4_dq_sharded/model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_parameters"] == written_by_transformers["metadata"]["total_parameters"]
+    assert index["metadata"]["total_parameters"] == sum(t.size for t in tensors.values()) == 1987840
     assert_same_tensors(tensors, load_all(REFERENCES["llama_nf4_dq"]))
 
 
