@@ -343,11 +343,11 @@ def convert(options: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     check_options(options)
     target = TARGETS[target_for(options.to)]
-    repo = parse_repo_spec(options.src)[0] if not os.path.lexists(options.src) else None
+    repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         default = out = Path(options.output or options.src)
     else:
-        default = default_output(None if repo else Path(options.src), options.to, repo)
+        default = default_output(None if repo else Path(options.src), options.to, repo, options.revision or rev)
         out = output_path(options.output, default, is_dir=True)  # -o checked now; a file output's name below
     source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress)
     result = ConvertResult(source=source.ref, to=options.to, output=str(out),
@@ -363,6 +363,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 if source.hub.downloaded_bytes:
                     note += f" ({source.hub.downloaded_bytes} bytes downloaded)"
                 plan.notes.append(note)
+                if source.hub.fallback is not None:
+                    plan.notes.append(source.hub.fallback)
             model_name = source.hub.repo_id if source.hub is not None else ckpt.source.resolve().name
             job = target.prepare(plan, options, model_name)
             out = output_path(options.output, default, is_dir=job.is_dir)
