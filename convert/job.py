@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,8 @@ class ConvertOptions:
             output from someone else's files even when the run dies right after the commit), or None.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
+        on_progress: called with (bytes written, bytes to write) while the output is written (batch
+            workers report progress through it), or None.
     """
 
     src: str
@@ -133,6 +136,7 @@ class ConvertOptions:
     resume_key: dict[str, Any] | None = None
     manifest: Path | None = None
     list_files: bool = False
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -382,7 +386,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                                    f"--max-memory {format_bytes(options.max_memory)}")
                 threads = cap
             run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress,
-                              label=out.name)
+                              label=out.name, on_progress=options.on_progress)
             timings["plan"] = time.perf_counter() - t0
             resume_key = None
             if options.resume_key is not None:
