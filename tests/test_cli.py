@@ -82,3 +82,16 @@ def test_json_failure_is_an_object_with_class_rule_message(tmp_path: Path,
     assert main(["inspect", str(tmp_path / "missing"), "--json"]) == 2  # the subcommands too
     d = json.loads(capsys.readouterr().out)
     assert (d["ok"], d["rule"]) == (False, "CKPT-010")
+
+
+def test_every_run_time_dependency_is_imported_by_the_run_time_code() -> None:
+    """A declared dependency the code never imports is dead weight for every user (safetensors was one)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    code = "\n".join(p.read_text() for d in ("convert", "formats") for p in (ROOT / d).glob("*.py"))
+    imported = set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_][A-Za-z0-9_]*)", code, re.MULTILINE))
+    names = [re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].replace("-", "_") for d in deps]
+    assert names == ["numpy", "huggingface_hub", "tqdm", "gguf", "ml_dtypes", "regex"]
+    assert [n for n in names if n not in imported] == []
