@@ -51,6 +51,7 @@ def test_repo_id_end_to_end_offline_default_output(cache: Path, tmp_path: Path) 
     summary = json.loads(r.stdout)
     out = work / "llama-nf4-bf16"
     assert summary["output"] == str(out)
+    assert (summary["source"], summary["commit"]) == (f"org/llama-nf4@{NF4}", NF4)  # --json: repo@commit
     assert f"source: Hub repo org/llama-nf4@{NF4}" in summary["notes"]
     assert_same_tensors(load_all(out), _bf16_reference("llama_nf4_dq"))
     config = json.loads((out / "config.json").read_text())
