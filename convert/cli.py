@@ -51,9 +51,13 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors as one line (exit 2) instead of the usage block."""
+    """argparse, with usage errors as one line (exit 2) instead of the usage block; with ``json_errors``
+    (``--json`` on the command line) also the JSON failure object on stdout, as for every other error."""
+
+    json_errors = False
 
     def error(self, message: str) -> NoReturn:
+        _print_failure(self.json_errors, {"error": "UsageError", "rule": "USE-001", "message": message})
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
@@ -202,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             parser = build_parser()
             run = _run_convert
+        if isinstance(parser, _Parser):
+            parser.json_errors = "--json" in argv
         args = parser.parse_args(argv)  # usage errors: exit 2 with one line
     except KeyboardInterrupt:
         print("convert-bnb: interrupted", file=sys.stderr)

@@ -79,6 +79,13 @@ def test_json_failure_is_an_object_with_class_rule_message(tmp_path: Path,
     assert main([str(MODEL), "--to", "bf16", "-o", str(out), "--json"]) == 2  # exists: OUT-001
     d = json.loads(capsys.readouterr().out)
     assert (d["ok"], d["error"], d["rule"]) == (False, "OutputExistsError", "OUT-001")
+    with pytest.raises(SystemExit) as exc:  # an argparse usage error too
+        main([str(MODEL), "--to", "nope", "--json"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert (d["ok"], d["error"], d["rule"]) == (False, "UsageError", "USE-001") and "'nope'" in d["message"]
+    assert captured.err.count("\n") == 1
     assert main(["inspect", str(tmp_path / "missing"), "--json"]) == 2  # the subcommands too
     d = json.loads(capsys.readouterr().out)
     assert (d["ok"], d["rule"]) == (False, "CKPT-010")
