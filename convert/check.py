@@ -30,6 +30,7 @@ from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
 
 from .plan import Dequant4Source
+from .targets import normalize_target
 
 __all__ = ["CheckReport", "check_source"]
 
@@ -187,7 +188,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="a .safetensors / .bin / .pt file, a model directory or a Hub repo "
                    "id org/name")
     p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
-    p.add_argument("--to", default="auto", metavar="TARGET",
+    p.add_argument("--to", default="auto", metavar="TARGET", type=normalize_target,
                    help="also plan this target from the headers, config.json and tokenizer (e.g. gguf:q8_0): "
                    "a clean check then means --to TARGET will not fail on the input")
 

@@ -24,7 +24,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from .merge import apply_lora
 from .output import OutputClaim, default_output, output_path, write_json
 from .pipeline import max_threads, peak_rss_bytes
 from .plan import make_plan
-from .targets import TARGETS, RunSettings, target_for
+from .targets import TARGETS, RunSettings, normalize_target, target_for
 from .units import format_bytes
 
 __all__ = ["MIN_MEMORY", "ConvertOptions", "ConvertResult", "QuantOptions", "ResolvedSource", "check_options",
@@ -345,6 +345,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             output rule (OUT-xxx, USE-002/003); OSError from the file system.
     """
     t0 = time.perf_counter()
+    options = replace(options, to=normalize_target(options.to))  # gguf:Q4_K_M -> gguf:q4_k_m
     check_options(options)
     target = TARGETS[target_for(options.to)]
     repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)

@@ -36,7 +36,9 @@ from .plan import Plan
 if TYPE_CHECKING:
     from .job import ConvertOptions
 
-__all__ = ["TARGETS", "RunSettings", "SafetensorsJob", "Target", "TargetJob", "prepare_bnb4", "target_for"]
+__all__ = [
+    "TARGETS", "RunSettings", "SafetensorsJob", "Target", "TargetJob", "normalize_target", "prepare_bnb4", "target_for",
+]
 
 
 class TargetJob(Protocol):
@@ -192,9 +194,13 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
 
 def prepare_gguf(plan: Plan, options: ConvertOptions, model_name: str) -> TargetJob:
     """``--to gguf[:TYPE]``: see :mod:`convert.to_gguf`."""
+    from .gguf_encode import check_encoders
     from .to_gguf import GgufJob
 
-    return GgufJob(plan, options.to, model_name)
+    job = GgufJob(plan, options.to, model_name)
+    if not options.dry_run:
+        check_encoders(job.gplan)  # GGUF-002 before any output is claimed (a mix needs K-quant codecs)
+    return job
 
 
 @dataclass(frozen=True)
@@ -226,8 +232,15 @@ TARGETS: dict[str, Target] = {
 
 
 def target_names() -> list[str]:
-    """Every accepted ``--to`` value, for ``--help`` and error messages."""
+    """Every accepted ``--to`` value, for ``--help`` and error messages (in lower case;
+    :func:`normalize_target` accepts any case, as llama.cpp spells its types: ``gguf:Q4_K_M``)."""
     return list(TARGETS) + [f"gguf:{t}" for t in _gguf_types()]
+
+
+def normalize_target(to: str) -> str:
+    """A ``--to`` value in lower case, as every target is named (``GGUF:Q4_K_M`` -> ``gguf:q4_k_m``,
+    ``BF16`` -> ``bf16``). The ``--to`` type of every command, applied before its choices are checked."""
+    return to.strip().lower()
 
 
 def target_for(to: str) -> str:
