@@ -3,6 +3,7 @@
 Reads through :mod:`formats`; ``formats`` never imports ``convert``.
 """
 
+#: The version: the one source (pyproject.toml reads it; ``--version``, model cards and job keys use it).
 __version__ = "0.1.0"
 
 

@@ -124,6 +124,8 @@ if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI s
 __all__ = [
     "DESCRIPTION",
     "EXIT_JOBS_FAILED",
+    "INTERRUPTED_TAIL",
+    "BatchProgress",
     "JobResult",
     "add_arguments",
     "run_batch",
@@ -135,6 +137,9 @@ __all__ = [
 
 #: Exit code of ``convert-bnb batch`` when at least one job failed.
 EXIT_JOBS_FAILED = 3
+#: What an interrupted batch leaves, as the command line says it.
+INTERRUPTED_TAIL = ("finished jobs are kept, and so are the finished shards of unfinished directory outputs "
+                    "(OUT/.NAME.convert-bnb-partial); run the same command again to resume")
 
 
 # ---------------------------------------------------------------- one job (runs in the worker process)
@@ -146,7 +151,8 @@ class JobResult:
     Attributes:
         name: the job's output name.
         src: its source (repo id or path).
-        status: ``converted``, ``skipped`` (already done) or ``failed``.
+        status: ``converted``, ``skipped`` (already done), ``failed``, or ``interrupted`` (the batch was
+            stopped while the job ran; ``error`` says what was kept for the next run).
         output: the output path.
         commit: the resolved source commit (Hub), or None.
         shards_written: shards written by this run.
@@ -251,7 +257,8 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             if pushed:
                 state["pushed"] = pushed
             save_state(state_file, state)
-            done = convert(replace(options, overwrite=overwrite))
+            done = convert(replace(options, overwrite=overwrite,
+                                   on_progress=_progress_writer(progress_path(out_dir, job.name))))
             check_complete(final, done.files)
             result.status = "converted"
             result.shards_written, result.shards_reused = done.shards_written, done.shards_reused
@@ -267,8 +274,9 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
     except BaseException as exc:
         if state.get("status") != "done":  # a failed push leaves a finished conversion done
-            state["status"] = "failed"
-        state["error"] = str(exc) or type(exc).__name__
+            state["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        state["error"] = interrupted_message(out_dir, job.name) if isinstance(exc, KeyboardInterrupt) else (
+            str(exc) or type(exc).__name__)
         if state.get("version"):
             save_state(state_file, state)
         raise
@@ -276,6 +284,79 @@ def run_job(spec: dict[str, Any]) -> JobResult:
         result.seconds = time.perf_counter() - t0
         result.peak_rss_bytes = peak_rss_bytes()
     return result
+
+
+def progress_path(out_dir: Path, name: str) -> Path:
+    """Where a job's worker records its progress: ``{"done": bytes written, "total": bytes to write}``."""
+    return out_dir / STATE_DIR / f"{name}.progress"
+
+
+def _progress_writer(path: Path, every: float = 0.5) -> Callable[[int, int], None]:
+    """A ``ConvertOptions.on_progress`` that writes the progress to ``path`` (atomically), at most every
+    ``every`` seconds, and always when the output is complete."""
+    from .output import write_json
+
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < every:
+            return
+        last[0] = now
+        try:
+            write_json(path, {"done": done, "total": total})
+        except OSError:  # progress is a courtesy: never fail a conversion for it
+            pass
+
+    return report
+
+
+def _read_progress(path: Path) -> tuple[int, int] | None:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+        return int(d["done"]), int(d["total"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def interrupted_message(out_dir: Path, name: str) -> str:
+    """What an interrupted job leaves, truthfully: the finished shards kept for the next run (a directory
+    output's staging), or nothing (a one-file output is written again whole)."""
+    from .output import PARTIAL_MARK
+
+    partial = out_dir / f".{name}{PARTIAL_MARK}"
+    if (out_dir / name).exists() and not partial.exists():
+        return ("interrupted with an output in place; the next run checks it against the job's manifest and "
+                "records it as done if it is complete, else converts the job again")
+    if partial.is_dir():
+        return (f"interrupted; its finished shards are kept in {partial} and reused when the batch is run "
+                "again")
+    return "interrupted; nothing of it was kept (run the batch again to convert it)"
+
+
+@dataclass
+class BatchProgress:
+    """Where a running batch is: shown while jobs run (``convert-bnb batch`` without ``--quiet``/``--json``).
+
+    Attributes:
+        jobs: jobs in the batch.
+        finished: jobs finished (converted, skipped or failed).
+        running: per running job, (bytes written, bytes to write), or None before its writing starts.
+    """
+
+    jobs: int
+    finished: int
+    running: dict[str, tuple[int, int] | None]
+
+    def line(self) -> str:
+        """One line: overall, then each running job's share written."""
+        parts = []
+        for name, p in sorted(self.running.items()):
+            if p is None or p[1] <= 0:
+                parts.append(f"{name} planning")
+            else:
+                parts.append(f"{name} {100 * p[0] // p[1]}% ({format_bytes(p[0])} of {format_bytes(p[1])})")
+        return f"[{self.finished}/{self.jobs} jobs done] " + ("; ".join(parts) if parts else "")
 
 
 # ---------------------------------------------------------------- the batch (parent process)
@@ -320,6 +401,10 @@ def worker_main(argv: list[str]) -> int:
                           "rule": exc.rule}))
         return 2
     except KeyboardInterrupt:
+        job = spec["job"]
+        message = interrupted_message(Path(spec["out_dir"]), job["name"])
+        print(f"convert-bnb batch: job {job['name']}: {message}", file=sys.stderr)  # the job's log says so too
+        print(json.dumps({"status": "interrupted", "error": message}))
         return 130
     except Exception as exc:  # noqa: BLE001 - reported as this job's failure; the batch goes on
         import traceback
@@ -344,6 +429,8 @@ def run_batch(
     push_to_hub: str | None = None,
     private: bool = False,
     on_done: Callable[[JobResult], None] | None = None,
+    on_progress: Callable[[BatchProgress], None] | None = None,
+    progress_interval: float = 2.0,
 ) -> list[JobResult]:
     """Run every job in worker processes, ``n_jobs`` at a time, within one memory budget.
 
@@ -359,6 +446,9 @@ def run_batch(
         push_to_hub: an organisation (or user) to push each output to, or None.
         private: create pushed repos as private.
         on_done: called with each job's result as it finishes.
+        on_progress: called every ``progress_interval`` seconds while jobs run, with the
+            :class:`BatchProgress` (jobs finished, each running job's bytes written).
+        progress_interval: seconds between ``on_progress`` calls.
 
     Returns:
         one :class:`JobResult` per job, in job order.
@@ -390,7 +480,7 @@ def run_batch(
     try:
         spec = {"out_dir": str(out_dir), "max_memory": per_memory, "threads": per_threads, "verify": verify,
                 "overwrite": overwrite, "push_to_hub": push_to_hub, "private": private, "parent_pid": os.getpid()}
-        return _run_jobs(jobs, out_dir, work, n_jobs, spec, on_done)
+        return _run_jobs(jobs, out_dir, work, n_jobs, spec, on_done, on_progress, progress_interval)
     finally:
         if lock is not None:
             lock.close()
@@ -417,45 +507,73 @@ def _lock_out_dir(work: Path) -> Any:
 
 
 def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings: dict[str, Any],
-              on_done: Callable[[JobResult], None] | None) -> list[JobResult]:
+              on_done: Callable[[JobResult], None] | None,
+              on_progress: Callable[[BatchProgress], None] | None = None,
+              progress_interval: float = 2.0) -> list[JobResult]:
     import subprocess
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     procs: set[subprocess.Popen[bytes]] = set()
     lock = threading.Lock()
+    stopping = threading.Event()  # the batch is being interrupted: a worker's end is not its job's failure
+    running: set[str] = set()
+    finished = [0]
 
     def one(job: Job) -> JobResult:
         spec = {"job": asdict(job), **settings}
         spec_path = work / f"{job.name}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
-        with open(work / f"{job.name}.log", "wb") as log:
+        progress_path(out_dir, job.name).unlink(missing_ok=True)
+        log_path = work / f"{job.name}.log"
+        with open(log_path, "wb") as log:
             proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(spec_path)], stdout=subprocess.PIPE,
                                     stderr=log, env=_worker_env())
             with lock:
                 procs.add(proc)
+                running.add(job.name)
             try:
                 stdout, _ = proc.communicate()
             finally:
                 with lock:
                     procs.discard(proc)
+                    running.discard(job.name)
+        progress_path(out_dir, job.name).unlink(missing_ok=True)
         line = stdout.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
         try:
             data = json.loads(line[0])
         except json.JSONDecodeError:
-            data = {"status": "failed",
-                    "error": f"worker exited with code {proc.returncode}; see {work / (job.name + '.log')}"}
-        if proc.returncode != 0 and data.get("status") != "failed":
             data = {"status": "failed", "error": f"worker exited with code {proc.returncode}"}
+        if stopping.is_set() and data.get("status") != "converted":
+            data = {"status": "interrupted", "error": data.get("error") if data.get("status") == "interrupted"
+                    else interrupted_message(out_dir, job.name)}
+        elif proc.returncode != 0 and data.get("status") not in ("failed", "interrupted"):
+            data = {"status": "failed", "error": f"worker exited with code {proc.returncode}"}
+        if data.get("status") == "failed" and not data.get("rule") and log_path.stat().st_size:
+            data["error"] = f"{data.get('error')}; see {log_path}"  # only a log with something in it
         keep = {k: v for k, v in data.items() if k in JobResult.__dataclass_fields__}
         keep.setdefault("name", job.name)
         keep.setdefault("src", job.src)
         keep.setdefault("output", str(out_dir / job.name))
         res = JobResult(**keep)
+        with lock:
+            finished[0] += 1
         if on_done is not None:
             on_done(res)
         return res
 
+    def watch() -> None:
+        while not done_watching.wait(progress_interval):
+            with lock:
+                names, n_finished = sorted(running), finished[0]
+            if names and on_progress is not None:
+                on_progress(BatchProgress(len(jobs), n_finished,
+                                          {n: _read_progress(progress_path(out_dir, n)) for n in names}))
+
+    done_watching = threading.Event()
+    watcher = threading.Thread(target=watch, daemon=True) if on_progress is not None else None
+    if watcher is not None:
+        watcher.start()
     results: dict[str, JobResult] = {}
     pool = ThreadPoolExecutor(max_workers=n_jobs)
     futures: dict[Future[JobResult], Job] = {}
@@ -464,6 +582,7 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
         for fut in as_completed(futures):
             results[futures[fut].name] = fut.result()
     except BaseException:
+        stopping.set()
         for f in futures:
             f.cancel()
         with lock:
@@ -471,6 +590,8 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
                 p.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
+    finally:
+        done_watching.set()
     pool.shutdown(wait=True)
     return [results[j.name] for j in jobs]
 
@@ -576,13 +697,22 @@ def run_command(args: argparse.Namespace) -> int:
                     print("  model card:")
                     print("    " + e["card"].replace("\n", "\n    ").rstrip())
         return 0
-    def progress(r: JobResult) -> None:
-        if not args.quiet and not args.json:
-            print(f"[{r.status}] {r.name}" + (f": {r.error}" if r.error else ""), file=sys.stderr, flush=True)
+    show = not args.quiet and not args.json
+    finished = [0]
+
+    def job_done(r: JobResult) -> None:
+        finished[0] += 1
+        if show:
+            print(f"[{r.status}] {r.name}" + (f": {r.error}" if r.error else "")
+                  + f" ({finished[0]} of {len(jobs)} jobs done)", file=sys.stderr, flush=True)
+
+    def progress(p: BatchProgress) -> None:
+        print(p.line(), file=sys.stderr, flush=True)
 
     results = run_batch(jobs, out_dir, n_jobs=args.jobs, max_memory=args.max_memory, threads=args.threads,
                         verify=args.verify, overwrite=args.overwrite, push_to_hub=args.push_to_hub,
-                        private=args.private, on_done=progress)
+                        private=args.private, on_done=job_done, on_progress=progress if show else None,
+                        progress_interval=2.0 if sys.stderr.isatty() else 10.0)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
     elif not args.quiet:

@@ -32,7 +32,8 @@ from .batch_state import load_state, save_state, state_path
 from .job import job_key
 from .output import recorded_shards
 
-__all__ = ["build_upload_plan", "model_card", "plan_batch", "push_output", "quant_summary"]
+__all__ = ["LOSSLESS_TARGETS", "build_upload_plan", "card_claims", "model_card", "plan_batch", "push_output",
+           "quant_summary", "repo_name"]
 
 
 def quant_summary(src: Path) -> list[str]:
@@ -56,9 +57,48 @@ def quant_summary(src: Path) -> list[str]:
     return lines
 
 
+#: Targets whose output holds bitsandbytes' dequantized values exactly and every other tensor unchanged:
+#: ``auto`` keeps each tensor's dtype, ``fp32`` holds every bf16/fp16 value exactly.
+LOSSLESS_TARGETS = ("auto", "fp32")
+
+
+def card_claims(to: str) -> tuple[str, list[str]]:
+    """What a card may say about an output made ``--to to``: (one sentence on the values, the tags).
+
+    Only ``auto`` and ``fp32`` are called bit-exact; bf16/fp16 round other tensors, nf4/fp4 and GGUF
+    quantize or round again.
+    """
+    if to in LOSSLESS_TARGETS:
+        what = "each tensor in its original dtype" if to == "auto" else "float32"
+        return (f"Dequantized to {what}: every weight is bit-exact with bitsandbytes' own dequantization "
+                "(`dequantize_4bit`, LLM.int8), and every other tensor is kept exactly.",
+                ["bitsandbytes-dequantized"])
+    if to in ("bf16", "fp16"):
+        name = {"bf16": "bfloat16", "fp16": "float16"}[to]
+        return (f"Dequantized to {name}: every 4-bit/8-bit weight is bitsandbytes' float32 dequantization rounded "
+                f"once to {name} (what bitsandbytes returns when asked for {name}); other tensors are cast to "
+                f"{name}, which may round them.", ["bitsandbytes-dequantized"])
+    if to in ("nf4", "fp4"):
+        return (f"Re-quantized to {to.upper()} in bitsandbytes' own layout (bit-identical to "
+                "`bitsandbytes.functional.quantize_4bit` of the dequantized weights). 4-bit quantization is lossy: "
+                "this is not a copy of the source's values.", ["bitsandbytes", "4-bit", to])
+    return (f"A GGUF file (`--to {to}`) for llama.cpp and Ollama: each tensor is the dequantized weight converted "
+            "to its GGML type, a second rounding for every type but F32, so it is not bit-exact with bitsandbytes "
+            "(the per-tensor error is in the conversion's `--json` output).", ["gguf"])
+
+
+def repo_name(job: Job) -> str:
+    """The name of the repo a job is pushed to: its output name without a file extension (a GGUF or
+    single ``.safetensors`` output is a file; the repo holds it under its own name)."""
+    for ext in (".gguf", ".safetensors"):
+        if job.name.endswith(ext) and len(job.name) > len(ext):
+            return job.name[: -len(ext)]
+    return job.name
+
+
 def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
                quantization: Iterable[str] = ()) -> str:
-    """The model card (``README.md``) pushed with an output.
+    """The model card (``README.md``) pushed with an output, built with ``huggingface_hub.ModelCard``.
 
     Args:
         job: the job (source, revision, target, shard size).
@@ -67,20 +107,22 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
         quantization: lines describing the source's quantized layers.
 
     Returns:
-        the card text: YAML front matter (``base_model``, tags) and a body naming the source repo and
-        commit, the settings, the converter version and every file with its size and sha256.
+        the card text: YAML metadata (``ModelCardData``: ``library_name`` ``gguf`` for a GGUF output,
+        else ``transformers``; ``base_model`` for a Hub source; tags) and a body naming the source repo
+        and commit, what the values are (:func:`card_claims`: bit-exact only for lossless targets), the
+        settings, the converter version and every file with its size and sha256.
     """
-    target = {"auto": "each tensor's original dtype"}.get(job.to, job.to)
+    from huggingface_hub import ModelCard, ModelCardData
+
+    is_gguf = job.to.lower().startswith("gguf")
+    claim, tags = card_claims(job.to)
     # a local source is named by its folder only: a pushed card must not publish this machine's paths
     shown = job.src if job.is_repo else Path(job.src).name
-    lines = ["---"]
-    if job.is_repo:
-        lines += [f"base_model: {job.src}"]
-    lines += ["tags:", "- convert-bnb", "- bitsandbytes-dequantized", "library_name: transformers", "---", "",
-              f"# {job.name}", ""]
+    data = ModelCardData(library_name="gguf" if is_gguf else "transformers",
+                         base_model=job.src if job.is_repo else None, tags=["convert-bnb", *tags])
+    lines = [f"# {repo_name(job)}", ""]
     src = f"[{job.src}](https://huggingface.co/{job.src})" if job.is_repo else f"`{shown}`"
-    lines += [f"{src} converted from its bitsandbytes quantization to {target} with "
-              f"convert-bnb {__version__} (bit-exact with bitsandbytes' own dequantization).", ""]
+    lines += [f"{src} converted from its bitsandbytes quantization with convert-bnb {__version__}.", "", claim, ""]
     lines += ["## Source", "", f"- repo: {job.src}" if job.is_repo else f"- path: {shown}"]
     if job.is_repo:
         lines += [f"- revision: {job.revision or 'main (default branch)'}", f"- commit: {commit}"]
@@ -95,7 +137,8 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     for rel, rec in sorted(files.items()):
         lines.append(f"| {rel} | {rec['bytes']} | {rec['sha256']} |")
     lines.append("")
-    return "\n".join(lines)
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return str(card)
 
 
 def build_upload_plan(org: str, job: Job, out: Path, files: dict[str, dict[str, Any]] | None,
@@ -106,8 +149,9 @@ def build_upload_plan(org: str, job: Job, out: Path, files: dict[str, dict[str, 
         ops.append({"path_in_repo": rel, "bytes": rec["bytes"], "from": str(out / rel) if out.is_dir() else str(out)})
     ops.append({"path_in_repo": "README.md", "bytes": len(card.encode("utf-8")), "from": "model card"})
     return {
-        "create_repo": {"repo_id": f"{org}/{job.name}", "repo_type": "model", "private": private, "exist_ok": True},
-        "commit": {"repo_id": f"{org}/{job.name}", "operations": ops,
+        "create_repo": {"repo_id": f"{org}/{repo_name(job)}", "repo_type": "model", "private": private,
+                        "exist_ok": True},
+        "commit": {"repo_id": f"{org}/{repo_name(job)}", "operations": ops,
                    "commit_message": f"convert-bnb {__version__}: {job.src} --to {job.to}"},
     }
 
@@ -133,7 +177,7 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
         HubError: the Hub refused (no write access, network).
     """
     org = spec["push_to_hub"]
-    target = f"{org}/{job.name}"
+    target = f"{org}/{repo_name(job)}"
     pushed = state.get("pushed")
     if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
         return target

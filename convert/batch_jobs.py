@@ -116,12 +116,12 @@ def _job_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_name(src: str, to: str) -> str:
-    from .hub import is_repo_id, parse_repo_spec
+def _default_name(src: str, to: str, revision: str | None) -> str:
+    from .hub import is_repo_id
     from .output import default_output
 
-    repo, _ = parse_repo_spec(src)
-    return default_output(Path(src), to, repo if is_repo_id(repo) else None).name
+    repo = is_repo_id(src)
+    return default_output(Path(src), to, src if repo else None, revision if repo else None).name
 
 
 def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
@@ -156,7 +156,7 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
             raise bad(str(exc)) from None
     if not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0:
         raise bad("max_shard_size must be a positive size", found=mss)
-    name = fields.get("name") or _default_name(src, to)
+    name = fields.get("name") or _default_name(src, to, revision)
     if not isinstance(name, str) or "/" in name or name.startswith(".") or name in ("", ".."):
         raise bad("name must be a plain directory name", found=name)
     unknown = sorted(set(fields) - set(_FIELDS))

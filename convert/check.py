@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,18 +194,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``convert-bnb check``: print the report; exit 0 when clean, 2 otherwise."""
+    """``convert-bnb check``: print the report; exit 0 when clean, 2 otherwise.
+
+    ``--json`` prints the report as JSON; ``--quiet`` prints nothing when clean and only the problems,
+    one line each on stderr, otherwise (no notes, no summary).
+    """
     from .job import resolve_source
 
     try:
         src = resolve_source(args.src, args.revision)  # a Hub repo id is fetched into the HF cache
+        report = check_source(src.path, args.to, src.hub.repo_id if src.hub is not None else None)
     except ConvertBnbError as exc:
         report = CheckReport(str(args.src), [exc])
-        print(json.dumps(report.to_dict(), indent=2) if args.json else report.describe())
-        return 2
-    report = check_source(src.path, args.to, src.hub.repo_id if src.hub is not None else None)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
+    elif args.quiet:
+        for p in report.problems:
+            print(p, file=sys.stderr)
     else:
         print(report.describe())
     return 0 if report.ok else 2

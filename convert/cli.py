@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from formats.errors import ConvertBnbError
 
-from . import batch, check, inspection
+from . import __version__, batch, check, inspection
 from .units import format_bytes, parse_size
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args"]
@@ -51,9 +51,13 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors as one line (exit 2) instead of the usage block."""
+    """argparse, with usage errors as one line (exit 2) instead of the usage block; with ``json_errors``
+    (``--json`` on the command line) also the JSON failure object on stdout, as for every other error."""
+
+    json_errors = False
 
     def error(self, message: str) -> NoReturn:
+        _print_failure(self.json_errors, {"error": "UsageError", "rule": "USE-001", "message": message})
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
@@ -78,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES.format(subcommands=", ".join(SUBCOMMANDS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"convert-bnb {__version__}")
     p.add_argument("src", metavar="SRC",
                    help="a .safetensors / .bin / .pt file, a model directory (pickles are read "
                         "without running code) or a Hub repo id org/name")
@@ -144,7 +149,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         quant=QuantOptions(args.blocksize, args.double_quant, args.quant_storage, tuple(args.skip_modules),
                            tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
-        progress=not quiet and sys.stderr.isatty(),
+        progress=not quiet and sys.stderr.isatty(), list_files=args.json,
     )
 
 
@@ -202,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             parser = build_parser()
             run = _run_convert
+        if isinstance(parser, _Parser):
+            parser.json_errors = "--json" in argv
         args = parser.parse_args(argv)  # usage errors: exit 2 with one line
     except KeyboardInterrupt:
         print("convert-bnb: interrupted", file=sys.stderr)
@@ -212,15 +219,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIGINT too: a shell starts background jobs with SIGINT ignored, and a run must stay stoppable
         old = [(sig, signal.signal(sig, handler)) for sig, handler in
                ((signal.SIGTERM, _sigterm), (signal.SIGINT, signal.default_int_handler))]
+    as_json = bool(getattr(args, "json", False))
+    # a batch keeps finished jobs and the finished shards of the others for a re-run; one conversion
+    # removes its temporary (check and inspect write nothing)
+    tail = batch.INTERRUPTED_TAIL if run is batch.run_command else "no output was left behind"
     try:
         return run(args)
     except ConvertBnbError as exc:
         if debug:
             raise
         print(f"convert-bnb: error: {exc}", file=sys.stderr)
+        _print_failure(as_json, {**exc.to_dict()})
         return 2
     except KeyboardInterrupt:
-        print("convert-bnb: interrupted; no output was left behind", file=sys.stderr)
+        print(f"convert-bnb: interrupted; {tail}", file=sys.stderr)
+        _print_failure(as_json, {"error": "KeyboardInterrupt", "rule": None, "message": "interrupted"})
         return 130
     except BrokenPipeError:  # e.g. `convert-bnb ... --dry-run | head`
         sys.stderr.close()
@@ -228,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the environment (a missing file, a full disk, no permission): not a bug
         if debug:
             raise
-        print(f"convert-bnb: error: {_os_message(exc)}".replace("\n", " "), file=sys.stderr)
+        message = _os_message(exc).replace("\n", " ")
+        print(f"convert-bnb: error: {message}", file=sys.stderr)
+        _print_failure(as_json, {"error": type(exc).__name__, "rule": None, "message": message})
         return 2
     except Exception as exc:  # noqa: BLE001 - the one place that maps unexpected errors
         if debug:
@@ -238,10 +253,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "with the output of the same command plus --debug.",
             file=sys.stderr,
         )
+        _print_failure(as_json, {"error": type(exc).__name__, "rule": None, "message": str(exc), "internal": True})
         return 1
     finally:
         for sig, handler in old:
             signal.signal(sig, handler)
+
+
+def _print_failure(as_json: bool, error: dict[str, Any]) -> None:
+    """With ``--json``: the failure as one JSON object on stdout (``ok`` false, the error class, rule and
+    message), so a caller parsing stdout always gets an object; the exit code is unchanged."""
+    if as_json:
+        print(json.dumps({"ok": False, **error}, indent=2))
 
 
 def _os_message(exc: OSError) -> str:

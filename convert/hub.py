@@ -11,14 +11,19 @@ Only what the conversion needs is fetched (top-level files only):
 
 - the weights: the first of :data:`formats.checkpoint.INDEX_NAMES` present plus exactly the shards
   its ``weight_map`` names, else the first of :data:`formats.checkpoint.SINGLE_NAMES` present;
-- small files the output keeps: ``*.json`` (config, generation config, tokenizer config, index),
-  ``*.model`` (sentencepiece), ``*.txt`` (merges, vocab), ``*.tiktoken``, ``*.jinja`` (chat templates).
+- every other top-level file a directory output keeps (:func:`formats.checkpoint.is_extra_file`: config,
+  tokenizer, generation config, chat template, README, LICENSE, remote-code ``.py``, ...), the same
+  online and offline.
 
 Online, the repo's file list and sizes come from the Hub API first (``model_info`` with file
 metadata), so the disk pre-flight can count the bytes to download (files not yet in the cache),
 and, when the cache and the output share a filesystem, the estimated output too
 (:func:`estimate_output_bytes` over the safetensors headers the Hub serves). Offline there is
 nothing to download, and a missing snapshot is a :class:`~formats.errors.HubError`.
+
+When the Hub cannot be reached (no connection, a timeout, a 5xx answer) the cached snapshot of the
+revision is used, as ``snapshot_download`` and transformers do, and :attr:`HubSource.fallback` says
+why (the conversion prints it as a note); with nothing cached the network error is the HUB-001 error.
 
 huggingface_hub is imported inside the functions: the CLI's start-up stays light.
 """
@@ -36,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from formats import jsonfile
+from formats.checkpoint import is_extra_file
 from formats.errors import DiskSpaceError, HubError, IndexJsonError, NoWeightsError, UsageError
 
 __all__ = [
-    "SMALL_FILE_PATTERNS",
     "DownloadPlan",
     "HubSource",
     "check_disk",
@@ -51,8 +56,6 @@ __all__ = [
     "resolve_repo",
 ]
 
-#: Top-level non-weight files fetched with the weights (the output keeps them).
-SMALL_FILE_PATTERNS = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 #: Suffixes of files that hold weights (any container).
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
@@ -145,6 +148,7 @@ class HubSource:
         commit: the commit sha of the snapshot.
         path: the snapshot directory in the cache (files are symlinks into ``blobs/``).
         downloaded_bytes: bytes fetched by this call (0 offline or when everything was cached).
+        fallback: why the cached snapshot was used although online (the Hub could not be reached), or None.
     """
 
     repo_id: str
@@ -152,6 +156,7 @@ class HubSource:
     commit: str
     path: Path
     downloaded_bytes: int = 0
+    fallback: str | None = None
 
 
 def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubError:
@@ -179,6 +184,27 @@ def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubErr
 def _is_hub_exception(exc: BaseException) -> bool:
     # huggingface_hub's own errors, and the HTTP client's when the network is down (httpx.ConnectError, ...)
     return type(exc).__module__.startswith(("huggingface_hub", "httpx", "httpcore", "requests", "urllib3"))
+
+
+class _Unreachable(Exception):
+    """The Hub could not be reached (raised by :func:`plan_download`; :func:`resolve_repo` then uses the cache)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _network_failure(exc: BaseException) -> bool:
+    """A failure of the network or of the Hub itself, after which huggingface_hub uses the cache: no
+    connection, a timeout, or a 5xx answer (not a proxy error, nor a missing repo, revision or access)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if "ProxyError" in names:
+        return False
+    if names & {"ConnectError", "TimeoutException", "ConnectionError", "Timeout"}:  # httpx; requests (older hub)
+        return True
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    return "HfHubHTTPError" in names and isinstance(status, int) and status >= 500
 
 
 def _offline() -> bool:
@@ -249,7 +275,8 @@ def plan_download(
         the :class:`DownloadPlan`, or None in offline mode (resolution then comes from the cache).
 
     Raises:
-        HubError: the repo or revision cannot be reached.
+        HubError: the repo or revision does not exist or may not be read.
+        _Unreachable: the Hub could not be reached (:func:`_network_failure`).
         IndexJsonError, NoWeightsError: the repo holds no readable weights (CKPT-001, CKPT-005).
     """
     if _offline():
@@ -277,12 +304,12 @@ def plan_download(
     except HubError:
         raise
     except Exception as exc:
+        if _network_failure(exc):
+            raise _Unreachable(exc) from None
         if _is_hub_exception(exc):
             raise _hub_error(exc, repo_id, revision) from None
         raise
-    wanted = list(weights) + sorted(
-        n for n in top if n not in weights and any(fnmatch.fnmatch(n, p) for p in SMALL_FILE_PATTERNS)
-    )
+    wanted = list(weights) + sorted(n for n in top if n not in weights and is_extra_file(n))
     files = []
     for n in wanted:
         hit = try_to_load_from_cache(repo_id, n, cache_dir=cache_dir, revision=commit)
@@ -366,7 +393,7 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
         return _load_index(hit)
 
     weights = choose_weight_files(top, read_index)
-    small = [n for n in top if n not in weights and any(fnmatch.fnmatch(n, p) for p in SMALL_FILE_PATTERNS)]
+    small = [n for n in top if n not in weights and is_extra_file(n)]
     return [glob.escape(n) for n in weights + small]
 
 
@@ -478,7 +505,11 @@ def resolve_repo(
 
         disable_progress_bars()
     cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
-    plan = plan_download(repo_id, revision, cache_dir=cache_dir)
+    unreachable: BaseException | None = None
+    try:
+        plan = plan_download(repo_id, revision, cache_dir=cache_dir)
+    except _Unreachable as exc:  # as huggingface_hub does: use the cached snapshot, if there is one
+        plan, unreachable = None, exc.cause
     if plan is not None and not download:
         from huggingface_hub.file_download import repo_folder_name
 
@@ -491,10 +522,16 @@ def resolve_repo(
     else:
         patterns = _offline_patterns(repo_id, revision, cache_dir)
     try:
-        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
+        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
+                                 local_files_only=unreachable is not None)
     except Exception as exc:
         if _is_hub_exception(exc):
-            raise _hub_error(exc, repo_id, revision) from None
+            raise _hub_error(unreachable or exc, repo_id, revision) from None
         raise
     snap = Path(path)
-    return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes if plan is not None else 0)
+    fallback = None
+    if unreachable is not None:
+        first = (str(unreachable).strip().splitlines() or [""])[0]
+        fallback = (f"the Hub could not be reached ({type(unreachable).__name__}: {first}); used the cached "
+                    f"snapshot {repo_id}@{snap.name}, as huggingface_hub does")
+    return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes if plan is not None else 0, fallback)

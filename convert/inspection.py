@@ -164,20 +164,68 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
             outputs[to] = {"error": exc.reason}
 
     files: list[dict[str, Any]] = [{"file": f.name, "bytes": f.stat().st_size} for f in ckpt.files]
+    notes = []
+    odd = {u["dtype"]: u["tensors"] for u in unq.values() if u["dtype"] in ("F8_E4M3", "F8_E5M2", "F64")}
+    if odd:
+        kinds = ", ".join(f"{n} {code}" for code, n in sorted(odd.items()))
+        notes.append(f"unquantized tensors stored as {kinds}: --to auto keeps them as stored; --to bf16/fp16/fp32 "
+                     "cast them (float8 exactly) and a note names them")
     report: dict[str, Any] = {
         "source": str(ckpt.source),
+        "config": ckpt.config is not None,
         "files": files,
         "tensors": len(ckpt.tensors),
+        "components": _components(layers, plain, ckpt),
         "quantized": sorted(groups.values(), key=lambda g: (-g["layers"], g["quant_type"], g["blocksize"])),
         "int8": list(int8_groups.values()),
         "unquantized": sorted(unq.values(), key=lambda u: u["dtype"]),
         "bytes_by_kind": dict(sorted(by_kind.items())),
         "total_bytes": ckpt.nbytes,
         "outputs": outputs,
+        "notes": notes,
     }
     if opts.stats:
         report["stats"] = absmax_stats(layers.values(), opts)
     return report
+
+
+def _component(name: str, split: set[str]) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] in split and len(parts) > 2 else parts[0]
+
+
+def _components(layers: dict[str, Any], plain: list[str], ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """Tensors by the top of their names (``double_blocks``, ``text_encoders.t5xxl``, ``vae``, ``model.layers``):
+    4-bit / int8 layers and unquantized tensors by dtype, so a single file holding several models (a diffusion
+    checkpoint: transformer, text encoders, VAE) shows what each part is stored as. A first name part is split
+    by the second when that names two or more models (names, not block numbers, each with its own tree)."""
+    from formats.bnb import Int8Layer, QuantizedLayer
+
+    seconds: dict[str, set[str]] = {}
+    shallow: set[str] = set()  # first parts with a tensor directly under a second part (``final_layer.linear.weight``)
+    for name in ckpt.tensors:
+        parts = name.split(".")
+        seconds.setdefault(parts[0], set()).add(parts[1] if len(parts) > 1 else "")
+        if len(parts) < 4:
+            shallow.add(parts[0])
+    split = {first for first, sec in seconds.items()
+             if first not in shallow and len(sec) >= 2 and not any(x.isdigit() for x in sec)}
+    comps: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        key = _component(name, split)
+        return comps.setdefault(key, {"name": key, "layers_4bit": 0, "layers_int8": 0, "unquantized": {}})
+
+    for name, layer in layers.items():
+        if isinstance(layer, QuantizedLayer):
+            entry(name)["layers_4bit"] += 1
+        elif isinstance(layer, Int8Layer):
+            entry(name)["layers_int8"] += 1
+    for name in plain:
+        u = entry(name)["unquantized"]
+        code = ckpt.tensors[name].dtype.code
+        u[code] = u.get(code, 0) + 1
+    return [comps[k] for k in sorted(comps)]
 
 
 def _absmax_of(layer: QuantizedLayer | Int8Layer) -> np.ndarray:
@@ -267,6 +315,15 @@ def format_report(report: dict[str, Any]) -> str:
         for u in report["unquantized"]:
             lines.append(f"  {u['dtype']}: {u['tensors']} tensors, {_count(u['elements'])} elements, "
                          f"{format_bytes(u['bytes'])}")
+    if not report.get("config", True):
+        lines.append("no config.json: a single-file checkpoint (as diffusion tools write them); tensor names are "
+                     "kept and no config is written")
+        lines.append("parts:")
+        for c in report["components"]:
+            what = [f"{c['layers_4bit']} 4-bit layers"] if c["layers_4bit"] else []
+            what += [f"{c['layers_int8']} int8 layers"] if c["layers_int8"] else []
+            what += [f"{n} {code}" for code, n in sorted(c["unquantized"].items())]
+            lines.append(f"  {c['name']:<40} {', '.join(what)}")
     lines.append("bytes by kind:")
     for k, v in report["bytes_by_kind"].items():
         lines.append(f"  {k:<22} {v:>14,d}  {format_bytes(v)}")
@@ -276,6 +333,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  --to {to:<6} not possible: {o['error']}")
         else:
             lines.append(f"  --to {to:<6} {o['bytes']:>14,d}  {format_bytes(o['bytes'])} in {o['files']} file(s)")
+    for n in report.get("notes", []):
+        lines.append(f"note: {n}")
     st = report.get("stats")
     if st is not None:
         lines.append(f"absmax statistics (outlier block: absmax > {st['outlier_factor']} x median; "

@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,10 @@ class ConvertOptions:
         manifest: list every output file with its size and sha256 in the result, and write that list
             to this JSON file before the output is committed (so whoever asked can tell its own complete
             output from someone else's files even when the run dies right after the commit), or None.
+        list_files: list every output file with its size and sha256 in the result (``--json``) without
+            writing a manifest file.
+        on_progress: called with (bytes written, bytes to write) while the output is written (batch
+            workers report progress through it), or None.
     """
 
     src: str
@@ -130,6 +135,8 @@ class ConvertOptions:
     progress: bool = False
     resume_key: dict[str, Any] | None = None
     manifest: Path | None = None
+    list_files: bool = False
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -137,7 +144,7 @@ class ConvertResult:
     """What a conversion did (``--json`` prints :meth:`to_dict`).
 
     Attributes:
-        source: the input as given (a path, or ``org/name``).
+        source: what was read: the input's absolute path, or ``org/name@commit`` for a Hub repo.
         commit: the Hub commit the input was read at, or None for a local path.
         to: the target.
         output: the output path.
@@ -156,7 +163,10 @@ class ConvertResult:
         shards_written: output files written by this run; shards_reused: kept from a killed run.
         verified: the output was re-read and checked before it was committed (False with ``verify=False``).
         removed_stale: what the output claim recovered from dead runs.
-        files: with ``manifest``: ``{relative path: {"bytes", "sha256"}}`` of the output.
+        files: with ``manifest`` or ``list_files``: ``{path relative to output: {"bytes", "sha256"}}`` of
+            the output (a file output: its own name).
+        timings: seconds per step: ``plan`` (open, plan, merge, prepare), ``write``, ``verify``,
+            ``commit`` (manifest and install), ``total``.
         notes: things the user should know.
         details: target-specific results (``gguf``, ``quantized``, ``report``, ``lora_merge``).
     """
@@ -182,14 +192,17 @@ class ConvertResult:
     verified: bool = False
     removed_stale: list[str] = field(default_factory=list)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict: the fields, with ``details`` flattened in (a dry run gives the plan)."""
+        """JSON-ready dict (``--json``): ``ok``, the converter's version, the fields, with ``details``
+        flattened in (a dry run gives the plan)."""
         if self.dry_run is not None:
             return {**self.dry_run, "output": self.output, "output_exists": self.output_exists}
-        d = asdict(self)
+        d: dict[str, Any] = {"ok": True, "converter": f"convert-bnb {__version__}"}
+        d.update(asdict(self))
         for k in ("dry_run", "plan_text", "output_exists", "details"):
             d.pop(k)
         d.update(self.details)
@@ -207,6 +220,11 @@ class ResolvedSource:
 
     path: Path
     hub: HubSource | None = None
+
+    @property
+    def ref(self) -> str:
+        """What was read, for people and ``--json``: the absolute path, or ``org/name@commit``."""
+        return f"{self.hub.repo_id}@{self.hub.commit}" if self.hub is not None else str(self.path.resolve())
 
     @property
     def label(self) -> str:
@@ -330,15 +348,16 @@ def convert(options: ConvertOptions) -> ConvertResult:
     options = replace(options, to=normalize_target(options.to))  # gguf:Q4_K_M -> gguf:q4_k_m
     check_options(options)
     target = TARGETS[target_for(options.to)]
-    repo = parse_repo_spec(options.src)[0] if not os.path.lexists(options.src) else None
+    repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         default = out = Path(options.output or options.src)
     else:
-        default = default_output(None if repo else Path(options.src), options.to, repo)
+        default = default_output(None if repo else Path(options.src), options.to, repo, options.revision or rev)
         out = output_path(options.output, default, is_dir=True)  # -o checked now; a file output's name below
     source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress)
-    result = ConvertResult(source=options.src, to=options.to, output=str(out),
+    result = ConvertResult(source=source.ref, to=options.to, output=str(out),
                            commit=source.hub.commit if source.hub else None)
+    timings = result.timings
     extra_notes: list[str] = []
     with open_checkpoint(source.path) as ckpt:
         plan = make_plan(ckpt, target.dequantize_to(options.to), max_shard_size=options.max_shard_size)
@@ -349,6 +368,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 if source.hub.downloaded_bytes:
                     note += f" ({source.hub.downloaded_bytes} bytes downloaded)"
                 plan.notes.append(note)
+                if source.hub.fallback is not None:
+                    plan.notes.append(source.hub.fallback)
             model_name = source.hub.repo_id if source.hub is not None else ckpt.source.resolve().name
             job = target.prepare(plan, options, model_name)
             out = output_path(options.output, default, is_dir=job.is_dir)
@@ -366,7 +387,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
                                    f"--max-memory {format_bytes(options.max_memory)}")
                 threads = cap
             run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress,
-                              label=out.name)
+                              label=out.name, on_progress=options.on_progress)
+            timings["plan"] = time.perf_counter() - t0
             resume_key = None
             if options.resume_key is not None:
                 resume_key = {**options.resume_key, "job": job_key(options, source)}
@@ -374,17 +396,24 @@ def convert(options: ConvertOptions) -> ConvertResult:
                              overwrite=options.overwrite, resume_key=resume_key,
                              file_suffix=job.file_suffix) as claim:
                 try:
+                    t = time.perf_counter()
                     written = job.write(claim.staging, run, claim.ledger)
+                    timings["write"] = time.perf_counter() - t
                     if options.verify:
+                        t = time.perf_counter()
                         job.verify(claim.staging)
+                        timings["verify"] = time.perf_counter() - t
                         result.verified = True
                 except OSError as exc:
                     raise _write_error(exc, out, job.out_nbytes) from None
+                t = time.perf_counter()
                 result.bytes_out = _size(claim.staging)
-                if options.manifest is not None:
+                if options.manifest is not None or options.list_files:
                     result.files = claim.manifest()
+                if options.manifest is not None:
                     write_json(options.manifest, result.files)
                 claim.commit()
+                timings["commit"] = time.perf_counter() - t
             result.removed_stale = claim.recovered
             result.shards_written, result.shards_reused = written
             if lora is not None:
@@ -403,7 +432,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     result.elements = job.elements
     result.bytes_in = job.in_nbytes
     result.fp16_overflow, result.fp16_underflow = job.fp16_counts()
-    result.seconds = time.perf_counter() - t0
+    result.seconds = timings["total"] = time.perf_counter() - t0
     result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
     result.peak_rss_bytes = peak_rss_bytes()
     return result

@@ -35,6 +35,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,7 @@ __all__ = [
     "output_name",
     "recorded_shards",
     "remove_path",
+    "revision_label",
     "sha256_file",
     "user_path",
 ]
@@ -98,11 +100,21 @@ def output_name(stem: str, to: str, *, single_file: bool) -> str:
     return f"{stem}-{suffix}" + (".safetensors" if single_file else "")
 
 
-def default_output(src: Path | None, to: str, repo_id: str | None = None) -> Path:
+def revision_label(revision: str) -> str:
+    """A Hub revision as part of a file name: ``/`` (``refs/pr/1``) and other characters a name should
+    not hold become ``-``; a 40-digit commit sha is shortened to 12 digits (as the Hub shows commits)."""
+    if re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision[:12]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", revision).strip("-.") or "rev"
+
+
+def default_output(src: Path | None, to: str, repo_id: str | None = None, revision: str | None = None) -> Path:
     """Where the output goes without ``-o``: next to a local SRC, or in the working directory for a
-    Hub repo (``org/name`` -> ``./name-<suffix>``). See :func:`output_name`."""
+    Hub repo (``org/name`` -> ``./name-<suffix>``; with a revision, ``./name-<revision>-<suffix>``, so
+    two revisions of one repo never share a default name; :func:`revision_label`). See :func:`output_name`."""
     if repo_id is not None:
-        return Path.cwd() / output_name(repo_id.rsplit("/", 1)[-1], to, single_file=False)
+        stem = repo_id.rsplit("/", 1)[-1] + (f"-{revision_label(revision)}" if revision else "")
+        return Path.cwd() / output_name(stem, to, single_file=False)
     assert src is not None
     if src.is_dir():
         return src.with_name(output_name(src.name, to, single_file=False))

@@ -20,8 +20,9 @@ import os
 import resource
 import shutil
 import sys
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,21 +58,49 @@ class RunSettings:
         max_memory: the working-memory cap in bytes.
         progress: show a tqdm bar (bytes written) on stderr.
         label: the bar's label (the output's name).
+        on_progress: called with (bytes written, bytes to write) as the output is written (batch
+            workers report their progress through it), or None.
     """
 
     threads: int
     max_memory: int
     progress: bool = False
     label: str = ""
+    on_progress: Callable[[int, int], None] | None = None
 
     def bar(self, total: int) -> Any:
-        """A tqdm bar of ``total`` bytes on stderr, or None without ``progress``."""
-        if not self.progress:
-            return None
-        from tqdm import tqdm
+        """A progress sink of ``total`` bytes with ``update(n)`` and ``close()``: a tqdm bar on stderr
+        (``progress``), :attr:`on_progress`, both, or None when neither is asked for."""
+        tq = None
+        if self.progress:
+            from tqdm import tqdm
 
-        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.label, file=sys.stderr,
-                    leave=False)
+            tq = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.label, file=sys.stderr,
+                      leave=False)
+        if self.on_progress is None:
+            return tq
+        return _Progress(total, tq, self.on_progress)
+
+
+class _Progress:
+    """Bytes written, passed on to a callback (and a tqdm bar, when there is one)."""
+
+    def __init__(self, total: int, bar: Any, callback: Callable[[int, int], None]) -> None:
+        self.total, self.done, self.bar, self.callback = total, 0, bar, callback
+        self._lock = threading.Lock()
+        callback(0, total)
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            done = self.done
+        if self.bar is not None:
+            self.bar.update(n)
+        self.callback(done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def peak_rss_bytes() -> int:
@@ -280,7 +309,9 @@ def write_directory_files(plan: Plan, tmp: Path) -> None:
     names = plan.shard_names()
     if len(names) > 1:
         weight_map = {plan.tensors[i].name: names[k] for k, shard in enumerate(plan.shards) for i in shard}
-        index = {"metadata": {"total_size": plan.out_nbytes}, "weight_map": weight_map}
+        # as transformers' save_pretrained writes it (sort_keys, indent 2)
+        index = {"metadata": {"total_parameters": plan.total_parameters, "total_size": plan.out_nbytes},
+                 "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     for extra in plan.checkpoint.extra_files:
         if extra.name == "config.json" and plan.config is not None:

@@ -205,6 +205,8 @@ class PlannedTensor:
         dtype: output dtype row.
         shape: output shape, in elements.
         source: what produces its elements.
+        parameters: the model parameters it stands for, as transformers' ``num_parameters()`` counts
+            them (a packed 4-bit weight: its unpacked elements; a QuantState companion: 0); None: ``numel``.
         numel: elements (a Python int), from ``shape``.
         nbytes: output bytes, ``numel * dtype.itemsize``.
     """
@@ -213,6 +215,7 @@ class PlannedTensor:
     dtype: DType
     shape: tuple[int, ...]
     source: Source
+    parameters: int | None = None
     numel: int = field(init=False)
     nbytes: int = field(init=False)
 
@@ -245,6 +248,12 @@ class Plan:
     def out_nbytes(self) -> int:
         """Bytes of tensor data to write."""
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def total_parameters(self) -> int:
+        """Model parameters written, as transformers' ``num_parameters()`` counts them (the index's
+        ``metadata.total_parameters``)."""
+        return sum(t.numel if t.parameters is None else t.parameters for t in self.tensors)
 
     @property
     def in_nbytes(self) -> int:
@@ -336,6 +345,30 @@ def _output_dtype(to: str, natural: DType) -> DType:
     return BY_NAME[want]
 
 
+#: The float dtypes models are ordinarily stored in: a cast between them is what ``--to`` asks for and
+#: needs no note. A tensor stored in another float dtype (float8, float64) is named when cast.
+_COMMON_FLOATS = ("bfloat16", "float16", "float32")
+
+
+def _cast_notes(checkpoint: Checkpoint, tensors: list[PlannedTensor]) -> list[str]:
+    """One note per uncommon source dtype whose tensors ``--to`` casts (e.g. the float8 text encoders of a
+    diffusion checkpoint under ``--to bf16``): how many, which, whether exactly, and how to keep them."""
+    cast: dict[tuple[str, str], list[str]] = {}
+    for t in tensors:
+        if isinstance(t.source, CastSource):
+            stored = t.source.record.dtype
+            if stored.name not in _COMMON_FLOATS and stored != t.dtype:
+                cast.setdefault((stored.name, t.dtype.name), []).append(t.name)
+    notes = []
+    for (src, out), names in sorted(cast.items()):
+        # every float8 value is a bfloat16/float16/float32 value; wider types round
+        how = "exactly (every value fits)" if BY_NAME[src].itemsize == 1 else "rounding each value once"
+        shown = ", ".join(names[:3]) + (f", ... ({len(names) - 3} more)" if len(names) > 3 else "")
+        notes.append(f"{len(names)} tensor{'s' * (len(names) != 1)} stored as {src} cast to {out}, {how}: {shown} "
+                     "(--to auto keeps them as stored)")
+    return notes
+
+
 def make_plan(
     checkpoint: Checkpoint,
     to: str = "auto",
@@ -382,7 +415,7 @@ def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
         elif name in plain_names:
             out = _output_dtype(to, rec.dtype)
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
-    plan = Plan(checkpoint, to, tensors, notes=_layer_notes(layers))
+    plan = Plan(checkpoint, to, tensors, notes=_layer_notes(layers) + _cast_notes(checkpoint, tensors))
     if checkpoint.is_dir:
         plan.shards = shard_tensors(tensors, max_shard_size)
     else:

@@ -128,24 +128,24 @@ def job_tensors(job: LayerJob, settings: QuantSettings, json_len: int | None) ->
     n, n_blocks = job.input.n, job.input.n_blocks
     storage = BY_NAME[settings.quant_storage]
     out = [
-        PlannedTensor(name, storage, settings.storage_shape(n, name), _PackedSource(job, name, storage)),
+        PlannedTensor(name, storage, settings.storage_shape(n, name), _PackedSource(job, name, storage), n),
         PlannedTensor(component_name(name, "absmax"), _U8 if settings.nested else _F32, (n_blocks,),
-                      _AbsmaxSource(job, component_name(name, "absmax"))),
+                      _AbsmaxSource(job, component_name(name, "absmax")), 0),
         PlannedTensor(component_name(name, "quant_map"), _F32, (16,),
                       _ConstSource(job, component_name(name, "quant_map"), QUANT_TABLES[settings.quant_type],
-                                   "quant_map")),
+                                   "quant_map"), 0),
     ]
     if settings.nested:
         nn = -(-n_blocks // NESTED_BLOCKSIZE)
         out.append(PlannedTensor(component_name(name, "nested_absmax"), _F32, (nn,),
-                                 _NestedAbsmaxSource(job, component_name(name, "nested_absmax"), nn)))
+                                 _NestedAbsmaxSource(job, component_name(name, "nested_absmax"), nn), 0))
         out.append(PlannedTensor(component_name(name, "nested_quant_map"), _F32, (256,),
                                  _ConstSource(job, component_name(name, "nested_quant_map"), DYNAMIC_MAP_SIGNED,
-                                              "nested_quant_map")))
+                                              "nested_quant_map"), 0))
     if json_len is None:  # not nested: the JSON is known now
         json_len = len(settings.state(job.input.shape, job.input.dtype.name).to_json().encode("utf-8"))
     key = component_name(name, state_key(settings.quant_type))
-    out.append(PlannedTensor(key, _U8, (json_len,), _StateSource(job, key, json_len)))
+    out.append(PlannedTensor(key, _U8, (json_len,), _StateSource(job, key, json_len), 0))
     return out
 
 
@@ -205,18 +205,18 @@ def passthrough_tensors(t: PlannedTensor, src: Dequant4Source, settings: QuantSe
     layer, st = src.layer, src.layer.state
     storage = BY_NAME[settings.quant_storage]
     shape = settings.storage_shape(st.numel, t.name)
-    out = [PlannedTensor(t.name, storage, shape, _CopySource(layer.packed, t.name, storage))]
+    out = [PlannedTensor(t.name, storage, shape, _CopySource(layer.packed, t.name, storage), st.numel)]
     out.append(PlannedTensor(component_name(t.name, "absmax"), layer.absmax.dtype, (st.n_blocks,),
-                             _CopySource(layer.absmax, component_name(t.name, "absmax"), layer.absmax.dtype)))
+                             _CopySource(layer.absmax, component_name(t.name, "absmax"), layer.absmax.dtype), 0))
     const: list[tuple[str, npt.NDArray[Any]]] = [("quant_map", QUANT_TABLES[st.quant_type])]
     if st.nested:
         assert layer.nested_absmax is not None
         out.append(PlannedTensor(component_name(t.name, "nested_absmax"), _F32, (st.n_nested_blocks,),
-                                 _CopySource(layer.nested_absmax, component_name(t.name, "nested_absmax"), _F32)))
+                                 _CopySource(layer.nested_absmax, component_name(t.name, "nested_absmax"), _F32), 0))
         const.append(("nested_quant_map", DYNAMIC_MAP_SIGNED))
     text = np.frombuffer(st.to_json().encode("utf-8"), dtype=np.uint8)
     const.append((state_key(st.quant_type), text))
     for suffix, values in const:
         dt = _U8 if values.dtype == np.uint8 else _F32
-        out.append(PlannedTensor(component_name(t.name, suffix), dt, (values.size,), _ArraySource(values, suffix)))
+        out.append(PlannedTensor(component_name(t.name, suffix), dt, (values.size,), _ArraySource(values, suffix), 0))
     return out

@@ -81,6 +81,7 @@ __all__ = [
     "ContainerReader",
     "TensorRecord",
     "gc_paused",
+    "is_extra_file",
     "open_checkpoint",
     "path_kind",
 ]
@@ -123,6 +124,17 @@ INDEX_NAMES: list[tuple[str, str]] = [
 SINGLE_NAMES: list[str] = ["model.safetensors", "pytorch_model.bin"]
 #: Suffixes that mark a weight file (never copied as an extra file).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+
+
+def is_extra_file(name: str) -> bool:
+    """Whether a top-level file of a model directory (or Hub repo) is copied to a directory output as it
+    is: every file that holds no weights and is no index or hidden file (config, tokenizer, generation
+    config, chat template, README, LICENSE, remote-code ``.py``, ...). The one rule for local
+    directories and Hub repos alike (``convert.hub`` fetches exactly these)."""
+    return (not name.startswith(".") and not name.endswith(".index.json")
+            and os.path.splitext(name)[1].lower() not in WEIGHT_SUFFIXES)
+
+
 _SHARD_RE = re.compile(r".*-\d{5}-of-\d{5}\.[A-Za-z]+$")
 
 
@@ -319,11 +331,7 @@ def _open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbErro
         except ConfigJsonError as exc:
             config = None
             report(exc)
-    extra = sorted(
-        p for p in src.iterdir()
-        if p.is_file() and not p.name.endswith(".index.json") and p.suffix.lower() not in WEIGHT_SUFFIXES
-        and not p.name.startswith(".")
-    )
+    extra = sorted(p for p in src.iterdir() if p.is_file() and is_extra_file(p.name))
     readers: list[ContainerReader] = []
     try:
         # per container in order of preference (safetensors before torch pickles): index, then single

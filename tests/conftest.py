@@ -55,7 +55,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     for k, v in header.items():
         if k == "__metadata__":
             continue
-        dt = np.dtype(ml_dtypes.bfloat16) if v["dtype"] == "BF16" else np.dtype(_NP[v["dtype"]])
+        ml = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+        dt = np.dtype(ml[v["dtype"]]) if v["dtype"] in ml else np.dtype(_NP[v["dtype"]])
         b, e = v["data_offsets"]
         out[k] = np.frombuffer(raw[8 + n + b : 8 + n + e], dtype=dt).reshape(v["shape"])
     return out

@@ -70,8 +70,8 @@ def _straight(tmp_path: Path) -> dict[str, dict[str, bytes]]:
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "--max-shard-size", "1MB", "-o",
                  str(ref / "a-bf16"), "--quiet"]) == 0
     assert main([str(MODELS / "llama_nf4_dq_sharded"), "--to", "fp16", "--max-shard-size", "1MB", "-o",
-                 str(ref / "c-fp16"), "--quiet"]) == 0
-    return {"a-bf16": _files(ref / "a-bf16"), "c-fp16": _files(ref / "c-fp16")}
+                 str(ref / "c-main-fp16"), "--quiet"]) == 0
+    return {"a-bf16": _files(ref / "a-bf16"), "c-main-fp16": _files(ref / "c-main-fp16")}
 
 
 HARNESS = Path(__file__).parent / "harness"
@@ -144,17 +144,17 @@ def test_straight_parallel_run(setup: tuple[Path, Path, dict[str, str]], tmp_pat
     r = _batch(jobs, out, env, "--jobs", "2", "--json")
     assert r.returncode == 3, r.stderr
     res = {x["name"]: x for x in json.loads(r.stdout)}
-    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-fp16")] == ["converted", "failed", "converted"]
+    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-main-fp16")] == ["converted", "failed", "converted"]
     assert "BNB-009 quant_state is not valid JSON" in res["broken-bf16"]["error"]
     assert "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4" in res["broken-bf16"]["error"]
-    assert (res["a-bf16"]["commit"], res["c-fp16"]["commit"]) == (A, C)
+    assert (res["a-bf16"]["commit"], res["c-main-fp16"]["commit"]) == (A, C)
     assert (res["a-bf16"]["shards_written"], res["a-bf16"]["shards_reused"]) == (5, 0)
     assert res["a-bf16"]["bytes_out"] == sum(p.stat().st_size for p in (out / "a-bf16").iterdir())
     straight = _straight(tmp_path)
     assert _files(out / "a-bf16") == straight["a-bf16"]
-    assert _files(out / "c-fp16") == straight["c-fp16"]
+    assert _files(out / "c-main-fp16") == straight["c-main-fp16"]
     assert_same_tensors(load_all(out / "a-bf16"), read_safetensors(REFERENCES["llama_nf4_dq"]))
-    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "a-bf16", "c-fp16"]
+    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "a-bf16", "c-main-fp16"]
     state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
     assert state["status"] == "done" and state["key"]["commit"] == A and state["key"]["to"] == "bf16"
     assert state["source"] == {"repo": "org/a", "revision": None, "commit": A}
@@ -170,17 +170,20 @@ def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], t
     jobs, _cache, env = setup
     out = tmp_path / "out"
     work = out / ".convert-bnb"
-    kill_batch_at_pause(jobs, out, env, "c-fp16", 2, tmp_path / "c-fp16.paused")
+    kill_batch_at_pause(jobs, out, env, "c-main-fp16", 2, tmp_path / "c-main-fp16.paused")
     # what the kill left: a done, broken failed, c stopped by its batch's death (PR_SET_PDEATHSIG -> SIGTERM)
     # with 2 recorded shards in its resumable staging
     assert json.loads((work / "a-bf16.json").read_text())["status"] == "done"
     assert json.loads((work / "broken-bf16.json").read_text())["status"] == "failed"
-    c_state = json.loads((work / "c-fp16.json").read_text())
-    assert (c_state["status"], c_state["error"]) == ("failed", "signal 15")
-    ledger = _ledger(out, "c-fp16")
+    c_state = json.loads((work / "c-main-fp16.json").read_text())
+    assert c_state["status"] == "interrupted"
+    partial = out / ".c-main-fp16.convert-bnb-partial"
+    assert c_state["error"] == (f"interrupted; its finished shards are kept in {partial} and reused when the batch "
+                                "is run again")
+    ledger = _ledger(out, "c-main-fp16")
     assert len(ledger["shards"]) == 2
-    assert not (out / "c-fp16").exists()
-    partial = out / ".c-fp16.convert-bnb-partial"
+    assert not (out / "c-main-fp16").exists()
+    partial = out / ".c-main-fp16.convert-bnb-partial"
     first, second = sorted(ledger["shards"])
     # damage the second finished shard without changing its size: the sha256 check must catch it
     raw = bytearray((partial / second).read_bytes())
@@ -189,34 +192,34 @@ def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], t
     a_before = _stat(out / "a-bf16")
     first_before = (partial / first).stat()
 
-    r = _batch(jobs, out, env, "--json")  # at once: the dead worker's claim on c-fp16 is free
+    r = _batch(jobs, out, env, "--json")  # at once: the dead worker's claim on c-main-fp16 is free
     assert r.returncode == 3, r.stderr
     res = {x["name"]: x for x in json.loads(r.stdout)}
     assert res["a-bf16"]["status"] == "skipped"
     assert (res["a-bf16"]["shards_written"], res["a-bf16"]["shards_reused"]) == (0, 0)
     assert res["broken-bf16"]["status"] == "failed"
-    assert res["c-fp16"]["status"] == "converted", res["c-fp16"]["error"]
-    assert res["c-fp16"]["shards_reused"] == 1  # the intact one; the damaged one is rewritten
-    index = json.loads((out / "c-fp16" / "model.safetensors.index.json").read_text())
+    assert res["c-main-fp16"]["status"] == "converted", res["c-main-fp16"]["error"]
+    assert res["c-main-fp16"]["shards_reused"] == 1  # the intact one; the damaged one is rewritten
+    index = json.loads((out / "c-main-fp16" / "model.safetensors.index.json").read_text())
     n_shards = len(set(index["weight_map"].values()))
-    assert res["c-fp16"]["shards_written"] == n_shards - 1
+    assert res["c-main-fp16"]["shards_written"] == n_shards - 1
     # finished work was not redone: same inodes and mtimes
     assert _stat(out / "a-bf16") == a_before
-    after = (out / "c-fp16" / first).stat()
+    after = (out / "c-main-fp16" / first).stat()
     assert (after.st_ino, after.st_mtime_ns) == (first_before.st_ino, first_before.st_mtime_ns)
     # and the outputs equal a straight run's, byte for byte
     straight = _straight(tmp_path)
     assert _files(out / "a-bf16") == straight["a-bf16"]
-    assert _files(out / "c-fp16") == straight["c-fp16"]
+    assert _files(out / "c-main-fp16") == straight["c-main-fp16"]
     assert not partial.exists()
-    c_state = json.loads((work / "c-fp16.json").read_text())
-    assert c_state["status"] == "done" and set(c_state["files"]) == set(straight["c-fp16"])
+    c_state = json.loads((work / "c-main-fp16.json").read_text())
+    assert c_state["status"] == "done" and set(c_state["files"]) == set(straight["c-main-fp16"])
     # a third run redoes nothing
-    c_before = _stat(out / "c-fp16")
+    c_before = _stat(out / "c-main-fp16")
     r = _batch(jobs, out, env, "--json")
     res = {x["name"]: x for x in json.loads(r.stdout)}
-    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-fp16")] == ["skipped", "failed", "skipped"]
-    assert _stat(out / "c-fp16") == c_before and _stat(out / "a-bf16") == a_before
+    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-main-fp16")] == ["skipped", "failed", "skipped"]
+    assert _stat(out / "c-main-fp16") == c_before and _stat(out / "a-bf16") == a_before
 
 
 def test_killed_between_commit_and_record(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
@@ -229,7 +232,9 @@ def test_killed_between_commit_and_record(setup: tuple[Path, Path, dict[str, str
     work = out / ".convert-bnb"
     kill_batch_at_pause(jobs, out, env, "a-bf16", "commit", tmp_path / "a-bf16.paused")
     state = json.loads((work / "a-bf16.json").read_text())
-    assert state["status"] in ("running", "failed") and "files" not in state  # not recorded as done
+    assert state["status"] in ("running", "interrupted") and "files" not in state  # not recorded as done
+    if state["status"] == "interrupted":
+        assert state["error"].startswith("interrupted with an output in place; the next run checks it")
     straight = _straight(tmp_path)
     assert _files(out / "a-bf16") == straight["a-bf16"]  # committed complete, but not recorded
     before = _stat(out / "a-bf16")
@@ -260,17 +265,17 @@ def test_a_live_worker_of_a_dead_batch_keeps_its_claim(setup: tuple[Path, Path, 
     out = tmp_path / "out"
     from convert.output import OutputClaim
 
-    claim = OutputClaim(out / "c-fp16", is_dir=True, nbytes=0, inputs=[], resume_key={"other": "run"})
+    claim = OutputClaim(out / "c-main-fp16", is_dir=True, nbytes=0, inputs=[], resume_key={"other": "run"})
     with claim:  # held by this process, as a live worker of another batch would hold it
         r = _batch(jobs, out, env, "--json")
         (res,) = json.loads(r.stdout)
         assert (r.returncode, res["status"], res["rule"], res["error_class"]) == (3, "failed", "OUT-004",
                                                                                   "OutputBusyError")
-        assert json.loads((out / ".convert-bnb" / "c-fp16.json").read_text())["status"] == "failed"
-        assert not (out / "c-fp16").exists()
+        assert json.loads((out / ".convert-bnb" / "c-main-fp16.json").read_text())["status"] == "failed"
+        assert not (out / "c-main-fp16").exists()
     r = _batch(jobs, out, env, "--json")
     assert json.loads(r.stdout)[0]["status"] == "converted", r.stderr
-    assert _files(out / "c-fp16") == _straight(tmp_path)["c-fp16"]
+    assert _files(out / "c-main-fp16") == _straight(tmp_path)["c-main-fp16"]
 
 
 def test_changed_output_or_settings(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
@@ -326,7 +331,7 @@ def test_summary_table_text(setup: tuple[Path, Path, dict[str, str]], tmp_path: 
     assert lines[0].split() == ["job", "status", "shards", "new/kept", "output", "time", "detail"]
     assert lines[1].split()[:3] == ["a-bf16", "converted", "5/0"]
     assert lines[2].split()[:3] == ["broken-bf16", "failed", "0/0"]
-    assert lines[3].split()[:3] == ["c-fp16", "converted", "5/0"]
+    assert lines[3].split()[:3] == ["c-main-fp16", "converted", "5/0"]
     assert lines[-1] == "2 converted, 1 failed of 3 jobs"
     assert "[failed] broken-bf16: " in r.stderr
 
@@ -355,7 +360,10 @@ def test_push_dry_run_prints_card_and_upload_plan(setup: tuple[Path, Path, dict[
     assert c["action"] == "convert" and c["commit"] == C
     state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
     card = a["card"]
-    assert card.startswith("---\nbase_model: org/a\ntags:\n- convert-bnb\n")
+    assert card.startswith("---\nbase_model: org/a\nlibrary_name: transformers\ntags:\n- convert-bnb\n"
+                           "- bitsandbytes-dequantized\n---\n")
+    # bf16 rounds the other tensors: only auto/fp32 cards say bit-exact
+    assert "bit-exact" not in card and "rounded once to bfloat16" in card
     assert f"- commit: {A}" in card and "- revision: main (default branch)" in card
     assert "| --to | bf16 |" in card and "| --max-shard-size | 1000000 bytes |" in card
     assert "| converter | convert-bnb 0.1.0 |" in card
@@ -378,7 +386,7 @@ def test_push_dry_run_prints_card_and_upload_plan(setup: tuple[Path, Path, dict[
     assert "upload: create me/a-bf16 (private=False, exist_ok), one commit 'convert-bnb 0.1.0: org/a --to bf16':" \
         in r.stdout
     assert "  model card:\n    ---\n    base_model: org/a" in r.stdout
-    assert not (out / "c-fp16").exists()  # a dry run writes nothing
+    assert not (out / "c-main-fp16").exists()  # a dry run writes nothing
 
 
 def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
@@ -395,6 +403,76 @@ def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str
     r = _batch(jobs, out, env, "--json")  # without --push-to-hub: nothing left to do
     assert r.returncode == 0 and json.loads(r.stdout)[0]["status"] == "skipped"
     assert _stat(out / "a-bf16") == before
+
+
+@pytest.mark.parametrize(("to", "library", "tags", "exact"), [
+    ("auto", "transformers", ["convert-bnb", "bitsandbytes-dequantized"], True),
+    ("fp32", "transformers", ["convert-bnb", "bitsandbytes-dequantized"], True),
+    ("fp16", "transformers", ["convert-bnb", "bitsandbytes-dequantized"], False),
+    ("nf4", "transformers", ["convert-bnb", "bitsandbytes", "4-bit", "nf4"], False),
+    ("gguf:q4_0", "gguf", ["convert-bnb", "gguf"], False),
+    ("gguf", "gguf", ["convert-bnb", "gguf"], False),
+])
+def test_model_card_metadata_and_claims_fit_the_target(to: str, library: str, tags: list[str], exact: bool) -> None:
+    from huggingface_hub import ModelCard
+
+    name = f"m-{to.replace(':', '-')}" + (".gguf" if to.startswith("gguf") else "")
+    card = ModelCard(model_card(Job("org/m", "v2", to, 10**9, name), "f" * 40, {}))
+    assert card.data.library_name == library and card.data.base_model == "org/m" and card.data.tags == tags
+    assert ("bit-exact with bitsandbytes' own dequantization" in card.text) is exact
+    assert card.text.lstrip().startswith(f"# m-{to.replace(':', '-')}\n")  # the repo's name: no file extension
+    if to.startswith("gguf"):
+        assert "not bit-exact" in card.text
+
+
+def test_single_file_outputs_push_to_a_repo_named_without_the_extension() -> None:
+    from convert.batch_card import build_upload_plan
+
+    job = Job("org/m", None, "gguf:q8_0", 10**9, "m-gguf-q8_0.gguf")
+    up = build_upload_plan("me", job, Path("/o/m-gguf-q8_0.gguf"), {"m-gguf-q8_0.gguf": {"bytes": 4, "sha256": "x"}},
+                           "card", False)
+    assert up["create_repo"]["repo_id"] == up["commit"]["repo_id"] == "me/m-gguf-q8_0"
+    assert [o["path_in_repo"] for o in up["commit"]["operations"]] == ["m-gguf-q8_0.gguf", "README.md"]
+
+
+def test_gguf_jobs_are_named_with_their_extension(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(f"org/m --to gguf:q8_0\norg/m@v2 --to gguf\n{MODELS / 'llama_nf4_dq'} --to gguf:q8_0\n")
+    assert [j.name for j in parse_jobs(t, _defaults())] == ["m-gguf-q8_0.gguf", "m-v2-gguf.gguf",
+                                                           "llama_nf4_dq-gguf-q8_0.gguf"]
+
+
+def test_progress_per_job_and_overall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a job runs, the batch reports each running job's bytes written of its total and the jobs done."""
+    import threading
+
+    from convert.batch import BatchProgress, run_batch
+
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_fp4_nodq'} --name a\n{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name c\n")
+    marker = tmp_path / "c.paused"
+    for k, v in paused_env(offline_env(tmp_path), "c", 2, marker).items():
+        monkeypatch.setenv(k, v)
+    seen: list[BatchProgress] = []
+    done: list[str] = []
+    results: list = []
+    t = threading.Thread(target=lambda: results.extend(run_batch(
+        parse_jobs(jobs, _defaults()), tmp_path / "out", max_memory=256 << 20,
+        on_done=lambda r: done.append(r.name), on_progress=seen.append, progress_interval=0.02)))
+    t.start()
+    deadline = time.monotonic() + 240
+    while not (marker.exists() and marker.read_text() and any(p.running.get("c") for p in seen)):
+        assert t.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(int(marker.read_text()), signal.SIGKILL)  # the paused worker: its job fails, the batch ends
+    t.join(120)
+    assert done == ["a", "c"] and [r.status for r in results] == ["converted", "failed"]
+    assert results[1].error == "worker exited with code -9"  # nothing in its log: no "see <log>"
+    c_seen = [p for p in seen if p.running.get("c")]
+    assert all(p.jobs == 2 and p.finished == 1 and set(p.running) == {"c"} for p in c_seen)  # a finished first
+    written, total = c_seen[-1].running["c"]
+    assert total == 3975680 and 0 <= written <= total  # the bf16 bytes of the model
+    assert c_seen[-1].line().startswith(f"[1/2 jobs done] c {100 * written // total}% (")
 
 
 def test_model_card_for_a_local_source() -> None:
@@ -418,7 +496,7 @@ def test_parse_text_json_yaml(tmp_path: Path) -> None:
     assert [(j.src, j.revision, j.to, j.max_shard_size, j.name, j.where) for j in text] == [
         ("org/a", None, "bf16", 10**6, "a-bf16", "j.txt:2"),
         ("org/broken", None, "bf16", 5 * 10**9, "broken-bf16", "j.txt:3"),
-        ("org/c", "main", "fp16", 10**6, "c-fp16", "j.txt:4"),
+        ("org/c", "main", "fp16", 10**6, "c-main-fp16", "j.txt:4"),
     ]
     j = tmp_path / "j.json"
     j.write_text(json.dumps(["org/a --max-shard-size 1MB", "org/broken",
@@ -584,7 +662,7 @@ def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> 
     env = offline_env(tmp_path)
     marker = tmp_path / "c.paused"
     cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--max-memory", "256MiB",
-           "--to", "bf16", "--jobs", "2", "--quiet"]
+           "--to", "bf16", "--jobs", "2"]
     proc = subprocess.Popen(cmd, env=paused_env(env, "c", 2, marker), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -598,11 +676,18 @@ def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130
-    assert "convert-bnb: interrupted" in err
-    state = json.loads((out / ".convert-bnb" / "c.json").read_text())
-    assert (state["status"], state["error"]) == ("failed", "signal 15")
-    assert len(_ledger(out, "c")["shards"]) == 2
     partial = out / ".c.convert-bnb-partial"
+    kept = f"interrupted; its finished shards are kept in {partial} and reused when the batch is run again"
+    # the truth, where the user looks: the job's line, the batch's last line, the job's state and its log
+    assert f"[interrupted] c: {kept}" in err
+    assert err.rstrip().endswith("convert-bnb: interrupted; finished jobs are kept, and so are the finished shards "
+                                 "of unfinished directory outputs (OUT/.NAME.convert-bnb-partial); run the same "
+                                 "command again to resume")
+    assert "no output was left behind" not in err and "see " not in err
+    state = json.loads((out / ".convert-bnb" / "c.json").read_text())
+    assert (state["status"], state["error"]) == ("interrupted", kept)
+    assert f"convert-bnb batch: job c: {kept}" in (out / ".convert-bnb" / "c.log").read_text()
+    assert len(_ledger(out, "c")["shards"]) == 2
     assert sorted(p.name for p in partial.iterdir() if p.name.startswith(".")) == [".convert-bnb-shards.json"]
     r = _batch(jobs, out, env, "--json")
     assert r.returncode == 0, r.stderr

@@ -51,6 +51,7 @@ def test_repo_id_end_to_end_offline_default_output(cache: Path, tmp_path: Path) 
     summary = json.loads(r.stdout)
     out = work / "llama-nf4-bf16"
     assert summary["output"] == str(out)
+    assert (summary["source"], summary["commit"]) == (f"org/llama-nf4@{NF4}", NF4)  # --json: repo@commit
     assert f"source: Hub repo org/llama-nf4@{NF4}" in summary["notes"]
     assert_same_tensors(load_all(out), _bf16_reference("llama_nf4_dq"))
     config = json.loads((out / "config.json").read_text())
@@ -161,6 +162,22 @@ def test_parse_repo_spec_and_default_output(tmp_path: Path, monkeypatch: pytest.
     assert default_output(None, "bf16", "org/m-bnb-4bit") == tmp_path / "m-bnb-4bit-bf16"
     assert default_output(None, "auto", "org/m") == tmp_path / "m-dequantized"
     assert default_output(None, "gguf:q8_0", "org/m") == tmp_path / "m-gguf-q8_0.gguf"
+    # with a revision, the name says which: two revisions of one repo never share a default output
+    assert default_output(None, "bf16", "org/m", "v2") == tmp_path / "m-v2-bf16"
+    assert default_output(None, "bf16", "org/m", "refs/pr/1") == tmp_path / "m-refs-pr-1-bf16"
+    assert default_output(None, "gguf:q8_0", "org/m", NF4) == tmp_path / f"m-{NF4[:12]}-gguf-q8_0.gguf"
+
+
+def test_default_output_of_a_revision_is_its_own(cache: Path, tmp_path: Path) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = offline_env(tmp_path, cache)
+    for args in (["org/llama-nf4"], ["org/llama-nf4", "--revision", "v2"], ["org/llama-nf4@v2", "--to", "fp16"]):
+        r = run_cli([*args, "--to", "bf16", "-q"] if "--to" not in args else [*args, "-q"], env, cwd=work)
+        assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["llama-nf4-bf16", "llama-nf4-v2-bf16", "llama-nf4-v2-fp16"]
+    assert_same_tensors(load_all(work / "llama-nf4-bf16"), _bf16_reference("llama_nf4_dq"))
+    assert_same_tensors(load_all(work / "llama-nf4-v2-bf16"), _bf16_reference("llama_fp4_nodq"))
 
 
 def test_choose_weight_files_reads_the_index() -> None:
@@ -213,10 +230,18 @@ def test_download_plan_counts_only_uncached_files() -> None:
 # ---------------------------------------------------------------- online, against a local fake Hub server
 
 
-NEEDED = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors",
-          "model-00002-of-00004.safetensors", "model-00003-of-00004.safetensors",
-          "model-00004-of-00004.safetensors", "model.safetensors.index.json", "tokenizer.json",
-          "tokenizer.model", "tokenizer_config.json"]
+NEEDED = ["LICENSE", "README.md", "config.json", "configuration_custom.py", "generation_config.json",
+          "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+          "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors", "model.safetensors.index.json",
+          "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+#: What a directory output holds besides its weights: the same online and offline (and from a local copy).
+KEPT = sorted(n for n in NEEDED if not n.startswith("model"))
+#: Files of the fake repo beyond the fixture's: the card, the licence, remote code (kept, like a local directory's).
+EXTRA = {"README.md": b"# card", "LICENSE": b"Apache-2.0", "configuration_custom.py": b"X = 1\n"}
+
+
+def _size(name: str) -> int:
+    return len(EXTRA[name]) if name in EXTRA else (MODELS / "llama_nf4_dq_sharded" / name).stat().st_size
 
 
 @pytest.fixture
@@ -225,8 +250,10 @@ def fakehub(tmp_path: Path):
 
     hub = FakeHub()
     files: dict[str, Path | bytes] = {p.name: p for p in (MODELS / "llama_nf4_dq_sharded").iterdir() if p.is_file()}
-    files.update({"pytorch_model.bin": b"\0" * 5000, "README.md": b"# card", "onnx/model.onnx": b"\1" * 300,
-                  "onnx/config.json": b"{}"})  # none of these is needed
+    files.update({"pytorch_model.bin": b"\0" * 5000, "onnx/model.onnx": b"\1" * 300,
+                  "onnx/config.json": b"{}", ".gitattributes": b"*.bin lfs"})  # none of these is needed
+    # kept by the output as a local directory's are: the card, the licence, remote code
+    files.update(EXTRA)
     hub.add("org/sharded", commit_sha("online-1"), files)
     hub.add("org/sharded", commit_sha("online-2"),
             {p.name: p for p in (MODELS / "llama_fp4_nodq").iterdir() if p.is_file()}, refs=("v2",))
@@ -244,12 +271,14 @@ def test_online_fetches_exactly_what_the_conversion_needs(fakehub, tmp_path: Pat
     assert r.returncode == 0, r.stderr
     assert sorted(set(hub.full_downloads)) == sorted(f"org/sharded/{n}" for n in NEEDED)
     assert len(hub.full_downloads) == len(NEEDED)  # each file once
-    sizes = sum((MODELS / "llama_nf4_dq_sharded" / n).stat().st_size for n in NEEDED)
+    sizes = sum(_size(n) for n in NEEDED)
     notes = json.loads(r.stdout)["notes"]
     assert notes == [f"source: Hub repo org/sharded@{commit_sha('online-1')} ({sizes} bytes downloaded)"]
     assert r.stderr == ""  # --json: no progress bars
     assert hub.auth == {None}  # no HF_TOKEN, no stored login: anonymous
     assert_same_tensors(load_all(tmp_path / "out"), _bf16_reference("llama_nf4_dq_sharded"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("model")) == KEPT
+    assert (tmp_path / "out" / "configuration_custom.py").read_bytes() == b"X = 1\n"
     snap = tmp_path / "hub" / "models--org--sharded" / "snapshots" / commit_sha("online-1")
     assert sorted(p.name for p in snap.iterdir()) == sorted(NEEDED)
     # again: everything is cached, nothing is downloaded
@@ -263,6 +292,29 @@ def test_online_fetches_exactly_what_the_conversion_needs(fakehub, tmp_path: Pat
     r = run_cli(["org/sharded", "--to", "bf16", "-o", str(tmp_path / "out3")], off)
     assert r.returncode == 0, r.stderr
     assert_same_tensors(load_all(tmp_path / "out3"), _bf16_reference("llama_nf4_dq_sharded"))
+    assert sorted(p.name for p in (tmp_path / "out3").iterdir() if not p.name.startswith("model")) == KEPT
+
+
+def test_network_failure_uses_the_cached_snapshot_with_a_note(fakehub, tmp_path: Path) -> None:
+    hub, env = fakehub
+    r = run_cli(["org/sharded", "--to", "bf16", "-o", str(tmp_path / "out"), "-q"], env)  # fills the cache
+    assert r.returncode == 0, r.stderr
+    # HF_HUB_OFFLINE unset, but nothing listens at the endpoint: as huggingface_hub and transformers, use the cache
+    down = dict(env, HF_ENDPOINT="http://127.0.0.1:1")
+    r = run_cli(["org/sharded", "--to", "bf16", "-o", str(tmp_path / "out2"), "--json"], down)
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    assert notes[0] == f"source: Hub repo org/sharded@{commit_sha('online-1')}"
+    assert notes[1].startswith("the Hub could not be reached (ConnectError: ")
+    assert notes[1].endswith(f"used the cached snapshot org/sharded@{commit_sha('online-1')}, as huggingface_hub does")
+    assert_same_tensors(load_all(tmp_path / "out2"), _bf16_reference("llama_nf4_dq_sharded"))
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir() if not p.name.startswith("model")) == KEPT
+    # a revision that was never fetched (and a repo never fetched) is the network error, one line
+    for args in (["org/sharded", "--revision", "v2"], ["org/other"]):
+        r = run_cli([*args, "--to", "bf16", "-o", str(tmp_path / "o3")], down)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "HUB-001" in r.stderr and "(ConnectError" in r.stderr
+    assert not (tmp_path / "o3").exists()
 
 
 def test_online_revision_and_errors(fakehub, tmp_path: Path) -> None:
@@ -293,7 +345,7 @@ def test_online_disk_preflight_counts_download_and_output(fakehub, tmp_path: Pat
 
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
-    download = sum((MODELS / "llama_nf4_dq_sharded" / n).stat().st_size for n in NEEDED)
+    download = sum(_size(n) for n in NEEDED)
     need = download + 3975680  # + the bf16 output, estimated from the safetensors headers the Hub serves
     assert (f"not enough free disk space for the download and the output (expected '>= {need} bytes free "
             f"({download} to download + 3975680 of output)', found '3000000 bytes free')") in r.stderr

@@ -110,6 +110,10 @@ def test_sharded_output_holds_the_same_tensors(tmp_out: Path) -> None:
     assert main([str(ORIG), "--to", "nf4", "--max-shard-size", "500KB", "-o", str(tmp_out), "-q"]) == 0
     index = json.loads((tmp_out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 4
+    # metadata as transformers wrote it for this model (total_parameters: packed weights count unpacked,
+    # QuantState companions not at all, as num_parameters() counts a loaded 4-bit model)
+    theirs = json.loads((MODELS / "llama_nf4_dq_sharded/model.safetensors.index.json").read_text())
+    assert index["metadata"] == theirs["metadata"] == {"total_parameters": 1987840, "total_size": 1804853}
     assert_same_tensors(load_all(tmp_out), load_all(MODELS / "llama_nf4_dq/model.safetensors"))
 
 

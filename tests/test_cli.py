@@ -1,0 +1,104 @@
+"""The command line's own surface: --version, check -q, --json on success and on failure."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+import convert
+from convert.cli import main
+
+from .conftest import MODELS
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = MODELS / "llama_nf4_dq"
+
+
+def test_version_is_the_one_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"convert-bnb {convert.__version__}\n"
+    # pyproject.toml takes its version from convert.__version__: no second copy to drift
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "convert.__version__"}
+
+
+def test_check_quiet_prints_nothing_when_clean_and_only_problems_otherwise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(MODEL), "-q"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert main(["check", str(MODEL)]) == 0
+    assert "OK (" in capsys.readouterr().out  # without -q: the summary
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
+    assert main(["check", str(bad), "-q"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "ST-" in err
+    assert main(["check", str(tmp_path / "missing"), "-q"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "CKPT-010" in err
+
+
+def test_json_success_names_source_target_files_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    assert main([str(MODEL), "--to", "bf16", "-o", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert captured.err == ""
+    assert d["ok"] is True and d["converter"] == f"convert-bnb {convert.__version__}"
+    assert d["source"] == str(MODEL.resolve()) and d["commit"] is None
+    assert d["to"] == "bf16" and d["output"] == str(out)
+    on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert sorted(d["files"]) == on_disk and "model.safetensors" in on_disk
+    for rel, rec in d["files"].items():
+        data = (out / rel).read_bytes()
+        assert rec == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert sum(r["bytes"] for r in d["files"].values()) == d["bytes_out"]
+    t = d["timings"]
+    assert set(t) == {"plan", "write", "verify", "commit", "total"}
+    assert all(v >= 0 for v in t.values()) and t["total"] >= t["write"] + t["verify"]
+    assert d["peak_rss_bytes"] > 10 * 2**20 and isinstance(d["notes"], list)
+
+
+def test_json_failure_is_an_object_with_class_rule_message(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "missing"), "--to", "bf16", "--json"]) == 2
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert d["ok"] is False and d["error"] == "SourceNotFoundError" and d["rule"] == "CKPT-010"
+    assert d["message"] in captured.err  # the human line on stderr is the same message
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert main([str(MODEL), "--to", "bf16", "-o", str(out), "--json"]) == 2  # exists: OUT-001
+    d = json.loads(capsys.readouterr().out)
+    assert (d["ok"], d["error"], d["rule"]) == (False, "OutputExistsError", "OUT-001")
+    with pytest.raises(SystemExit) as exc:  # an argparse usage error too
+        main([str(MODEL), "--to", "nope", "--json"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert (d["ok"], d["error"], d["rule"]) == (False, "UsageError", "USE-001") and "'nope'" in d["message"]
+    assert captured.err.count("\n") == 1
+    assert main(["inspect", str(tmp_path / "missing"), "--json"]) == 2  # the subcommands too
+    d = json.loads(capsys.readouterr().out)
+    assert (d["ok"], d["rule"]) == (False, "CKPT-010")
+
+
+def test_every_run_time_dependency_is_imported_by_the_run_time_code() -> None:
+    """A declared dependency the code never imports is dead weight for every user (safetensors was one)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    code = "\n".join(p.read_text() for d in ("convert", "formats") for p in (ROOT / d).glob("*.py"))
+    imported = set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_][A-Za-z0-9_]*)", code, re.MULTILINE))
+    names = [re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].replace("-", "_") for d in deps]
+    assert names == ["numpy", "huggingface_hub", "tqdm", "gguf", "ml_dtypes", "regex"]
+    assert [n for n in names if n not in imported] == []
