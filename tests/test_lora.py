@@ -829,6 +829,9 @@ def test_cli_report_counts_each_element_once_whatever_the_passes(tmp_path: Path,
     rows = {r["tensor"]: r for r in json.loads(rep.read_text())["tensors"]}
     assert sorted(rows) == sorted(f"{m}.weight" for m in ATTN)
     base = base_tensors()
+    if to == "gguf:q4_0":  # llama-quantize types merge into the exact float32 base (gguf_plan.FLOAT32_INPUT)
+        assert _cli([str(MODELS_DIR / "llama_nf4_dq"), "--to", "fp32", "-o", str(tmp_path / "base32"), "-q"]) == 0
+        base = read_safetensors(tmp_path / "base32" / "model.safetensors")
     orig = read_safetensors(MODELS_DIR / "llama_orig_bf16/model.safetensors")
     ad = read_safetensors(LORA / "adapter/adapter_model.safetensors")
     for name, r in rows.items():
