@@ -1,7 +1,7 @@
 """Architectures as data: how a Hugging Face text model's config.json and tensor names become GGUF.
 
 Follows llama.cpp's ``convert_hf_to_gguf.py`` (classes ``TextModel``, ``LlamaModel``,
-``Qwen2Model``, ``GemmaModel``) and gguf-py's name tables, one :class:`Architecture` row per model
+``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``) and gguf-py's name tables, one :class:`Architecture` row per model
 class instead of one class with methods:
 
 - :data:`ARCHITECTURES` and :func:`find_architecture`: ``config.json`` ``architectures[0]`` -> the
@@ -204,6 +204,22 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         config_defaults={
             "max_position_embeddings": 32768,
             "num_key_value_heads": "=num_attention_heads",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+        },
+        tokenizers=("sentencepiece", "bpe"),
+        bpe_pre="qwen2",
+    ),
+    Architecture(
+        name="qwen3",
+        model_arch=gguf.MODEL_ARCH.QWEN3,
+        hf_architectures=("Qwen3ForCausalLM",),
+        params=_TEXT_PARAMS,
+        # Qwen3Config: head_dim is its own setting (128), not hidden_size / heads
+        config_defaults={
+            "max_position_embeddings": 32768,
+            "num_key_value_heads": "=num_attention_heads",
+            "head_dim": 128,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
         },
