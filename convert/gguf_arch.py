@@ -146,7 +146,6 @@ class Architecture:
         norm_offset: added to every ``*norm.weight`` (Gemma: 1.0).
         skip: source tensor names not written (Gemma's tied ``lm_head.weight``).
         tokenizers: tokenizer sources tried in order: ``"sentencepiece"``, ``"bpe"``.
-        bpe_pre: ``tokenizer.ggml.pre`` for a byte-level BPE ``tokenizer.json``.
         add_space_prefix: value of ``tokenizer.ggml.add_space_prefix`` (None: from
             tokenizer_config.json ``add_prefix_space`` when set, as Llama does).
         extra_special: (special token types, {type: id}) added after the tokenizer (CodeGemma ids).
@@ -164,7 +163,6 @@ class Architecture:
     norm_offset: float = 0.0
     skip: tuple[str, ...] = ()
     tokenizers: tuple[str, ...] = ("sentencepiece", "bpe")
-    bpe_pre: str = "default"
     add_space_prefix: bool | None = None
     extra_special: tuple[tuple[str, ...], Mapping[str, int]] | None = None
     vocab_quirks: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
@@ -192,7 +190,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         config_defaults=_LLAMA_DEFAULTS,
         permute_qk=True,
         tokenizers=("sentencepiece", "bpe"),
-        bpe_pre="llama-bpe",
         vocab_quirks={32016: {"prefix": 32007, "suffix": 32008, "middle": 32009, "eot": 32010}},
         rope_types=("default", "linear", "yarn", "llama3"),
     ),
@@ -208,7 +205,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             "rope_theta": 10000.0,
         },
         tokenizers=("sentencepiece", "bpe"),
-        bpe_pre="qwen2",
     ),
     Architecture(
         name="qwen3",
@@ -224,7 +220,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             "rope_theta": 10000.0,
         },
         tokenizers=("sentencepiece", "bpe"),
-        bpe_pre="qwen2",
     ),
     Architecture(
         name="gemma",

@@ -7,19 +7,19 @@ transformers or torch:
 - ``tokenizer.model`` (SentencePiece, read by :mod:`formats.sentencepiece`) ->
   ``tokenizer.ggml.model = "llama"`` with tokens, scores and token types; ``added_tokens.json`` and
   ``tokenizer_config.json`` ``added_tokens_decoder`` entries override their ids;
-- ``tokenizer.json`` (byte-level BPE) -> ``"gpt2"`` with tokens, types and merges;
+- ``tokenizer.json`` (byte-level BPE) -> ``"gpt2"`` with tokens, types and merges, and
+  ``tokenizer.ggml.pre`` from the hash of a check text's token ids, as llama.cpp chooses it
+  (:mod:`convert.gguf_bpe_pre`; needs the optional ``tokenizers`` package);
 - special token ids, ``add_bos``/``add_eos`` and the chat template through gguf-py's
   ``SpecialVocab``; the architecture's extra special ids (CodeGemma, CodeLlama's infill tokens).
 
-Which tokenizer kinds an architecture takes, its ``tokenizer.ggml.pre`` and ``add_space_prefix`` are
-columns of :data:`convert.gguf_arch.ARCHITECTURES`.
+Which tokenizer kinds an architecture takes and its ``add_space_prefix`` are columns of
+:data:`convert.gguf_arch.ARCHITECTURES`.
 
 Where the output knowingly differs from ``convert_hf_to_gguf.py``:
 
-- ``tokenizer.ggml.pre`` of a byte-level BPE vocabulary is the architecture's (``qwen2``,
-  ``llama-bpe``); llama.cpp derives it from a hash of transformers' tokenization of a test text and
-  refuses unknown hashes. Added tokens with ``normalized: false`` are written as stored (llama.cpp
-  passes them through ``decode(encode(token))``, which leaves special tokens unchanged).
+- Added tokens with ``normalized: false`` are written as stored (llama.cpp passes them through
+  ``decode(encode(token))``, which leaves special tokens unchanged).
 - A Llama whose only tokenizer is a SentencePiece-style ``tokenizer.json`` (``byte_fallback``) is
   refused (llama.cpp reads it through transformers' ``LlamaHfVocab``); add ``tokenizer.model``.
 - CodeGemma's prefix/suffix/middle/fsep ids are set as GemmaModel sets them, but this gguf package
@@ -60,6 +60,7 @@ from formats import jsonfile, sentencepiece
 from formats.errors import TokenizerError
 
 from .gguf_arch import Architecture
+from .gguf_bpe_pre import bpe_pre
 from .gguf_config import SPECIAL_TOKEN_TYPES
 
 __all__ = ["add_tokenizer"]
@@ -501,7 +502,7 @@ def add_tokenizer(
         tokens_s, types = _bpe_vocab(tok, vocab_size, tjson, n_vocab)
         del tok, model  # SpecialVocab parses tokenizer.json again: not both at once
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(arch.bpe_pre)
+        w.add_tokenizer_pre(bpe_pre(tjson))
         w.add_token_list(tokens_s)
         w.add_token_types(types)
         gguf.SpecialVocab(tok_dir, load_merges=True, n_vocab=len(tokens_s)).add_to_gguf(w, quiet=True)

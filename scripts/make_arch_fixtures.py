@@ -125,7 +125,7 @@ def build(name: str, llama_cpp: Path, scratch: Path, convert_python: str) -> Non
     torch.manual_seed(1234)
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
     with torch.no_grad():  # norms away from their init value, so the +1 offsets and copies are visible
-        for pname, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype) * 0.1)
     orig = scratch / f"{name}_orig"
