@@ -1,8 +1,8 @@
 """Architectures as data: how a Hugging Face text model's config.json and tensor names become GGUF.
 
 Follows llama.cpp's ``convert_hf_to_gguf.py`` (classes ``TextModel``, ``LlamaModel``,
-``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``) and gguf-py's name tables, one :class:`Architecture` row per model
-class instead of one class with methods:
+``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``, ``Gemma2Model``, ``Gemma3Model``) and gguf-py's name
+tables, one :class:`Architecture` row per model class instead of one class with methods:
 
 - :data:`ARCHITECTURES` and :func:`find_architecture`: ``config.json`` ``architectures[0]`` -> the
   row (``general.architecture``, the ``gguf.MODEL_ARCH`` that selects the ``TensorNameMap``);
@@ -111,6 +111,7 @@ _TEXT_PARAMS = (
     Param("add_head_count", ("num_attention_heads", "n_head", "n_heads"), required=True),
     Param("add_head_count_kv", ("num_key_value_heads", "n_kv_heads")),
     Param("add_rope_freq_base", ("rope_theta",)),
+    Param("add_rope_freq_base_swa", ("@rope_theta_swa",)),
     Param("add_layer_norm_rms_eps", ("rms_norm_eps", "norm_eps")),
     Param("add_layer_norm_eps", ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")),
     Param("add_key_length", ("head_dim",)),
@@ -127,6 +128,22 @@ _GEMMA_PARAMS = (
     Param("add_layer_norm_rms_eps", ("rms_norm_eps",), required=True),
     Param("add_key_length", ("head_dim",), required=True),
     Param("add_value_length", ("head_dim",), required=True),
+)
+
+
+# Gemma2Model.set_gguf_parameters: Gemma's list plus softcapping and the sliding window (all required).
+_GEMMA2_PARAMS = (
+    *_GEMMA_PARAMS,
+    Param("add_attn_logit_softcapping", ("attn_logit_softcapping",), required=True),
+    Param("add_final_logit_softcapping", ("final_logit_softcapping",), required=True),
+    Param("add_sliding_window", ("sliding_window",), required=True),
+)
+
+# Gemma3Model.set_gguf_parameters: TextModel's list (its values overwritten with transformers' defaults,
+# which hparams() fills in), the final softcapping when set, the sliding window unless every layer is global.
+_GEMMA3_EXTRA = (
+    Param("add_final_logit_softcapping", ("@final_logit_softcapping",)),
+    Param("add_sliding_window", ("@sliding_window",)),
 )
 
 
@@ -151,6 +168,8 @@ class Architecture:
         extra_special: (special token types, {type: id}) added after the tokenizer (CodeGemma ids).
         vocab_quirks: vocab size -> special token ids (CodeLlama's infill tokens).
         rope_types: RoPE scaling types accepted.
+        keep_null: config.json keys whose explicit ``null`` stays null (transformers keeps it; llama.cpp
+            then fails on it) instead of taking the default: a required one is then GGUF-006.
     """
 
     name: str
@@ -167,6 +186,7 @@ class Architecture:
     extra_special: tuple[tuple[str, ...], Mapping[str, int]] | None = None
     vocab_quirks: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
+    keep_null: tuple[str, ...] = ()
 
 
 _LLAMA_DEFAULTS = {
@@ -176,6 +196,52 @@ _LLAMA_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
 }
+
+_GEMMA2 = Architecture(
+    name="gemma2",
+    model_arch=gguf.MODEL_ARCH.GEMMA2,
+    hf_architectures=("Gemma2ForCausalLM",),
+    params=_GEMMA2_PARAMS,
+    # Gemma2Config's defaults
+    config_defaults={
+        "max_position_embeddings": 8192,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 4096,
+    },
+    norm_offset=1.0,
+    skip=("lm_head.weight",),
+    tokenizers=("sentencepiece",),
+    add_space_prefix=False,
+    rope_types=("default",),
+    keep_null=("attn_logit_softcapping", "final_logit_softcapping", "sliding_window"),
+)
+
+_GEMMA3 = Architecture(
+    name="gemma3",
+    model_arch=gguf.MODEL_ARCH.GEMMA3,
+    hf_architectures=("Gemma3ForCausalLM",),
+    params=_TEXT_PARAMS,
+    extra_params=_GEMMA3_EXTRA,
+    # Gemma3TextConfig's defaults (the same as Gemma3Model.set_gguf_parameters' own)
+    config_defaults={
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 4096,
+    },
+    norm_offset=1.0,
+    tokenizers=("sentencepiece",),
+    add_space_prefix=False,
+    rope_types=("default", "linear", "yarn"),
+)
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
@@ -242,6 +308,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ),
         rope_types=("default",),
     ),
+    _GEMMA2,
+    _GEMMA3,
 )
 
 
@@ -315,18 +383,24 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
                 found=f"{type(hp[key]).__name__} {str(hp[key])[:40]}",
                 action="convert",
             )
-    # rope_theta lives in rope_parameters (transformers >= 5) or at the top level (older configs).
+    # rope_theta lives in rope_parameters (transformers >= 5; per attention kind for models with
+    # sliding-window layers) or at the top level (older configs); TextModel.__init__
     rope = _rope(hp)
     if "rope_theta" not in hp or hp["rope_theta"] is None:
         theta = rope.get("rope_theta", hp.get("rotary_emb_base"))
         if theta is not None:
             hp["rope_theta"] = theta
+    params = hp.get("rope_parameters")
+    swa = params.get("sliding_attention") if isinstance(params, dict) else None
+    swa_theta = swa.get("rope_theta") if isinstance(swa, dict) else None
+    if swa_theta is None:
+        swa_theta = next((hp[k] for k in _LOCAL_THETA if hp.get(k) is not None), None)
     check_heads(hp, path)  # before the defaults: head_dim is derived only when config.json has none
     heads = hp.get("num_attention_heads")
     hidden = hp.get("hidden_size")
     derived_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
     for key, default in arch.config_defaults.items():
-        if hp.get(key) is not None:
+        if hp.get(key) is not None or (key in arch.keep_null and key in hp):
             continue
         if isinstance(default, str) and default.startswith("="):
             default = hp.get(default[1:])
@@ -335,6 +409,12 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
         if default is not None:
             hp[key] = default
     hp["@head_dim"] = hp.get("head_dim") or derived_head_dim
+    if swa_theta is None:
+        swa_theta = next((hp[k] for k in _LOCAL_THETA if hp.get(k) is not None), None)
+    hp["@rope_theta_swa"] = swa_theta
+    # Gemma3Model: the final softcapping only when set, the window unless every layer is global
+    hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
+    hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
     for key in ("num_local_experts", "num_experts"):
         if hp.get(key):
             raise GgufConfigError(
@@ -347,10 +427,20 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     return hp
 
 
+#: Keys of the sliding-window layers' RoPE base (TextModel.__init__'s ``local_rope_theta``).
+_LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
+
+
 def _rope(hp: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE object (``rope_parameters``, else ``rope_scaling``; {} when neither is an object)."""
+    """The RoPE object (``rope_parameters``, else ``rope_scaling``; {} when neither is an object); for a
+    model with per-attention-kind parameters, those of the full-attention layers (TextModel)."""
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    return rope if isinstance(rope, dict) else {}
+    if not isinstance(rope, dict):
+        return {}
+    full = rope.get("full_attention")
+    if isinstance(full, dict):
+        return full
+    return rope
 
 
 def _rope_kind(rope: Mapping[str, Any], path: str | None) -> str | None:

@@ -260,7 +260,7 @@ def plan_gguf(
                     action="convert",
                 )
             continue
-        name = "head_dim" if key == "@head_dim" else key
+        name = key.lstrip("@")  # a derived key is named by the config key it comes from
         values.append((param, check_param(param.method, name, hp[key], config_path)))
     rope_keys = rope_metadata(hp, arch, config_path)
     name_map = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
