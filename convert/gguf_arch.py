@@ -67,6 +67,7 @@ __all__ = [
     "hparams",
     "is_skipped",
     "llama3_rope_freqs",
+    "longrope_factors",
     "norm_offset",
     "permutation",
     "permute_heads",
@@ -147,6 +148,23 @@ _GEMMA3_EXTRA = (
 )
 
 
+# Phi3MiniModel.set_gguf_parameters (its own list: no TextModel RoPE scaling keys) and the LongRoPE
+# attention factor of Phi3MiniModel.generate_extra_tensors.
+_PHI3_PARAMS = (
+    Param("add_context_length", ("n_positions", "max_position_embeddings"), required=True),
+    Param("add_rope_scaling_orig_ctx_len", ("@original_max_position_embeddings",), required=True),
+    Param("add_embedding_length", ("hidden_size", "n_embd"), required=True),
+    Param("add_feed_forward_length", ("intermediate_size",), required=True),
+    Param("add_head_count", ("num_attention_heads", "n_head"), required=True),
+    Param("add_head_count_kv", ("num_key_value_heads", "n_head_kv"), required=True),
+    Param("add_layer_norm_rms_eps", ("rms_norm_eps",), required=True),
+    Param("add_rope_dimension_count", ("@rope_dimension_count",), required=True),
+    Param("add_rope_freq_base", ("rope_theta",), required=True),
+    Param("add_sliding_window", ("@sliding_window_or_0",), required=True),
+    Param("add_rope_scaling_attn_factors", ("@rope_attn_factor",)),
+)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one Hugging Face architecture becomes GGUF (the data behind llama.cpp's model class).
@@ -170,6 +188,12 @@ class Architecture:
         rope_types: RoPE scaling types accepted.
         keep_null: config.json keys whose explicit ``null`` stays null (transformers keeps it; llama.cpp
             then fails on it) instead of taking the default: a required one is then GGUF-006.
+        rope_scaling_keys: write TextModel's RoPE scaling keys (Phi-3 writes its own instead).
+        longrope_factors: write ``rope_factors_long/short.weight`` from the LongRoPE factors and the
+            attention factor (Phi3MiniModel.generate_extra_tensors).
+        phi3_vocab: the SentencePiece vocabulary as Phi3MiniModel.set_vocab builds it (added tokens from
+            tokenizer_config.json and tokenizer.json, typed by their ``special`` flag alone; a
+            ``GPT2Tokenizer`` tokenizer class takes the byte-level BPE path).
     """
 
     name: str
@@ -187,6 +211,9 @@ class Architecture:
     vocab_quirks: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
     keep_null: tuple[str, ...] = ()
+    rope_scaling_keys: bool = True
+    longrope_factors: bool = False
+    phi3_vocab: bool = False
 
 
 _LLAMA_DEFAULTS = {
@@ -241,6 +268,26 @@ _GEMMA3 = Architecture(
     tokenizers=("sentencepiece",),
     add_space_prefix=False,
     rope_types=("default", "linear", "yarn"),
+)
+
+_PHI3 = Architecture(
+    name="phi3",
+    model_arch=gguf.MODEL_ARCH.PHI3,
+    hf_architectures=("Phi3ForCausalLM",),
+    params=_PHI3_PARAMS,
+    # Phi3Config's defaults
+    config_defaults={
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "num_key_value_heads": "=num_attention_heads",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    },
+    tokenizers=("sentencepiece", "bpe"),
+    rope_types=("default", "longrope", "su", "yarn"),
+    rope_scaling_keys=False,
+    longrope_factors=True,
+    phi3_vocab=True,
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -310,6 +357,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     _GEMMA2,
     _GEMMA3,
+    _PHI3,
 )
 
 
@@ -412,6 +460,16 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     if swa_theta is None:
         swa_theta = next((hp[k] for k in _LOCAL_THETA if hp.get(k) is not None), None)
     hp["@rope_theta_swa"] = swa_theta
+    rope_obj = _rope(hp)
+    orig = rope_obj.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+    hp["@original_max_position_embeddings"] = orig
+    # Phi3MiniModel: rotary dimensions int(partial_rotary_factor * hidden) // heads, window 0 when unset
+    hp["@partial_rotary_factor"] = next(
+        (v for v in (rope_obj.get("partial_rotary_factor"), hp.get("partial_rotary_factor"), hp.get("rope_pct"),
+                     hp.get("rope_percent")) if v is not None), 1.0)
+    hp["@rope_dimension_count"] = _rotary_dims(hp, path) if arch.longrope_factors else None
+    hp["@sliding_window_or_0"] = hp.get("sliding_window") if hp.get("sliding_window") is not None else 0
+    hp["@rope_attn_factor"] = _longrope_attn_factor(hp, path) if arch.longrope_factors else None
     # Gemma3Model: the final softcapping only when set, the window unless every layer is global
     hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
     hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
@@ -456,6 +514,79 @@ def _rope_kind(rope: Mapping[str, Any], path: str | None) -> str | None:
     )
 
 
+def _rotary_dims(hp: Mapping[str, Any], path: str | None) -> int:
+    """``int(partial_rotary_factor * hidden_size) // num_attention_heads`` (Phi3MiniModel)."""
+    hidden = whole(hp.get("hidden_size", hp.get("n_embd")), "hidden_size", path)
+    heads = whole(hp.get("num_attention_heads", hp.get("n_head")), "num_attention_heads", path)
+    pct = real(hp["@partial_rotary_factor"], "partial_rotary_factor", path, hi=1.0)
+    dims = int(pct * hidden) // heads
+    if dims < 2:
+        raise GgufConfigError(
+            "config.json 'partial_rotary_factor' leaves no rotary dimensions",
+            path=path, expected="int(factor x hidden_size) // heads >= 2", found=pct, action="convert",
+        )
+    return dims
+
+
+def _longrope_attn_factor(hp: Mapping[str, Any], path: str | None) -> float | None:
+    """The attention factor Phi3MiniModel.generate_extra_tensors writes when LongRoPE factors are given.
+
+    Raises:
+        RopeScalingError: GGUF-005 (a scaling type with factors that is not longrope/su/yarn).
+        GgufConfigError: GGUF-006 (context lengths that are not positive integers).
+    """
+    rope = _rope(hp)
+    if not rope.get("long_factor"):
+        return None
+    kind = (_rope_kind(rope, path) or "").lower()
+    if kind not in ("longrope", "su", "yarn"):
+        raise RopeScalingError(
+            "RoPE long/short factors with a scaling type llama.cpp does not convert",
+            path=path, expected="rope_type longrope, su or yarn", found=kind or "none", action="convert",
+        )
+    ctx = whole(hp.get("n_positions", hp.get("max_position_embeddings")), "max_position_embeddings", path)
+    orig = whole(hp.get("@original_max_position_embeddings"), "original_max_position_embeddings", path)
+    scale = ctx / orig
+    if scale <= 1.0:
+        return 1.0
+    if kind == "yarn":
+        return 0.1 * math.log(scale) + 1.0
+    if orig < 2:
+        raise GgufConfigError(
+            "config.json 'original_max_position_embeddings' is too small for LongRoPE",
+            path=path, expected="an integer >= 2", found=orig, action="convert",
+        )
+    return math.sqrt(1 + math.log(scale) / math.log(orig))
+
+
+def longrope_factors(
+    hp: Mapping[str, Any], arch: Architecture, path: str | None
+) -> list[tuple[str, npt.NDArray[np.float32]]]:
+    """``rope_factors_long/short.weight`` (Phi3MiniModel.generate_extra_tensors), [] without long factors.
+
+    Raises:
+        RopeScalingError: GGUF-005 (factors missing, not finite numbers, or not rotary dims / 2 of each).
+    """
+    rope = _rope(hp)
+    if not arch.longrope_factors or not rope.get("long_factor"):
+        return []
+    dims = hp["@rope_dimension_count"]
+    out = []
+    for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                        ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
+        values = rope.get(key)
+        if not isinstance(values, list) or len(values) * 2 != dims:
+            raise RopeScalingError(
+                f"config.json RoPE '{key}' does not hold one factor per rotary dimension pair",
+                path=path, expected=f"a list of {dims // 2} numbers",
+                found=f"{type(values).__name__} of {len(values)}" if isinstance(values, list) else values,
+                action="convert",
+            )
+        factors = [real(v, f"rope.{key}[{i}]", path, error=RopeScalingError) for i, v in enumerate(values)]
+        out.append((gguf.TENSOR_NAMES[tensor] + ".weight", np.asarray(factors, dtype=np.float32)))
+    return out
+
+
 def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -> list[tuple[str, Any]]:
     """(writer method, value) for the RoPE scaling keys (TextModel.set_gguf_parameters).
 
@@ -475,6 +606,8 @@ def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -
             found=kind,
             action="convert",
         )
+    if not arch.rope_scaling_keys:  # Phi-3: its own keys (_PHI3_PARAMS, longrope_factors)
+        return []
     checked = check_rope(rope, kind, hp, path)
     factor = rope.get("factor")
     out: list[tuple[str, Any]] = []

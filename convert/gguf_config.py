@@ -91,6 +91,7 @@ PARAM_RULES: dict[str, tuple[Any, ...]] = {
     "add_final_logit_softcapping": ("float", 0.0, False),
     "add_sliding_window": ("count", 0),
     "add_rope_scaling_orig_ctx_len": ("count", 1),
+    "add_rope_scaling_attn_factors": ("float", 0.0, False),
     "add_layer_norm_rms_eps": ("float", 0.0, True),
     "add_layer_norm_eps": ("float", 0.0, True),
 }

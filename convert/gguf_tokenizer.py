@@ -332,9 +332,14 @@ def check_special_files(tok_dir: Path, n_vocab: int | None, *, merges_txt: bool,
 
 
 def _sentencepiece_vocab(
-    tok_dir: Path, vocab_size: int | None, n_vocab: int | None = None
+    tok_dir: Path, vocab_size: int | None, n_vocab: int | None = None, *, phi3: bool = False
 ) -> tuple[list[bytes], list[float], list[int]]:
-    """TextModel._create_vocab_sentencepiece, from tokenizer.model + added tokens."""
+    """TextModel._create_vocab_sentencepiece, from tokenizer.model + added tokens.
+
+    With ``phi3``, Phi3MiniModel.set_vocab's variant: the added tokens of tokenizer_config.json and then
+    of tokenizer.json replace their ids as stored, CONTROL when ``special`` and USER_DEFINED otherwise
+    (no look-alike special tokens, no ``\u2581`` replaced).
+    """
     spm = tok_dir / "tokenizer.model"
     _check_size(spm, n_vocab)
     pieces = sentencepiece.read_pieces(spm)
@@ -380,6 +385,9 @@ def _sentencepiece_vocab(
             if not 0 <= tid < n:
                 continue
             text = data["content"]
+            if phi3:
+                _phi3_added(tokens, scores, types, tid, data, config_file, f"added_tokens_decoder[{key!r}].content")
+                continue
             if data.get("special") or _looks_special(text):
                 types[tid] = int(gguf.TokenType.CONTROL)
             else:
@@ -387,7 +395,20 @@ def _sentencepiece_vocab(
                 types[tid] = int(gguf.TokenType.USER_DEFINED)
             scores[tid] = -1000.0
             tokens[tid] = _utf8(text, config_file, f"added_tokens_decoder[{key!r}].content")
+    tok_json = tok_dir / "tokenizer.json"
+    if phi3 and tok_json.is_file():  # structure checked by check_special_files
+        for i, data in enumerate(_read_json(tok_json, n_vocab).get("added_tokens") or []):
+            if data["id"] < n:
+                _phi3_added(tokens, scores, types, data["id"], data, tok_json, f"added_tokens[{i}].content")
     return tokens, scores, types
+
+
+def _phi3_added(tokens: list[bytes], scores: list[float], types: list[int], tid: int, data: Mapping[str, Any],
+                path: Path, key: str) -> None:
+    """One added token as Phi3MiniModel.set_vocab stores it."""
+    tokens[tid] = _utf8(data["content"], path, key)
+    scores[tid] = -1000.0
+    types[tid] = int(gguf.TokenType.CONTROL if data.get("special") else gguf.TokenType.USER_DEFINED)
 
 
 def _bpe_vocab(
@@ -473,13 +494,16 @@ def add_tokenizer(
     spm, tjson = tok_dir / "tokenizer.model", tok_dir / "tokenizer.json"
     use_spm = "sentencepiece" in arch.tokenizers and spm.is_file()
     use_bpe = not use_spm and "bpe" in arch.tokenizers and tjson.is_file()
+    if arch.phi3_vocab:  # Phi3MiniModel.set_vocab: GPT2Tokenizer -> byte-level BPE, else tokenizer.model
+        gpt2 = config_file.is_file() and _read_json(config_file, n_vocab).get("tokenizer_class") == "GPT2Tokenizer"
+        use_spm, use_bpe = not gpt2 and spm.is_file(), gpt2 and tjson.is_file()
     check_special_files(tok_dir, n_vocab, merges_txt=not use_spm, tokenizer_json=not use_bpe)
-    if arch.add_space_prefix is None and config_file.is_file():
+    if arch.add_space_prefix is None and not arch.phi3_vocab and config_file.is_file():
         add_prefix = _read_json(config_file, n_vocab).get("add_prefix_space")
         if add_prefix is not None:
             w.add_add_space_prefix(bool(add_prefix))
     if use_spm:
-        tokens, scores, types = _sentencepiece_vocab(tok_dir, vocab_size, n_vocab)
+        tokens, scores, types = _sentencepiece_vocab(tok_dir, vocab_size, n_vocab, phi3=arch.phi3_vocab)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
