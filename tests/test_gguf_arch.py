@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 
+from formats import errors as E
 from formats.safetensors import SafetensorsReader
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -122,3 +123,81 @@ def test_llama_cpp_logits_match_transformers(tmp_path, arch, out_type):
     clear = top2[:, 1] - top2[:, 0] > 2 * diff
     assert clear.sum() >= len(ids) // 2
     assert np.array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+# --------------------------------------------------------------------------------------------
+# Every new config value is checked: a bad one is a named error before any output exists
+# --------------------------------------------------------------------------------------------
+
+#: id -> (fixture, config.json keys set (None deletes), error class, message parts)
+BAD: dict[str, tuple[str, dict[str, Any], type[Exception], list[str]]] = {
+    "gemma2-null-attn-softcap": ("gemma2", {"attn_logit_softcapping": None}, E.GgufConfigError,
+                                 ["lacks a hyperparameter llama.cpp needs", "attn_logit_softcapping"]),
+    "gemma2-final-softcap-string": ("gemma2", {"final_logit_softcapping": "30"}, E.GgufConfigError,
+                                    ["'final_logit_softcapping' is not a number"]),
+    "gemma2-window-negative": ("gemma2", {"sliding_window": -1}, E.GgufConfigError,
+                               ["'sliding_window' is out of range", "found -1"]),
+    "gemma3-swa-theta-negative": ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": -1.0}}}, E.GgufConfigError,
+        ["'rope_theta_swa' is out of range"]),
+    "gemma3-unknown-rope-type": ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, E.RopeScalingError,
+        ["RoPE scaling type not supported", "found 'dynamic'"]),
+    "qwen3-head-dim-0": ("qwen3", {"head_dim": 0}, E.GgufConfigError, ["'head_dim' is out of range"]),
+    "phi3-long-factor-short": ("phi3", {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 256, "long_factor": [1.0] * 23, "short_factor": [1.0] * 24}},
+        E.RopeScalingError, ["'long_factor' does not hold one factor per rotary dimension pair", "24 numbers"]),
+    "phi3-factor-nan": ("phi3", {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 256, "long_factor": [1.0] * 24, "short_factor": ["x"] * 24}},
+        E.RopeScalingError, ["'rope.short_factor[0]' is not a number"]),
+    "phi3-partial-rotary-2": ("phi3", {"partial_rotary_factor": 2.0, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+        "long_factor": [1.0] * 24, "short_factor": [1.0] * 24}}, E.GgufConfigError,
+        ["'partial_rotary_factor' is out of range"]),
+    "phi3-original-context-0": ("phi3", {"original_max_position_embeddings": 0, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "long_factor": [1.0] * 24, "short_factor": [1.0] * 24}}, E.GgufConfigError,
+        ["'original_max_position_embeddings' is out of range"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_config_value_is_a_named_error_before_any_output(tmp_path, case):
+    from convert.cli import main
+
+    arch, values, error, parts = BAD[case]
+    src = shutil.copytree(_fixture(arch), tmp_path / "model", ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(values)
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "m.gguf"
+    from tests.malformed import convert
+
+    with pytest.raises(E.ConvertBnbError) as info:
+        convert(src, out, to="gguf:q8_0")
+    assert type(info.value) is error
+    for part in [error.default_rule, *parts]:
+        assert part in str(info.value), (part, str(info.value))
+    assert not out.exists()
+    assert main(["check", str(src), "--to", "gguf:q8_0", "-q"]) == 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_check_to_gguf_is_clean_for_each_fixture(arch):
+    from convert.cli import main
+
+    assert main(["check", str(_fixture(arch)), "--to", "gguf:q8_0", "-q"]) == 0
+
+
+def test_unsupported_architecture_lists_the_new_ones():
+    from convert.gguf_arch import find_architecture
+
+    with pytest.raises(E.UnsupportedArchitectureError) as e:
+        find_architecture({"architectures": ["Qwen3MoeForCausalLM"]})
+    for name in ("Qwen3ForCausalLM (qwen3)", "Gemma2ForCausalLM (gemma2)", "Gemma3ForCausalLM (gemma3)",
+                 "Phi3ForCausalLM (phi3)", "MistralForCausalLM (llama)"):
+        assert name in str(e.value)
