@@ -1,17 +1,21 @@
 """Architectures as data: how a Hugging Face text model's config.json and tensor names become GGUF.
 
 Follows llama.cpp's ``convert_hf_to_gguf.py`` (classes ``TextModel``, ``LlamaModel``,
-``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``, ``Gemma2Model``, ``Gemma3Model``) and gguf-py's name
-tables, one :class:`Architecture` row per model class instead of one class with methods:
+``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``, ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``) and
+gguf-py's name tables, one :class:`Architecture` row per model class instead of one class with methods
+(docs/gguf.md lists them and what each does specially):
 
 - :data:`ARCHITECTURES` and :func:`find_architecture`: ``config.json`` ``architectures[0]`` -> the
   row (``general.architecture``, the ``gguf.MODEL_ARCH`` that selects the ``TensorNameMap``);
 - :func:`hparams`: config.json plus the defaults transformers' config classes fill in (llama.cpp
   reads the config through ``AutoConfig``), ``text_config`` merged, ``rope_theta`` found where
-  transformers >= 5 keeps it; :func:`block_count`; :class:`Param` rows map keys to
-  ``GGUFWriter.add_*`` calls (``TextModel.set_gguf_parameters``, ``GemmaModel.set_gguf_parameters``);
-- :func:`rope_metadata` (RoPE scaling keys, ``TextModel.set_gguf_parameters``) and
-  :func:`llama3_rope_freqs` (``rope_freqs.weight``, ``LlamaModel.generate_extra_tensors``);
+  transformers >= 5 keeps it (per attention kind for sliding-window models), derived ``@`` keys
+  (the SWA RoPE base, Phi-3's rotary dimensions and LongRoPE attention factor, Gemma 3's optional
+  keys); :func:`block_count`; :class:`Param` rows map keys to ``GGUFWriter.add_*`` calls
+  (``TextModel``/``GemmaModel``/``Gemma2Model``/``Gemma3Model``/``Phi3MiniModel.set_gguf_parameters``);
+- :func:`rope_metadata` (RoPE scaling keys, ``TextModel.set_gguf_parameters``),
+  :func:`llama3_rope_freqs` (``rope_freqs.weight``, ``LlamaModel.generate_extra_tensors``) and
+  :func:`longrope_factors` (``rope_factors_long/short.weight``, ``Phi3MiniModel.generate_extra_tensors``);
 - tensor names: :func:`is_skipped` (tensors llama.cpp never writes) and :func:`gguf_tensor_name`
   (gguf-py's ``TensorNameMap.get_name``: ``model.layers.3.self_attn.q_proj.weight`` ->
   ``blk.3.attn_q.weight``), refused before any weight is read;
@@ -27,7 +31,8 @@ GGUF-001  the architecture is one of :data:`ARCHITECTURES` (:class:`UnsupportedA
 GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
 GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama; the
           RoPE object is an object, its type a string, its keys as llama.cpp reads them
-          (:func:`convert.gguf_config.check_rope`) (:class:`RopeScalingError`)
+          (:func:`convert.gguf_config.check_rope`); Phi-3's LongRoPE factors one finite number per
+          rotary dimension pair (:class:`RopeScalingError`)
 GGUF-006  config.json holds the hyperparameters the architecture needs, no MoE experts, q/k rows
           split into heads, ``text_config`` an object, head counts and the layer count positive
           integers that divide (:mod:`convert.gguf_config`) (:class:`GgufConfigError`)

@@ -7,6 +7,9 @@ transformers or torch:
 - ``tokenizer.model`` (SentencePiece, read by :mod:`formats.sentencepiece`) ->
   ``tokenizer.ggml.model = "llama"`` with tokens, scores and token types; ``added_tokens.json`` and
   ``tokenizer_config.json`` ``added_tokens_decoder`` entries override their ids;
+- Phi-3 (``Phi3MiniModel.set_vocab``): the same SentencePiece vocabulary with its own added-token
+  rules (tokenizer_config.json then tokenizer.json, typed by ``special`` alone), or byte-level BPE when
+  tokenizer_config.json names ``GPT2Tokenizer``;
 - ``tokenizer.json`` (byte-level BPE) -> ``"gpt2"`` with tokens, types and merges, and
   ``tokenizer.ggml.pre`` from the hash of a check text's token ids, as llama.cpp chooses it
   (:mod:`convert.gguf_bpe_pre`; needs the optional ``tokenizers`` package);
