@@ -203,3 +203,27 @@ def test_unsupported_architecture_lists_the_new_ones():
     for name in ("Qwen3ForCausalLM (qwen3)", "Gemma2ForCausalLM (gemma2)", "Gemma3ForCausalLM (gemma3)",
                  "Phi3ForCausalLM (phi3)", "MistralForCausalLM (llama)"):
         assert name in str(e.value)
+
+
+def test_phi3_with_a_gpt2_tokenizer_class_takes_the_byte_level_bpe_path(tmp_path, monkeypatch):
+    """Phi3MiniModel.set_vocab: tokenizer_config.json's GPT2Tokenizer (Phi-4-mini) -> byte-level BPE, even
+    with a tokenizer.model beside it; otherwise tokenizer.model (SentencePiece)."""
+    from convert.gguf_plan import plan_gguf
+    from convert.plan import make_plan
+    from formats.checkpoint import open_checkpoint
+    from tests.test_gguf import known_pre, make_qwen2
+
+    root = _fixture("phi3")
+    cfg = json.loads((root / "config.json").read_text())
+    shapes = [(t.name, t.shape) for t in make_plan(open_checkpoint(root)).tensors]
+    tok = tmp_path / "tok"
+    make_qwen2(tok)
+    shutil.copy(root / "tokenizer.model", tok / "tokenizer.model")
+    known_pre(monkeypatch, tok, "qwen2")
+    spm = plan_gguf(cfg, shapes, tok, "f16").metadata
+    assert spm["tokenizer.ggml.model"][0] == "llama"
+    tcfg = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**tcfg, "tokenizer_class": "GPT2Tokenizer"}))
+    md = plan_gguf(cfg, shapes, tok, "f16").metadata
+    assert md["tokenizer.ggml.model"][0] == "gpt2" and md["tokenizer.ggml.pre"][0] == "qwen2"
+    assert len(md["tokenizer.ggml.tokens"][0]) == 1000 and "tokenizer.ggml.scores" not in md
