@@ -27,7 +27,8 @@ gguf-py's name tables, one :class:`Architecture` row per model class instead of 
 Rules raised here (see docs/errors.md):
 
 ========  ======================================================================================
-GGUF-001  the architecture is one of :data:`ARCHITECTURES` (:class:`UnsupportedArchitectureError`)
+GGUF-001  the architecture is one of :data:`ARCHITECTURES`, and not a Qwen3 reranker (which llama.cpp
+          converts with a classifier head) (:class:`UnsupportedArchitectureError`)
 GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
 GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama; the
           RoPE object is an object, its type a string, its keys as llama.cpp reads them
@@ -47,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -370,6 +372,21 @@ def _supported() -> str:
     return ", ".join(f"{a} ({arch.name})" for arch in ARCHITECTURES for a in arch.hf_architectures)
 
 
+def _is_qwen3_reranker(config: Mapping[str, Any], model_dir: Path) -> bool:
+    """Qwen3Model._is_qwen3_reranker: a README heading or a name (directory, ``_name_or_path``,
+    ``model_type``) that says Qwen3 reranker."""
+    readme = model_dir / "README.md"
+    try:
+        text = readme.read_bytes()[: 1 << 20].decode("utf-8", "replace").lower() if readme.is_file() else ""
+    except OSError:
+        text = ""
+    if "# qwen3-reranker" in text or "# qwen3-vl-reranker" in text:
+        return True
+    hints = [model_dir.name, config.get("_name_or_path"), config.get("model_type")]
+    return any(isinstance(h, str) and ("qwen3-reranker" in h.lower() or "qwen3-vl-reranker" in h.lower())
+               for h in hints)
+
+
 def find_architecture(config: Mapping[str, Any], *, path: str | None = None) -> Architecture:
     """The :class:`Architecture` for a ``config.json``.
 
@@ -387,6 +404,16 @@ def find_architecture(config: Mapping[str, Any], *, path: str | None = None) -> 
     hf = archs[0] if isinstance(archs, list) and archs else None
     for arch in ARCHITECTURES:
         if hf in arch.hf_architectures:
+            if arch.name == "qwen3" and path is not None and _is_qwen3_reranker(config, Path(path).parent):
+                raise UnsupportedArchitectureError(
+                    "a Qwen3 reranker is not supported for GGUF output (llama.cpp writes it with a "
+                    "classifier head and rank pooling)",
+                    path=path,
+                    expected=f"a causal language model: one of {_supported()}",
+                    found=f"{hf} named as a Qwen3 reranker",
+                    hint="convert to safetensors (--to bf16) instead, and use llama.cpp's converter on the result",
+                    action="convert",
+                )
             return arch
     raise UnsupportedArchitectureError(
         "architecture not supported for GGUF output",

@@ -227,3 +227,21 @@ def test_phi3_with_a_gpt2_tokenizer_class_takes_the_byte_level_bpe_path(tmp_path
     md = plan_gguf(cfg, shapes, tok, "f16").metadata
     assert md["tokenizer.ggml.model"][0] == "gpt2" and md["tokenizer.ggml.pre"][0] == "qwen2"
     assert len(md["tokenizer.ggml.tokens"][0]) == 1000 and "tokenizer.ggml.scores" not in md
+
+
+@pytest.mark.parametrize("how", ["directory", "readme", "name_or_path"])
+def test_a_qwen3_reranker_is_refused_before_any_weight(tmp_path, how):
+    """llama.cpp's Qwen3Model recognizes a reranker by name or README and writes another model (a
+    classifier head, rank pooling): refused rather than converted differently."""
+    from tests.malformed import convert
+
+    name = "Qwen3-Reranker-tiny" if how == "directory" else "model"
+    src = shutil.copytree(_fixture("qwen3"), tmp_path / name, ignore=shutil.ignore_patterns("reference"))
+    if how == "readme":
+        (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# Qwen3-Reranker-0.6B\n")
+    if how == "name_or_path":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "Qwen/Qwen3-Reranker-4B"}))
+    with pytest.raises(E.UnsupportedArchitectureError) as e:
+        convert(src, tmp_path / "m.gguf", to="gguf:f16")
+    assert e.value.rule == "GGUF-001" and "Qwen3 reranker" in str(e.value)
