@@ -114,6 +114,7 @@ from .batch_state import (
     state_path,
 )
 from .job import job_key
+from .targets import normalize_target
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI start-up
@@ -533,7 +534,7 @@ Re-running the same command skips finished jobs and finished shards (state in OU
                    "# comments) or a JSON/YAML list")
     p.add_argument("--out-dir", type=Path, required=True, help="where the outputs and the state files go")
     p.add_argument("--jobs", type=int, default=1, help="conversions running at a time (default: 1)")
-    p.add_argument("--to", default="auto", choices=target_names(), metavar="TARGET",
+    p.add_argument("--to", default="auto", choices=target_names(), metavar="TARGET", type=normalize_target,
                    help="default target of the jobs (default: auto)")
     p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
                    help="memory budget of the whole batch, split over --jobs (default: 1GiB)")

@@ -140,6 +140,10 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     if revision is not None and not isinstance(revision, str):
         raise bad("revision must be a string", found=revision)
     to = fields.get("to") or defaults.to
+    if isinstance(to, str):
+        from .targets import normalize_target
+
+        to = normalize_target(to)  # gguf:Q4_K_M -> gguf:q4_k_m, as on the command line
     if to not in target_names():
         raise bad(f"unknown --to value '{to}'", expected=target_names(), found=to)
     mss = fields.get("max_shard_size")

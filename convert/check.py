@@ -29,6 +29,7 @@ from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
 
 from .plan import Dequant4Source
+from .targets import normalize_target
 
 __all__ = ["CheckReport", "check_source"]
 
@@ -170,7 +171,7 @@ def _check_target(ckpt: Checkpoint, to: str, model_name: str | None, problems: l
 
     try:
         target = TARGETS[target_for(to)]
-        plan = make_plan(ckpt, target.dequantize_to)
+        plan = make_plan(ckpt, target.dequantize_to(to))
         target.prepare(plan, ConvertOptions(src=str(ckpt.source), to=to),
                        model_name or ckpt.source.resolve().name)
     except ConvertBnbError as exc:
@@ -186,7 +187,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="a .safetensors / .bin / .pt file, a model directory or a Hub repo "
                    "id org/name")
     p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
-    p.add_argument("--to", default="auto", metavar="TARGET",
+    p.add_argument("--to", default="auto", metavar="TARGET", type=normalize_target,
                    help="also plan this target from the headers, config.json and tokenizer (e.g. gguf:q8_0): "
                    "a clean check then means --to TARGET will not fail on the input")
 

@@ -67,7 +67,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the main job, ``convert-bnb SRC --to ...``."""
     from .quant_settings import QUANT_STORAGES
-    from .targets import target_names
+    from .targets import normalize_target, target_names
     from .torch_reduce import TORCH_NUM_THREADS
 
     p = _Parser(
@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .safetensors / .bin / .pt file, a model directory (pickles are read "
                         "without running code) or a Hub repo id org/name")
     targets = target_names()
-    p.add_argument("--to", default="auto", choices=targets, metavar="TARGET",
-                   help="output: auto (each tensor's QuantState dtype), " + ", ".join(targets[1:]) + " (default: auto)")
+    p.add_argument("--to", default="auto", choices=targets, metavar="TARGET", type=normalize_target,
+                   help="output: auto (each tensor's QuantState dtype), " + ", ".join(targets[1:])
+                   + " (default: auto; GGUF types in any case: gguf:Q4_K_M is llama-quantize's Q4_K_M mix)")
     p.add_argument("-o", "--output", help="output path (default: next to SRC, with a suffix); DIR/ puts a one-file "
                    "output (a file input, GGUF) into DIR under its default name")
     p.add_argument("--revision", default=None,

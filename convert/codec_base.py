@@ -11,13 +11,28 @@ has none, and NumPy's ``a * b + c`` rounds twice as C does.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import ClassVar
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Codec", "fp16_round", "nearest_int", "seq_sum"]
+__all__ = [
+    "Codec",
+    "bitmask",
+    "encode_by_chunks",
+    "first_absmax",
+    "fp16_bytes",
+    "fp16_round",
+    "nearest_int",
+    "nearest_int_bits",
+    "reduce_axis0_is_sequential",
+    "select",
+    "seq_sum",
+    "seq_sum0",
+]
 
 GT = gguf.GGMLQuantizationType
 F32 = npt.NDArray[np.float32]
@@ -78,19 +93,130 @@ class Codec:
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
 
 
-_NEAREST_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23
-
-
 def nearest_int_bits(x: F32) -> npt.NDArray[np.int32]:
-    """llama.cpp's ``nearest_int`` bit for bit for every float32, not only ``|x| <= 4194303``.
+    """llama.cpp's ``nearest_int`` bit for bit, for every float32 (also ``|x| >= 2**22``, inf, NaN).
 
-    The C function adds ``12582912.f`` (1.5 * 2**23), reads the float's bits as an int and keeps
-    ``(bits & 0x7fffff) - 0x400000``; its range assert is compiled out, so large values, infinities
-    and NaNs (canonical NaN -> 0, +-inf -> -4194304) give that formula's result, which
-    :func:`nearest_int` does not reproduce. Same shape as ``x``, int32.
+    C adds ``12582912.f`` (``1.5 * 2**23``) in float32 and keeps the low 23 bits of the sum minus
+    ``0x400000``; outside ``|x| < 2**22`` that is not a rounding, and this function gives the same
+    value. Three vector passes (add, and, subtract), against two for :func:`nearest_int`.
     """
-    v = np.asarray(x, dtype=np.float32) + _NEAREST_MAGIC
-    bits = v.view(np.int32)
-    bits &= 0x7FFFFF
-    bits -= 0x400000
-    return bits
+    v = np.asarray(x, dtype=np.float32) + np.float32(12582912.0)
+    i = v.view(np.int32)
+    i &= 0x007FFFFF
+    i -= 0x00400000
+    return i
+
+
+def first_absmax(x: F32, axis: int = 0) -> tuple[F32, F32]:
+    """``(amax, max)`` of C's ``if (fabsf(x[i]) > amax) { amax = fabsf(x[i]); max = x[i]; }`` loop.
+
+    ``amax`` starts at 0, so ``max`` is the first element of largest ``|x|`` (its sign kept) and 0
+    when every ``|x|`` is 0; a NaN never wins (``fabsf(NaN) > amax`` is false). ``x`` is float32
+    ``(n, m)`` reduced over ``axis`` 0 (one group per column) or 1 (one per row); both results are
+    float32 ``(m,)`` / ``(n,)``. Only the sign of ``max`` needs the position: columns holding both
+    ``+amax`` and ``-amax`` (a tie) are resolved one by one, the rest from two comparisons.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if axis == 1:
+        x = x.T
+    ax = np.abs(x)
+    amax = np.fmax.reduce(ax, axis=0)
+    amax[np.isnan(amax)] = 0
+    has_pos = np.logical_or.reduce(x == amax, axis=0)
+    has_neg = np.logical_or.reduce(x == -amax, axis=0)
+    mx = select(has_pos, amax, -amax)
+    tie = np.nonzero(has_pos & has_neg & (amax > 0))[0]
+    if tie.size:
+        sub = x[:, tie]
+        first = np.argmax(np.abs(sub) == amax[tie], axis=0)
+        mx[tie] = sub[first, np.arange(tie.size)]
+    mx[amax == 0] = 0
+    return amax, mx
+
+
+def seq_sum0(x: F32) -> F32:
+    """:func:`seq_sum` over axis 0 of a C-contiguous float32 ``(n, m)``, faster when ``m >= 2``.
+
+    NumPy reduces axis 0 of such an array row by row (its inner loop runs along the contiguous axis,
+    one elementwise add per row), which is C's order; pairwise summation only happens along a
+    reduced inner axis. :func:`reduce_axis0_is_sequential` checks that once, and with
+    ``m < 2`` (where the reduced axis may become the inner loop) or if the check failed this falls
+    back to the explicit loop. The first add is ``x[0]`` rather than ``0.0f + x[0]``: only the sign
+    of a zero sum can differ, and the encoders here never let that sign reach their output.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 2 and x.shape[1] >= 2 and reduce_axis0_is_sequential():
+        return np.add.reduce(x, axis=0)
+    return seq_sum(x, axis=0)
+
+
+@functools.cache
+def reduce_axis0_is_sequential() -> bool:
+    """Whether ``np.add.reduce(axis=0)`` adds rows in order, on values that tell pairwise apart and
+    the shapes the encoders use; checked on first use (~50 ms), then remembered."""
+    rng = np.random.default_rng(0)
+    for n, m in ((16, 2), (32, 3), (32, 512), (16, 4096), (16, 16384)):
+        a = (rng.standard_normal((n, m)) * 10.0 ** rng.uniform(-8, 8, (n, m))).astype(np.float32)
+        if not np.array_equal(np.add.reduce(a, axis=0), seq_sum(a, axis=0)):
+            return False
+    return True
+
+
+def bitmask(mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.int32]:
+    """bool -> int32 all-ones / all-zeros: the mask :func:`select` takes, made once for several."""
+    m = mask.view(np.uint8).astype(np.int32)
+    np.negative(m, out=m)
+    return m
+
+
+def select(mask: npt.NDArray[np.bool_] | npt.NDArray[np.int32], a: F32, b: F32) -> F32:
+    """``np.where(mask, a, b)`` for float32 arrays of one shape, by bit masks: every bit kept.
+
+    NumPy's ``where`` (and ``copyto(where=)``) branches per element, which costs ~10 ns an element
+    on the random masks of the trial loops; this is three branch-free vector passes (five when
+    ``mask`` is bool rather than a :func:`bitmask`).
+    """
+    m = mask if mask.dtype == np.int32 else bitmask(mask.astype(np.bool_, copy=False))
+    ai = np.asarray(a, dtype=np.float32).view(np.int32)
+    bi = np.asarray(b, dtype=np.float32).view(np.int32)
+    r = ai ^ bi
+    r &= m
+    r ^= bi
+    return r.view(np.float32)
+
+
+def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32], U8], chunk: int) -> U8:
+    """Run a block encoder over float32 ``(..., n)`` (``n % block == 0``) ``chunk`` blocks at a time.
+
+    ``encode``: float32 ``(blocks, block)`` -> uint8 ``(blocks, type_size)``, blocks independent.
+    Returns uint8 ``(..., n // block * type_size)`` (gguf-py's ``quantize`` shape); NumPy's
+    floating-point warnings are off inside (inf/NaN arithmetic is part of C's behaviour).
+
+    Raises:
+        ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim < 1 or x.shape[-1] % block:
+        raise ValueError(f"expected float32 (..., n) with n a multiple of {block}, got {x.shape}")
+    flat = x.reshape(-1, block)
+    out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        for s in range(0, flat.shape[0], chunk):
+            out[s : s + chunk] = encode(flat[s : s + chunk])
+    return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
+
+
+def fp16_bytes(x: F32) -> U8:
+    """float32 ``(m,)`` -> uint8 ``(m, 2)``: little-endian ``GGML_FP32_TO_FP16`` of each value.
+
+    ggml-base converts in software (``ggml_compute_fp32_to_fp16``): round to nearest even, as
+    NumPy's ``float16``, except that every NaN becomes ``sign | 0x7e00`` where NumPy keeps payload
+    bits.
+    """
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):
+        h = x.astype("<f2").view("<u2")
+    nan = np.isnan(x)
+    if nan.any():
+        h[nan] = ((x[nan].view(np.uint32) >> 16) & 0x8000).astype(np.uint16) | 0x7E00
+    return h.view(np.uint8).reshape(-1, 2)

@@ -5,10 +5,10 @@ is one class and one row in :data:`CODECS` (as gguf-py's ``gguf/quants.py``).
 
 - F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf-py's own encoders (``gguf.quants.quantize``),
   which reproduce llama.cpp's ``quantize_row_*_ref``.
-- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (and IQ4_NL, llama-quantize's fallback for Q2_K/Q3_K rows that are
-  not a multiple of 256): our NumPy encoders (:mod:`convert.kquant_minmax`,
-  :mod:`convert.kquant_scale`), byte-identical to ``quantize_row_q{2..6}_K_ref`` of the llama.cpp
-  revision vendored in llama-cpp-python 0.3.36; decoding is gguf-py's ``dequantize``.
+- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL: our NumPy encoders (:mod:`convert.kquant_minmax`,
+  :mod:`convert.kquant_scale`, :mod:`convert.iq4_nl`), byte-identical to ``quantize_row_q{2..6}_K_ref`` of the llama.cpp
+  revision vendored in llama-cpp-python 0.3.36 (IQ4_NL: ``quantize_iq4_nl``, the path llama-quantize
+  takes); decoding is gguf-py's ``dequantize``.
 
 Shapes: ``quantize`` takes float32 ``(rows, n_per_row)`` (``n_per_row`` a multiple of the block
 size) and returns uint8 ``(rows, n_per_row // block_size * type_size)``; ``dequantize`` inverts it
@@ -22,7 +22,9 @@ from __future__ import annotations
 import gguf
 
 from .codec_base import Codec
+from .iq4_nl import IQ4_NLCodec
 from .kquant_minmax import Q2_KCodec, Q4_KCodec, Q5_KCodec
+from .kquant_scale import Q3_KCodec, Q6_KCodec
 
 __all__ = ["CODECS", "codec"]
 
@@ -61,12 +63,14 @@ class Q5_1Codec(Codec):
     ggml_type = GT.Q5_1
 
 
-#: GGML type -> its codec. The K-quant rows are added by their modules' classes below.
+#: GGML type -> its codec.
 CODECS: dict[gguf.GGMLQuantizationType, type[Codec]] = {
     c.ggml_type: c
-    for c in (F32Codec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Codec, Q4_1Codec, Q5_0Codec, Q5_1Codec)
+    for c in (
+        F32Codec, F16Codec, BF16Codec, Q8_0Codec, Q4_0Codec, Q4_1Codec, Q5_0Codec, Q5_1Codec,
+        Q2_KCodec, Q3_KCodec, Q4_KCodec, Q5_KCodec, Q6_KCodec, IQ4_NLCodec,
+    )
 }
-CODECS.update({c.ggml_type: c for c in (Q2_KCodec, Q4_KCodec, Q5_KCodec)})
 
 
 def codec(ggml_type: gguf.GGMLQuantizationType) -> type[Codec]:

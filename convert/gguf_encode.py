@@ -22,6 +22,8 @@ source array) are resident.
 Rules raised here (see docs/errors.md):
 
 ========  ======================================================================================
+GGUF-002  every planned GGML type has a codec in this build (:func:`check_encoders`,
+          :class:`GgufTypeError`; raised before the file is opened)
 GGUF-007  a source array has the planned shape and a float dtype (:class:`GgufSourceError`)
 GGUF-008  each tensor's encoded bytes match the plan (from :class:`formats.gguf.GGUFFileWriter`)
 ========  ======================================================================================
@@ -40,14 +42,14 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from formats.errors import GgufSourceError
+from formats.errors import GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 
-from .ggml_codecs import codec
+from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
 
-__all__ = ["SourceTensor", "TensorReport", "write_gguf"]
+__all__ = ["SourceTensor", "TensorReport", "check_encoders", "write_gguf"]
 
 GT = gguf.GGMLQuantizationType
 
@@ -149,6 +151,26 @@ def _convert_chunk(
     return _Chunk(data, max_err, sq_err, float(np.square(x).sum()))
 
 
+def check_encoders(plan: GGUFPlan) -> None:
+    """Every GGML type the plan uses has a codec (:data:`convert.ggml_codecs.CODECS`).
+
+    Planning chooses types without encoders (llama-quantize's mixes need the K-quant codecs); a
+    build without one of them refuses before anything is written, instead of failing mid-file.
+
+    Raises:
+        GgufTypeError: GGUF-002, naming the types without a codec and the tensors needing them.
+    """
+    missing = sorted({t.ggml_type.name for t in plan.tensors if t.ggml_type not in CODECS})
+    if missing:
+        first = next(t.name for t in plan.tensors if t.ggml_type.name == missing[0])
+        raise GgufTypeError(
+            f"GGUF type {plan.output_type} needs {', '.join(missing)}, which this build cannot encode",
+            tensor=first,
+            expected=f"types with an encoder: {', '.join(t.name for t in CODECS)}",
+            found=", ".join(missing),
+        )
+
+
 def write_gguf(
     plan: GGUFPlan,
     path: str | os.PathLike[str],
@@ -180,10 +202,12 @@ def write_gguf(
         One :class:`TensorReport` per tensor, in file order.
 
     Raises:
+        GgufTypeError: GGUF-002 (a planned type has no codec: :func:`check_encoders`).
         GgufSourceError: GGUF-007 (a source has another shape or a non-float dtype).
         GgufVerificationError: GGUF-008 (a tensor's encoded bytes differ from the plan).
         KeyError: a planned tensor has no source.
     """
+    check_encoders(plan)
     spath = os.fspath(path)
     if isinstance(sources, Mapping):
         records = {name: SourceTensor(name, (), produce=fn) for name, fn in sources.items()}

@@ -9,19 +9,30 @@ types are the gguf package's own (the plan fills a scratch ``GGUFWriter`` with `
 keeps its key/value table). The architecture rows are :mod:`convert.gguf_arch`'s, the tokenizer keys
 :mod:`convert.gguf_tokenizer`'s; :mod:`convert.gguf_encode` writes the plan.
 
-GGML types (``--to gguf:TYPE``, :data:`OUTPUT_TYPES`): ``f32``, ``f16`` (default), ``bf16``,
-``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``. As in llama.cpp's ``prepare_tensors``
-(:func:`choose_type`), 1-D tensors, norms and biases stay F32, and a matrix whose rows are not a
-multiple of the type's block falls back to F16.
+Output types (``--to gguf:TYPE``, :data:`OUTPUT_TYPES`, any letter case):
+
+- ``f32``, ``f16`` (default), ``bf16``, ``q8_0``: ``convert_hf_to_gguf.py``'s ``--outtype``. As in
+  its ``prepare_tensors`` (:func:`choose_type`), 1-D tensors, norms and biases stay F32, and a
+  matrix whose rows are not a multiple of the type's block falls back to F16.
+- ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1`` and the K-quant mixes ``q2_k``, ``q3_k_s``, ``q3_k_m``,
+  ``q3_k_l``, ``q4_k_s``, ``q4_k_m``, ``q5_k_s``, ``q5_k_m``, ``q6_k``: llama.cpp's
+  ``llama-quantize`` file types. Each tensor gets the type llama-quantize would give it when
+  quantizing our ``f32`` file (:func:`convert.gguf_mix.mix_types`: ``output.weight`` Q6_K, more
+  bits for some ``attn_v``/``ffn_down`` layers, fallbacks for rows that are not a multiple of 256),
+  with the hyperparameters the planned metadata holds; the reason is each tensor's ``fallback``.
 
 Where the output knowingly differs from ``convert_hf_to_gguf.py`` (which needs torch and
 transformers):
 
 - ``general.*`` holds type, name (the directory name), size label, file type and quantization
   version; llama.cpp also reads the model card (basename, finetune, license, ...).
-- ``q4_0`` ... ``q5_1`` are not converter types in llama.cpp (``llama-quantize`` makes them, and
-  keeps ``output.weight`` at Q6_K, which ``gguf.quants`` cannot encode): here every matrix,
-  ``token_embd`` and ``output`` included, gets the type asked for.
+- ``f32`` holds the exact float32 dequantized weights (a 4-bit layer's fp32 products, before the
+  rounding to the checkpoint's bf16/f16 that transformers' ``dequantize()`` does), and the
+  llama-quantize types are quantized from them (:data:`FLOAT32_INPUT`): never from a 16-bit
+  intermediate, so they are at least as close to the bnb weights as bnb -> bf16 -> F16 GGUF ->
+  ``llama-quantize`` (scripts/kquant_routes.py measures both routes).
+- llama-quantize writes its tensors in its loader's order (outside-layer tensors first, then by
+  layer and name); ours keep the converter's order. Types and bytes are the same.
 
 Rules raised here (see docs/errors.md), besides those of :mod:`convert.gguf_arch` (GGUF-001, 003,
 005, 006) and :mod:`convert.gguf_tokenizer` (GGUF-004):
@@ -44,7 +55,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +81,18 @@ from .gguf_arch import (
     rope_metadata,
 )
 from .gguf_config import check_packable, check_param, check_special_ids, check_vocab, layer_count
+from .gguf_mix import FILE_TYPES, MixModel, mix_types
 from .gguf_tokenizer import add_tokenizer
 
 __all__ = [
     "DEFAULT_OUTPUT_TYPE",
+    "FLOAT32_INPUT",
     "OUTPUT_TYPES",
     "GGUFPlan",
     "GGUFTensor",
+    "apply_mix",
     "choose_type",
+    "mix_model",
     "parse_output_type",
     "plan_gguf",
 ]
@@ -85,18 +100,24 @@ __all__ = [
 GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
 
-#: ``--to gguf:TYPE`` names -> (GGML type of the matrices, ``general.file_type``).
+#: ``--to gguf:TYPE`` names (lower case) -> (GGML type of the matrices, ``general.file_type``); for
+#: llama-quantize's file types (:data:`convert.gguf_mix.FILE_TYPES`) the mix's default type.
 OUTPUT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "f32": (GT.F32, FT.ALL_F32),
     "f16": (GT.F16, FT.MOSTLY_F16),
     "bf16": (GT.BF16, FT.MOSTLY_BF16),
     "q8_0": (GT.Q8_0, FT.MOSTLY_Q8_0),
-    "q4_0": (GT.Q4_0, FT.MOSTLY_Q4_0),
-    "q4_1": (GT.Q4_1, FT.MOSTLY_Q4_1),
-    "q5_0": (GT.Q5_0, FT.MOSTLY_Q5_0),
-    "q5_1": (GT.Q5_1, FT.MOSTLY_Q5_1),
+    # llama-quantize's file types: the default type of the mix (convert.gguf_mix decides per tensor)
+    **{name: (ft.default, ft.ftype) for name, ft in FILE_TYPES.items()},
 }
 DEFAULT_OUTPUT_TYPE = "f16"
+#: Output types whose writer gets every weight as exact float32 (a 4-bit layer's fp32 products
+#: ``quant_map[code] * absmax`` before any 16-bit rounding, so ``f32`` holds more than the bf16/f16
+#: checkpoint transformers would save): ``f32``, and llama-quantize's types, which llama.cpp makes
+#: from an ``f32`` file, so ours equal ``llama-quantize`` of our ``f32`` output byte for byte. The
+#: other types (``f16``, ``bf16``, ``q8_0``) take each tensor at its own dtype, as
+#: ``convert_hf_to_gguf.py`` does from the dequantized model.
+FLOAT32_INPUT = frozenset({"f32", *FILE_TYPES})
 
 
 def parse_output_type(spec: str | None) -> str:
@@ -127,7 +148,8 @@ class GGUFTensor:
         nbytes: bytes in the data section (before the 32-byte padding).
         permute_heads: rows are permuted as ``LlamaModel.permute`` with this many heads (0: not).
         offset: value added in float32 before rounding (Gemma norms: 1.0).
-        fallback: why the type differs from the requested one ("" when it does not).
+        fallback: why the type differs from the requested one ("" when it does not): a fallback for
+            the row length, or llama-quantize's rule in a mix (``attn_v on a use_more_bits layer: Q6_K``).
     """
 
     source: str | None
@@ -215,7 +237,9 @@ def plan_gguf(
     """Plan a GGUF file from headers alone: names, types, shapes, sizes, metadata and tokenizer.
 
     Matches the metadata, tensor names, tensor types and tokenizer llama.cpp's
-    ``convert_hf_to_gguf.py`` writes for the same model and ``--outtype``.
+    ``convert_hf_to_gguf.py`` writes for the same model and ``--outtype``; for llama-quantize's file
+    types (:data:`convert.gguf_mix.FILE_TYPES`) each tensor's type is llama-quantize's
+    (:func:`apply_mix`, from the planned metadata's block count, heads, kv heads and experts).
 
     Args:
         config: the model's config.json (``quantization_config`` is ignored).
@@ -324,4 +348,36 @@ def plan_gguf(
     metadata = {
         k: (v.value, v.type, v.sub_type) for k, v in scratch.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE
     }
+    if out_name in FILE_TYPES:
+        planned = apply_mix(out_name, planned, mix_model(arch.name, metadata))
     return GGUFPlan(arch, out_name, file_type, metadata, planned, generated)
+
+
+def mix_model(arch_name: str, metadata: Mapping[str, tuple[Any, Any, Any]]) -> MixModel:
+    """The hyperparameters llama.cpp reads for its type choice, from the planned metadata (what
+    llama.cpp loads from the file: block count, heads, kv heads (default: heads), experts)."""
+
+    def first(key: str, default: int) -> int:
+        entry = metadata.get(key.format(arch=arch_name))
+        if entry is None:
+            return default
+        v = entry[0]
+        return int(v[0] if isinstance(v, (list, tuple)) else v)
+
+    n_head = first(gguf.Keys.Attention.HEAD_COUNT, 0)
+    return MixModel(
+        arch_name,
+        first(gguf.Keys.LLM.BLOCK_COUNT, 0),
+        n_head,
+        first(gguf.Keys.Attention.HEAD_COUNT_KV, n_head),
+        first(gguf.Keys.LLM.EXPERT_COUNT, 0),
+    )
+
+
+def apply_mix(out_name: str, planned: Sequence[GGUFTensor], model: MixModel) -> list[GGUFTensor]:
+    """The planned tensors with llama-quantize's type for each (:func:`convert.gguf_mix.mix_types`)."""
+    choices = mix_types(out_name, [(t.name, t.shape) for t in planned], model)
+    return [
+        replace(t, ggml_type=c.ggml_type, nbytes=tensor_nbytes(t.shape, c.ggml_type), fallback=c.reason)
+        for t, c in zip(planned, choices, strict=True)
+    ]

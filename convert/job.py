@@ -23,7 +23,7 @@ import errno
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from .merge import apply_lora
 from .output import OutputClaim, default_output, output_path, write_json
 from .pipeline import max_threads, peak_rss_bytes
 from .plan import make_plan
-from .targets import TARGETS, RunSettings, target_for
+from .targets import TARGETS, RunSettings, normalize_target, target_for
 from .units import format_bytes
 
 __all__ = ["MIN_MEMORY", "ConvertOptions", "ConvertResult", "QuantOptions", "ResolvedSource", "check_options",
@@ -327,6 +327,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             output rule (OUT-xxx, USE-002/003); OSError from the file system.
     """
     t0 = time.perf_counter()
+    options = replace(options, to=normalize_target(options.to))  # gguf:Q4_K_M -> gguf:q4_k_m
     check_options(options)
     target = TARGETS[target_for(options.to)]
     repo = parse_repo_spec(options.src)[0] if not os.path.lexists(options.src) else None
@@ -340,7 +341,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                            commit=source.hub.commit if source.hub else None)
     extra_notes: list[str] = []
     with open_checkpoint(source.path) as ckpt:
-        plan = make_plan(ckpt, target.dequantize_to, max_shard_size=options.max_shard_size)
+        plan = make_plan(ckpt, target.dequantize_to(options.to), max_shard_size=options.max_shard_size)
         lora = apply_lora(plan, options.merge_lora, options.original) if options.merge_lora else None
         try:
             if source.hub is not None:

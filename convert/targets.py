@@ -36,7 +36,9 @@ from .plan import Plan
 if TYPE_CHECKING:
     from .job import ConvertOptions
 
-__all__ = ["TARGETS", "RunSettings", "SafetensorsJob", "Target", "TargetJob", "prepare_bnb4", "target_for"]
+__all__ = [
+    "TARGETS", "RunSettings", "SafetensorsJob", "Target", "TargetJob", "normalize_target", "prepare_bnb4", "target_for",
+]
 
 
 class TargetJob(Protocol):
@@ -192,9 +194,13 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
 
 def prepare_gguf(plan: Plan, options: ConvertOptions, model_name: str) -> TargetJob:
     """``--to gguf[:TYPE]``: see :mod:`convert.to_gguf`."""
+    from .gguf_encode import check_encoders
     from .to_gguf import GgufJob
 
-    return GgufJob(plan, options.to, model_name)
+    job = GgufJob(plan, options.to, model_name)
+    if not options.dry_run:
+        check_encoders(job.gplan)  # GGUF-002 before any output is claimed (a mix needs K-quant codecs)
+    return job
 
 
 @dataclass(frozen=True)
@@ -202,12 +208,21 @@ class Target:
     """One row of :data:`TARGETS`.
 
     Attributes:
-        dequantize_to: the ``to`` of :func:`convert.plan.make_plan` that feeds the writer.
+        dequantize_to: ``--to`` value -> the ``to`` of :func:`convert.plan.make_plan` that feeds the
+            writer.
         prepare: ``(plan, options, model name) -> TargetJob``.
     """
 
-    dequantize_to: str
+    dequantize_to: Callable[[str], str]
     prepare: Callable[[Plan, ConvertOptions, str], TargetJob]
+
+
+def _gguf_input(to: str) -> str:
+    """``fp32`` for the GGUF types llama.cpp makes from an f32 file (see
+    :data:`convert.gguf_plan.FLOAT32_INPUT`), else each tensor's own dtype (``auto``)."""
+    from .gguf_plan import FLOAT32_INPUT, parse_output_type
+
+    return "fp32" if parse_output_type(to.partition(":")[2] or None) in FLOAT32_INPUT else "auto"
 
 
 def _gguf_types() -> list[str]:
@@ -218,16 +233,23 @@ def _gguf_types() -> list[str]:
 
 #: Every target family; :func:`target_for` maps a ``--to`` value to its row.
 TARGETS: dict[str, Target] = {
-    **{name: Target(name, prepare_safetensors) for name in FLOAT_TARGETS},
-    "nf4": Target("auto", prepare_bnb4),
-    "fp4": Target("auto", prepare_bnb4),
-    "gguf": Target("auto", prepare_gguf),
+    **{name: Target(lambda to: to, prepare_safetensors) for name in FLOAT_TARGETS},
+    "nf4": Target(lambda to: "auto", prepare_bnb4),
+    "fp4": Target(lambda to: "auto", prepare_bnb4),
+    "gguf": Target(_gguf_input, prepare_gguf),
 }
 
 
 def target_names() -> list[str]:
-    """Every accepted ``--to`` value, for ``--help`` and error messages."""
+    """Every accepted ``--to`` value, for ``--help`` and error messages (in lower case;
+    :func:`normalize_target` accepts any case, as llama.cpp spells its types: ``gguf:Q4_K_M``)."""
     return list(TARGETS) + [f"gguf:{t}" for t in _gguf_types()]
+
+
+def normalize_target(to: str) -> str:
+    """A ``--to`` value in lower case, as every target is named (``GGUF:Q4_K_M`` -> ``gguf:q4_k_m``,
+    ``BF16`` -> ``bf16``). The ``--to`` type of every command, applied before its choices are checked."""
+    return to.strip().lower()
 
 
 def target_for(to: str) -> str:

@@ -9,6 +9,7 @@ Output naming, pre-flight, claim and commit are :mod:`convert.output`'s, as for 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ from formats.gguf import verify_gguf as _verify_gguf
 
 from .gguf_encode import SourceTensor, TensorReport
 from .gguf_encode import write_gguf as _write_gguf
-from .gguf_plan import OUTPUT_TYPES, parse_output_type, plan_gguf
+from .gguf_mix import mix_summary
+from .gguf_plan import OUTPUT_TYPES, GGUFTensor, parse_output_type, plan_gguf
 from .output import ShardLedger
 from .pipeline import RunSettings, chunk_elements
 from .plan import Plan, PlannedTensor
@@ -61,6 +63,20 @@ def _rows_per_unit(t: PlannedTensor) -> int:
     return unit // cols if cols and unit >= cols and unit % cols == 0 else 1
 
 
+def _type_notes(out_type: str, tensors: list[GGUFTensor]) -> list[str]:
+    """The type mix (``gguf q4_k_m: 14 Q4_K, 3 Q6_K, 2 Q5_0, 5 F32``) and why tensors differ from
+    the default type, one line per reason (tensors named, the first three)."""
+    notes = [f"gguf {out_type}: {mix_summary([t.ggml_type for t in tensors])}"]
+    by_reason: dict[str, list[str]] = {}
+    for t in tensors:
+        if t.fallback and len(t.shape) > 1:
+            by_reason.setdefault(t.fallback, []).append(t.name)
+    for reason, names in by_reason.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        notes.append(f"  {reason} ({', '.join(names[:3])}{more})")
+    return notes
+
+
 def _error_notes(out_type: str, reports: list[TensorReport]) -> list[str]:
     changed = [r for r in reports if r.max_abs_error > 0]
     if not changed:
@@ -68,7 +84,7 @@ def _error_notes(out_type: str, reports: list[TensorReport]) -> list[str]:
     worst = sorted(changed, key=lambda r: r.rel_rms_error, reverse=True)
     notes = [
         f"gguf {out_type}: {len(changed)} of {len(reports)} tensors differ from the dequantized weight "
-        f"(rounding to {out_type}); relative RMS error per tensor up to {worst[0].rel_rms_error:.3g}, "
+        f"(rounding to each tensor's type); relative RMS error per tensor up to {worst[0].rel_rms_error:.3g}, "
         "worst tensors below (all in --json)"
     ]
     for r in worst[:5]:
@@ -139,7 +155,8 @@ class GgufJob:
     def describe(self) -> str:
         g = self.gplan
         lines = [f"{self.plan.checkpoint.source} -> GGUF {g.arch.name}, {self.out_type}: {len(g.tensors)} tensors, "
-                 f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys"]
+                 f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys; "
+                 f"{mix_summary([t.ggml_type for t in g.tensors])}"]
         lines += ["  " + line for line in g.describe()]
         lines += [f"  note: {n}" for n in self.plan.notes]
         return "\n".join(lines)
@@ -165,14 +182,15 @@ class GgufJob:
         _verify_gguf(staging, self.gplan)
 
     def notes(self) -> list[str]:
-        notes = list(self.plan.notes)
-        notes += [f"{t.name}: {t.fallback}" for t in self.gplan.tensors if t.fallback and len(t.shape) > 1]
-        return notes + _error_notes(self.out_type, self.reports)
+        return list(self.plan.notes) + _type_notes(self.out_type, self.gplan.tensors) + _error_notes(
+            self.out_type, self.reports
+        )
 
     def details(self) -> dict[str, Any]:
         return {"gguf": {
             "architecture": self.gplan.arch.name,
             "type": self.out_type,
+            "type_counts": dict(Counter(r.ggml_type.name for r in self.reports)),
             "tensors": [
                 {"name": r.name, "source": r.source, "type": r.ggml_type.name, "shape": list(r.shape),
                  "bytes": r.nbytes, "max_abs_error": r.max_abs_error, "rms_error": r.rms_error,

@@ -966,7 +966,8 @@ class UnsupportedArchitectureError(UnsupportedError):
 
 
 class GgufTypeError(UnsupportedError):
-    """The GGUF output type is not one convert-bnb writes."""
+    """The GGUF output type is not one convert-bnb writes, or this build has no encoder for a GGML type
+    the type's mix needs (checked before anything is written)."""
 
     default_rule = "GGUF-002"
     advice = ("Choose one of the listed types (e.g. --to gguf:q8_0); quantize further with llama.cpp's llama-quantize.")

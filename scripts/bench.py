@@ -11,6 +11,8 @@ realistic absmax (0.03..0.07 around a 0.05 offset), as many blocks as fit the si
     python scripts/bench.py make-lora --model bench-data/2g --dir bench-data/2g-lora64 --rank 64
     python scripts/bench.py convert --dir bench-data/2g --max-memory 512MiB --merge-lora bench-data/2g-lora64
     python scripts/bench.py tensors --tensors 100000 --dir bench-data/many   # many small tensors: planning cost
+    python scripts/bench.py convert --dir bench-data/2g --to gguf:q4_k_m --max-memory 512MiB --threads 2
+    python scripts/bench.py llama-quantize --dir bench-data/2g --type q4_k_m --threads 2   # llama.cpp's side
 
 `convert` runs `convert-bnb` in a subprocess (so peak RSS is the conversion's own), prints G elements/s,
 GB/s written and peak RSS, and with --cp also times `cp` + `sync` of a file of the output's size on the
@@ -244,6 +246,51 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
     print(json.dumps(res))
 
 
+_LLAMA_QUANTIZE = """
+import ctypes, sys, llama_cpp
+from gguf import LlamaFileType
+p = llama_cpp.llama_model_quantize_default_params()
+p.nthread = int(sys.argv[4])
+p.ftype = int(LlamaFileType["MOSTLY_" + sys.argv[3].upper()])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
+"""
+
+
+def llama_quantize(src_dir: Path, out_type: str, threads: int, max_memory: str) -> None:
+    """llama.cpp's quantizer on our f32 GGUF of the model (``llama_cpp.llama_model_quantize``, the code of
+    ``llama-quantize``), timed alone in a subprocess; then our ``--to gguf:TYPE`` output (from `convert`
+    with --keep, if present) is compared with it tensor by tensor."""
+    import gguf
+
+    f32 = src_dir.parent / f"{src_dir.name}-out-gguf-f32"
+    if not f32.exists():
+        cmd = [sys.executable, "-m", "convert", str(src_dir), "--to", "gguf:f32", "-o", str(f32), "--quiet",
+               "--max-memory", max_memory]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    out = src_dir.parent / f"{src_dir.name}-llama-{out_type}.gguf"
+    out.unlink(missing_ok=True)
+    subprocess.run(["sync"], check=True)
+    t = time.perf_counter()
+    code, _stdout, stderr, rss = run_measured([sys.executable, "-c", _LLAMA_QUANTIZE, str(f32), str(out), out_type,
+                                               str(threads)])
+    wall = time.perf_counter() - t
+    if code != 0:
+        print(stderr[-3000:], file=sys.stderr)
+        raise SystemExit(code)
+    res: dict[str, object] = {"bench": "llama_model_quantize", "type": out_type, "threads": threads,
+                              "wall_s": round(wall, 2), "out_bytes": out.stat().st_size,
+                              "peak_rss_mib": round(rss / 2**20, 1)}
+    ours = src_dir.parent / f"{src_dir.name}-out-gguf-{out_type}"
+    if ours.exists():
+        theirs = {t.name: t for t in gguf.GGUFReader(out).tensors}
+        same = sum(1 for t in gguf.GGUFReader(ours).tensors
+                   if t.name in theirs and t.tensor_type == theirs[t.name].tensor_type
+                   and np.array_equal(t.data.view(np.uint8), theirs[t.name].data.view(np.uint8)))
+        res["identical_tensors"] = f"{same} of {len(theirs)}"
+    out.unlink()
+    print(json.dumps(res))
+
+
 _HF_SCRIPT = """
 import sys, torch
 from transformers import AutoModelForCausalLM
@@ -368,6 +415,11 @@ def main() -> None:
     mt.add_argument("--share-4bit", type=float, default=0.5, help="share of the tensors in tiny NF4 layers")
     mt.add_argument("--threads", type=int, default=2)
     mt.add_argument("--no-convert", action="store_true", help="time open and plan only")
+    lq = sub.add_parser("llama-quantize", help="time llama.cpp's quantizer on our f32 GGUF of a `make` model")
+    lq.add_argument("--dir", type=Path, required=True)
+    lq.add_argument("--type", default="q4_k_m")
+    lq.add_argument("--threads", type=int, default=2)
+    lq.add_argument("--max-memory", default="512MiB")
     h = sub.add_parser("transformers", help="time transformers from_pretrained -> dequantize -> save_pretrained")
     h.add_argument("--dir", type=Path, required=True)
     h.add_argument("--threads", type=int, default=2)
@@ -382,6 +434,8 @@ def main() -> None:
         hf_baseline(a.dir, a.threads)
     elif a.cmd == "tensors":
         many_tensors(a.tensors, a.dir, a.zero_size, a.share_4bit, a.threads, not a.no_convert)
+    elif a.cmd == "llama-quantize":
+        llama_quantize(a.dir, a.type, a.threads, a.max_memory)
     elif a.cmd == "make-lora":
         make_lora(a.model, a.dir, a.rank)
     else:

@@ -708,7 +708,7 @@ def _gguf_verify(src: Path, out: Path) -> None:
 def _gguf_type(src: Path, out: Path) -> None:
     from convert.gguf_plan import parse_output_type
 
-    parse_output_type("q4_k_m")
+    parse_output_type("iq4_nl")
 
 
 def _spm(data: bytes) -> Callable[[Path], Path]:
@@ -1127,7 +1127,7 @@ CASES: list[Case] = [
     # ---- GGUF output
     Case("gguf-falcon", E.UnsupportedArchitectureError, ["GGUF-001", "found 'FalconForCausalLM'"],
          model_copy({"architectures": ["FalconForCausalLM"]}), run=GGUF_F16[0], argv=GGUF_F16[1]),
-    Case("gguf-q4-k-m", E.GgufTypeError, ["GGUF-002", "q8_0"], lambda d: d.mkdir(parents=True) or d,
+    Case("gguf-iq4-nl", E.GgufTypeError, ["GGUF-002", "q8_0"], lambda d: d.mkdir(parents=True) or d,
          run=_gguf_type, argv=None),  # the CLI's --to choices refuse it first (argparse, exit 2)
     Case("gguf-vision-tower", E.UnmappedTensorError, ["GGUF-003", "tensor 'vision_tower.patch_embed.weight'"],
          model_copy(), run=_gguf_unmapped, argv=None),

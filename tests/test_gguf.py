@@ -15,6 +15,7 @@ import pytest
 from gguf.vocab import bytes_to_unicode
 from safetensors.numpy import save_file
 
+from convert.ggml_codecs import CODECS
 from convert.gguf_arch import ARCHITECTURES
 from convert.gguf_encode import SourceTensor, write_gguf
 from convert.gguf_plan import OUTPUT_TYPES, parse_output_type, plan_gguf
@@ -34,6 +35,11 @@ def load_reference(path: Path) -> dict[str, np.ndarray]:
 
 
 REF_W = load_reference(REF / "dequantized.safetensors")
+
+
+#: llama-quantize's q4_0..q5_1 keep output.weight at Q6_K (convert.gguf_mix): writing them needs that codec
+needs_q6_k = pytest.mark.skipif(gguf.GGMLQuantizationType.Q6_K not in CODECS,
+                                reason="q4_0..q5_1 write output.weight as Q6_K, whose codec is not merged yet")
 
 
 def _shapes(weights: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]:
@@ -174,7 +180,9 @@ def test_float_tensors_equal_the_dequantized_weight_rounded_once(tmp_path, out_t
         assert 0 < rep["token_embd.weight"].max_abs_error < 6e-8
 
 
-@pytest.mark.parametrize("out_type", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+@pytest.mark.parametrize(
+    "out_type", ["q8_0", *(pytest.param(t, marks=needs_q6_k) for t in ("q4_0", "q4_1", "q5_0", "q5_1"))]
+)
 def test_quantized_tensors_are_gguf_quants_of_the_weight_and_report_their_error(tmp_path, out_type):
     _, path, reports = _write(tmp_path, out_type, chunk_elements=5000)
     r = gguf.GGUFReader(path)
@@ -193,6 +201,18 @@ def test_quantized_tensors_are_gguf_quants_of_the_weight_and_report_their_error(
     assert rep.rel_rms_error == pytest.approx(rep.rms_error / math.sqrt(float(np.mean(x.astype(np.float64) ** 2))))
     assert 0 < rep.rel_rms_error < {"q8_0": 0.01}.get(out_type, 0.2)
     assert _field(r, "general.file_type") == int(OUTPUT_TYPES[out_type][1])
+    if out_type != "q8_0":  # llama-quantize's mix: output.weight Q6_K
+        assert _tensor(r, "output.weight").tensor_type == gguf.GGMLQuantizationType.Q6_K
+
+
+def test_llama_quantize_types_of_q4_0_to_q5_1_are_planned_without_a_codec():
+    """q4_0 ... q5_1 follow llama-quantize (convert.gguf_mix): output.weight Q6_K, the rest of the
+    matrices the type asked for (704 is a multiple of 32: no fallback)."""
+    for out_type in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        plan = plan_gguf(CONFIG, _shapes(REF_W), FIXTURE, out_type)
+        types = {t.name: t.ggml_type for t in plan.tensors}
+        assert types.pop("output.weight") == gguf.GGMLQuantizationType.Q6_K
+        assert {t for n, t in types.items() if "norm" not in n} == {OUTPUT_TYPES[out_type][0]}
 
 
 def test_chunk_size_threads_and_row_sources_do_not_change_the_bytes(tmp_path):
@@ -290,9 +310,10 @@ def test_unsupported_architecture_is_refused_with_the_supported_list():
 
 def test_unknown_output_type_is_refused():
     assert parse_output_type(None) == "f16" and parse_output_type("Q8_0") == "q8_0"
+    assert parse_output_type("Q4_K_M") == "q4_k_m"
     with pytest.raises(UnsupportedError) as e:
-        parse_output_type("q4_k_m")
-    assert e.value.rule == "GGUF-002" and "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1" in str(e.value)
+        parse_output_type("iq4_nl")
+    assert e.value.rule == "GGUF-002" and "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k" in str(e.value)
 
 
 def test_unmappable_tensor_is_refused():
@@ -652,6 +673,7 @@ def test_llama_cpp_logits_match_the_dequantized_model(tmp_path, out_type):
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
 
 
+@needs_q6_k
 @pytest.mark.parametrize("out_type", ["q4_0", "q4_1", "q5_0", "q5_1"])
 def test_llama_cpp_runs_the_4_and_5_bit_types(tmp_path, out_type):
     """Re-quantizing NF4 weights to 4/5-bit GGML types adds real error (rel RMS 4-10 %, see the
@@ -725,17 +747,19 @@ def test_cli_gguf_equals_gguf_of_the_dequantized_reference(tmp_path, model):
     assert not list(tmp_path.glob(".*convert-bnb-tmp*"))
 
 
-def test_cli_gguf_small_memory_cap_and_threads_give_the_same_bytes(tmp_path):
+@pytest.mark.parametrize("out_type", ["q8_0", pytest.param("q4_1", marks=needs_q6_k)])
+def test_cli_gguf_small_memory_cap_and_threads_give_the_same_bytes(tmp_path, out_type):
     from convert.cli import main
 
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
-    assert main([str(MODELS / "llama_nf4_dq_sharded"), "--to", "gguf:q4_1", "-o", str(a), "-q", "--threads", "1"]) == 0
+    src = str(MODELS / "llama_nf4_dq_sharded")
+    assert main([src, "--to", f"gguf:{out_type}", "-o", str(a), "-q", "--threads", "1"]) == 0
     assert (
         main(
             [
                 str(MODELS / "llama_nf4_dq_sharded"),
                 "--to",
-                "gguf:q4_1",
+                f"gguf:{out_type}",
                 "-o",
                 str(b),
                 "-q",
@@ -792,7 +816,7 @@ def test_cli_gguf_default_type_json_report_and_refusals(tmp_path, capsys):
     )
     assert "GGUF-004" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:q4_k_m", "-o", str(tmp_path / "y.gguf")])
+        main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:iq4_nl", "-o", str(tmp_path / "y.gguf")])
 
 
 def test_cli_gguf_dry_run_writes_nothing(tmp_path, capsys):
@@ -870,13 +894,14 @@ def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
 
     monkeypatch.setattr(convert.job, "make_plan", shifted_plan)
     out = tmp_path / "m.gguf"
-    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f32", "-o", str(out), "-q"]) == 0
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(out), "-q"]) == 0
     r = gguf.GGUFReader(out)
     q = np.asarray(_tensor(r, "blk.1.attn_q.weight").data).reshape(256, 256)
     shifted = (REF_W["model.layers.1.self_attn.q_proj.weight"].astype(np.float32) + 0.5).astype(ml_dtypes.bfloat16)
-    assert np.array_equal(q, _permute(shifted.astype(np.float32), 4))
+    assert np.array_equal(q, _permute(shifted.astype(np.float32), 4).astype(np.float16))
     k = np.asarray(_tensor(r, "blk.1.attn_k.weight").data).reshape(128, 256)
-    assert np.array_equal(k, _expected_f32("k_proj.weight", REF_W["model.layers.1.self_attn.k_proj.weight"]))
+    want_k = _expected_f32("k_proj.weight", REF_W["model.layers.1.self_attn.k_proj.weight"]).astype(np.float16)
+    assert np.array_equal(k, want_k)
 
 
 def test_llama_with_a_byte_level_bpe_tokenizer_is_llama_bpe(tmp_path, monkeypatch):
@@ -907,12 +932,26 @@ def test_cli_gguf_with_merge_lora_equals_the_peft_merged_model(tmp_path):
     out = tmp_path / "merged.gguf"
     args = [str(FIXTURE), "--merge-lora", str(lora / "adapter"), "--to", "gguf:f32", "-o", str(out), "-q"]
     assert main(args) == 0
+    # gguf:f32 holds the exact float32 dequantized base with the delta added in float32 (no bf16
+    # intermediate): exactly our own `--merge-lora --to fp32`, and within one bf16 rounding of PEFT's
+    # bf16 merge (PEFT adds the delta to the bf16 base)
+    fp32 = tmp_path / "merged-fp32"
+    assert main([str(FIXTURE), "--merge-lora", str(lora / "adapter"), "--to", "fp32", "-o", str(fp32), "-q"]) == 0
+    base32 = tmp_path / "base-fp32"
+    assert main([str(FIXTURE), "--to", "fp32", "-o", str(base32), "-q"]) == 0
+    exact = load_reference(fp32 / "model.safetensors")
+    base = load_reference(base32 / "model.safetensors")
     want = load_reference(lora / "merged_reference" / "model.safetensors")
     plan = plan_gguf(CONFIG, _shapes(want), FIXTURE, "f32")
     r = gguf.GGUFReader(out)
     for t in plan.tensors:
-        x = _expected_f32(t.source, want[t.source])
-        assert np.array_equal(np.asarray(_tensor(r, t.name).data).reshape(x.shape), x), t.name
+        x = _expected_f32(t.source, exact[t.source])
+        got = np.asarray(_tensor(r, t.name).data).reshape(x.shape)
+        assert np.array_equal(got, x), t.name
+        peft = _expected_f32(t.source, want[t.source])
+        # PEFT rounds the base to bf16 and the sum to bf16: half a bf16 ulp (2^-8 relative) of each
+        bound = 2.0**-8 * (np.abs(_expected_f32(t.source, base[t.source])) + np.abs(peft))
+        assert (np.abs(got - peft) <= bound).all(), t.name
     if _has_llama_cpp():
         lr = SafetensorsReader(lora / "merged_reference" / "logits.safetensors")
         ids = [int(i) for i in np.array(lr.array("input_ids")).reshape(-1)]

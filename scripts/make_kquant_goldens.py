@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Golden hashes of llama-quantize's output for the fixture model, for every ``--to gguf:MIX``.
+
+For each file type of :data:`convert.gguf_mix.FILE_TYPES`, runs ``llama_cpp.llama_model_quantize``
+(llama.cpp as vendored in llama-cpp-python 0.3.36; default parameters, one thread) on our
+``--to gguf:f32`` of ``tests/fixtures/models/llama_nf4_dq`` and records every tensor's GGML type and
+the sha256 of its bytes in ``tests/fixtures/gguf_mix_sha256.json``. tests/test_gguf_kquant.py
+compares our own ``--to gguf:MIX`` files with them where llama_cpp is not installed (and, where it
+is, checks that this file still equals what llama.cpp makes).
+
+    python scripts/make_kquant_goldens.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from convert.gguf_mix import FILE_TYPES  # noqa: E402
+from convert.gguf_plan import OUTPUT_TYPES  # noqa: E402
+
+FIXTURE = ROOT / "tests" / "fixtures" / "models" / "llama_nf4_dq"
+GOLDEN = ROOT / "tests" / "fixtures" / "gguf_mix_sha256.json"
+
+
+def llama_quantize(src: Path, dst: Path, mix: str) -> None:
+    """``llama_model_quantize`` with the default parameters, one thread, the mix's ftype."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = 1
+    params.ftype = int(OUTPUT_TYPES[mix][1])
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {mix}")
+
+
+def tensor_hashes(path: Path) -> dict[str, list[str]]:
+    """name -> [GGML type name, sha256 of the tensor's bytes], sorted by name."""
+    return {t.name: [t.tensor_type.name, hashlib.sha256(np.asarray(t.data).view(np.uint8).tobytes()).hexdigest()]
+            for t in sorted(gguf.GGUFReader(path).tensors, key=lambda t: t.name)}
+
+
+def main() -> None:
+    import llama_cpp
+
+    with tempfile.TemporaryDirectory() as d:
+        f32 = Path(d) / "f32.gguf"
+        subprocess.run([sys.executable, "-m", "convert", str(FIXTURE), "--to", "gguf:f32", "-o", str(f32), "-q"],
+                       check=True, cwd=ROOT)
+        out: dict[str, object] = {"made_by": f"llama_cpp.llama_model_quantize, llama-cpp-python "
+                                             f"{llama_cpp.__version__}, nthread 1, default parameters, "
+                                             f"on our --to gguf:f32 of {FIXTURE.relative_to(ROOT)}"}
+        for mix in FILE_TYPES:
+            dst = Path(d) / f"{mix}.gguf"
+            llama_quantize(f32, dst, mix)
+            out[mix] = tensor_hashes(dst)
+    GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN.relative_to(ROOT)} ({GOLDEN.stat().st_size} bytes, {len(FILE_TYPES)} file types)")
+
+
+if __name__ == "__main__":
+    main()
