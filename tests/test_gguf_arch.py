@@ -245,3 +245,45 @@ def test_a_qwen3_reranker_is_refused_before_any_weight(tmp_path, how):
     with pytest.raises(E.UnsupportedArchitectureError) as e:
         convert(src, tmp_path / "m.gguf", to="gguf:f16")
     assert e.value.rule == "GGUF-001" and "Qwen3 reranker" in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------
+# K-quant mixes: byte-identical with llama-quantize run on our f32 file, for every architecture
+# --------------------------------------------------------------------------------------------
+
+
+def _kquant_golden(arch: str) -> dict[str, dict[str, list[str]]]:
+    path = _fixture(arch) / "reference" / "gguf_kquant_sha256.json"
+    if not path.is_file():
+        pytest.skip(f"no K-quant golden for {arch} (scripts/make_arch_kquant_goldens.py makes it)")
+    return json.loads(path.read_text())
+
+
+def _kquant_hashes(path: Path) -> dict[str, list[str]]:
+    """name -> [GGML type, sha256 of its bytes] (as scripts/make_arch_kquant_goldens.py)."""
+    return {t.name: [t.tensor_type.name, hashlib.sha256(np.asarray(t.data).view(np.uint8).tobytes()).hexdigest()]
+            for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kquant_mix_equals_llama_quantizes_output(tmp_path, arch):
+    """``--to gguf:MIX`` for each of llama-quantize's file types: every tensor's type and bytes as
+    llama-quantize writes them from our ``gguf:f32`` file (golden hashes; no llama_cpp needed)."""
+    from convert.gguf_mix import FILE_TYPES
+
+    golden = _kquant_golden(arch)
+    assert sorted(golden) == sorted(FILE_TYPES)
+    for mix, want in golden.items():
+        out = _convert(tmp_path, arch, mix)
+        assert _kquant_hashes(out) == want, mix
+        out.unlink()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kquant_golden_is_what_llama_quantize_makes_now(tmp_path, arch):
+    pytest.importorskip("llama_cpp")
+    from tests.test_gguf_kquant import llama_quantize
+
+    golden = _kquant_golden(arch)
+    f32 = _convert(tmp_path, arch, "f32")
+    assert _kquant_hashes(llama_quantize(f32, tmp_path / "q4_k_m.gguf", "q4_k_m")) == golden["q4_k_m"]
