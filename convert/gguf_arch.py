@@ -1,17 +1,21 @@
 """Architectures as data: how a Hugging Face text model's config.json and tensor names become GGUF.
 
 Follows llama.cpp's ``convert_hf_to_gguf.py`` (classes ``TextModel``, ``LlamaModel``,
-``Qwen2Model``, ``GemmaModel``) and gguf-py's name tables, one :class:`Architecture` row per model
-class instead of one class with methods:
+``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``, ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``) and
+gguf-py's name tables, one :class:`Architecture` row per model class instead of one class with methods
+(docs/gguf.md lists them and what each does specially):
 
 - :data:`ARCHITECTURES` and :func:`find_architecture`: ``config.json`` ``architectures[0]`` -> the
   row (``general.architecture``, the ``gguf.MODEL_ARCH`` that selects the ``TensorNameMap``);
 - :func:`hparams`: config.json plus the defaults transformers' config classes fill in (llama.cpp
   reads the config through ``AutoConfig``), ``text_config`` merged, ``rope_theta`` found where
-  transformers >= 5 keeps it; :func:`block_count`; :class:`Param` rows map keys to
-  ``GGUFWriter.add_*`` calls (``TextModel.set_gguf_parameters``, ``GemmaModel.set_gguf_parameters``);
-- :func:`rope_metadata` (RoPE scaling keys, ``TextModel.set_gguf_parameters``) and
-  :func:`llama3_rope_freqs` (``rope_freqs.weight``, ``LlamaModel.generate_extra_tensors``);
+  transformers >= 5 keeps it (per attention kind for sliding-window models), derived ``@`` keys
+  (the SWA RoPE base, Phi-3's rotary dimensions and LongRoPE attention factor, Gemma 3's optional
+  keys); :func:`block_count`; :class:`Param` rows map keys to ``GGUFWriter.add_*`` calls
+  (``TextModel``/``GemmaModel``/``Gemma2Model``/``Gemma3Model``/``Phi3MiniModel.set_gguf_parameters``);
+- :func:`rope_metadata` (RoPE scaling keys, ``TextModel.set_gguf_parameters``),
+  :func:`llama3_rope_freqs` (``rope_freqs.weight``, ``LlamaModel.generate_extra_tensors``) and
+  :func:`longrope_factors` (``rope_factors_long/short.weight``, ``Phi3MiniModel.generate_extra_tensors``);
 - tensor names: :func:`is_skipped` (tensors llama.cpp never writes) and :func:`gguf_tensor_name`
   (gguf-py's ``TensorNameMap.get_name``: ``model.layers.3.self_attn.q_proj.weight`` ->
   ``blk.3.attn_q.weight``), refused before any weight is read;
@@ -23,11 +27,13 @@ class instead of one class with methods:
 Rules raised here (see docs/errors.md):
 
 ========  ======================================================================================
-GGUF-001  the architecture is one of :data:`ARCHITECTURES` (:class:`UnsupportedArchitectureError`)
+GGUF-001  the architecture is one of :data:`ARCHITECTURES`, and not a Qwen3 reranker (which llama.cpp
+          converts with a classifier head) (:class:`UnsupportedArchitectureError`)
 GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
 GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama; the
           RoPE object is an object, its type a string, its keys as llama.cpp reads them
-          (:func:`convert.gguf_config.check_rope`) (:class:`RopeScalingError`)
+          (:func:`convert.gguf_config.check_rope`); Phi-3's LongRoPE factors one finite number per
+          rotary dimension pair (:class:`RopeScalingError`)
 GGUF-006  config.json holds the hyperparameters the architecture needs, no MoE experts, q/k rows
           split into heads, ``text_config`` an object, head counts and the layer count positive
           integers that divide (:mod:`convert.gguf_config`) (:class:`GgufConfigError`)
@@ -42,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -67,6 +74,7 @@ __all__ = [
     "hparams",
     "is_skipped",
     "llama3_rope_freqs",
+    "longrope_factors",
     "norm_offset",
     "permutation",
     "permute_heads",
@@ -111,6 +119,7 @@ _TEXT_PARAMS = (
     Param("add_head_count", ("num_attention_heads", "n_head", "n_heads"), required=True),
     Param("add_head_count_kv", ("num_key_value_heads", "n_kv_heads")),
     Param("add_rope_freq_base", ("rope_theta",)),
+    Param("add_rope_freq_base_swa", ("@rope_theta_swa",)),
     Param("add_layer_norm_rms_eps", ("rms_norm_eps", "norm_eps")),
     Param("add_layer_norm_eps", ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")),
     Param("add_key_length", ("head_dim",)),
@@ -130,6 +139,39 @@ _GEMMA_PARAMS = (
 )
 
 
+# Gemma2Model.set_gguf_parameters: Gemma's list plus softcapping and the sliding window (all required).
+_GEMMA2_PARAMS = (
+    *_GEMMA_PARAMS,
+    Param("add_attn_logit_softcapping", ("attn_logit_softcapping",), required=True),
+    Param("add_final_logit_softcapping", ("final_logit_softcapping",), required=True),
+    Param("add_sliding_window", ("sliding_window",), required=True),
+)
+
+# Gemma3Model.set_gguf_parameters: TextModel's list (its values overwritten with transformers' defaults,
+# which hparams() fills in), the final softcapping when set, the sliding window unless every layer is global.
+_GEMMA3_EXTRA = (
+    Param("add_final_logit_softcapping", ("@final_logit_softcapping",)),
+    Param("add_sliding_window", ("@sliding_window",)),
+)
+
+
+# Phi3MiniModel.set_gguf_parameters (its own list: no TextModel RoPE scaling keys) and the LongRoPE
+# attention factor of Phi3MiniModel.generate_extra_tensors.
+_PHI3_PARAMS = (
+    Param("add_context_length", ("n_positions", "max_position_embeddings"), required=True),
+    Param("add_rope_scaling_orig_ctx_len", ("@original_max_position_embeddings",), required=True),
+    Param("add_embedding_length", ("hidden_size", "n_embd"), required=True),
+    Param("add_feed_forward_length", ("intermediate_size",), required=True),
+    Param("add_head_count", ("num_attention_heads", "n_head"), required=True),
+    Param("add_head_count_kv", ("num_key_value_heads", "n_head_kv"), required=True),
+    Param("add_layer_norm_rms_eps", ("rms_norm_eps",), required=True),
+    Param("add_rope_dimension_count", ("@rope_dimension_count",), required=True),
+    Param("add_rope_freq_base", ("rope_theta",), required=True),
+    Param("add_sliding_window", ("@sliding_window_or_0",), required=True),
+    Param("add_rope_scaling_attn_factors", ("@rope_attn_factor",)),
+)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one Hugging Face architecture becomes GGUF (the data behind llama.cpp's model class).
@@ -146,12 +188,19 @@ class Architecture:
         norm_offset: added to every ``*norm.weight`` (Gemma: 1.0).
         skip: source tensor names not written (Gemma's tied ``lm_head.weight``).
         tokenizers: tokenizer sources tried in order: ``"sentencepiece"``, ``"bpe"``.
-        bpe_pre: ``tokenizer.ggml.pre`` for a byte-level BPE ``tokenizer.json``.
         add_space_prefix: value of ``tokenizer.ggml.add_space_prefix`` (None: from
             tokenizer_config.json ``add_prefix_space`` when set, as Llama does).
         extra_special: (special token types, {type: id}) added after the tokenizer (CodeGemma ids).
         vocab_quirks: vocab size -> special token ids (CodeLlama's infill tokens).
         rope_types: RoPE scaling types accepted.
+        keep_null: config.json keys whose explicit ``null`` stays null (transformers keeps it; llama.cpp
+            then fails on it) instead of taking the default: a required one is then GGUF-006.
+        rope_scaling_keys: write TextModel's RoPE scaling keys (Phi-3 writes its own instead).
+        longrope_factors: write ``rope_factors_long/short.weight`` from the LongRoPE factors and the
+            attention factor (Phi3MiniModel.generate_extra_tensors).
+        phi3_vocab: the SentencePiece vocabulary as Phi3MiniModel.set_vocab builds it (added tokens from
+            tokenizer_config.json and tokenizer.json, typed by their ``special`` flag alone; a
+            ``GPT2Tokenizer`` tokenizer class takes the byte-level BPE path).
     """
 
     name: str
@@ -164,11 +213,14 @@ class Architecture:
     norm_offset: float = 0.0
     skip: tuple[str, ...] = ()
     tokenizers: tuple[str, ...] = ("sentencepiece", "bpe")
-    bpe_pre: str = "default"
     add_space_prefix: bool | None = None
     extra_special: tuple[tuple[str, ...], Mapping[str, int]] | None = None
     vocab_quirks: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     rope_types: tuple[str, ...] = ("default", "linear", "yarn")
+    keep_null: tuple[str, ...] = ()
+    rope_scaling_keys: bool = True
+    longrope_factors: bool = False
+    phi3_vocab: bool = False
 
 
 _LLAMA_DEFAULTS = {
@@ -178,6 +230,72 @@ _LLAMA_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
 }
+
+_GEMMA2 = Architecture(
+    name="gemma2",
+    model_arch=gguf.MODEL_ARCH.GEMMA2,
+    hf_architectures=("Gemma2ForCausalLM",),
+    params=_GEMMA2_PARAMS,
+    # Gemma2Config's defaults
+    config_defaults={
+        "max_position_embeddings": 8192,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 4096,
+    },
+    norm_offset=1.0,
+    skip=("lm_head.weight",),
+    tokenizers=("sentencepiece",),
+    add_space_prefix=False,
+    rope_types=("default",),
+    keep_null=("attn_logit_softcapping", "final_logit_softcapping", "sliding_window"),
+)
+
+_GEMMA3 = Architecture(
+    name="gemma3",
+    model_arch=gguf.MODEL_ARCH.GEMMA3,
+    hf_architectures=("Gemma3ForCausalLM",),
+    params=_TEXT_PARAMS,
+    extra_params=_GEMMA3_EXTRA,
+    # Gemma3TextConfig's defaults (the same as Gemma3Model.set_gguf_parameters' own)
+    config_defaults={
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 4096,
+    },
+    norm_offset=1.0,
+    tokenizers=("sentencepiece",),
+    add_space_prefix=False,
+    rope_types=("default", "linear", "yarn"),
+)
+
+_PHI3 = Architecture(
+    name="phi3",
+    model_arch=gguf.MODEL_ARCH.PHI3,
+    hf_architectures=("Phi3ForCausalLM",),
+    params=_PHI3_PARAMS,
+    # Phi3Config's defaults
+    config_defaults={
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "num_key_value_heads": "=num_attention_heads",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    },
+    tokenizers=("sentencepiece", "bpe"),
+    rope_types=("default", "longrope", "su", "yarn"),
+    rope_scaling_keys=False,
+    longrope_factors=True,
+    phi3_vocab=True,
+)
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
@@ -192,7 +310,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         config_defaults=_LLAMA_DEFAULTS,
         permute_qk=True,
         tokenizers=("sentencepiece", "bpe"),
-        bpe_pre="llama-bpe",
         vocab_quirks={32016: {"prefix": 32007, "suffix": 32008, "middle": 32009, "eot": 32010}},
         rope_types=("default", "linear", "yarn", "llama3"),
     ),
@@ -208,7 +325,21 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             "rope_theta": 10000.0,
         },
         tokenizers=("sentencepiece", "bpe"),
-        bpe_pre="qwen2",
+    ),
+    Architecture(
+        name="qwen3",
+        model_arch=gguf.MODEL_ARCH.QWEN3,
+        hf_architectures=("Qwen3ForCausalLM",),
+        params=_TEXT_PARAMS,
+        # Qwen3Config: head_dim is its own setting (128), not hidden_size / heads
+        config_defaults={
+            "max_position_embeddings": 32768,
+            "num_key_value_heads": "=num_attention_heads",
+            "head_dim": 128,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+        },
+        tokenizers=("sentencepiece", "bpe"),
     ),
     Architecture(
         name="gemma",
@@ -231,11 +362,29 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ),
         rope_types=("default",),
     ),
+    _GEMMA2,
+    _GEMMA3,
+    _PHI3,
 )
 
 
 def _supported() -> str:
     return ", ".join(f"{a} ({arch.name})" for arch in ARCHITECTURES for a in arch.hf_architectures)
+
+
+def _is_qwen3_reranker(config: Mapping[str, Any], model_dir: Path) -> bool:
+    """Qwen3Model._is_qwen3_reranker: a README heading or a name (directory, ``_name_or_path``,
+    ``model_type``) that says Qwen3 reranker."""
+    readme = model_dir / "README.md"
+    try:
+        text = readme.read_bytes()[: 1 << 20].decode("utf-8", "replace").lower() if readme.is_file() else ""
+    except OSError:
+        text = ""
+    if "# qwen3-reranker" in text or "# qwen3-vl-reranker" in text:
+        return True
+    hints = [model_dir.name, config.get("_name_or_path"), config.get("model_type")]
+    return any(isinstance(h, str) and ("qwen3-reranker" in h.lower() or "qwen3-vl-reranker" in h.lower())
+               for h in hints)
 
 
 def find_architecture(config: Mapping[str, Any], *, path: str | None = None) -> Architecture:
@@ -255,6 +404,16 @@ def find_architecture(config: Mapping[str, Any], *, path: str | None = None) -> 
     hf = archs[0] if isinstance(archs, list) and archs else None
     for arch in ARCHITECTURES:
         if hf in arch.hf_architectures:
+            if arch.name == "qwen3" and path is not None and _is_qwen3_reranker(config, Path(path).parent):
+                raise UnsupportedArchitectureError(
+                    "a Qwen3 reranker is not supported for GGUF output (llama.cpp writes it with a "
+                    "classifier head and rank pooling)",
+                    path=path,
+                    expected=f"a causal language model: one of {_supported()}",
+                    found=f"{hf} named as a Qwen3 reranker",
+                    hint="convert to safetensors (--to bf16) instead, and use llama.cpp's converter on the result",
+                    action="convert",
+                )
             return arch
     raise UnsupportedArchitectureError(
         "architecture not supported for GGUF output",
@@ -304,18 +463,24 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
                 found=f"{type(hp[key]).__name__} {str(hp[key])[:40]}",
                 action="convert",
             )
-    # rope_theta lives in rope_parameters (transformers >= 5) or at the top level (older configs).
+    # rope_theta lives in rope_parameters (transformers >= 5; per attention kind for models with
+    # sliding-window layers) or at the top level (older configs); TextModel.__init__
     rope = _rope(hp)
     if "rope_theta" not in hp or hp["rope_theta"] is None:
         theta = rope.get("rope_theta", hp.get("rotary_emb_base"))
         if theta is not None:
             hp["rope_theta"] = theta
+    params = hp.get("rope_parameters")
+    swa = params.get("sliding_attention") if isinstance(params, dict) else None
+    swa_theta = swa.get("rope_theta") if isinstance(swa, dict) else None
+    if swa_theta is None:
+        swa_theta = next((hp[k] for k in _LOCAL_THETA if hp.get(k) is not None), None)
     check_heads(hp, path)  # before the defaults: head_dim is derived only when config.json has none
     heads = hp.get("num_attention_heads")
     hidden = hp.get("hidden_size")
     derived_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
     for key, default in arch.config_defaults.items():
-        if hp.get(key) is not None:
+        if hp.get(key) is not None or (key in arch.keep_null and key in hp):
             continue
         if isinstance(default, str) and default.startswith("="):
             default = hp.get(default[1:])
@@ -324,6 +489,22 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
         if default is not None:
             hp[key] = default
     hp["@head_dim"] = hp.get("head_dim") or derived_head_dim
+    if swa_theta is None:
+        swa_theta = next((hp[k] for k in _LOCAL_THETA if hp.get(k) is not None), None)
+    hp["@rope_theta_swa"] = swa_theta
+    rope_obj = _rope(hp)
+    orig = rope_obj.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+    hp["@original_max_position_embeddings"] = orig
+    # Phi3MiniModel: rotary dimensions int(partial_rotary_factor * hidden) // heads, window 0 when unset
+    hp["@partial_rotary_factor"] = next(
+        (v for v in (rope_obj.get("partial_rotary_factor"), hp.get("partial_rotary_factor"), hp.get("rope_pct"),
+                     hp.get("rope_percent")) if v is not None), 1.0)
+    hp["@rope_dimension_count"] = _rotary_dims(hp, path) if arch.longrope_factors else None
+    hp["@sliding_window_or_0"] = hp.get("sliding_window") if hp.get("sliding_window") is not None else 0
+    hp["@rope_attn_factor"] = _longrope_attn_factor(hp, path) if arch.longrope_factors else None
+    # Gemma3Model: the final softcapping only when set, the window unless every layer is global
+    hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
+    hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
     for key in ("num_local_experts", "num_experts"):
         if hp.get(key):
             raise GgufConfigError(
@@ -336,10 +517,20 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     return hp
 
 
+#: Keys of the sliding-window layers' RoPE base (TextModel.__init__'s ``local_rope_theta``).
+_LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
+
+
 def _rope(hp: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE object (``rope_parameters``, else ``rope_scaling``; {} when neither is an object)."""
+    """The RoPE object (``rope_parameters``, else ``rope_scaling``; {} when neither is an object); for a
+    model with per-attention-kind parameters, those of the full-attention layers (TextModel)."""
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    return rope if isinstance(rope, dict) else {}
+    if not isinstance(rope, dict):
+        return {}
+    full = rope.get("full_attention")
+    if isinstance(full, dict):
+        return full
+    return rope
 
 
 def _rope_kind(rope: Mapping[str, Any], path: str | None) -> str | None:
@@ -353,6 +544,79 @@ def _rope_kind(rope: Mapping[str, Any], path: str | None) -> str | None:
         found=f"{type(kind).__name__} {str(kind)[:40]}",
         action="convert",
     )
+
+
+def _rotary_dims(hp: Mapping[str, Any], path: str | None) -> int:
+    """``int(partial_rotary_factor * hidden_size) // num_attention_heads`` (Phi3MiniModel)."""
+    hidden = whole(hp.get("hidden_size", hp.get("n_embd")), "hidden_size", path)
+    heads = whole(hp.get("num_attention_heads", hp.get("n_head")), "num_attention_heads", path)
+    pct = real(hp["@partial_rotary_factor"], "partial_rotary_factor", path, hi=1.0)
+    dims = int(pct * hidden) // heads
+    if dims < 2:
+        raise GgufConfigError(
+            "config.json 'partial_rotary_factor' leaves no rotary dimensions",
+            path=path, expected="int(factor x hidden_size) // heads >= 2", found=pct, action="convert",
+        )
+    return dims
+
+
+def _longrope_attn_factor(hp: Mapping[str, Any], path: str | None) -> float | None:
+    """The attention factor Phi3MiniModel.generate_extra_tensors writes when LongRoPE factors are given.
+
+    Raises:
+        RopeScalingError: GGUF-005 (a scaling type with factors that is not longrope/su/yarn).
+        GgufConfigError: GGUF-006 (context lengths that are not positive integers).
+    """
+    rope = _rope(hp)
+    if not rope.get("long_factor"):
+        return None
+    kind = (_rope_kind(rope, path) or "").lower()
+    if kind not in ("longrope", "su", "yarn"):
+        raise RopeScalingError(
+            "RoPE long/short factors with a scaling type llama.cpp does not convert",
+            path=path, expected="rope_type longrope, su or yarn", found=kind or "none", action="convert",
+        )
+    ctx = whole(hp.get("n_positions", hp.get("max_position_embeddings")), "max_position_embeddings", path)
+    orig = whole(hp.get("@original_max_position_embeddings"), "original_max_position_embeddings", path)
+    scale = ctx / orig
+    if scale <= 1.0:
+        return 1.0
+    if kind == "yarn":
+        return 0.1 * math.log(scale) + 1.0
+    if orig < 2:
+        raise GgufConfigError(
+            "config.json 'original_max_position_embeddings' is too small for LongRoPE",
+            path=path, expected="an integer >= 2", found=orig, action="convert",
+        )
+    return math.sqrt(1 + math.log(scale) / math.log(orig))
+
+
+def longrope_factors(
+    hp: Mapping[str, Any], arch: Architecture, path: str | None
+) -> list[tuple[str, npt.NDArray[np.float32]]]:
+    """``rope_factors_long/short.weight`` (Phi3MiniModel.generate_extra_tensors), [] without long factors.
+
+    Raises:
+        RopeScalingError: GGUF-005 (factors missing, not finite numbers, or not rotary dims / 2 of each).
+    """
+    rope = _rope(hp)
+    if not arch.longrope_factors or not rope.get("long_factor"):
+        return []
+    dims = hp["@rope_dimension_count"]
+    out = []
+    for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                        ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
+        values = rope.get(key)
+        if not isinstance(values, list) or len(values) * 2 != dims:
+            raise RopeScalingError(
+                f"config.json RoPE '{key}' does not hold one factor per rotary dimension pair",
+                path=path, expected=f"a list of {dims // 2} numbers",
+                found=f"{type(values).__name__} of {len(values)}" if isinstance(values, list) else values,
+                action="convert",
+            )
+        factors = [real(v, f"rope.{key}[{i}]", path, error=RopeScalingError) for i, v in enumerate(values)]
+        out.append((gguf.TENSOR_NAMES[tensor] + ".weight", np.asarray(factors, dtype=np.float32)))
+    return out
 
 
 def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -> list[tuple[str, Any]]:
@@ -374,6 +638,8 @@ def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -
             found=kind,
             action="convert",
         )
+    if not arch.rope_scaling_keys:  # Phi-3: its own keys (_PHI3_PARAMS, longrope_factors)
+        return []
     checked = check_rope(rope, kind, hp, path)
     factor = rope.get("factor")
     out: list[tuple[str, Any]] = []

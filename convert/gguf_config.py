@@ -86,6 +86,12 @@ PARAM_RULES: dict[str, tuple[Any, ...]] = {
     "add_vocab_size": ("count", 1),
     "add_rope_dimension_count": ("count", 1),
     "add_rope_freq_base": ("float", 0.0, False),
+    "add_rope_freq_base_swa": ("float", 0.0, False),
+    "add_attn_logit_softcapping": ("float", 0.0, False),
+    "add_final_logit_softcapping": ("float", 0.0, False),
+    "add_sliding_window": ("count", 0),
+    "add_rope_scaling_orig_ctx_len": ("count", 1),
+    "add_rope_scaling_attn_factors": ("float", 0.0, False),
     "add_layer_norm_rms_eps": ("float", 0.0, True),
     "add_layer_norm_eps": ("float", 0.0, True),
 }

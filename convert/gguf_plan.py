@@ -75,6 +75,7 @@ from .gguf_arch import (
     hparams,
     is_skipped,
     llama3_rope_freqs,
+    longrope_factors,
     norm_offset,
     permute_heads,
     rope_metadata,
@@ -284,7 +285,7 @@ def plan_gguf(
                     action="convert",
                 )
             continue
-        name = "head_dim" if key == "@head_dim" else key
+        name = key.lstrip("@")  # a derived key is named by the config key it comes from
         values.append((param, check_param(param.method, name, hp[key], config_path)))
     rope_keys = rope_metadata(hp, arch, config_path)
     name_map = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
@@ -292,10 +293,11 @@ def plan_gguf(
     planned: list[GGUFTensor] = []
     generated: dict[str, npt.NDArray[np.float32]] = {}
     rope_freqs = llama3_rope_freqs(hp, config_path) if "llama3" in arch.rope_types else None
-    if rope_freqs is not None:
-        rf_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        generated[rf_name] = rope_freqs
-        planned.append(GGUFTensor(None, rf_name, rope_freqs.shape, GT.F32, rope_freqs.nbytes))
+    rf_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    extra = [(rf_name, rope_freqs)] if rope_freqs is not None else []
+    for rf_name, factors in extra + longrope_factors(hp, arch, config_path):
+        generated[rf_name] = factors
+        planned.append(GGUFTensor(None, rf_name, factors.shape, GT.F32, factors.nbytes))
     total_params = 0
     embedding: dict[str, tuple[str, tuple[int, ...]]] = {}
     for hf_name, shape in shapes:

@@ -7,19 +7,22 @@ transformers or torch:
 - ``tokenizer.model`` (SentencePiece, read by :mod:`formats.sentencepiece`) ->
   ``tokenizer.ggml.model = "llama"`` with tokens, scores and token types; ``added_tokens.json`` and
   ``tokenizer_config.json`` ``added_tokens_decoder`` entries override their ids;
-- ``tokenizer.json`` (byte-level BPE) -> ``"gpt2"`` with tokens, types and merges;
+- Phi-3 (``Phi3MiniModel.set_vocab``): the same SentencePiece vocabulary with its own added-token
+  rules (tokenizer_config.json then tokenizer.json, typed by ``special`` alone), or byte-level BPE when
+  tokenizer_config.json names ``GPT2Tokenizer``;
+- ``tokenizer.json`` (byte-level BPE) -> ``"gpt2"`` with tokens, types and merges, and
+  ``tokenizer.ggml.pre`` from the hash of a check text's token ids, as llama.cpp chooses it
+  (:mod:`convert.gguf_bpe_pre`; needs the optional ``tokenizers`` package);
 - special token ids, ``add_bos``/``add_eos`` and the chat template through gguf-py's
   ``SpecialVocab``; the architecture's extra special ids (CodeGemma, CodeLlama's infill tokens).
 
-Which tokenizer kinds an architecture takes, its ``tokenizer.ggml.pre`` and ``add_space_prefix`` are
-columns of :data:`convert.gguf_arch.ARCHITECTURES`.
+Which tokenizer kinds an architecture takes and its ``add_space_prefix`` are columns of
+:data:`convert.gguf_arch.ARCHITECTURES`.
 
 Where the output knowingly differs from ``convert_hf_to_gguf.py``:
 
-- ``tokenizer.ggml.pre`` of a byte-level BPE vocabulary is the architecture's (``qwen2``,
-  ``llama-bpe``); llama.cpp derives it from a hash of transformers' tokenization of a test text and
-  refuses unknown hashes. Added tokens with ``normalized: false`` are written as stored (llama.cpp
-  passes them through ``decode(encode(token))``, which leaves special tokens unchanged).
+- Added tokens with ``normalized: false`` are written as stored (llama.cpp passes them through
+  ``decode(encode(token))``, which leaves special tokens unchanged).
 - A Llama whose only tokenizer is a SentencePiece-style ``tokenizer.json`` (``byte_fallback``) is
   refused (llama.cpp reads it through transformers' ``LlamaHfVocab``); add ``tokenizer.model``.
 - CodeGemma's prefix/suffix/middle/fsep ids are set as GemmaModel sets them, but this gguf package
@@ -60,6 +63,7 @@ from formats import jsonfile, sentencepiece
 from formats.errors import TokenizerError
 
 from .gguf_arch import Architecture
+from .gguf_bpe_pre import bpe_pre
 from .gguf_config import SPECIAL_TOKEN_TYPES
 
 __all__ = ["add_tokenizer"]
@@ -331,9 +335,14 @@ def check_special_files(tok_dir: Path, n_vocab: int | None, *, merges_txt: bool,
 
 
 def _sentencepiece_vocab(
-    tok_dir: Path, vocab_size: int | None, n_vocab: int | None = None
+    tok_dir: Path, vocab_size: int | None, n_vocab: int | None = None, *, phi3: bool = False
 ) -> tuple[list[bytes], list[float], list[int]]:
-    """TextModel._create_vocab_sentencepiece, from tokenizer.model + added tokens."""
+    """TextModel._create_vocab_sentencepiece, from tokenizer.model + added tokens.
+
+    With ``phi3``, Phi3MiniModel.set_vocab's variant: the added tokens of tokenizer_config.json and then
+    of tokenizer.json replace their ids as stored, CONTROL when ``special`` and USER_DEFINED otherwise
+    (no look-alike special tokens, no ``\u2581`` replaced).
+    """
     spm = tok_dir / "tokenizer.model"
     _check_size(spm, n_vocab)
     pieces = sentencepiece.read_pieces(spm)
@@ -379,6 +388,9 @@ def _sentencepiece_vocab(
             if not 0 <= tid < n:
                 continue
             text = data["content"]
+            if phi3:
+                _phi3_added(tokens, scores, types, tid, data, config_file, f"added_tokens_decoder[{key!r}].content")
+                continue
             if data.get("special") or _looks_special(text):
                 types[tid] = int(gguf.TokenType.CONTROL)
             else:
@@ -386,7 +398,20 @@ def _sentencepiece_vocab(
                 types[tid] = int(gguf.TokenType.USER_DEFINED)
             scores[tid] = -1000.0
             tokens[tid] = _utf8(text, config_file, f"added_tokens_decoder[{key!r}].content")
+    tok_json = tok_dir / "tokenizer.json"
+    if phi3 and tok_json.is_file():  # structure checked by check_special_files
+        for i, data in enumerate(_read_json(tok_json, n_vocab).get("added_tokens") or []):
+            if data["id"] < n:
+                _phi3_added(tokens, scores, types, data["id"], data, tok_json, f"added_tokens[{i}].content")
     return tokens, scores, types
+
+
+def _phi3_added(tokens: list[bytes], scores: list[float], types: list[int], tid: int, data: Mapping[str, Any],
+                path: Path, key: str) -> None:
+    """One added token as Phi3MiniModel.set_vocab stores it."""
+    tokens[tid] = _utf8(data["content"], path, key)
+    scores[tid] = -1000.0
+    types[tid] = int(gguf.TokenType.CONTROL if data.get("special") else gguf.TokenType.USER_DEFINED)
 
 
 def _bpe_vocab(
@@ -472,13 +497,16 @@ def add_tokenizer(
     spm, tjson = tok_dir / "tokenizer.model", tok_dir / "tokenizer.json"
     use_spm = "sentencepiece" in arch.tokenizers and spm.is_file()
     use_bpe = not use_spm and "bpe" in arch.tokenizers and tjson.is_file()
+    if arch.phi3_vocab:  # Phi3MiniModel.set_vocab: GPT2Tokenizer -> byte-level BPE, else tokenizer.model
+        gpt2 = config_file.is_file() and _read_json(config_file, n_vocab).get("tokenizer_class") == "GPT2Tokenizer"
+        use_spm, use_bpe = not gpt2 and spm.is_file(), gpt2 and tjson.is_file()
     check_special_files(tok_dir, n_vocab, merges_txt=not use_spm, tokenizer_json=not use_bpe)
-    if arch.add_space_prefix is None and config_file.is_file():
+    if arch.add_space_prefix is None and not arch.phi3_vocab and config_file.is_file():
         add_prefix = _read_json(config_file, n_vocab).get("add_prefix_space")
         if add_prefix is not None:
             w.add_add_space_prefix(bool(add_prefix))
     if use_spm:
-        tokens, scores, types = _sentencepiece_vocab(tok_dir, vocab_size, n_vocab)
+        tokens, scores, types = _sentencepiece_vocab(tok_dir, vocab_size, n_vocab, phi3=arch.phi3_vocab)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
@@ -501,7 +529,7 @@ def add_tokenizer(
         tokens_s, types = _bpe_vocab(tok, vocab_size, tjson, n_vocab)
         del tok, model  # SpecialVocab parses tokenizer.json again: not both at once
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(arch.bpe_pre)
+        w.add_tokenizer_pre(bpe_pre(tjson))
         w.add_token_list(tokens_s)
         w.add_token_types(types)
         gguf.SpecialVocab(tok_dir, load_merges=True, n_vocab=len(tokens_s)).add_to_gguf(w, quiet=True)

@@ -68,6 +68,7 @@ __all__ = [
     "MetadataError",
     "MissingComponentError",
     "MissingShardError",
+    "MissingTokenizersError",
     "ModulesToSaveMismatchError",
     "NestedAbsmaxError",
     "NestedFieldsError",
@@ -119,6 +120,7 @@ __all__ = [
     "UnindexedShardError",
     "UnindexedTensorError",
     "UnknownDtypeError",
+    "UnknownBpePreTokenizerError",
     "UnmappedTensorError",
     "UnsafePickleError",
     "UnsupportedAdapterConfigError",
@@ -1016,6 +1018,22 @@ class GgufVerificationError(VerificationError):
 
     default_rule = "GGUF-008"
     advice = ('Nothing was renamed into place. Check the disk and run again; report it if it repeats.')
+
+
+class UnknownBpePreTokenizerError(UnsupportedError):
+    """A byte-level BPE tokenizer whose check hash llama.cpp's table does not hold (no pre-tokenizer name)."""
+
+    default_rule = "GGUF-009"
+    advice = ("llama.cpp would refuse this tokenizer too: use the model's own tokenizer.json, or add the "
+              "tokenizer to llama.cpp (convert_hf_to_gguf_update.py) and convert with its converter.")
+
+
+class MissingTokenizersError(UnsupportedError):
+    """A byte-level BPE vocabulary needs the optional ``tokenizers`` package, which is not installed."""
+
+    default_rule = "GGUF-010"
+    advice = ("Install it: pip install 'convert-bnb[gguf-bpe]' (or pip install tokenizers); "
+              "SentencePiece vocabularies and the other outputs do not need it.")
 
 
 # -------------------------------------------------------------------------- SentencePiece tokenizers

@@ -724,6 +724,39 @@ def _read_pieces(src: Path, out: Path) -> None:
 GGUF_F16 = gguf_cli("gguf:f16")
 
 
+def _tiny_bpe(build: Callable[[Path], Path]) -> Callable[[Path], Path]:
+    """tokenizer.model removed; a byte-level BPE tokenizer.json (256 byte tokens, one merge) that no
+    model of llama.cpp's table has, so its check hash is unknown."""
+
+    def run(d: Path) -> Path:
+        from gguf.vocab import bytes_to_unicode
+
+        root = build(d)
+        (root / "tokenizer.model").unlink()
+        vocab = {t: i for i, t in enumerate(bytes_to_unicode().values())}
+        vocab["\u0120t"] = len(vocab)
+        doc = {"model": {"type": "BPE", "byte_fallback": False, "vocab": vocab, "merges": [["\u0120", "t"]]},
+               "added_tokens": [],
+               "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                 "use_regex": True}}
+        (root / "tokenizer.json").write_text(json.dumps(doc), encoding="utf-8")
+        return root
+
+    return run
+
+
+def _gguf_without_tokenizers(src: Path, out: Path) -> None:
+    """As the CLI, in an environment without the optional tokenizers package."""
+    from convert import gguf_bpe_pre
+
+    saved = gguf_bpe_pre._tokenizers
+    gguf_bpe_pre._tokenizers = lambda: None  # type: ignore[assignment]
+    try:
+        GGUF_F16[0](src, out)
+    finally:
+        gguf_bpe_pre._tokenizers = saved  # type: ignore[assignment]
+
+
 # a GLOBAL opcode naming os.system, as a hostile pickle would (never imported, never called)
 SYSTEM_PICKLE = b"\x80\x02cposix\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03."
 
@@ -1130,6 +1163,13 @@ CASES: list[Case] = [
          model_copy({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}), run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-tokenizer-json-list", E.TokenizerError, ["tokenizer.json'", "GGUF-004", "not a JSON object"],
          _with_file(model_copy(), "tokenizer.json", b"[1, 2]"), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-bpe-unknown-pre", E.UnknownBpePreTokenizerError,
+         ["tokenizer.json'", "GGUF-009", "llama.cpp does not know this BPE pre-tokenizer", "chkhsh ",
+          "known kinds: ", "llama-bpe", "qwen2"],
+         _tiny_bpe(model_copy()), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-bpe-without-tokenizers", E.MissingTokenizersError,
+         ["tokenizer.json'", "GGUF-010", "needs the 'tokenizers' package", "pip install"],
+         _tiny_bpe(model_copy()), run=_gguf_without_tokenizers, argv=None),
     Case("gguf-source-shape", E.GgufSourceError, ["GGUF-007", "tensor 'model.norm.weight'"], model_copy(),
          run=_gguf_wrong_source, argv=None),
     Case("gguf-verify-type", E.GgufVerificationError, ["GGUF-008", "GGML type differs"], model_copy(),

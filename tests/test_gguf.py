@@ -473,7 +473,7 @@ def make_qwen2(root: Path, seed: int = 0) -> dict[str, np.ndarray]:
             "use_regex": True,
         },
         "post_processor": None,
-        "decoder": {"type": "ByteLevel"},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE",
             "dropout": None,
@@ -571,8 +571,17 @@ def make_gemma(root: Path, seed: int = 1) -> dict[str, np.ndarray]:
     return w
 
 
-def test_qwen2_metadata_tokenizer_and_names(tmp_path):
+def known_pre(monkeypatch, tok_dir: Path, name: str) -> None:
+    """Add a test tokenizer's check hash to llama.cpp's table (as convert_hf_to_gguf_update.py would)."""
+    pytest.importorskip("tokenizers")
+    from convert import gguf_bpe_pre
+
+    monkeypatch.setitem(gguf_bpe_pre.PRE_BY_HASH, gguf_bpe_pre.check_hash(tok_dir / "tokenizer.json"), name)
+
+
+def test_qwen2_metadata_tokenizer_and_names(tmp_path, monkeypatch):
     w = make_qwen2(tmp_path / "qwen2")
+    known_pre(monkeypatch, tmp_path / "qwen2", "qwen2")
     cfg = json.loads((tmp_path / "qwen2" / "config.json").read_text())
     _, path, _ = _write(tmp_path, "f32", weights=w, config=cfg, tok_dir=tmp_path / "qwen2")
     r = gguf.GGUFReader(path)
@@ -692,10 +701,12 @@ def _transformers_logits(kind: str, root: Path, ids: list[int]) -> np.ndarray | 
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "gemma"])
-def test_llama_cpp_loads_qwen2_and_gemma(tmp_path, kind):
+def test_llama_cpp_loads_qwen2_and_gemma(tmp_path, kind, monkeypatch):
     pytest.importorskip("llama_cpp")
     root = tmp_path / kind
     w = (make_qwen2 if kind == "qwen2" else make_gemma)(root)
+    if kind == "qwen2":
+        known_pre(monkeypatch, root, "qwen2")
     cfg = json.loads((root / "config.json").read_text())
     ids = [5, 77, 120, 3, 250, 9, 31, 200]
     for out_type in ("f32", "f16"):
@@ -893,8 +904,9 @@ def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
     assert np.array_equal(k, want_k)
 
 
-def test_llama_with_a_byte_level_bpe_tokenizer_is_llama_bpe(tmp_path):
+def test_llama_with_a_byte_level_bpe_tokenizer_is_llama_bpe(tmp_path, monkeypatch):
     make_qwen2(tmp_path / "tok")  # a byte-level BPE tokenizer.json, no tokenizer.model
+    known_pre(monkeypatch, tmp_path / "tok", "llama-bpe")
     cfg = dict(CONFIG, vocab_size=264)
     shapes = [(n, (264, 256) if "embed" in n or "lm_head" in n else s) for n, s in _shapes(REF_W)]
     md = plan_gguf(cfg, shapes, tmp_path / "tok", "f16").metadata

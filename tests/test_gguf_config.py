@@ -239,8 +239,9 @@ CASES: dict[str, tuple[Mutate, type[E.ConvertBnbError], list[str]]] = {
     "bpe-merges-mixed": (bpe_tokenizer(merges=["a b", ["c", "d"]]), C4,
                          ["'model.merges[1]'", "like model.merges[0]"]),
     "bpe-merges-not-pairs": (bpe_tokenizer(merges=[["a", "b", "c"]]), C4, ["'model.merges[0]'", "pair"]),
+    # the tokenizers package (which llama.cpp's converter needs too) refuses the file first
     "bpe-token-surrogate": (bpe_tokenizer(vocab_edit={"\udc80": 299}), C4,
-                            ["'tokenizer.ggml.tokens[299]' cannot be written"]),
+                            ["tokenizers package cannot load tokenizer.json", "lone leading surrogate"]),
 }
 
 #: the fuzzer's resource examples: run as a separate process, under a clock and an RSS measurement

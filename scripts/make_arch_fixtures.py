@@ -1,0 +1,189 @@
+"""Build the per-architecture GGUF fixtures: tiny bnb NF4 models and llama.cpp's converter output for them.
+
+Runs in a separate environment with torch, bitsandbytes, transformers, sentencepiece and the llama.cpp
+converter's dependencies (never in the CI environment)::
+
+    python3 -m venv /work/venv-fix
+    /work/venv-fix/bin/pip install torch==2.13.0 bitsandbytes==0.50.2 transformers peft tokenizers \\
+        sentencepiece safetensors numpy
+    /work/venv-fix/bin/python scripts/make_arch_fixtures.py --llama-cpp DIR [--only qwen3 ...]
+
+``DIR`` is a llama.cpp source tree holding ``convert_hf_to_gguf.py``, its ``conversion/`` package and
+``gguf-py`` (e.g. ``vendor/llama.cpp`` of a llama-cpp-python source distribution). For each architecture
+of :data:`ARCHS` it:
+
+1. builds the model from a config with random weights (hidden 256, 2 layers, vocabulary 1000, bf16),
+   saves it, loads it back with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+   bnb_4bit_use_double_quant=True)`` and saves that: ``tests/fixtures/models/<arch>_nf4_dq/``, with the
+   tokenizer files of ``llama_nf4_dq`` (a 1000-piece SentencePiece model);
+2. dequantizes it with this project's ``--to bf16`` (bit-exact with bitsandbytes) into a scratch
+   directory named like the fixture, and runs transformers on it (float32) for the reference logits
+   (``reference/logits.safetensors``: ``input_ids``, ``logits``);
+3. runs llama.cpp's ``convert_hf_to_gguf.py`` on the dequantized model for ``--outtype f16`` and
+   ``q8_0`` and stores what it wrote as ``reference/gguf_<type>.json``: every tensor's GGML type, shape
+   and the sha256 of its data, and every metadata key with its value (long arrays as length + sha256).
+
+The tests (tests/test_gguf_arch.py) compare ``convert-bnb <fixture> --to gguf:<type>`` against that JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "tests" / "fixtures" / "models"
+TOKENIZER_FROM = MODELS / "llama_nf4_dq"
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "tokenizer.json")
+INPUT_IDS = [1, 15, 300, 42, 7, 999, 128, 64, 3, 511, 200, 77]
+OUT_TYPES = ("f16", "q8_0")
+#: Arrays longer than this are stored as their length and sha256 (tokens, scores, types).
+LONG_ARRAY = 32
+
+COMMON: dict[str, Any] = {
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "initializer_range": 0.1,  # logits well away from zero, so llama.cpp's are compared at a useful scale
+}
+
+#: fixture name -> (transformers config class, model class, config values)
+ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {
+        "head_dim": 96, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    }),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 64, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "sliding_window": 64, "hidden_activation": "gelu_pytorch_tanh",
+    }),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 64,
+    }),
+    "mistral_hd": ("MistralConfig", "MistralForCausalLM", {
+        "head_dim": 96, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    }),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "num_key_value_heads": 4, "max_position_embeddings": 1024, "original_max_position_embeddings": 256,
+        "sliding_window": 128, "partial_rotary_factor": 0.75, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "longrope",
+                         "long_factor": [1.0 + 0.25 * i for i in range(24)],
+                         "short_factor": [1.0 + 0.01 * i for i in range(24)]},
+    }),
+}
+
+
+def _summary_value(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > LONG_ARRAY:
+        text = json.dumps(value, ensure_ascii=False)
+        return {"len": len(value), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return value
+
+
+def gguf_summary(path: Path, gguf: Any) -> dict[str, Any]:
+    """Tensors (type, shape, sha256 of the data) and metadata of a GGUF file, as JSON values."""
+    r = gguf.GGUFReader(path)
+    meta: dict[str, Any] = {}
+    for key, field in r.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = _summary_value(field.contents())
+    tensors = {}
+    for t in r.tensors:
+        tensors[t.name] = {
+            "type": t.tensor_type.name,
+            "shape": [int(d) for d in t.shape],
+            "sha256": hashlib.sha256(bytes(t.data.tobytes())).hexdigest(),
+        }
+    return {"metadata": meta, "tensors": tensors}
+
+
+def build(name: str, llama_cpp: Path, scratch: Path, convert_python: str) -> None:
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    cfg_cls, model_cls, extra = ARCHS[name]
+    values = {**COMMON, **extra}
+    config = getattr(transformers, cfg_cls)(**values)
+    config.architectures = [model_cls]
+    torch.manual_seed(1234)
+    model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
+    with torch.no_grad():  # norms away from their init value, so the +1 offsets and copies are visible
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype) * 0.1)
+    orig = scratch / f"{name}_orig"
+    model.save_pretrained(orig)
+    fixture = MODELS / f"{name}_nf4_dq"
+    if fixture.exists():
+        shutil.rmtree(fixture)
+    q = getattr(transformers, model_cls).from_pretrained(
+        orig,
+        quantization_config=transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        ),
+        dtype=torch.bfloat16,
+    )
+    q.save_pretrained(fixture)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_FROM / f, fixture / f)
+    (fixture / "generation_config.json").unlink(missing_ok=True)
+
+    # the correctly dequantized reference: this project's --to bf16 (bit-exact with bitsandbytes)
+    dq = scratch / "dq" / f"{name}_nf4_dq"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([convert_python, "-m", "convert", str(fixture), "--to", "bf16", "-o", str(dq), "-q"],
+                   check=True, env=env)
+    ref = getattr(transformers, model_cls).from_pretrained(dq, dtype=torch.float32)
+    ref.eval()
+    with torch.no_grad():
+        logits = ref(torch.tensor([INPUT_IDS])).logits[0].float()
+    (fixture / "reference").mkdir()
+    save_file({"input_ids": torch.tensor([INPUT_IDS], dtype=torch.int64), "logits": logits.contiguous()},
+              str(fixture / "reference" / "logits.safetensors"))
+
+    sys.path.insert(0, str(llama_cpp / "gguf-py"))
+    import gguf
+
+    for out_type in OUT_TYPES:
+        out = scratch / f"{name}-{out_type}.gguf"
+        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(dq), "--outtype", out_type,
+                        "--outfile", str(out)], check=True, cwd=llama_cpp)
+        summary = gguf_summary(out, gguf)
+        summary["converter"] = "llama.cpp convert_hf_to_gguf.py"
+        (fixture / "reference" / f"gguf_{out_type}.json").write_text(
+            json.dumps(summary, indent=1, ensure_ascii=False, sort_keys=False) + "\n")
+    print(name, "->", fixture, sum(p.stat().st_size for p in fixture.rglob("*") if p.is_file()), "bytes")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp tree with convert_hf_to_gguf.py")
+    ap.add_argument("--only", nargs="*", choices=sorted(ARCHS), help="architectures to build (default: all)")
+    ap.add_argument("--convert-python", default=sys.executable,
+                    help="Python with this project's dependencies, for --to bf16 (default: this one)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.only or list(ARCHS):
+            build(name, args.llama_cpp.resolve(), Path(tmp), args.convert_python)
+
+
+if __name__ == "__main__":
+    main()
