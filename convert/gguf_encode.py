@@ -26,6 +26,9 @@ GGUF-002  every planned GGML type has a codec in this build (:func:`check_encode
           :class:`GgufTypeError`; raised before the file is opened)
 GGUF-007  a source array has the planned shape and a float dtype (:class:`GgufSourceError`)
 GGUF-008  each tensor's encoded bytes match the plan (from :class:`formats.gguf.GGUFFileWriter`)
+GGUF-011  a weight quantized to a block type (Q8_0, Q4_K, ...) holds no inf or NaN, which llama.cpp
+          refuses to quantize (:class:`GgufNonFiniteError`); F32/F16/BF16 keep them as they are,
+          as ``convert_hf_to_gguf.py`` does, and the error report leaves them out
 ========  ======================================================================================
 """
 
@@ -37,17 +40,19 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 
-from formats.errors import GgufSourceError, GgufTypeError
+from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
+from .output import user_path
 
 __all__ = ["SourceTensor", "TensorReport", "check_encoders", "write_gguf"]
 
@@ -109,6 +114,8 @@ class TensorReport:
 
 #: Source dtypes whose values the GGML type holds exactly.
 _SAME_FLOAT = {"bfloat16": GT.BF16, "float16": GT.F16}
+#: Types that store inf and NaN as they are (the others are block quantizations llama.cpp refuses them for).
+_FLOAT_TYPES = frozenset({GT.F32, GT.F16, GT.BF16})
 
 
 @dataclass
@@ -139,16 +146,35 @@ def _convert_chunk(
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
+    finite = np.isfinite(x)
+    all_finite = bool(finite.all())
+    if not all_finite and t.ggml_type not in _FLOAT_TYPES:
+        at = int(np.argmin(finite.reshape(-1)))
+        raise GgufNonFiniteError(
+            f"weight holds {x.reshape(-1)[at]} and cannot be quantized to {t.ggml_type.name}",
+            path=user_path(Path(path)),
+            tensor=t.source,
+            expected="finite values",
+            found=f"{int(x.size - np.count_nonzero(finite))} of {x.size} values in these rows, the first at "
+                  f"element {at} of the chunk",
+            action="write",
+        )
     coder = codec(t.ggml_type)
     data = coder.quantize(x)
     max_err = sq_err = 0.0
     if not exact and x.size:
-        err = coder.dequantize(data).reshape(x.shape)
-        err -= x
+        with np.errstate(invalid="ignore", over="ignore"):
+            err = coder.dequantize(data).reshape(x.shape)
+            err -= x
+        if not all_finite:  # inf/NaN kept as they are (float types): no error to measure there
+            err[~finite] = 0
         max_err = float(max(err.max(), -err.min()))
-        np.square(err, out=err)
+        with np.errstate(over="ignore"):
+            np.square(err, out=err)
         sq_err = float(err.sum())  # NumPy's pairwise float32 sum: ample for a 3-digit report
-    return _Chunk(data, max_err, sq_err, float(np.square(x).sum()))
+    with np.errstate(over="ignore"):
+        sq_ref = float(np.square(np.where(finite, x, 0) if not all_finite else x).sum())
+    return _Chunk(data, max_err, sq_err, sq_ref)
 
 
 def check_encoders(plan: GGUFPlan) -> None:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from formats.dtypes import DType, float_dtype_name
+from formats.dtypes import FLOAT_OUTPUTS, DType, float_dtype_name
 
 from .quant_settings import QuantSettings
 
@@ -89,12 +89,16 @@ def should_quantize(
         (quantize?, reason).
     """
     module = module_name(name)
-    if any(matches_module(name, p) or matches_module(module, p) for p in include):
-        return (True, "--include") if dtype.is_float else (False, "not a float tensor")
-    if any(matches_module(module, p) for p in skip):
-        return False, "--skip-modules"
     if not dtype.is_float:
         return False, "not a float tensor"
+    if dtype.name not in FLOAT_OUTPUTS:
+        # bnb's QuantState dtype is float16, bfloat16 or float32 (BNB-013 on reading): a float8 or
+        # float64 weight (diffusion checkpoints' text encoders) is kept as it is
+        return False, f"{dtype.code} weight (a QuantState dtype is F16, BF16 or F32)"
+    if any(matches_module(name, p) or matches_module(module, p) for p in include):
+        return True, "--include"
+    if any(matches_module(module, p) for p in skip):
+        return False, "--skip-modules"
     if was_quantized:
         if is_head(module):
             return False, "output head"

@@ -9,6 +9,7 @@ Output naming, pre-flight, claim and commit are :mod:`convert.output`'s, as for 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +94,11 @@ def _error_notes(out_type: str, reports: list[TensorReport]) -> list[str]:
             f"RMS {r.rms_error:.3g}, max abs {r.max_abs_error:.3g}"
         )
     return notes
+
+
+def _json_number(x: float) -> float | str:
+    """A float for JSON: ``"inf"`` where a value overflowed F16 (JSON has no Infinity)."""
+    return x if math.isfinite(x) else str(x)
 
 
 class GgufJob:
@@ -193,8 +199,8 @@ class GgufJob:
             "type_counts": dict(Counter(r.ggml_type.name for r in self.reports)),
             "tensors": [
                 {"name": r.name, "source": r.source, "type": r.ggml_type.name, "shape": list(r.shape),
-                 "bytes": r.nbytes, "max_abs_error": r.max_abs_error, "rms_error": r.rms_error,
-                 "rel_rms_error": r.rel_rms_error}
+                 "bytes": r.nbytes, "max_abs_error": _json_number(r.max_abs_error),
+                 "rms_error": _json_number(r.rms_error), "rel_rms_error": _json_number(r.rel_rms_error)}
                 for r in self.reports
             ],
         }}

@@ -49,6 +49,7 @@ __all__ = [
     "FileTooShortError",
     "ForeignFilesError",
     "GgufConfigError",
+    "GgufNonFiniteError",
     "GgufSourceError",
     "GgufTypeError",
     "GgufVerificationError",
@@ -119,8 +120,8 @@ __all__ = [
     "TruncatedFileError",
     "UnindexedShardError",
     "UnindexedTensorError",
-    "UnknownDtypeError",
     "UnknownBpePreTokenizerError",
+    "UnknownDtypeError",
     "UnmappedTensorError",
     "UnsafePickleError",
     "UnsupportedAdapterConfigError",
@@ -1034,6 +1035,14 @@ class MissingTokenizersError(UnsupportedError):
     default_rule = "GGUF-010"
     advice = ("Install it: pip install 'convert-bnb[gguf-bpe]' (or pip install tokenizers); "
               "SentencePiece vocabularies and the other outputs do not need it.")
+
+
+class GgufNonFiniteError(UnsupportedError):
+    """A weight to quantize to a GGML block type holds inf or NaN."""
+
+    default_rule = "GGUF-011"
+    advice = ("llama.cpp refuses such a tensor too (ggml_validate_row_data): fix the weight, or write a float "
+              "type (gguf:f16, bf16 or f32), which keeps inf and NaN as they are.")
 
 
 # -------------------------------------------------------------------------- SentencePiece tokenizers

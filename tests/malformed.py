@@ -688,6 +688,23 @@ def _gguf_wrong_source(src: Path, out: Path) -> None:
             p.unlink()
 
 
+def _gguf_inf_weight(src: Path, out: Path) -> None:
+    from convert.gguf_encode import write_gguf
+    from convert.gguf_plan import plan_gguf
+
+    cfg, w = _gguf_inputs(src)
+    plan = plan_gguf(cfg, [(n, a.shape) for n, a in w.items()], src, "q4_k_m")
+    q = np.array(w["model.layers.0.self_attn.q_proj.weight"], dtype=np.float32)
+    q[3, 5] = np.inf
+    w["model.layers.0.self_attn.q_proj.weight"] = q
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_gguf(plan, out.parent / "m.gguf", {n: (lambda a=a: a) for n, a in w.items()})
+    finally:
+        for p in out.parent.iterdir():
+            p.unlink()
+
+
 def _gguf_verify(src: Path, out: Path) -> None:
     from convert.gguf_encode import write_gguf
     from convert.gguf_plan import plan_gguf
@@ -1172,6 +1189,9 @@ CASES: list[Case] = [
          _tiny_bpe(model_copy()), run=_gguf_without_tokenizers, argv=None),
     Case("gguf-source-shape", E.GgufSourceError, ["GGUF-007", "tensor 'model.norm.weight'"], model_copy(),
          run=_gguf_wrong_source, argv=None),
+    Case("gguf-inf-weight", E.GgufNonFiniteError,
+         ["GGUF-011", "tensor 'model.layers.0.self_attn.q_proj.weight'", "holds inf", "cannot be quantized to Q4_K",
+          "found '1 of 65536 values in these rows"], model_copy(), run=_gguf_inf_weight, argv=None),
     Case("gguf-verify-type", E.GgufVerificationError, ["GGUF-008", "GGML type differs"], model_copy(),
          run=_gguf_verify, argv=None),
     # ---- SentencePiece tokenizer.model (GGUF)

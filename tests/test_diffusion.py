@@ -117,3 +117,19 @@ def test_gguf_of_a_diffusion_file_is_refused_clearly(tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "GGUF-004" in err and "a lone weight file" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_nf4_keeps_float8_weights_and_its_output_reads_back(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """bnb's QuantState dtype is float16, bfloat16 or float32 (BNB-013): float8 text-encoder weights stay
+    float8 instead of becoming 4-bit layers nothing can read back."""
+    out = tmp_path / "rq.safetensors"
+    assert main([str(BASE), "--to", "nf4", "-o", str(out), "-q"]) == 0
+    got, base = read_safetensors(out), read_safetensors(BASE)
+    for name in F8_E4M3 + F8_E5M2:
+        assert got[name].dtype == base[name].dtype and got[name].tobytes() == base[name].tobytes(), name
+        assert f"{name}.absmax" not in got
+    assert main(["check", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith("OK (1 file, 84 tensors, 12 4-bit layers, 0 int8 layers, "
+                                                    "12 plain tensors)")
+    assert main([str(out), "--to", "bf16", "-o", str(tmp_path / "back.safetensors"), "-q"]) == 0

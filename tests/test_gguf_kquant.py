@@ -117,3 +117,58 @@ def _has_llama_cpp() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _with_non_finite(tmp_path: Path) -> Path:
+    """The plain bf16 fixture model with +inf and NaN in two weights."""
+    import ml_dtypes
+
+    from formats.dtypes import BY_CODE
+    from formats.safetensors import SafetensorsWriter
+
+    from .conftest import read_safetensors
+
+    src = tmp_path / "m"
+    shutil.copytree(FIXTURES / "models" / "llama_orig_bf16", src)
+    t = read_safetensors(src / "model.safetensors")
+    for name, value in (("model.layers.0.self_attn.q_proj.weight", np.inf), ("model.layers.1.mlp.up_proj.weight",
+                                                                             np.nan)):
+        a = np.array(t[name])
+        a.reshape(-1)[5] = value
+        t[name] = a
+    (src / "model.safetensors").unlink()
+    entries = [(n, BY_CODE["BF16"] if v.dtype == ml_dtypes.bfloat16 else BY_CODE["F32"], v.shape) for n, v in t.items()]
+    w = SafetensorsWriter(src / "model.safetensors", entries, {"format": "pt"})
+    for v in t.values():
+        w.write(np.ascontiguousarray(v))
+    w.close()
+    return src
+
+
+@pytest.mark.parametrize("to", ["gguf:q4_k_m", "gguf:q8_0", "gguf:q4_0"])
+def test_inf_or_nan_in_a_weight_to_quantize_is_gguf_011(to: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    src = _with_non_finite(tmp_path)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    assert main([str(src), "--to", to, "-o", str(out), "--json"]) == 2
+    result = json.loads(capsys.readouterr().out)
+    assert result["rule"] == "GGUF-011" and "tensor 'model.layers.0.self_attn.q_proj.weight'" in result["message"]
+    assert f"Failed to write '{out}'" in result["message"] and "holds inf" in result["message"]
+    assert list(out.parent.iterdir()) == []
+
+
+def test_float_gguf_keeps_inf_and_nan_and_its_json_report_is_valid(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    src = _with_non_finite(tmp_path)
+    out = tmp_path / "m.gguf"
+    assert main([str(src), "--to", "gguf:f16", "-o", str(out), "--json"]) == 0
+
+    def strict(token: str) -> float:
+        raise AssertionError(f"{token} in the JSON report")
+
+    report = json.loads(capsys.readouterr().out, parse_constant=strict)
+    rows = {r["name"]: r for r in report["gguf"]["tensors"]}
+    assert 0 <= rows["blk.0.attn_q.weight"]["max_abs_error"] < 1e-3  # bf16 -> f16 (subnormals round); inf left out
+    q = {t.name: t for t in gguf.GGUFReader(out).tensors}["blk.0.attn_q.weight"]
+    assert np.isinf(np.asarray(q.data, dtype=np.float32)).sum() == 1
