@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 from formats.errors import ConvertBnbError
 
 from . import __version__, batch, check, inspection
+from .output import InterruptedAfterCommit
 from .units import format_bytes, parse_size
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args"]
@@ -157,6 +158,15 @@ def _run_convert(args: argparse.Namespace) -> int:
     from .job import convert
 
     result = convert(options_from_args(args))
+    try:
+        return _report(args, result)
+    except KeyboardInterrupt as exc:
+        if result.dry_run is not None or isinstance(exc, InterruptedAfterCommit):
+            raise
+        raise InterruptedAfterCommit(Path(result.output)) from exc
+
+
+def _report(args: argparse.Namespace, result: Any) -> int:
     if result.dry_run is not None:
         if args.json:
             print(json.dumps(result.to_dict(), indent=2))
@@ -231,6 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"convert-bnb: error: {exc}", file=sys.stderr)
         _print_failure(as_json, {**exc.to_dict()})
         return 2
+    except InterruptedAfterCommit as exc:  # the output was already complete and in place
+        print(f"convert-bnb: interrupted after the output was complete: {exc.path}", file=sys.stderr)
+        _print_failure(as_json, {"error": "KeyboardInterrupt", "rule": None,
+                                 "message": f"interrupted after the output was complete: {exc.path}"})
+        return 130
     except KeyboardInterrupt:
         print(f"convert-bnb: interrupted; {tail}", file=sys.stderr)
         _print_failure(as_json, {"error": "KeyboardInterrupt", "rule": None, "message": "interrupted"})

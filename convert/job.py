@@ -34,7 +34,7 @@ from formats.errors import ConvertBnbError, DiskSpaceError, SourceNotFoundError,
 from . import __version__
 from .hub import HubSource, is_repo_id, parse_repo_spec, resolve_repo
 from .merge import apply_lora
-from .output import OutputClaim, default_output, output_path, write_json
+from .output import InterruptedAfterCommit, OutputClaim, default_output, output_path, write_json
 from .pipeline import max_threads, peak_rss_bytes
 from .plan import make_plan
 from .targets import TARGETS, RunSettings, normalize_target, target_for
@@ -344,6 +344,17 @@ def convert(options: ConvertOptions) -> ConvertResult:
         ConvertBnbError: a usage error, an input rule broken (file, tensor and rule named), an
             output rule (OUT-xxx, USE-002/003); OSError from the file system.
     """
+    committed: list[Path] = []
+    try:
+        return _convert(options, committed)
+    except KeyboardInterrupt as exc:
+        if committed and not isinstance(exc, InterruptedAfterCommit):  # the output is in place and complete
+            raise InterruptedAfterCommit(committed[0]) from exc
+        raise
+
+
+def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
+    """:func:`convert`; appends the output path to ``committed`` once it is renamed into place."""
     t0 = time.perf_counter()
     options = replace(options, to=normalize_target(options.to))  # gguf:Q4_K_M -> gguf:q4_k_m
     check_options(options)
@@ -413,6 +424,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 if options.manifest is not None:
                     write_json(options.manifest, result.files)
                 claim.commit()
+                committed.append(claim.final)
                 timings["commit"] = time.perf_counter() - t
             result.removed_stale = claim.recovered
             result.shards_written, result.shards_reused = written

@@ -55,6 +55,7 @@ from formats.errors import (
 __all__ = [
     "DISK_HEADROOM",
     "TMP_MARK",
+    "InterruptedAfterCommit",
     "OutputClaim",
     "ShardLedger",
     "default_output",
@@ -293,6 +294,18 @@ def recorded_shards(final: Path, key: dict[str, Any]) -> dict[str, dict[str, Any
 
 # ---------------------------------------------------------------------------------------- the claim
 
+class InterruptedAfterCommit(KeyboardInterrupt):
+    """SIGINT/SIGTERM arrived after the output was renamed into place: the output is complete.
+
+    Attributes:
+        path: the output (its final name).
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"interrupted after {path} was complete")
+        self.path = path
+
+
 class OutputClaim:
     """Owns one output path for a run: pre-flight, exclusive claim, recovery, staging and commit.
 
@@ -364,6 +377,8 @@ class OutputClaim:
                 remove_path(self.staging)
         finally:
             self._release()
+        if self._committed and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, InterruptedAfterCommit):
+            raise InterruptedAfterCommit(self.final) from exc
 
     # -- pre-flight
     def _check_kind(self) -> None:

@@ -158,3 +158,26 @@ def test_a_signal_during_start_up_imports_is_one_line_and_exit_130(sig: int, tmp
     stdout, err = proc.communicate(timeout=60)
     assert (proc.returncode, stdout, err) == (130, "", "convert-bnb: interrupted\n")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_after_the_commit_says_the_output_is_complete(sig: int, tmp_path: Path) -> None:
+    """The harness holds the process right after the output is renamed into place; a signal there used to
+    print "no output was left behind" while the (complete) output was there."""
+    src = tmp_path / "in.safetensors"
+    write(src, st_bytes(layer()))
+    out = tmp_path / "out" / "o.safetensors"
+    marker = tmp_path / "pid"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'harness'}{os.pathsep}{ROOT}",
+           "CONVERT_BNB_TEST_PAUSE": f"{out.name}:commit:{marker}"}
+    proc = subprocess.Popen([sys.executable, "-m", "convert", str(src), "-o", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60  # a guard against a broken test, not a speed check
+    while not marker.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, f"convert-bnb: interrupted after the output was complete: {out}\n")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["o.safetensors"]
+    check_output(src, out)
