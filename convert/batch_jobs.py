@@ -126,6 +126,7 @@ def _default_name(src: str, to: str, revision: str | None) -> str:
 
 def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
     from .hub import parse_repo_spec
+    from .output import with_target_suffix
 
     def bad(msg: str, **kw: Any) -> BatchOptionError:
         return BatchOptionError(f"{where}: {msg}", path=path, **kw)
@@ -159,6 +160,7 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     name = fields.get("name") or _default_name(src, to, revision)
     if not isinstance(name, str) or "/" in name or name.startswith(".") or name in ("", ".."):
         raise bad("name must be a plain directory name", found=name)
+    name = with_target_suffix(name, to)  # --name model -> model.gguf for a GGUF job, as default names
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
         raise bad("unknown job fields", expected=_FIELDS, found=unknown)

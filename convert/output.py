@@ -63,6 +63,7 @@ __all__ = [
     "output_path",
     "write_json",
     "output_name",
+    "with_target_suffix",
     "recorded_shards",
     "remove_path",
     "revision_label",
@@ -97,8 +98,14 @@ def output_name(stem: str, to: str, *, single_file: bool) -> str:
     """
     suffix = "dequantized" if to == "auto" else to.replace(":", "-")
     if to.startswith("gguf"):
-        return f"{stem}-{suffix}.gguf"
+        return with_target_suffix(f"{stem}-{suffix}", to)
     return f"{stem}-{suffix}" + (".safetensors" if single_file else "")
+
+
+def with_target_suffix(name: str, to: str) -> str:
+    """``name`` as a ``--to`` output is named: ``NAME.gguf`` for GGUF (one file whatever the input), else
+    unchanged (a safetensors output's suffix depends on the input: :func:`output_name`)."""
+    return name if not to.startswith("gguf") or name.lower().endswith(".gguf") else f"{name}.gguf"
 
 
 def revision_label(revision: str) -> str:

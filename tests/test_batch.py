@@ -437,9 +437,12 @@ def test_single_file_outputs_push_to_a_repo_named_without_the_extension() -> Non
 
 def test_gguf_jobs_are_named_with_their_extension(tmp_path: Path) -> None:
     t = tmp_path / "j.txt"
-    t.write_text(f"org/m --to gguf:q8_0\norg/m@v2 --to gguf\n{MODELS / 'llama_nf4_dq'} --to gguf:q8_0\n")
+    t.write_text(f"org/m --to gguf:q8_0\norg/m@v2 --to gguf\n{MODELS / 'llama_nf4_dq'} --to gguf:q8_0\n"
+                 "org/a --to gguf:q4_k_m --name mine\norg/b --to gguf:q4_k_m --name theirs.gguf\n"
+                 "org/c --to bf16 --name plain\n")
     assert [j.name for j in parse_jobs(t, _defaults())] == ["m-gguf-q8_0.gguf", "m-v2-gguf.gguf",
-                                                           "llama_nf4_dq-gguf-q8_0.gguf"]
+                                                           "llama_nf4_dq-gguf-q8_0.gguf", "mine.gguf",
+                                                           "theirs.gguf", "plain"]
 
 
 def test_progress_per_job_and_overall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
