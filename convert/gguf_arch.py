@@ -399,9 +399,18 @@ def find_architecture(config: Mapping[str, Any], *, path: str | None = None) -> 
 
     Raises:
         UnsupportedArchitectureError: GGUF-001, naming every supported architecture.
+        GgufConfigError: GGUF-006, ``architectures`` is not a list of strings.
     """
     archs = config.get("architectures") or []
-    hf = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise GgufConfigError(
+            "config.json 'architectures' must be a list of class names",
+            path=path,
+            expected='a list such as ["LlamaForCausalLM"]',
+            found=f"{type(archs).__name__} {str(archs)[:80]!r}",
+            action="convert",
+        )
+    hf = archs[0] if archs else None
     for arch in ARCHITECTURES:
         if hf in arch.hf_architectures:
             if arch.name == "qwen3" and path is not None and _is_qwen3_reranker(config, Path(path).parent):
