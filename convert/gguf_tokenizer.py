@@ -536,12 +536,12 @@ def add_tokenizer(
     else:
         wanted = " or ".join({"sentencepiece": "tokenizer.model", "bpe": "tokenizer.json"}[t] for t in arch.tokenizers)
         raise TokenizerError(
-            "no tokenizer next to the weights",
+            "no tokenizer in the model directory",
             path=tok_dir,
             expected=wanted,
             found=None,
-            hint="llama.cpp needs the vocabulary inside the GGUF: convert a model directory (or repo id), "
-            "not a lone weight file",
+            hint="llama.cpp needs the vocabulary inside the GGUF: copy the base model's tokenizer files "
+            f"({wanted}, tokenizer_config.json) into the directory",
         )
     quirk = arch.vocab_quirks.get(vocab_size or -1)
     extra = arch.extra_special or ((tuple(quirk), quirk) if quirk else None)
