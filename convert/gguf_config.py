@@ -592,16 +592,17 @@ def _hyperparameters(
             continue
         key = next((k for k in param.keys if hp.get(k) is not None), param.keys[0]).lstrip("@")
         sym[name] = (int(value), f"{key} {int(value)}")
-    n_embd, n_head = sym["n_embd"], sym["n_head"]
-    sym.setdefault("n_head_kv", n_head)
-    for name in ("n_embd_head_k", "n_embd_head_v"):
-        sym.setdefault(name, (n_embd[0] // n_head[0], f"({n_embd[1]} / {n_head[1]})"))
+    if "n_embd" in sym and "n_head" in sym:  # required by every architecture row; otherwise not checked
+        n_embd, n_head = sym["n_embd"], sym["n_head"]
+        sym.setdefault("n_head_kv", n_head)
+        for name in ("n_embd_head_k", "n_embd_head_v"):
+            sym.setdefault(name, (n_embd[0] // n_head[0], f"({n_embd[1]} / {n_head[1]})"))
     sym.setdefault("n_ff", (0, "feed_forward_length 0 (not written)"))
     return sym
 
 
 def _dimension(expr: str, sym: Mapping[str, tuple[int, str]]) -> tuple[int, str] | None:
-    """An expression of the table (``n_embd+2*n_embd_head_v*n_head_kv``) -> (value, explanation), None for
+    """An expression of the table (``n_embd+2*n_head_kv*n_embd_head_v``) -> (value, explanation), None for
     a dimension not checked (``n_vocab``: the tokenizer's, checked by :func:`check_vocab`)."""
     total, terms, factors_seen = 0, [], 0
     for term in expr.split("+"):
