@@ -21,6 +21,10 @@ every size that allocates is taken from the tensors, not from the config:
 - :func:`check_vocab`: ``vocab_size`` equals the rows of the token embedding (``token_embd`` or,
   without it, ``output``) and ``hidden_size`` its width; the tokenizer's vocabulary may not exceed
   those rows (llama.cpp's loader requires it), which bounds every per-token list;
+- :func:`check_shapes`: every planned tensor has the shape llama.cpp's loader creates it with from the
+  metadata the plan writes (:data:`LOADER_SHAPES`, the ``load_arch_tensors`` of each architecture:
+  ``attn_q`` rows ``head_count x key_length``, ``ffn_up`` rows ``feed_forward_length``, ...), so a
+  config.json that does not fit the weights is refused here instead of by ``check_tensor_dims``;
 - :func:`check_packable`: last, every metadata value packs as its GGUF type (uint32 in range, text
   that encodes as UTF-8), so writing the header cannot fail half-way;
 - :func:`check_special_ids`: ``bos_token_id`` etc. (config.json, read by gguf-py's ``SpecialVocab``)
@@ -32,8 +36,8 @@ Rules raised here (see docs/errors.md):
 GGUF-005  the RoPE scaling keys have the types, ranges and presence llama.cpp needs for the type
           (:class:`RopeScalingError`)
 GGUF-006  config.json values have the type and range of the GGUF value they become, the head
-          counts divide, and the layer count, ``vocab_size`` and ``hidden_size`` agree with the
-          tensors (:class:`GgufConfigError`)
+          counts divide, and the layer count, ``vocab_size``, ``hidden_size`` and every tensor's
+          shape agree with the tensors (:class:`GgufConfigError`)
 ========  ======================================================================================
 
 Messages name the file, the key, the rule and what was found (with its JSON type when the type is
@@ -47,7 +51,7 @@ import os
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import gguf
 
@@ -55,6 +59,7 @@ from formats.errors import GgufConfigError, RopeScalingError, TokenizerError
 
 __all__ = [
     "FLOAT32_MAX",
+    "LOADER_SHAPES",
     "PARAM_RULES",
     "SPECIAL_TOKEN_TYPES",
     "UINT32_MAX",
@@ -62,6 +67,7 @@ __all__ = [
     "check_packable",
     "check_param",
     "check_rope",
+    "check_shapes",
     "check_special_ids",
     "check_vocab",
     "layer_count",
@@ -451,3 +457,239 @@ def check_packable(writer: gguf.GGUFWriter, tok_dir: str | os.PathLike[str], pat
                 found=f"{type(err).__name__}: {str(err)[:80]}",
                 action="convert",
             ) from None
+
+
+# ---- tensor shapes against the metadata (llama.cpp's load_arch_tensors)
+
+#: GGUF writer method -> the llama.cpp hyperparameter it sets (``llama_model_base::load_hparams``).
+_SYMBOL_OF = {
+    "add_embedding_length": "n_embd",
+    "add_head_count": "n_head",
+    "add_head_count_kv": "n_head_kv",
+    "add_key_length": "n_embd_head_k",
+    "add_value_length": "n_embd_head_v",
+    "add_feed_forward_length": "n_ff",
+}
+
+_E, _V = "n_embd", "n_vocab"
+# upstream's products with the head count first (for the message: "num_attention_heads 8 x head_dim 64")
+_Q = "n_head*n_embd_head_k"  # n_embd_head_k * n_head: the width of q and of attn_output's input
+_K_GQA = "n_head_kv*n_embd_head_k"  # n_embd_k_gqa
+_V_GQA = "n_head_kv*n_embd_head_v"  # n_embd_v_gqa (also ``n_embd_gqa``)
+
+#: Shapes llama.cpp creates without a layer (GGUF order: ne0 = columns first; ``n_vocab`` not checked).
+_GLOBAL: dict[str, tuple[str, ...]] = {
+    "token_embd.weight": (_E, _V),
+    "output_norm.weight": (_E,),
+    "output.weight": (_E, _V),
+    "output.bias": (_V,),
+}
+
+#: ``llama_model_llama::load_arch_tensors`` (GEMMA's is the same minus the biases): per layer, with
+#: ``create_tensor_qkv(layer, i, n_embd, n_embd_head_k * n_head, n_embd_k_gqa, n_embd_v_gqa)``.
+_LLAMA: dict[str, tuple[str, ...]] = {
+    "attn_norm.weight": (_E,),
+    "attn_q.weight": (_E, _Q),
+    "attn_k.weight": (_E, _K_GQA),
+    "attn_v.weight": (_E, _V_GQA),
+    "attn_q.bias": (_Q,),
+    "attn_k.bias": (_K_GQA,),
+    "attn_v.bias": (_V_GQA,),
+    "attn_output.weight": (_Q, _E),
+    "attn_output.bias": (_E,),
+    "ffn_norm.weight": (_E,),
+    "ffn_gate.weight": (_E, "n_ff"),
+    "ffn_down.weight": ("n_ff", _E),
+    "ffn_up.weight": (_E, "n_ff"),
+    "ffn_gate.bias": ("n_ff",),
+    "ffn_down.bias": (_E,),
+    "ffn_up.bias": ("n_ff",),
+}
+
+#: ``llama_model_qwen2::load_arch_tensors``: q and attn_output are ``n_embd`` wide, k and v ``n_embd_gqa``.
+_QWEN2 = {
+    **_LLAMA,
+    "attn_q.weight": (_E, _E),
+    "attn_k.weight": (_E, _V_GQA),
+    "attn_v.weight": (_E, _V_GQA),
+    "attn_q.bias": (_E,),
+    "attn_k.bias": (_V_GQA,),
+    "attn_v.bias": (_V_GQA,),
+    "attn_output.weight": (_E, _E),
+}
+
+#: ``llama_model_qwen3::load_arch_tensors``: q ``n_embd_head_k * n_head``, k and v ``n_embd_gqa``, q/k norms.
+_QWEN3 = {
+    **_QWEN2,
+    "attn_q.weight": (_E, _Q),
+    "attn_q.bias": (_Q,),
+    "attn_output.weight": (_Q, _E),
+    "attn_k_norm.weight": ("n_embd_head_k",),
+    "attn_q_norm.weight": ("n_embd_head_k",),
+}
+
+#: ``llama_model_gemma2::load_arch_tensors``: Llama's plus the post-attention and post-FFN norms.
+_GEMMA2 = {**_LLAMA, "post_attention_norm.weight": (_E,), "post_ffw_norm.weight": (_E,)}
+
+#: ``llama_model_phi3::load_arch_tensors``: a fused qkv (``create_tensor_qkv(layer, i, n_embd, n_embd,
+#: n_embd_gqa, n_embd_gqa)``), attn_output ``n_embd`` wide, a fused gate/up of ``2 * n_ff`` rows.
+_PHI3 = {
+    **_QWEN2,
+    "attn_qkv.weight": (_E, f"{_E}+2*{_V_GQA}"),
+    "attn_qkv.bias": (f"{_E}+2*{_V_GQA}",),
+    "ffn_up.weight": (_E, "2*n_ff"),
+}
+
+#: ``general.architecture`` -> (GGUF tensor name, ``blk.N.`` stripped) -> the dimensions llama.cpp's
+#: ``load_arch_tensors`` passes to ``create_tensor``, written as there: GGUF order (ne0, the row
+#: length, first; reversed against our PyTorch-order shapes), products and sums of its
+#: hyperparameters. ``check_tensor_dims`` refuses a file whose tensor differs in any dimension.
+#: Entries are in the loader's order (global tensors, then per layer), so the tensor named in the
+#: error is the one llama.cpp would name.
+LOADER_SHAPES: dict[str, dict[str, tuple[str, ...]]] = {
+    "llama": {**_GLOBAL, **_LLAMA},
+    "qwen2": {**_GLOBAL, **_QWEN2},
+    "qwen3": {**_GLOBAL, **_QWEN3},
+    "gemma": {**_GLOBAL, **_LLAMA},
+    "gemma2": {**_GLOBAL, **_GEMMA2},
+    "gemma3": {**_GLOBAL, **_GEMMA2, **{k: _QWEN3[k] for k in ("attn_q_norm.weight", "attn_k_norm.weight")}},
+    "phi3": {**_GLOBAL, **_PHI3},
+}
+
+_BLOCK = re.compile(r"^blk\.\d+\.")
+
+
+class _ParamLike(Protocol):
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def keys(self) -> tuple[str, ...]: ...
+
+
+class _TensorLike(Protocol):
+    @property
+    def source(self) -> str | None: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def _hyperparameters(
+    values: Iterable[tuple[_ParamLike, Any]], hp: Mapping[str, Any]
+) -> dict[str, tuple[int, str]]:
+    """llama.cpp's hyperparameter -> (value, how config.json gives it), as ``llama_model_base::load_hparams``
+    reads them from the metadata written: ``head_count_kv`` defaults to ``head_count``, ``key_length``
+    and ``value_length`` to ``embedding_length / head_count`` (integer division), a missing
+    ``feed_forward_length`` to 0."""
+    sym: dict[str, tuple[int, str]] = {}
+    for param, value in values:
+        name = _SYMBOL_OF.get(param.method)
+        if name is None:
+            continue
+        key = next((k for k in param.keys if hp.get(k) is not None), param.keys[0]).lstrip("@")
+        sym[name] = (int(value), f"{key} {int(value)}")
+    if "n_embd" in sym and "n_head" in sym:  # required by every architecture row; otherwise not checked
+        n_embd, n_head = sym["n_embd"], sym["n_head"]
+        sym.setdefault("n_head_kv", n_head)
+        for name in ("n_embd_head_k", "n_embd_head_v"):
+            sym.setdefault(name, (n_embd[0] // n_head[0], f"({n_embd[1]} / {n_head[1]})"))
+    sym.setdefault("n_ff", (0, "feed_forward_length 0 (not written)"))
+    return sym
+
+
+def _dimension(expr: str, sym: Mapping[str, tuple[int, str]]) -> tuple[int, str] | None:
+    """An expression of the table (``n_embd+2*n_head_kv*n_embd_head_v``) -> (value, explanation), None for
+    a dimension not checked (``n_vocab``: the tokenizer's, checked by :func:`check_vocab`)."""
+    total, terms, factors_seen = 0, [], 0
+    for term in expr.split("+"):
+        product, words = 1, []
+        for factor in term.split("*"):
+            if factor.isdigit():
+                product *= int(factor)
+                words.append(factor)
+            elif factor in sym:
+                product *= sym[factor][0]
+                words.append(sym[factor][1])
+            else:
+                return None
+            factors_seen += 1
+        total += product
+        terms.append(" x ".join(words))
+    text = " + ".join(terms)
+    return total, text if factors_seen == 1 else f"{text} = {total}"
+
+
+def check_shapes(
+    arch_name: str,
+    values: Iterable[tuple[_ParamLike, Any]],
+    hp: Mapping[str, Any],
+    tensors: Iterable[_TensorLike],
+    path: str | None,
+) -> None:
+    """Every planned tensor has the shape llama.cpp's loader expects from the metadata written.
+
+    Matches ``llama_model_<arch>::load_arch_tensors`` (``create_tensor`` / ``create_tensor_qkv`` and the
+    loader's ``check_tensor_dims``) for the architectures of :data:`LOADER_SHAPES`, with the
+    hyperparameters ``llama_model_base::load_hparams`` reads (defaults included): a config.json value
+    that does not fit the weights (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+    ``intermediate_size``) would otherwise give a file llama.cpp refuses to load, and a wrong head
+    count would also feed the q/k row permutation. Tensors the table does not name (generated RoPE
+    factors) are not checked here.
+
+    Args:
+        arch_name: ``general.architecture``.
+        values: (:class:`convert.gguf_arch.Param`, checked value) of every metadata entry written.
+        hp: the hyperparameters (which config.json key gave each value, for the message).
+        tensors: the planned tensors (GGUF name, PyTorch-order shape, Hugging Face source).
+        path: the config file.
+
+    Raises:
+        GgufConfigError: GGUF-006, naming config.json, the tensor, its size and the expected one
+            (``blk.0.attn_q.weight has 256 rows; num_attention_heads 8 x head_dim 64 = 512``).
+    """
+    table = LOADER_SHAPES.get(arch_name)
+    if table is None:
+        return
+    sym = _hyperparameters(values, hp)
+    order = {name: i for i, name in enumerate(table)}
+    first: tuple[tuple[int, int], GgufConfigError] | None = None
+    for t in tensors:
+        base = _BLOCK.sub("", t.name)
+        dims = table.get(base)
+        if dims is None:
+            continue
+        error = _shape_error(t, dims, sym, path)
+        block = _BLOCK.match(t.name)
+        rank = (int(block.group(0)[4:-1]) if block else -1, order[base])
+        if error is not None and (first is None or rank < first[0]):
+            first = (rank, error)
+    if first is not None:
+        raise first[1]
+
+
+def _shape_error(
+    t: _TensorLike, dims: tuple[str, ...], sym: Mapping[str, tuple[int, str]], path: str | None
+) -> GgufConfigError | None:
+    """The error for a tensor whose shape differs from ``dims`` (GGUF order), None when it fits."""
+    shape = tuple(t.shape)
+    if len(shape) != len(dims):
+        return GgufConfigError(
+            f"config.json disagrees with the weights: {t.name} has {len(shape)} dimensions; llama.cpp "
+            f"loads it with {len(dims)}",
+            path=path, tensor=t.source, expected=len(dims), found=list(shape), action="convert",
+        )
+    for axis, expr in enumerate(reversed(dims)):  # GGUF (ne0, ne1) -> PyTorch (rows, cols)
+        want = _dimension(expr, sym)
+        if want is None or want[0] == shape[axis]:
+            continue
+        what = "elements" if len(shape) == 1 else ("rows" if axis == 0 else "columns")
+        return GgufConfigError(
+            f"config.json disagrees with the weights: {t.name} has {shape[axis]} {what}; {want[1]} "
+            f"(llama.cpp would refuse the file)",
+            path=path, tensor=t.source, expected=want[0], found=shape[axis], action="convert",
+        )
+    return None

@@ -80,7 +80,7 @@ from .gguf_arch import (
     permute_heads,
     rope_metadata,
 )
-from .gguf_config import check_packable, check_param, check_special_ids, check_vocab, layer_count
+from .gguf_config import check_packable, check_param, check_shapes, check_special_ids, check_vocab, layer_count
 from .gguf_mix import FILE_TYPES, MixModel, mix_types
 from .gguf_tokenizer import add_tokenizer
 
@@ -322,6 +322,7 @@ def plan_gguf(
         config_path,
         needs_vocab_size=any(p.method == "add_vocab_size" for p in arch.extra_params),
     )
+    check_shapes(arch.name, values, hp, planned, config_path)  # llama.cpp's load_arch_tensors
 
     scratch = gguf.GGUFWriter(path=None, arch=arch.name)
     scratch.add_type(gguf.GGUFType.MODEL)

@@ -189,12 +189,19 @@ def mut_companions(data: st.DataObject, root: Path) -> None:
 
 
 def mut_gguf_config(data: st.DataObject, root: Path) -> None:
-    """A field of config.json (often rope_scaling), tokenizer.json or tokenizer_config.json."""
-    which = data.draw(st.sampled_from(["config", "config", "rope", "tokenizer", "tokenizer_config"]), label="file")
-    if which in ("config", "rope"):
+    """A field of config.json (often rope_scaling; or a plausible head count / size that need not fit the
+    weights), tokenizer.json or tokenizer_config.json."""
+    which = data.draw(st.sampled_from(["config", "config", "rope", "shape", "tokenizer", "tokenizer_config"]),
+                      label="file")
+    if which in ("config", "rope", "shape"):
         path = root / "config.json"
         cfg = json.loads(path.read_text())
-        if which == "rope":
+        if which == "shape":  # a valid value the weights may not fit: GGUF-006 (llama.cpp's loader shapes)
+            for key in data.draw(st.lists(st.sampled_from(["num_attention_heads", "num_key_value_heads", "head_dim",
+                                                           "intermediate_size", "hidden_size"]),
+                                          min_size=1, max_size=3, unique=True), label="keys"):
+                cfg[key] = data.draw(st.sampled_from([1, 2, 4, 8, 16, 32, 48, 64, 100, 128, 256, 704]), label=key)
+        elif which == "rope":
             rope_type = data.draw(st.sampled_from(["linear", "yarn", "llama3", "dynamic", "longrope", "x"]))
             cfg["rope_scaling"] = {"rope_type": rope_type, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

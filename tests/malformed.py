@@ -1175,6 +1175,14 @@ CASES: list[Case] = [
     Case("gguf-vocab-size-past-embedding", E.GgufConfigError, ["GGUF-006", "'vocab_size' differs from the token "
                                                               "embedding's rows", "expected 1000, found 1024"],
          model_copy({"vocab_size": 1024}), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-heads-past-weights", E.GgufConfigError,
+         ["config.json'", "tensor 'model.layers.0.self_attn.q_proj.weight'", "GGUF-006 config.json disagrees with "
+          "the weights: blk.0.attn_q.weight has 256 rows; num_attention_heads 8 x head_dim 64 = 512",
+          "expected 512, found 256"],
+         model_copy({"num_attention_heads": 8}), run=GGUF_F16[0], argv=GGUF_F16[1]),
+    Case("gguf-intermediate-size-past-weights", E.GgufConfigError,
+         ["GGUF-006", "blk.0.ffn_gate.weight has 704 rows; intermediate_size 100", "expected 100, found 704"],
+         model_copy({"intermediate_size": 100}), run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-yarn-no-original-context", E.RopeScalingError, ["GGUF-005", "type yarn lacks a key",
                                                               "original_max_position_embeddings"],
          model_copy({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}), run=GGUF_F16[0], argv=GGUF_F16[1]),

@@ -148,9 +148,12 @@ def test_llama_tensor_names_types_and_fallbacks():
 
 
 def test_rows_not_a_multiple_of_the_block_fall_back_to_f16():
-    w = dict(REF_W)
-    w["model.layers.0.mlp.down_proj.weight"] = np.zeros((256, 700), dtype=np.float32)
-    plan = plan_gguf(CONFIG, _shapes(w), FIXTURE, "q4_0")
+    w = dict(REF_W)  # an FFN of 700 (config.json and every layer: llama.cpp's loader shapes must hold)
+    for i in range(CONFIG["num_hidden_layers"]):
+        for proj in ("gate_proj", "up_proj"):
+            w[f"model.layers.{i}.mlp.{proj}.weight"] = np.zeros((700, 256), dtype=np.float32)
+        w[f"model.layers.{i}.mlp.down_proj.weight"] = np.zeros((256, 700), dtype=np.float32)
+    plan = plan_gguf(dict(CONFIG, intermediate_size=700), _shapes(w), FIXTURE, "q4_0")
     t = next(t for t in plan.tensors if t.name == "blk.0.ffn_down.weight")
     assert t.ggml_type == gguf.GGMLQuantizationType.F16
     assert "700" in t.fallback and "Q4_0" in t.fallback

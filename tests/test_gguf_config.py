@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -346,3 +347,107 @@ def test_check_with_to_gguf_reports_the_config_problem_the_conversion_would_fail
     with pytest.raises(E.GgufConfigError):
         convert(src, tmp_path / "out.gguf", to="gguf:q8_0")
     assert not (tmp_path / "out.gguf").exists()
+
+
+# ---- config.json values that do not fit the weights (llama.cpp's load_arch_tensors shapes)
+
+MODELS = FIXTURE.parent
+#: id -> (fixture, config.json changes, message parts): each gave an exit-0 GGUF llama.cpp refused to load
+#: ("check_tensor_dims: tensor 'blk.0.attn_q.weight' has wrong shape")
+SHAPE_CASES: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    "heads-8": ("llama_nf4_dq", {"num_attention_heads": 8},
+                ["tensor 'model.layers.0.self_attn.q_proj.weight'",
+                 "blk.0.attn_q.weight has 256 rows; num_attention_heads 8 x head_dim 64 = 512",
+                 "expected 512, found 256"]),
+    "head-dim-32": ("llama_nf4_dq", {"head_dim": 32},
+                    ["blk.0.attn_q.weight has 256 rows; num_attention_heads 4 x head_dim 32 = 128"]),
+    "heads-2-kv-1": ("llama_nf4_dq", {"num_attention_heads": 2, "num_key_value_heads": 1},
+                     ["blk.0.attn_q.weight has 256 rows; num_attention_heads 2 x head_dim 64 = 128"]),
+    "intermediate-100": ("llama_nf4_dq", {"intermediate_size": 100},
+                         ["tensor 'model.layers.0.mlp.gate_proj.weight'",
+                          "blk.0.ffn_gate.weight has 704 rows; intermediate_size 100", "expected 100, found 704"]),
+    "phi3-fused-qkv": ("phi3_nf4_dq", {"num_key_value_heads": 2},
+                       ["tensor 'model.layers.0.self_attn.qkv_proj.weight'",
+                        "blk.0.attn_qkv.weight has 768 rows; hidden_size 256 + 2 x num_key_value_heads 2 x "
+                        "(hidden_size 256 / num_attention_heads 4) = 512", "expected 512, found 768"]),
+    # q, k, v and attn_output still fit (8 x 48 = 4 x 96): only the per-head norms show the wrong head_dim
+    "qwen3-head-norms": ("qwen3_nf4_dq", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 48},
+                         ["tensor 'model.layers.0.self_attn.k_norm.weight'",
+                          "blk.0.attn_k_norm.weight has 96 elements; head_dim 48", "expected 48, found 96"]),
+}
+
+
+def _shape_model(tmp_path: Path, case: str) -> Path:
+    fixture, changes, _ = SHAPE_CASES[case]
+    root = tmp_path / "model"
+    shutil.copytree(MODELS / fixture, root, ignore=shutil.ignore_patterns("reference"))
+    cfg(**changes)(root)
+    return root
+
+
+@pytest.mark.parametrize("case", list(SHAPE_CASES))
+def test_config_that_does_not_fit_the_weights_is_refused_while_planning(case: str, tmp_path: Path, capsys) -> None:
+    src = _shape_model(tmp_path, case)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(E.GgufConfigError) as info:
+        convert(src, out, to="gguf:q4_k_m")
+    message = str(info.value)
+    assert info.value.rule == "GGUF-006"
+    for part in ["config.json'", "GGUF-006 config.json disagrees with the weights", *SHAPE_CASES[case][2]]:
+        assert part in message, f"{part!r} not in {message!r}"
+    _assert_nothing_at(out)
+    capsys.readouterr()
+    assert main([str(src), "--to", "gguf:q4_k_m", "-o", str(out), "-q"]) == 2
+    assert capsys.readouterr().err == f"convert-bnb: error: {message}\n"
+    _assert_nothing_at(out)
+    assert main(["check", str(src), "--to", "gguf:q4_k_m"]) == 2  # the same planning
+    assert message in capsys.readouterr().out
+    _assert_nothing_at(out)
+
+
+def _fixture_plan_inputs(name: str) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...]]], Path]:
+    from convert.plan import make_plan
+    from formats.checkpoint import open_checkpoint
+
+    root = MODELS / name
+    shapes = [(t.name, tuple(t.shape)) for t in make_plan(open_checkpoint(root)).tensors]
+    return json.loads((root / "config.json").read_text()), shapes, root
+
+
+@pytest.mark.parametrize(("fixture", "source", "shape", "parts"), [
+    ("qwen3_nf4_dq", "model.layers.1.self_attn.q_norm.weight", (48,),
+     ["blk.1.attn_q_norm.weight has 48 elements; head_dim 96", "expected 96, found 48"]),
+    ("phi3_nf4_dq", "model.layers.0.mlp.gate_up_proj.weight", (512, 256),
+     ["blk.0.ffn_up.weight has 512 rows; 2 x intermediate_size 512 = 1024"]),
+    ("llama_nf4_dq", "model.layers.0.self_attn.o_proj.weight", (256, 128),
+     ["blk.0.attn_output.weight has 128 columns; num_attention_heads 4 x head_dim 64 = 256"]),
+    ("llama_nf4_dq", "lm_head.weight", (1000, 128), ["output.weight has 128 columns; hidden_size 256"]),
+    ("gemma2_nf4_dq", "model.layers.0.post_feedforward_layernorm.weight", (255,),
+     ["blk.0.post_ffw_norm.weight has 255 elements; hidden_size 256"]),
+    ("gemma3_nf4_dq", "model.layers.0.self_attn.v_proj.weight", (64, 256),
+     ["blk.0.attn_v.weight has 64 rows; num_key_value_heads 2 x head_dim 64 = 128"]),
+    ("llama_nf4_dq", "model.layers.0.self_attn.q_proj.weight", (256,),
+     ["blk.0.attn_q.weight has 1 dimensions; llama.cpp loads it with 2"]),
+])
+def test_weights_that_do_not_fit_the_config_are_refused_by_the_plan(fixture, source, shape, parts) -> None:
+    from convert.gguf_plan import plan_gguf
+
+    config, shapes, root = _fixture_plan_inputs(fixture)
+    assert source in dict(shapes)
+    changed = [(n, shape if n == source else s) for n, s in shapes]
+    with pytest.raises(E.GgufConfigError) as info:
+        plan_gguf(config, changed, root, "q4_k_m", config_path=str(root / "config.json"))
+    assert info.value.tensor == source
+    for part in ["GGUF-006 config.json disagrees with the weights", *parts]:
+        assert part in str(info.value), f"{part!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in MODELS.iterdir()))
+def test_every_shipped_fixture_fits_the_loader_shapes(fixture: str) -> None:
+    from convert.gguf_config import LOADER_SHAPES
+    from convert.gguf_plan import plan_gguf
+
+    config, shapes, root = _fixture_plan_inputs(fixture)
+    plan = plan_gguf(config, shapes, root, "q4_k_m")
+    checked = [t for t in plan.tensors if re.sub(r"^blk\.\d+\.", "", t.name) in LOADER_SHAPES[plan.arch_name]]
+    assert len(checked) == len([t for t in plan.tensors if t.source is not None])
