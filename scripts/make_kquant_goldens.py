@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Golden hashes of llama-quantize's output for the fixture model, for every ``--to gguf:MIX``.
+"""Golden hashes of llama-quantize's output for the fixture models, for every ``--to gguf:MIX``.
 
 For each file type of :data:`convert.gguf_mix.FILE_TYPES`, runs ``llama_cpp.llama_model_quantize``
 (llama.cpp as vendored in llama-cpp-python 0.3.36; default parameters, one thread) on our
-``--to gguf:f32`` of ``tests/fixtures/models/llama_nf4_dq`` and records every tensor's GGML type and
-the sha256 of its bytes in ``tests/fixtures/gguf_mix_sha256.json``. tests/test_gguf_kquant.py
-compares our own ``--to gguf:MIX`` files with them where llama_cpp is not installed (and, where it
-is, checks that this file still equals what llama.cpp makes).
+``--to gguf:f32`` of a fixture model and records every tensor's GGML type and the sha256 of its bytes:
+for ``tests/fixtures/models/llama_nf4_dq`` in ``tests/fixtures/gguf_mix_sha256.json``
+(tests/test_gguf_kquant.py), for each architecture fixture ``<arch>_nf4_dq`` of
+tests/test_gguf_arch.py in its ``reference/gguf_kquant_sha256.json``. The tests compare our own
+``--to gguf:MIX`` files with them where llama_cpp is not installed (and, where it is, with what
+llama.cpp makes).
 
-    python scripts/make_kquant_goldens.py
+    python scripts/make_kquant_goldens.py            # llama_nf4_dq and every architecture fixture
 """
 
 from __future__ import annotations
@@ -51,20 +53,39 @@ def tensor_hashes(path: Path) -> dict[str, list[str]]:
             for t in sorted(gguf.GGUFReader(path).tensors, key=lambda t: t.name)}
 
 
+#: The architecture fixtures of tests/test_gguf_arch.py (``tests/fixtures/models/<arch>_nf4_dq``).
+ARCHS = ("qwen3", "gemma2", "gemma3", "mistral_hd", "phi3")
+
+
+def mix_hashes(fixture: Path, tmp: Path) -> dict[str, dict[str, list[str]]]:
+    """mix -> :func:`tensor_hashes` of llama-quantize's output from our ``--to gguf:f32`` of ``fixture``."""
+    f32 = tmp / "f32.gguf"
+    subprocess.run([sys.executable, "-m", "convert", str(fixture), "--to", "gguf:f32", "-o", str(f32), "-q",
+                    "--overwrite"], check=True, cwd=ROOT)
+    out = {}
+    for mix in FILE_TYPES:
+        dst = tmp / f"{mix}.gguf"
+        llama_quantize(f32, dst, mix)
+        out[mix] = tensor_hashes(dst)
+        dst.unlink()
+    return out
+
+
 def main() -> None:
     import llama_cpp
 
+    for arch in ARCHS:
+        fixture = FIXTURE.parent / f"{arch}_nf4_dq"
+        with tempfile.TemporaryDirectory() as d:
+            golden = mix_hashes(fixture, Path(d))
+        path = fixture / "reference" / "gguf_kquant_sha256.json"
+        path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {path.relative_to(ROOT)} ({len(golden)} file types)")
     with tempfile.TemporaryDirectory() as d:
-        f32 = Path(d) / "f32.gguf"
-        subprocess.run([sys.executable, "-m", "convert", str(FIXTURE), "--to", "gguf:f32", "-o", str(f32), "-q"],
-                       check=True, cwd=ROOT)
         out: dict[str, object] = {"made_by": f"llama_cpp.llama_model_quantize, llama-cpp-python "
                                              f"{llama_cpp.__version__}, nthread 1, default parameters, "
                                              f"on our --to gguf:f32 of {FIXTURE.relative_to(ROOT)}"}
-        for mix in FILE_TYPES:
-            dst = Path(d) / f"{mix}.gguf"
-            llama_quantize(f32, dst, mix)
-            out[mix] = tensor_hashes(dst)
+        out.update(mix_hashes(FIXTURE, Path(d)))
     GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN.relative_to(ROOT)} ({GOLDEN.stat().st_size} bytes, {len(FILE_TYPES)} file types)")
 

@@ -255,12 +255,12 @@ def test_a_qwen3_reranker_is_refused_before_any_weight(tmp_path, how):
 def _kquant_golden(arch: str) -> dict[str, dict[str, list[str]]]:
     path = _fixture(arch) / "reference" / "gguf_kquant_sha256.json"
     if not path.is_file():
-        pytest.skip(f"no K-quant golden for {arch} (scripts/make_arch_kquant_goldens.py makes it)")
+        pytest.skip(f"no K-quant golden for {arch} (scripts/make_kquant_goldens.py makes it)")
     return json.loads(path.read_text())
 
 
 def _kquant_hashes(path: Path) -> dict[str, list[str]]:
-    """name -> [GGML type, sha256 of its bytes] (as scripts/make_arch_kquant_goldens.py)."""
+    """name -> [GGML type, sha256 of its bytes] (as scripts/make_kquant_goldens.py)."""
     return {t.name: [t.tensor_type.name, hashlib.sha256(np.asarray(t.data).view(np.uint8).tobytes()).hexdigest()]
             for t in gguf.GGUFReader(path).tensors}
 
