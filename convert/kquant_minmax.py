@@ -75,7 +75,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import Codec, nearest_int_bits
+from .codec_base import Codec, encode_by_chunks, nearest_int_bits
 
 __all__ = ["Q2_KCodec", "Q4_KCodec", "Q5_KCodec"]
 
@@ -297,21 +297,6 @@ def _q45_block(xb: F32, nmax: int, rmin: float, nstep: int) -> tuple[U8, U8, U8,
     return d16, dmin16, sc.astype(np.uint8), _to_blocks(levels, 32)
 
 
-def _chunks(x: F32, type_size: int, encode: type[Codec]) -> U8:
-    """Run ``encode._encode_blocks`` over :data:`CHUNK_BLOCKS`-super-block chunks of ``(rows, n)``."""
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % QK_K:
-        raise ValueError(f"{encode.__name__}: expected (rows, n) with n a multiple of {QK_K}, got {x.shape}")
-    rows, n = x.shape
-    xb = x.reshape(-1, QK_K)
-    out = np.empty((xb.shape[0], type_size), dtype=np.uint8)
-    with np.errstate(all="ignore"):  # inf/NaN/overflow are part of the C arithmetic being reproduced
-        for start in range(0, xb.shape[0], CHUNK_BLOCKS):
-            chunk = xb[start : start + CHUNK_BLOCKS]
-            out[start : start + chunk.shape[0]] = encode._encode_blocks(chunk)  # type: ignore[attr-defined]
-    return out.reshape(rows, n // QK_K * type_size)
-
-
 class Q4_KCodec(Codec):
     """Q4_K: ``quantize_row_q4_K_ref`` (144-byte blocks of 256 values; see the module docstring)."""
 
@@ -332,7 +317,7 @@ class Q4_KCodec(Codec):
     @classmethod
     def quantize(cls, x: F32) -> U8:
         """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 144)``."""
-        return _chunks(x, 144, cls)
+        return encode_by_chunks(x, QK_K, 144, cls._encode_blocks, CHUNK_BLOCKS)
 
 
 class Q5_KCodec(Codec):
@@ -362,7 +347,7 @@ class Q5_KCodec(Codec):
     @classmethod
     def quantize(cls, x: F32) -> U8:
         """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 176)``."""
-        return _chunks(x, 176, cls)
+        return encode_by_chunks(x, QK_K, 176, cls._encode_blocks, CHUNK_BLOCKS)
 
 
 class Q2_KCodec(Codec):
@@ -401,4 +386,4 @@ class Q2_KCodec(Codec):
     @classmethod
     def quantize(cls, x: F32) -> U8:
         """float32 ``(rows, n)`` (``n % 256 == 0``) -> uint8 ``(rows, n // 256 * 84)``."""
-        return _chunks(x, 84, cls)
+        return encode_by_chunks(x, QK_K, 84, cls._encode_blocks, CHUNK_BLOCKS)

@@ -308,7 +308,9 @@ def test_shapes_and_errors(name: str) -> None:
     with pytest.raises(ValueError):
         c.quantize(np.zeros((2, 100), dtype=np.float32))
     with pytest.raises(ValueError):
-        c.quantize(np.zeros(256, dtype=np.float32))
+        c.quantize(np.float32(1.0))
+    row = _random_rows("normal", 5, (1, 256))  # (..., n) as gguf-py's quantize: a 1-D row is one row
+    assert np.array_equal(c.quantize(row[0]), c.quantize(row)[0])
 
 
 def test_nearest_int_bits() -> None:
