@@ -102,3 +102,15 @@ def test_every_run_time_dependency_is_imported_by_the_run_time_code() -> None:
     names = [re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].replace("-", "_") for d in deps]
     assert names == ["numpy", "huggingface_hub", "tqdm", "gguf", "ml_dtypes", "regex"]
     assert [n for n in names if n not in imported] == []
+
+
+@pytest.mark.parametrize("spelled", ["BF16", "Bf16", " bf16 "])
+def test_to_takes_any_letter_case_in_every_command(spelled: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    assert main([str(MODEL), "--to", spelled, "-o", str(out), "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["to"] == "bf16"
+    assert main(["check", str(MODEL), "--to", spelled.upper().replace("BF16", "GGUF:Q8_0"), "-q"]) == 0
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODEL} --to {spelled.strip()}\n")
+    assert main(["batch", str(jobs), "--out-dir", str(tmp_path / "b"), "--to", spelled.strip(), "--dry-run"]) == 0
