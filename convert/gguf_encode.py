@@ -127,9 +127,10 @@ class _Chunk:
 
 
 def _convert_chunk(
-    t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str
+    t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int = 0
 ) -> _Chunk:
-    """Rows of one tensor: float32, the architecture's transforms, encode, measure the added error."""
+    """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
+    encode, measure the added error."""
     if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
         raise GgufSourceError(
             "source array is not a float array",
@@ -149,14 +150,15 @@ def _convert_chunk(
     finite = np.isfinite(x)
     all_finite = bool(finite.all())
     if not all_finite and t.ggml_type not in _FLOAT_TYPES:
-        at = int(np.argmin(finite.reshape(-1)))
+        row, col = divmod(int(np.argmin(finite.reshape(-1))), x.shape[-1] if x.ndim else 1)
         raise GgufNonFiniteError(
-            f"weight holds {x.reshape(-1)[at]} and cannot be quantized to {t.ggml_type.name}",
+            f"weight holds {x.reshape(-1)[row * x.shape[-1] + col]} and cannot be quantized to "
+            f"{t.ggml_type.name}",
             path=user_path(Path(path)),
             tensor=t.source,
             expected="finite values",
-            found=f"{int(x.size - np.count_nonzero(finite))} of {x.size} values in these rows, the first at "
-                  f"element {at} of the chunk",
+            found=f"{int(x.size - np.count_nonzero(finite))} non-finite in rows {row0}..{row0 + len(x) - 1}, "
+                  f"the first at row {row0 + row}, column {col} of {t.name}",
             action="write",
         )
     coder = codec(t.ggml_type)
@@ -305,7 +307,7 @@ def _write_tensor(
                     action="write",
                 )
             x = x.reshape(r1 - r0, cols)
-        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path)
+        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0)
 
     max_err = sq_err = sq_ref = 0.0
     pending: deque[Future[_Chunk]] = deque()
