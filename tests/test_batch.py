@@ -552,7 +552,7 @@ def test_batch_jobs_behave_as_the_cli(tmp_path: Path) -> None:
         assert r.returncode == 3, r.stderr
         results[verify] = {x["name"]: x for x in json.loads(r.stdout)}
     for t in targets:
-        name = t.replace(":", "-")
+        name = t.replace(":", "-") + (".gguf" if t.startswith("gguf") else "")  # --name X of a GGUF job: X.gguf
         assert [results[v][f"good-{name}"]["verified"] for v in (True, False)] == [True, False]
         assert results[True][f"good-{name}"]["status"] == "converted"
         cli = run_cli([str(broken), "--to", t, "-o", str(tmp_path / f"cli-{name}")], env)
@@ -561,8 +561,8 @@ def test_batch_jobs_behave_as_the_cli(tmp_path: Path) -> None:
         assert (bad["status"], bad["rule"], bad["error_class"]) == ("failed", "BNB-009", "QuantStateJsonError")
         assert bad["error"] in cli.stderr  # the same message, naming file, tensor and rule
     out = tmp_path / "out-True"
-    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "good-bf16", "good-gguf-q8_0", "good-nf4"]
-    assert (out / "good-gguf-q8_0").read_bytes()[:4] == b"GGUF"
+    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "good-bf16", "good-gguf-q8_0.gguf", "good-nf4"]
+    assert (out / "good-gguf-q8_0.gguf").read_bytes()[:4] == b"GGUF"
 
 
 def test_local_paths_become_absolute(tmp_path: Path) -> None:
