@@ -3,10 +3,10 @@
 Runs in a separate environment with torch, bitsandbytes, transformers, sentencepiece and the llama.cpp
 converter's dependencies (never in the CI environment)::
 
-    python3 -m venv /work/venv-fix
-    /work/venv-fix/bin/pip install torch==2.13.0 bitsandbytes==0.50.2 transformers peft tokenizers \\
+    python3 -m venv .venv-fixtures
+    .venv-fixtures/bin/pip install torch==2.13.0 bitsandbytes==0.50.2 transformers peft tokenizers \\
         sentencepiece safetensors numpy
-    /work/venv-fix/bin/python scripts/make_arch_fixtures.py --llama-cpp DIR [--only qwen3 ...]
+    .venv-fixtures/bin/python scripts/make_arch_fixtures.py --llama-cpp DIR [--only qwen3 ...]
 
 ``DIR`` is a llama.cpp source tree holding ``convert_hf_to_gguf.py``, its ``conversion/`` package and
 ``gguf-py`` (e.g. ``vendor/llama.cpp`` of a llama-cpp-python source distribution). For each architecture
