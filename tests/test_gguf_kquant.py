@@ -8,7 +8,6 @@ without llama_cpp too; where llama_cpp imports, the golden file is checked again
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import shutil
@@ -20,9 +19,9 @@ import pytest
 
 from convert.cli import main
 from convert.gguf_mix import FILE_TYPES
-from convert.gguf_plan import OUTPUT_TYPES
 
-from .test_gguf import REF, SafetensorsReader, _llama_logits
+from .test_gguf import REF, SafetensorsReader, _has_llama_cpp, _llama_logits
+from .test_gguf_mix import _llama_quantize
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL = FIXTURES / "models" / "llama_nf4_dq"
@@ -36,13 +35,9 @@ def tensor_hashes(path: Path) -> dict[str, list[str]]:
             for t in gguf.GGUFReader(path).tensors}
 
 
-def llama_quantize(src: Path, dst: Path, mix: str) -> Path:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = 1
-    params.ftype = int(OUTPUT_TYPES[mix][1])
-    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
-    return dst
+def _hashes_of_llama_quantize(f32: Path, dst: Path, mix: str) -> dict[str, list[str]]:
+    _llama_quantize(f32, dst, mix)
+    return tensor_hashes(dst)
 
 
 def run(args: list[str]) -> None:
@@ -61,7 +56,7 @@ def test_the_golden_hashes_are_what_llama_cpp_makes_now(tmp_path: Path) -> None:
     f32 = tmp_path / "f32.gguf"
     run([str(MODEL), "--to", "gguf:f32", "-o", str(f32)])
     for mix in ("q4_k_m", "q2_k", "q3_k_s", "q6_k"):  # one per encoder family; all 13 in test_gguf_mix.py
-        assert tensor_hashes(llama_quantize(f32, tmp_path / f"{mix}.gguf", mix)) == GOLDEN[mix], mix
+        assert _hashes_of_llama_quantize(f32, tmp_path / f"{mix}.gguf", mix) == GOLDEN[mix], mix
 
 
 @pytest.mark.parametrize("mix", ["q4_k_m", "q6_k"])
@@ -72,7 +67,8 @@ def test_logits_are_as_far_from_the_f32_files_as_llama_quantizes(mix: str, tmp_p
     f32, ours = tmp_path / "f32.gguf", tmp_path / "ours.gguf"
     run([str(MODEL), "--to", "gguf:f32", "-o", str(f32)])
     run([str(MODEL), "--to", f"gguf:{mix}", "-o", str(ours)])
-    theirs = llama_quantize(f32, tmp_path / "theirs.gguf", mix)
+    theirs = tmp_path / "theirs.gguf"
+    _llama_quantize(f32, theirs, mix)
     r = SafetensorsReader(REF / "logits.safetensors")
     ids = [int(i) for i in np.array(r.array("input_ids")).reshape(-1)]
     n_vocab = int(np.array(r.array("logits_dequantized")).shape[-1])
@@ -96,7 +92,7 @@ def test_merge_lora_composes_with_q4_k_m(tmp_path: Path) -> None:
         return
     f32 = tmp_path / "f32.gguf"
     run([str(MODEL), "--merge-lora", str(ADAPTER), "--to", "gguf:f32", "-o", str(f32)])
-    assert got == tensor_hashes(llama_quantize(f32, tmp_path / "theirs.gguf", "q4_k_m"))
+    assert got == _hashes_of_llama_quantize(f32, tmp_path / "theirs.gguf", "q4_k_m")
 
 
 def test_batch_writes_q4_k_m(tmp_path: Path) -> None:
@@ -109,66 +105,3 @@ def test_batch_writes_q4_k_m(tmp_path: Path) -> None:
     made = [p for p in out.iterdir() if not p.name.startswith(".")]
     assert len(made) == 1 and made[0].name.startswith("good-gguf-q4_k_m")
     assert tensor_hashes(made[0]) == GOLDEN["q4_k_m"]
-
-
-def _has_llama_cpp() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _with_non_finite(tmp_path: Path) -> Path:
-    """The plain bf16 fixture model with +inf and NaN in two weights."""
-    import ml_dtypes
-
-    from formats.dtypes import BY_CODE
-    from formats.safetensors import SafetensorsWriter
-
-    from .conftest import read_safetensors
-
-    src = tmp_path / "m"
-    shutil.copytree(FIXTURES / "models" / "llama_orig_bf16", src)
-    t = read_safetensors(src / "model.safetensors")
-    for name, value in (("model.layers.0.self_attn.q_proj.weight", np.inf), ("model.layers.1.mlp.up_proj.weight",
-                                                                             np.nan)):
-        a = np.array(t[name])
-        a.reshape(-1)[5] = value
-        t[name] = a
-    (src / "model.safetensors").unlink()
-    entries = [(n, BY_CODE["BF16"] if v.dtype == ml_dtypes.bfloat16 else BY_CODE["F32"], v.shape) for n, v in t.items()]
-    w = SafetensorsWriter(src / "model.safetensors", entries, {"format": "pt"})
-    for v in t.values():
-        w.write(np.ascontiguousarray(v))
-    w.close()
-    return src
-
-
-@pytest.mark.parametrize("to", ["gguf:q4_k_m", "gguf:q8_0", "gguf:q4_0"])
-def test_inf_or_nan_in_a_weight_to_quantize_is_gguf_011(to: str, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    src = _with_non_finite(tmp_path)
-    out = tmp_path / "out" / "m.gguf"
-    out.parent.mkdir()
-    assert main([str(src), "--to", to, "-o", str(out), "--json"]) == 2
-    result = json.loads(capsys.readouterr().out)
-    assert result["rule"] == "GGUF-011" and "tensor 'model.layers.0.self_attn.q_proj.weight'" in result["message"]
-    assert f"Failed to write '{out}'" in result["message"] and "holds inf" in result["message"]
-    assert list(out.parent.iterdir()) == []
-
-
-def test_float_gguf_keeps_inf_and_nan_and_its_json_report_is_valid(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    src = _with_non_finite(tmp_path)
-    out = tmp_path / "m.gguf"
-    assert main([str(src), "--to", "gguf:f16", "-o", str(out), "--json"]) == 0
-
-    def strict(token: str) -> float:
-        raise AssertionError(f"{token} in the JSON report")
-
-    report = json.loads(capsys.readouterr().out, parse_constant=strict)
-    rows = {r["name"]: r for r in report["gguf"]["tensors"]}
-    assert 0 <= rows["blk.0.attn_q.weight"]["max_abs_error"] < 1e-3  # bf16 -> f16 (subnormals round); inf left out
-    q = {t.name: t for t in gguf.GGUFReader(out).tensors}["blk.0.attn_q.weight"]
-    assert np.isinf(np.asarray(q.data, dtype=np.float32)).sum() == 1

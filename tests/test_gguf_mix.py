@@ -39,7 +39,7 @@ from convert.gguf_mix import FILE_TYPES, MixModel, mix_summary, mix_types, use_m
 from convert.gguf_plan import OUTPUT_TYPES, parse_output_type
 from formats.errors import GgufTypeError
 
-from .test_gguf import _layers, make_gemma, make_qwen2
+from .test_gguf import _has_llama_cpp, _layers, make_gemma, make_qwen2
 
 GT = gguf.GGMLQuantizationType
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -48,14 +48,6 @@ FIXTURE = MODELS / "llama_nf4_dq"
 FIXTURES = sorted(p.name for p in MODELS.iterdir() if (p / "config.json").exists() and p.name.startswith("llama"))
 SYNTHETIC = ["llama32_gqa4", "llama16_tied", "gemma", "qwen2"]
 MIXES = list(FILE_TYPES)
-
-
-def _has_llama_cpp() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------------------------
