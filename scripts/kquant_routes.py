@@ -18,7 +18,6 @@ direct route is closer on. Needs llama-cpp-python.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import subprocess
 import sys
@@ -29,20 +28,13 @@ import gguf
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from make_kquant_goldens import llama_quantize  # noqa: E402  (this folder is on sys.path when run)
 
 
 def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "convert", *args, "-q"], check=True, cwd=ROOT)
-
-
-def llama_quantize(src: Path, dst: Path, out_type: str) -> None:
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = 2
-    params.ftype = int(gguf.LlamaFileType["MOSTLY_" + out_type.upper()])
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
-        raise SystemExit("llama_model_quantize failed")
 
 
 def decoded(path: Path) -> dict[str, tuple[str, np.ndarray]]:
@@ -61,7 +53,7 @@ def main() -> None:
         cli(str(a.model), "--to", f"gguf:{a.type}", "-o", str(tmp / "direct.gguf"))
         cli(str(a.model), "--to", "bf16", "-o", str(tmp / "bf16"))
         cli(str(tmp / "bf16"), "--to", "gguf:f16", "-o", str(tmp / "f16.gguf"))
-        llama_quantize(tmp / "f16.gguf", tmp / "usual.gguf", a.type)
+        llama_quantize(tmp / "f16.gguf", tmp / "usual.gguf", a.type, nthread=2)
         ref = decoded(tmp / "ref.gguf")
         routes = {"direct": decoded(tmp / "direct.gguf"), "usual": decoded(tmp / "usual.gguf")}
     names = [n for n, (_, x) in ref.items() if routes["direct"][n][0] not in ("F32", "F16", "BF16") and x.size]

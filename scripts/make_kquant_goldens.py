@@ -36,12 +36,12 @@ FIXTURE = ROOT / "tests" / "fixtures" / "models" / "llama_nf4_dq"
 GOLDEN = ROOT / "tests" / "fixtures" / "gguf_mix_sha256.json"
 
 
-def llama_quantize(src: Path, dst: Path, mix: str) -> None:
-    """``llama_model_quantize`` with the default parameters, one thread, the mix's ftype."""
+def llama_quantize(src: Path, dst: Path, mix: str, nthread: int = 1) -> None:
+    """``llama_model_quantize`` with the default parameters, ``nthread`` threads, the mix's ftype."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = 1
+    params.nthread = nthread
     params.ftype = int(OUTPUT_TYPES[mix][1])
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise SystemExit(f"llama_model_quantize failed for {mix}")
