@@ -33,12 +33,14 @@ __all__ = [
     "dequantize_4bit",
     "dequantize_int8",
     "dequantize_nested_absmax",
+    "float_output",
     "pair_lut",
     "round_float32",
     "unpack_4bit",
 ]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
 #: Elements per inner piece: small enough that the fp32 temporaries stay in L2 cache.
 PIECE = 1 << 16
 
@@ -88,14 +90,31 @@ def round_float32(x: npt.NDArray[np.float32], dtype: np.dtype | str) -> np.ndarr
     Returns:
         array of ``dtype`` with x's shape (x itself for float32).
     """
-    dt = np.dtype(ml_dtypes.bfloat16) if str(dtype) == "bfloat16" else np.dtype(dtype)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if dt == np.float32:
+    dt = float_output(dtype)
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    if dt is F32:
         return x
-    if dt != BF16 and dt != np.float16:
-        raise ValueError(f"cannot round to {dt}")
+    if dt is BF16:  # ml_dtypes' cast sets no floating-point flags (overflow gives inf silently)
+        return x.astype(dt)
     with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (and counted for fp16)
-        return x.astype(dt)  # ml_dtypes' and NumPy's casts round to nearest even
+        return x.astype(dt)  # NumPy's cast rounds to nearest even
+
+
+#: Output dtype name -> the NumPy dtype (looked up once per call: 10^5 tiny tensors).
+_FLOAT_OUTPUTS = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": F32}
+
+
+def float_output(dtype: np.dtype | str) -> np.dtype:
+    """The NumPy dtype of a float output named ``bfloat16``, ``float16`` or ``float32`` (or given as a dtype).
+
+    Raises:
+        ValueError: any other dtype.
+    """
+    dt = _FLOAT_OUTPUTS.get(dtype if isinstance(dtype, str) else np.dtype(dtype).name)
+    if dt is None:
+        raise ValueError(f"cannot round to {dtype}")
+    return dt
 
 
 def dequantize_4bit(
@@ -129,7 +148,7 @@ def dequantize_4bit(
     Returns:
         ``out_dtype[n]``, flat.
     """
-    dt = np.dtype(ml_dtypes.bfloat16) if str(out_dtype) == "bfloat16" else np.dtype(out_dtype)
+    dt = float_output(out_dtype)
     if out is None:
         out = np.empty(n, dtype=dt)
     if lut is None:
@@ -243,7 +262,7 @@ def dequantize_int8(
     Returns:
         ``out_dtype[rows, in]``.
     """
-    dt = np.dtype(ml_dtypes.bfloat16) if str(out_dtype) == "bfloat16" else np.dtype(out_dtype)
+    dt = float_output(out_dtype)
     weight = np.asarray(weight).view(np.int8).reshape(np.shape(weight)[0], -1)
     rows, cols = weight.shape
     scb = np.asarray(scb, dtype=np.float32).reshape(rows)

@@ -213,14 +213,13 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
         for t in tensors:
             while t.source.barrier and pending:
                 _drain_one(pending, writer, bar)
-            chunk = chunk_elements(t.source.unit, run.max_memory, run.threads)
             if 0 < t.numel <= _INLINE_ELEMENTS:
                 # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
                 pending.append((t, 0, t.numel, t.source.produce(0, t.numel, t.dtype)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)
                 continue
-            for s, e in _ranges(t, chunk):
+            for s, e in _ranges(t, chunk_elements(t.source.unit, run.max_memory, run.threads)):
                 pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
+from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, group_layers, is_int8_config
 from formats.checkpoint import Checkpoint, TensorRecord, gc_paused
 from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
@@ -87,6 +87,10 @@ class Source:
                 self.stats += local
 
 
+#: quant_type -> (its ``float32[16]`` table, the table's :func:`kernels.pair_lut`), made once.
+_QUANT_LUTS = {qt: (table, kernels.pair_lut(table)) for qt, table in QUANT_TABLES.items()}
+
+
 class Dequant4Source(Source):
     """A bitsandbytes 4-bit layer, dequantized (bnb-format.md §2)."""
 
@@ -103,8 +107,8 @@ class Dequant4Source(Source):
         )
         self.kind = f"dequant {st.quant_type} bs{st.blocksize}" + (" nested" if st.nested else "")
         self._absmax: npt.NDArray[np.float32] | None = None
-        self._quant_map = np.array(layer.quant_map.array(), dtype=np.float32).reshape(-1)
-        self._lut = kernels.pair_lut(self._quant_map)
+        # the layer's quant_map equals its quant_type's table bit for bit (BNB-007, checked in formats.bnb)
+        self._quant_map, self._lut = _QUANT_LUTS[st.quant_type]
 
     def absmax(self) -> npt.NDArray[np.float32]:
         """The resolved fp32 absmax, ``float32[n_blocks]`` (nested quantization undone), cached.
@@ -176,18 +180,17 @@ class CastSource(Source):
         self.name = record.name
         self.numel = record.numel
         self.in_nbytes = record.nbytes
-        self.kind = "copy" if out_dtype == record.dtype else f"cast {record.dtype.name}->{out_dtype.name}"
+        self.kind = "copy" if out_dtype.code == record.dtype.code else f"cast {record.dtype.name}->{out_dtype.name}"
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         item = self.record.dtype.itemsize
-        if dtype == self.record.dtype:  # a read-only view of the stored elements: no copy
+        if dtype.code == self.record.dtype.code:  # a read-only view of the stored elements: no copy
             return self.record.raw(start * item, stop * item).view(dtype.numpy)
         flat = self.record.raw(start * item, stop * item).view(self.record.dtype.numpy)
-        x = flat.astype(np.float32)
-        out = kernels.round_float32(x, dtype.name)
+        out = kernels.round_float32(flat, dtype.name)  # widened to fp32 first (exact), rounded once
         if dtype.name == "float16":
             local = np.zeros(2, dtype=np.int64)
-            kernels.count_f16_loss(x, out, local)
+            kernels.count_f16_loss(flat.astype(np.float32, copy=False), out, local)
             self._add_stats(local)
         return out
 
@@ -400,7 +403,8 @@ def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
                                  int8_model=is_int8_config(checkpoint.config))
     tensors: list[PlannedTensor] = []
     q_dtypes: set[str] = set()
-    int8_natural = _int8_natural(checkpoint, plain)
+    int8_layers = any(isinstance(layer, Int8Layer) for layer in layers.values())
+    int8_natural = _int8_natural(checkpoint, plain) if int8_layers else BY_NAME["float16"]
     plain_names = set(plain)  # a list lookup per tensor made planning quadratic in the tensor count
     for name, rec in checkpoint.tensors.items():
         layer = layers.get(name)

@@ -169,6 +169,7 @@ NESTED_BLOCKSIZES = BLOCKSIZES
 QUANT_STATE_COMPONENTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 #: The QuantState JSON's component is ``quant_state.bitsandbytes__<quant_type>``.
 STATE_KEY_PREFIX = "quant_state.bitsandbytes__"
+_COMPONENT_NAMES = frozenset(QUANT_STATE_COMPONENTS)
 _UNPACKED_FIELDS = (
     "quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset",
 )
@@ -492,9 +493,9 @@ def split_component(name: str) -> tuple[str, str] | None:
     i = name.rfind(marker)
     if i > 0:
         return name[:i], name[i + 1:]
-    for suffix in QUANT_STATE_COMPONENTS:
-        if name.endswith("." + suffix):
-            return name[: -len(suffix) - 1], suffix
+    base, dot, last = name.rpartition(".")
+    if dot and last in _COMPONENT_NAMES:  # one set lookup per name: 10^5 names in a big checkpoint
+        return base, last
     return None
 
 

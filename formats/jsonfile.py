@@ -115,19 +115,35 @@ class _Refused(Exception):
         self.reason, self.expected, self.found, self.key = reason, expected, found, key
 
 
-def _depth(raw: bytes, limit: int) -> int | None:
-    """The byte offset where ``raw`` first nests deeper than ``limit`` (None when it never does),
-    brackets in strings not counted. Linear time, no recursion; memory: one copy of the input and
-    arrays of one 4 MiB chunk.
+def _blank_escapes(raw: bytes) -> bytes:
+    """``raw`` with ``\\\\`` then ``\\"`` blanked to ``__`` (left to right, as a JSON parser reads them):
+    every quote left opens or closes a string. Same length as ``raw``."""
+    return raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
 
-    Escapes are blanked first (``\\\\`` then ``\\"``, left to right as a JSON parser reads them),
-    so every quote left opens or closes a string; a bracket is inside a string when an odd number
-    of quotes precede it. Where the text is not JSON this may miscount, but only past the first
-    error, which the parser stops at before it nests any deeper.
+
+def _depth(plain: bytes, limit: int) -> int | None:
+    """The byte offset where ``plain`` (text after :func:`_blank_escapes`) first nests deeper than
+    ``limit`` (None when it never does), brackets in strings not counted. Linear time, no recursion;
+    memory: arrays of one 4 MiB chunk.
+
+    A bracket is inside a string when an odd number of quotes precede it. Where the text is not JSON
+    this may miscount, but only past the first error, which the parser stops at before it nests any
+    deeper.
     """
-    if raw.count(b"[") + raw.count(b"{") <= limit:
+    if plain.count(b"[") + plain.count(b"{") <= limit:
         return None
-    plain = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    # first on the quotes and brackets alone (a tenth of a header's bytes); offsets only when too deep
+    if _first_too_deep(plain.translate(None, _NOT_STRUCTURE), limit) is None:
+        return None
+    return _first_too_deep(plain, limit)
+
+
+#: Every byte but quotes and brackets (deleted before the depth count).
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'"[]{}')
+
+
+def _first_too_deep(plain: bytes, limit: int) -> int | None:
+    """:func:`_depth`'s count over ``plain`` in chunks of 4 MiB: the offset of the first bracket past ``limit``."""
     level, quotes = 0, 0
     for start in range(0, len(plain), _CHUNK):
         arr = np.frombuffer(plain, dtype=np.uint8, count=min(_CHUNK, len(plain) - start), offset=start)
@@ -147,40 +163,82 @@ def _depth(raw: bytes, limit: int) -> int | None:
     return None
 
 
-#: A run of digits longer than any integer we accept (found in C, before parsing).
-_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+#: Every digit to ``9``, every other byte to a space: a run of digits longer than any integer we accept
+#: is then a plain substring search (in C, before parsing; 20x faster than a regex on a 10 MB header).
+_DIGITS_TO_9 = bytes(0x39 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+_LONG_DIGITS = b"9" * (MAX_INT_DIGITS + 1)
 
 
-def _hooks(kind: JsonKind, long_digits: bool) -> dict[str, Callable[..., Any]]:
-    """json.loads hooks for ``kind``; the per-integer ``parse_int`` check only when the text holds a run
-    of more than :data:`MAX_INT_DIGITS` digits somewhere (else every integer is short: the C parser's own
-    ``int`` is used, several times faster on headers of 10^5 tensors)."""
-    def parse_int(token: str) -> int:
-        digits = len(token) - token.startswith("-")
-        if digits > MAX_INT_DIGITS:
-            raise _Refused("holds an integer too long to be a real value",
-                           f"at most {MAX_INT_DIGITS} digits", f"{digits} digits ({token[:12]}...)")
-        return int(token)
+#: The end of an object key in text after :func:`_blank_escapes`: a closing quote, then ``:``.
+_KEY_END = re.compile(rb'"[ \t\n\r]*:')
 
-    def parse_constant(token: str) -> float:
-        if not kind.allow_nan:
-            raise _Refused(f"holds {token}, which is not JSON", "finite numbers", token)
-        return float(token)
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj = dict(items)
-        if len(obj) != len(items):
-            seen: set[str] = set()
-            for key, _ in items:
-                if key in seen:
-                    raise _Refused(f"has the key {key!r} twice in one object", "each key once", "twice", key)
-                seen.add(key)
-        return obj
+def _refuse_constant(token: str) -> float:
+    raise _Refused(f"holds {token}, which is not JSON", "finite numbers", token)
 
-    hooks: dict[str, Callable[..., Any]] = {"parse_constant": parse_constant, "object_pairs_hook": pairs}
-    if long_digits:
-        hooks["parse_int"] = parse_int
-    return hooks
+
+def _refuse_long_int(token: str) -> int:
+    digits = len(token) - token.startswith("-")
+    if digits > MAX_INT_DIGITS:
+        raise _Refused("holds an integer too long to be a real value",
+                       f"at most {MAX_INT_DIGITS} digits", f"{digits} digits ({token[:12]}...)")
+    return int(token)
+
+
+def _refuse_duplicate_keys(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(items)
+    if len(obj) != len(items):
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen:
+                raise _Refused(f"has the key {key!r} twice in one object", "each key once", "twice", key)
+            seen.add(key)
+    return obj
+
+
+def _decoder(allow_nan: bool, long_digits: bool, check_keys: bool) -> json.JSONDecoder:
+    """A decoder with only the hooks needed: ``parse_int`` when the text holds a run of more than
+    :data:`MAX_INT_DIGITS` digits somewhere (else the C parser's own ``int``, several times faster),
+    ``object_pairs_hook`` only to name a duplicate key (a Python call per object: 2.5x slower on a
+    header of 10^5 tensors), ``parse_constant`` only where NaN/Infinity are refused."""
+    return json.JSONDecoder(
+        parse_constant=None if allow_nan else _refuse_constant,
+        parse_int=_refuse_long_int if long_digits else None,
+        object_pairs_hook=_refuse_duplicate_keys if check_keys else None,
+    )
+
+
+#: (allow_nan, long_digits, check_keys) -> decoder, built once (json.loads with hooks builds one per call).
+_DECODERS = {(n, d, k): _decoder(n, d, k) for n in (False, True) for d in (False, True) for k in (False, True)}
+
+
+def _count_keys(value: Any) -> int:
+    """Keys of every object in a parsed JSON value (iterative: no recursion; only containers are
+    pushed, so a header's 10^5 shape and offset lists cost one pass each)."""
+    count, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is dict:
+            count += len(v)
+            v = v.values()
+        for x in v:
+            if type(x) is dict or type(x) is list:
+                stack.append(x)
+    return count
+
+
+def _parse(text: str, plain: bytes, kind: JsonKind, long_digits: bool) -> Any:
+    """Parse ``text``; a key twice in one object raises :class:`_Refused` naming it.
+
+    Fast path: parse without a per-object hook, then compare the keys the parsed value holds with the
+    keys the text holds (the closing quotes followed by ``:`` in ``plain``, exact once escapes are
+    blanked). Only when they differ (a key was merged away) is the text parsed again with the
+    per-object hook, which names the first duplicate.
+    """
+    obj = _DECODERS[kind.allow_nan, long_digits, False].decode(text)
+    if _count_keys(obj) != len(_KEY_END.findall(plain)):
+        obj = _DECODERS[kind.allow_nan, long_digits, True].decode(text)
+    return obj
 
 
 def load_json_bytes(
@@ -223,11 +281,14 @@ def load_json_bytes(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise fail(f"is not valid UTF-8 (byte {exc.start})") from None
-    deep = _depth(raw, MAX_DEPTH)
+    if text.startswith("\ufeff"):
+        raise fail("is not valid JSON (it starts with a UTF-8 byte order mark)")
+    plain = _blank_escapes(raw)
+    deep = _depth(plain, MAX_DEPTH)
     if deep is not None:
         raise fail("is nested too deeply", f"at most {MAX_DEPTH} levels", f"level {MAX_DEPTH + 1} at byte {deep}")
     try:
-        return json.loads(text, **_hooks(kind, _LONG_DIGITS.search(raw) is not None))  # type: ignore[arg-type]
+        return _parse(text, plain, kind, _LONG_DIGITS in raw.translate(_DIGITS_TO_9))
     except _Refused as exc:
         if exc.key is not None and on_duplicate is not None:
             raise on_duplicate(exc.key) from None

@@ -199,8 +199,10 @@ def _check_entry(path: str, name: str, entry: Any) -> tuple[int, int, DType, tup
 
 def _parse_header(
     path: str, header_bytes: bytes, data_size: int, problems: list[ConvertBnbError] | None = None
-) -> tuple[dict[str, str], list[TensorInfo]]:
-    """Check the header against ST-003 and ST-005..ST-013.
+) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """Check the header against ST-003 and ST-005..ST-013; return the metadata and name ->
+    :class:`TensorInfo` in data-offset order, ``start`` absolute (the data area begins at byte
+    ``8 + len(header_bytes)``).
 
     With ``problems`` (a list), per-tensor and layout problems are appended to it and the tensors
     concerned are left out, so a caller can report every problem of a file; without, the first
@@ -278,11 +280,12 @@ def _parse_header(
             "data area has trailing bytes no tensor covers", path=path,
             expected=f"{cursor} data bytes", found=data_size,
         ))
-    return metadata, [
-        TensorInfo(name, dt, shape, begin, end - begin)
+    base = 8 + len(header_bytes)
+    return metadata, {
+        name: TensorInfo(name, dt, shape, base + begin, end - begin)
         for begin, end, name, dt, shape in keep
         if dt is not None and end <= data_size
-    ]
+    }
 
 
 def _kind(value: Any) -> str:
@@ -359,7 +362,7 @@ class SafetensorsReader:
         self.header_size = 8 + n
         self.file_size = size
         try:
-            self.metadata, infos = _parse_header(spath, header_bytes, size - self.header_size, problems)
+            self.metadata, self.tensors = _parse_header(spath, header_bytes, size - self.header_size, problems)
         except HeaderJsonError:
             what = sniff(head + header_bytes[:504])
             if what is not None and not header_bytes.lstrip().startswith(b"{"):
@@ -368,9 +371,6 @@ class SafetensorsReader:
                     expected="an 8-byte header length and a JSON header", found=what.split(" (")[0],
                 ) from None
             raise
-        self.tensors: dict[str, TensorInfo] = {
-            i.name: TensorInfo(i.name, i.dtype, i.shape, i.start + self.header_size, i.nbytes) for i in infos
-        }
         self._mmap: mmap.mmap | None = None
 
     def __enter__(self) -> SafetensorsReader:
@@ -501,17 +501,23 @@ class SafetensorsWriter:
 
     def write(self, data: np.ndarray | bytes | memoryview) -> None:
         """Append bytes of the current tensor (C-contiguous arrays are written without a copy)."""
+        payload: Any  # a buffer of bytes
         if isinstance(data, np.ndarray):
-            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data  # a memoryview, no copy
-        buf = memoryview(data).cast("B")
-        n = buf.nbytes
+            if not data.flags.c_contiguous:
+                data = np.ascontiguousarray(data)
+            payload = data.reshape(-1).view(np.uint8)  # no copy
+        else:
+            payload = memoryview(data).cast("B")
+        n = payload.nbytes
         if self._written == 0 and self._index < len(self._spans):
             _, begin, end = self._spans[self._index]
             if n == end - begin:  # one whole tensor: the common case, 10^5 times for many small tensors
-                self._file.write(buf)
+                self._file.write(payload)
                 self._index += 1
-                self._skip_empty()
+                if self._index < len(self._spans) and self._spans[self._index][1] == self._spans[self._index][2]:
+                    self._skip_empty()
                 return
+        buf = memoryview(payload).cast("B")
         while n:
             if self._index >= len(self._spans):
                 raise ValueError(f"'{self.path}': more data written than planned")
