@@ -36,7 +36,7 @@ from formats.errors import VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter, build_header
 
 from .output import ShardLedger
-from .plan import Plan, PlannedTensor
+from .plan import CastSource, Plan, PlannedTensor, cast_run
 
 __all__ = ["RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "verify_plan", "write_directory_files",
            "write_plan"]
@@ -47,6 +47,8 @@ _BYTES_PER_ELEMENT = 16
 _BASELINE = 96 * 1024 * 1024
 #: Tensors of at most this many elements are made in the writing thread (a worker round trip costs more).
 _INLINE_ELEMENTS = 4096
+#: Most elements in one run of tiny plain tensors cast and written together.
+_RUN_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -210,12 +212,24 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
     try:
         # (tensor, start, stop, a worker's future or the data itself), in file order
         pending: deque[tuple[PlannedTensor, int, int, Any]] = deque()
-        for t in tensors:
+        k = 0
+        while k < len(tensors):
+            t = tensors[k]
+            k += 1
             while t.source.barrier and pending:
                 _drain_one(pending, writer, bar)
-            if 0 < t.numel <= _INLINE_ELEMENTS:
+            if t.numel <= _INLINE_ELEMENTS:
                 # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
-                pending.append((t, 0, t.numel, t.source.produce(0, t.numel, t.dtype)))
+                end = _small_cast_run(tensors, k - 1)
+                if end > k:  # tiny plain tensors in a row: one cast, one write spanning them
+                    last = tensors[end - 1]
+                    data = cast_run([u.source for u in tensors[k - 1 : end]], t.dtype)  # type: ignore[misc]
+                    pending.append((last, last.numel, last.numel, data))  # (release of an empty range: none)
+                    k = end
+                elif t.numel:
+                    pending.append((t, 0, t.numel, t.source.produce(0, t.numel, t.dtype)))
+                else:
+                    pending.append((t, 0, 0, np.empty(0, dtype=t.dtype.numpy)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)
                 continue
@@ -223,14 +237,33 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
                 pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar)
-            if t.numel == 0:
-                pending.append((t, 0, 0, np.empty(0, dtype=t.dtype.numpy)))
         while pending:
             _drain_one(pending, writer, bar)
         writer.close(fsync=False)
     except BaseException:
         writer.abort()
         raise
+
+
+def _small_cast_run(tensors: list[PlannedTensor], k: int) -> int:
+    """The end of the run of tiny plain casts from ``tensors[k]``: consecutive tensors of at most
+    :data:`_INLINE_ELEMENTS` elements (zero-size ones too), each a :class:`CastSource` with the same
+    input and output dtypes, :data:`_RUN_ELEMENTS` elements in all at most (``k + 1`` when ``tensors[k]``
+    starts none)."""
+    first = tensors[k]
+    end = k + 1
+    if type(first.source) is not CastSource:
+        return end
+    code, in_code = first.dtype.code, first.source.record.dtype.code
+    total = first.numel
+    while end < len(tensors):
+        u = tensors[end]
+        total += u.numel
+        if (type(u.source) is not CastSource or u.numel > _INLINE_ELEMENTS or total > _RUN_ELEMENTS
+                or u.dtype.code != code or u.source.record.dtype.code != in_code):
+            break
+        end += 1
+    return end
 
 
 def _fsync(path: Path) -> None:

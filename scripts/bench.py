@@ -364,26 +364,28 @@ def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, thre
     t = time.perf_counter()
     make_many(n, src, zero_size, share_4bit)
     made = time.perf_counter() - t
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     ckpt = open_checkpoint(src)
-    opened = time.perf_counter() - t
-    t = time.perf_counter()
+    opened, opened_cpu = time.perf_counter() - t, time.process_time() - c
+    t, c = time.perf_counter(), time.process_time()
     plan = make_plan(ckpt, "bf16")
-    planned = time.perf_counter() - t
+    planned, planned_cpu = time.perf_counter() - t, time.process_time() - c
     n_out = len(plan.tensors)
     ckpt.close()
     out = out_dir / f"many-{n}-out.safetensors"
     if out.exists():
         out.unlink()
-    converted = None
+    converted = converted_cpu = None
     if do_convert:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         run(ConvertOptions(str(src), to="bf16", output=out, threads=threads, max_memory=512 << 20))
-        converted = round(time.perf_counter() - t, 2)
+        converted, converted_cpu = round(time.perf_counter() - t, 2), round(time.process_time() - c, 2)
         out.unlink()
+    # wall seconds, and the process's CPU seconds (all threads): the figure to read on a shared machine
     print(json.dumps({"bench": "tensors", "tensors": n, "zero_size": zero_size, "layers_4bit": int(n * share_4bit) // 5,
                       "out_tensors": n_out, "make_s": round(made, 2), "open_s": round(opened, 2),
-                      "plan_s": round(planned, 2), "convert_s": converted,
+                      "open_cpu_s": round(opened_cpu, 2), "plan_s": round(planned, 2),
+                      "plan_cpu_s": round(planned_cpu, 2), "convert_s": converted, "convert_cpu_s": converted_cpu,
                       "file_mib": round(src.stat().st_size / 2**20, 1)}))
     src.unlink()
 

@@ -147,6 +147,47 @@ def test_fp16_overflow_is_counted(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert summary["fp16_underflow"] == 1  # 1e-9 -> 0; 3e-8 stays a subnormal
 
 
+@pytest.mark.parametrize("to", ["fp16", "bf16", "fp32"])
+def test_runs_of_tiny_plain_tensors_are_cast_as_each_one_alone(tmp_path: Path, to: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Tiny plain tensors in a row are cast together (one cast, one write spanning them): every tensor's
+    bytes equal its own cast (a zero-size tensor inside a run, a dtype change ending one), and the fp16 counts
+    are those of the tensors one by one."""
+    from formats.dtypes import BY_CODE
+    from formats.safetensors import SafetensorsWriter
+
+    rng = np.random.default_rng(3)
+    tensors: dict[str, np.ndarray] = {}
+    for i in range(40):
+        x = (rng.standard_normal(int(rng.integers(1, 300))) * 10.0 ** rng.integers(-9, 6)).astype(np.float32)
+        x[0] = [1e5, -7e4, 1e-9, 3e-8][i % 4]  # fp16: overflow, overflow, flush to 0, subnormal
+        tensors[f"t{i:02d}"] = x.astype(ml_dtypes.bfloat16) if i in (17, 18) else x
+    tensors["t30"] = np.zeros(0, dtype=np.float32)
+    src = tmp_path / "runs.safetensors"
+    w = SafetensorsWriter(src, [(k, BY_CODE["BF16" if v.dtype == ml_dtypes.bfloat16 else "F32"], v.shape)
+                                for k, v in tensors.items()])
+    for v in tensors.values():
+        w.write(v)
+    w.close()
+    out = tmp_path / "o.safetensors"
+    assert main([str(src), "--to", to, "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    got = load_all(out)
+    name = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[to]
+    over = under = 0
+    for k, v in tensors.items():
+        x = v.astype(np.float32)
+        want = round_float32(x, name)
+        assert got[k].dtype == want.dtype and np.array_equal(bits(got[k]), bits(want)), k
+        if to == "fp16":
+            over += int(np.count_nonzero(np.isinf(want) & np.isfinite(x)))
+            under += int(np.count_nonzero((want == 0) & (x != 0)))
+    assert summary.get("fp16_overflow", 0) == over
+    assert summary.get("fp16_underflow", 0) == under
+    if to == "fp16":
+        assert over >= 20 and under >= 10
+
+
 def test_round_float32_equals_an_integer_round_to_nearest_even() -> None:
     """fp16 through NumPy's cast equals the integer rounding (F. Giesen's float_to_half_fast3_rtne, kept in
     scripts/check_f16_cast.py, which compares all 2^32 patterns) on random bit patterns, the edge of the

@@ -108,6 +108,23 @@ def test_duplicate_keys_in_any_object() -> None:
     assert load('{"a": {"a": {"a": 1}}}') == {"a": {"a": {"a": 1}}}  # the same key at other levels is fine
 
 
+@pytest.mark.parametrize("text, key", [
+    (r'{"a" : 1, "a":2}', "a"),            # a space before one colon
+    ('{"a":{"b":1,"b"\n:2}}', "b"),        # a newline before the second
+    (r'{"a\\":1,"a\\":2}', "a\\"),        # keys ending in an escaped backslash
+    (r'{"q\"":1,"q\"":2}', 'q"'),          # keys holding an escaped quote
+])
+def test_duplicate_keys_whatever_the_spacing_and_escapes(text: str, key: str) -> None:
+    """The loader parses without a per-object hook and compares the keys parsed with the keys in the
+    text; a duplicate is still found (and named) with spaces before colons and escapes in the keys."""
+    assert f"has the key {key!r} twice in one object" in refused(text)
+
+
+@pytest.mark.parametrize("text", [r'{"x": "\":", "y": 1}', r'{"x": "a\" :", "y": [{"z": "\\"}]}'])
+def test_strings_that_look_like_keys_are_not_counted(text: str) -> None:
+    assert load(text) == json.loads(text)
+
+
 def test_size_and_utf8() -> None:
     assert "is larger than the limit for a JSON QuantState (expected 'at most 1048576 bytes', " \
            "found '1048577 bytes')" in refused("{}".ljust((1 << 20) + 1), QUANT_STATE)
