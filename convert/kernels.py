@@ -156,7 +156,7 @@ def dequantize_4bit(
     packed = packed.reshape(-1)
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
     piece = max(blocksize, (PIECE // blocksize) * blocksize)
-    pairs = np.empty(piece // 2 + 1, dtype=np.uint64)
+    pairs = np.empty(min(piece, n) // 2 + 1, dtype=np.uint64)  # (a whole piece for a tiny tensor: an mmap)
     for s in range(0, n, piece):
         e = min(n, s + piece)
         m = e - s

@@ -151,11 +151,12 @@ class Dequant4Source(Source):
         st = self.layer.state
         packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
         absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
+        if dtype.name != "float16":
+            return kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy,
+                                           lut=self._lut)
         local = np.zeros(2, dtype=np.int64)
-        out = kernels.dequantize_4bit(
-            packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy, lut=self._lut,
-            stats=local if dtype.name == "float16" else None,
-        )
+        out = kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy,
+                                      lut=self._lut, stats=local)
         self._add_stats(local)
         return out
 
