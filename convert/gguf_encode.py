@@ -17,7 +17,11 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
 not depend on the thread count or the chunk size; at most ``threads + 1`` chunks (or one whole
-source array) are resident.
+source array) are resident. Steps 3-4 of the types whose encoder searches (the K-quants and IQ4_NL,
+tens of NumPy passes per value) run in ``processes`` worker processes when asked
+(:func:`encoder_processes`): NumPy releases the GIL only inside each call, and the searches make
+many small calls, so two threads give them 1.4x where two processes give them nearly 2x. A chunk is
+sent to a process as float32 (pickled, 4 bytes a weight) and comes back encoded, with its error.
 
 Rules raised here (see docs/errors.md):
 
@@ -35,10 +39,11 @@ GGUF-011  a weight quantized to a block type (Q8_0, Q4_K, ...) holds no inf or N
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +59,7 @@ from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
 from .output import user_path
 
-__all__ = ["SourceTensor", "TensorReport", "check_encoders", "write_gguf"]
+__all__ = ["SourceTensor", "TensorReport", "check_encoders", "encode_chunk", "encoder_processes", "write_gguf"]
 
 GT = gguf.GGMLQuantizationType
 
@@ -116,6 +121,11 @@ class TensorReport:
 _SAME_FLOAT = {"bfloat16": GT.BF16, "float16": GT.F16}
 #: Types that store inf and NaN as they are (the others are block quantizations llama.cpp refuses them for).
 _FLOAT_TYPES = frozenset({GT.F32, GT.F16, GT.BF16})
+#: Types whose encoder searches per block (tens of NumPy passes per value): worth a worker process.
+SEARCH_TYPES = frozenset({GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_NL})
+#: Weights of :data:`SEARCH_TYPES` below which no worker process is started (each costs about 0.5 s
+#: to start and 40 MB to hold NumPy and gguf; 16 M weights take 2-4 s to encode).
+PROCESS_MIN_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -127,10 +137,11 @@ class _Chunk:
 
 
 def _convert_chunk(
-    t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int = 0
+    t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int,
+    procs: Executor | None,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
-    encode, measure the added error."""
+    encode, measure the added error (:func:`encode_chunk`, in ``procs`` for :data:`SEARCH_TYPES`)."""
     if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
         raise GgufSourceError(
             "source array is not a float array",
@@ -161,22 +172,53 @@ def _convert_chunk(
                   f"the first at row {row0 + row}, column {col} of {t.name}",
             action="write",
         )
-    coder = codec(t.ggml_type)
+    if not all_finite:  # a float type keeping inf/NaN as they are: no error to measure there
+        return encode_chunk(t.ggml_type, x, not exact, finite)
+    if procs is not None and t.ggml_type in SEARCH_TYPES:
+        return procs.submit(encode_chunk, t.ggml_type, x, not exact).result()  # this thread waits, GIL free
+    return encode_chunk(t.ggml_type, x, not exact)
+
+
+def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
+                 finite: npt.NDArray[np.bool_] | None = None) -> _Chunk:
+    """Encode float32 rows ``(rows, cols)`` to ``ggml_type`` and measure the added error.
+
+    A pure function of its arguments (it runs in a worker process too).
+
+    Args:
+        ggml_type: the GGML type (a codec of :data:`convert.ggml_codecs.CODECS`).
+        x: float32 ``(rows, cols)``, in GGUF row order, the architecture's transforms applied.
+        measure: decode the result again and measure the error (False for F32: none).
+        finite: where ``x`` is finite (None: everywhere); inf/NaN are left out of the error.
+
+    Returns:
+        the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
+        squared errors and of squared weights.
+    """
+    coder = codec(ggml_type)
     data = coder.quantize(x)
     max_err = sq_err = 0.0
-    if not exact and x.size:
+    if measure and x.size:
         with np.errstate(invalid="ignore", over="ignore"):
             err = coder.dequantize(data).reshape(x.shape)
             err -= x
-        if not all_finite:  # inf/NaN kept as they are (float types): no error to measure there
+        if finite is not None:
             err[~finite] = 0
         max_err = float(max(err.max(), -err.min()))
         with np.errstate(over="ignore"):
             np.square(err, out=err)
         sq_err = float(err.sum())  # NumPy's pairwise float32 sum: ample for a 3-digit report
     with np.errstate(over="ignore"):
-        sq_ref = float(np.square(np.where(finite, x, 0) if not all_finite else x).sum())
+        sq_ref = float(np.square(x if finite is None else np.where(finite, x, 0)).sum())
     return _Chunk(data, max_err, sq_err, sq_ref)
+
+
+def encoder_processes(plan: GGUFPlan, threads: int) -> int:
+    """How many worker processes :func:`write_gguf` encodes with: ``threads`` when there are two or
+    more and at least :data:`PROCESS_MIN_ELEMENTS` weights go to :data:`SEARCH_TYPES`, else 0 (the
+    threads encode)."""
+    heavy = sum(t.numel for t in plan.tensors if t.ggml_type in SEARCH_TYPES)
+    return threads if threads > 1 and heavy >= PROCESS_MIN_ELEMENTS else 0
 
 
 def check_encoders(plan: GGUFPlan) -> None:
@@ -206,6 +248,7 @@ def write_gguf(
     *,
     chunk_elements: int = 1 << 20,
     threads: int = 1,
+    processes: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[TensorReport]:
     """Write the planned GGUF file, streaming one tensor at a time in row chunks.
@@ -224,6 +267,8 @@ def write_gguf(
         chunk_elements: elements converted per chunk (rounded to whole rows, and to whole heads
             for permuted q/k).
         threads: worker threads converting chunks.
+        processes: worker processes encoding :data:`SEARCH_TYPES` chunks (0: the threads encode);
+            None: :func:`encoder_processes`.
         progress: called with the bytes written after each chunk.
 
     Returns:
@@ -242,18 +287,24 @@ def write_gguf(
     else:
         records = {s.name: s for s in sources}
     reports: list[TensorReport] = []
+    n_procs = encoder_processes(plan, threads) if processes is None else processes
     with GGUFFileWriter(spath, plan) as out:
-        pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+        pool = ThreadPoolExecutor(max_workers=max(threads, n_procs)) if max(threads, n_procs) > 1 else None
+        # spawned, not forked: this process has threads (fork would copy their locks mid-use)
+        procs = ProcessPoolExecutor(n_procs, mp_context=multiprocessing.get_context("spawn")) if n_procs else None
         try:
             for t in plan.tensors:
                 rec = records[t.source] if t.source is not None else None
-                reports.append(_write_tensor(out, t, rec, plan, chunk_elements, pool, threads, progress, spath))
+                reports.append(_write_tensor(out, t, rec, plan, chunk_elements, pool, max(threads, n_procs), procs,
+                                             progress, spath))
                 out.end_tensor()
                 if rec is not None and rec.done is not None:
                     rec.done()
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+            if procs is not None:
+                procs.shutdown(wait=True, cancel_futures=True)
     return reports
 
 
@@ -265,6 +316,7 @@ def _write_tensor(
     chunk_elements: int,
     pool: ThreadPoolExecutor | None,
     threads: int,
+    procs: Executor | None,
     progress: Callable[[int], None] | None,
     path: str,
 ) -> TensorReport:
@@ -307,7 +359,7 @@ def _write_tensor(
                     action="write",
                 )
             x = x.reshape(r1 - r0, cols)
-        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0)
+        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs)
 
     max_err = sq_err = sq_ref = 0.0
     pending: deque[Future[_Chunk]] = deque()

@@ -89,6 +89,7 @@ CHUNK_BLOCKS = 512
 
 _MAGIC = np.float32(12582912.0)  # nearest_int's 1.5 * 2**23
 _ZERO = np.float32(0.0)
+_EXACT_RINT = float(1 << 22)  # below this magnitude nearest_int(t) == rint(t)
 
 
 class _Fit(NamedTuple):
@@ -104,8 +105,16 @@ class _Fit(NamedTuple):
 def _levels(t: F32, nmax: int, out: F32) -> F32:
     """``out = MAX(0, MIN(nmax, nearest_int(t)))`` as float32 (``nearest_int`` bit for bit).
 
-    ``t`` is overwritten (scratch); ``out`` has its shape and is returned.
+    ``t`` is overwritten (scratch); ``out`` has its shape and is returned. Where every ``|t| < 2**22``
+    (NaN fails the test), ``nearest_int`` is round-half-even (``t + 1.5*2**23`` lands on an integer
+    of the same exponent), so two passes do (``rint``, ``clip``; ``+ 0.0`` after ``rint`` is not
+    needed: ``clip`` to ``[0, nmax]`` turns ``-0.0`` into ``0.0`` only as a value, and ``L`` is only
+    multiplied and summed, where ``-0.0`` and ``0.0`` give the same float32 results as in C's
+    ``int`` ``0``); otherwise the magic-number trick itself, bit for bit.
     """
+    if t.size and -_EXACT_RINT < float(t.min()) and float(t.max()) < _EXACT_RINT:  # NaN: False
+        np.rint(t, out=t)
+        return np.clip(t, _ZERO, np.float32(nmax), out=out)
     t += _MAGIC
     bits = t.view(np.int32)
     bits &= 0x7FFFFF
