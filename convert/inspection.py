@@ -163,7 +163,8 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
         except ConvertBnbError as exc:
             outputs[to] = {"error": exc.reason}
 
-    files: list[dict[str, Any]] = [{"file": f.name, "bytes": f.stat().st_size} for f in ckpt.files]
+    sizes = {r.path: r.file_size for r in ckpt.readers}  # a Hub shard read in place is not on disk
+    files: list[dict[str, Any]] = [{"file": f.name, "bytes": sizes[f]} for f in ckpt.files]
     notes = []
     odd = {u["dtype"]: u["tensors"] for u in unq.values() if u["dtype"] in ("F8_E4M3", "F8_E5M2", "F64")}
     if odd:
@@ -376,16 +377,14 @@ examples:
 
 def run_command(args: argparse.Namespace) -> int:
     """``convert-bnb inspect``: print the report (``--json``: as JSON)."""
-    from formats.checkpoint import open_checkpoint
-
     from .job import resolve_source
 
     if args.outlier_factor <= 0 or args.flag_ratio <= 0:
         raise UsageError("--outlier-factor and --flag-ratio must be positive",
                          found=f"{args.outlier_factor}, {args.flag_ratio}")
-    src = resolve_source(args.src, args.revision)
+    src = resolve_source(args.src, args.revision, weights="headers")  # a Hub repo's headers, not its weights
     opts = InspectOptions(args.stats, args.outlier_factor, args.flag_ratio, args.max_shard_size)
-    with open_checkpoint(src.path) as ckpt:
+    with src.open() as ckpt:
         report = inspect_checkpoint(ckpt, opts)
     if src.hub is not None:
         report["hub"] = {"repo": src.hub.repo_id, "revision": src.hub.revision, "commit": src.hub.commit}

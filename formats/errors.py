@@ -56,6 +56,7 @@ __all__ = [
     "HeaderJsonError",
     "HeaderTooLargeError",
     "HubError",
+    "HubShardError",
     "IncompleteLoraModuleError",
     "IndexJsonError",
     "IndexTensorMissingError",
@@ -953,6 +954,15 @@ class HubError(ConvertBnbError, OSError):
     default_rule = "HUB-001"
     advice = ("Check the repo id and revision, log in (`huggingface-cli login` or HF_TOKEN) for gated or private "
               "repos, or download the model first and give its directory.")
+
+
+class HubShardError(HubError):
+    """A shard of a Hub repo read in place (``--low-disk``, a header-only ``inspect``/``--dry-run``) cannot be
+    downloaded or read during the run, or differs from what the Hub listed (size, header)."""
+
+    default_rule = "HUB-002"
+    advice = ("The repo changed (a force-push, a deleted file) or the network failed during the run: run again; "
+              "without --low-disk the whole repo is downloaded into the cache before anything is read.")
 
 
 # ------------------------------------------------------------------------------------------- GGUF
