@@ -90,14 +90,18 @@ class RemoteFile:
         except Exception as exc:
             if not is_hub_exception(exc):
                 raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise HubShardError("cannot read a shard on the Hub", path=self.name, action="read",
-                                expected=f"bytes {start}-{stop - 1}", found=f"{type(exc).__name__}: {first}",
-                                hint="the repo or the network changed; run again") from None
+            raise HubShardError("cannot read a shard on the Hub", path=self.name, expected=f"bytes {start}-{stop - 1}",
+                                found=_failure(exc), hint="the repo or the network changed; run again") from None
         data = bytes(response.content)
         if response.status_code == 200:  # a server that ignores Range sends the whole file
             data = data[start:stop]
         return data
+
+
+def _failure(exc: BaseException) -> str:
+    """What went wrong, for ``found``: the exception's class and the HTTP status (its message names a URL)."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return type(exc).__name__ + (f" (HTTP {status})" if isinstance(status, int) else "")
 
 
 class HubShard:
@@ -243,10 +247,8 @@ class HubShards:
         except Exception as exc:
             if not is_hub_exception(exc) and not isinstance(exc, OSError):
                 raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise HubShardError("cannot download a shard of the low-disk run", path=shard.name,
-                                expected=f"'{shard.name}' of {self.repo_id}@{self.commit}",
-                                found=f"{type(exc).__name__}: {first}",
+                                expected=f"'{shard.name}' of {self.repo_id}@{self.commit}", found=_failure(exc),
                                 hint="the repo or the network changed during the run; run again") from None
         size = got.stat().st_size
         if size != shard.file_size:

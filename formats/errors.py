@@ -957,8 +957,10 @@ class HubError(ConvertBnbError, OSError):
 
 
 class HubShardError(HubError):
-    """A shard of a Hub repo read in place (``--low-disk``, a header-only ``inspect``/``--dry-run``) cannot be
-    downloaded or read during the run, or differs from what the Hub listed (size, header)."""
+    """A Hub shard read in place cannot be fetched mid-run, or differs from what the Hub listed.
+
+    Read in place: ``--low-disk`` downloads each shard when it is needed, and a header-only ``inspect`` or
+    ``--dry-run`` reads a few bytes of it; the file may have vanished, or its size or header changed."""
 
     default_rule = "HUB-002"
     advice = ("The repo changed (a force-push, a deleted file) or the network failed during the run: run again; "
