@@ -21,6 +21,11 @@ and, when the cache and the output share a filesystem, the estimated output too
 (:func:`estimate_output_bytes` over the safetensors headers the Hub serves). Offline there is
 nothing to download, and a missing snapshot is a :class:`~formats.errors.HubError`.
 
+The weights need not be downloaded first (:data:`WeightMode`, :mod:`convert.hub_shards`): ``inspect`` and
+``--dry-run`` read the safetensors headers by HTTP range requests (``headers``); ``--low-disk`` fetches the
+small files and then one shard at a time into a staging folder beside the output, never the cache
+(``low-disk``), which a conversion also chooses by itself when only that fits the disk (``auto``).
+
 When the Hub cannot be reached (no connection, a timeout, a 5xx answer) the cached snapshot of the
 revision is used, as ``snapshot_download`` and transformers do, and :attr:`HubSource.fallback` says
 why (the conversion prints it as a note); with nothing cached the network error is the HUB-001 error.

@@ -1,7 +1,8 @@
 """``convert-bnb inspect SRC [--json] [--stats]``: what a checkpoint holds, before a long run.
 
 Without reading weight data (headers, the QuantState JSON and the 16-value quant_map only), the
-report lists:
+report lists (a Hub repo id is read in place, :mod:`convert.hub_shards`: its headers and those few
+bytes by HTTP range requests, its small files into the cache, no weights downloaded):
 
 - quantized layers grouped by their settings -- 4-bit: ``quant_type``, ``blocksize``, nested
   (with ``nested_blocksize`` and ``nested_dtype``), the QuantState ``dtype``, the storage dtype of
