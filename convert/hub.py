@@ -80,6 +80,8 @@ _CODES_PER_BYTE = 2
 WeightMode = Literal["download", "headers", "low-disk", "auto"]
 #: Input shards a low-disk run may hold at once: the one being read and the next (a layer split across two).
 _LOW_DISK_SHARDS = 2
+#: The mark of a low-disk staging folder's name (``.<output name>.convert-bnb-shards-<pid>-<random>``).
+SHARDS_MARK = ".convert-bnb-shards-"
 
 
 def is_repo_id(text: str) -> bool:
@@ -208,12 +210,6 @@ class HubSource:
         """Remove the low-disk staging folder and all in it (nothing otherwise)."""
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
-
-    def __enter__(self) -> HubSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubError:
@@ -559,7 +555,7 @@ def resolve_repo(
             offline, or with the Hub unreachable, every mode reads the cached snapshot.
 
     Returns:
-        the :class:`HubSource`; close it (or use ``with``) to remove a low-disk staging folder.
+        the :class:`HubSource`; :meth:`HubSource.close` removes a low-disk staging folder.
 
     Raises:
         HubError: not found, gated, revision unknown, offline without the snapshot (or its index).
@@ -581,17 +577,38 @@ def resolve_repo(
     cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
     staging = _make_staging(Path(out)) if weights == "low-disk" and out is not None and not _offline() else None
     try:
-        return _resolve(repo_id, revision, cache_dir, cache, out, to, download, weights, staging)
+        source = _resolve(repo_id, revision, cache_dir, cache, out, to, download, weights, staging)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    if staging is not None and source.staging != staging:  # the Hub was unreachable: the cache is read
+        shutil.rmtree(staging, ignore_errors=True)
+    return source
 
 
 def _make_staging(out: Path) -> Path:
-    """A private folder for a low-disk run's downloads, beside the output (on its disk; removed when done)."""
+    """A private folder for a low-disk run's downloads beside the output (on its disk; removed when done):
+    ``.<output name>.convert-bnb-shards-<pid>-<random>``. Such folders of dead processes (a SIGKILL, a
+    power loss) for the same output are removed first."""
     parent = _existing(out.absolute().parent)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-bnb-shards-", dir=parent))
+    prefix = f".{out.name}{SHARDS_MARK}"
+    for old in parent.glob(glob.escape(prefix) + "*"):
+        pid = old.name[len(prefix):].partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, cache: Path, out: str | Path | None,

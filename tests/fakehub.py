@@ -6,7 +6,8 @@ Not a mock of huggingface_hub: the real client talks HTTP to it through ``HF_END
 ``/api/repos/create``, ``/api/validate-yaml``, ``.../preupload/{rev}`` (every file "regular") and
 ``.../commit/{rev}`` (ndjson, base64 contents) to push. It records every GET of file content (and the
 bytes served per file), every repo created and every commit, so tests can check what was downloaded
-and uploaded. ``delay`` slows every whole-file GET (so a test can watch a download's folder), and a
+and uploaded. ``delays`` slows whole-file GETs of files by name suffix (so a test can watch a download's
+folder or interrupt it), and a
 file named in ``withheld`` answers 404 to HEAD and whole-file GET while range reads still work (a
 shard that vanished between the headers being read and the file being fetched).
 """
@@ -35,7 +36,7 @@ class FakeHub:
         self.created: list[dict] = []  # create_repo calls
         self.commits: list[dict] = []  # commits pushed
         self.served: dict[str, int] = {}  # "repo/path" -> bytes of content sent (full and ranged GETs)
-        self.delay = 0.0  # seconds to wait before answering a whole-file GET
+        self.delays: dict[str, float] = {}  # file name suffix -> seconds to wait before answering a whole-file GET
         self.withheld: set[str] = set()  # "repo/path" answering 404 except to range reads
         self._lock = threading.Lock()
         self.url = ""
@@ -183,7 +184,7 @@ class FakeHub:
                         headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
                         return self._send(206, data[start:stop], headers)
                     if not head:
-                        time.sleep(hub.delay)
+                        time.sleep(sum(t for suffix, t in hub.delays.items() if fpath.endswith(suffix)))
                         hub._count(key, len(data), full=True)
                     return self._send(200, data, headers, head=head)
                 return self._not_found("Unknown")

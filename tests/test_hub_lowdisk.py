@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -131,7 +133,7 @@ class _Watch:
 
 def test_low_disk_is_byte_identical_holds_two_shards_at_most_and_leaves_the_cache(hub, repo_files, tmp_path: Path):
     h, env = hub
-    h.delay = 0.3  # each shard download takes a while: the watcher sees the folder as it fills
+    h.delays[".safetensors"] = 0.3  # each shard download takes a while: the watcher sees the folder fill
     with _Watch(tmp_path) as watch:
         r = run_cli([REPO, "--to", "bf16", "-o", str(tmp_path / "low"), "--low-disk", "--json"], env)
     assert r.returncode == 0, r.stderr
@@ -274,3 +276,28 @@ def test_low_disk_usage_errors(hub, tmp_path: Path):
     assert r.returncode == 2 and "--low-disk applies to a Hub repo id" in r.stderr
     r = run_cli([REPO, "--to", "gguf:q8_0", "-o", str(tmp_path / "o.gguf"), "--low-disk"], env)
     assert r.returncode == 2 and "--low-disk works with --to auto, bf16, fp16 or fp32" in r.stderr
+
+
+def test_interrupt_removes_the_staging_folder_and_a_dead_runs_folder_is_removed(hub, tmp_path: Path):
+    h, env = hub
+    proc = subprocess.Popen(["true"])  # a pid that has exited
+    proc.wait()
+    stale = tmp_path / f".out.convert-bnb-shards-{proc.pid}-abc"
+    stale.mkdir()
+    (stale / "model-00001-of-00004.safetensors").write_bytes(b"\0" * 1000)
+    h.delays[".safetensors"] = 5.0
+    run = subprocess.Popen([sys.executable, "-m", "convert", REPO, "--to", "bf16", "-o", str(tmp_path / "out"),
+                            "--low-disk"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    deadline = time.monotonic() + 120
+    while not any((d / "config.json").exists() for d in _staging_dirs(tmp_path)):  # small files fetched
+        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+        time.sleep(0.05)
+    assert not stale.exists()  # removed when this run made its own folder
+    time.sleep(0.5)  # now fetching the first shard
+    run.send_signal(signal.SIGINT)
+    _out, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "interrupted; no output was left behind" in err
+    assert not _staging_dirs(tmp_path) and not (tmp_path / "out").exists()
+    assert not [p for p in os.listdir(tmp_path) if "convert-bnb" in p and not p.endswith("-lock")]
