@@ -114,11 +114,12 @@ class _Watch:
             total = 0
             for d in _staging_dirs(self.parent):
                 self.seen = True
-                for p in d.rglob("*"):
-                    try:
-                        total += p.stat().st_size if p.is_file() else 0
-                    except FileNotFoundError:
-                        pass
+                for root, _dirs, names in os.walk(d):  # os.walk steps over folders removed meanwhile
+                    for name in names:
+                        try:
+                            total += os.stat(os.path.join(root, name)).st_size
+                        except FileNotFoundError:
+                            pass
             self.peak = max(self.peak, total)
             time.sleep(0.002)
 
