@@ -39,6 +39,7 @@ examples:
   convert-bnb ./model-bnb-4bit --to gguf:q8_0 -o model.gguf
   convert-bnb ./model-bf16 --to nf4 -o ./model-nf4       re-quantize in bitsandbytes' layout
   convert-bnb org/model-bnb-4bit --to bf16                a Hub repo (HF cache, HF_TOKEN, HF_HUB_OFFLINE)
+  convert-bnb org/model-bnb-4bit --to bf16 --low-disk     one shard at a time, not into the HF cache
 
 other commands: {subcommands}
 """
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "output (a file input, GGUF) into DIR under its default name")
     p.add_argument("--revision", default=None,
                    help="with a Hub repo id as SRC: branch, tag or commit sha (default: the default branch)")
+    p.add_argument("--low-disk", action="store_true",
+                   help="with a Hub repo id: fetch one shard at a time into a folder beside the output and delete "
+                   "each once converted (peak disk: the output + the two largest shards; chosen by itself when only "
+                   "that fits; --to auto|bf16|fp16|fp32)")
     p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
                    help="working-memory cap, e.g. 512MiB (default: 1GiB)")
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
@@ -150,7 +155,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         quant=QuantOptions(args.blocksize, args.double_quant, args.quant_storage, tuple(args.skip_modules),
                            tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
-        progress=not quiet and sys.stderr.isatty(), list_files=args.json,
+        progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
     )
 
 

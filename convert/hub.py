@@ -21,6 +21,11 @@ and, when the cache and the output share a filesystem, the estimated output too
 (:func:`estimate_output_bytes` over the safetensors headers the Hub serves). Offline there is
 nothing to download, and a missing snapshot is a :class:`~formats.errors.HubError`.
 
+The weights need not be downloaded first (:data:`WeightMode`, :mod:`convert.hub_shards`): ``inspect`` and
+``--dry-run`` read the safetensors headers by HTTP range requests (``headers``); ``--low-disk`` fetches the
+small files and then one shard at a time into a staging folder beside the output, never the cache
+(``low-disk``), which a conversion also chooses by itself when only that fits the disk (``auto``).
+
 When the Hub cannot be reached (no connection, a timeout, a 5xx answer) the cached snapshot of the
 revision is used, as ``snapshot_download`` and transformers do, and :attr:`HubSource.fallback` says
 why (the conversion prints it as a note); with nothing cached the network error is the HUB-001 error.
@@ -35,18 +40,23 @@ import glob
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from formats import jsonfile
 from formats.checkpoint import is_extra_file
-from formats.errors import DiskSpaceError, HubError, IndexJsonError, NoWeightsError, UsageError
+from formats.errors import ConvertBnbError, DiskSpaceError, HubError, IndexJsonError, NoWeightsError, UsageError
+
+if TYPE_CHECKING:
+    from .hub_shards import HubShards, RemoteFile
 
 __all__ = [
     "DownloadPlan",
     "HubSource",
+    "WeightMode",
     "check_disk",
     "choose_weight_files",
     "estimate_output_bytes",
@@ -61,6 +71,17 @@ _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 #: Bytes of output per byte of packed 4-bit codes, per element byte of the output dtype (2 codes/byte).
 _CODES_PER_BYTE = 2
+#: How :func:`resolve_repo` makes a repo's weights readable:
+#: ``download``: everything into the cache first; ``headers``: the small files into the cache, the
+#: safetensors weights opened from their headers over HTTP and never downloaded (inspect, --dry-run);
+#: ``low-disk``: the small files and then one shard at a time into a private staging folder beside the
+#: output, none into the cache; ``auto``: ``download``, or ``low-disk`` when the download and the output
+#: do not fit the disk but the output and the two largest shards do.
+WeightMode = Literal["download", "headers", "low-disk", "auto"]
+#: Input shards a low-disk run may hold at once: the one being read and the next (a layer split across two).
+_LOW_DISK_SHARDS = 2
+#: The mark of a low-disk staging folder's name (``.<output name>.convert-bnb-shards-<pid>-<random>``).
+SHARDS_MARK = ".convert-bnb-shards-"
 
 
 def is_repo_id(text: str) -> bool:
@@ -125,9 +146,28 @@ class DownloadPlan:
         return sum(f.size or 0 for f in self.files if not f.cached)
 
     @property
+    def low_disk_bytes(self) -> int:
+        """Peak bytes of a low-disk run's staging folder: the small files and the two largest shards."""
+        small = sum(f.size or 0 for f in self.files if f.name not in self.weight_files)
+        weights = sorted((f.size or 0 for f in self.files if f.name in self.weight_files), reverse=True)
+        return small + sum(weights[:_LOW_DISK_SHARDS])
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the weights can be read without downloading them first (safetensors, listed sizes)."""
+        sizes = {f.name: f.size for f in self.files}
+        return bool(self.weight_files) and all(
+            w.endswith(".safetensors") and sizes.get(w) is not None for w in self.weight_files)
+
+    @property
     def allow_patterns(self) -> list[str]:
         """``snapshot_download`` patterns that match exactly :attr:`files`."""
         return [glob.escape(f.name) for f in self.files]
+
+    @property
+    def small_patterns(self) -> list[str]:
+        """``snapshot_download`` patterns of :attr:`files` without the weights (the index, config, tokenizer...)."""
+        return [glob.escape(f.name) for f in self.files if f.name not in self.weight_files]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -147,8 +187,13 @@ class HubSource:
         revision: the revision asked for, or None (the default branch).
         commit: the commit sha of the snapshot.
         path: the snapshot directory in the cache (files are symlinks into ``blobs/``).
-        downloaded_bytes: bytes fetched by this call (0 offline or when everything was cached).
+        downloaded_bytes: bytes fetched by this call (0 offline or when everything was cached; the small
+            files alone when the weights are read in place).
         fallback: why the cached snapshot was used although online (the Hub could not be reached), or None.
+        shards: the weights read in place (``headers`` and ``low-disk``: open the checkpoint with
+            ``remote=shards.open``), or None when they are all on disk.
+        staging: the low-disk run's private folder (``path``), removed by :meth:`close`, or None.
+        low_disk: why the run is low-disk (a note), or None.
     """
 
     repo_id: str
@@ -157,6 +202,14 @@ class HubSource:
     path: Path
     downloaded_bytes: int = 0
     fallback: str | None = None
+    shards: HubShards | None = None
+    staging: Path | None = None
+    low_disk: str | None = None
+
+    def close(self) -> None:
+        """Remove the low-disk staging folder and all in it (nothing otherwise)."""
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubError:
@@ -181,7 +234,7 @@ def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubErr
     )
 
 
-def _is_hub_exception(exc: BaseException) -> bool:
+def is_hub_exception(exc: BaseException) -> bool:
     # huggingface_hub's own errors, and the HTTP client's when the network is down (httpx.ConnectError, ...)
     return type(exc).__module__.startswith(("huggingface_hub", "httpx", "httpcore", "requests", "urllib3"))
 
@@ -263,6 +316,7 @@ def plan_download(
     revision: str | None = None,
     *,
     cache_dir: str | Path | None = None,
+    local_dir: Path | None = None,
 ) -> DownloadPlan | None:
     """Ask the Hub which files a conversion of ``repo_id`` needs and which are not cached yet.
 
@@ -270,6 +324,8 @@ def plan_download(
         repo_id: ``org/name``.
         revision: branch, tag or commit sha (None: the default branch).
         cache_dir: the cache (None: huggingface_hub's default, from HF_HUB_CACHE / HF_HOME).
+        local_dir: where the index is fetched to learn the shards (a low-disk staging folder), or None
+            for the cache.
 
     Returns:
         the :class:`DownloadPlan`, or None in offline mode (resolution then comes from the cache).
@@ -295,10 +351,12 @@ def plan_download(
         fetched: set[str] = set()
 
         def read_index(name: str) -> Any:
-            if not isinstance(try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=commit), str):
+            if local_dir is not None or not isinstance(
+                    try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=commit), str):
                 fetched.add(name)  # fetched now (a few KB) to learn the shards: counted as downloaded
-            path = hf_hub_download(repo_id, name, revision=commit, cache_dir=cache_dir)
-            return _load_index(path)
+            if local_dir is not None:
+                return _load_index(hf_hub_download(repo_id, name, revision=commit, local_dir=local_dir))
+            return _load_index(hf_hub_download(repo_id, name, revision=commit, cache_dir=cache_dir))
 
         weights = choose_weight_files(top, read_index)
     except HubError:
@@ -306,13 +364,14 @@ def plan_download(
     except Exception as exc:
         if _network_failure(exc):
             raise _Unreachable(exc) from None
-        if _is_hub_exception(exc):
+        if is_hub_exception(exc):
             raise _hub_error(exc, repo_id, revision) from None
         raise
     wanted = list(weights) + sorted(n for n in top if n not in weights and is_extra_file(n))
     files = []
     for n in wanted:
-        hit = try_to_load_from_cache(repo_id, n, cache_dir=cache_dir, revision=commit)
+        hit = None if local_dir is not None else try_to_load_from_cache(repo_id, n, cache_dir=cache_dir,
+                                                                        revision=commit)
         files.append(RepoFile(n, sizes.get(n), isinstance(hit, str) and n not in fetched))
     return DownloadPlan(repo_id, revision, commit, files, [w for w in weights if not w.endswith(".json")])
 
@@ -380,7 +439,7 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
     try:
         tree = get_tree(repo_id, revision=revision, cache_dir=cache_dir)
     except Exception as exc:  # noqa: BLE001 - no cached listing: nothing for huggingface_hub to check
-        if _is_hub_exception(exc) or isinstance(exc, OSError):
+        if is_hub_exception(exc) or isinstance(exc, OSError):
             return fallback
         raise
     top = [f.path for f in tree if "/" not in f.path]
@@ -397,25 +456,28 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
     return [glob.escape(n) for n in weights + small]
 
 
-def _remote_output_estimate(plan: DownloadPlan, to: str) -> int | None:
-    """Output estimate from the safetensors headers the Hub serves (range requests, no weights)."""
-    if not any(w.endswith(".safetensors") for w in plan.weight_files):
-        return None
-    try:
-        from huggingface_hub import get_safetensors_metadata
+def remote_files(plan: DownloadPlan) -> dict[str, RemoteFile]:
+    """The plan's weight files as :class:`~convert.hub_shards.RemoteFile` (none read yet), or {} when
+    they cannot be read in place (:attr:`DownloadPlan.reads_in_place`)."""
+    from .hub_shards import RemoteFile
 
-        meta = get_safetensors_metadata(plan.repo_id, revision=plan.commit)
-    except Exception as exc:  # noqa: BLE001 - an estimate is optional; the pipeline checks again later
-        # huggingface_hub parses the served headers with plain json: a hostile one raises ValueError (an
-        # integer of 4,300+ digits) or RecursionError; our reader refuses the same header by its rule (ST-003)
-        # once it is downloaded
-        if _is_hub_exception(exc) or isinstance(exc, (OSError, ValueError, RecursionError)):
-            return None
-        raise
+    if not plan.reads_in_place:
+        return {}
+    sizes = {f.name: f.size for f in plan.files}
+    return {w: RemoteFile(plan.repo_id, plan.commit, w, sizes[w] or 0) for w in plan.weight_files}
+
+
+def _remote_output_estimate(files: Mapping[str, RemoteFile], to: str) -> int | None:
+    """Output estimate from the safetensors headers the Hub serves (range requests, no weights)."""
+    if not files:
+        return None
     headers: dict[str, tuple[str, list[int], int]] = {}
-    for fmeta in meta.files_metadata.values():
-        for name, t in fmeta.tensors.items():
-            headers[name] = (t.dtype, list(t.shape), t.data_offsets[1] - t.data_offsets[0])
+    try:
+        for remote in files.values():
+            for name, t in remote.header().tensors.items():
+                headers[name] = (t.dtype.code, list(t.shape), t.nbytes)
+    except ConvertBnbError:  # an estimate is optional: the header's rule is reported when the file is opened
+        return None
     return estimate_output_bytes(headers, to)
 
 
@@ -475,28 +537,34 @@ def resolve_repo(
     to: str = "auto",
     download: bool = True,
     progress: bool = True,
+    weights: WeightMode = "download",
 ) -> HubSource:
-    """Fetch (or find in the cache) what a conversion of ``repo_id`` needs; return the snapshot directory.
+    """Fetch (or find in the cache) what a conversion of ``repo_id`` needs; return the directory to open.
 
     Args:
         repo_id: ``org/name``.
         revision: branch, tag or commit sha (None: the default branch).
         cache_dir: the cache (None: huggingface_hub's default from HF_HUB_CACHE / HF_HOME).
-        out: the output path, for the disk pre-flight.
+        out: the output path, for the disk pre-flight (and the low-disk staging folder, beside it).
         to: the ``--to`` value, for the output estimate.
         download: False resolves the commit only (from the cache, or the Hub when online) and
             returns the snapshot path without fetching (it may not exist yet).
         progress: show huggingface_hub's progress bars (False disables them for this process).
+        weights: how the weights are made readable (:data:`WeightMode`). ``headers`` and ``low-disk``
+            need safetensors weights (``headers`` downloads other weights as ``download`` does);
+            offline, or with the Hub unreachable, every mode reads the cached snapshot.
 
     Returns:
-        the :class:`HubSource`.
+        the :class:`HubSource`; :meth:`HubSource.close` removes a low-disk staging folder.
 
     Raises:
         HubError: not found, gated, revision unknown, offline without the snapshot (or its index).
         IndexJsonError, NoWeightsError: the repo holds no readable weights (CKPT-001, CKPT-005).
-        DiskSpaceError: the download (and output, on the same disk) does not fit.
+        DiskSpaceError: the download (and output, on the same disk) does not fit; with ``low-disk``, the
+            output and the two largest shards do not fit.
+        UsageError: ``low-disk`` without ``out``, or for a repo without safetensors weights.
     """
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants
 
     if not _REPO_RE.match(repo_id):
         raise UsageError("not a Hub repo id", found=repo_id, expected="'org/name'")
@@ -504,10 +572,55 @@ def resolve_repo(
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+    if weights == "low-disk" and out is None:
+        raise UsageError("--low-disk needs an output path")
     cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
+    staging = _make_staging(Path(out)) if weights == "low-disk" and out is not None and not _offline() else None
+    try:
+        source = _resolve(repo_id, revision, cache_dir, cache, out, to, download, weights, staging)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if staging is not None and source.staging != staging:  # the Hub was unreachable: the cache is read
+        shutil.rmtree(staging, ignore_errors=True)
+    return source
+
+
+def _make_staging(out: Path) -> Path:
+    """A private folder for a low-disk run's downloads beside the output (on its disk; removed when done):
+    ``.<output name>.convert-bnb-shards-<pid>-<random>``. Such folders of dead processes (a SIGKILL, a
+    power loss) for the same output are removed first."""
+    parent = _existing(out.absolute().parent)
+    prefix = f".{out.name}{SHARDS_MARK}"
+    for old in parent.glob(glob.escape(prefix) + "*"):
+        pid = old.name[len(prefix):].partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, cache: Path, out: str | Path | None,
+             to: str, download: bool, weights: WeightMode, staging: Path | None) -> HubSource:
+    """:func:`resolve_repo` once the staging folder of an explicit low-disk run exists (or None)."""
+    from huggingface_hub import snapshot_download
+
+    from .hub_shards import HubShards
+
     unreachable: BaseException | None = None
     try:
-        plan = plan_download(repo_id, revision, cache_dir=cache_dir)
+        plan = plan_download(repo_id, revision, cache_dir=cache_dir, local_dir=staging)
     except _Unreachable as exc:  # as huggingface_hub does: use the cached snapshot, if there is one
         plan, unreachable = None, exc.cause
     if plan is not None and not download:
@@ -515,17 +628,32 @@ def resolve_repo(
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
         return HubSource(repo_id, revision, plan.commit, snap, 0)
+    mode: WeightMode = "download"
+    note = None
     if plan is not None:
-        est = _remote_output_estimate(plan, to) if out is not None else None
-        check_disk(plan.download_bytes, cache, out, est)
-        patterns: list[str] = plan.allow_patterns
+        remote = remote_files(plan)
+        est = _remote_output_estimate(remote, to) if out is not None else None
+        mode, note = _choose_mode(plan, weights, cache, out, est)
+        if mode == "low-disk":
+            assert out is not None
+            staging = staging or _make_staging(Path(out))
+            try:
+                _fetch(repo_id, plan, plan.small_patterns, local_dir=staging)
+                total = sum(f.size or 0 for f in plan.files)
+                shards = HubShards(repo_id, plan.commit, staging, remote)
+                return HubSource(repo_id, revision, plan.commit, staging, total, shards=shards, staging=staging,
+                                 low_disk=note)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        patterns = plan.small_patterns if mode == "headers" else plan.allow_patterns
     else:
         patterns = _offline_patterns(repo_id, revision, cache_dir)
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
                                  local_files_only=unreachable is not None)
     except Exception as exc:
-        if _is_hub_exception(exc):
+        if is_hub_exception(exc):
             raise _hub_error(unreachable or exc, repo_id, revision) from None
         raise
     snap = Path(path)
@@ -534,4 +662,57 @@ def resolve_repo(
         first = (str(unreachable).strip().splitlines() or [""])[0]
         fallback = (f"the Hub could not be reached ({type(unreachable).__name__}: {first}); used the cached "
                     f"snapshot {repo_id}@{snap.name}, as huggingface_hub does")
-    return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes if plan is not None else 0, fallback)
+    if plan is None:
+        return HubSource(repo_id, revision, snap.name, snap, 0, fallback)
+    if mode == "headers":
+        small = sum(f.size or 0 for f in plan.files if not f.cached and f.name not in plan.weight_files)
+        return HubSource(repo_id, revision, snap.name, snap, small,
+                         shards=HubShards(repo_id, plan.commit, snap, remote))
+    return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes)
+
+
+def _choose_mode(plan: DownloadPlan, weights: WeightMode, cache: Path, out: str | Path | None,
+                 est: int | None) -> tuple[WeightMode, str | None]:
+    """The mode a run reads its weights in, with the note that says why when it is low-disk by itself.
+
+    Raises:
+        DiskSpaceError: the chosen mode does not fit the disk (:func:`check_disk`).
+        UsageError: ``low-disk`` for weights that cannot be read in place.
+    """
+    if weights == "headers":
+        return ("headers" if plan.reads_in_place else "download"), None
+    if weights == "low-disk":
+        if not plan.reads_in_place:
+            raise UsageError("--low-disk needs a repo whose weights are safetensors files",
+                             expected="model.safetensors or its shards", found=plan.weight_files[:3],
+                             hint="convert without --low-disk (the whole repo is downloaded into the cache)")
+        assert out is not None
+        check_disk(plan.low_disk_bytes, _existing(Path(out).absolute().parent), out, est)
+        return "low-disk", None
+    try:
+        check_disk(plan.download_bytes, cache, out, est)
+        return "download", None
+    except DiskSpaceError as full:
+        if weights != "auto" or out is None or not plan.reads_in_place:
+            raise
+        try:
+            check_disk(plan.low_disk_bytes, _existing(Path(out).absolute().parent), out, est)
+        except DiskSpaceError:
+            raise full from None
+        return "low-disk", (
+            f"low-disk: the download and the output do not fit the free space ({full.found}; "
+            f"{full.expected}), so the shards are fetched one at a time into a folder beside the output and "
+            f"each deleted once converted (at most {plan.low_disk_bytes} bytes of input on disk); "
+            "--low-disk asks for this always")
+
+
+def _fetch(repo_id: str, plan: DownloadPlan, patterns: list[str], *, local_dir: Path) -> None:
+    """Download the files matching ``patterns`` into ``local_dir`` (not the cache)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, revision=plan.commit, local_dir=local_dir, allow_patterns=patterns)
+    except Exception as exc:
+        if is_hub_exception(exc):
+            raise _hub_error(exc, repo_id, plan.revision) from None
+        raise

@@ -1,7 +1,8 @@
 """``convert-bnb inspect SRC [--json] [--stats]``: what a checkpoint holds, before a long run.
 
 Without reading weight data (headers, the QuantState JSON and the 16-value quant_map only), the
-report lists:
+report lists (a Hub repo id is read in place, :mod:`convert.hub_shards`: its headers and those few
+bytes by HTTP range requests, its small files into the cache, no weights downloaded):
 
 - quantized layers grouped by their settings -- 4-bit: ``quant_type``, ``blocksize``, nested
   (with ``nested_blocksize`` and ``nested_dtype``), the QuantState ``dtype``, the storage dtype of
@@ -163,7 +164,8 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
         except ConvertBnbError as exc:
             outputs[to] = {"error": exc.reason}
 
-    files: list[dict[str, Any]] = [{"file": f.name, "bytes": f.stat().st_size} for f in ckpt.files]
+    sizes = {r.path: r.file_size for r in ckpt.readers}  # a Hub shard read in place is not on disk
+    files: list[dict[str, Any]] = [{"file": f.name, "bytes": sizes[f]} for f in ckpt.files]
     notes = []
     odd = {u["dtype"]: u["tensors"] for u in unq.values() if u["dtype"] in ("F8_E4M3", "F8_E5M2", "F64")}
     if odd:
@@ -376,16 +378,14 @@ examples:
 
 def run_command(args: argparse.Namespace) -> int:
     """``convert-bnb inspect``: print the report (``--json``: as JSON)."""
-    from formats.checkpoint import open_checkpoint
-
     from .job import resolve_source
 
     if args.outlier_factor <= 0 or args.flag_ratio <= 0:
         raise UsageError("--outlier-factor and --flag-ratio must be positive",
                          found=f"{args.outlier_factor}, {args.flag_ratio}")
-    src = resolve_source(args.src, args.revision)
+    src = resolve_source(args.src, args.revision, weights="headers")  # a Hub repo's headers, not its weights
     opts = InspectOptions(args.stats, args.outlier_factor, args.flag_ratio, args.max_shard_size)
-    with open_checkpoint(src.path) as ckpt:
+    with src.open() as ckpt:
         report = inspect_checkpoint(ckpt, opts)
     if src.hub is not None:
         report["hub"] = {"repo": src.hub.repo_id, "revision": src.hub.revision, "commit": src.hub.commit}

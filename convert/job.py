@@ -4,7 +4,10 @@ The command line (:mod:`convert.cli`), batch workers (:mod:`convert.batch`) and 
 call :func:`convert`; there is no other path to an output. The steps:
 
 1. check the options against each other (:func:`check_options`; usage errors before any I/O);
-2. resolve the source: a local path, or a Hub repo id fetched into the HF cache (:mod:`convert.hub`);
+2. resolve the source: a local path, or a Hub repo id fetched into the HF cache (:mod:`convert.hub`),
+   or read in place: headers only for ``dry_run``, one shard at a time for ``low_disk``
+   (:mod:`convert.hub_shards`, whose :class:`~convert.hub_shards.ShardLifetime` the pipeline tells
+   when each tensor is about to be made and when it is written);
 3. open the checkpoint (:func:`formats.checkpoint.open_checkpoint`) and plan the dequantization
    (:func:`convert.plan.make_plan`): every output tensor with the source that produces it;
 4. merge LoRA adapters into the plan (:func:`convert.merge.apply_lora`), when asked;
@@ -28,16 +31,18 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from formats.checkpoint import open_checkpoint, path_kind
+from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
 from formats.errors import ConvertBnbError, DiskSpaceError, SourceNotFoundError, UsageError
 
 from . import __version__
-from .hub import HubSource, is_repo_id, parse_repo_spec, resolve_repo
+from .hub import HubSource, WeightMode, is_repo_id, parse_repo_spec, resolve_repo
+from .hub_shards import ShardLifetime
 from .merge import apply_lora
 from .output import InterruptedAfterCommit, OutputClaim, default_output, output_path, write_json
 from .pipeline import max_threads, peak_rss_bytes
+from .plan import TARGETS as FLOAT_TARGETS
 from .plan import make_plan
-from .targets import TARGETS, RunSettings, normalize_target, target_for
+from .targets import TARGETS, RunSettings, Target, normalize_target, target_for
 from .units import format_bytes
 
 __all__ = ["MIN_MEMORY", "ConvertOptions", "ConvertResult", "QuantOptions", "ResolvedSource", "check_options",
@@ -116,6 +121,9 @@ class ConvertOptions:
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
             workers report progress through it), or None.
+        low_disk: with a Hub repo id: download one shard at a time into a staging folder beside the
+            output and delete each once converted, instead of the whole repo into the cache first (also
+            chosen by itself when only that fits the disk; ``--to auto|bf16|fp16|fp32`` only).
     """
 
     src: str
@@ -137,6 +145,7 @@ class ConvertOptions:
     manifest: Path | None = None
     list_files: bool = False
     on_progress: Callable[[int, int], None] | None = None
+    low_disk: bool = False
 
 
 @dataclass
@@ -231,12 +240,23 @@ class ResolvedSource:
         """What identifies the input for resuming: the absolute path, or the repo id."""
         return self.hub.repo_id if self.hub is not None else str(self.path.resolve())
 
+    def open(self) -> Checkpoint:
+        """Open the checkpoint (a Hub repo's weights read in place through its shards, when they are)."""
+        shards = self.hub.shards if self.hub is not None else None
+        return open_checkpoint(self.path, remote=shards.open if shards is not None else None)
+
+    def close(self) -> None:
+        """Remove a low-disk run's staging folder (nothing for other sources)."""
+        if self.hub is not None:
+            self.hub.close()
+
 
 def check_options(options: ConvertOptions) -> None:
     """Refuse option values and combinations that cannot be honoured, before anything is read.
 
     Raises:
-        UsageError: an unknown target; ``threads`` or ``max_shard_size`` below 1; ``max_memory``
+        UsageError: an unknown target; ``low_disk`` with a target other than auto/bf16/fp16/fp32;
+            ``threads`` or ``max_shard_size`` below 1; ``max_memory``
             below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
             directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
@@ -265,6 +285,9 @@ def check_options(options: ConvertOptions) -> None:
     for flag, value in (("--report", options.report), ("--quant-report", options.quant.quant_report)):
         if value is not None:
             _check_report_path(flag, Path(value))
+    if options.low_disk and options.to not in FLOAT_TARGETS:
+        raise UsageError("--low-disk works with --to auto, bf16, fp16 or fp32", found=f"--to {options.to}",
+                         hint="convert without --low-disk (the whole repo is downloaded into the cache first)")
 
 
 def _check_report_path(flag: str, path: Path) -> None:
@@ -288,30 +311,37 @@ def _check_report_path(flag: str, path: Path) -> None:
 
 
 def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", output: Path | None = None,
-                   progress: bool = False) -> ResolvedSource:
-    """A local path as it is; a Hub repo id (``org/name``, ``org/name@rev``) fetched into the HF cache.
+                   progress: bool = False, weights: WeightMode = "download") -> ResolvedSource:
+    """A local path as it is; a Hub repo id (``org/name``, ``org/name@rev``) fetched into the HF cache or
+    read in place (``weights``).
 
     Args:
         src: the SRC argument.
         revision: ``--revision`` (wins over ``@rev`` in SRC); only for repo ids.
         to: the target, for the Hub disk pre-flight's output estimate.
-        output: the output path, for the Hub disk pre-flight.
+        output: the output path, for the Hub disk pre-flight (and a low-disk staging folder beside it).
         progress: show huggingface_hub's progress bars.
+        weights: how a Hub repo's weights are made readable (:data:`convert.hub.WeightMode`).
+
+    Returns:
+        the :class:`ResolvedSource`; :meth:`ResolvedSource.close` it when done.
 
     Raises:
-        UsageError: ``revision`` with a local path.
+        UsageError: ``revision`` with a local path; ``weights="low-disk"`` with a local path.
         SourceNotFoundError: no such path, and not a repo id (CKPT-010).
         HubError, DiskSpaceError: from :func:`convert.hub.resolve_repo`.
     """
     if os.path.lexists(src):  # a symlink loop or a dangling link is local too (open_checkpoint says which)
         if revision:
             raise UsageError("--revision applies to a Hub repo id, but SRC is a local path", found=src)
+        if weights == "low-disk":
+            raise UsageError("--low-disk applies to a Hub repo id, but SRC is a local path", found=src)
         return ResolvedSource(Path(src))
     repo, rev = parse_repo_spec(src)
     if not is_repo_id(repo):
         raise SourceNotFoundError("SRC does not exist", path=src,
                                   hint="give a .safetensors file, a model directory or a Hub repo id org/name")
-    hub = resolve_repo(repo, revision or rev, out=output, to=to, progress=progress)
+    hub = resolve_repo(repo, revision or rev, out=output, to=to, progress=progress, weights=weights)
     return ResolvedSource(hub.path, hub)
 
 
@@ -365,12 +395,24 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
     else:
         default = default_output(None if repo else Path(options.src), options.to, repo, options.revision or rev)
         out = output_path(options.output, default, is_dir=True)  # -o checked now; a file output's name below
-    source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress)
+    weights: WeightMode = ("headers" if options.dry_run else "low-disk" if options.low_disk
+                           else "auto" if options.to in FLOAT_TARGETS else "download")
+    source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress,
+                            weights=weights)
+    try:
+        return _convert_source(options, source, target, default, out, committed, t0)
+    finally:
+        source.close()
+
+
+def _convert_source(options: ConvertOptions, source: ResolvedSource, target: Target, default: Path, out: Path,
+                    committed: list[Path], t0: float) -> ConvertResult:
+    """:func:`_convert` once the source is resolved (its staging folder, if any, is removed by the caller)."""
     result = ConvertResult(source=source.ref, to=options.to, output=str(out),
                            commit=source.hub.commit if source.hub else None)
     timings = result.timings
     extra_notes: list[str] = []
-    with open_checkpoint(source.path) as ckpt:
+    with source.open() as ckpt:
         plan = make_plan(ckpt, target.dequantize_to(options.to), max_shard_size=options.max_shard_size)
         lora = apply_lora(plan, options.merge_lora, options.original) if options.merge_lora else None
         try:
@@ -381,6 +423,8 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
                 plan.notes.append(note)
                 if source.hub.fallback is not None:
                     plan.notes.append(source.hub.fallback)
+                if source.hub.low_disk is not None:
+                    plan.notes.append(source.hub.low_disk)
             model_name = source.hub.repo_id if source.hub is not None else ckpt.source.resolve().name
             job = target.prepare(plan, options, model_name)
             out = output_path(options.output, default, is_dir=job.is_dir)
@@ -397,8 +441,10 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
                 extra_notes.append(f"--threads {threads} lowered to {cap}: more threads' chunks would not fit "
                                    f"--max-memory {format_bytes(options.max_memory)}")
                 threads = cap
+            shards = source.hub.shards if source.hub is not None and source.hub.staging is not None else None
+            lifetime = ShardLifetime(plan, shards) if shards is not None else None
             run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress,
-                              label=out.name, on_progress=options.on_progress)
+                              label=out.name, on_progress=options.on_progress, inputs=lifetime)
             timings["plan"] = time.perf_counter() - t0
             resume_key = None
             if options.resume_key is not None:
@@ -428,6 +474,11 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
                 timings["commit"] = time.perf_counter() - t
             result.removed_stale = claim.recovered
             result.shards_written, result.shards_reused = written
+            if shards is not None:
+                result.details["low_disk"] = {"peak_input_bytes": shards.peak_bytes,
+                                              "shards": [list(e) for e in shards.events]}
+                extra_notes.append(f"low-disk: {sum(e[0] == 'fetch' for e in shards.events)} input shards fetched "
+                                   f"one at a time, at most {shards.peak_bytes} bytes of them on disk at once")
             if lora is not None:
                 try:
                     result.details["lora_merge"] = lora.report(options.report)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from formats.bnb import TensorLike
 from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.dtypes import DType
 from formats.errors import LoraShapeError, UsageError
@@ -129,6 +130,10 @@ class LoraSource(Source):
     def finish(self) -> None:
         self.inner.finish()
         self.merge.release()
+
+    def inputs(self) -> list[TensorLike] | None:
+        """The base checkpoint's tensors read (the adapters and ``--original`` are other inputs)."""
+        return self.inner.inputs() if self.merge.needs_base else []
 
 
 @dataclass

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -38,8 +38,8 @@ from formats.safetensors import SafetensorsReader, SafetensorsWriter, build_head
 from .output import ShardLedger
 from .plan import CastSource, Plan, PlannedTensor, cast_run
 
-__all__ = ["RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "verify_plan", "write_directory_files",
-           "write_plan"]
+__all__ = ["InputLifetime", "RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "verify_plan",
+           "write_directory_files", "write_plan"]
 
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
@@ -49,6 +49,22 @@ _BASELINE = 96 * 1024 * 1024
 _INLINE_ELEMENTS = 4096
 #: Most elements in one run of tiny plain tensors cast and written together.
 _RUN_ELEMENTS = 1 << 16
+
+
+class InputLifetime(Protocol):
+    """Keeps the input files a tensor reads on disk while it is written, and no longer (a low-disk Hub
+    run, :class:`convert.hub_shards.ShardLifetime`: each shard is fetched before the first tensor that
+    reads it and deleted after the last one is written)."""
+
+    def ready(self, tensor: PlannedTensor) -> bool:
+        """Whether every input file ``tensor`` reads is on disk already."""
+
+    def need(self, tensor: PlannedTensor) -> None:
+        """``tensor`` is about to be made: its input files must be readable from now on (the pipeline
+        first writes every chunk in flight, so the files earlier tensors were the last to read are gone)."""
+
+    def done(self, tensor: PlannedTensor) -> None:
+        """``tensor`` is written (or was reused from a killed run): it reads its inputs no more."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,8 @@ class RunSettings:
         label: the bar's label (the output's name).
         on_progress: called with (bytes written, bytes to write) as the output is written (batch
             workers report their progress through it), or None.
+        inputs: told when each tensor is about to be made and when it is written (a low-disk Hub
+            run's shard lifetime), or None.
     """
 
     threads: int
@@ -69,6 +87,7 @@ class RunSettings:
     progress: bool = False
     label: str = ""
     on_progress: Callable[[int, int], None] | None = None
+    inputs: InputLifetime | None = None
 
     def bar(self, total: int) -> Any:
         """A progress sink of ``total`` bytes with ``update(n)`` and ``close()``: a tqdm bar on stderr
@@ -182,6 +201,9 @@ def write_plan(plan: Plan, path: Path, run: RunSettings, ledger: ShardLedger | N
                     reused += 1
                     if bar is not None:
                         bar.update(sum(plan.tensors[i].nbytes for i in shard))
+                    if run.inputs is not None:
+                        for i in shard:
+                            run.inputs.done(plan.tensors[i])
                     continue
                 _write_shard(plan, shard, file, pool, run, bar)
                 written += 1
@@ -216,11 +238,16 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
         while k < len(tensors):
             t = tensors[k]
             k += 1
+            if run.inputs is not None and not run.inputs.ready(t):
+                while pending:  # earlier tensors done first: the input files they alone read are deleted
+                    _drain_one(pending, writer, bar, run.inputs)
+                run.inputs.need(t)
             while t.source.barrier and pending:
-                _drain_one(pending, writer, bar)
+                _drain_one(pending, writer, bar, run.inputs)
             if t.numel <= _INLINE_ELEMENTS:
                 # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
-                end = _small_cast_run(tensors, k - 1)
+                # (not with an InputLifetime: it is told of each tensor, and a run could cross input files)
+                end = _small_cast_run(tensors, k - 1) if run.inputs is None else k
                 if end > k:  # tiny plain tensors in a row: one cast, one write spanning them
                     last = tensors[end - 1]
                     data = cast_run([u.source for u in tensors[k - 1 : end]], t.dtype)  # type: ignore[misc]
@@ -231,14 +258,14 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
                 else:
                     pending.append((t, 0, 0, np.empty(0, dtype=t.dtype.numpy)))
                 while len(pending) > 2 * run.threads:
-                    _drain_one(pending, writer, bar)
+                    _drain_one(pending, writer, bar, run.inputs)
                 continue
             for s, e in _ranges(t, chunk_elements(t.source.unit, run.max_memory, run.threads)):
                 pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
                 while len(pending) > 2 * run.threads:
-                    _drain_one(pending, writer, bar)
+                    _drain_one(pending, writer, bar, run.inputs)
         while pending:
-            _drain_one(pending, writer, bar)
+            _drain_one(pending, writer, bar, run.inputs)
         writer.close(fsync=False)
     except BaseException:
         writer.abort()
@@ -276,15 +303,18 @@ def _fsync(path: Path) -> None:
 
 
 def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Any]], writer: SafetensorsWriter,
-               bar: Any) -> None:
+               bar: Any, inputs: InputLifetime | None) -> None:
     t, s, e, fut = pending.popleft()
     data = fut.result() if isinstance(fut, Future) else fut
     writer.write(data)
     t.source.release(s, e)
-    if e == t.numel:
-        t.source.finish()
     if bar is not None:
         bar.update(data.nbytes)
+    del data, fut  # a zero-copy chunk is a view of its input file, which ``inputs.done`` may unmap
+    if e == t.numel:
+        t.source.finish()
+        if inputs is not None:
+            inputs.done(t)
 
 
 def verify_plan(plan: Plan, path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, group_layers, is_int8_config
+from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, TensorLike, group_layers, is_int8_config
 from formats.checkpoint import Checkpoint, TensorRecord, gc_paused
 from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
@@ -80,6 +80,11 @@ class Source:
 
     def finish(self) -> None:
         """The whole tensor is written: drop caches and any input pages still held."""
+
+    def inputs(self) -> list[TensorLike] | None:
+        """The input tensors :meth:`produce` reads (so a low-disk run knows which input files a tensor
+        needs and when a file is no longer needed), or None when this source cannot say."""
+        return None
 
     def _add_stats(self, local: npt.NDArray[np.int64]) -> None:
         if local.any():
@@ -163,6 +168,11 @@ class Dequant4Source(Source):
     def release(self, start: int, stop: int) -> None:
         self.layer.packed.release(start // 2, stop // 2)
 
+    def inputs(self) -> list[TensorLike] | None:
+        layer = self.layer
+        return [t for t in (layer.packed, layer.absmax, layer.quant_map, layer.nested_absmax,
+                            layer.nested_quant_map) if t is not None]
+
     def finish(self) -> None:
         with self._lock:
             self._absmax = None
@@ -198,6 +208,9 @@ class CastSource(Source):
     def release(self, start: int, stop: int) -> None:
         item = self.record.dtype.itemsize
         self.record.release(start * item, stop * item)
+
+    def inputs(self) -> list[TensorLike] | None:
+        return [self.record]
 
 
 def cast_run(sources: list[CastSource], dtype: DType) -> np.ndarray:
@@ -521,6 +534,9 @@ class Int8Source(Source):
     def finish(self) -> None:
         self._scb = None
         self.layer.weight.release()
+
+    def inputs(self) -> list[TensorLike] | None:
+        return [self.layer.weight, self.layer.scb]
 
 
 def _int8_source(layer: Int8Layer, to: str, natural: DType) -> PlannedTensor:

@@ -76,6 +76,7 @@ from .torch_pickle import TorchPickleReader
 
 __all__ = [
     "READERS",
+    "RemoteOpener",
     "WEIGHT_SUFFIXES",
     "Checkpoint",
     "ContainerReader",
@@ -97,6 +98,7 @@ class ContainerReader(Protocol):
     """What a container module (safetensors, torch pickle, ...) provides for one file."""
 
     path: Path
+    file_size: int  # bytes
     tensors: dict[str, Any]  # name -> object with dtype: DType, shape, nbytes
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]: ...
@@ -115,6 +117,10 @@ READERS: dict[str, Callable[[Path], ContainerReader]] = {
     ".pt": TorchPickleReader,
     ".pth": TorchPickleReader,
 }
+#: Opens a weight file that a model directory names but that is not on disk (a Hub shard whose header
+#: is read over HTTP and whose data is fetched when first needed): its reader, or None when it is not
+#: available there either (then the file is missing, as without an opener).
+RemoteOpener = Callable[[Path], "ContainerReader | None"]
 #: Index file names, per container, in order of preference.
 INDEX_NAMES: list[tuple[str, str]] = [
     ("model.safetensors.index.json", ".safetensors"),
@@ -279,19 +285,22 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None,
+                    remote: RemoteOpener | None = None) -> Checkpoint:
     """Open a weight file or a model directory (see :func:`_open_checkpoint`)."""
     with gc_paused():
-        return _open_checkpoint(path, problems)
+        return _open_checkpoint(path, problems, remote)
 
 
-def _open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> Checkpoint:
+def _open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None,
+                     remote: RemoteOpener | None = None) -> Checkpoint:
     """Open a weight file or a model directory.
 
     Args:
         path: a weight file, or a directory with ``model.safetensors`` or an index and shards.
         problems: when given, problems that can be stepped over are appended to it instead of
             raised (the file or tensor concerned is left out) -- see ``convert-bnb check``.
+        remote: opens the directory's weight files that are not on disk (:data:`RemoteOpener`), or None.
 
     Returns:
         a :class:`Checkpoint`; close it (or use ``with``) when done.
@@ -338,17 +347,18 @@ def _open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbErro
         for index_name, suffix in INDEX_NAMES:
             index_path = src / index_name
             if index_path.is_file():
-                files, tensors = _open_index(src, index_path, suffix, readers, report, problems)
+                files, tensors = _open_index(src, index_path, suffix, readers, report, problems, remote)
                 return Checkpoint(src, True, files, tensors, config, extra, readers)
             for single in (n for n in SINGLE_NAMES if n.endswith(suffix)):
                 single_path = src / single
                 single_kind = path_kind(single_path)
-                if single_kind == "missing":
+                far = remote(single_path) if single_kind == "missing" and remote is not None else None
+                if single_kind == "missing" and far is None:
                     continue
-                if single_kind != "file":
+                if single_kind not in ("file", "missing"):
                     raise NotRegularFileError("weight file is not a regular file", path=single_path,
                                               expected="a regular file", found=single_kind)
-                reader = _open_file(single_path, problems)
+                reader = far if far is not None else _open_file(single_path, problems)
                 readers.append(reader)
                 stray = _stray_shards(src, {single_path.name}, single_path.suffix.lower())
                 if stray:
@@ -385,6 +395,7 @@ def _open_index(
     readers: list[ContainerReader],
     report: Callable[[ConvertBnbError], None],
     problems: list[ConvertBnbError] | None,
+    remote: RemoteOpener | None = None,
 ) -> tuple[list[Path], dict[str, TensorRecord]]:
     index = jsonfile.load_json_file(index_path, jsonfile.INDEX, IndexJsonError, "the index")
     wmap = index.get("weight_map") if isinstance(index, dict) else None
@@ -412,21 +423,22 @@ def _open_index(
                                   expected="a plain file name", found=shard))
             continue
         shard_kind = path_kind(shard_path)
-        if shard_kind == "missing":
+        far = remote(shard_path) if shard_kind == "missing" and remote is not None else None
+        if shard_kind == "missing" and far is None:
             report(MissingShardError(
                 "index names a shard that does not exist", path=index_path,
                 expected=f"a file '{shard}'", found="none",
                 hint="the download is incomplete; fetch the missing shard",
             ))
             continue
-        if shard_kind != "file":
+        if shard_kind not in ("file", "missing"):
             report(NotRegularFileError(
                 "index names a shard that is not a regular file", path=shard_path,
                 expected="a regular file", found=shard_kind,
             ))
             continue
         try:
-            reader = _open_file(shard_path, problems)
+            reader = far if far is not None else _open_file(shard_path, problems)
         except ConvertBnbError as exc:
             report(exc)
             continue

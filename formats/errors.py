@@ -56,6 +56,7 @@ __all__ = [
     "HeaderJsonError",
     "HeaderTooLargeError",
     "HubError",
+    "HubShardError",
     "IncompleteLoraModuleError",
     "IndexJsonError",
     "IndexTensorMissingError",
@@ -953,6 +954,17 @@ class HubError(ConvertBnbError, OSError):
     default_rule = "HUB-001"
     advice = ("Check the repo id and revision, log in (`huggingface-cli login` or HF_TOKEN) for gated or private "
               "repos, or download the model first and give its directory.")
+
+
+class HubShardError(HubError):
+    """A Hub shard read in place cannot be fetched mid-run, or differs from what the Hub listed.
+
+    Read in place: ``--low-disk`` downloads each shard when it is needed, and a header-only ``inspect`` or
+    ``--dry-run`` reads a few bytes of it; the file may have vanished, or its size or header changed."""
+
+    default_rule = "HUB-002"
+    advice = ("The repo changed (a force-push, a deleted file) or the network failed during the run: run again; "
+              "without --low-disk the whole repo is downloaded into the cache before anything is read.")
 
 
 # ------------------------------------------------------------------------------------------- GGUF

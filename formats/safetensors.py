@@ -49,7 +49,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -81,10 +81,12 @@ from .jsonfile import load_json_bytes
 __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_TENSORS",
+    "Header",
     "SafetensorsReader",
     "SafetensorsWriter",
     "TensorInfo",
     "build_header",
+    "read_header",
     "sniff",
 ]
 
@@ -295,6 +297,87 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+@dataclass(frozen=True)
+class Header:
+    """A checked safetensors header (what :func:`read_header` returns).
+
+    Attributes:
+        header_size: 8 + N, the offset of the data area, in bytes.
+        metadata: the ``__metadata__`` object (empty if absent).
+        tensors: name -> :class:`TensorInfo`, in data-offset order; ``start`` is absolute.
+    """
+
+    header_size: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+
+
+def read_header(
+    path: str, read: Callable[[int, int], bytes], size: int, problems: list[ConvertBnbError] | None = None
+) -> Header:
+    """Read and check the header of a safetensors file of ``size`` bytes, through ``read`` alone.
+
+    The one header reader: :class:`SafetensorsReader` passes a local file's reads, and a caller that
+    holds the file elsewhere (a Hub repo read with HTTP range requests) passes its own, so both refuse
+    the same headers by the same rules.
+
+    Args:
+        path: the file's name for messages.
+        read: ``read(offset, n)`` -> up to ``n`` bytes at byte ``offset`` of the file.
+        size: the file's size in bytes.
+        problems: as :class:`SafetensorsReader`'s.
+
+    Returns:
+        the :class:`Header`.
+
+    Raises:
+        SafetensorsError: ST-001..ST-014 (see the module docstring).
+    """
+    head = read(0, 8)
+    if len(head) < 8:
+        what = sniff(head)
+        raise FileTooShortError(
+            "file is shorter than the 8-byte header length", path=path,
+            expected=">= 8 bytes", found=f"{size} bytes",
+            hint=f"it looks like {what}" if what else "the file is empty or was cut short",
+        )
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8 or n > MAX_HEADER_BYTES:
+        what = sniff(read(0, min(512, size)))
+        if what is not None:
+            raise NotSafetensorsError(
+                f"not a safetensors file: it looks like {what}", path=path,
+                expected="an 8-byte header length and a JSON header", found=what.split(" (")[0],
+                hint="check that the file was downloaded completely (git lfs pull, or download again)",
+            )
+        limit = min(size - 8, MAX_HEADER_BYTES)
+        raise HeaderTooLargeError(
+            "header length is larger than the file or the limit", path=path,
+            expected=f"<= {limit}", found=n,
+            hint="the file is damaged or cut short inside its header; download it again",
+        )
+    header_bytes = read(8, n)
+    entries = header_bytes.count(_ENTRY_KEY)
+    if entries > MAX_TENSORS:
+        raise TooManyTensorsError(
+            "header lists more tensors than a checkpoint file may hold", path=path,
+            expected=f"at most {MAX_TENSORS:,} tensors", found=f"{entries:,} tensors",
+            hint="each tensor costs memory before any data is read; re-save the model in shards",
+        )
+    header_size = 8 + n
+    try:
+        metadata, tensors = _parse_header(path, header_bytes, size - header_size, problems)
+    except HeaderJsonError:
+        what = sniff(head + header_bytes[:504])
+        if what is not None and not header_bytes.lstrip().startswith(b"{"):
+            raise NotSafetensorsError(
+                f"not a safetensors file: it looks like {what}", path=path,
+                expected="an 8-byte header length and a JSON header", found=what.split(" (")[0],
+            ) from None
+        raise
+    return Header(header_size, metadata, tensors)
+
+
 class SafetensorsReader:
     """A validated, memory-mapped safetensors file.
 
@@ -324,53 +407,18 @@ class SafetensorsReader:
 
     def __init__(self, path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None) -> None:
         self.path = Path(path)
-        spath = os.fspath(path)
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                what = sniff(head)
-                raise FileTooShortError(
-                    "file is shorter than the 8-byte header length", path=spath,
-                    expected=">= 8 bytes", found=f"{size} bytes",
-                    hint=f"it looks like {what}" if what else "the file is empty or was cut short",
-                )
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > MAX_HEADER_BYTES:
-                f.seek(0)
-                what = sniff(f.read(512))
-                if what is not None:
-                    raise NotSafetensorsError(
-                        f"not a safetensors file: it looks like {what}", path=spath,
-                        expected="an 8-byte header length and a JSON header", found=what.split(" (")[0],
-                        hint="check that the file was downloaded completely (git lfs pull, or download again)",
-                    )
-                limit = min(size - 8, MAX_HEADER_BYTES)
-                raise HeaderTooLargeError(
-                    "header length is larger than the file or the limit", path=spath,
-                    expected=f"<= {limit}", found=n,
-                    hint="the file is damaged or cut short inside its header; download it again",
-                )
-            header_bytes = f.read(n)
-        entries = header_bytes.count(_ENTRY_KEY)
-        if entries > MAX_TENSORS:
-            raise TooManyTensorsError(
-                "header lists more tensors than a checkpoint file may hold", path=spath,
-                expected=f"at most {MAX_TENSORS:,} tensors", found=f"{entries:,} tensors",
-                hint="each tensor costs memory before any data is read; re-save the model in shards",
-            )
-        self.header_size = 8 + n
+
+            def read(offset: int, n: int) -> bytes:
+                f.seek(offset)
+                return f.read(n)
+
+            header = read_header(os.fspath(path), read, size, problems)
+        self.header_size = header.header_size
         self.file_size = size
-        try:
-            self.metadata, self.tensors = _parse_header(spath, header_bytes, size - self.header_size, problems)
-        except HeaderJsonError:
-            what = sniff(head + header_bytes[:504])
-            if what is not None and not header_bytes.lstrip().startswith(b"{"):
-                raise NotSafetensorsError(
-                    f"not a safetensors file: it looks like {what}", path=spath,
-                    expected="an 8-byte header length and a JSON header", found=what.split(" (")[0],
-                ) from None
-            raise
+        self.metadata = header.metadata
+        self.tensors: dict[str, TensorInfo] = header.tensors
         self._mmap: mmap.mmap | None = None
 
     def __enter__(self) -> SafetensorsReader:

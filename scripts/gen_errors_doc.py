@@ -26,7 +26,8 @@ FAMILIES = [
     ("CKPT", "model directory", "Checked when a directory is opened: the shard index, the shards and "
      "config.json."),
     ("HUB", "Hugging Face Hub", "Checked when SRC is a repo id (`org/name[@revision]`) resolved through the "
-     "Hub cache."),
+     "Hub cache, and when a shard of a repo read in place (`--low-disk`, header-only `inspect` / `--dry-run`) is "
+     "fetched."),
     ("BNB", "bitsandbytes layers", "Checked when the layers are grouped (every 4-bit weight with its "
      "absmax, quant_map and QuantState; every LLM.int8 weight with SCB and weight_format) and, for BNB-012, "
      "when the absmax is resolved."),

@@ -4,8 +4,12 @@ Not a mock of huggingface_hub: the real client talks HTTP to it through ``HF_END
 ``/api/models/{repo}[/revision/{rev}]`` (model info, with file sizes), ``/api/models/{repo}/tree/{rev}``
 (the file list), and ``/{repo}/resolve/{rev}/{path}`` (HEAD and GET, with ``Range``) to download, and
 ``/api/repos/create``, ``/api/validate-yaml``, ``.../preupload/{rev}`` (every file "regular") and
-``.../commit/{rev}`` (ndjson, base64 contents) to push. It records every GET of file content, every
-repo created and every commit, so tests can check what was downloaded and uploaded.
+``.../commit/{rev}`` (ndjson, base64 contents) to push. It records every GET of file content (and the
+bytes served per file), every repo created and every commit, so tests can check what was downloaded
+and uploaded. ``delays`` slows whole-file GETs of files by name suffix (so a test can watch a download's
+folder or interrupt it), and a
+file named in ``withheld`` answers 404 to HEAD and whole-file GET while range reads still work (a
+shard that vanished between the headers being read and the file being fetched).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -30,6 +35,10 @@ class FakeHub:
         self.auth: set[str | None] = set()  # Authorization headers seen
         self.created: list[dict] = []  # create_repo calls
         self.commits: list[dict] = []  # commits pushed
+        self.served: dict[str, int] = {}  # "repo/path" -> bytes of content sent (full and ranged GETs)
+        self.delays: dict[str, float] = {}  # file name suffix -> seconds to wait before answering a whole-file GET
+        self.withheld: set[str] = set()  # "repo/path" answering 404 except to range reads
+        self._lock = threading.Lock()
         self.url = ""
         self._server: ThreadingHTTPServer | None = None
 
@@ -46,6 +55,13 @@ class FakeHub:
         commit = repo["refs"].get(rev, rev)
         files = repo["commits"].get(commit)
         return (commit, files) if files is not None else None
+
+    def _count(self, key: str, nbytes: int, full: bool) -> None:
+        with self._lock:
+            self.downloads.append(key)
+            if full:
+                self.full_downloads.append(key)
+            self.served[key] = self.served.get(key, 0) + nbytes
 
     def start(self) -> str:
         hub = self
@@ -155,18 +171,21 @@ class FakeHub:
                     if fpath not in files:
                         return self._not_found("EntryNotFound", head)
                     data = files[fpath]
+                    key = f"{repo_id}/{fpath}"
+                    rng = self.headers.get("Range")
+                    if key in hub.withheld and not (rng and not head):
+                        return self._not_found("EntryNotFound", head)
                     headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
                                "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-                    rng = self.headers.get("Range")
                     if rng and not head:
                         a, _, b = rng.removeprefix("bytes=").partition("-")
-                        start, stop = int(a), (int(b) + 1 if b else len(data))
-                        hub.downloads.append(f"{repo_id}/{fpath}")
+                        start, stop = int(a), min(int(b) + 1 if b else len(data), len(data))
+                        hub._count(key, len(data[start:stop]), full=False)
                         headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
                         return self._send(206, data[start:stop], headers)
                     if not head:
-                        hub.downloads.append(f"{repo_id}/{fpath}")
-                        hub.full_downloads.append(f"{repo_id}/{fpath}")
+                        time.sleep(sum(t for suffix, t in hub.delays.items() if fpath.endswith(suffix)))
+                        hub._count(key, len(data), full=True)
                     return self._send(200, data, headers, head=head)
                 return self._not_found("Unknown")
 

@@ -15,6 +15,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -590,6 +591,31 @@ def _hub_offline(src: Path, out: Path) -> None:
         resolve_repo("org/not-in-the-cache", cache_dir=src)
 
 
+def _hub_shard_withheld(src: Path, out: Path) -> None:
+    """A low-disk run fetches a shard whose header the Hub served but whose file it no longer serves."""
+    from huggingface_hub import constants
+
+    from convert.hub_shards import HubShards, RemoteFile
+
+    from .fakehub import FakeHub
+
+    hub, data, commit = FakeHub(), (src / "model.safetensors").read_bytes(), "c0ffee" * 6 + "c0ff"
+    hub.add("org/withheld", commit, {"model.safetensors": data})
+    hub.withheld.add("org/withheld/model.safetensors")
+    url = hub.start()
+    try:
+        with mock.patch.object(constants, "ENDPOINT", url), mock.patch.object(
+                constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}"):
+            remote = RemoteFile("org/withheld", commit, "model.safetensors", len(data))
+            shards = HubShards("org/withheld", commit, out.parent / "staging", {"model.safetensors": remote})
+            shard = shards.open(shards.folder / "model.safetensors")
+            assert shard is not None
+            shard.fetch()
+    finally:
+        hub.stop()
+        shutil.rmtree(out.parent / "staging", ignore_errors=True)  # as the run's owner of the folder does
+
+
 def _pt_zip_version_64(d: Path) -> Path:
     """A torch zip whose central directory says 'version 6.4 needed to extract' (zipfile: NotImplementedError)."""
     path = _pt({"w": _tensor(ARR)})(d)
@@ -935,6 +961,9 @@ CASES: list[Case] = [
     # ---- Hugging Face Hub (SRC = org/name)
     Case("hub-offline-not-cached", E.HubError, ["HUB-001", "org/not-in-the-cache", "HF_HUB_OFFLINE"],
          lambda d: d.mkdir(parents=True) or d, run=_hub_offline, argv=None),
+    Case("hub-shard-withheld", E.HubShardError,
+         ["HUB-002", "cannot download a shard of the low-disk run", "EntryNotFoundError (HTTP 404)"],
+         lambda d: one_file(layer())(d).parent, run=_hub_shard_withheld, argv=None),
     # ---- model directory
     Case("index-not-json", E.IndexJsonError, ["CKPT-001", "model.safetensors.index.json'", "not valid JSON"],
          lambda d: _two_shards(d, index='{"weight_map": ')),
