@@ -218,6 +218,8 @@ _DECODERS = {(n, d, k): _decoder(n, d, k) for n in (False, True) for d in (False
 def _count_keys(value: Any) -> int:
     """Keys of every object in a parsed JSON value (iterative: no recursion; only containers are
     pushed, so a header's 10^5 shape and offset lists cost one pass each)."""
+    if type(value) is not dict and type(value) is not list:  # a scalar document: no keys
+        return 0
     count, stack = 0, [value]
     while stack:
         v = stack.pop()

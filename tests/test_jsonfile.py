@@ -125,6 +125,12 @@ def test_strings_that_look_like_keys_are_not_counted(text: str) -> None:
     assert load(text) == json.loads(text)
 
 
+@pytest.mark.parametrize("text", ["null", "3", '"a string"', "[]", "{}", '[1, "x", null]'])
+def test_scalar_and_empty_documents_parse(text: str) -> None:
+    """The duplicate-key count walks containers only: a document that is a scalar has no keys."""
+    assert load(text) == json.loads(text)
+
+
 def test_size_and_utf8() -> None:
     assert "is larger than the limit for a JSON QuantState (expected 'at most 1048576 bytes', " \
            "found '1048577 bytes')" in refused("{}".ljust((1 << 20) + 1), QUANT_STATE)
