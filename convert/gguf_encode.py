@@ -213,11 +213,11 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     return _Chunk(data, max_err, sq_err, sq_ref)
 
 
-def encoder_processes(plan: GGUFPlan, threads: int) -> int:
-    """How many worker processes :func:`write_gguf` encodes with: ``threads`` when there are two or
-    more and at least :data:`PROCESS_MIN_ELEMENTS` weights go to :data:`SEARCH_TYPES`, else 0 (the
-    threads encode)."""
-    heavy = sum(t.numel for t in plan.tensors if t.ggml_type in SEARCH_TYPES)
+def encoder_processes(tensors: Iterable[GGUFTensor], threads: int) -> int:
+    """How many worker processes :func:`write_gguf` encodes a file's ``tensors`` with: ``threads`` when
+    there are two or more and at least :data:`PROCESS_MIN_ELEMENTS` weights go to :data:`SEARCH_TYPES`,
+    else 0 (the threads encode)."""
+    heavy = sum(t.numel for t in tensors if t.ggml_type in SEARCH_TYPES)
     return threads if threads > 1 and heavy >= PROCESS_MIN_ELEMENTS else 0
 
 
@@ -287,7 +287,7 @@ def write_gguf(
     else:
         records = {s.name: s for s in sources}
     reports: list[TensorReport] = []
-    n_procs = encoder_processes(plan, threads) if processes is None else processes
+    n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=max(threads, n_procs)) if max(threads, n_procs) > 1 else None
         # spawned, not forked: this process has threads (fork would copy their locks mid-use)

@@ -223,10 +223,11 @@ def _count_keys(value: Any) -> int:
     count, stack = 0, [value]
     while stack:
         v = stack.pop()
+        items: Any = v
         if type(v) is dict:
             count += len(v)
-            v = v.values()
-        for x in v:
+            items = v.values()
+        for x in items:
             if type(x) is dict or type(x) is list:
                 stack.append(x)
     return count

@@ -1176,3 +1176,47 @@ def test_70b_experts_and_tied_rules_equal_llama_quantize(tmp_path, arch, layers,
         ref = {t.name: t.tensor_type.name for t in _llama_quantize(src, tmp_path / f"{mix}.gguf", mix).tensors}
         ours = {n: c.ggml_type.name for (n, _), c in zip(ts, mix_types(mix, ts, model), strict=True)}
         assert ours == ref, mix
+
+
+def test_encoder_processes_write_the_same_bytes_as_threads(tmp_path, monkeypatch, capsys):
+    """K-quant chunks encoded in spawned worker processes (forced here on the small fixture) give the
+    file byte for byte, and the same error report, as one thread encoding them; Q3_K_M mixes
+    Q3_K/Q4_K/Q5_K/Q6_K, Q4_0 fallbacks and unquantized tensors."""
+    from convert import gguf_encode
+    from convert.cli import main
+
+    one = tmp_path / "one.gguf"
+    assert main([str(FIXTURE), "--to", "gguf:q3_k_m", "-o", str(one), "--threads", "1", "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(gguf_encode, "PROCESS_MIN_ELEMENTS", 0)
+    spawned: list[int] = []
+    real = gguf_encode.ProcessPoolExecutor
+
+    def counting(n, **kw):
+        spawned.append(n)
+        return real(n, **kw)
+
+    monkeypatch.setattr(gguf_encode, "ProcessPoolExecutor", counting)
+    two = tmp_path / "two.gguf"
+    assert main([str(FIXTURE), "--to", "gguf:q3_k_m", "-o", str(two), "--threads", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert spawned == [2]
+    assert one.read_bytes() == two.read_bytes()
+    assert got["gguf"]["tensors"] == want["gguf"]["tensors"]  # types, bytes and errors per tensor
+
+
+def test_encoder_processes_only_for_big_search_work():
+    from convert.gguf_encode import PROCESS_MIN_ELEMENTS, encoder_processes
+    from convert.gguf_plan import GGUFTensor
+
+    GT = gguf.GGMLQuantizationType
+
+    def tensors(*types_numel):
+        return [GGUFTensor(None, f"t{i}", (n,), ty, 0) for i, (ty, n) in enumerate(types_numel)]
+
+    big = PROCESS_MIN_ELEMENTS
+    assert encoder_processes(tensors((GT.Q4_K, big)), 2) == 2
+    assert encoder_processes(tensors((GT.Q4_K, big)), 1) == 0          # one thread: no process
+    assert encoder_processes(tensors((GT.Q4_K, big - 1)), 4) == 0      # too little search work
+    assert encoder_processes(tensors((GT.Q8_0, 4 * big)), 4) == 0      # Q8_0 is a few passes: threads do
+    assert encoder_processes(tensors((GT.Q6_K, big // 2), (GT.IQ4_NL, big // 2)), 3) == 3
