@@ -8,11 +8,11 @@ are the same, and a batch started on one executor resumes on the other. Hence ``
 path every node sees (a shared file system, mounted at the same path).
 
 Each task asks Ray for ``num_cpus`` = the job's threads and ``memory`` = the job's ``--max-memory``
-share in bytes (Ray places it on a node with both free). Ray reuses its worker processes from task to
-task (starting one costs seconds); each task starts the process's peak resident set again, so a
-job's ``peak_rss_bytes`` is its own (Linux). A task whose worker process or node dies
-is run again, up to :data:`RETRIES` times: the commit protocol of :mod:`convert.output` makes that
-safe (the output appears only complete; a directory output resumes from the shards its staging
+share plus :data:`WORKER_OVERHEAD`, in bytes (Ray places it on a node with both free). Ray reuses its
+worker processes from task to task (starting one costs seconds); each task starts the process's peak
+resident set again, so a job's ``peak_rss_bytes`` is its own (Linux). A task whose worker process or
+node dies is run again, up to :data:`RETRIES` times: the commit protocol of :mod:`convert.output` makes
+that safe (the output appears only complete; a directory output resumes from the shards its staging
 ledger recorded; a stale single-file staging is removed before writing again). A job that fails on
 its input (a named error) is a result, not retried. Interrupting the batch cancels the tasks
 (``ray.cancel``: the job records itself as interrupted).
@@ -37,10 +37,13 @@ from .batch import execute_job, failure
 from .pipeline import reset_peak_rss
 from .units import format_bytes
 
-__all__ = ["RETRIES", "RayWorkers", "run_task"]
+__all__ = ["RETRIES", "WORKER_OVERHEAD", "RayWorkers", "import_ray", "run_task"]
 
 #: How many times Ray runs a job again after its worker process or node died (not after a failed job).
 RETRIES = 3
+#: Memory a Ray worker process holds beyond a local worker's (the Ray runtime; measured 65-110 MiB by
+#: scripts/bench_ray.py), added to each task's ``memory`` request.
+WORKER_OVERHEAD = 128 << 20
 #: The command that installs the executor's dependency, as error messages name it.
 INSTALL = "pip install 'convert-bnb[ray]'"
 
@@ -117,25 +120,27 @@ class RayWorkers:
         largest node's CPUs.
 
         Raises:
-            UsageError: no node has the job's threads (CPUs) and ``job_memory`` bytes.
+            UsageError: no node has the job's threads (CPUs) and ``job_memory`` + :data:`WORKER_OVERHEAD`
+                bytes.
         """
         total = int(sum(n.get("CPU", 0) for n in self._nodes))
         per = max(1, (threads or total) // n_jobs)
         if threads is None:
             per = max(1, min(per, int(max((n.get("CPU", 0) for n in self._nodes), default=1))))
-        if not any(n.get("CPU", 0) >= per and n.get("memory", 0) >= job_memory for n in self._nodes):
+        memory = job_memory + WORKER_OVERHEAD
+        if not any(n.get("CPU", 0) >= per and n.get("memory", 0) >= memory for n in self._nodes):
             nodes = [f"{int(n.get('CPU', 0))} CPUs, {format_bytes(int(n.get('memory', 0)))}" for n in self._nodes]
             raise UsageError("a job needs more than any node of the Ray cluster has",
-                             expected=f"a node with {per} CPUs and {format_bytes(job_memory)} memory",
+                             expected=f"a node with {per} CPUs and {format_bytes(memory)} memory",
                              found=nodes[:8], hint="lower --threads or --max-memory, or raise --jobs")
         return per
 
     def run(self, spec_path: Path, log_path: Path) -> tuple[dict[str, Any], int]:
-        """Submit the job's task (its spec's threads as ``num_cpus``, its ``max_memory`` as ``memory``)
-        and wait for its result."""
+        """Submit the job's task (its spec's threads as ``num_cpus``, its ``max_memory`` +
+        :data:`WORKER_OVERHEAD` as ``memory``) and wait for its result."""
         ray = self._ray
         spec = json.loads(spec_path.read_text(encoding="utf-8"))
-        ref = self._task.options(num_cpus=spec["threads"], memory=spec["max_memory"]).remote(
+        ref = self._task.options(num_cpus=spec["threads"], memory=spec["max_memory"] + WORKER_OVERHEAD).remote(
             str(spec_path.absolute()), str(log_path.absolute()), __version__)
         with self._lock:
             self._refs.add(ref)

@@ -4,6 +4,7 @@ executors."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -11,12 +12,15 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 
+from convert.batch import run_batch
+from convert.batch_jobs import parse_jobs
 from convert.cli import main
 
 from .conftest import MODELS
@@ -30,9 +34,10 @@ VOLATILE = ("seconds", "peak_rss_bytes", "output")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, local_started: Future[Any]) -> Iterator[tuple[str, Path]]:
     """Two Ray nodes (1 CPU each) on this machine; their workers run the test harness: job ``killed``
-    holds after its 2nd shard, once, writing its pid to the marker returned."""
+    holds after its 2nd shard, once, writing its pid to the marker returned. (Started after the local
+    reference run, which goes on meanwhile.)"""
     from ray.cluster_utils import Cluster
 
     marker = tmp_path_factory.mktemp("ray") / "killed.pid"
@@ -95,23 +100,34 @@ def records(out: Path) -> dict[str, Any]:
     return got
 
 
-def same_results(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    return {n: {k: v for k, v in r.items() if k not in VOLATILE} for n, r in a.items()} == {
-        n: {k: v for k, v in r.items() if k not in VOLATILE} for n, r in b.items()}
+def stable(results: dict[str, Any]) -> dict[str, Any]:
+    """Results without what differs between two runs of the same jobs (time, memory, out dir)."""
+    return {n: {k: v for k, v in r.items() if k not in VOLATILE} for n, r in results.items()}
 
 
 @pytest.fixture(scope="module")
-def local_out(jobs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The jobs run by the local executor (the reference)."""
+def local_started(jobs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[tuple[Path, Any]]]:
+    """The jobs run by the local executor (the reference), started in a thread while the cluster starts."""
     out = tmp_path_factory.mktemp("local") / "out"
-    code = main(["batch", str(jobs), "--out-dir", str(out), "--max-memory", "256MiB", "--jobs", "2", "--quiet"])
-    assert code == 3
-    return out
+    defaults = argparse.Namespace(to="auto", max_shard_size=5 * 10**9)  # the CLI's
+
+    def run() -> tuple[Path, dict[str, Any]]:
+        results = run_batch(parse_jobs(jobs, defaults), out, n_jobs=2, max_memory=256 << 20)
+        return out, {r.name: r.to_dict() for r in results}
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run)
 
 
-def test_ray_writes_what_local_writes(cluster: tuple[str, Path], jobs: Path, local_out: Path,
+@pytest.fixture(scope="module")
+def local_run(local_started: Future[tuple[Path, Any]]) -> tuple[Path, dict[str, Any]]:
+    """The local executor's out dir and results by name."""
+    return local_started.result()
+
+
+def test_ray_writes_what_local_writes(cluster: tuple[str, Path], jobs: Path, local_run: tuple[Path, dict[str, Any]],
                                       tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    local = local_out
+    local = local_run[0]
     out = tmp_path / "out"
     code, res = batch(jobs, out, capsys, *ray_args(cluster))
     assert code == 3
@@ -120,24 +136,24 @@ def test_ray_writes_what_local_writes(cluster: tuple[str, Path], jobs: Path, loc
     # the bad input is a named failure, in the results and the state file, not a lost worker
     assert (res["broken"]["rule"], res["broken"]["error_class"]) == ("BNB-009", "QuantStateJsonError")
     assert json.loads((out / ".convert-bnb" / "broken.json").read_text())["status"] == "failed"
+    assert stable(res) == stable(local_run[1])
     assert digests(out) == digests(local) and len(digests(out)) > 10
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in local.iterdir())
     assert records(out) == records(local)
-    # resume across executors: each skips what the other finished, with the same results
+    # the local executor resumes what Ray finished: nothing to do but the broken job
     code, on_local = batch(jobs, out, capsys)
     assert code == 3
     assert {n: r["status"] for n, r in on_local.items()} == {
         "a": "skipped", "c": "skipped", "model-fp32.safetensors": "skipped", "broken": "failed"}
-    code, on_ray = batch(jobs, local, capsys, *ray_args(cluster))
-    assert code == 3 and same_results(on_ray, on_local)
+    assert {n: r["bytes_out"] for n, r in on_local.items()} == {n: r["bytes_out"] for n, r in res.items()}
     assert digests(out) == digests(local)
 
 
-def test_killed_worker_is_retried(cluster: tuple[str, Path], local_out: Path, tmp_path: Path,
+def test_killed_worker_is_retried(cluster: tuple[str, Path], local_run: tuple[Path, dict[str, Any]], tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     """SIGKILL of the worker process running job ``killed`` after its 2nd shard: Ray runs the task again,
     which keeps the 2 recorded shards and writes the rest; the output equals the local one."""
-    local = local_out
+    local = local_run[0]
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name killed\n")
     marker = cluster[1]
@@ -161,10 +177,10 @@ def test_killed_worker_is_retried(cluster: tuple[str, Path], local_out: Path, tm
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".convert-bnb", "killed"]  # no staging left
 
 
-def test_local_interrupted_then_resumed_on_ray(cluster: tuple[str, Path], local_out: Path,
+def test_local_interrupted_then_resumed_on_ray(cluster: tuple[str, Path], local_run: tuple[Path, dict[str, Any]],
                                                tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A local batch killed after 2 shards of job c; the Ray batch keeps them and finishes c."""
-    local = local_out
+    local = local_run[0]
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"{MODELS / 'llama_nf4_dq_sharded'} --to fp16 --max-shard-size 1MB --name c\n")
     out = tmp_path / "out"
@@ -176,8 +192,12 @@ def test_local_interrupted_then_resumed_on_ray(cluster: tuple[str, Path], local_
     assert digests(out) == {k: v for k, v in digests(local).items() if k.startswith("c/")}
 
 
-def test_usage_errors(tmp_path: Path, jobs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors(cluster: tuple[str, Path], tmp_path: Path, jobs: Path,
+                      capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "out")
+    # 2 threads per job: no node has 2 CPUs (Ray would wait for one forever)
+    assert main(["batch", str(jobs), "--out-dir", out, "--threads", "2", *ray_args(cluster)]) == 2
+    assert "USE-001 a job needs more than any node of the Ray cluster has" in capsys.readouterr().err
     assert main(["batch", str(jobs), "--out-dir", out, "--ray-address", "auto"]) == 2
     assert "--ray-address needs --executor ray" in capsys.readouterr().err
     with mock.patch.dict("sys.modules", {"ray": None}):  # as if Ray were not installed
