@@ -40,8 +40,16 @@ Running
     :func:`convert.job.convert` with the job's :class:`~convert.job.ConvertOptions`
     (:func:`convert.batch_jobs.job_options`: resumable, with a file manifest), which claims the output,
     writes and verifies each shard and commits the output atomically (:mod:`convert.output`). The
-    worker prints its :class:`JobResult` as one JSON line; the parent prints a summary table and exits
-    with :data:`EXIT_JOBS_FAILED` when any job failed. Interrupting the parent terminates its workers.
+    worker prints its :class:`JobResult` as one JSON line (:func:`execute_job` turns every failure into
+    the result); the parent prints a summary table and exits with :data:`EXIT_JOBS_FAILED` when any job
+    failed. Interrupting the parent terminates its workers.
+
+Executors
+    Where jobs run is a :class:`Workers`: ``--executor local`` (:class:`LocalWorkers`, the worker
+    processes above) or ``--executor ray`` (:class:`convert.batch_ray.RayWorkers`: each job a Ray task
+    on a cluster, ``--ray-address``; DIR on a file system every node sees). Both run
+    :func:`execute_job` on the job's ``SPEC.json`` and write the same files, state and results, so a
+    batch started on one executor resumes on the other. See docs/many-machines.md.
 
 Done
     A job is marked ``done`` in its state file only after :func:`convert.job.convert` has returned and

@@ -2,8 +2,8 @@
 """Benchmark: the same batch of N jobs on the local executor and on a two-node Ray cluster on this machine.
 
     python scripts/bench_ray.py [--n 8] [--model tests/fixtures/models/llama_nf4_dq] [--to bf16]
-    python scripts/bench.py make --packed-gb 0.25 --dir bench-data/250m      # a bigger model, then:
-    python scripts/bench_ray.py --n 4 --model bench-data/250m
+    python scripts/bench.py make --packed-gb 0.1 --dir bench-data/100m      # a bigger model, then:
+    python scripts/bench_ray.py --n 4 --model bench-data/100m
 
 Each job converts MODEL (under its own name). The local batch runs ``--jobs 2`` worker processes; the
 Ray batch runs ``--executor ray --jobs 2`` against a ``ray.cluster_utils.Cluster`` of two nodes with
