@@ -141,7 +141,7 @@ __all__ = [
     "add_arguments",
     "check_executor",
     "execute_job",
-    "failure",
+    "failed_result",
     "run_batch",
     "run_command",
     "run_job",
@@ -427,7 +427,7 @@ def execute_job(spec: dict[str, Any]) -> tuple[dict[str, Any], int]:
     try:
         result = run_job(spec)
     except ConvertBnbError as exc:
-        return failure(exc), 2
+        return failed_result(exc), 2
     except KeyboardInterrupt:
         job = spec["job"]
         message = interrupted_message(Path(spec["out_dir"]), job["name"])
@@ -442,7 +442,7 @@ def execute_job(spec: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return result.to_dict(), 0
 
 
-def failure(exc: ConvertBnbError) -> dict[str, Any]:
+def failed_result(exc: ConvertBnbError) -> dict[str, Any]:
     """A job's result for a named failure: ``status`` failed, the error line, its class and rule."""
     return {"status": "failed", "error": str(exc), "error_class": type(exc).__name__, "rule": exc.rule}
 

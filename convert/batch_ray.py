@@ -33,7 +33,7 @@ from typing import Any
 from formats.errors import UsageError
 
 from . import __version__
-from .batch import execute_job, failure
+from .batch import execute_job, failed_result
 from .pipeline import reset_peak_rss
 from .units import format_bytes
 
@@ -64,9 +64,9 @@ def run_task(spec_path: str, log_path: str, version: str) -> tuple[dict[str, Any
     reset_peak_rss()  # this worker process may have run other jobs before
     with open(log_path, "a", encoding="utf-8") as log, contextlib.redirect_stderr(log):
         if version != __version__:
-            return failure(UsageError("this Ray node runs another convert-bnb version than the batch",
-                                      expected=version, found=__version__,
-                                      hint="install the same convert-bnb on every node")), 2
+            other = UsageError("this Ray node runs another convert-bnb version than the batch", expected=version,
+                               found=__version__, hint="install the same convert-bnb on every node")
+            return failed_result(other), 2
         spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
         return execute_job(spec)
 

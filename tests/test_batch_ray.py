@@ -205,3 +205,13 @@ def test_usage_errors(cluster: tuple[str, Path], tmp_path: Path, jobs: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'convert-bnb[ray]'" in err[0], err
     assert not Path(out).exists()
+
+
+def test_a_node_on_another_version_fails_the_job(tmp_path: Path) -> None:
+    """The task checks the batch's convert-bnb version before anything is written (its key would differ)."""
+    from convert.batch_ray import run_task
+
+    spec, log = tmp_path / "j.spec.json", tmp_path / "j.log"
+    data, code = run_task(str(spec), str(log), "0.0.0-elsewhere")
+    assert (code, data["status"], data["rule"]) == (2, "failed", "USE-001")
+    assert "another convert-bnb version" in data["error"] and not spec.exists()
