@@ -40,8 +40,16 @@ Running
     :func:`convert.job.convert` with the job's :class:`~convert.job.ConvertOptions`
     (:func:`convert.batch_jobs.job_options`: resumable, with a file manifest), which claims the output,
     writes and verifies each shard and commits the output atomically (:mod:`convert.output`). The
-    worker prints its :class:`JobResult` as one JSON line; the parent prints a summary table and exits
-    with :data:`EXIT_JOBS_FAILED` when any job failed. Interrupting the parent terminates its workers.
+    worker prints its :class:`JobResult` as one JSON line (:func:`execute_job` turns every failure into
+    the result); the parent prints a summary table and exits with :data:`EXIT_JOBS_FAILED` when any job
+    failed. Interrupting the parent terminates its workers.
+
+Executors
+    Where jobs run is a :class:`Workers`: ``--executor local`` (:class:`LocalWorkers`, the worker
+    processes above) or ``--executor ray`` (:class:`convert.batch_ray.RayWorkers`: each job a Ray task
+    on a cluster, ``--ray-address``; DIR on a file system every node sees). Both run
+    :func:`execute_job` on the job's ``SPEC.json`` and write the same files, state and results, so a
+    batch started on one executor resumes on the other. See docs/many-machines.md.
 
 Done
     A job is marked ``done`` in its state file only after :func:`convert.job.convert` has returned and
@@ -88,7 +96,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from formats.errors import (
     ConvertBnbError,
@@ -123,11 +131,17 @@ if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI s
 
 __all__ = [
     "DESCRIPTION",
+    "EXECUTORS",
     "EXIT_JOBS_FAILED",
     "INTERRUPTED_TAIL",
     "BatchProgress",
     "JobResult",
+    "LocalWorkers",
+    "Workers",
     "add_arguments",
+    "check_executor",
+    "execute_job",
+    "failed_result",
     "run_batch",
     "run_command",
     "run_job",
@@ -384,37 +398,141 @@ def _die_with_parent(parent: int) -> None:
 
 
 def worker_main(argv: list[str]) -> int:
-    """Entry point of a worker process: ``SPEC.json``. Prints the result as one JSON line on stdout.
+    """Entry point of a local worker process: ``SPEC.json``. Prints the result as one JSON line on stdout.
 
-    Exit codes: 0 done, 2 the job failed on its input (error in the state file), 1 internal error,
-    130 interrupted (SIGTERM, or the batch process died).
+    Exit codes: those of :func:`execute_job`; 130 also when the batch process died.
     """
     import signal
 
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     signal.signal(signal.SIGTERM, _worker_sigterm)
     _die_with_parent(int(spec["parent_pid"]))
+    data, code = execute_job(spec)
+    print(json.dumps(data))
+    return code
+
+
+def execute_job(spec: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Run one job as a worker does (a local worker process, or a Ray task): :func:`run_job`, with every
+    failure turned into the job's result. Messages for the job's log go to ``sys.stderr``.
+
+    Args:
+        spec: what ``DIR/.convert-bnb/NAME.spec.json`` holds (see :func:`run_job`).
+
+    Returns:
+        the result (:class:`JobResult` fields, as JSON data) and the exit code: 0 done, 2 the job failed
+        on its input (error in the state file), 1 internal error, 130 interrupted (``KeyboardInterrupt``:
+        SIGTERM in a local worker, ``ray.cancel`` in a Ray task).
+    """
     try:
         result = run_job(spec)
     except ConvertBnbError as exc:
-        print(json.dumps({"status": "failed", "error": str(exc), "error_class": type(exc).__name__,
-                          "rule": exc.rule}))
-        return 2
+        return failed_result(exc), 2
     except KeyboardInterrupt:
         job = spec["job"]
         message = interrupted_message(Path(spec["out_dir"]), job["name"])
         print(f"convert-bnb batch: job {job['name']}: {message}", file=sys.stderr)  # the job's log says so too
-        print(json.dumps({"status": "interrupted", "error": message}))
-        return 130
+        return {"status": "interrupted", "error": message}, 130
     except Exception as exc:  # noqa: BLE001 - reported as this job's failure; the batch goes on
         import traceback
 
         traceback.print_exc()
-        print(json.dumps({"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}",
-                          "error_class": type(exc).__name__}))
-        return 1
-    print(json.dumps(result.to_dict()))
-    return 0
+        return {"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}",
+                "error_class": type(exc).__name__}, 1
+    return result.to_dict(), 0
+
+
+def failed_result(exc: ConvertBnbError) -> dict[str, Any]:
+    """A job's result for a named failure: ``status`` failed, the error line, its class and rule."""
+    return {"status": "failed", "error": str(exc), "error_class": type(exc).__name__, "rule": exc.rule}
+
+
+#: The executors of ``convert-bnb batch --executor``: worker processes on this machine, or Ray tasks.
+EXECUTORS = ("local", "ray")
+
+
+class Workers(Protocol):
+    """Where a batch's jobs run: :class:`LocalWorkers` (processes on this machine) or
+    :class:`convert.batch_ray.RayWorkers` (Ray tasks on a cluster). Both run :func:`execute_job` on the
+    job's ``SPEC.json`` and give back its result: the outputs, state files and results are the same."""
+
+    def job_threads(self, threads: int | None, n_jobs: int, job_memory: int) -> int:
+        """Threads of each job, from the batch's ``--threads`` (None: all cores) split over ``n_jobs``.
+
+        Raises:
+            UsageError: a job with these threads and ``job_memory`` bytes fits no machine.
+        """
+        ...
+
+    def run(self, spec_path: Path, log_path: Path) -> tuple[dict[str, Any], int]:
+        """Run the job ``spec_path`` describes, its messages appended to ``log_path``; blocks until it
+        ends. Returns its result (:class:`JobResult` fields, JSON data) and exit code (as :func:`execute_job`)."""
+        ...
+
+    def stop(self) -> None:
+        """Interrupt every running job (it records itself as interrupted); returns at once."""
+        ...
+
+    def close(self) -> None:
+        """Release what the workers hold (a Ray connection this batch made)."""
+        ...
+
+
+class LocalWorkers:
+    """One worker process per job on this machine: ``python -c worker_main SPEC.json`` (see the module
+    docstring: it dies with the batch, SIGTERM interrupts it)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+
+    def job_threads(self, threads: int | None, n_jobs: int, job_memory: int) -> int:
+        """This machine's cores (or ``threads``) split over ``n_jobs``, at least 1."""
+        return max(1, (threads or os.cpu_count() or 1) // n_jobs)
+
+    def run(self, spec_path: Path, log_path: Path) -> tuple[dict[str, Any], int]:
+        """Start the worker process, wait for it, read its result line (its stderr goes to ``log_path``)."""
+        import subprocess
+
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(spec_path)], stdout=subprocess.PIPE,
+                                    stderr=log, env=_worker_env())
+            with self._lock:
+                self._procs.add(proc)
+            try:
+                stdout, _ = proc.communicate()
+            finally:
+                with self._lock:
+                    self._procs.discard(proc)
+        line = stdout.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        try:
+            return json.loads(line[0]), proc.returncode
+        except json.JSONDecodeError:
+            return {"status": "failed", "error": f"worker exited with code {proc.returncode}"}, proc.returncode
+
+    def stop(self) -> None:
+        """SIGTERM every worker process."""
+        with self._lock:
+            for p in self._procs:
+                p.terminate()
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def check_executor(executor: str, ray_address: str | None) -> None:
+    """Check ``--executor`` and ``--ray-address``.
+
+    Raises:
+        UsageError: an unknown executor, or a Ray address without ``--executor ray``.
+    """
+    if executor not in EXECUTORS:
+        raise UsageError("unknown --executor", expected=", ".join(EXECUTORS), found=executor)
+    if ray_address is not None and executor != "ray":
+        raise UsageError("--ray-address needs --executor ray", found=f"--executor {executor}",
+                         hint="add --executor ray, or drop --ray-address")
 
 
 def run_batch(
@@ -431,15 +549,18 @@ def run_batch(
     on_done: Callable[[JobResult], None] | None = None,
     on_progress: Callable[[BatchProgress], None] | None = None,
     progress_interval: float = 2.0,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> list[JobResult]:
-    """Run every job in worker processes, ``n_jobs`` at a time, within one memory budget.
+    """Run every job in worker processes (or Ray tasks), ``n_jobs`` at a time, within one memory budget.
 
     Args:
         jobs: from :func:`parse_jobs`.
-        out_dir: where outputs, state files and logs go.
-        n_jobs: worker processes at a time.
-        max_memory: the memory budget of the whole batch in bytes; each worker gets ``max_memory // n_jobs``.
-        threads: threads of the whole batch (default: all cores), split between the workers.
+        out_dir: where outputs, state files and logs go (with ``executor="ray"``: a path every node sees).
+        n_jobs: jobs running at a time.
+        max_memory: the memory budget of the whole batch in bytes; each job gets ``max_memory // n_jobs``.
+        threads: threads of the whole batch (default: all cores of this machine, or of the Ray cluster),
+            split between the jobs.
         verify: re-read each written shard before renaming it into place.
         overwrite: redo jobs whose output was made with other settings (never removing files the
             batch did not write).
@@ -449,14 +570,20 @@ def run_batch(
         on_progress: called every ``progress_interval`` seconds while jobs run, with the
             :class:`BatchProgress` (jobs finished, each running job's bytes written).
         progress_interval: seconds between ``on_progress`` calls.
+        executor: ``local`` (worker processes on this machine) or ``ray`` (Ray tasks, see
+            :mod:`convert.batch_ray`).
+        ray_address: with ``executor="ray"``, the cluster to connect to (``ray.init(address=...)``;
+            None: ``RAY_ADDRESS``, a cluster started on this machine, or a new local one).
 
     Returns:
         one :class:`JobResult` per job, in job order.
 
     Raises:
-        UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, ``n_jobs`` < 1, or
-            another batch is running with the same ``out_dir``.
+        UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, ``n_jobs`` < 1,
+            another batch is running with the same ``out_dir``, a bad executor or Ray address
+            (:func:`check_executor`), Ray is not installed, or a job fits no node of the Ray cluster.
     """
+    check_executor(executor, ray_address)
     if n_jobs < 1:
         raise UsageError("--jobs must be at least 1", found=n_jobs)
     per_memory = max_memory // n_jobs
@@ -464,7 +591,6 @@ def run_batch(
         raise UsageError("--max-memory split over --jobs leaves a worker less than 64MiB",
                          expected=">= 64MiB per job", found=f"{per_memory} bytes per job",
                          hint="raise --max-memory or lower --jobs")
-    per_threads = max(1, (threads or os.cpu_count() or 1) // n_jobs)
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputKindError("--out-dir must be a directory", path=out_dir, action="write",
                               expected="a directory", found="a file")
@@ -474,16 +600,28 @@ def run_batch(
         if local.exists() and (resolved == local.resolve() or local.resolve() in resolved.parents):
             raise OutputInsideInputError("--out-dir must not be a job's input or inside it", path=out_dir,
                                          action="write", hint=f"job {job.where} reads '{job.src}'")
-    work = out_dir / STATE_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    lock = _lock_out_dir(work)
+    out_dir = out_dir.absolute()  # the same path for every worker, whatever its working directory
+    if executor == "ray":
+        from .batch_ray import RayWorkers
+
+        workers: Workers = RayWorkers(ray_address)
+    else:
+        workers = LocalWorkers()
     try:
-        spec = {"out_dir": str(out_dir), "max_memory": per_memory, "threads": per_threads, "verify": verify,
-                "overwrite": overwrite, "push_to_hub": push_to_hub, "private": private, "parent_pid": os.getpid()}
-        return _run_jobs(jobs, out_dir, work, n_jobs, spec, on_done, on_progress, progress_interval)
+        per_threads = workers.job_threads(threads, n_jobs, per_memory)
+        work = out_dir / STATE_DIR
+        work.mkdir(parents=True, exist_ok=True)
+        lock = _lock_out_dir(work)
+        try:
+            spec = {"out_dir": str(out_dir), "max_memory": per_memory, "threads": per_threads, "verify": verify,
+                    "overwrite": overwrite, "push_to_hub": push_to_hub, "private": private,
+                    "parent_pid": os.getpid()}
+            return _run_jobs(jobs, out_dir, work, n_jobs, spec, workers, on_done, on_progress, progress_interval)
+        finally:
+            if lock is not None:
+                lock.close()
     finally:
-        if lock is not None:
-            lock.close()
+        workers.close()
 
 
 def _lock_out_dir(work: Path) -> Any:
@@ -506,15 +644,13 @@ def _lock_out_dir(work: Path) -> Any:
     return f
 
 
-def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings: dict[str, Any],
+def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings: dict[str, Any], workers: Workers,
               on_done: Callable[[JobResult], None] | None,
               on_progress: Callable[[BatchProgress], None] | None = None,
               progress_interval: float = 2.0) -> list[JobResult]:
-    import subprocess
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    procs: set[subprocess.Popen[bytes]] = set()
     lock = threading.Lock()
     stopping = threading.Event()  # the batch is being interrupted: a worker's end is not its job's failure
     running: set[str] = set()
@@ -526,29 +662,20 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
         spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
         progress_path(out_dir, job.name).unlink(missing_ok=True)
         log_path = work / f"{job.name}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(spec_path)], stdout=subprocess.PIPE,
-                                    stderr=log, env=_worker_env())
-            with lock:
-                procs.add(proc)
-                running.add(job.name)
-            try:
-                stdout, _ = proc.communicate()
-            finally:
-                with lock:
-                    procs.discard(proc)
-                    running.discard(job.name)
-        progress_path(out_dir, job.name).unlink(missing_ok=True)
-        line = stdout.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        log_path.write_bytes(b"")
+        with lock:
+            running.add(job.name)
         try:
-            data = json.loads(line[0])
-        except json.JSONDecodeError:
-            data = {"status": "failed", "error": f"worker exited with code {proc.returncode}"}
+            data, returncode = workers.run(spec_path, log_path)
+        finally:
+            with lock:
+                running.discard(job.name)
+        progress_path(out_dir, job.name).unlink(missing_ok=True)
         if stopping.is_set() and data.get("status") != "converted":
             data = {"status": "interrupted", "error": data.get("error") if data.get("status") == "interrupted"
                     else interrupted_message(out_dir, job.name)}
-        elif proc.returncode != 0 and data.get("status") not in ("failed", "interrupted"):
-            data = {"status": "failed", "error": f"worker exited with code {proc.returncode}"}
+        elif returncode != 0 and data.get("status") not in ("failed", "interrupted"):
+            data = {"status": "failed", "error": f"worker exited with code {returncode}"}
         if data.get("status") == "failed" and not data.get("rule") and log_path.stat().st_size:
             data["error"] = f"{data.get('error')}; see {log_path}"  # only a log with something in it
         keep = {k: v for k, v in data.items() if k in JobResult.__dataclass_fields__}
@@ -585,9 +712,7 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
         stopping.set()
         for f in futures:
             f.cancel()
-        with lock:
-            for p in procs:
-                p.terminate()
+        workers.stop()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:
@@ -641,6 +766,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 examples:
   convert-bnb batch jobs.txt --out-dir out/ --to bf16 --jobs 2 --max-memory 4GiB
   convert-bnb batch jobs.txt --out-dir out/ --push-to-hub my-org --dry-run   card + upload plan, no work
+  convert-bnb batch jobs.txt --out-dir /shared/out --executor ray --ray-address auto   on a Ray cluster
 
 jobs.txt:
   # one job per line; options override the command line's
@@ -671,10 +797,17 @@ Re-running the same command skips finished jobs and finished shards (state in OU
     p.add_argument("--overwrite", action="store_true",
                    help="redo jobs whose output was made with other settings (files the batch did not write are "
                    "never removed)")
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="where jobs run: worker processes on this machine (local, the default), or Ray tasks on a "
+                   "cluster (ray; needs pip install 'convert-bnb[ray]' and an --out-dir every node sees)")
+    p.add_argument("--ray-address", metavar="ADDR", default=None,
+                   help="with --executor ray: the cluster (ray.init address, e.g. auto or HOST:6379; default: "
+                   "RAY_ADDRESS, a cluster started on this machine, or a new local one)")
 
 
 def run_command(args: argparse.Namespace) -> int:
     """``convert-bnb batch``: run (or ``--dry-run``: plan) the jobs; exit 3 if any failed."""
+    check_executor(args.executor, args.ray_address)
     jobs = parse_jobs(args.jobs_file, args)
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
@@ -712,7 +845,8 @@ def run_command(args: argparse.Namespace) -> int:
     results = run_batch(jobs, out_dir, n_jobs=args.jobs, max_memory=args.max_memory, threads=args.threads,
                         verify=args.verify, overwrite=args.overwrite, push_to_hub=args.push_to_hub,
                         private=args.private, on_done=job_done, on_progress=progress if show else None,
-                        progress_interval=2.0 if sys.stderr.isatty() else 10.0)
+                        progress_interval=2.0 if sys.stderr.isatty() else 10.0, executor=args.executor,
+                        ray_address=args.ray_address)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
     elif not args.quiet:

@@ -130,6 +130,21 @@ def peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def reset_peak_rss() -> bool:
+    """Start :func:`peak_rss_bytes` again from the current resident set (Linux: ``5`` to
+    ``/proc/self/clear_refs``), for a process that runs one job after another.
+
+    Returns:
+        whether it was reset (False where the kernel does not offer it: the peak stays the process's).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def chunk_elements(unit: int, max_memory: int, threads: int) -> int:
     """Elements per chunk: a multiple of ``unit`` such that all chunks in flight fit ``max_memory``.
 

@@ -7,8 +7,9 @@ imported: it writes its pid to MARKER and sleeps, so a test can signal a command
 Otherwise the worker of job NAME stops at POINT: after its N-th finished shard is recorded in the resumable
 staging ledger (POINT is the number N), or right after its output is committed (POINT is ``commit``,
 before the batch records the job as done). It writes its pid to MARKER and sleeps until it is
-killed, so a test can kill the batch at a known point. Nothing in the package knows about this: the
-harness wraps ``convert.output.ShardLedger.record`` / ``OutputClaim.commit`` from outside.
+killed, so a test can kill the batch at a known point. Only once: when MARKER already holds a pid,
+the worker runs through (a job retried after its worker was killed there, e.g. by Ray). Nothing in the
+package knows about this: the harness wraps ``convert.output.ShardLedger.record`` / ``OutputClaim.commit`` from outside.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ if _SPEC:
     _name, _point, _marker = _SPEC.split(":", 2)
 
     def _hold() -> None:
+        if Path(_marker).exists() and Path(_marker).read_text():
+            return  # held once already (and killed there): a retried job runs through
         Path(_marker).write_text(str(os.getpid()))
         while True:  # hold here until the test kills the batch (or the worker dies with it)
             time.sleep(3600)
