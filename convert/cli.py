@@ -156,6 +156,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
                            tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
+        processes=True,
     )
 
 

@@ -38,12 +38,14 @@ GGUF-011  a weight quantized to a block type (Q8_0, Q4_K, ...) holds no inf or N
 
 from __future__ import annotations
 
+import errno
 import math
 import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,7 +185,11 @@ def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], me
             procs: Executor | None) -> _Chunk:
     """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
     if procs is not None and ggml_type in SEARCH_TYPES:
-        return procs.submit(encode_chunk, ggml_type, x, measure).result()  # this thread waits, GIL free
+        try:
+            return procs.submit(encode_chunk, ggml_type, x, measure).result()  # this thread waits, GIL free
+        except BrokenProcessPool as exc:  # killed from outside (the OOM killer, a signal): not a bug here
+            raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
+                                    "memory?); run again, with less --max-memory or --threads 1") from exc
     return encode_chunk(ggml_type, x, measure)
 
 

@@ -124,6 +124,10 @@ class ConvertOptions:
         low_disk: with a Hub repo id: download one shard at a time into a staging folder beside the
             output and delete each once converted, instead of the whole repo into the cache first (also
             chosen by itself when only that fits the disk; ``--to auto|bf16|fp16|fp32`` only).
+        processes: GGUF K-quants may be encoded in spawned worker processes
+            (:func:`convert.gguf_encode.encoder_processes`). Spawned processes import the ``__main__``
+            module again, so a script that sets this must guard its entry point with
+            ``if __name__ == "__main__":``; the command line sets it.
     """
 
     src: str
@@ -146,6 +150,7 @@ class ConvertOptions:
     list_files: bool = False
     on_progress: Callable[[int, int], None] | None = None
     low_disk: bool = False
+    processes: bool = False
 
 
 @dataclass
@@ -444,7 +449,8 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, target: Tar
             shards = source.hub.shards if source.hub is not None and source.hub.staging is not None else None
             lifetime = ShardLifetime(plan, shards) if shards is not None else None
             run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress,
-                              label=out.name, on_progress=options.on_progress, inputs=lifetime)
+                              label=out.name, on_progress=options.on_progress, inputs=lifetime,
+                              processes=options.processes)
             timings["plan"] = time.perf_counter() - t0
             resume_key = None
             if options.resume_key is not None:

@@ -80,6 +80,7 @@ class RunSettings:
             workers report their progress through it), or None.
         inputs: told when each tensor is about to be made and when it is written (a low-disk Hub
             run's shard lifetime), or None.
+        processes: a GGUF target may encode in worker processes (``ConvertOptions.processes``).
     """
 
     threads: int
@@ -88,6 +89,7 @@ class RunSettings:
     label: str = ""
     on_progress: Callable[[int, int], None] | None = None
     inputs: InputLifetime | None = None
+    processes: bool = False
 
     def bar(self, total: int) -> Any:
         """A progress sink of ``total`` bytes with ``update(n)`` and ``close()``: a tqdm bar on stderr

@@ -178,6 +178,7 @@ class GgufJob:
         bar = run.bar(self.gplan.nbytes)
         try:
             self.reports = _write_gguf(self.gplan, staging, records, chunk_elements=gchunk, threads=run.threads,
+                                       processes=None if run.processes else 0,
                                        progress=bar.update if bar is not None else None)
         finally:
             if bar is not None:
