@@ -195,15 +195,7 @@ class CastSource(Source):
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         item = self.record.dtype.itemsize
-        if dtype.code == self.record.dtype.code:  # a read-only view of the stored elements: no copy
-            return self.record.raw(start * item, stop * item).view(dtype.numpy)
-        flat = self.record.raw(start * item, stop * item).view(self.record.dtype.numpy)
-        out = kernels.round_float32(flat, dtype.name)  # widened to fp32 first (exact), rounded once
-        if dtype.name == "float16":
-            local = np.zeros(2, dtype=np.int64)
-            kernels.count_f16_loss(flat.astype(np.float32, copy=False), out, local)
-            self._add_stats(local)
-        return out
+        return _cast(self.record.raw(start * item, stop * item), self.record.dtype, dtype, self)
 
     def release(self, start: int, stop: int) -> None:
         item = self.record.dtype.itemsize
@@ -226,14 +218,20 @@ def cast_run(sources: list[CastSource], dtype: DType) -> np.ndarray:
         overflow and underflow counts are added to the first source's stats.
     """
     first = sources[0]
-    flat = np.concatenate([s.record.raw() for s in sources]).view(first.record.dtype.numpy)
-    if dtype.code == first.record.dtype.code:
-        return flat
-    out = kernels.round_float32(flat, dtype.name)  # widened to fp32 first (exact), rounded once
+    return _cast(np.concatenate([s.record.raw() for s in sources]), first.record.dtype, dtype, first)
+
+
+def _cast(raw: npt.NDArray[np.uint8], stored: DType, dtype: DType, counts: Source) -> np.ndarray:
+    """Stored elements (``raw`` bytes of ``stored``) as ``dtype``: a view when the dtypes are the same,
+    else widened to fp32 (exact) and rounded once; fp16 overflow/underflow counts go to ``counts``."""
+    if dtype.code == stored.code:  # a read-only view of the stored elements: no copy
+        return raw.view(dtype.numpy)
+    flat = raw.view(stored.numpy)
+    out = kernels.round_float32(flat, dtype.name)
     if dtype.name == "float16":
         local = np.zeros(2, dtype=np.int64)
         kernels.count_f16_loss(flat.astype(np.float32, copy=False), out, local)
-        first._add_stats(local)
+        counts._add_stats(local)
     return out
 
 
