@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -71,6 +72,31 @@ def run_task(spec_path: str, log_path: str, version: str) -> tuple[dict[str, Any
         return execute_job(spec)
 
 
+#: Seconds to wait for a TCP answer from a HOST:PORT cluster address before ``ray.init`` (which retries
+#: an address where nothing listens for minutes).
+CONNECT_TIMEOUT = 5.0
+
+
+def _check_reachable(address: str | None) -> None:
+    """A ``HOST:PORT`` address (the GCS of ``ray start --head``) must accept a TCP connection.
+
+    ``auto``, ``local``, ``ray://`` addresses and None are left to Ray.
+
+    Raises:
+        UsageError: nothing answers at ``HOST:PORT`` within :data:`CONNECT_TIMEOUT` seconds.
+    """
+    if not address or "://" in address or address in ("auto", "local"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UsageError("--ray-address must be HOST:PORT, auto, or ray://HOST:PORT", found=address)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise UsageError("no Ray cluster answers at --ray-address", found=f"{address} ({exc.strerror or exc})",
+                         hint="start one with `ray start --head`, or check the address") from None
+
+
 def import_ray() -> Any:
     """The ``ray`` module.
 
@@ -101,11 +127,15 @@ class RayWorkers:
         self._ray = ray
         self._owns = not ray.is_initialized()
         if self._owns:
+            _check_reachable(address)
             try:
                 ray.init(address=address, log_to_driver=False, logging_level="warning")
             except ConnectionError as exc:
                 raise UsageError("no Ray cluster answers at --ray-address", found=address or "(default)",
                                  hint="start one with `ray start --head`, or check the address") from exc
+            except ValueError as exc:  # e.g. a ray:// address without the Ray Client's packages
+                raise UsageError(f"Ray cannot connect to --ray-address: {exc}", found=address,
+                                 hint="a ray://HOST:PORT address needs pip install 'ray[client]'") from exc
         self._nodes: list[dict[str, float]] = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         self._task = ray.remote(max_retries=RETRIES, retry_exceptions=False)(run_task)
         self._refs: set[Any] = set()

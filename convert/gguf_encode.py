@@ -42,6 +42,7 @@ import errno
 import math
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -235,6 +236,12 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     return _Chunk(data, max_err, sq_err, sq_ref)
 
 
+def _ignore_sigint() -> None:
+    """An encoder process leaves Ctrl-C to the converting process, which stops the pool (no traceback
+    per worker; each finishes its chunk and exits when the pool shuts down)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def encoder_processes(tensors: Iterable[GGUFTensor], threads: int) -> int:
     """How many worker processes :func:`write_gguf` encodes a file's ``tensors`` with: ``threads`` when
     there are two or more and at least :data:`PROCESS_MIN_ELEMENTS` weights go to :data:`SEARCH_TYPES`,
@@ -313,7 +320,8 @@ def write_gguf(
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=max(threads, n_procs)) if max(threads, n_procs) > 1 else None
         # spawned, not forked: this process has threads (fork would copy their locks mid-use)
-        procs = ProcessPoolExecutor(n_procs, mp_context=multiprocessing.get_context("spawn")) if n_procs else None
+        procs = ProcessPoolExecutor(n_procs, mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=_ignore_sigint) if n_procs else None
         try:
             for t in plan.tensors:
                 rec = records[t.source] if t.source is not None else None

@@ -48,7 +48,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from formats import jsonfile
 from formats.checkpoint import is_extra_file
-from formats.errors import ConvertBnbError, DiskSpaceError, HubError, IndexJsonError, NoWeightsError, UsageError
+from formats.errors import (
+    ConvertBnbError,
+    DiskSpaceError,
+    HubError,
+    IndexJsonError,
+    MissingShardError,
+    NoWeightsError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from .hub_shards import HubShards, RemoteFile
@@ -682,6 +690,13 @@ def _choose_mode(plan: DownloadPlan, weights: WeightMode, cache: Path, out: str 
     if weights == "headers":
         return ("headers" if plan.reads_in_place else "download"), None
     if weights == "low-disk":
+        listed = {f.name for f in plan.files if f.size is not None}
+        missing = [w for w in plan.weight_files if w.endswith(".safetensors") and w not in listed]
+        index = next((f.name for f in plan.files if f.name.endswith(".index.json")), None)
+        if missing and index is not None:  # as a downloaded repo reports it
+            raise MissingShardError("index names a shard that does not exist", path=index,
+                                    expected=f"a file '{missing[0]}'", found="none",
+                                    hint=f"the repo {plan.repo_id} lacks it; its uploader must add it")
         if not plan.reads_in_place:
             raise UsageError("--low-disk needs a repo whose weights are safetensors files",
                              expected="model.safetensors or its shards", found=plan.weight_files[:3],

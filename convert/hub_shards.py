@@ -257,8 +257,12 @@ class HubShards:
                                 hint="the repo changed during the run; run again")
         reader = SafetensorsReader(got)
         if reader.tensors != shard.tensors:
+            name = next((n for n in sorted(set(reader.tensors) | set(shard.tensors))
+                         if reader.tensors.get(n) != shard.tensors.get(n)), None)
+            want, have = shard.tensors.get(name or ""), reader.tensors.get(name or "")
             reader.close()
             raise HubShardError("a downloaded shard's header differs from the one the Hub served", path=got,
+                                tensor=name, expected=_entry(want), found=_entry(have),
                                 hint="the repo changed during the run; run again")
         with self._lock:
             self.events.append(("fetch", shard.name))
@@ -320,3 +324,7 @@ class ShardLifetime:
             if self._users[shard.name] == 0:
                 shard.drop()
 
+
+def _entry(info: TensorInfo | None) -> str:
+    """A header entry as a message shows it: ``BF16 [256, 256] at byte 80`` (or ``absent``)."""
+    return "absent" if info is None else f"{info.dtype.code} {list(info.shape)} at byte {info.start}"

@@ -188,31 +188,63 @@ def _refuse_long_int(token: str) -> int:
     return int(token)
 
 
-def _refuse_duplicate_keys(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(items)
-    if len(obj) != len(items):
-        seen: set[str] = set()
-        for key, _ in items:
-            if key in seen:
-                raise _Refused(f"has the key {key!r} twice in one object", "each key once", "twice", key)
-            seen.add(key)
-    return obj
-
-
-def _decoder(allow_nan: bool, long_digits: bool, check_keys: bool) -> json.JSONDecoder:
+def _decoder(allow_nan: bool, long_digits: bool, pairs: Callable[..., Any] | None = None) -> json.JSONDecoder:
     """A decoder with only the hooks needed: ``parse_int`` when the text holds a run of more than
     :data:`MAX_INT_DIGITS` digits somewhere (else the C parser's own ``int``, several times faster),
-    ``object_pairs_hook`` only to name a duplicate key (a Python call per object: 2.5x slower on a
-    header of 10^5 tensors), ``parse_constant`` only where NaN/Infinity are refused."""
+    ``parse_constant`` only where NaN/Infinity are refused, ``object_pairs_hook`` only to find a
+    duplicate key (a Python call per object: 2.5x slower on a header of 10^5 tensors)."""
     return json.JSONDecoder(
         parse_constant=None if allow_nan else _refuse_constant,
         parse_int=_refuse_long_int if long_digits else None,
-        object_pairs_hook=_refuse_duplicate_keys if check_keys else None,
+        object_pairs_hook=pairs,
     )
 
 
-#: (allow_nan, long_digits, check_keys) -> decoder, built once (json.loads with hooks builds one per call).
-_DECODERS = {(n, d, k): _decoder(n, d, k) for n in (False, True) for d in (False, True) for k in (False, True)}
+#: (allow_nan, long_digits) -> decoder, built once (json.loads with hooks builds one per call).
+_DECODERS = {(n, d): _decoder(n, d) for n in (False, True) for d in (False, True)}
+
+
+def _first_duplicate(text: str, kind: JsonKind, long_digits: bool) -> _Refused | None:
+    """Parse again, keeping every object's keys: the first key found twice in one object (objects in
+    the order they close), as the refusal to raise; ``key`` is set only when the object is the
+    document itself (a safetensors header's tensor names), else the message says which top-level
+    entry holds the object."""
+    found: list[tuple[str, dict[str, Any]]] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(items)
+        if len(obj) != len(items) and not found:
+            seen: set[str] = set()
+            for key, _ in items:
+                if key in seen:
+                    found.append((key, obj))
+                    break
+                seen.add(key)
+        return obj
+
+    value = _decoder(kind.allow_nan, long_digits, pairs).decode(text)
+    if not found:
+        return None
+    key, obj = found[0]
+    if obj is value:
+        return _Refused(f"has the key {key!r} twice in one object", "each key once", "twice", key)
+    holder = next((k for k, v in value.items() if _holds(v, obj)), None) if isinstance(value, dict) else None
+    where = f" (in the value of {holder!r})" if holder is not None else ""
+    return _Refused(f"has the key {key!r} twice in one object{where}", "each key once", "twice")
+
+
+def _holds(value: Any, target: dict[str, Any]) -> bool:
+    """Whether ``target`` is ``value`` or inside it (by identity; iterative)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if v is target:
+            return True
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _count_keys(value: Any) -> int:
@@ -239,12 +271,14 @@ def _parse(text: str, plain: bytes, kind: JsonKind, long_digits: bool) -> Any:
     Fast path: parse without a per-object hook, then compare the keys the parsed value holds with the
     keys the text holds (the closing quotes followed by ``:`` in ``plain``, exact once escapes are
     blanked). Only when they differ (a key was merged away) is the text parsed again with the
-    per-object hook, which names the first duplicate.
+    per-object hook, to name the first duplicate (:func:`_first_duplicate`).
     """
-    obj = _DECODERS[kind.allow_nan, long_digits, False].decode(text)
+    obj = _DECODERS[kind.allow_nan, long_digits].decode(text)
     spaced = _SPACED_KEY_END.search(plain) is not None  # json.dumps writes none: a count in C suffices
     if _count_keys(obj) != (len(_KEY_END.findall(plain)) if spaced else plain.count(b'":')):
-        obj = _DECODERS[kind.allow_nan, long_digits, True].decode(text)
+        refused = _first_duplicate(text, kind, long_digits)
+        if refused is not None:
+            raise refused
     return obj
 
 

@@ -207,6 +207,26 @@ def test_usage_errors(cluster: tuple[str, Path], tmp_path: Path, jobs: Path,
     assert not Path(out).exists()
 
 
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:1", "USE-001 no Ray cluster answers at --ray-address (found '127.0.0.1:1"),  # nothing listens
+    ("no-port", "USE-001 --ray-address must be HOST:PORT, auto, or ray://HOST:PORT"),
+])
+def test_an_address_without_a_cluster_is_a_usage_error_at_once(tmp_path: Path, jobs: Path, address: str,
+                                                                message: str) -> None:
+    """In a fresh process (this one may hold the test cluster's connection): Ray itself would retry an
+    address where nothing listens for minutes."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--executor",
+                           "ray", "--ray-address", address], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0], proc.stderr
+    assert not out.exists()
+
+
 def test_a_node_on_another_version_fails_the_job(tmp_path: Path) -> None:
     """The task checks the batch's convert-bnb version before anything is written (its key would differ)."""
     from convert.batch_ray import run_task

@@ -271,6 +271,18 @@ def test_a_shard_missing_mid_run_is_one_named_line(hub, tmp_path: Path):
     assert not list(tmp_path.glob(".out.convert-bnb-tmp-*"))
 
 
+def test_a_shard_the_repo_lacks_is_the_missing_shard_rule(hub, repo_files: dict[str, bytes], tmp_path: Path):
+    """The index names a shard the repo does not have: CKPT-002 naming it, as without --low-disk."""
+    h, env = hub
+    h.add("org/missing", "c" * 40, {k: v for k, v in repo_files.items() if k != SHARDS[2]})
+    for extra in ([], ["--low-disk"]):
+        r = run_cli(["org/missing", "--to", "bf16", "-o", str(tmp_path / "out"), *extra], env)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert "CKPT-002 index names a shard that does not exist" in r.stderr and SHARDS[2] in r.stderr, r.stderr
+        assert not (tmp_path / "out").exists() and not _staging_dirs(tmp_path)
+
+
 def test_low_disk_usage_errors(hub, tmp_path: Path):
     _h, env = hub
     r = run_cli([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(tmp_path / "o"), "--low-disk"], env)

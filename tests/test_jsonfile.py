@@ -257,3 +257,29 @@ def test_yaml_jobs_file_hostile(text: str, part: str, tmp_path: Path, capsys: py
 def test_real_model_directory_still_converts_clean() -> None:
     rep = check_source(MODELS / "llama_nf4_dq_sharded")
     assert rep.ok, [str(p) for p in rep.problems]
+
+
+def test_a_duplicate_inside_an_entry_names_the_entry_not_a_tensor(tmp_path) -> None:
+    """Only a key twice in the header object itself is a tensor named twice (ST-013); a key twice
+    inside a tensor's entry is a malformed header (ST-003) naming the entry that holds it."""
+    import struct
+
+    from formats import errors as E
+    from formats.safetensors import SafetensorsReader
+
+    def header_file(text: str) -> str:
+        raw = text.encode()
+        raw += b" " * (-len(raw) % 8)
+        path = tmp_path / "h.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
+        return str(path)
+
+    inner = '{"a": {"dtype": "F32", "dtype": "F16", "shape": [1], "data_offsets": [0, 4]}}'
+    with pytest.raises(E.HeaderJsonError) as exc:
+        SafetensorsReader(header_file(inner))
+    assert "has the key 'dtype' twice in one object (in the value of 'a')" in str(exc.value)
+    top = '{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], ' \
+          '"data_offsets": [0, 4]}}'
+    with pytest.raises(E.DuplicateTensorError) as dup:
+        SafetensorsReader(header_file(top))
+    assert dup.value.tensor == "a"
