@@ -5,8 +5,10 @@ later commits; naming, pre-flight, claims and renames are not done here):
 
 1. Each output file's header first (from the plan), then each tensor in block-aligned chunks.
    Chunks are computed by ``threads`` workers (NumPy releases the GIL) and written in order, so the
-   bytes are the same for every thread count. Consumed input pages are released (``madvise``), so
-   the resident set stays near ``max_memory`` whatever the model size.
+   bytes are the same for every thread count; a barrier source's chunks (made from what earlier tensors
+   left, e.g. a nested absmax) are made by the writing thread when their turn comes. Consumed input
+   pages are released (``madvise``), so the resident set stays near ``max_memory`` whatever the model
+   size.
 2. Each finished file is fsynced in the background while the next is written; with a
    :class:`~convert.output.ShardLedger` (resumable runs) each one is recorded once it is on disk,
    and a recorded file still intact is not written again.
