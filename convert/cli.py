@@ -151,7 +151,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
     return ConvertOptions(
         src=args.src, to=args.to, output=args.output, revision=args.revision, max_memory=args.max_memory,
         threads=args.threads, max_shard_size=args.max_shard_size, merge_lora=tuple(args.merge_lora),
-        report=args.report, original=args.original,
+        report=args.report, original=args.original, merge_report=args.json,
         quant=QuantOptions(args.blocksize, args.double_quant, args.quant_storage, tuple(args.skip_modules),
                            tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,

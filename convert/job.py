@@ -107,6 +107,9 @@ class ConvertOptions:
         report: with ``merge_lora``: where to write the merge report (JSON), or None.
         original: with ``merge_lora``: the 16-bit model before quantization (adds the quantization
             error to the report), or None.
+        merge_report: with ``merge_lora``: compute the merge report's figures (``details["lora_merge"]``)
+            even without ``report`` or ``original`` (the CLI sets it for ``--json``); without any of the
+            three no figures are computed and ``lora_merge`` is absent.
         quant: the ``--to nf4|fp4`` settings.
         dry_run: plan only; write nothing.
         overwrite: replace an existing output.
@@ -140,6 +143,7 @@ class ConvertOptions:
     merge_lora: tuple[Path, ...] = ()
     report: Path | None = None
     original: Path | None = None
+    merge_report: bool = False
     quant: QuantOptions = field(default_factory=QuantOptions)
     dry_run: bool = False
     overwrite: bool = False
@@ -419,7 +423,8 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, target: Tar
     extra_notes: list[str] = []
     with source.open() as ckpt:
         plan = make_plan(ckpt, target.dequantize_to(options.to), max_shard_size=options.max_shard_size)
-        lora = apply_lora(plan, options.merge_lora, options.original) if options.merge_lora else None
+        want_stats = options.merge_report or options.report is not None or options.original is not None
+        lora = apply_lora(plan, options.merge_lora, options.original, want_stats) if options.merge_lora else None
         try:
             if source.hub is not None:
                 note = f"source: Hub repo {source.hub.repo_id}@{source.hub.commit}"
@@ -487,7 +492,9 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, target: Tar
                                    f"one at a time, at most {shards.peak_bytes} bytes of them on disk at once")
             if lora is not None:
                 try:
-                    result.details["lora_merge"] = lora.report(options.report)
+                    merge_report = lora.report(options.report)
+                    if merge_report is not None:
+                        result.details["lora_merge"] = merge_report
                 except OSError as exc:
                     if options.report is None:
                         raise

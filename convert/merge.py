@@ -40,11 +40,12 @@ class LoraSource(Source):
     Args:
         inner: the source of the dequantized (or cast) base tensor.
         merge: the tensor's :class:`~convert.lora.TensorMerge`.
-        stats: the run's shared report accumulator.
+        stats: the run's shared report accumulator, or None when no report is asked for (nothing is
+            summed then).
         original: the tensor in the original 16-bit model (for the quantization error), or None.
     """
 
-    def __init__(self, inner: Source, merge: TensorMerge, stats: MergeStats, original: Any = None) -> None:
+    def __init__(self, inner: Source, merge: TensorMerge, stats: MergeStats | None, original: Any = None) -> None:
         super().__init__()
         self.inner = inner
         self.merge = merge
@@ -75,6 +76,8 @@ class LoraSource(Source):
         base = None
         if self.merge.needs_base:
             base = self.inner.produce(start, stop, dtype).reshape((r1 - r0, *self.merge.base_shape[1:]))
+        if self.shared_stats is None:  # no report: nothing to count or compare
+            return self.merge.merge_rows(base, r0, r1, dtype.numpy).reshape(-1)
         orig = None
         if self.original is not None:
             orig = self.original.array()[r0:r1]
@@ -142,16 +145,19 @@ class LoraRun:
 
     Attributes:
         merge: the merge plan (opened adapters).
-        stats: the report accumulator.
+        stats: the report accumulator, or None when no report is asked for.
         original: the opened ``--original`` model, or None.
     """
 
     merge: MergePlan
-    stats: MergeStats
+    stats: MergeStats | None
     original: Checkpoint | None
 
-    def report(self, path: Path | None = None) -> dict[str, Any]:
-        """The merge report (after writing), also written to ``path`` when given."""
+    def report(self, path: Path | None = None) -> dict[str, Any] | None:
+        """The merge report (after writing), also written to ``path`` when given; None when the run
+        computed no figures (``apply_lora(..., stats=False)``)."""
+        if self.stats is None:
+            return None
         data = self.stats.to_json()
         data["adapters"] = [str(ad.path) for ad in self.merge.adapters]
         if path is not None:
@@ -165,13 +171,16 @@ class LoraRun:
             self.original.close()
 
 
-def apply_lora(plan: Plan, adapter_paths: tuple[Path, ...] | list[Path], original_path: Path | None = None) -> LoraRun:
+def apply_lora(plan: Plan, adapter_paths: tuple[Path, ...] | list[Path], original_path: Path | None = None,
+               stats: bool = True) -> LoraRun:
     """Wrap the source of every planned tensor the adapters touch in a :class:`LoraSource` (in place).
 
     Args:
         plan: the dequantization plan; its tensors, notes and config are edited.
         adapter_paths: PEFT adapter directories, merged in this order.
         original_path: the 16-bit model before quantization (the report's quantization error), or None.
+        stats: compute the report's figures (norms, quantization error) while the plan is written; False
+            skips every sum (they cost more than the merge's matrix products).
 
     Returns:
         the :class:`LoraRun` (close it when the plan has been written).
@@ -189,10 +198,10 @@ def apply_lora(plan: Plan, adapter_paths: tuple[Path, ...] | list[Path], origina
         for ad in adapters:
             ad.close()
         raise
-    stats = merge.new_stats()
+    acc = merge.new_stats()
     original = open_checkpoint(original_path) if original_path is not None else None
     try:
-        _wrap(plan, merge, stats, original, original_path)
+        _wrap(plan, merge, acc, stats, original, original_path)
     except BaseException:
         merge.close()
         if original is not None:
@@ -202,10 +211,10 @@ def apply_lora(plan: Plan, adapter_paths: tuple[Path, ...] | list[Path], origina
         f"merging {len(adapters)} adapter(s) into {len(merge.tensors)} tensor(s): "
         + ", ".join(str(p) for p in adapter_paths)
     )
-    return LoraRun(merge, stats, original)
+    return LoraRun(merge, acc if stats else None, original)
 
 
-def _wrap(plan: Plan, merge: MergePlan, stats: MergeStats, original: Checkpoint | None,
+def _wrap(plan: Plan, merge: MergePlan, stats: MergeStats, with_stats: bool, original: Checkpoint | None,
           original_path: Path | None) -> None:
     wrapped: list[tuple[int, PlannedTensor, TensorMerge]] = []
     origs: dict[str, Any] = {}
@@ -228,7 +237,7 @@ def _wrap(plan: Plan, merge: MergePlan, stats: MergeStats, original: Checkpoint 
     if original is not None and original_path is not None:
         _check_original(original_path, original, plan, unmatched, len(unmatched) + len(origs))
     for i, t, tm in wrapped:
-        src = LoraSource(t.source, tm, stats, origs.get(t.name))
+        src = LoraSource(t.source, tm, stats if with_stats else None, origs.get(t.name) if with_stats else None)
         plan.tensors[i] = PlannedTensor(t.name, t.dtype, tm.shape, src)
     if merge.shape_changes and plan.config is not None:
         _update_vocab(plan, merge)

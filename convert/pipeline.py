@@ -5,8 +5,10 @@ later commits; naming, pre-flight, claims and renames are not done here):
 
 1. Each output file's header first (from the plan), then each tensor in block-aligned chunks.
    Chunks are computed by ``threads`` workers (NumPy releases the GIL) and written in order, so the
-   bytes are the same for every thread count. Consumed input pages are released (``madvise``), so
-   the resident set stays near ``max_memory`` whatever the model size.
+   bytes are the same for every thread count; a barrier source's chunks (made from what earlier tensors
+   left, e.g. a nested absmax) are made by the writing thread when their turn comes. Consumed input
+   pages are released (``madvise``), so the resident set stays near ``max_memory`` whatever the model
+   size.
 2. Each finished file is fsynced in the background while the next is written; with a
    :class:`~convert.output.ShardLedger` (resumable runs) each one is recorded once it is on disk,
    and a recorded file still intact is not written again.
@@ -259,8 +261,14 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
                 while pending:  # earlier tensors done first: the input files they alone read are deleted
                     _drain_one(pending, writer, bar, run.inputs)
                 run.inputs.need(t)
-            while t.source.barrier and pending:
-                _drain_one(pending, writer, bar, run.inputs)
+            if t.source.barrier and t.numel:
+                # made by this thread when its turn to be written comes (every earlier chunk is written then),
+                # so the workers go on with the next tensors meanwhile instead of waiting for a drain
+                for s, e in _ranges(t, _chunk(t, run)):
+                    pending.append((t, s, e, _InOrder(t.source, s, e, t.dtype)))
+                    while len(pending) > 2 * run.threads:
+                        _drain_one(pending, writer, bar, run.inputs)
+                continue
             if t.numel <= _INLINE_ELEMENTS:
                 # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
                 # (not with an InputLifetime: it is told of each tensor, and a run could cross input files)
@@ -277,7 +285,7 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar, run.inputs)
                 continue
-            for s, e in _ranges(t, chunk_elements(t.source.unit, run.max_memory, run.threads)):
+            for s, e in _ranges(t, _chunk(t, run)):
                 pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar, run.inputs)
@@ -287,6 +295,26 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
     except BaseException:
         writer.abort()
         raise
+
+
+def _chunk(t: PlannedTensor, run: RunSettings) -> int:
+    """Elements per chunk of ``t``: :func:`chunk_elements`, at most the source's ``max_chunk`` (in whole units)."""
+    unit = t.source.unit
+    n = chunk_elements(unit, run.max_memory, run.threads)
+    if t.source.max_chunk:
+        n = min(n, max(unit, t.source.max_chunk // unit * unit))
+    return n
+
+
+class _InOrder:
+    """A chunk of a barrier source (:attr:`convert.plan.Source.barrier`), made by the writing thread once
+    every chunk before it is written (:func:`_drain_one` calls :meth:`result` when its turn comes)."""
+
+    def __init__(self, source: Any, start: int, stop: int, dtype: DType) -> None:
+        self.source, self.start, self.stop, self.dtype = source, start, stop, dtype
+
+    def result(self) -> np.ndarray:
+        return self.source.produce(self.start, self.stop, self.dtype)
 
 
 def _small_cast_run(tensors: list[PlannedTensor], k: int) -> int:
@@ -322,7 +350,7 @@ def _fsync(path: Path) -> None:
 def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Any]], writer: SafetensorsWriter,
                bar: Any, inputs: InputLifetime | None) -> None:
     t, s, e, fut = pending.popleft()
-    data = fut.result() if isinstance(fut, Future) else fut
+    data = fut.result() if isinstance(fut, (Future, _InOrder)) else fut
     writer.write(data)
     t.source.release(s, e)
     if bar is not None:

@@ -64,8 +64,13 @@ class Source:
     in_nbytes: int = 0
     kind: str = ""
     #: True when :meth:`produce` relies on every earlier tensor of the file being written first (e.g. an
-    #: absmax tensor made from codes recorded while its weight was written): the pipeline drains first.
+    #: absmax tensor made from codes recorded while its weight was written): the pipeline's writing thread
+    #: makes its chunks when their turn to be written comes (the workers go on with later tensors).
     barrier: bool = False
+    #: Most elements per chunk, or 0 for the pipeline's sizing alone (:func:`convert.pipeline.chunk_elements`,
+    #: which counts output elements): set by a source whose chunk reads more than one input element per
+    #: output element (a 4-bit weight: two per byte), so a tensor still splits into chunks for every thread.
+    max_chunk: int = 0
 
     def __init__(self) -> None:
         self.stats = np.zeros(2, dtype=np.int64)

@@ -90,14 +90,23 @@ class LayerInput:
         return [(s, min(b, s + self.piece)) for s in range(a, b, self.piece)]
 
     def read(self, a: int, b: int) -> np.ndarray:
-        """Elements [a, b) of the flat weight in its natural dtype (a on an aligned boundary)."""
+        """Elements [a, b) of the flat weight in its natural dtype (a on an aligned boundary).
+
+        A zero-copy source hands out a view of the input file's pages: call :meth:`release` once the
+        values are used (released any earlier, they would be faulted in again by the use, and stay).
+        """
         x = np.asarray(self.source.produce(a, b, self.dtype)).reshape(-1)
-        # release a margin too: the kernel maps pages around each fault ("fault-around", 64 KiB),
-        # which re-maps pages of the previous piece that were released already
-        self.source.release(max(0, a - _RELEASE_MARGIN), min(self.n, b + _RELEASE_MARGIN))
         if x.dtype != self.dtype.numpy:  # a copying source hands out raw bytes
             x = x.view(self.dtype.numpy)
         return x
+
+    def release(self, a: int, b: int) -> None:
+        """Drop the input pages of elements [a, b), read and used, and of a margin either side.
+
+        The margin: the kernel maps pages around each fault ("fault-around", 64 KiB, or a large folio),
+        which re-maps pages of a neighbouring piece released already.
+        """
+        self.source.release(max(0, a - _RELEASE_MARGIN), min(self.n, b + _RELEASE_MARGIN))
 
     def absmax(self, x: np.ndarray, start: int) -> npt.NDArray[np.float32]:
         """:func:`~convert.quant4.blockwise_absmax` of elements read from ``start``.
@@ -121,6 +130,7 @@ class LayerInput:
         for s, e in self.pieces(a, b):
             k = s // self.blocksize - ba
             am = self.absmax(self.read(s, e), s)
+            self.release(s, e)
             out[k : k + am.size] = am
         return out
 
@@ -365,6 +375,7 @@ class LayerJob:
                 y = dequantize_4bit(packed, resolved, QUANT_TABLES[self.settings.quant_type], bs, e - s, "float32")
                 acc.add(s, np.asarray(x).reshape(-1), y, am)
             del x
+            self.input.release(s, e)
         return np.concatenate(out) if len(out) != 1 else out[0]
 
     def absmax_codes(self, ba: int, bb: int) -> npt.NDArray[np.uint8]:

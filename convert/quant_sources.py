@@ -63,6 +63,7 @@ class _PackedSource(_JobSource):
                          + (" nested" if job.settings.nested else "") + f" <- {layer.source.kind}")
         self.item = item
         self.in_nbytes = layer.source.in_nbytes
+        self.max_chunk = layer.piece // (2 * item)  # one piece of the input a chunk: every worker gets some
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         b0, b1 = start * self.item, stop * self.item
@@ -73,11 +74,10 @@ class _PackedSource(_JobSource):
 
 
 class _AbsmaxSource(_JobSource):
-    barrier = True  # nested: made from the codes recorded while the layer's weight was written
-
     def __init__(self, job: LayerJob, name: str) -> None:
         super().__init__(job, name, job.input.n_blocks, max(1, job.input.align // job.input.blocksize),
                          "absmax (8-bit codes)" if job.settings.nested else "absmax")
+        self.barrier = job.settings.nested  # nested: made from the codes recorded while the weight was written
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         if self.job.settings.nested:

@@ -36,7 +36,8 @@ _GGUF_BYTES_PER_ELEMENT = 24
 
 def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[int, int], np.ndarray]:
     """rows(r0, r1) for a pipeline tensor: its Source's flat elements, block-aligned, in pieces of the
-    pipeline's chunk size, input pages released as they are consumed. Called by the GGUF writer's
+    pipeline's chunk size, input pages released as they are consumed (the rows returned are an array of
+    their own, never a view of released pages). Called by the GGUF writer's
     worker threads (the parallelism is across row chunks, so this never waits on the pool)."""
     src = t.source
     cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
@@ -50,6 +51,10 @@ def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[in
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         parts = [src.produce(s, e, t.dtype) for s, e in spans]
         flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if not flat.flags.writeable:
+            # a read-only view of the input file (a source that does not cast): the caller reads it after
+            # the release below, which would map those pages again, for good (RSS growing to the file size)
+            flat = flat.copy()
         for s, e in spans:
             src.release(s, e)
         return flat[start - a0 : stop - a0].reshape(r1 - r0, *t.shape[1:])
