@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formats.errors import HubShardError, UsageError
-from formats.safetensors import Header, SafetensorsReader, TensorInfo, read_header
+from formats.safetensors import Header, SafetensorsReader, TensorInfo, byte_range, read_header
 
 from .plan import Plan, PlannedTensor
 
@@ -134,9 +134,7 @@ class HubShard:
         if local is not None:
             return local.raw(name, start, stop)
         info = self.tensors[name]
-        stop = info.nbytes if stop is None else stop
-        if not 0 <= start <= stop <= info.nbytes:
-            raise IndexError(f"byte range [{start}, {stop}) outside tensor '{name}' of {info.nbytes} bytes")
+        stop = byte_range(name, start, stop, info.nbytes)
         if stop == start:
             return np.empty(0, dtype=np.uint8)
         data = self._remote.read(info.start + start, stop - start)

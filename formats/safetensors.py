@@ -378,6 +378,18 @@ def read_header(
     return Header(header_size, metadata, tensors)
 
 
+def byte_range(name: str, start: int, stop: int | None, nbytes: int) -> int:
+    """The end of bytes [start, stop) of a tensor of ``nbytes`` bytes (``stop`` None: the end), checked.
+
+    Raises:
+        IndexError: the range is not inside the tensor (a caller's bug, not bad input).
+    """
+    stop = nbytes if stop is None else stop
+    if not 0 <= start <= stop <= nbytes:
+        raise IndexError(f"byte range [{start}, {stop}) outside tensor '{name}' of {nbytes} bytes")
+    return stop
+
+
 class SafetensorsReader:
     """A validated, memory-mapped safetensors file.
 
@@ -447,9 +459,7 @@ class SafetensorsReader:
             ``uint8[stop - start]`` view into the file mapping.
         """
         info = self.tensors[name]
-        stop = info.nbytes if stop is None else stop
-        if not 0 <= start <= stop <= info.nbytes:
-            raise IndexError(f"byte range [{start}, {stop}) outside tensor '{name}' of {info.nbytes} bytes")
+        stop = byte_range(name, start, stop, info.nbytes)
         if stop == start:
             return np.empty(0, dtype=np.uint8)
         return np.frombuffer(self._map(), dtype=np.uint8, count=stop - start, offset=info.start + start)

@@ -129,6 +129,7 @@ from .errors import (
     TorchPickleError,
     UnsafePickleError,
 )
+from .safetensors import byte_range
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -1520,9 +1521,7 @@ class TorchPickleReader:
         state dict); a small non-contiguous view is served from a copy made once.
         """
         info = self.tensors[name]
-        stop = info.nbytes if stop is None else stop
-        if not 0 <= start <= stop <= info.nbytes:
-            raise IndexError(f"byte range [{start}, {stop}) outside tensor '{name}' of {info.nbytes} bytes")
+        stop = byte_range(name, start, stop, info.nbytes)
         if stop == start:
             return np.empty(0, dtype=np.uint8)
         if not info.contiguous:

@@ -205,6 +205,20 @@ def run_measured(cmd: list[str], cwd: Path | None = None) -> tuple[int, str, str
         return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024
 
 
+def cp_floor(out: Path, scratch: Path) -> float:
+    """The floor: seconds of `cp` + `sync` of the output's own bytes on the same disk, one file at a
+    time (each copy removed before the next, so a 32 GB output needs one shard of extra space)."""
+    total = 0.0
+    for f in sorted(out.glob("*.safetensors")) if out.is_dir() else [out]:
+        subprocess.run(["sync"], check=True)
+        t = time.perf_counter()
+        subprocess.run(["cp", str(f), str(scratch)], check=True)
+        subprocess.run(["sync"], check=True)
+        total += time.perf_counter() - t
+        scratch.unlink()
+    return round(total, 2)
+
+
 def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int | None, keep: bool,
             merge_lora: Path | None = None) -> None:
     out = src_dir.parent / f"{src_dir.name}-out-{to.replace(':', '-')}"
@@ -228,19 +242,8 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
            "gb_per_s_written": round(out_bytes / wall / 1e9, 3), "out_bytes": out_bytes,
            "peak_rss_mib": round(max(child_rss, summary["peak_rss_bytes"]) / 2**20, 1)}
     if do_cp:
-        # The floor: `cp` + `sync` of the output's own bytes on the same disk, one file at a time (each copy
-        # is removed before the next, so a 32 GB output needs only one shard of extra space).
-        files = sorted(out.glob("*.safetensors")) if out.is_dir() else [out]
-        cp_s = 0.0
-        for f in files:
-            copy = src_dir.parent / "cp-floor.tmp"
-            subprocess.run(["sync"], check=True)
-            t = time.perf_counter()
-            subprocess.run(["cp", str(f), str(copy)], check=True)
-            subprocess.run(["sync"], check=True)
-            cp_s += time.perf_counter() - t
-            copy.unlink()
-        res.update({"cp_sync_s": round(cp_s, 2), "ratio_to_cp": round(wall / cp_s, 2)})
+        cp_s = cp_floor(out, src_dir.parent / "cp-floor.tmp")
+        res.update({"cp_sync_s": cp_s, "ratio_to_cp": round(wall / cp_s, 2)})
     if not keep:
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     print(json.dumps(res))

@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench import cp_floor  # noqa: E402
 
 #: (label, convert-bnb arguments after SRC; "{bf16}" is the bf16 output of the same round).
 PATHS: list[tuple[str, list[str]]] = [
@@ -57,19 +60,6 @@ def measured(cmd: list[str]) -> dict[str, float]:
         raise SystemExit(1)
     return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
-
-
-def cp_floor(out: Path, scratch: Path) -> float:
-    """Seconds of ``cp`` + ``sync`` of every file of ``out`` (one at a time) on the same disk."""
-    total = 0.0
-    for f in sorted(out.glob("*.safetensors")) if out.is_dir() else [out]:
-        subprocess.run(["sync"], check=True)
-        t = time.perf_counter()
-        subprocess.run(["cp", str(f), str(scratch)], check=True)
-        subprocess.run(["sync"], check=True)
-        total += time.perf_counter() - t
-        scratch.unlink()
-    return round(total, 2)
 
 
 def run_round(src: Path, lora: Path | None, cap: str, threads: int, work: Path) -> list[dict[str, object]]:
