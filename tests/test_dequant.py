@@ -188,6 +188,34 @@ def test_runs_of_tiny_plain_tensors_are_cast_as_each_one_alone(tmp_path: Path, t
         assert over >= 20 and under >= 10
 
 
+def test_fp16_by_table_equals_rounding_every_fp32_value() -> None:
+    """The fp16 kernel rounds each block's 16 products once and picks from them: the same bits, and
+    the same overflow/underflow counts, as rounding every fp32 value (random codes, NF4 and FP4, every
+    blocksize, odd lengths, partial last blocks, pieces, absmax from 1e-12 (flush to zero) to 1e7
+    (overflow), zero absmax)."""
+    from convert.kernels import count_f16_loss
+    from formats.bnb import QUANT_TABLES
+
+    rng = np.random.default_rng(7)
+    seen = np.zeros(2, np.int64)
+    for trial in range(240):
+        bs = int(rng.choice([32, 64, 128, 256, 512, 1024, 2048, 4096]))
+        n = int(rng.integers(1, 150_000)) if trial % 3 else int(rng.integers(1, 5)) * bs
+        packed = rng.integers(0, 256, (n + 1) // 2, dtype=np.uint8)
+        absmax = (rng.random(-(-n // bs)) * 10.0 ** rng.uniform(-12, 7)).astype(np.float32)
+        absmax[rng.random(absmax.size) < 0.05] = 0
+        qm = QUANT_TABLES["nf4" if trial % 2 else "fp4"]
+        got_stats, want_stats = np.zeros(2, np.int64), np.zeros(2, np.int64)
+        got = dequantize_4bit(packed, absmax, qm, bs, n, "float16", stats=got_stats)
+        x = dequantize_4bit(packed, absmax, qm, bs, n, "float32")
+        want = round_float32(x, "float16")
+        count_f16_loss(x, want, want_stats)
+        assert np.array_equal(bits(got), bits(want)), (trial, bs, n)
+        assert got_stats.tolist() == want_stats.tolist(), (trial, bs, n)
+        seen += want_stats
+    assert seen[0] > 1000 and seen[1] > 1000  # overflow and flush to zero were both exercised
+
+
 def test_round_float32_equals_an_integer_round_to_nearest_even() -> None:
     """fp16 through NumPy's cast equals the integer rounding (F. Giesen's float_to_half_fast3_rtne, kept in
     scripts/check_f16_cast.py, which compares all 2^32 patterns) on random bit patterns, the edge of the
