@@ -27,7 +27,9 @@ if _SPEC:
     def _hold() -> None:
         if Path(_marker).exists() and Path(_marker).read_text():
             return  # held once already (and killed there): a retried job runs through
-        Path(_marker).write_text(str(os.getpid()))
+        tmp = Path(f"{_marker}.{os.getpid()}.tmp")
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, _marker)  # whole: a test waiting for MARKER never reads it empty
         while True:  # hold here until the test kills the batch (or the worker dies with it)
             time.sleep(3600)
 
