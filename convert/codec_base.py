@@ -22,13 +22,19 @@ import numpy.typing as npt
 __all__ = [
     "Codec",
     "bitmask",
+    "HALF_DOWN",
+    "block_absmax",
     "encode_by_chunks",
+    "encode_into_by_chunks",
     "first_absmax",
     "fp16_bytes",
     "fp16_round",
+    "inverse_scale",
     "nearest_int",
     "nearest_int_bits",
     "reduce_axis0_is_sequential",
+    "reference_blocks",
+    "round_half_away_into",
     "select",
     "seq_sum",
     "seq_sum0",
@@ -195,6 +201,24 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
     Raises:
         ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
     """
+
+    def into(xb: F32, ob: U8) -> None:
+        ob[...] = encode(xb)
+
+    return encode_into_by_chunks(x, block, type_size, into, chunk)
+
+
+def encode_into_by_chunks(
+    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], None], chunk: int
+) -> U8:
+    """:func:`encode_by_chunks` for an encoder that writes its blocks in place.
+
+    ``encode_into(xb, ob)``: float32 ``(blocks, block)`` (``blocks <= chunk``) -> fills uint8
+    ``(blocks, type_size)`` ``ob``, a slice of the output (no per-chunk result array, no copy).
+
+    Raises:
+        ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
+    """
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim < 1 or x.shape[-1] % block:
         raise ValueError(f"expected float32 (..., n) with n a multiple of {block}, got {x.shape}")
@@ -202,8 +226,72 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
     out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
     with np.errstate(all="ignore"):
         for s in range(0, flat.shape[0], chunk):
-            out[s : s + chunk] = encode(flat[s : s + chunk])
+            encode_into(flat[s : s + chunk], out[s : s + chunk])
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
+
+
+def block_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:
+    """``abs(xb).max(axis=1)`` of float32 ``(blocks, block)`` (``block`` a power of two) -> float32 ``(blocks,)``.
+
+    Exact for input without NaN (+0.0 for an all-zero row). NumPy reduces a short row at ~2 ns an
+    element (per-row overhead); here the sign bits are cleared into ``scratch`` (int32, at least
+    ``1.5 * xb.size`` elements) and those bit patterns, which order as the non-negative floats they
+    are, go through a pairwise tree of long strided int32 ``maximum`` passes (~0.8 ns an element in
+    all), each level writing to the other half of ``scratch`` (an output overlapping its input
+    would make NumPy copy the input first).
+    """
+    n, size = xb.shape[0], xb.size
+    a = np.bitwise_and(xb.reshape(-1).view(np.int32), np.int32(0x7FFFFFFF), out=scratch[:size])
+    other = size
+    while a.size > n:
+        h = a.size // 2
+        a = np.maximum(a[0::2], a[1::2], out=scratch[other : other + h])
+        other = 0 if other else size
+    return a.view(np.float32).copy()
+
+
+def inverse_scale(d: F32) -> tuple[F32, npt.NDArray[np.bool_]]:
+    """gguf-py's ``id = np.where(d == 0, 0, 1 / d)`` (float32 ``(m,)``) and the rows it cannot
+    encode the fast way: ``d`` or ``id`` not finite (``1 / d`` overflows for ``d < 2**-128``, a
+    ``max - min`` overflows), where the reference's arithmetic goes through inf/NaN and its integer
+    casts of NaN are NumPy's own business; those rows are left to :func:`reference_blocks`."""
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = np.float32(1) / d
+    inv[d == 0] = 0
+    return inv, ~(np.isfinite(inv) & np.isfinite(d))
+
+
+def reference_blocks(ggml_type: gguf.GGMLQuantizationType, xb: F32, ob: U8, rows: npt.NDArray[np.bool_]) -> None:
+    """Overwrite ``ob[rows]`` with gguf-py's encoding of ``xb[rows]`` (the rare rows of
+    :func:`inverse_scale`): float32 ``(blocks, block)``, uint8 ``(blocks, type_size)``, bool ``(blocks,)``."""
+    if rows.any():
+        ob[rows] = gguf.quants.quantize(np.ascontiguousarray(xb[rows]), ggml_type).reshape(-1, ob.shape[1])
+
+
+#: The float32 just below 0.5 (``0.5 - 2**-25``): ``trunc(v + copysign(HALF_DOWN, v))`` rounds half away.
+HALF_DOWN = np.float32(0.49999997)
+
+
+def round_half_away_into(v: F32, out: F32) -> F32:
+    """``out = v + copysign(0.49999997, v)``: float32 whose truncation toward zero is gguf-py's
+    ``np_roundf(v)`` (round half away from zero) for every finite float32 ``v``; same shape.
+
+    Why exact (``a = |v|``, ``c = 0.5 - 2**-25``, sums rounded to nearest even): for ``a < 0.5``,
+    ``a <= 0.5 - 2**-25`` and ``a + c <= 1 - 2**-24`` (exact or rounded down) truncates to 0; for
+    ``a = k + 0.5`` the exact sum ``k + 1 - 2**-25`` is within half an ulp of ``k + 1`` (a tie only
+    at ``k = 0``, which rounds to the even 1.0) and truncates to ``k + 1``; otherwise ``a`` is at
+    least one ulp (``>= 2**-24``) from ``k + 0.5`` and ``a + c`` rounds within ``[k, k + 1)`` or
+    ``[k + 1, k + 2)`` as ``a`` is below or above ``k + 0.5``; for ``a >= 2**23`` (integers) ``c``
+    is under half an ulp and the sum is ``a``. ``tests/test_ggml_codecs.py`` checks every float32
+    in ``[0, 4)`` and the neighbours of every ``k + 0.5`` up to ``2**24``. The copysign is two
+    integer passes (sign bit of ``v`` OR the bits of ``c``), NumPy's ``copysign`` being ~1 ns an
+    element. ``v`` and ``out`` must not overlap.
+    """
+    o = out.view(np.int32)
+    np.bitwise_and(v.view(np.int32), np.int32(-0x80000000), out=o)
+    o |= HALF_DOWN.view(np.int32)
+    out += v
+    return out
 
 
 def fp16_bytes(x: F32) -> U8:
