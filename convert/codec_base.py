@@ -24,6 +24,9 @@ __all__ = [
     "bitmask",
     "HALF_DOWN",
     "block_absmax",
+    "block_max_bits",
+    "block_minmax",
+    "block_signed_absmax",
     "encode_by_chunks",
     "encode_into_by_chunks",
     "first_absmax",
@@ -230,35 +233,96 @@ def encode_into_by_chunks(
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
 
 
+def block_max_bits(
+    a: npt.NDArray[np.int32] | npt.NDArray[np.uint32], n: int, scratch: npt.NDArray[np.int32]
+) -> npt.NDArray:
+    """Max of each of the ``n`` consecutive equal runs of int32 or uint32 ``a`` (1-D, ``a.size // n``
+    a power of two) -> ``(n,)`` of ``a``'s dtype (a copy).
+
+    NumPy reduces a short row at ~1-2 ns an element (per-row overhead); this is a pairwise tree of
+    long strided ``maximum`` passes (~0.7 ns an element in all). The levels alternate between two
+    regions of the last ``0.75 * a.size`` elements of ``scratch`` (int32, at least
+    ``1.75 * a.size``), so no output overlaps its input (NumPy would copy the input first), and
+    ``a`` may be ``scratch[:a.size]``, which is left as it was.
+    """
+    size = a.size
+    buf = scratch.view(a.dtype)
+    regions = (buf[size : size + size // 2], buf[size + size // 2 : size + size // 2 + size // 4])
+    level = 0
+    while a.size > n:
+        h = a.size // 2
+        a = np.maximum(a[0::2], a[1::2], out=regions[level % 2][:h])
+        level += 1
+    return a.copy()
+
+
 def block_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:
     """``abs(xb).max(axis=1)`` of float32 ``(blocks, block)`` (``block`` a power of two) -> float32 ``(blocks,)``.
 
-    Exact for input without NaN (+0.0 for an all-zero row). NumPy reduces a short row at ~2 ns an
-    element (per-row overhead); here the sign bits are cleared into ``scratch`` (int32, at least
-    ``1.5 * xb.size`` elements) and those bit patterns, which order as the non-negative floats they
-    are, go through a pairwise tree of long strided int32 ``maximum`` passes (~0.8 ns an element in
-    all), each level writing to the other half of ``scratch`` (an output overlapping its input
-    would make NumPy copy the input first).
+    Exact for input without NaN (+0.0 for an all-zero row): the sign bits are cleared into
+    ``scratch`` (int32, at least ``1.75 * xb.size`` elements) and those bit patterns, which order as
+    the non-negative floats they are, go through :func:`block_max_bits`.
+    """
+    a = np.bitwise_and(xb.reshape(-1).view(np.int32), np.int32(0x7FFFFFFF), out=scratch[: xb.size])
+    return block_max_bits(a, xb.shape[0], scratch).view(np.float32)
+
+
+def block_signed_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:
+    """gguf-py's ``take_along_axis(x, abs(x).argmax(axis=1))`` (C: the first ``x[i]`` of largest
+    ``|x[i]|``, sign kept) of float32 ``(blocks, block)`` without NaN -> float32 ``(blocks,)``.
+
+    Two :func:`block_max_bits` trees, no abs pass: the int32 max of the bit patterns is the largest
+    non-negative value (negative if none), the uint32 max the negative value of largest magnitude
+    (below ``2**31`` if none). Rows holding both ``+a`` and ``-a`` at the top magnitude (and rows
+    of ±0 holding both zeros) are resolved by ``argmax`` on those rows only.
+    """
+    n = xb.shape[0]
+    bits = xb.reshape(-1).view(np.int32)
+    pos = block_max_bits(bits, n, scratch)
+    neg = block_max_bits(bits.view(np.uint32), n, scratch).view(np.int32)
+    pos_mag = np.where(pos >= 0, pos, -1)
+    neg_mag = np.where(neg < 0, neg & np.int32(0x7FFFFFFF), -1)
+    mx = np.where(pos_mag >= neg_mag, pos, neg).view(np.float32)
+    tie = np.nonzero(pos_mag == neg_mag)[0]
+    if tie.size:
+        sub = xb[tie]
+        mx[tie] = sub[np.arange(tie.size), np.abs(sub).argmax(axis=1)]
+    return mx
+
+
+def block_minmax(xb: F32, scratch: npt.NDArray[np.int32]) -> tuple[F32, F32]:
+    """``(x.min(axis=1), x.max(axis=1))`` of float32 ``(blocks, block)`` without NaN, each float32
+    ``(blocks,)``, by two :func:`block_max_bits` trees on order-preserving int32 keys
+    (``bits ^ ((bits >> 31) & 0x7FFFFFFF)``, the min as the max of the negated keys' complement).
+
+    Which zero NumPy's ``min``/``max`` return when a row holds both +0.0 and -0.0 and the result is
+    a zero is NumPy's business; here -0.0 orders below +0.0, so callers that need NumPy's sign of
+    a zero result hand those rows to :func:`reference_blocks`.
     """
     n, size = xb.shape[0], xb.size
-    a = np.bitwise_and(xb.reshape(-1).view(np.int32), np.int32(0x7FFFFFFF), out=scratch[:size])
-    other = size
-    while a.size > n:
-        h = a.size // 2
-        a = np.maximum(a[0::2], a[1::2], out=scratch[other : other + h])
-        other = 0 if other else size
-    return a.view(np.float32).copy()
+    bits = xb.reshape(-1).view(np.int32)
+    key = np.right_shift(bits, 31, out=scratch[:size])
+    key &= np.int32(0x7FFFFFFF)
+    key ^= bits
+    mx = block_max_bits(key, n, scratch)
+    np.invert(key, out=key)  # ~k orders the other way, without the overflow of -k
+    mn = block_max_bits(key, n, scratch)
+    np.invert(mn, out=mn)
+    for k in (mx, mn):
+        k ^= (k >> 31) & np.int32(0x7FFFFFFF)
+    return mn.view(np.float32), mx.view(np.float32)
 
 
 def inverse_scale(d: F32) -> tuple[F32, npt.NDArray[np.bool_]]:
     """gguf-py's ``id = np.where(d == 0, 0, 1 / d)`` (float32 ``(m,)``) and the rows it cannot
     encode the fast way: ``d`` or ``id`` not finite (``1 / d`` overflows for ``d < 2**-128``, a
-    ``max - min`` overflows), where the reference's arithmetic goes through inf/NaN and its integer
-    casts of NaN are NumPy's own business; those rows are left to :func:`reference_blocks`."""
-    with np.errstate(divide="ignore", over="ignore"):
-        inv = np.float32(1) / d
+    ``max - min`` overflows), found as ``id * d`` not finite (0 for ``d == 0``, about 1 otherwise);
+    there the reference's arithmetic goes through inf/NaN and its integer casts of NaN are NumPy's
+    own business, so those rows are left to :func:`reference_blocks`. Call it with NumPy's
+    floating-point warnings off (:func:`encode_into_by_chunks` does)."""
+    inv = np.divide(np.float32(1), d)
     inv[d == 0] = 0
-    return inv, ~(np.isfinite(inv) & np.isfinite(d))
+    return inv, ~np.isfinite(inv * d)
 
 
 def reference_blocks(ggml_type: gguf.GGMLQuantizationType, xb: F32, ob: U8, rows: npt.NDArray[np.bool_]) -> None:

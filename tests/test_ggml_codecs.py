@@ -20,7 +20,7 @@ from convert.legacy_quants import CHUNK_BLOCKS
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py's own, on inf/NaN
 
 GT = gguf.GGMLQuantizationType
-TYPES = [GT.Q8_0]
+TYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1]
 
 
 def np_roundf(v: np.ndarray) -> np.ndarray:
