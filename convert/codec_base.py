@@ -22,13 +22,22 @@ import numpy.typing as npt
 __all__ = [
     "Codec",
     "bitmask",
+    "HALF_DOWN",
+    "block_absmax",
+    "block_max_bits",
+    "block_minmax",
+    "block_signed_absmax",
     "encode_by_chunks",
+    "encode_into_by_chunks",
     "first_absmax",
     "fp16_bytes",
     "fp16_round",
+    "inverse_scale",
     "nearest_int",
     "nearest_int_bits",
     "reduce_axis0_is_sequential",
+    "reference_blocks",
+    "round_half_away_into",
     "select",
     "seq_sum",
     "seq_sum0",
@@ -195,6 +204,24 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
     Raises:
         ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
     """
+
+    def into(xb: F32, ob: U8) -> None:
+        ob[...] = encode(xb)
+
+    return encode_into_by_chunks(x, block, type_size, into, chunk)
+
+
+def encode_into_by_chunks(
+    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], None], chunk: int
+) -> U8:
+    """:func:`encode_by_chunks` for an encoder that writes its blocks in place.
+
+    ``encode_into(xb, ob)``: float32 ``(blocks, block)`` (``blocks <= chunk``) -> fills uint8
+    ``(blocks, type_size)`` ``ob``, a slice of the output (no per-chunk result array, no copy).
+
+    Raises:
+        ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
+    """
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim < 1 or x.shape[-1] % block:
         raise ValueError(f"expected float32 (..., n) with n a multiple of {block}, got {x.shape}")
@@ -202,8 +229,133 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
     out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
     with np.errstate(all="ignore"):
         for s in range(0, flat.shape[0], chunk):
-            out[s : s + chunk] = encode(flat[s : s + chunk])
+            encode_into(flat[s : s + chunk], out[s : s + chunk])
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
+
+
+def block_max_bits(
+    a: npt.NDArray[np.int32] | npt.NDArray[np.uint32], n: int, scratch: npt.NDArray[np.int32]
+) -> npt.NDArray:
+    """Max of each of the ``n`` consecutive equal runs of int32 or uint32 ``a`` (1-D, ``a.size // n``
+    a power of two) -> ``(n,)`` of ``a``'s dtype (a copy).
+
+    NumPy reduces a short row at ~1-2 ns an element (per-row overhead); this is a pairwise tree of
+    long strided ``maximum`` passes (~0.7 ns an element in all). The levels alternate between two
+    regions of the last ``0.75 * a.size`` elements of ``scratch`` (int32, at least
+    ``1.75 * a.size``), so no output overlaps its input (NumPy would copy the input first), and
+    ``a`` may be ``scratch[:a.size]``, which is left as it was.
+    """
+    size = a.size
+    buf = scratch.view(a.dtype)
+    regions = (buf[size : size + size // 2], buf[size + size // 2 : size + size // 2 + size // 4])
+    level = 0
+    while a.size > n:
+        h = a.size // 2
+        a = np.maximum(a[0::2], a[1::2], out=regions[level % 2][:h])
+        level += 1
+    return a.copy()
+
+
+def block_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:
+    """``abs(xb).max(axis=1)`` of float32 ``(blocks, block)`` (``block`` a power of two) -> float32 ``(blocks,)``.
+
+    Exact for input without NaN (+0.0 for an all-zero row): the sign bits are cleared into
+    ``scratch`` (int32, at least ``1.75 * xb.size`` elements) and those bit patterns, which order as
+    the non-negative floats they are, go through :func:`block_max_bits`.
+    """
+    a = np.bitwise_and(xb.reshape(-1).view(np.int32), np.int32(0x7FFFFFFF), out=scratch[: xb.size])
+    return block_max_bits(a, xb.shape[0], scratch).view(np.float32)
+
+
+def block_signed_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:
+    """gguf-py's ``take_along_axis(x, abs(x).argmax(axis=1))`` (C: the first ``x[i]`` of largest
+    ``|x[i]|``, sign kept) of float32 ``(blocks, block)`` without NaN -> float32 ``(blocks,)``.
+
+    Two :func:`block_max_bits` trees, no abs pass: the int32 max of the bit patterns is the largest
+    non-negative value (negative if none), the uint32 max the negative value of largest magnitude
+    (below ``2**31`` if none). Rows holding both ``+a`` and ``-a`` at the top magnitude (and rows
+    of ±0 holding both zeros) are resolved by ``argmax`` on those rows only.
+    """
+    n = xb.shape[0]
+    bits = xb.reshape(-1).view(np.int32)
+    pos = block_max_bits(bits, n, scratch)
+    neg = block_max_bits(bits.view(np.uint32), n, scratch).view(np.int32)
+    pos_mag = np.where(pos >= 0, pos, -1)
+    neg_mag = np.where(neg < 0, neg & np.int32(0x7FFFFFFF), -1)
+    mx = np.where(pos_mag >= neg_mag, pos, neg).view(np.float32)
+    tie = np.nonzero(pos_mag == neg_mag)[0]
+    if tie.size:
+        sub = xb[tie]
+        mx[tie] = sub[np.arange(tie.size), np.abs(sub).argmax(axis=1)]
+    return mx
+
+
+def block_minmax(xb: F32, scratch: npt.NDArray[np.int32]) -> tuple[F32, F32]:
+    """``(x.min(axis=1), x.max(axis=1))`` of float32 ``(blocks, block)`` without NaN, each float32
+    ``(blocks,)``, by two :func:`block_max_bits` trees on order-preserving int32 keys
+    (``bits ^ ((bits >> 31) & 0x7FFFFFFF)``, the min as the max of the negated keys' complement).
+
+    Which zero NumPy's ``min``/``max`` return when a row holds both +0.0 and -0.0 and the result is
+    a zero is NumPy's business; here -0.0 orders below +0.0, so callers that need NumPy's sign of
+    a zero result hand those rows to :func:`reference_blocks`.
+    """
+    n, size = xb.shape[0], xb.size
+    bits = xb.reshape(-1).view(np.int32)
+    key = np.right_shift(bits, 31, out=scratch[:size])
+    key &= np.int32(0x7FFFFFFF)
+    key ^= bits
+    mx = block_max_bits(key, n, scratch)
+    np.invert(key, out=key)  # ~k orders the other way, without the overflow of -k
+    mn = block_max_bits(key, n, scratch)
+    np.invert(mn, out=mn)
+    for k in (mx, mn):
+        k ^= (k >> 31) & np.int32(0x7FFFFFFF)
+    return mn.view(np.float32), mx.view(np.float32)
+
+
+def inverse_scale(d: F32) -> tuple[F32, npt.NDArray[np.bool_]]:
+    """gguf-py's ``id = np.where(d == 0, 0, 1 / d)`` (float32 ``(m,)``) and the rows it cannot
+    encode the fast way: ``d`` or ``id`` not finite (``1 / d`` overflows for ``d < 2**-128``, a
+    ``max - min`` overflows), found as ``id * d`` not finite (0 for ``d == 0``, about 1 otherwise);
+    there the reference's arithmetic goes through inf/NaN and its integer casts of NaN are NumPy's
+    own business, so those rows are left to :func:`reference_blocks`. Call it with NumPy's
+    floating-point warnings off (:func:`encode_into_by_chunks` does)."""
+    inv = np.divide(np.float32(1), d)
+    inv[d == 0] = 0
+    return inv, ~np.isfinite(inv * d)
+
+
+def reference_blocks(ggml_type: gguf.GGMLQuantizationType, xb: F32, ob: U8, rows: npt.NDArray[np.bool_]) -> None:
+    """Overwrite ``ob[rows]`` with gguf-py's encoding of ``xb[rows]`` (the rare rows of
+    :func:`inverse_scale`): float32 ``(blocks, block)``, uint8 ``(blocks, type_size)``, bool ``(blocks,)``."""
+    if rows.any():
+        ob[rows] = gguf.quants.quantize(np.ascontiguousarray(xb[rows]), ggml_type).reshape(-1, ob.shape[1])
+
+
+#: The float32 just below 0.5 (``0.5 - 2**-25``): ``trunc(v + copysign(HALF_DOWN, v))`` rounds half away.
+HALF_DOWN = np.float32(0.49999997)
+
+
+def round_half_away_into(v: F32, out: F32) -> F32:
+    """``out = v + copysign(0.49999997, v)``: float32 whose truncation toward zero is gguf-py's
+    ``np_roundf(v)`` (round half away from zero) for every finite float32 ``v``; same shape.
+
+    Why exact (``a = |v|``, ``c = 0.5 - 2**-25``, sums rounded to nearest even): for ``a < 0.5``,
+    ``a <= 0.5 - 2**-25`` and ``a + c <= 1 - 2**-24`` (exact or rounded down) truncates to 0; for
+    ``a = k + 0.5`` the exact sum ``k + 1 - 2**-25`` is within half an ulp of ``k + 1`` (a tie only
+    at ``k = 0``, which rounds to the even 1.0) and truncates to ``k + 1``; otherwise ``a`` is at
+    least one ulp (``>= 2**-24``) from ``k + 0.5`` and ``a + c`` rounds within ``[k, k + 1)`` or
+    ``[k + 1, k + 2)`` as ``a`` is below or above ``k + 0.5``; for ``a >= 2**23`` (integers) ``c``
+    is under half an ulp and the sum is ``a``. ``tests/test_ggml_codecs.py`` checks every float32
+    in ``[0, 4)`` and the neighbours of every ``k + 0.5`` up to ``2**24``. The copysign is two
+    integer passes (sign bit of ``v`` OR the bits of ``c``), NumPy's ``copysign`` being ~1 ns an
+    element. ``v`` and ``out`` must not overlap.
+    """
+    o = out.view(np.int32)
+    np.bitwise_and(v.view(np.int32), np.int32(-0x80000000), out=o)
+    o |= HALF_DOWN.view(np.int32)
+    out += v
+    return out
 
 
 def fp16_bytes(x: F32) -> U8:

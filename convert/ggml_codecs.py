@@ -3,8 +3,10 @@
 The GGUF writer (:mod:`convert.gguf_encode`) encodes every tensor through :func:`codec`; a new type
 is one class and one row in :data:`CODECS` (as gguf-py's ``gguf/quants.py``).
 
-- F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf-py's own encoders (``gguf.quants.quantize``),
-  which reproduce llama.cpp's ``quantize_row_*_ref``.
+- F32, F16, BF16: gguf-py's own encoders (``gguf.quants.quantize``).
+- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: our NumPy encoders (:mod:`convert.legacy_quants`, several times
+  faster), byte-identical to gguf-py's, which reproduce llama.cpp's ``quantize_row_*_ref``; Q8_0
+  also decodes with ours, the others with gguf-py's ``dequantize``.
 - Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL: our NumPy encoders (:mod:`convert.kquant_minmax`,
   :mod:`convert.kquant_scale`, :mod:`convert.iq4_nl`), byte-identical to ``quantize_row_q{2..6}_K_ref`` of the llama.cpp
   revision vendored in llama-cpp-python 0.3.36 (IQ4_NL: ``quantize_iq4_nl``, the path llama-quantize
@@ -25,6 +27,7 @@ from .codec_base import Codec
 from .iq4_nl import IQ4_NLCodec
 from .kquant_minmax import Q2_KCodec, Q4_KCodec, Q5_KCodec
 from .kquant_scale import Q3_KCodec, Q6_KCodec
+from .legacy_quants import Q4_0Codec, Q4_1Codec, Q5_0Codec, Q5_1Codec, Q8_0Codec
 
 __all__ = ["CODECS", "codec"]
 
@@ -41,26 +44,6 @@ class F16Codec(Codec):
 
 class BF16Codec(Codec):
     ggml_type = GT.BF16
-
-
-class Q8_0Codec(Codec):
-    ggml_type = GT.Q8_0
-
-
-class Q4_0Codec(Codec):
-    ggml_type = GT.Q4_0
-
-
-class Q4_1Codec(Codec):
-    ggml_type = GT.Q4_1
-
-
-class Q5_0Codec(Codec):
-    ggml_type = GT.Q5_0
-
-
-class Q5_1Codec(Codec):
-    ggml_type = GT.Q5_1
 
 
 #: GGML type -> its codec.

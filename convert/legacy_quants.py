@@ -1,0 +1,219 @@
+"""NumPy encoders of the legacy GGML types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, byte-identical to gguf-py's.
+
+gguf-py's ``gguf/quants.py`` reproduces llama.cpp's ``quantize_row_q8_0_ref`` (``ggml-quants.c``) in
+about twelve whole-array passes (abs, max, divide, where, multiply, ``np_roundf``'s five to seven,
+astype, concatenate), ~9 ns a value, and the others similarly (NumPy's reductions over rows of 32
+alone cost ~2 ns a value). Here each chunk of blocks (:data:`CHUNK_BLOCKS`) goes through
+about six cheap passes with preallocated scratch, and the result is written straight into the
+output array.
+
+Block layouts (little-endian; a block is 32 consecutive values of a row):
+
+- Q8_0, 34 bytes: ``d`` float16 (2 bytes), then ``qs`` 32 × int8; ``x[i] ~= d * qs[i]`` with
+  ``d = max|x| / 127`` and ``qs[i] = roundf(x[i] / d)`` (round half away from zero), 0 when ``d == 0``.
+- Q4_0, 18 bytes: ``d`` float16, ``qs`` 16 bytes, byte ``j`` = ``q[j] | q[j + 16] << 4``;
+  ``x[i] ~= d * (q[i] - 8)``, ``d = max / -8`` with ``max`` the first ``x`` of largest ``|x|``, and
+  ``q = min(15, trunc(x * id + 8.5))``.
+- Q4_1, 20 bytes: ``d``, ``m`` float16, ``qs`` 16 bytes as Q4_0; ``x[i] ~= d * q[i] + m``,
+  ``m = min x``, ``d = (max x - m) / 15``, ``q = min(15, trunc((x - m) * id + 0.5))``.
+- Q5_0, 22 bytes: ``d`` float16, ``qh`` uint32 (bit ``i`` = bit 4 of ``q[i]``), ``qs`` 16 bytes of
+  the low nibbles as Q4_0; ``x[i] ~= d * (q[i] - 16)``, ``d = max / -16``,
+  ``q = min(31, trunc(x * id + 16.5))``.
+- Q5_1, 24 bytes: ``d``, ``m`` float16, ``qh``, ``qs`` as Q5_0; ``d = (max x - m) / 31``,
+  ``q = min(31, trunc((x - m) * id + 0.5))``.
+
+``id`` is ``1 / d``, or 0 when ``d == 0``, everywhere.
+
+Identity with gguf-py, value for value: the same float32 operations in the same order (``d`` the
+float32 quotient, ``id = 1 / d`` or 0, the products and sums in gguf-py's order), the same
+``float16`` conversion of ``d`` and ``m``, Q8_0's rounding by
+:func:`convert.codec_base.round_half_away_into`, which equals ``np_roundf`` for every finite
+float32, and the others' float -> uint8 truncation by NumPy's cast, as gguf-py. The block maxima
+come from :func:`convert.codec_base.block_absmax` and siblings, equal to NumPy's reductions. Rare
+blocks are handed to gguf-py itself (:func:`convert.codec_base.reference_blocks`): those whose ``d``
+or ``id`` is not finite (``d < 2**-128``, a block of subnormals; ``max - min`` overflowing), where
+the reference casts NaN to an integer and we might cast inf (the same byte on x86-64, but NumPy
+does not promise it), and for Q4_1/Q5_1 those whose min or max is a zero (the sign of the zero
+NumPy's ``min``/``max`` return when a block holds both is NumPy's choice).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from .codec_base import (
+    Codec,
+    block_absmax,
+    block_minmax,
+    block_signed_absmax,
+    encode_into_by_chunks,
+    inverse_scale,
+    reference_blocks,
+    round_half_away_into,
+)
+
+__all__ = ["CHUNK_BLOCKS", "Q4_0Codec", "Q4_1Codec", "Q5_0Codec", "Q5_1Codec", "Q8_0Codec"]
+
+GT = gguf.GGMLQuantizationType
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+
+#: Blocks of 32 values per chunk (512 KiB of float32 input; scratch ~2.4 MiB): measured best of
+#: 1024..16384 on a 1 MiB-L2 EPYC (smaller chunks pay NumPy's per-call overhead, ~100 us a chunk).
+CHUNK_BLOCKS = 4096
+
+QK = 32
+
+
+class _Work(NamedTuple):
+    """Per-call scratch, reused by every chunk: int32 ``(1.75 * CHUNK_BLOCKS * 32,)`` for the block
+    maxima, float32 ``(CHUNK_BLOCKS, 32)`` ``v`` and ``t``, uint8 ``(CHUNK_BLOCKS, 32)`` ``q``,
+    little-endian uint64 ``(CHUNK_BLOCKS, 4)`` ``h`` and ``(CHUNK_BLOCKS, 2)`` ``p`` (8 levels a word)."""
+
+    ints: npt.NDArray[np.int32]
+    v: F32
+    t: F32
+    q: U8
+    h: npt.NDArray[np.uint64]
+    p: npt.NDArray[np.uint64]
+
+
+def _fp16_into(d: F32, ob: U8, byte: int) -> None:
+    """Write float32 ``(blocks,)`` as little-endian float16 at byte offset ``byte`` (even) of each row
+    of uint8 ``(blocks, type_size)`` (``type_size`` even; NumPy's float16 cast, as gguf-py's
+    ``astype(np.float16)``: round to nearest even, inf on overflow)."""
+    ob.view("<f2")[:, byte // 2] = d
+
+
+class _LegacyCodec(Codec):
+    """Chunked encoding with scratch reused across chunks; subclasses give :meth:`_encode_into`."""
+
+    @classmethod
+    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> None:
+        """Encode float32 ``(blocks, 32)`` into uint8 ``(blocks, type_size)`` (``blocks <= CHUNK_BLOCKS``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def quantize(cls, x: F32) -> U8:
+        """float32 ``(rows, n)`` (``n % 32 == 0``) -> uint8 ``(rows, n // 32 * type_size)``."""
+        w = _Work(
+            np.empty(CHUNK_BLOCKS * QK * 7 // 4, dtype=np.int32),
+            np.empty((CHUNK_BLOCKS, QK), dtype=np.float32),
+            np.empty((CHUNK_BLOCKS, QK), dtype=np.float32),
+            np.empty((CHUNK_BLOCKS, QK), dtype=np.uint8),
+            np.empty((CHUNK_BLOCKS, 4), dtype="<u8"),
+            np.empty((CHUNK_BLOCKS, 2), dtype="<u8"),
+        )
+        return encode_into_by_chunks(x, QK, cls.type_size(), lambda xb, ob: cls._encode_into(xb, ob, w), CHUNK_BLOCKS)
+
+
+class Q8_0Codec(_LegacyCodec):
+    """Q8_0: gguf-py's ``Q8_0.quantize_blocks`` (llama.cpp ``quantize_row_q8_0_ref``) and
+    ``Q8_0.dequantize_blocks``, byte for byte and bit for bit."""
+
+    ggml_type: ClassVar[gguf.GGMLQuantizationType] = GT.Q8_0
+
+    @classmethod
+    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> None:
+        n = xb.shape[0]
+        d = block_absmax(xb, w.ints) / np.float32(127)
+        inv, bad = inverse_scale(d)
+        v = np.multiply(xb, inv[:, None], out=w.v[:n])
+        t = round_half_away_into(v, w.t[:n])
+        np.copyto(ob[:, 2:].view(np.int8), t, casting="unsafe")  # truncation toward zero
+        _fp16_into(d, ob, 0)
+        reference_blocks(cls.ggml_type, xb, ob, bad)
+
+    @classmethod
+    def dequantize(cls, data: U8) -> F32:
+        """uint8 ``(rows, n // 32 * 34)`` -> float32 ``(rows, n)``: ``float32(qs) * float32(d)``."""
+        data = np.ascontiguousarray(data).view(np.uint8)
+        blocks = data.reshape(-1, 34)
+        d = blocks[:, :2].copy().view("<f2").astype(np.float32)
+        out = np.empty((blocks.shape[0], QK), dtype=np.float32)
+        np.multiply(blocks[:, 2:].view(np.int8), d, out=out, dtype=np.float32)
+        return out.reshape(*data.shape[:-1], data.shape[-1] // 34 * QK)
+
+
+class _Legacy45(_LegacyCodec):
+    """Q4_0, Q4_1, Q5_0, Q5_1: gguf-py's ``quantize_blocks`` of those types (llama.cpp
+    ``quantize_row_q4_0_ref`` etc.); decoding stays gguf-py's."""
+
+    bits: ClassVar[int]
+    with_min: ClassVar[bool]  # Q4_1/Q5_1: d = (max - min) / nmax and m = min; else d = max / -2**(bits-1)
+
+    @classmethod
+    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> None:
+        n = xb.shape[0]
+        nmax = (1 << cls.bits) - 1
+        v = w.v[:n]
+        if cls.with_min:
+            mn, mx = block_minmax(xb, w.ints)
+            d = (mx - mn) / np.float32(nmax)
+            inv, bad = inverse_scale(d)
+            bad |= (mn == 0) | (mx == 0)
+            np.subtract(xb, mn[:, None], out=v)
+            v *= inv[:, None]
+            v += np.float32(0.5)
+            _fp16_into(mn, ob, 2)
+            at = 4
+        else:
+            half = 1 << (cls.bits - 1)
+            d = block_signed_absmax(xb, w.ints) / np.float32(-half)
+            inv, bad = inverse_scale(d)
+            np.multiply(xb, inv[:, None], out=v)
+            v += np.float32(half + 0.5)
+            at = 2
+        _fp16_into(d, ob, 0)
+        np.minimum(v, np.float32(nmax), out=v)  # = gguf-py's clip after the cast: v >= 0 here
+        q = w.q[:n]
+        np.copyto(q, v, casting="unsafe")  # truncation toward zero, as np.trunc + astype(uint8)
+        q8 = q.view("<u8")  # (n, 4): byte j of a block is bits 8j..8j+7 of word j // 8
+        if cls.bits == 5:
+            h = np.right_shift(q8, np.uint64(4), out=w.h[:n])
+            h &= np.uint64(0x0101010101010101)  # bit 4 of every q, one per byte
+            h *= np.uint64(0x0102040810204080)  # gathers byte i's bit to bit 56 + i, no carries
+            h >>= np.uint64(56)
+            ob[:, at : at + 4] = h  # = np.packbits(q >> 4, bitorder="little")
+            at += 4
+            q8 &= np.uint64(0x0F0F0F0F0F0F0F0F)
+        p = np.left_shift(q8[:, 2:], np.uint64(4), out=w.p[:n])  # q[j + 16] << 4, no carry: q[j] < 16
+        p |= q8[:, :2]
+        ob[:, at : at + 16] = p.view(np.uint8)
+        reference_blocks(cls.ggml_type, xb, ob, bad)
+
+
+class Q4_0Codec(_Legacy45):
+    """Q4_0: gguf-py's ``Q4_0.quantize_blocks`` (llama.cpp ``quantize_row_q4_0_ref``), byte for byte."""
+
+    ggml_type: ClassVar[gguf.GGMLQuantizationType] = GT.Q4_0
+    bits = 4
+    with_min = False
+
+
+class Q4_1Codec(_Legacy45):
+    """Q4_1: gguf-py's ``Q4_1.quantize_blocks`` (llama.cpp ``quantize_row_q4_1_ref``), byte for byte."""
+
+    ggml_type: ClassVar[gguf.GGMLQuantizationType] = GT.Q4_1
+    bits = 4
+    with_min = True
+
+
+class Q5_0Codec(_Legacy45):
+    """Q5_0: gguf-py's ``Q5_0.quantize_blocks`` (llama.cpp ``quantize_row_q5_0_ref``), byte for byte."""
+
+    ggml_type: ClassVar[gguf.GGMLQuantizationType] = GT.Q5_0
+    bits = 5
+    with_min = False
+
+
+class Q5_1Codec(_Legacy45):
+    """Q5_1: gguf-py's ``Q5_1.quantize_blocks`` (llama.cpp ``quantize_row_q5_1_ref``), byte for byte."""
+
+    ggml_type: ClassVar[gguf.GGMLQuantizationType] = GT.Q5_1
+    bits = 5
+    with_min = True

@@ -1,0 +1,151 @@
+"""Our legacy GGML encoders (:mod:`convert.legacy_quants`) against gguf-py's, byte for byte.
+
+gguf-py's ``gguf.quants.quantize`` reproduces llama.cpp's ``quantize_row_*_ref``; every case here
+compares the whole encoded array with it (and ``dequantize`` bit for bit where we override it):
+random data at scales 1e-30..1e30, heavy tails, all-zero blocks, one nonzero value, constructed
+exact ties, 3.4e38, subnormals, negative zeros, many shapes. The rounding helper is checked
+exhaustively on the float32 ranges where it could go wrong.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from convert.codec_base import round_half_away_into
+from convert.ggml_codecs import CODECS
+from convert.legacy_quants import CHUNK_BLOCKS
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py's own, on inf/NaN
+
+GT = gguf.GGMLQuantizationType
+TYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1]
+
+
+def np_roundf(v: np.ndarray) -> np.ndarray:
+    return gguf.quants.np_roundf(v)
+
+
+def _rha(v: np.ndarray) -> np.ndarray:
+    out = np.empty_like(v)
+    return np.trunc(round_half_away_into(v, out))
+
+
+def test_round_half_away_exhaustive_binades() -> None:
+    """Every float32 in [2**-3, 4) and its negation, and ±(0.5 - 2**-25), ±0, ±tiny."""
+    bits = np.arange(np.float32(0.125).view(np.int32), np.float32(4.0).view(np.int32), dtype=np.int32)
+    v = bits.view(np.float32)
+    for s in (v, -v):
+        assert np.array_equal(_rha(s), np_roundf(s))
+    w = np.array([0.49999997, -0.49999997, 0.0, -0.0, 1e-45, -1e-45, 0.5, -0.5, 2.5, -2.5], dtype=np.float32)
+    assert np.array_equal(_rha(w), np_roundf(w))
+
+
+def test_round_half_away_ties_and_neighbours() -> None:
+    """k + 0.5 and the floats next to it for every k < 2**22 (above, k + 0.5 is not a float32 or
+    is an integer); and large values up to 3.4e38."""
+    k = np.arange(0, 2**22, dtype=np.float32) + np.float32(0.5)
+    for v in (k, np.nextafter(k, np.float32(0)), np.nextafter(k, np.float32(np.inf))):
+        for s in (v, -v):
+            assert np.array_equal(_rha(s), np_roundf(s))
+    big = np.float32(2.0) ** np.arange(22, 128, dtype=np.float32)
+    big = np.concatenate([big, np.nextafter(big, np.float32(0)), [np.finfo(np.float32).max]]).astype(np.float32)
+    assert np.array_equal(_rha(big), np_roundf(big))
+
+
+def _check(t: GT, x: np.ndarray) -> None:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ref = gguf.quants.quantize(x, t)
+    ours = CODECS[t].quantize(x)
+    assert ours.dtype == np.uint8 and ours.shape == ref.shape
+    if not np.array_equal(ours, ref):
+        bad = np.nonzero((ours != ref).reshape(-1, gguf.GGML_QUANT_SIZES[t][1]).any(axis=1))[0]
+        blocks = x.reshape(-1, gguf.GGML_QUANT_SIZES[t][0])
+        pytest.fail(f"{t.name}: {bad.size} blocks differ, first {bad[0]}: {blocks[bad[0]].tolist()}")
+    back = CODECS[t].dequantize(ref)
+    want = gguf.quants.dequantize(ref, t)
+    assert back.shape == want.shape and np.array_equal(back.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e-10, 1e-3, 1.0, 1e3, 1e10, 1e20, 1e30])
+def test_random_normal_scales(t: GT, scale: float) -> None:
+    rng = np.random.default_rng(int(np.log10(scale)) + 100)
+    _check(t, rng.standard_normal((64, 256)) * scale)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_heavy_tails_and_mixed_scales(t: GT) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_cauchy((128, 512)) * 10.0 ** rng.uniform(-38, 38, (128, 1))
+    x = np.clip(x, -3.4e38, 3.4e38)
+    _check(t, x)
+    # scales varying inside a row, block by block (includes blocks of subnormals)
+    y = rng.standard_normal((256, 64)) * 10.0 ** rng.uniform(-45, 38, (256, 1))
+    _check(t, y.reshape(64, 256))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_special_blocks(t: GT) -> None:
+    rng = np.random.default_rng(2)
+    blocks = []
+    blocks.append(np.zeros(32))
+    nz = np.zeros(32, dtype=np.float32)
+    nz[::3] = -0.0
+    blocks.append(nz)  # mixed ±0
+    blocks.append(np.full(32, -0.0, dtype=np.float32))
+    for pos in (0, 7, 31):
+        for val in (1.0, -1.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 1e-38, 2e-39, 6e-39):
+            b = np.zeros(32, dtype=np.float32)
+            b[pos] = val
+            blocks.append(b)
+    blocks.append(np.full(32, 3.4028235e38, dtype=np.float32))
+    blocks.append(np.array([3.4e38, -3.4e38] * 16, dtype=np.float32))
+    blocks.append(np.linspace(-3.4e38, 3.4e38, 32, dtype=np.float32))
+    # subnormals: whole blocks, and mixed with normals
+    blocks.append((rng.standard_normal(32) * 1e-40).astype(np.float32))
+    blocks.append((rng.integers(-2**23, 2**23, 32) * 2.0**-149).astype(np.float32))
+    sub = (rng.standard_normal(32) * 1e-40).astype(np.float32)
+    sub[5] = 1e-37
+    blocks.append(sub)
+    # d near the overflow of 1 / d: amax around 127 * 2**-128
+    for amax in np.float32(127) * np.float32(2.0) ** np.arange(-131, -124, dtype=np.float32):
+        b = (rng.uniform(-1, 1, 32) * amax).astype(np.float32)
+        b[3] = amax
+        blocks.append(b)
+    # ties in both signs and equal magnitudes
+    blocks.append(np.array([1.0, -1.0] * 16, dtype=np.float32))
+    blocks.append(np.array([-2.0, 2.0] * 16, dtype=np.float32))
+    _check(t, np.stack([np.asarray(b, dtype=np.float32) for b in blocks]))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_constructed_ties(t: GT) -> None:
+    """Values landing exactly on k + 0.5 after the scaling: amax 127 gives d = 1.0 exactly (and
+    amax 127 * 2**e gives a power of two), so x = k + 0.5 scales to itself."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for e in (-20, -3, 0, 5, 40):
+        half = (rng.integers(-127, 127, (64, 32)) + 0.5).astype(np.float32)
+        half[:, 0] = 127  # amax: d = 2**e exactly
+        half[::2, 0] = -127
+        rows.append(half * np.float32(2.0) ** e)
+        near = np.nextafter(half, np.where(rng.random(half.shape) < 0.5, -np.inf, np.inf).astype(np.float32))
+        near[:, 0] = 127
+        rows.append(near * np.float32(2.0) ** e)
+    _check(t, np.concatenate(rows).reshape(-1, 256))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(1, 32), (3, 64), (7, 96), (1, 4096), (2, 32 * (CHUNK_BLOCKS + 1)),
+                                   (CHUNK_BLOCKS + 3, 32), (5, 3, 160)])
+def test_shapes(t: GT, shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(sum(shape))
+    _check(t, rng.standard_normal(shape))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_bad_shape(t: GT) -> None:
+    with pytest.raises(ValueError):
+        CODECS[t].quantize(np.zeros((2, 33), dtype=np.float32))
