@@ -14,9 +14,7 @@ import os
 import re
 import shutil
 import struct
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from convert.cli import main
 from formats import errors as E
 
 from .malformed import convert
+from .rss import run_measured
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama_nf4_dq"
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,26 +280,14 @@ def test_bad_value_is_a_named_error_before_any_output(case: str, tmp_path: Path,
     _assert_nothing_at(out)
 
 
-def _run_measured(argv: list[str], env: dict[str, str]) -> tuple[int, str, float, int]:
-    """(exit code, stderr, seconds, peak RSS in bytes) of one process (os.wait4: its own rusage; it
-    includes the pages the fork shared with this process, so it over-counts, never under-counts)."""
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    err = proc.stderr.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, err, time.monotonic() - start, usage.ru_maxrss * 1024
-
-
 @pytest.mark.parametrize("case", RESOURCE)
 def test_resource_examples_fail_fast_and_small_through_the_cli(case: str, tmp_path: Path) -> None:
     src = _model(tmp_path, case)
     _, error, parts = CASES[case]
     out = tmp_path / "m.gguf"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code, err, seconds, rss = _run_measured(
-        [sys.executable, "-m", "convert", str(src), "--to", "gguf:q8_0", "-o", str(out)], env)
+    r = run_measured([sys.executable, "-m", "convert", str(src), "--to", "gguf:q8_0", "-o", str(out)], env)
+    code, err, seconds, rss = r["rc"], r["err"], r["seconds"], r["rss"]
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("convert-bnb: error: ") and "Traceback" not in err
     for part in [error.default_rule, *parts]:

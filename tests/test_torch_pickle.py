@@ -40,6 +40,7 @@ from formats.torch_pickle import PickledObject, TensorRef, TorchPickleReader
 
 from .bnb_helpers import FIXTURES, bits, dequant
 from .conftest import assert_same_tensors, load_all
+from .rss import run_measured
 from .torchsave_helpers import (
     Emitter,
     Global,
@@ -649,20 +650,12 @@ def test_hostile_pickles_end_at_a_named_rule(hostile_files, name):
     assert len(str(err)) < 400 and "\n" not in str(err)
 
 
-_RSS_WRAPPER = """
-import json, resource, subprocess, sys
-r = subprocess.run(sys.argv[1:], capture_output=True, text=True)
-print(json.dumps({"rc": r.returncode, "out": r.stdout, "err": r.stderr,
-                  "rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
-"""
 _ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cli(*argv: str) -> dict:
     """``python -m convert ARGV`` in a subprocess; its exit code, output and peak RSS in bytes (its own)."""
-    r = subprocess.run([sys.executable, "-c", _RSS_WRAPPER, sys.executable, "-m", "convert", *argv],
-                       capture_output=True, text=True, cwd=_ROOT, timeout=300)
-    return json.loads(r.stdout)
+    return run_measured([sys.executable, "-m", "convert", *argv], cwd=_ROOT)
 
 
 @pytest.mark.parametrize("name", HOSTILE_CLI)
