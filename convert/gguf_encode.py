@@ -161,8 +161,9 @@ def _convert_chunk(
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
-    if math.isfinite(_sum_squares(x)):  # (a non-finite sum: some value is inf/NaN, or the sum overflowed)
-        return _encode(t.ggml_type, x, not exact, procs)
+    sq_ref = _sum_squares(x)
+    if math.isfinite(sq_ref):  # (a non-finite sum: some value is inf/NaN)
+        return _encode(t.ggml_type, x, not exact, sq_ref, procs)
     finite = np.isfinite(x)
     all_finite = bool(finite.all())
     if not all_finite and t.ggml_type not in _FLOAT_TYPES:
@@ -179,19 +180,20 @@ def _convert_chunk(
         )
     if not all_finite:  # a float type keeping inf/NaN as they are: no error to measure there
         return encode_chunk(t.ggml_type, x, not exact, finite)
-    return _encode(t.ggml_type, x, not exact, procs)
+    return _encode(t.ggml_type, x, not exact, sq_ref, procs)
 
 
-def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
+def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sq_ref: float,
             procs: Executor | None) -> _Chunk:
-    """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
+    """:func:`encode_chunk` of finite ``x`` (``sq_ref``: its sum of squares, made already), in ``procs``
+    for :data:`SEARCH_TYPES`."""
     if procs is not None and ggml_type in SEARCH_TYPES:
         try:
-            return procs.submit(encode_chunk, ggml_type, x, measure).result()  # this thread waits, GIL free
+            return procs.submit(encode_chunk, ggml_type, x, measure, None, sq_ref).result()  # waits, GIL free
         except BrokenProcessPool as exc:  # killed from outside (the OOM killer, a signal): not a bug here
             raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
                                     "memory?); run again, with less --max-memory or --threads 1") from exc
-    return encode_chunk(ggml_type, x, measure)
+    return encode_chunk(ggml_type, x, measure, None, sq_ref)
 
 
 def _sum_squares(a: npt.NDArray[np.float32]) -> float:
@@ -206,7 +208,7 @@ def _sum_squares(a: npt.NDArray[np.float32]) -> float:
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
-                 finite: npt.NDArray[np.bool_] | None = None) -> _Chunk:
+                 finite: npt.NDArray[np.bool_] | None = None, sq_ref: float | None = None) -> _Chunk:
     """Encode float32 rows ``(rows, cols)`` to ``ggml_type`` and measure the added error.
 
     A pure function of its arguments (it runs in a worker process too).
@@ -216,6 +218,7 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
         x: float32 ``(rows, cols)``, in GGUF row order, the architecture's transforms applied.
         measure: decode the result again and measure the error (False for F32: none).
         finite: where ``x`` is finite (None: everywhere); inf/NaN are left out of the error.
+        sq_ref: the sum of squares of ``x`` when the caller has it (None: computed here).
 
     Returns:
         the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
@@ -232,7 +235,8 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
             err[~finite] = 0
         max_err = float(max(err.max(), -err.min()))
         sq_err = _sum_squares(err)
-    sq_ref = _sum_squares(x if finite is None else np.where(finite, x, 0))
+    if sq_ref is None:
+        sq_ref = _sum_squares(x if finite is None else np.where(finite, x, 0))
     return _Chunk(data, max_err, sq_err, sq_ref)
 
 

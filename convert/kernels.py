@@ -26,6 +26,8 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
+from formats.dtypes import BY_NAME
+
 __all__ = [
     "BF16",
     "INT8_SCALE",
@@ -101,8 +103,8 @@ def round_float32(x: npt.NDArray[np.float32], dtype: np.dtype | str) -> np.ndarr
         return x.astype(dt)  # NumPy's cast rounds to nearest even
 
 
-#: Output dtype name -> the NumPy dtype (looked up once per call: 10^5 tiny tensors).
-_FLOAT_OUTPUTS = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": F32}
+#: Output dtype name -> the NumPy dtype, from the dtype table (looked up once per call: 10^5 tiny tensors).
+_FLOAT_OUTPUTS = {name: BY_NAME[name].numpy for name in ("bfloat16", "float16", "float32")}
 
 
 def float_output(dtype: np.dtype | str) -> np.dtype:
