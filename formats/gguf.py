@@ -50,6 +50,7 @@ import gguf
 import numpy as np
 
 from .errors import GgufVerificationError
+from .writeback import WriteBehind
 
 __all__ = [
     "FileLayout",
@@ -154,6 +155,7 @@ class GGUFFileWriter:
             assert self._w.fout is not None
             self._fout: BinaryIO = self._w.fout[0]
             self._w.write_padding(self._fout, self._fout.tell())
+            self._behind = WriteBehind(self._fout)
         except BaseException:
             self._w.close()
             raise
@@ -169,6 +171,7 @@ class GGUFFileWriter:
             The number of bytes written (``data.nbytes``).
         """
         self._fout.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+        self._behind.advance(data.nbytes)
         self._written += data.nbytes
         return data.nbytes
 

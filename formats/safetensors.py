@@ -77,6 +77,7 @@ from .errors import (
     UnknownDtypeError,
 )
 from .jsonfile import load_json_bytes
+from .writeback import WriteBehind
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -553,6 +554,7 @@ class SafetensorsWriter:
         header, self._spans = build_header(entries, metadata)
         self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 - closed in close()
         self._file.write(header)
+        self._behind = WriteBehind(self._file)
         self._index = 0
         self._written = 0  # bytes of the current tensor
         self.nbytes = len(header) + (self._spans[-1][2] if self._spans else 0)
@@ -567,6 +569,7 @@ class SafetensorsWriter:
         else:
             payload = memoryview(data).cast("B")
         n = payload.nbytes
+        self._behind.advance(n)  # (counts the bytes before they are written: the advice lags a step anyway)
         if self._written == 0 and self._index < len(self._spans):
             _, begin, end = self._spans[self._index]
             if n == end - begin:  # one whole tensor: the common case, 10^5 times for many small tensors
