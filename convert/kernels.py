@@ -202,8 +202,7 @@ def _dequantize_4bit_f16(
     qm = np.asarray(quant_map, dtype=np.float32).reshape(16)
     first = min(piece, n)
     offsets = np.repeat(np.arange(-(-first // blocksize), dtype=np.intp) * 16, blocksize)[:first]
-    codes = np.empty(2 * (-(-first // 2)), dtype=np.uint8)
-    index = np.empty(first, dtype=np.intp)
+    pairs = np.empty(-(-first // 2), dtype=_CODE_PAIRS.dtype)
     for s in range(0, n, piece):
         e = min(n, s + piece)
         m = e - s
@@ -212,12 +211,9 @@ def _dequantize_4bit_f16(
         products = absmax[b0 : b0 - (-m // blocksize), None] * qm[None, :]  # (blocks, 16) fp32, as bnb
         with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (counted below)
             table = products.astype(np.float16).reshape(-1)  # round to nearest even
-        c = codes[: 2 * src.size]
-        np.right_shift(src, 4, out=c[0::2])  # high nibble = even element
-        np.bitwise_and(src, 15, out=c[1::2])
-        ix = index[:m]
-        np.add(c[:m], offsets[:m], out=ix, casting="unsafe")
-        np.take(table, ix, out=out[s:e])
+        ix = np.take(_CODE_PAIRS, src, out=pairs[: src.size], mode="clip").view(np.intp)[:m]  # the codes
+        np.add(ix, offsets[:m], out=ix)  # + 16 * (block within the piece): the table entry
+        np.take(table, ix, out=out[s:e], mode="clip")  # (in range by construction: no check needed)
         if stats is not None:
             magnitude = table.view(np.uint16) & np.uint16(0x7FFF)
             over = magnitude == 0x7C00  # the products are finite: every inf is an overflow
@@ -227,6 +223,18 @@ def _dequantize_4bit_f16(
             if under.any():
                 stats[1] += int(np.count_nonzero(under[ix]))
     return out
+
+
+def _code_pairs() -> np.ndarray:
+    """The 256-entry table byte -> its two codes (high nibble, low nibble) as two ``intp``, one
+    16-byte item per byte (``np.take`` of it turns packed bytes into table indices in one call)."""
+    idx = np.arange(256, dtype=np.intp)
+    codes = np.stack([idx >> 4, idx & 15], axis=1)
+    pair = {8: np.complex128, 4: np.uint64}[codes.itemsize]  # a type NumPy takes fast; never used as numbers
+    return codes.view(pair).reshape(256)
+
+
+_CODE_PAIRS = _code_pairs()
 
 
 def count_f16_loss(x: npt.NDArray[np.float32], y: npt.NDArray[np.float16], stats: npt.NDArray[np.int64]) -> None:

@@ -62,12 +62,14 @@ def measured(cmd: list[str]) -> dict[str, float]:
             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
 
 
-def run_round(src: Path, lora: Path | None, cap: str, threads: int, work: Path) -> list[dict[str, object]]:
-    """Every path once at ``cap``; the bf16 output is kept for the floor and the nf4 input."""
+def run_round(src: Path, lora: Path | None, cap: str, threads: int, work: Path,
+              labels: set[str]) -> list[dict[str, object]]:
+    """Every path of ``labels`` (and bf16) once at ``cap``; the bf16 output is kept for the floor and the
+    nf4 input."""
     rows: list[dict[str, object]] = []
     bf16_out = work / "bf16"
     for label, args in PATHS:
-        if "{lora}" in args and lora is None:
+        if ("{lora}" in args and lora is None) or (label != "bf16" and label not in labels):
             continue
         out = work / label.replace(" ", "").replace(":", "-").replace(">", "")
         source = bf16_out if label.endswith("nf4") else src
@@ -151,6 +153,8 @@ def main() -> None:
     ap.add_argument("--lora", type=Path, help="an adapter from `scripts/bench.py make-lora` (rank 16)")
     ap.add_argument("--caps", default="128MiB,512MiB,1GiB")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", default=",".join(label for label, _ in PATHS),
+                    help="comma-separated labels of the paths to run (bf16 always runs: it is the baseline)")
     ap.add_argument("--plot", type=Path, help="write a PNG of wall time and peak RSS per path")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON lines to this file")
     a = ap.parse_args()
@@ -158,7 +162,8 @@ def main() -> None:
     work.mkdir(exist_ok=True)
     rows: list[dict[str, object]] = []
     for cap in a.caps.split(","):
-        for r in run_round(a.dir.resolve(), a.lora.resolve() if a.lora else None, cap, a.threads, work):
+        for r in run_round(a.dir.resolve(), a.lora.resolve() if a.lora else None, cap, a.threads, work,
+                           set(a.paths.split(","))):
             print(json.dumps(r), flush=True)
             rows.append(r)
     shutil.rmtree(work)
