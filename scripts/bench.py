@@ -205,6 +205,16 @@ def run_measured(cmd: list[str], cwd: Path | None = None) -> tuple[int, str, str
         return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024
 
 
+def compile_project() -> None:
+    """Byte-compile ``convert`` and ``formats`` first, as ``pip install`` does for an installed package:
+    without it an editable install under ``PYTHONDONTWRITEBYTECODE=1`` (set on this machine) compiles
+    every module at every start, about 0.35 s of each run."""
+    import compileall
+
+    for pkg in ("convert", "formats"):
+        compileall.compile_dir(ROOT / pkg, quiet=1)
+
+
 def cp_floor(out: Path, scratch: Path) -> float:
     """The floor: seconds of `cp` + `sync` of the output's own bytes on the same disk, one file at a
     time (each copy removed before the next, so a 32 GB output needs one shard of extra space)."""
@@ -394,6 +404,7 @@ def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, thre
 
 
 def main() -> None:
+    compile_project()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import cp_floor  # noqa: E402
+from bench import compile_project, cp_floor  # noqa: E402
 
 #: (label, convert-bnb arguments after SRC; "{bf16}" is the bf16 output of the same round).
 PATHS: list[tuple[str, list[str]]] = [
@@ -158,6 +158,7 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="write a PNG of wall time and peak RSS per path")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON lines to this file")
     a = ap.parse_args()
+    compile_project()
     work = a.dir.parent / f"{a.dir.name}-suite"
     work.mkdir(exist_ok=True)
     rows: list[dict[str, object]] = []
