@@ -31,6 +31,7 @@ from formats.dtypes import BY_NAME
 __all__ = [
     "BF16",
     "INT8_SCALE",
+    "bf16_to_f16",
     "count_f16_loss",
     "dequantize_4bit",
     "dequantize_int8",
@@ -235,6 +236,55 @@ def _code_pairs() -> np.ndarray:
 
 
 _CODE_PAIRS = _code_pairs()
+
+
+def bf16_to_f16(
+    x: np.ndarray, out: npt.NDArray[np.float16] | None = None
+) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.intp]]:
+    """Round bfloat16 values to float16: the bits NumPy's cast of their float32 values gives, about 2.5x
+    faster (in cache-sized pieces, no float32 temporaries).
+
+    A bf16 value with a biased exponent E in 113..142 (magnitude in [2^-14, 65280]) has 8 significant
+    bits and a float16 normal exponent: it is exact in float16, whose bits are rebuilt by integer
+    operations (``sign | (E - 112) << 10 | mantissa << 3``); so is +-0. The others (float16 subnormals,
+    overflow to inf, inf, NaN; about 0.2% of a normal(0, 0.02) weight) go through NumPy's cast, and are
+    returned by index: they are the only values rounding may change (every one of the 2^16 patterns is
+    checked in ``tests/test_dequant.py``).
+
+    Args:
+        x: ``bfloat16[...]``.
+        out: optional ``float16`` destination with ``x.size`` elements (C-contiguous).
+
+    Returns:
+        ``(float16[x.size], intp[k])``: the values, flat, and the flat indices of the k values that
+        were not exact in float16 (rounded, or inf/NaN).
+    """
+    b = np.ascontiguousarray(x).reshape(-1).view(np.uint16)
+    n = b.size
+    y = (np.empty(n, np.float16) if out is None else out.reshape(-1)).view(np.uint16)
+    size = min(n, PIECE)
+    mag, exact, zero = np.empty(size, np.uint16), np.empty(size, np.bool_), np.empty(size, np.bool_)
+    others = []
+    for s in range(0, n, PIECE):
+        e = min(n, s + PIECE)
+        bs, ys, mg, ok, z = b[s:e], y[s:e], mag[: e - s], exact[: e - s], zero[: e - s]
+        np.bitwise_and(bs, 0x7FFF, out=mg)
+        np.equal(mg, 0, out=z)
+        np.subtract(mg, 113 << 7, out=mg)  # (wraps below E = 113) E in 113..142 -> [0, 30 << 7)
+        np.less(mg, 30 << 7, out=ok)
+        np.multiply(mg, 8, out=ys)  # ((E - 113) << 7 | mantissa) << 3 ...
+        np.add(ys, 1 << 10, out=ys)  # ... + (1 << 10) = (E - 112) << 10 | mantissa << 3
+        np.bitwise_and(bs, 0x8000, out=mg)
+        np.bitwise_or(ys, mg, out=ys)
+        np.copyto(ys, bs, where=z)  # +-0
+        np.logical_or(ok, z, out=ok)
+        if not ok.all():
+            others.append(np.flatnonzero(~ok) + s)
+    rounded = np.concatenate(others) if others else np.empty(0, np.intp)
+    if rounded.size:
+        with np.errstate(over="ignore"):  # overflow to inf is the IEEE result
+            y[rounded] = b[rounded].view(BF16).astype(np.float32).astype(np.float16).view(np.uint16)
+    return y.view(np.float16), rounded
 
 
 def count_f16_loss(x: npt.NDArray[np.float32], y: npt.NDArray[np.float16], stats: npt.NDArray[np.int64]) -> None:

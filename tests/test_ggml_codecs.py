@@ -150,3 +150,35 @@ def test_shapes(t: GT, shape: tuple[int, ...]) -> None:
 def test_bad_shape(t: GT) -> None:
     with pytest.raises(ValueError):
         CODECS[t].quantize(np.zeros((2, 33), dtype=np.float32))
+
+
+@pytest.mark.parametrize("scale", [0.02, 1e-5, 3e4])
+def test_bf16_chunk_to_f16_equals_the_general_encoder(scale: float) -> None:
+    """gguf_encode's bf16 -> F16 path (exact values rebuilt by integer operations, only the rounded ones
+    measured) writes the bytes of the codec's F16 and the same error figures as encode_chunk (scale
+    1e-5: many float16 subnormals; 3e4: many overflow to inf, an infinite error as before)."""
+    import ml_dtypes
+
+    from convert.gguf_encode import _bf16_to_f16_chunk, encode_chunk
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((96, 320)) * scale).astype(ml_dtypes.bfloat16)
+    x[0, :4] = [0.0, -0.0, 65280.0, -6.1035e-05]
+    fast = _bf16_to_f16_chunk(x)
+    assert fast is not None
+    want = encode_chunk(GT.F16, x.astype(np.float32), True)
+    assert np.array_equal(fast.data.reshape(-1), want.data.reshape(-1))
+    assert fast.max_err == want.max_err
+    assert fast.sq_err == pytest.approx(want.sq_err, rel=1e-5)
+    assert fast.sq_ref == pytest.approx(want.sq_ref, rel=1e-5)
+    assert (fast.max_err > 0) == (scale != 0.02 or bool(np.any(np.abs(x.astype(np.float32)) < 6.1e-5)))
+
+
+def test_bf16_chunk_with_inf_takes_the_general_path() -> None:
+    import ml_dtypes
+
+    from convert.gguf_encode import _bf16_to_f16_chunk
+
+    x = np.ones((2, 32), ml_dtypes.bfloat16)
+    x[1, 3] = np.inf
+    assert _bf16_to_f16_chunk(x) is None
