@@ -263,23 +263,26 @@ def bf16_to_f16(
     n = b.size
     y = (np.empty(n, np.float16) if out is None else out.reshape(-1)).view(np.uint16)
     size = min(n, PIECE)
-    mag, exact, zero = np.empty(size, np.uint16), np.empty(size, np.bool_), np.empty(size, np.bool_)
+    mag, nonzero, ones = np.empty(size, np.uint16), np.empty(size, np.uint16), np.ones(size, np.uint16)
+    exact, zero = np.empty(size, np.bool_), np.empty(size, np.bool_)
     others = []
     for s in range(0, n, PIECE):
         e = min(n, s + PIECE)
-        bs, ys, mg, ok, z = b[s:e], y[s:e], mag[: e - s], exact[: e - s], zero[: e - s]
+        bs, ys, mg, nz, ok, z = b[s:e], y[s:e], mag[: e - s], nonzero[: e - s], exact[: e - s], zero[: e - s]
         np.bitwise_and(bs, 0x7FFF, out=mg)
-        np.equal(mg, 0, out=z)
+        np.minimum(mg, ones[: e - s], out=nz)  # 0 for +-0, else 1 (an array operand: 8x a scalar's speed)
         np.subtract(mg, 113 << 7, out=mg)  # (wraps below E = 113) E in 113..142 -> [0, 30 << 7)
         np.less(mg, 30 << 7, out=ok)
         np.multiply(mg, 8, out=ys)  # ((E - 113) << 7 | mantissa) << 3 ...
         np.add(ys, 1 << 10, out=ys)  # ... + (1 << 10) = (E - 112) << 10 | mantissa << 3
+        np.multiply(ys, nz, out=ys)  # +-0 -> 0
         np.bitwise_and(bs, 0x8000, out=mg)
-        np.bitwise_or(ys, mg, out=ys)
-        np.copyto(ys, bs, where=z)  # +-0
+        np.bitwise_or(ys, mg, out=ys)  # the sign
+        np.less(nz, 1, out=z)
         np.logical_or(ok, z, out=ok)
-        if not ok.all():
-            others.append(np.flatnonzero(~ok) + s)
+        np.logical_not(ok, out=z)
+        if np.count_nonzero(z):
+            others.append(np.flatnonzero(z) + s)
     rounded = np.concatenate(others) if others else np.empty(0, np.intp)
     if rounded.size:
         with np.errstate(over="ignore"):  # overflow to inf is the IEEE result
