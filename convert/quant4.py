@@ -24,6 +24,7 @@ result for the whole tensor, byte for byte (:func:`iter_block_chunks` yields suc
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -195,19 +196,19 @@ def encode_4bit(
     return out
 
 
-_TABLE_CACHE: dict[bytes, tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None] = {}
+_TABLE_CACHE: dict[bytes, tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None] = {}
 
 
 def _code_tables(
     mid: npt.NDArray[np.float32], order: npt.NDArray[np.uint8]
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None:
-    """Tables that replace ``order[searchsorted(mid, s, side="left")]`` by lookups on s's top 16 bits.
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None:
+    """Tables that replace ``searchsorted(mid, s, side="left")`` by lookups on s's top 16 bits.
 
     The fp32 values sharing their top 16 bits form one interval ("bucket"). For bucket h:
-    ``lo[h] = order[count(mid < bucket start)]``; if a midpoint m lies in the bucket, ``thr[h] = m`` and
-    ``hi[h]`` is the next code, so ``code = hi[h] if s > thr[h] else lo[h]`` equals the search exactly
-    (ties, s == m, stay low). Returns None when a bucket holds two midpoints (not the case for the
-    NF4 and FP4 tables), and the caller searches instead.
+    ``rank[h] = count(mid < bucket start)`` (at most ``mid.size``); if a midpoint m lies in the bucket,
+    ``thr[h] = m``, else inf, so ``rank[h] + (s > thr[h])`` equals the search exactly (ties, s == m,
+    stay low). Returns None when a bucket holds two midpoints (not the case for the NF4 and FP4
+    tables), and the caller searches instead.
     """
     key = mid.tobytes() + order.tobytes()
     if key in _TABLE_CACHE:
@@ -219,16 +220,13 @@ def _code_tables(
     stop = np.maximum(first, last)
     base = np.searchsorted(mid, start, side="left")  # count(mid < start)
     inside = np.searchsorted(mid, stop, side="right") - base  # midpoints in [start, stop]
-    tables: tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8], npt.NDArray[np.uint8]] | None = None
+    tables: tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None = None
     finite = np.isfinite(start) & np.isfinite(stop)
     if int(inside[finite].max()) <= 1:
         thr = np.full(65536, np.inf, dtype=np.float32)
         has = finite & (inside == 1)
         thr[has] = mid[base[has]]
-        top = mid.size
-        lo = order[np.minimum(base, top)].astype(np.uint8)
-        hi = order[np.minimum(base + 1, top)].astype(np.uint8)
-        tables = (thr, lo, hi)
+        tables = (thr, np.minimum(base, mid.size).astype(np.uint8))
     _TABLE_CACHE[key] = tables
     return tables
 
@@ -240,17 +238,25 @@ def _pack_codes(
     is_nf4: bool,
     out: npt.NDArray[np.uint8],
 ) -> None:
+    """Codes of scaled values ``s`` (float32, even count, in [-1, 1]) packed two to a byte into ``out``."""
     tables = _code_tables(mid, order)
     if tables is not None:
-        thr, lo, hi = tables
-        h = np.right_shift(s.view(np.uint32), 16)
-        codes = np.where(s > thr[h], hi[h], lo[h])
+        thr, rank = tables
+        top = np.empty(s.size, np.intp)
+        np.copyto(top, s.view(np.uint16)[1::2] if _LITTLE else s.view(np.uint16)[0::2])  # the bucket: top 16 bits
+        above = np.greater(s, np.take(thr, top, mode="clip"))
+        idx = np.take(rank, top, mode="clip")  # (clip: every uint16 is in range, so no check is needed)
+        np.add(idx, above.view(np.uint8), out=idx)
     else:
         idx = np.searchsorted(mid, s, side="left").astype(np.uint8)
-        codes = idx if is_nf4 else order[idx]
+    codes = idx if is_nf4 else np.take(order, idx, mode="clip")  # NF4's order is the identity
     pairs = codes.reshape(-1, 2)
     np.left_shift(pairs[:, 0], 4, out=out)
     np.bitwise_or(out, pairs[:, 1], out=out)
+
+
+#: The byte order: the top 16 bits of a float32 are its second uint16 on little-endian machines.
+_LITTLE = sys.byteorder == "little"
 
 
 def quantize_4bit(

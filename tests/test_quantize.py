@@ -7,6 +7,7 @@ The reference files in fixtures/single were written by bitsandbytes 0.50.2 ``qua
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -358,8 +359,12 @@ def test_report_chunked_equals_whole() -> None:
     arrays = quantize_layer(x, "float32", QuantSettings("fp4", 128, True))
     whole = quantization_report("w", x, arrays)
     chunked = quantization_report("w", lambda a, b: x[a:b], arrays, max_elements=1000)
-    assert chunked.rel_error == pytest.approx(whole.rel_error, rel=1e-12)
+    # float32 dots per piece: chunking moves the sums by float32 rounding only (documented: ~1e-6)
+    assert chunked.rel_error == pytest.approx(whole.rel_error, rel=1e-6)
     assert chunked.zero_share == whole.zero_share
+    err = x.astype(np.float64) - _dequantize(arrays).reshape(-1).astype(np.float64)
+    exact = math.sqrt(float((err * err).sum()) / float((x.astype(np.float64) ** 2).sum()))
+    assert whole.rel_error == pytest.approx(exact, rel=1e-6)
 
 
 # --- optional parity with torch and bitsandbytes themselves ----------------------------------------
