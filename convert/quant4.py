@@ -25,7 +25,7 @@ result for the whole tensor, byte for byte (:func:`iter_block_chunks` yields suc
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -116,6 +116,13 @@ def _finite_absmax(absmax: npt.NDArray[np.float32]) -> None:
                                    hint="fix or skip this tensor (--skip-modules)")
 
 
+#: 16-bit float dtype name -> its magnitude bits (uint16, sign cleared) as float32 values.
+_MAGNITUDE_BITS: dict[str, Callable[[npt.NDArray[np.uint16]], npt.NDArray[np.float32]]] = {
+    "float16": lambda bits: bits.view(np.float16).astype(np.float32),
+    "bfloat16": lambda bits: (bits.astype(np.uint32) << 16).view(np.float32),
+}
+
+
 def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32]:
     """Per-block absmax of a block-aligned slice of the flat tensor (pass 1 of two).
 
@@ -137,10 +144,23 @@ def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32
     nb_full = m // blocksize
     out = np.empty(-(-m // blocksize), dtype=_F32)
     piece = max(1, PIECE // blocksize)
-    for b in range(0, nb_full, piece):
-        e = min(nb_full, b + piece)
-        blk = _flat_f32(x[b * blocksize : e * blocksize]).reshape(e - b, blocksize)
-        np.max(np.abs(blk), axis=1, out=out[b:e])
+    to_f32 = _MAGNITUDE_BITS.get(x.dtype.name)
+    if to_f32 is not None:
+        # sign-magnitude: |x| orders as the 16-bit pattern without its sign (NaN and inf above every
+        # finite value, so the finite check below still sees them); uint16 rows reduce ~3x faster
+        bits = np.empty(min(nb_full, piece) * blocksize, np.uint16)
+        top = np.empty(min(nb_full, piece), np.uint16)
+        for b in range(0, nb_full, piece):
+            e = min(nb_full, b + piece)
+            v = x[b * blocksize : e * blocksize].view(np.uint16)
+            a = np.bitwise_and(v, 0x7FFF, out=bits[: v.size])
+            np.max(a.reshape(e - b, blocksize), axis=1, out=top[: e - b])
+            out[b:e] = to_f32(top[: e - b])
+    else:
+        for b in range(0, nb_full, piece):
+            e = min(nb_full, b + piece)
+            blk = _flat_f32(x[b * blocksize : e * blocksize]).reshape(e - b, blocksize)
+            np.max(np.abs(blk), axis=1, out=out[b:e])
     if m > nb_full * blocksize:
         out[-1] = max(np.abs(_flat_f32(x[nb_full * blocksize :])).max(), ABSMAX_FLOOR)
     _finite_absmax(out)

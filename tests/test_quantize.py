@@ -459,3 +459,27 @@ def test_nested_statistics_equal_double_quantize_absmax(n: int) -> None:
     got, got_offset = nested_statistics(am)
     assert got_offset == offset
     assert np.array_equal(got.view(np.uint32), nested.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_blockwise_absmax_of_16_bit_patterns(dtype: str) -> None:
+    """The 16-bit path (max of the sign-cleared bit patterns) equals max |x| in float32 on every finite
+    pattern (subnormals, -0, the largest values), with a partial last block; inf and NaN raise QNT-003."""
+    from convert.kernels import BF16
+    from convert.quant4 import blockwise_absmax
+    from formats.errors import NonFiniteWeightError
+
+    dt = BF16 if dtype == "bfloat16" else np.dtype(np.float16)
+    bits = np.random.default_rng(4).permutation(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16))
+    x = bits.view(dt)
+    x = x[np.isfinite(x.astype(np.float32))][: 64 * 900 + 17]
+    want = np.abs(x.astype(np.float32))
+    full = want[: 64 * 900].reshape(900, 64).max(axis=1)
+    got = blockwise_absmax(x, 64)
+    assert np.array_equal(got[:900], full)
+    assert got[900] == max(want[64 * 900 :].max(), np.float32(1e-38))
+    for bad in (np.inf, np.nan):
+        y = x.copy()
+        y[5000] = bad
+        with pytest.raises(NonFiniteWeightError, match="block 78"):
+            blockwise_absmax(y, 64)
