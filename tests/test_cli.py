@@ -29,6 +29,24 @@ def test_version_is_the_one_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "convert.__version__"}
 
 
+@pytest.mark.parametrize("preset", [None, "3"])
+def test_console_script_gives_openblas_one_thread_unless_set(preset: str | None) -> None:
+    """The console script sets OPENBLAS_NUM_THREADS=1 before NumPy loads (our workers are the
+    parallelism; a BLAS pool on top oversubscribes the cores), and keeps a value the user set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if preset is not None:
+        env["OPENBLAS_NUM_THREADS"] = preset
+    probe = ("import sys, convert, convert.cli, numpy; sys.argv = ['convert-bnb', '--version']\n"
+             "convert.cli.main = lambda: print(__import__('os').environ['OPENBLAS_NUM_THREADS']) or 0\n"
+             "sys.exit(convert.main())")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (preset or "1")
+
+
 def test_check_quiet_prints_nothing_when_clean_and_only_problems_otherwise(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(MODEL), "-q"]) == 0
