@@ -57,6 +57,7 @@ import numpy.typing as npt
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 
+from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
@@ -166,7 +167,7 @@ def _convert_chunk(
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
-    sq_ref = _sum_squares(x)
+    sq_ref = sum_squares(x)
     if math.isfinite(sq_ref):  # (a non-finite sum: some value is inf/NaN)
         return _encode(t.ggml_type, x, not exact, sq_ref, procs)
     finite = np.isfinite(x)
@@ -195,7 +196,7 @@ def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
     flat = x.reshape(-1)
     sq_ref = 0.0
     for s in range(0, flat.size, 1 << 16):  # float32 pieces in cache, no chunk-sized temporary
-        sq_ref += _sum_squares(flat[s : s + (1 << 16)].astype(np.float32))
+        sq_ref += sum_squares(flat[s : s + (1 << 16)].astype(np.float32))
     if not math.isfinite(sq_ref):
         return None
     y, rounded = bf16_to_f16(flat)
@@ -203,8 +204,8 @@ def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
     if rounded.size:
         with np.errstate(over="ignore", invalid="ignore"):
             err = y[rounded].astype(np.float32) - flat[rounded].astype(np.float32)
-        max_err = float(np.abs(err).max())
-        sq_err = _sum_squares(err)
+        max_err = abs_max(err)
+        sq_err = sum_squares(err)
     return _Chunk(y.view(np.uint8), max_err, sq_err, sq_ref)
 
 
@@ -219,17 +220,6 @@ def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], me
             raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
                                     "memory?); run again, with less --max-memory or --threads 1") from exc
     return encode_chunk(ggml_type, x, measure, None, sq_ref)
-
-
-def _sum_squares(a: npt.NDArray[np.float32]) -> float:
-    """``sum(a * a)``: one BLAS dot in float32 (relative error about 1e-6 over a chunk, ample for a
-    3-digit report; inf or NaN when ``a`` holds them), redone in float64 when float32 overflows."""
-    flat = a.reshape(-1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        total = float(np.dot(flat, flat))
-    if math.isinf(total) and bool(np.isfinite(flat).all()):
-        total = float(np.square(flat, dtype=np.float64).sum())
-    return total
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
@@ -250,18 +240,21 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
         squared errors and of squared weights.
     """
     coder = codec(ggml_type)
-    data = coder.quantize(x)
     max_err = sq_err = 0.0
-    if measure and x.size:
+    if not (measure and x.size):
+        data = coder.quantize(x)
+    elif finite is None:
+        data, max_err, sq_err = coder.quantize_measured(x)
+    else:  # a float type keeping inf/NaN: they are left out of the error
+        data = coder.quantize(x)
         with np.errstate(invalid="ignore", over="ignore"):
             err = coder.dequantize(data).reshape(x.shape)
             err -= x
-        if finite is not None:
-            err[~finite] = 0
-        max_err = float(max(err.max(), -err.min()))
-        sq_err = _sum_squares(err)
+        err[~finite] = 0
+        max_err = abs_max(err)
+        sq_err = sum_squares(err)
     if sq_ref is None:
-        sq_ref = _sum_squares(x if finite is None else np.where(finite, x, 0))
+        sq_ref = sum_squares(x if finite is None else np.where(finite, x, 0))
     return _Chunk(data, max_err, sq_err, sq_ref)
 
 

@@ -47,6 +47,7 @@ import numpy.typing as npt
 
 from .codec_base import (
     Codec,
+    abs_max,
     block_absmax,
     block_minmax,
     block_signed_absmax,
@@ -54,6 +55,7 @@ from .codec_base import (
     inverse_scale,
     reference_blocks,
     round_half_away_into,
+    sum_squares,
 )
 
 __all__ = ["CHUNK_BLOCKS", "Q4_0Codec", "Q4_1Codec", "Q5_0Codec", "Q5_1Codec", "Q8_0Codec"]
@@ -100,15 +102,36 @@ class _LegacyCodec(Codec):
     @classmethod
     def quantize(cls, x: F32) -> U8:
         """float32 ``(rows, n)`` (``n % 32 == 0``) -> uint8 ``(rows, n // 32 * type_size)``."""
-        w = _Work(
-            np.empty(CHUNK_BLOCKS * QK * 7 // 4, dtype=np.int32),
-            np.empty((CHUNK_BLOCKS, QK), dtype=np.float32),
-            np.empty((CHUNK_BLOCKS, QK), dtype=np.float32),
-            np.empty((CHUNK_BLOCKS, QK), dtype=np.uint8),
-            np.empty((CHUNK_BLOCKS, 4), dtype="<u8"),
-            np.empty((CHUNK_BLOCKS, 2), dtype="<u8"),
-        )
+        w = _work()
         return encode_into_by_chunks(x, QK, cls.type_size(), lambda xb, ob: cls._encode_into(xb, ob, w), CHUNK_BLOCKS)
+
+    @classmethod
+    def quantize_measured(cls, x: F32) -> tuple[U8, float, float]:
+        """:meth:`quantize`, each chunk decoded again (:meth:`dequantize`) and compared while in cache."""
+        w = _work()
+        max_err = sq_err = 0.0
+
+        def into(xb: F32, ob: U8) -> None:
+            nonlocal max_err, sq_err
+            cls._encode_into(xb, ob, w)
+            err = cls.dequantize(ob).reshape(xb.shape)
+            err -= xb
+            max_err = max(max_err, abs_max(err))
+            sq_err += sum_squares(err)
+
+        return encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS), max_err, sq_err
+
+
+def _work() -> _Work:
+    """Scratch for :meth:`_LegacyCodec._encode_into`, one per call of a codec (threads each have theirs)."""
+    return _Work(
+        np.empty(CHUNK_BLOCKS * QK * 7 // 4, dtype=np.int32),
+        np.empty((CHUNK_BLOCKS, QK), dtype=np.float32),
+        np.empty((CHUNK_BLOCKS, QK), dtype=np.float32),
+        np.empty((CHUNK_BLOCKS, QK), dtype=np.uint8),
+        np.empty((CHUNK_BLOCKS, 4), dtype="<u8"),
+        np.empty((CHUNK_BLOCKS, 2), dtype="<u8"),
+    )
 
 
 class Q8_0Codec(_LegacyCodec):

@@ -182,3 +182,17 @@ def test_bf16_chunk_with_inf_takes_the_general_path() -> None:
     x = np.ones((2, 32), ml_dtypes.bfloat16)
     x[1, 3] = np.inf
     assert _bf16_to_f16_chunk(x) is None
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_quantize_measured_per_chunk_equals_decoding_the_whole(t: GT) -> None:
+    """The legacy codecs measure each chunk while encoding it: the same bytes as quantize, and the
+    error figures of decoding the whole result with gguf-py (more than one chunk, and a partial one)."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((CHUNK_BLOCKS // 16 + 3, 32 * 32)) * 0.03).astype(np.float32)
+    x[1, :32] *= 1e4  # one block far larger than the rest
+    data, max_err, sq_err = CODECS[t].quantize_measured(x)
+    assert np.array_equal(data, CODECS[t].quantize(x))
+    err = gguf.quants.dequantize(data, t).astype(np.float64) - x
+    assert max_err == np.abs(err).max()
+    assert sq_err == pytest.approx(float((err * err).sum()), rel=1e-4)  # float32 dots: report precision
