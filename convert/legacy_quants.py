@@ -142,6 +142,12 @@ class Q8_0Codec(_LegacyCodec):
 
     @classmethod
     def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> None:
+        cls._encode_rows(xb, ob, w)
+
+    @classmethod
+    def _encode_rows(cls, xb: F32, ob: U8, w: _Work) -> npt.NDArray[np.bool_]:
+        """:meth:`_encode_into`; leaves ``t`` (whose truncation is the stored int8) in ``w.t`` and
+        returns the rows encoded by the reference instead (whose ``w.t`` rows are not their values)."""
         n = xb.shape[0]
         d = block_absmax(xb, w.ints) / np.float32(127)
         inv, bad = inverse_scale(d)
@@ -150,6 +156,29 @@ class Q8_0Codec(_LegacyCodec):
         np.copyto(ob[:, 2:].view(np.int8), t, casting="unsafe")  # truncation toward zero
         _fp16_into(d, ob, 0)
         reference_blocks(cls.ggml_type, xb, ob, bad)
+        return bad
+
+    @classmethod
+    def quantize_measured(cls, x: F32) -> tuple[U8, float, float]:
+        """:meth:`quantize` and its error from the encoder's own values: ``trunc(t) * float32(d16) - x`` is
+        the decoded value less ``x`` (``trunc(t)`` is the stored int8), without decoding the bytes."""
+        w = _work()
+        max_err = sq_err = 0.0
+
+        def into(xb: F32, ob: U8) -> None:
+            nonlocal max_err, sq_err
+            bad = cls._encode_rows(xb, ob, w)
+            n = xb.shape[0]
+            d16 = ob.view("<f2")[:, 0].astype(np.float32)  # the stored scale
+            q = np.trunc(w.t[:n], out=w.t[:n])  # the stored int8 values (w.t is t + copysign(0.5 - ulp, t))
+            err = np.multiply(q, d16[:, None], out=w.v[:n])
+            err -= xb
+            if bad.any():
+                err[bad] = cls.dequantize(ob[bad]).reshape(-1, QK) - xb[bad]
+            max_err = max(max_err, abs_max(err))
+            sq_err += sum_squares(err)
+
+        return encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS), max_err, sq_err
 
     @classmethod
     def dequantize(cls, data: U8) -> F32:

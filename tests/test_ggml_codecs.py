@@ -191,6 +191,7 @@ def test_quantize_measured_per_chunk_equals_decoding_the_whole(t: GT) -> None:
     rng = np.random.default_rng(12)
     x = (rng.standard_normal((CHUNK_BLOCKS // 16 + 3, 32 * 32)) * 0.03).astype(np.float32)
     x[1, :32] *= 1e4  # one block far larger than the rest
+    x[2, 32:64] = rng.standard_normal(32) * 1e-39  # subnormal: 1 / d overflows, the reference encodes it
     data, max_err, sq_err = CODECS[t].quantize_measured(x)
     assert np.array_equal(data, CODECS[t].quantize(x))
     err = gguf.quants.dequantize(data, t).astype(np.float64) - x
