@@ -192,6 +192,29 @@ def kernel(n_elem: int, threads: int, dtype: str = "bfloat16") -> dict:
             "gelem_per_s": round(n_elem / best / 1e9, 3)}
 
 
+def bnb_kernel(n_elem: int, threads: int, dtype: str = "bfloat16") -> dict | None:
+    """bitsandbytes' own CPU ``dequantize_4bit`` on the same data as :func:`kernel` (torch threads =
+    ``threads``), best of 3; None where torch or bitsandbytes is not installed."""
+    try:
+        import bitsandbytes.functional as bnbf
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    packed = torch.from_numpy(rng.integers(0, 256, n_elem // 2, dtype=np.uint8)).reshape(-1, 1)
+    absmax = torch.from_numpy(rng.uniform(0.03, 0.07, n_elem // BS).astype(np.float32))
+    state = bnbf.QuantState(absmax=absmax, shape=torch.Size([n_elem]), code=bnbf.get_4bit_type("nf4", device="cpu"),
+                            blocksize=BS, quant_type="nf4", dtype=getattr(torch, dtype))
+    best = 1e9
+    for _ in range(3):
+        t = time.perf_counter()
+        bnbf.dequantize_4bit(packed, state)
+        best = min(best, time.perf_counter() - t)
+    return {"bench": "kernel-bitsandbytes", "dtype": dtype, "elements": n_elem, "threads": threads,
+            "seconds": round(best, 4), "gelem_per_s": round(n_elem / best / 1e9, 3)}
+
+
 def run_measured(cmd: list[str], cwd: Path | None = None) -> tuple[int, str, str, int]:
     """Run a command; return (exit code, stdout, stderr, that child's own peak RSS in bytes) via wait4."""
     import tempfile
@@ -446,6 +469,9 @@ def main() -> None:
         for dt in ("bfloat16", "float16", "float32"):
             for th in (1, 2):
                 print(json.dumps(kernel(a.elements, th, dt)))
+                theirs = bnb_kernel(a.elements, th, dt)
+                if theirs is not None:
+                    print(json.dumps(theirs))
     elif a.cmd == "transformers":
         hf_baseline(a.dir, a.threads)
     elif a.cmd == "tensors":
