@@ -34,7 +34,12 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from .cli import main as cli_main
-    except KeyboardInterrupt:
+
+        return cli_main()
+    except KeyboardInterrupt:  # while importing, or after the command line returned (its output is final)
         print("convert-bnb: interrupted", file=sys.stderr)
         return 130
-    return cli_main()
+    finally:  # the run is over: a late signal no longer kills the process while it exits with its code
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -61,7 +61,7 @@ from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
-from .kernels import BF16, bf16_to_f16
+from .kernels import BF16, bf16_to_f16, count_f16_loss
 from .output import user_path
 
 __all__ = ["SourceTensor", "TensorReport", "check_encoders", "encode_chunk", "encoder_processes", "write_gguf"]
@@ -110,6 +110,8 @@ class TensorReport:
         max_abs_error: largest absolute error.
         rms_error: root mean square of the error.
         rel_rms_error: rms_error / root mean square of the weight (0 for an all-zero weight).
+        fp16_overflow: F16 only: finite values that became inf.
+        fp16_underflow: F16 only: non-zero values that became 0.
     """
 
     name: str
@@ -120,6 +122,8 @@ class TensorReport:
     max_abs_error: float
     rms_error: float
     rel_rms_error: float
+    fp16_overflow: int = 0
+    fp16_underflow: int = 0
 
 
 #: Source dtypes whose values the GGML type holds exactly.
@@ -139,6 +143,7 @@ class _Chunk:
     max_err: float
     sq_err: float
     sq_ref: float
+    f16_loss: tuple[int, int] = (0, 0)  # F16: (overflowed to inf, non-zero flushed to 0)
 
 
 def _convert_chunk(
@@ -201,12 +206,15 @@ def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
         return None
     y, rounded = bf16_to_f16(flat)
     max_err = sq_err = 0.0
+    loss = np.zeros(2, np.int64)
     if rounded.size:
+        x32 = flat[rounded].astype(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):
-            err = y[rounded].astype(np.float32) - flat[rounded].astype(np.float32)
+            err = y[rounded].astype(np.float32) - x32
         max_err = abs_max(err)
         sq_err = sum_squares(err)
-    return _Chunk(y.view(np.uint8), max_err, sq_err, sq_ref)
+        count_f16_loss(x32, y[rounded], loss)
+    return _Chunk(y.view(np.uint8), max_err, sq_err, sq_ref, (int(loss[0]), int(loss[1])))
 
 
 def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sq_ref: float,
@@ -241,21 +249,24 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     """
     coder = codec(ggml_type)
     max_err = sq_err = 0.0
-    if not (measure and x.size):
-        data = coder.quantize(x)
-    elif finite is None:
-        data, max_err, sq_err = coder.quantize_measured(x)
-    else:  # a float type keeping inf/NaN: they are left out of the error
-        data = coder.quantize(x)
-        with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # F16's overflow to inf is the IEEE result (as gguf-py's)
+        if not (measure and x.size):
+            data = coder.quantize(x)
+        elif finite is None:
+            data, max_err, sq_err = coder.quantize_measured(x)
+        else:  # a float type keeping inf/NaN: they are left out of the error
+            data = coder.quantize(x)
             err = coder.dequantize(data).reshape(x.shape)
             err -= x
-        err[~finite] = 0
-        max_err = abs_max(err)
-        sq_err = sum_squares(err)
+            err[~finite] = 0
+            max_err = abs_max(err)
+            sq_err = sum_squares(err)
     if sq_ref is None:
         sq_ref = sum_squares(x if finite is None else np.where(finite, x, 0))
-    return _Chunk(data, max_err, sq_err, sq_ref)
+    loss = np.zeros(2, np.int64)
+    if ggml_type == GT.F16:
+        count_f16_loss(x, data.view(np.float16).reshape(x.shape), loss)
+    return _Chunk(data, max_err, sq_err, sq_ref, (int(loss[0]), int(loss[1])))
 
 
 def _ignore_sigint() -> None:
@@ -414,15 +425,18 @@ def _write_tensor(
         return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs)
 
     max_err = sq_err = sq_ref = 0.0
+    over = under = 0
     pending: deque[Future[_Chunk]] = deque()
 
     def drain() -> None:
-        nonlocal max_err, sq_err, sq_ref
+        nonlocal max_err, sq_err, sq_ref, over, under
         c = pending.popleft().result()
         out.write(c.data)
         max_err = max(max_err, c.max_err)
         sq_err += c.sq_err
         sq_ref += c.sq_ref
+        over += c.f16_loss[0]
+        under += c.f16_loss[1]
         if progress is not None:
             progress(c.data.nbytes)
 
@@ -442,5 +456,6 @@ def _write_tensor(
     rms_err = math.sqrt(sq_err / n)
     rms_ref = math.sqrt(sq_ref / n)
     return TensorReport(
-        t.name, t.source, t.ggml_type, t.shape, t.nbytes, max_err, rms_err, rms_err / rms_ref if rms_ref else 0.0
+        t.name, t.source, t.ggml_type, t.shape, t.nbytes, max_err, rms_err, rms_err / rms_ref if rms_ref else 0.0,
+        over, under,
     )

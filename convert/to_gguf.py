@@ -212,4 +212,4 @@ class GgufJob:
         }}
 
     def fp16_counts(self) -> tuple[int, int]:
-        return 0, 0
+        return sum(r.fp16_overflow for r in self.reports), sum(r.fp16_underflow for r in self.reports)

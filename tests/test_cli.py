@@ -47,6 +47,21 @@ def test_console_script_gives_openblas_one_thread_unless_set(preset: str | None)
     assert out.stdout.strip() == (preset or "1")
 
 
+def test_a_signal_after_the_command_returned_does_not_kill_the_exit() -> None:
+    """SIGINT or SIGTERM landing after the command line has returned (its output final, the summary
+    printed) used to kill the process by the signal, with no line; now it exits with the command's code."""
+    import subprocess
+    import sys
+
+    probe = ("import os, signal, sys, convert, convert.cli\n"
+             "convert.cli.main = lambda: print('wrote it') or 0\n"
+             "code = convert.main()\n"
+             "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGTERM)\n"
+             "sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "wrote it\n", "")
+
+
 def test_check_quiet_prints_nothing_when_clean_and_only_problems_otherwise(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(MODEL), "-q"]) == 0

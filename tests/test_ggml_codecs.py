@@ -171,7 +171,26 @@ def test_bf16_chunk_to_f16_equals_the_general_encoder(scale: float) -> None:
     assert fast.max_err == want.max_err
     assert fast.sq_err == pytest.approx(want.sq_err, rel=1e-5)
     assert fast.sq_ref == pytest.approx(want.sq_ref, rel=1e-5)
+    x32 = x.astype(np.float32)
+    with np.errstate(over="ignore"):
+        y = np.abs(x32.astype(np.float16))
+    counts = (int(np.count_nonzero(np.isinf(y))), int(np.count_nonzero((y == 0) & (x32 != 0))))
+    assert fast.f16_loss == want.f16_loss == counts
+    assert (counts[0] > 0) == (scale == 3e4) and (counts[1] > 0) == (scale == 1e-5)
     assert (fast.max_err > 0) == (scale != 0.02 or bool(np.any(np.abs(x.astype(np.float32)) < 6.1e-5)))
+
+
+def test_f16_encoding_of_overflow_warns_nothing() -> None:
+    """F16's overflow to inf is the IEEE result: no RuntimeWarning reaches the user (gguf-py's cast warned)."""
+    import warnings
+
+    from convert.gguf_encode import encode_chunk
+
+    x = np.array([[1e5, 1.0] * 16, [np.inf, 2.0] * 16], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = encode_chunk(GT.F16, x, True, np.isfinite(x))
+    assert c.max_err == np.inf and c.f16_loss == (16, 0)
 
 
 def test_bf16_chunk_with_inf_takes_the_general_path() -> None:

@@ -981,3 +981,47 @@ def test_hub_repo_id_to_gguf_default_name(tmp_path):
     assert sorted(got) == sorted(want)
     assert all(np.array_equal(got[n][1], want[n][1]) for n in want)
     assert _field(gguf.GGUFReader(out), "general.name") == "org/llama-nf4"
+
+
+def test_gguf_f16_counts_fp16_overflow_and_underflow(tmp_path, capsys):
+    """`--to gguf:f16` counts the values F16 cannot hold, as `--to fp16` does (a bf16 model with values
+    past float16's range and below its subnormals in one weight; the F16 bits are NumPy's cast)."""
+    import shutil
+
+    import ml_dtypes
+
+    from convert.cli import main
+    from formats.safetensors import SafetensorsReader, SafetensorsWriter
+
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "llama_orig_bf16", model)
+    name = "model.layers.0.mlp.down_proj.weight"
+    with SafetensorsReader(model / "model.safetensors") as r:
+        entries = [(k, info.dtype, info.shape) for k, info in r.tensors.items()]
+        arrays = {k: np.array(r.array(k)) for k in r.tensors}
+    w = arrays[name]
+    w.reshape(-1)[:6] = np.array([1e5, -7e4, 1e-9, -2e-9, 3e-8, 0.0], np.float32).astype(ml_dtypes.bfloat16)
+    (model / "model.safetensors").unlink()
+    out = SafetensorsWriter(model / "model.safetensors", entries, {"format": "pt"})
+    for k, _, _ in entries:
+        out.write(arrays[k])
+    out.close()
+    assert main([str(model), "--to", "gguf:f16", "-o", str(tmp_path / "m.gguf"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    x32 = w.astype(np.float32)
+    with np.errstate(over="ignore"):
+        y = x32.astype(np.float16)
+    over = int(np.count_nonzero(np.isinf(y) & np.isfinite(x32)))
+    under = int(np.count_nonzero((y == 0) & (x32 != 0)))
+    assert over == 2 and under >= 2  # (bf16(3e-8) rounds to 0 in float16 too)
+    rows = {t["source"]: t for t in summary["gguf"]["tensors"]}
+    total = 0  # the model's other F16 matrices hold a few values below float16's subnormals
+    for k, a in arrays.items():
+        if rows.get(k, {}).get("type") == "F16":
+            with np.errstate(over="ignore"):
+                total += int(np.count_nonzero((a.astype(np.float32).astype(np.float16) == 0) & (a != 0)))
+    assert (summary["fp16_overflow"], summary["fp16_underflow"]) == (over, total) and total >= under
+    row = rows[name]
+    assert row["type"] == "F16" and row["max_abs_error"] == "inf"
+    got = np.asarray(_tensor(gguf.GGUFReader(tmp_path / "m.gguf"), "blk.0.ffn_down.weight").data)
+    assert np.array_equal(got.view(np.uint16), y.view(np.uint16))
