@@ -121,7 +121,7 @@ class LayerInput:
             bad = start // self.blocksize + int(np.flatnonzero(~np.isfinite(am))[0]) // self.blocksize
             raise NonFiniteWeightError(exc.reason, path=_source_file(self.source), tensor=self.name,
                                        expected=exc.expected, found=f"non-finite value in block {bad}",
-                                       hint=exc.hint) from None
+                                       hint=exc.hint, action="quantize") from None
 
     def absmax_blocks(self, ba: int, bb: int) -> npt.NDArray[np.float32]:
         """``float32[bb - ba]`` fp32 absmax of blocks [ba, bb), read from the source."""

@@ -282,7 +282,7 @@ def test_non_finite_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFi
     save_file({"proj.weight": x}, str(src))
     assert main([str(src), "--to", "nf4", "-o", str(tmp_path / "o.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert f"Failed to read '{src}': tensor 'proj.weight': QNT-003 the tensor to quantize holds NaN" in err
+    assert f"Failed to quantize '{src}': tensor 'proj.weight': QNT-003 the tensor to quantize holds NaN" in err
     assert "found 'non-finite value in block 2'" in err
     assert not (tmp_path / "o.safetensors").exists()
 
