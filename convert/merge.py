@@ -4,8 +4,9 @@
 every planned tensor an adapter touches gets its source wrapped in a
 :class:`LoraSource`, which produces whole rows: it asks the wrapped source for the dequantized base
 rows (in the output dtype), merges them with :meth:`convert.lora.TensorMerge.merge_rows` and hands the
-merged rows on. The chunk unit becomes a multiple of both the layer's blocksize and
-``ROW_ALIGN`` rows, so the pipeline's memory cap and threading apply to the merge unchanged.
+merged rows on. The chunk unit becomes a multiple of both the layer's blocksize and whole rows (the
+product's ``ROW_ALIGN``-row blocks are fixed whatever the chunking: :func:`convert.lora.lora_delta_rows`),
+so the pipeline's memory cap and threading apply to the merge unchanged.
 
 A tensor whose rows the adapter resizes (a resized vocabulary) is taken from the adapter, its new
 shape goes into the plan, and ``vocab_size`` in the output ``config.json`` is updated.
@@ -28,7 +29,7 @@ from formats.dtypes import DType
 from formats.errors import LoraShapeError, UsageError
 from formats.peft import open_adapter
 
-from .lora import ROW_ALIGN, MergePlan, MergeStats, TensorMerge, plan_merge
+from .lora import MergePlan, MergeStats, TensorMerge, plan_merge
 from .plan import Plan, PlannedTensor, Source
 
 __all__ = ["LoraRun", "LoraSource", "apply_lora"]
@@ -54,8 +55,9 @@ class LoraSource(Source):
         self.original = original
         self.cols = math.prod(merge.shape[1:]) if len(merge.shape) > 1 else 1
         self.numel = math.prod(merge.shape)
-        row_unit = self.cols * (ROW_ALIGN if len(merge.shape) > 1 else 1)
-        self.unit = self.numel if merge.whole_tensor else math.lcm(inner.unit, row_unit)
+        # whole rows; any row range gives the same bits (lora_delta_rows computes fixed ROW_ALIGN-row
+        # blocks, re-doing a block cut by a chunk edge), so a small cap still leaves room for two workers
+        self.unit = self.numel if merge.whole_tensor else math.lcm(inner.unit, self.cols)
         adapter_bytes = sum(
             r.nbytes for op in merge.ops for r in (op.lora_A, op.lora_B, op.magnitude, op.replacement) if r is not None
         )

@@ -1125,3 +1125,30 @@ def test_a_delta_that_overflows_float32_is_refused(tmp_path: Path) -> None:
     assert "LORA-014 the LoRA delta (B @ A) * scale overflows float32" in r.stderr
     assert "adapter_model.safetensors'" in r.stderr and "model.layers.0.self_attn.q_proj.weight" in r.stderr
     assert not out.exists()
+
+
+def test_cli_merge_of_wide_rows_keeps_two_workers_under_a_small_cap(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A merged tensor's chunk unit is one row (the product's ROW_ALIGN-row blocks are fixed whatever the
+    chunking), so a small cap keeps --threads 2 for 8192-wide rows (64 rows of them, 8 MiB of working
+    memory a chunk, left room for one worker); the bytes are B @ A in ROW_ALIGN-row blocks as always."""
+    rng = np.random.default_rng(31)
+    rows, cols, r = 256, 8192, 4
+    assert rows * cols > WHOLE_PRODUCT_ELEMENTS  # the product goes by ROW_ALIGN-row blocks
+    w = (rng.standard_normal((rows, cols)) * 0.02).astype(BF)
+    src = tmp_path / "m.safetensors"
+    write_safetensors(src, {"model.layers.0.mlp.down_proj.weight": w})
+    a, b = lora_pair(rng, r, rows, cols)
+    ad = write_adapter(tmp_path / "ad", {"r": r, "lora_alpha": 8, "target_modules": ["down_proj"]},
+                       {"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": a,
+                        "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight": b})
+    out = tmp_path / "o.safetensors"
+    from convert.cli import main
+
+    assert main([str(src), "--to", "bf16", "--merge-lora", str(ad), "-o", str(out), "--threads", "2",
+                 "--max-memory", "64MiB", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert not [n for n in notes if "lowered" in n], notes
+    got = read_safetensors(out)["model.layers.0.mlp.down_proj.weight"]
+    delta = np.concatenate([b[s : s + ROW_ALIGN] @ a for s in range(0, rows, ROW_ALIGN)]) * np.float32(2.0)
+    assert_bits_equal(got, (w.astype(np.float32) + delta).astype(BF))
