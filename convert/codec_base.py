@@ -245,12 +245,13 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
 
 
 def encode_into_by_chunks(
-    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], None], chunk: int
+    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], object], chunk: int
 ) -> U8:
     """:func:`encode_by_chunks` for an encoder that writes its blocks in place.
 
     ``encode_into(xb, ob)``: float32 ``(blocks, block)`` (``blocks <= chunk``) -> fills uint8
-    ``(blocks, type_size)`` ``ob``, a slice of the output (no per-chunk result array, no copy).
+    ``(blocks, type_size)`` ``ob``, a slice of the output (no per-chunk result array, no copy); what
+    it returns is ignored.
 
     Raises:
         ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.

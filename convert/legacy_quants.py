@@ -95,9 +95,21 @@ class _LegacyCodec(Codec):
     """Chunked encoding with scratch reused across chunks; subclasses give :meth:`_encode_into`."""
 
     @classmethod
-    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> None:
-        """Encode float32 ``(blocks, 32)`` into uint8 ``(blocks, type_size)`` (``blocks <= CHUNK_BLOCKS``)."""
+    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> npt.NDArray[np.bool_]:
+        """Encode float32 ``(blocks, 32)`` into uint8 ``(blocks, type_size)`` (``blocks <= CHUNK_BLOCKS``).
+
+        Returns:
+            bool ``(blocks,)``: the rows encoded by gguf-py's reference instead (:func:`reference_blocks`).
+        """
         raise NotImplementedError
+
+    @classmethod
+    def _chunk_error(cls, xb: F32, ob: U8, w: _Work, bad: npt.NDArray[np.bool_]) -> F32:
+        """``dequantize(ob) - xb`` of a chunk just encoded by :meth:`_encode_into` (which returned ``bad``):
+        here by decoding it again while it is in cache."""
+        err = cls.dequantize(ob).reshape(xb.shape)
+        err -= xb
+        return err
 
     @classmethod
     def quantize(cls, x: F32) -> U8:
@@ -107,15 +119,13 @@ class _LegacyCodec(Codec):
 
     @classmethod
     def quantize_measured(cls, x: F32) -> tuple[U8, float, float]:
-        """:meth:`quantize`, each chunk decoded again (:meth:`dequantize`) and compared while in cache."""
+        """:meth:`quantize`, each chunk's error (:meth:`_chunk_error`) measured while it is in cache."""
         w = _work()
         max_err = sq_err = 0.0
 
         def into(xb: F32, ob: U8) -> None:
             nonlocal max_err, sq_err
-            cls._encode_into(xb, ob, w)
-            err = cls.dequantize(ob).reshape(xb.shape)
-            err -= xb
+            err = cls._chunk_error(xb, ob, w, cls._encode_into(xb, ob, w))
             max_err = max(max_err, abs_max(err))
             sq_err += sum_squares(err)
 
@@ -141,13 +151,8 @@ class Q8_0Codec(_LegacyCodec):
     ggml_type: ClassVar[gguf.GGMLQuantizationType] = GT.Q8_0
 
     @classmethod
-    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> None:
-        cls._encode_rows(xb, ob, w)
-
-    @classmethod
-    def _encode_rows(cls, xb: F32, ob: U8, w: _Work) -> npt.NDArray[np.bool_]:
-        """:meth:`_encode_into`; leaves ``t`` (whose truncation is the stored int8) in ``w.t`` and
-        returns the rows encoded by the reference instead (whose ``w.t`` rows are not their values)."""
+    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> npt.NDArray[np.bool_]:
+        """Leaves ``t`` (whose truncation is the stored int8) in ``w.t`` for :meth:`_chunk_error`."""
         n = xb.shape[0]
         d = block_absmax(xb, w.ints) / np.float32(127)
         inv, bad = inverse_scale(d)
@@ -159,26 +164,18 @@ class Q8_0Codec(_LegacyCodec):
         return bad
 
     @classmethod
-    def quantize_measured(cls, x: F32) -> tuple[U8, float, float]:
-        """:meth:`quantize` and its error from the encoder's own values: ``trunc(t) * float32(d16) - x`` is
-        the decoded value less ``x`` (``trunc(t)`` is the stored int8), without decoding the bytes."""
-        w = _work()
-        max_err = sq_err = 0.0
-
-        def into(xb: F32, ob: U8) -> None:
-            nonlocal max_err, sq_err
-            bad = cls._encode_rows(xb, ob, w)
-            n = xb.shape[0]
-            d16 = ob.view("<f2")[:, 0].astype(np.float32)  # the stored scale
-            q = np.trunc(w.t[:n], out=w.t[:n])  # the stored int8 values (w.t is t + copysign(0.5 - ulp, t))
-            err = np.multiply(q, d16[:, None], out=w.v[:n])
-            err -= xb
-            if bad.any():
-                err[bad] = cls.dequantize(ob[bad]).reshape(-1, QK) - xb[bad]
-            max_err = max(max_err, abs_max(err))
-            sq_err += sum_squares(err)
-
-        return encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS), max_err, sq_err
+    def _chunk_error(cls, xb: F32, ob: U8, w: _Work, bad: npt.NDArray[np.bool_]) -> F32:
+        """From the encoder's own values, without decoding: ``trunc(t) * float32(d16) - x`` (``trunc(t)`` is
+        the stored int8, ``d16`` the stored scale); the reference-encoded rows (their ``w.t`` is not
+        their values) are decoded."""
+        n = xb.shape[0]
+        d16 = ob.view("<f2")[:, 0].astype(np.float32)
+        q = np.trunc(w.t[:n], out=w.t[:n])  # w.t is t + copysign(0.5 - ulp, t)
+        err = np.multiply(q, d16[:, None], out=w.v[:n])
+        err -= xb
+        if bad.any():
+            err[bad] = cls.dequantize(ob[bad]).reshape(-1, QK) - xb[bad]
+        return err
 
     @classmethod
     def dequantize(cls, data: U8) -> F32:
@@ -199,7 +196,7 @@ class _Legacy45(_LegacyCodec):
     with_min: ClassVar[bool]  # Q4_1/Q5_1: d = (max - min) / nmax and m = min; else d = max / -2**(bits-1)
 
     @classmethod
-    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> None:
+    def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> npt.NDArray[np.bool_]:
         n = xb.shape[0]
         nmax = (1 << cls.bits) - 1
         v = w.v[:n]
@@ -237,6 +234,7 @@ class _Legacy45(_LegacyCodec):
         p |= q8[:, :2]
         ob[:, at : at + 16] = p.view(np.uint8)
         reference_blocks(cls.ggml_type, xb, ob, bad)
+        return bad
 
 
 class Q4_0Codec(_Legacy45):
