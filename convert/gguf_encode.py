@@ -204,16 +204,14 @@ def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
         sq_ref += sum_squares(flat[s : s + (1 << 16)].astype(np.float32))
     if not math.isfinite(sq_ref):
         return None
-    y, rounded = bf16_to_f16(flat)
-    max_err = sq_err = 0.0
     loss = np.zeros(2, np.int64)
+    y, rounded = bf16_to_f16(flat, stats=loss)
+    max_err = sq_err = 0.0
     if rounded.size:
-        x32 = flat[rounded].astype(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):
-            err = y[rounded].astype(np.float32) - x32
+            err = y[rounded].astype(np.float32) - flat[rounded].astype(np.float32)
         max_err = abs_max(err)
         sq_err = sum_squares(err)
-        count_f16_loss(x32, y[rounded], loss)
     return _Chunk(y.view(np.uint8), max_err, sq_err, sq_ref, (int(loss[0]), int(loss[1])))
 
 

@@ -233,10 +233,9 @@ def _cast(raw: npt.NDArray[np.uint8], stored: DType, dtype: DType, counts: Sourc
         return raw.view(dtype.numpy)
     flat = raw.view(stored.numpy)
     if stored.name == "bfloat16" and dtype.name == "float16":  # only the few values not exact can be lost
-        out, rounded = kernels.bf16_to_f16(flat)
+        local = np.zeros(2, dtype=np.int64)
+        out, rounded = kernels.bf16_to_f16(flat, stats=local)
         if rounded.size:
-            local = np.zeros(2, dtype=np.int64)
-            kernels.count_f16_loss(flat[rounded].astype(np.float32), out[rounded], local)
             counts._add_stats(local)
         return out
     out = kernels.round_float32(flat, dtype.name)

@@ -216,6 +216,10 @@ def encode_4bit(
     return out
 
 
+#: The byte order: the top 16 bits of a float32 are its second uint16 on little-endian machines.
+_LITTLE = sys.byteorder == "little"
+
+
 _TABLE_CACHE: dict[bytes, tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None] = {}
 
 
@@ -273,10 +277,6 @@ def _pack_codes(
     pairs = codes.reshape(-1, 2)
     np.left_shift(pairs[:, 0], 4, out=out)
     np.bitwise_or(out, pairs[:, 1], out=out)
-
-
-#: The byte order: the top 16 bits of a float32 are its second uint16 on little-endian machines.
-_LITTLE = sys.byteorder == "little"
 
 
 def quantize_4bit(
