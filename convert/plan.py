@@ -228,7 +228,8 @@ def cast_run(sources: list[CastSource], dtype: DType) -> np.ndarray:
 
 def _cast(raw: npt.NDArray[np.uint8], stored: DType, dtype: DType, counts: Source) -> np.ndarray:
     """Stored elements (``raw`` bytes of ``stored``) as ``dtype``: a view when the dtypes are the same,
-    else widened to fp32 (exact) and rounded once; fp16 overflow/underflow counts go to ``counts``."""
+    else widened to fp32 (exact) and rounded once (bf16 -> fp16: :func:`convert.kernels.bf16_to_f16`, the
+    same bits); fp16 overflow/underflow counts go to ``counts``."""
     if dtype.code == stored.code:  # a read-only view of the stored elements: no copy
         return raw.view(dtype.numpy)
     flat = raw.view(stored.numpy)
