@@ -511,6 +511,54 @@ def test_large_delta_rows_do_not_depend_on_chunking(transposed: bool) -> None:
         assert_bits_equal(np.concatenate(parts), np.ascontiguousarray(want))
 
 
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("scale", [0.75, 1e37])
+def test_linear_merge_in_pieces_equals_delta_then_add(out_dtype: str, scale: float) -> None:
+    """The Linear merge works through each sgemm block in cache-sized pieces (and skips the overflow check
+    when the adapter's bound allows): the bits of ``round(W + lora_delta_rows(...))`` for every chunking,
+    past WHOLE_PRODUCT_ELEMENTS, and with a scale large enough that the bound does not hold (1e37: fp16
+    overflows to inf, the delta stays finite, nothing is refused)."""
+    from convert.lora import MergeOp, TensorMerge, _delta_bounded
+
+    rows, cols, r = 300, 4000, 8
+    assert rows * cols > WHOLE_PRODUCT_ELEMENTS
+    rng = np.random.default_rng(9)
+    a, b = lora_pair(rng, r, rows, cols, std=1.0)
+    assert _delta_bounded(a, b, scale) == (scale < 1)
+    dt = ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.dtype(out_dtype)
+    w = (rng.standard_normal((rows, cols)) * 0.02).astype(dt)
+    op = MergeOp(tensor="w", adapter="a", kind="lora", source="lora", layout="linear", shape=(rows, cols), rank=r,
+                 alpha=r * scale, scale=scale, lora_A=object(), lora_B=object())  # type: ignore[arg-type]
+    tm = TensorMerge("w", (rows, cols), [op])
+    tm._cache.update({(0, "A"): a, (0, "B"): b})  # the adapter tensors as read (no file behind these)
+    with np.errstate(over="ignore"):
+        delta = lora_delta_rows(a, b, scale, 0, rows)
+        want = (w.astype(np.float32) + delta).astype(dt)
+    assert np.isfinite(delta).all()
+    for step in (1, 37, ROW_ALIGN, 129, rows):
+        got = np.concatenate([tm.merge_rows(w[s : s + step], s, min(rows, s + step), out_dtype)
+                              for s in range(0, rows, step)])
+        assert_bits_equal(got, want)
+
+
+def test_delta_bound_holds_and_is_refused_past_float32() -> None:
+    """_delta_bounded is an upper bound of |(B @ A) * scale| (checked on random adapters, signs mixed), and
+    says no when the delta could overflow: then every chunk is checked (LORA-014 below)."""
+    from convert.lora import _DELTA_BOUND, _delta_bounded
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        a, b = lora_pair(rng, 4, 50, 60, std=float(rng.uniform(0.01, 10)))
+        bound = float(np.max(np.abs(b).astype(np.float64) @ np.abs(a).max(axis=1)))
+        assert float(np.abs(b.astype(np.float64) @ a.astype(np.float64)).max()) <= bound
+        assert _delta_bounded(a, b, 2.0) == (2 * bound < _DELTA_BOUND)
+    a = np.full((2, 3), 3e19, np.float32)
+    b = np.full((3, 2), 3e19, np.float32)  # each product 9e38 > float32's max: inf
+    assert not _delta_bounded(a, b, 1.0)
+    with np.errstate(over="ignore"):
+        assert np.isinf(lora_delta_rows(a, b, 1.0, 0, 3)).all()
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
