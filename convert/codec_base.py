@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import gguf
+import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
@@ -105,18 +106,25 @@ class Codec:
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
 
     @classmethod
-    def quantize_measured(cls, x: F32) -> tuple[U8, float, float]:
-        """:meth:`quantize` and the error it adds, ``e = dequantize(data) - x`` (finite ``x``).
+    def quantize_measured(cls, x: np.ndarray) -> tuple[U8 | None, float, float, float]:
+        """:meth:`quantize` of ``x`` widened to float32 (exactly: float32, bfloat16 or float16 ``(rows, n)``),
+        the error it adds, ``e = dequantize(data) - x``, and the size of ``x``.
 
         Returns:
-            ``(data, max |e|, sum of e^2)``. This base class decodes the whole result again; a codec
-            that encodes in chunks measures each chunk while it is in cache.
+            ``(data, max |e|, sum of e^2, sum of x^2)``. When ``x`` holds inf or NaN the last is not
+            finite, and the rest means nothing (``data`` may be None): the caller checks ``x`` itself.
+            This base class widens and sums ``x`` whole, then decodes the whole result again; a codec
+            that encodes in chunks widens, sums and measures each chunk while it is in cache.
         """
+        x = np.asarray(x, dtype=np.float32)
+        sq_ref = sum_squares(x)
+        if not math.isfinite(sq_ref):
+            return None, math.nan, math.nan, sq_ref
         data = cls.quantize(x)
         with np.errstate(invalid="ignore", over="ignore"):
             err = cls.dequantize(data).reshape(np.shape(x))
             err -= x
-        return data, abs_max(err), sum_squares(err)
+        return data, abs_max(err), sum_squares(err), sq_ref
 
 
 def abs_max(a: F32) -> float:
@@ -251,20 +259,34 @@ def encode_into_by_chunks(
 
     ``encode_into(xb, ob)``: float32 ``(blocks, block)`` (``blocks <= chunk``) -> fills uint8
     ``(blocks, type_size)`` ``ob``, a slice of the output (no per-chunk result array, no copy); what
-    it returns is ignored.
+    it returns is ignored. ``x`` may be bfloat16 or float16: each chunk is widened (exactly) into one
+    float32 scratch, in cache, instead of the whole array into a float32 copy.
 
     Raises:
         ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
     """
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x)
+    if x.dtype not in _WIDENED:
+        x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim < 1 or x.shape[-1] % block:
         raise ValueError(f"expected float32 (..., n) with n a multiple of {block}, got {x.shape}")
     flat = x.reshape(-1, block)
     out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
+    scratch = None if x.dtype == np.float32 else np.empty((min(chunk, flat.shape[0]), block), np.float32)
     with np.errstate(all="ignore"):
         for s in range(0, flat.shape[0], chunk):
-            encode_into(flat[s : s + chunk], out[s : s + chunk])
+            xb = flat[s : s + chunk]
+            if scratch is not None:
+                wide = scratch[: xb.shape[0]]
+                np.copyto(wide, xb, casting="unsafe")
+                xb = wide
+            encode_into(xb, out[s : s + chunk])
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
+
+
+#: Input dtypes :func:`encode_into_by_chunks` widens chunk by chunk (float32 itself, and the two whose
+#: float32 values are exact); any other is converted whole first.
+_WIDENED = frozenset({np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
 
 
 def block_max_bits(

@@ -16,9 +16,10 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
    F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`).
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
-not depend on the thread count or the chunk size; at most ``threads + 1`` chunks (or one whole
-source array) are resident. Steps 3-4 of the types whose encoder searches (the K-quants and IQ4_NL,
-tens of NumPy passes per value) run in ``processes`` worker processes when asked
+not depend on the thread count or the chunk size; at most ``threads + 1`` chunks are in flight, the
+chunks of consecutive tensors in one stream (no worker idles at a tensor's end), plus the whole
+array of a source given whole (generated tensors: a few KiB). Steps 3-4 of the types whose encoder
+searches (the K-quants and IQ4_NL, tens of NumPy passes per value) run in ``processes`` worker processes when asked
 (:func:`encoder_processes`): NumPy releases the GIL only inside each call, and the searches make
 many small calls, so two threads give them 1.4x where two processes give them nearly 2x. A chunk is
 sent to a process as float32 (pickled, 4 bytes a weight) and comes back encoded, with its error.
@@ -39,12 +40,13 @@ GGUF-011  a weight quantized to a block type (Q8_0, Q4_K, ...) holds no inf or N
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import multiprocessing
 import os
 import signal
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -169,6 +171,12 @@ def _convert_chunk(
         fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]))
         if fast is not None:
             return fast
+    if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or t.ggml_type not in
+                                                                           SEARCH_TYPES):
+        # widened, summed, encoded and measured chunk by chunk in cache by the codec; inf/NaN: checked below
+        fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True)
+        if math.isfinite(fused.sq_ref):
+            return fused
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
@@ -236,22 +244,30 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
 
     Args:
         ggml_type: the GGML type (a codec of :data:`convert.ggml_codecs.CODECS`).
-        x: float32 ``(rows, cols)``, in GGUF row order, the architecture's transforms applied.
+        x: ``(rows, cols)``, in GGUF row order, the architecture's transforms applied: float32, or
+            bfloat16/float16 (widened exactly; chunk by chunk by a codec that encodes in chunks).
         measure: decode the result again and measure the error (False for F32: none).
         finite: where ``x`` is finite (None: everywhere); inf/NaN are left out of the error.
         sq_ref: the sum of squares of ``x`` when the caller has it (None: computed here).
 
     Returns:
         the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
-        squared errors and of squared weights.
+        squared errors and of squared weights. With ``measure``, ``finite`` None and inf/NaN in ``x``:
+        no bytes and a sum of squared weights that is not finite (the caller checks ``x`` itself).
     """
     coder = codec(ggml_type)
     max_err = sq_err = 0.0
     with np.errstate(invalid="ignore", over="ignore"):  # F16's overflow to inf is the IEEE result (as gguf-py's)
         if not (measure and x.size):
+            x = np.asarray(x, dtype=np.float32)
             data = coder.quantize(x)
         elif finite is None:
-            data, max_err, sq_err = coder.quantize_measured(x)
+            encoded, max_err, sq_err, sq_x = coder.quantize_measured(x)
+            if encoded is None or not math.isfinite(sq_x):  # inf/NaN in x: the caller checks x itself
+                return _Chunk(np.empty(0, np.uint8), math.nan, math.nan, sq_x)
+            data = encoded
+            if sq_ref is None:
+                sq_ref = sq_x
         else:  # a float type keeping inf/NaN: they are left out of the error
             data = coder.quantize(x)
             err = coder.dequantize(data).reshape(x.shape)
@@ -263,7 +279,7 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
         sq_ref = sum_squares(x if finite is None else np.where(finite, x, 0))
     loss = np.zeros(2, np.int64)
     if ggml_type == GT.F16:
-        count_f16_loss(x, data.view(np.float16).reshape(x.shape), loss)
+        count_f16_loss(np.asarray(x, dtype=np.float32), data.view(np.float16).reshape(x.shape), loss)
     return _Chunk(data, max_err, sq_err, sq_ref, (int(loss[0]), int(loss[1])))
 
 
@@ -348,19 +364,50 @@ def write_gguf(
         records = {s.name: s for s in sources}
     reports: list[TensorReport] = []
     n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
+    workers = max(threads, n_procs)
     with GGUFFileWriter(spath, plan) as out:
-        pool = ThreadPoolExecutor(max_workers=max(threads, n_procs)) if max(threads, n_procs) > 1 else None
+        pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         # spawned, not forked: this process has threads (fork would copy their locks mid-use)
         procs = ProcessPoolExecutor(n_procs, mp_context=multiprocessing.get_context("spawn"),
                                     initializer=_ignore_sigint) if n_procs else None
+        # chunks of every tensor flow through the pool as one stream (the workers never wait at a tensor's
+        # end), written in order; None marks a tensor's end: its report, end_tensor() and done() then
+        pending: deque[tuple[Future[_Chunk] | None, _Figures]] = deque()
+        in_flight = 0
+
+        def drain() -> None:
+            nonlocal in_flight
+            fut, fig = pending.popleft()
+            if fut is None:
+                out.end_tensor()
+                reports.append(fig.report())
+                if fig.rec is not None and fig.rec.done is not None:
+                    fig.rec.done()
+                return
+            in_flight -= 1
+            c = fut.result()
+            out.write(c.data)
+            fig.add(c)
+            if progress is not None:
+                progress(c.data.nbytes)
+
         try:
             for t in plan.tensors:
                 rec = records[t.source] if t.source is not None else None
-                reports.append(_write_tensor(out, t, rec, plan, chunk_elements, pool, max(threads, n_procs), procs,
-                                             progress, spath))
-                out.end_tensor()
-                if rec is not None and rec.done is not None:
-                    rec.done()
+                fig = _Figures(t, rec)
+                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath):
+                    if pool is None:
+                        fut: Future[_Chunk] = Future()
+                        fut.set_result(task())
+                    else:
+                        fut = pool.submit(task)
+                    pending.append((fut, fig))
+                    in_flight += 1
+                    while in_flight > workers:
+                        drain()
+                pending.append((None, fig))
+            while pending:
+                drain()
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -369,18 +416,45 @@ def write_gguf(
     return reports
 
 
-def _write_tensor(
-    out: GGUFFileWriter,
+class _Figures:
+    """The running error figures of one tensor being written (its chunks' :class:`_Chunk` sums)."""
+
+    def __init__(self, t: GGUFTensor, rec: SourceTensor | None) -> None:
+        self.t, self.rec = t, rec
+        self.max_err = self.sq_err = self.sq_ref = 0.0
+        self.over = self.under = 0
+
+    def add(self, c: _Chunk) -> None:
+        self.max_err = max(self.max_err, c.max_err)
+        self.sq_err += c.sq_err
+        self.sq_ref += c.sq_ref
+        self.over += c.f16_loss[0]
+        self.under += c.f16_loss[1]
+
+    def report(self) -> TensorReport:
+        t = self.t
+        n = max(t.numel, 1)
+        rms_err = math.sqrt(self.sq_err / n)
+        rms_ref = math.sqrt(self.sq_ref / n)
+        return TensorReport(t.name, t.source, t.ggml_type, t.shape, t.nbytes, self.max_err, rms_err,
+                            rms_err / rms_ref if rms_ref else 0.0, self.over, self.under)
+
+
+def _chunk_tasks(
     t: GGUFTensor,
     rec: SourceTensor | None,
     plan: GGUFPlan,
     chunk_elements: int,
-    pool: ThreadPoolExecutor | None,
-    threads: int,
     procs: Executor | None,
-    progress: Callable[[int], None] | None,
     path: str,
-) -> TensorReport:
+) -> Iterator[Callable[[], _Chunk]]:
+    """The row chunks of one tensor, in order, each a task a worker runs: read the rows, convert them
+    (:func:`_convert_chunk`).
+
+    Raises:
+        GgufSourceError: GGUF-007, a whole source array of another shape (at once) or rows of another
+            shape (when the task runs).
+    """
     rows = t.shape[0] if t.shape else 1
     cols = t.numel // rows if rows else 0
     whole: np.ndarray | None = None
@@ -422,38 +496,5 @@ def _write_tensor(
             x = x.reshape(r1 - r0, cols)
         return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs)
 
-    max_err = sq_err = sq_ref = 0.0
-    over = under = 0
-    pending: deque[Future[_Chunk]] = deque()
-
-    def drain() -> None:
-        nonlocal max_err, sq_err, sq_ref, over, under
-        c = pending.popleft().result()
-        out.write(c.data)
-        max_err = max(max_err, c.max_err)
-        sq_err += c.sq_err
-        sq_ref += c.sq_ref
-        over += c.f16_loss[0]
-        under += c.f16_loss[1]
-        if progress is not None:
-            progress(c.data.nbytes)
-
     for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        if pool is None:
-            fut: Future[_Chunk] = Future()
-            fut.set_result(task(r0, r1))
-        else:
-            fut = pool.submit(task, r0, r1)
-        pending.append(fut)
-        if len(pending) > threads:
-            drain()
-    while pending:
-        drain()
-    n = max(t.numel, 1)
-    rms_err = math.sqrt(sq_err / n)
-    rms_ref = math.sqrt(sq_ref / n)
-    return TensorReport(
-        t.name, t.source, t.ggml_type, t.shape, t.nbytes, max_err, rms_err, rms_err / rms_ref if rms_ref else 0.0,
-        over, under,
-    )
+        yield functools.partial(task, r0, min(rows, r0 + step))

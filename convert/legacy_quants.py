@@ -118,18 +118,21 @@ class _LegacyCodec(Codec):
         return encode_into_by_chunks(x, QK, cls.type_size(), lambda xb, ob: cls._encode_into(xb, ob, w), CHUNK_BLOCKS)
 
     @classmethod
-    def quantize_measured(cls, x: F32) -> tuple[U8, float, float]:
-        """:meth:`quantize`, each chunk's error (:meth:`_chunk_error`) measured while it is in cache."""
+    def quantize_measured(cls, x: np.ndarray) -> tuple[U8 | None, float, float, float]:
+        """:meth:`Codec.quantize_measured`: each chunk widened to float32, summed, encoded and its error
+        (:meth:`_chunk_error`) measured while it is in cache (inf/NaN rows go to the reference encoder)."""
         w = _work()
-        max_err = sq_err = 0.0
+        max_err = sq_err = sq_ref = 0.0
 
         def into(xb: F32, ob: U8) -> None:
-            nonlocal max_err, sq_err
+            nonlocal max_err, sq_err, sq_ref
+            sq_ref += sum_squares(xb)
             err = cls._chunk_error(xb, ob, w, cls._encode_into(xb, ob, w))
             max_err = max(max_err, abs_max(err))
             sq_err += sum_squares(err)
 
-        return encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS), max_err, sq_err
+        data = encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS)
+        return data, max_err, sq_err, sq_ref
 
 
 def _work() -> _Work:

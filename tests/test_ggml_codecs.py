@@ -211,8 +211,27 @@ def test_quantize_measured_per_chunk_equals_decoding_the_whole(t: GT) -> None:
     x = (rng.standard_normal((CHUNK_BLOCKS // 16 + 3, 32 * 32)) * 0.03).astype(np.float32)
     x[1, :32] *= 1e4  # one block far larger than the rest
     x[2, 32:64] = rng.standard_normal(32) * 1e-39  # subnormal: 1 / d overflows, the reference encodes it
-    data, max_err, sq_err = CODECS[t].quantize_measured(x)
+    data, max_err, sq_err, sq_ref = CODECS[t].quantize_measured(x)
     assert np.array_equal(data, CODECS[t].quantize(x))
     err = gguf.quants.dequantize(data, t).astype(np.float64) - x
     assert max_err == np.abs(err).max()
     assert sq_err == pytest.approx(float((err * err).sum()), rel=1e-4)  # float32 dots: report precision
+    assert sq_ref == pytest.approx(float(np.square(x, dtype=np.float64).sum()), rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("t", TYPES + [GT.Q4_K], ids=lambda t: getattr(t, "name", t))
+def test_quantize_measured_widens_16_bit_input_chunk_by_chunk(t: GT, dtype: str) -> None:
+    """bf16/f16 rows go to quantize_measured as they are (each chunk widened in cache): the bytes and
+    figures of the float32 values; with inf the sum of squares says so (the caller then checks)."""
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((CHUNK_BLOCKS // 16 + 3, 32 * 32)) * 0.03).astype(dt)
+    want = CODECS[t].quantize_measured(x.astype(np.float32))
+    got = CODECS[t].quantize_measured(x)
+    assert np.array_equal(got[0], want[0]) and got[1:] == want[1:]
+    x[5, 7] = np.inf
+    data, _, _, sq_ref = CODECS[t].quantize_measured(x)
+    assert sq_ref == np.inf
