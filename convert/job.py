@@ -109,7 +109,9 @@ class ConvertOptions:
             error to the report), or None.
         merge_report: with ``merge_lora``: compute the merge report's figures (``details["lora_merge"]``)
             even without ``report`` or ``original`` (the CLI sets it for ``--json``); without any of the
-            three no figures are computed and ``lora_merge`` is absent.
+            three no figures are computed and ``lora_merge`` is absent. With ``--to nf4|fp4`` it also
+            makes the quantization report's error figures exact (else measured on a sample:
+            :data:`convert.quant_report.SUMMARY_SAMPLE`).
         quant: the ``--to nf4|fp4`` settings.
         dry_run: plan only; write nothing.
         overwrite: replace an existing output.

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import QUANT_TABLES, QuantState
+from formats.bnb import QuantState
 from formats.errors import NonFiniteWeightError
 
-from .kernels import dequantize_4bit
 from .nested8 import NESTED_BLOCKSIZE, encode_8bit, nested_statistics, resolve_nested
 from .plan import PlannedTensor
 from .quant4 import blockwise_absmax, encode_4bit, quantize_bounds
@@ -331,7 +330,7 @@ class LayerJob:
     """
 
     def __init__(self, t: PlannedTensor, settings: QuantSettings, piece: int, budget: AbsmaxBudget,
-                 report: bool, outlier_factor: float) -> None:
+                 report: bool, outlier_factor: float, report_sample: int = 1) -> None:
         self.name = t.name
         self.input = LayerInput(t, settings.blocksize, piece)
         self.settings = settings
@@ -341,6 +340,7 @@ class LayerJob:
         self.report: QuantReport | None = None
         self._want_report = report
         self._outlier_factor = outlier_factor
+        self._report_sample = report_sample
         self._bounds = quantize_bounds(settings.quant_type)
         self._acc: ReportAccumulator | None = None
         self._lock = threading.Lock()
@@ -372,8 +372,7 @@ class LayerJob:
                 if acc is not None:
                     resolved = resolve_nested(codes, scale, nested[1])
             if acc is not None:
-                y = dequantize_4bit(packed, resolved, QUANT_TABLES[self.settings.quant_type], bs, e - s, "float32")
-                acc.add(s, np.asarray(x).reshape(-1), y, am)
+                acc.add(s, np.asarray(x).reshape(-1), packed, resolved, am)
             del x
             self.input.release(s, e)
         return np.concatenate(out) if len(out) != 1 else out[0]
@@ -393,7 +392,7 @@ class LayerJob:
             if self._acc is None:
                 median, top = self.absmax.median_and_max()
                 self._acc = ReportAccumulator(self.name, self.state(), median, top,
-                                              outlier_factor=self._outlier_factor)
+                                              outlier_factor=self._outlier_factor, sample=self._report_sample)
             return self._acc
 
     def done_one(self) -> None:

@@ -32,7 +32,7 @@ from .nested8 import NESTED_BLOCKSIZE
 from .quant4 import iter_block_chunks
 from .quant_layer import QuantizedLayerArrays
 
-__all__ = ["QuantReport", "ReportAccumulator", "quantization_report", "stored_nbytes"]
+__all__ = ["SUMMARY_SAMPLE", "QuantReport", "ReportAccumulator", "quantization_report", "stored_nbytes"]
 
 _F32 = np.float32
 
@@ -72,38 +72,52 @@ class QuantReport:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+#: Without an exact report asked for, the error and zero share are measured on one piece of the flat
+#: weight in this many (:class:`ReportAccumulator` ``sample``).
+SUMMARY_SAMPLE = 8
+
+
 class ReportAccumulator:
     """Collects the :class:`QuantReport` figures of one weight chunk by chunk (thread-safe).
 
     Chunk results are kept per chunk start and summed in order at the end, so the figures do not
     depend on which thread finished first.
 
+    The flat weight is measured in pieces of a fixed grid (``PIECE`` elements rounded to whole blocks,
+    from element 0). With ``sample`` k > 1 only pieces ``0, k, 2k, ...`` give the error and the zero
+    share (an estimate from 1/k of the weight, the same pieces for every chunking, cap and thread
+    count); outlier blocks are counted and measured wherever they are, every one.
+
     Args:
         name: the weight name.
-        state: its QuantState (numel, blocksize).
+        state: its QuantState (numel, blocksize, quant_type).
         absmax_median: median of the layer's fp32 absmax (outlier threshold base).
         absmax_max: largest absmax.
         outlier_factor: a block is an outlier when its absmax exceeds this many medians.
+        sample: measure one grid piece in ``sample`` (1: every element, exact figures).
     """
 
     def __init__(self, name: str, state: QuantState, absmax_median: float, absmax_max: float,
-                 outlier_factor: float = 10.0) -> None:
+                 outlier_factor: float = 10.0, sample: int = 1) -> None:
         self.name = name
         self.state = state
         self.median = absmax_median
         self.max = absmax_max
         self.threshold = outlier_factor * absmax_median if absmax_median > 0 else math.inf
+        self.sample = max(1, sample)
+        self._qmap = QUANT_TABLES[state.quant_type]
         self._parts: dict[int, tuple[float, float, int, int, int, int, int]] = {}
         self._lock = threading.Lock()
 
-    def add(self, start: int, x: np.ndarray, y: npt.NDArray[np.float32],
+    def add(self, start: int, x: np.ndarray, packed: npt.NDArray[np.uint8], resolved: npt.NDArray[np.float32],
             block_absmax: npt.NDArray[np.float32]) -> None:
         """Add elements [start, start + len(x)) of the flat weight.
 
         Args:
             start: first element, on a block boundary.
             x: the original values (any float dtype), flat.
-            y: ``float32`` the dequantized values of the same elements.
+            packed: ``uint8[ceil(len(x) / 2)]`` their packed 4-bit codes.
+            resolved: ``float32`` the absmax a loader sees for their blocks (nested absmax resolved).
             block_absmax: ``float32`` the fp32 absmax of the blocks these elements cover.
         """
         bs = self.state.blocksize
@@ -112,23 +126,32 @@ class ReportAccumulator:
         is_out = np.asarray(block_absmax) > self.threshold
         n_out = int(is_out.sum())
         step = max(bs, (PIECE // bs) * bs)
-        for a in range(0, x.size, step):
-            b = min(x.size, a + step)
-            xf = np.asarray(x[a:b]).astype(np.float32)  # exact (float16/bfloat16/float32 values)
-            yf = y[a:b]
-            d = xf - yf
-            # float32 BLAS dots of a cache-sized piece (relative error ~1e-6, summed in float64 across pieces)
-            err2 += float(np.dot(d, d))
-            ref2 += float(np.dot(xf, xf))
-            nz = xf != 0
-            zz = nz & (yf == 0)
-            nonzero += int(np.count_nonzero(nz))
-            zeroed += int(np.count_nonzero(zz))
-            blk = is_out[a // bs : -(-b // bs)]
-            if blk.any():
-                mask = np.repeat(blk, bs)[: b - a]
-                out_nonzero += int(np.count_nonzero(nz & mask))
-                out_zeroed += int(np.count_nonzero(zz & mask))
+        end = start + x.size
+        a = start
+        while a < end:
+            b = min(end, (a // step + 1) * step)  # the grid piece holding element a
+            la, lb = a - start, b - start  # (la is a multiple of the even blocksize)
+            blk = is_out[la // bs : -(-lb // bs)]
+            sampled = (a // step) % self.sample == 0
+            has_out = bool(blk.any())
+            if sampled or has_out:
+                xf = np.asarray(x[la:lb]).astype(np.float32)  # exact (float16/bfloat16/float32 values)
+                yf = dequantize_4bit(packed[la // 2 : (lb + 1) // 2], resolved[la // bs : -(-lb // bs)], self._qmap,
+                                     bs, lb - la, "float32")
+                nz = xf != 0
+                zz = nz & (yf == 0)
+                if sampled:
+                    d = xf - yf
+                    # float32 BLAS dots of a cache-sized piece (relative error ~1e-6, summed in float64)
+                    err2 += float(np.dot(d, d))
+                    ref2 += float(np.dot(xf, xf))
+                    nonzero += int(np.count_nonzero(nz))
+                    zeroed += int(np.count_nonzero(zz))
+                if has_out:
+                    mask = np.repeat(blk, bs)[: lb - la]
+                    out_nonzero += int(np.count_nonzero(nz & mask))
+                    out_zeroed += int(np.count_nonzero(zz & mask))
+            a = b
         with self._lock:
             self._parts[start] = (err2, ref2, nonzero, zeroed, out_nonzero, out_zeroed, n_out)
 
@@ -205,10 +228,8 @@ def quantization_report(
     stats = arrays.absmax_f32
     acc = ReportAccumulator(name, st, float(np.median(stats)) if stats.size else 0.0,
                             float(stats.max()) if stats.size else 0.0, outlier_factor)
-    qmap = QUANT_TABLES[st.quant_type]
     for a, b in iter_block_chunks(n, bs, max_elements):
         x = read(a, b)
         blocks = slice(a // bs, -(-b // bs))
-        y = dequantize_4bit(arrays.packed[a // 2 : (b + 1) // 2], resolved[blocks], qmap, bs, b - a, "float32")
-        acc.add(a, np.asarray(x).reshape(-1), y, stats[blocks])
+        acc.add(a, np.asarray(x).reshape(-1), arrays.packed[a // 2 : (b + 1) // 2], resolved[blocks], stats[blocks])
     return acc.result(stored_nbytes(st))

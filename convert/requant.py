@@ -86,6 +86,7 @@ def make_quant_plan(
     max_shard_size: int = 5 * 10**9,
     requantize: bool = False,
     report: bool = True,
+    report_sample: int = 1,
     outlier_factor: float = 10.0,
     prepass: bool = True,
     piece_elements: int | None = None,
@@ -103,6 +104,8 @@ def make_quant_plan(
         max_shard_size: largest shard of a directory output, in bytes.
         requantize: re-quantize bnb layers even when they already have these settings.
         report: collect a :class:`~convert.quant_report.QuantReport` per quantized weight.
+        report_sample: measure its error and zero share on one piece of the weight in this many (1:
+            exact; :data:`~convert.quant_report.SUMMARY_SAMPLE` for the summary's figures alone).
         outlier_factor: the report's outlier threshold, in layer medians of absmax.
         prepass: read each nested layer once now, so its QuantState JSON length is known (needed
             before writing; ``False`` for ``--dry-run``, which then shows an estimated length).
@@ -142,7 +145,7 @@ def make_quant_plan(
             grouped.append(passthrough_tensors(t, t.source, settings))
             continue
         settings.storage_shape(math.prod(t.shape), t.name)  # QNT-005 before any work
-        job = LayerJob(t, settings, piece, budget, report, outlier_factor)
+        job = LayerJob(t, settings, piece, budget, report, outlier_factor, report_sample)
         info.jobs.append(job)
         grouped.append(job)  # its tensors are planned after the pre-pass
     if prepass and settings.nested and info.jobs:

@@ -141,6 +141,7 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
     """
     import os
 
+    from .quant_report import SUMMARY_SAMPLE
     from .quant_settings import QuantSettings
     from .requant import make_quant_plan
     from .torch_reduce import TORCH_NUM_THREADS
@@ -157,6 +158,8 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
         plan, settings, skip=_patterns(q.skip_modules), include=_patterns(q.include),
         max_memory=options.max_memory, threads=max(1, options.threads or os.cpu_count() or 1),
         max_shard_size=options.max_shard_size, requantize=q.requantize, report=not options.dry_run,
+        # exact figures for --quant-report and --json; the summary's from one piece in SUMMARY_SAMPLE
+        report_sample=1 if q.quant_report is not None or options.merge_report else SUMMARY_SAMPLE,
         prepass=not options.dry_run,
     )
     qplan.notes.append(

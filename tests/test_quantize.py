@@ -367,6 +367,42 @@ def test_report_chunked_equals_whole() -> None:
     assert whole.rel_error == pytest.approx(exact, rel=1e-6)
 
 
+def test_report_on_a_sample_measures_the_fixed_grid_pieces() -> None:
+    """sample=k measures the error and zero share on grid pieces 0, k, 2k, ... of the flat weight (the same
+    pieces however it is chunked) and every outlier block wherever it is: the figures of those elements."""
+    from convert.kernels import PIECE
+    from convert.quant_report import ReportAccumulator, stored_nbytes
+
+    rng = np.random.default_rng(3)
+    n, bs, k = 9 * PIECE + 640, 64, 4
+    x = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    x[5 * PIECE + 70] = 3.0  # an outlier block in an unsampled piece
+    arrays = quantize_layer(x, "float32", QuantSettings("nf4", bs, False))
+    y = _dequantize(arrays).reshape(-1).astype(np.float64)
+    am = arrays.absmax_f32
+    med = float(np.median(am))
+    picked = np.zeros(n, bool)
+    for g in range(0, n, k * PIECE):
+        picked[g : g + PIECE] = True
+    xs, ys = x[picked].astype(np.float64), y[picked]
+    want_rel = math.sqrt(float(((xs - ys) ** 2).sum()) / float((xs * xs).sum()))
+    want_zero = np.count_nonzero((xs != 0) & (ys == 0)) / np.count_nonzero(xs != 0)
+    out_el = np.repeat(am > 10 * med, bs)[:n]
+    want_out_zero = np.count_nonzero(out_el & (x != 0) & (y == 0)) / np.count_nonzero(out_el & (x != 0))
+    for chunk in (n, 3 * PIECE + 64 * 5, 100 * bs):
+        acc = ReportAccumulator("w", arrays.state, med, float(am.max()), sample=k)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            acc.add(a, x[a:b], arrays.packed[a // 2 : (b + 1) // 2], arrays.absmax[a // bs : -(-b // bs)],
+                    am[a // bs : -(-b // bs)])
+        rep = acc.result(stored_nbytes(arrays.state))
+        assert rep.rel_error == pytest.approx(want_rel, rel=1e-6)
+        assert rep.zero_share == want_zero
+        assert rep.outlier_blocks == 1 and rep.outlier_zero_share == want_out_zero > 0.9
+    exact = quantization_report("w", x, arrays)
+    assert rep.rel_error == pytest.approx(exact.rel_error, rel=0.02)  # an estimate, close to the whole
+
+
 # --- optional parity with torch and bitsandbytes themselves ----------------------------------------
 
 
