@@ -5,9 +5,10 @@ A weight is read from its planned source in block-aligned pieces (:class:`LayerI
 Pass 1, the absmax pass (:class:`AbsmaxPass`)
     Double quantization needs the mean of the whole layer's absmax before its QuantState JSON (whose
     length is in the header) can be written, so a pre-pass reads every nested layer once and keeps
-    only its nested statistics (``nested_absmax``, offset, absmax median and max), then drops the
-    input's caches and pages. A non-nested layer's fp32 absmax is kept while the layer is written if
-    it fits a share of ``--max-memory`` (:class:`AbsmaxBudget`), otherwise recomputed.
+    its nested statistics (``nested_absmax``, offset, absmax median and max), then drops the
+    input's caches and pages. A layer's fp32 absmax (from the pre-pass, or a non-nested layer's first
+    full pass) is kept until the layer is written if it fits a share of ``--max-memory``
+    (:class:`AbsmaxBudget`: 1/8, taken first come first served), otherwise recomputed by the codes pass.
 
 Pass 2, the codes pass (:meth:`LayerJob.encode`)
     Makes the packed 4-bit codes piece by piece, feeds the report (:class:`~convert.quant_report.ReportAccumulator`)
@@ -189,7 +190,8 @@ class AbsmaxPass:
     def full(self) -> npt.NDArray[np.float32]:
         """``float32[n_blocks]`` the whole layer's fp32 absmax (a full pass), cached while the budget allows.
 
-        Nested layers are never cached: their stored absmax codes are recorded by the codes pass.
+        Nested layers are not cached here (their stored absmax codes are recorded by the codes pass),
+        only by :meth:`prepass`.
         """
         with self._lock:
             if self.cached is not None:
@@ -213,10 +215,11 @@ class AbsmaxPass:
             self.median_max = (float(np.median(am, overwrite_input=scratch)), top)
 
     def prepass(self, want_median: bool) -> None:
-        """Pass 1 of a nested layer: its nested statistics and absmax median/max, nothing else kept.
+        """Pass 1 of a nested layer: its nested statistics and absmax median/max, and its fp32 absmax
+        while the budget allows (the codes pass then reads it instead of recomputing it).
 
         The input's caches and pages are dropped afterwards (``Source.finish``), so a pre-pass over
-        every layer holds no more than the layers being read.
+        every layer holds no more than the layers being read (and the absmax the budget allows).
 
         Args:
             want_median: the median and max are needed (for the report) even when the statistics are known.
@@ -224,7 +227,12 @@ class AbsmaxPass:
         with self._lock:
             if self.nested is not None and (self.median_max is not None or not want_median):
                 return
-            self._keep(self.blocks(0, self.layer.n_blocks), scratch=True)
+            am = self.blocks(0, self.layer.n_blocks)
+            keep = self.cached is None and self.budget.take(am.nbytes)
+            self._keep(am, scratch=not keep)
+            if keep:
+                self.cached = am
+                self._cached_nbytes = am.nbytes
         self.layer.finish()
 
     def nested_statistics(self) -> tuple[npt.NDArray[np.float32], float]:
@@ -361,7 +369,8 @@ class LayerJob:
         out = []
         for s, e in self.input.pieces(a, b):
             x = self.input.read(s, e)
-            am = self.input.absmax(x, s)
+            cached = self.absmax.cached  # (from the pre-pass, checked finite there)
+            am = cached[s // bs : -(-e // bs)] if cached is not None else self.input.absmax(x, s)
             packed = encode_4bit(x, am, bs, self.settings.quant_type, self._bounds)
             out.append(packed)
             resolved = am  # the absmax a loader sees

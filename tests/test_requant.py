@@ -419,15 +419,34 @@ def test_nested_layers_are_read_twice_and_nothing_kept_between_passes(tmp_path: 
     assert (tmp_path / "out/model.safetensors").read_bytes() == want
 
 
-def test_prepass_drops_the_input_layers_caches() -> None:
-    """A bnb input's resolved fp32 absmax is not kept for every layer between the passes."""
+@pytest.mark.parametrize("cache_bytes", [0, 3 * 4096, None])
+def test_prepass_drops_the_input_layers_caches(cache_bytes: int | None) -> None:
+    """A bnb input's resolved fp32 absmax is not kept for every layer between the passes; the new fp32
+    absmax the pre-pass computed is kept for the codes pass only within the budget (first come first
+    served: 12 KiB holds two or three layers' absmax), and the bytes are the same as recomputing it."""
+    outs = {}
     with open_checkpoint(MODELS / "llama_nf4_dq") as ck:
-        _, info = make_quant_plan(make_plan(ck, "auto"), QuantSettings("nf4", 64, True), requantize=True,
-                                  threads=2)
+        qplan, info = make_quant_plan(make_plan(ck, "auto"), QuantSettings("nf4", 64, True), requantize=True,
+                                      threads=2, cache_bytes=cache_bytes)
         assert len(info.jobs) == 14
+        kept = 0
         for job in info.jobs:
             assert job.input.source._absmax is None, job.name
-            assert job.absmax.cached is None and job.absmax.nested is not None and job.absmax.median_max is not None
+            assert job.absmax.nested is not None and job.absmax.median_max is not None
+            if job.absmax.cached is not None:
+                assert job.absmax.cached.dtype == np.float32 and job.absmax.cached.size == job.input.n_blocks
+                kept += job.absmax.cached.nbytes
+        if cache_bytes is None:  # the default budget (1/8 of the cap) holds them all
+            assert kept == sum(4 * j.input.n_blocks for j in info.jobs)
+        else:
+            assert kept <= cache_bytes and (kept > 0) == (cache_bytes > 0)
+        for t in qplan.tensors:
+            outs[t.name] = t.source.produce(0, t.numel, t.dtype).tobytes()
+    with open_checkpoint(MODELS / "llama_nf4_dq") as ck:
+        qplan, _ = make_quant_plan(make_plan(ck, "auto"), QuantSettings("nf4", 64, True), requantize=True,
+                                   threads=2, cache_bytes=0)
+        for t in qplan.tensors:
+            assert t.source.produce(0, t.numel, t.dtype).tobytes() == outs[t.name], t.name
 
 
 def _resident_pages(path: Path, ranges: list[tuple[int, int]]) -> int:
