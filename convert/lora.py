@@ -212,7 +212,7 @@ def _delta_bounded(lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float
     Args:
         lora_A: ``float32[r, in]`` (finite).
         lora_B: ``float32[out, r]`` (finite).
-        scale: the LoRA scaling.
+        scale: the LoRA scaling as the float32 the delta is multiplied by (inf or NaN: not bounded).
     """
     if lora_A.size == 0 or lora_B.size == 0:
         return True
@@ -544,12 +544,12 @@ class TensorMerge:
         out = np.empty(x.shape, dtype=dt)
         o = out.reshape(m, -1)
         cols = w.shape[1]
-        scale = np.float32(op.scale)
         step = max(1, PIECE // max(cols, 1))
         buf = np.empty((min(step, m), cols), dtype=np.float32)
         scratch = np.empty((ROW_ALIGN, cols), dtype=np.float32)
-        check = not _delta_bounded(lora_A, lora_B, op.scale)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is LORA-014; inf from fp16 rounding is IEEE's
+            scale = np.float32(op.scale)  # (inf for a scale past float32: no bound holds, every piece is checked)
+            check = not _delta_bounded(lora_A, lora_B, float(scale))
             for row, block in product_blocks(lora_A, lora_B, start, stop, scratch=scratch):
                 for i in range(0, block.shape[0], step):
                     d = block[i : i + step]

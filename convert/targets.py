@@ -154,12 +154,13 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
         q.quant_storage or "uint8",
         num_threads=TORCH_NUM_THREADS if q.torch_threads is None else q.torch_threads,
     )
+    # exact figures for --quant-report and --json; the summary's alone from one piece in SUMMARY_SAMPLE
+    sample = 1 if q.quant_report is not None or options.merge_report else SUMMARY_SAMPLE
     qplan, info = make_quant_plan(
         plan, settings, skip=_patterns(q.skip_modules), include=_patterns(q.include),
         max_memory=options.max_memory, threads=max(1, options.threads or os.cpu_count() or 1),
         max_shard_size=options.max_shard_size, requantize=q.requantize, report=not options.dry_run,
-        # exact figures for --quant-report and --json; the summary's from one piece in SUMMARY_SAMPLE
-        report_sample=1 if q.quant_report is not None or options.merge_report else SUMMARY_SAMPLE,
+        report_sample=sample,
         prepass=not options.dry_run,
     )
     qplan.notes.append(
@@ -183,7 +184,8 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
             return []
         errs = [float(r.rel_error) for r in done]
         flagged = sorted((r for r in done if r.outlier), key=lambda r: -r.outlier_zero_share)
-        out = [f"relative error: mean {np.mean(errs):.4f}, max {max(errs):.4f}; {len(flagged)} of {len(done)} "
+        where = f" (on a 1/{sample} sample of each weight)" if sample > 1 else ""
+        out = [f"relative error{where}: mean {np.mean(errs):.4f}, max {max(errs):.4f}; {len(flagged)} of {len(done)} "
                "layers have outlier blocks (absmax > 10x the layer median)"]
         if flagged:
             worst = ", ".join(f"{r.name} ({r.outlier_blocks} blocks, {100 * r.outlier_zero_share:.0f}% "

@@ -555,6 +555,7 @@ def test_delta_bound_holds_and_is_refused_past_float32() -> None:
     a = np.full((2, 3), 3e19, np.float32)
     b = np.full((3, 2), 3e19, np.float32)  # each product 9e38 > float32's max: inf
     assert not _delta_bounded(a, b, 1.0)
+    assert not _delta_bounded(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), math.inf)
     with np.errstate(over="ignore"):
         assert np.isinf(lora_delta_rows(a, b, 1.0, 0, 3)).all()
 
@@ -1172,6 +1173,26 @@ def test_a_delta_that_overflows_float32_is_refused(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "LORA-014 the LoRA delta (B @ A) * scale overflows float32" in r.stderr
     assert "adapter_model.safetensors'" in r.stderr and "model.layers.0.self_attn.q_proj.weight" in r.stderr
+    assert not out.exists()
+
+
+def test_a_scale_past_float32_is_refused(tmp_path: Path) -> None:
+    """lora_alpha / r = 1e39 is inf as the float32 the delta is multiplied by: LORA-014 (exit 2, one line,
+    no output), not a model of inf (the bound that skips the overflow check must not hold for it)."""
+    import subprocess
+    import sys
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(LORA / "adapter", adapter)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 1e39 * cfg["r"]
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "convert", str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16",
+                        "--merge-lora", str(adapter), "-o", str(out)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "LORA-014 the LoRA delta (B @ A) * scale overflows float32" in r.stderr and "scale 1e+39" in r.stderr
     assert not out.exists()
 
 

@@ -569,3 +569,16 @@ def test_gguf_rows_are_not_views_of_released_pages() -> None:
     assert rows.flags.writeable and not np.shares_memory(rows, values)
     assert np.array_equal(rows, values.reshape(8, 64)[2:5])
     assert [k for k, _, _ in log] == ["produce", "release"]
+
+
+def test_summary_says_its_error_is_from_a_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --quant-report or --json the summary's relative error is measured on 1/8 of each weight and
+    says so; with --quant-report the figures are exact and the line carries no such note; bytes are equal."""
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "nf4", "--requantize", "-o", str(tmp_path / "a")]) == 0
+    sampled = capsys.readouterr().err
+    assert "relative error (on a 1/8 sample of each weight): mean " in sampled
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "nf4", "--requantize", "-o", str(tmp_path / "b"),
+                 "--quant-report", str(tmp_path / "r.json")]) == 0
+    exact = capsys.readouterr().err
+    assert "relative error: mean " in exact and "sample" not in exact
+    assert (tmp_path / "a/model.safetensors").read_bytes() == (tmp_path / "b/model.safetensors").read_bytes()
