@@ -95,6 +95,8 @@ def should_quantize(
         # bnb's QuantState dtype is float16, bfloat16 or float32 (BNB-013 on reading): a float8 or
         # float64 weight (diffusion checkpoints' text encoders) is kept as it is
         return False, f"{dtype.code} weight (a QuantState dtype is F16, BF16 or F32)"
+    if any(d == 0 for d in shape):  # a QuantState's shape has positive sizes (BNB-014 would refuse the output)
+        return False, "empty (no values to quantize)"
     if any(matches_module(name, p) or matches_module(module, p) for p in include):
         return True, "--include"
     if any(matches_module(module, p) for p in skip):

@@ -305,6 +305,7 @@ BF16 = BY_NAME["bfloat16"]
         ("model.norm.weight", (256,), (False, "not a 2-D weight")),
         ("model.layers.0.self_attn.q_proj.bias", (256,), (False, "not a 2-D weight")),
         ("model.layers.0.mlp.experts", (8, 64, 64), (False, "not a 2-D weight")),
+        ("model.layers.0.self_attn.q_proj.weight", (0, 64), (False, "empty (no values to quantize)")),
     ],
 )
 def test_which_tensors_are_quantized(name: str, shape: tuple[int, ...], want: tuple[bool, str]) -> None:
@@ -320,6 +321,7 @@ def test_skip_and_include_patterns() -> None:
     assert should_quantize("model.norm.weight", (8,), BF16, include=["model.norm"]) == (True, "--include")
     assert should_quantize("lm_head.weight", (8, 8), BF16, include=["lm_head"]) == (True, "--include")
     assert should_quantize("x.weight", (8, 8), BY_CODE["I32"], include=["x"]) == (False, "not a float tensor")
+    assert should_quantize("x.weight", (64, 0), BF16, include=["x"]) == (False, "empty (no values to quantize)")
     assert matches_module("model.decoder.layers.23.fc1", "fc1")
     assert not matches_module("model.layers.0.mlp.gate_proj", "mlp.gate")
 
