@@ -47,7 +47,7 @@ from formats.checkpoint import TensorRecord
 from formats.errors import LoraShapeError, NonFiniteAdapterError
 from formats.peft import Adapter
 
-from .kernels import BF16, PIECE, round_float32
+from .kernels import BF16, PIECE, count_f16_loss, round_float32
 
 __all__ = [
     "ROW_ALIGN",
@@ -444,6 +444,7 @@ class TensorMerge:
         out_dtype: np.dtype | str,
         stats: MergeStats | None = None,
         original_rows: np.ndarray | None = None,
+        f16_loss: npt.NDArray[np.int64] | None = None,
     ) -> np.ndarray:
         """Merged rows [start, stop) of the tensor.
 
@@ -454,6 +455,8 @@ class TensorMerge:
             out_dtype: ``bfloat16``, ``float16`` or ``float32``: the dtype every op rounds to.
             stats: accumulates the report figures when given (:func:`sum_sq`); None computes none.
             original_rows: the same rows of the original 16-bit model (for the quantization error).
+            f16_loss: optional ``int64[2]``; for float16 output, adds the values each rounding overflowed
+                to inf and the non-zero values it flushed to zero (:func:`convert.kernels.count_f16_loss`).
 
         Returns:
             ``out_dtype[stop - start, *shape[1:]]``.
@@ -462,6 +465,14 @@ class TensorMerge:
             AdapterError: the rows given do not fit (wrong shape, partial rows for a whole-tensor merge).
         """
         dt = _dtype(out_dtype)
+        count = f16_loss if dt == np.float16 else None
+
+        def rnd(v: npt.NDArray[np.float32]) -> np.ndarray:
+            y = round_float32(v, dt)
+            if count is not None:
+                count_f16_loss(np.asarray(v, dtype=np.float32), y, count)
+            return y
+
         if self.whole_tensor and (start, stop) != (0, self.shape[0]):
             raise LoraShapeError(
                 "DoRA with fan_in_fan_out needs the whole tensor in one piece",
@@ -489,13 +500,13 @@ class TensorMerge:
                 rows = np.asarray(op.replacement.array()[start:stop], dtype=np.float32)
                 if st is not None:
                     st.base_sq += sum_sq(rows)
-                x = round_float32(rows, dt)
+                x = rnd(rows)
                 continue
             assert x is not None and op.lora_A is not None and op.lora_B is not None
             a = self._arr(i, "A", op.lora_A)
             b = self._arr(i, "B", op.lora_B)
             if op.kind == "lora" and op.layout == "linear":
-                x = self._merge_linear(x, a, b, op, start, stop, dt, st, original_rows if i == 0 else None)
+                x = self._merge_linear(x, a, b, op, start, stop, dt, st, original_rows if i == 0 else None, count)
                 continue
             w = np.asarray(x, dtype=np.float32)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -513,7 +524,7 @@ class TensorMerge:
                     st.has_original = True
                     st.quant_err_sq += sum_sq(np.asarray(original_rows, dtype=np.float32) - w)
             if op.layout == "embedding":
-                delta = np.asarray(round_float32(delta, dt), dtype=np.float32)
+                delta = np.asarray(rnd(delta), dtype=np.float32)
             if op.kind == "dora":
                 assert op.magnitude is not None
                 v = w + delta
@@ -521,20 +532,22 @@ class TensorMerge:
                 mag = self._arr(i, "m", op.magnitude)
                 factor = (mag if op.transposed else mag[start:stop]) / norm
                 v *= factor[None, :] if op.transposed else factor[:, None]
-                x = round_float32(v, dt)
+                x = rnd(v)
             else:
                 delta += w
-                x = round_float32(delta, dt)
+                x = rnd(delta)
         assert x is not None
         return x if x.dtype == dt else x.astype(dt)
 
     def _merge_linear(self, x: np.ndarray, lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float32],
                       op: MergeOp, start: int, stop: int, dt: np.dtype, st: _OpStats | None,
-                      original_rows: np.ndarray | None) -> np.ndarray:
+                      original_rows: np.ndarray | None, f16_loss: npt.NDArray[np.int64] | None) -> np.ndarray:
         """Rows [start, stop) of ``round(fp32(W) + fp32(B @ A) * fp32(scale))`` for a Linear weight ``x``
         (``[stop - start, in]``, any float dtype): PEFT's ``lora.Linear`` merge, each sgemm block of
         :func:`product_blocks` scaled, checked, added and rounded in cache-sized pieces (the operations of
         :func:`lora_delta_rows` then ``+= W`` on every value, in a third of the time of whole-chunk passes).
+
+        ``f16_loss``: as :meth:`merge_rows` (float16 output only).
 
         Raises:
             NonFiniteAdapterError: the scaled product overflows float32 (LORA-014).
@@ -574,6 +587,8 @@ class TensorMerge:
                             st.quant_err_sq += sum_sq(orig - base)
                     np.add(d, base, out=d)
                     np.copyto(o[r0:r1], d, casting="unsafe")  # one round to nearest even (ml_dtypes / NumPy)
+                    if f16_loss is not None:
+                        count_f16_loss(d, o[r0:r1], f16_loss)
         return out
 
     def merge(

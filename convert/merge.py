@@ -78,8 +78,11 @@ class LoraSource(Source):
         base = None
         if self.merge.needs_base:
             base = self.inner.produce(start, stop, dtype).reshape((r1 - r0, *self.merge.base_shape[1:]))
+        loss = np.zeros(2, np.int64) if dtype.name == "float16" else None  # fp16 overflow / flush counts
         if self.shared_stats is None:  # no report: nothing to count or compare
-            return self.merge.merge_rows(base, r0, r1, dtype.numpy).reshape(-1)
+            out = self.merge.merge_rows(base, r0, r1, dtype.numpy, f16_loss=loss).reshape(-1)
+            self._count_f16(loss)
+            return out
         orig = None
         if self.original is not None:
             orig = self.original.array()[r0:r1]
@@ -88,12 +91,19 @@ class LoraSource(Source):
             local = MergeStats() if new else None
             rows = slice(a - r0, b - r0)
             parts.append(self.merge.merge_rows(None if base is None else base[rows], a, b, dtype.numpy, local,
-                                               None if orig is None else orig[rows]))
+                                               None if orig is None else orig[rows], f16_loss=loss))
             if local is not None:
                 with self._stats_lock:
                     self.shared_stats.add(local)
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._count_f16(loss)
         return out.reshape(-1)
+
+    def _count_f16(self, loss: np.ndarray | None) -> None:
+        """Add the merge's own fp16 roundings' losses to :attr:`stats` (shared with the base's source, which
+        counts the base's rounding: a value that overflowed there is inf and not counted again here)."""
+        if loss is not None:
+            self.inner._add_stats(loss)
 
     def _claim(self, r0: int, r1: int) -> list[tuple[int, int, bool]]:
         """Split rows [r0, r1) into runs not yet counted in the report (claimed now) and runs counted.

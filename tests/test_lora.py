@@ -1196,6 +1196,37 @@ def test_a_scale_past_float32_is_refused(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_fp16_merge_counts_the_values_it_overflows(tmp_path: Path) -> None:
+    """--to fp16 --merge-lora: merged values past float16's range are counted in the summary (fp16_overflow
+    equals the inf written), as gguf:f16 counts them."""
+    import subprocess
+    import sys
+
+    from .conftest import read_safetensors
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(LORA / "adapter", adapter)
+    path = adapter / "adapter_model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), bytearray(raw[8 + n :])
+    for key, entry in header.items():
+        if "layers.0.self_attn.q_proj.lora_B" in key:
+            b, e = entry["data_offsets"]
+            vals = np.frombuffer(bytes(data[b:e]), dtype="<f4") * np.float32(3e7)  # deltas of 1e4..1e6: finite
+            data[b:e] = vals.astype("<f4").tobytes()
+    path.write_bytes(raw[: 8 + n] + bytes(data))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "convert", str(MODELS_DIR / "llama_nf4_dq"), "--to", "fp16",
+                        "--merge-lora", str(adapter), "-o", str(out), "--json"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr
+    merged = read_safetensors(out / "model.safetensors")
+    infs = sum(int(np.isinf(v.astype(np.float32)).sum()) for v in merged.values())
+    assert infs > 100
+    assert json.loads(r.stdout)["fp16_overflow"] == infs
+
+
 def test_cli_merge_of_wide_rows_keeps_two_workers_under_a_small_cap(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A merged tensor's chunk unit is one row (the product's ROW_ALIGN-row blocks are fixed whatever the
