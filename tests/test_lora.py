@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -1149,12 +1150,8 @@ def test_dora_norm_matches_torch(peft_env, n: int) -> None:
     assert_bits_equal(dora_norm(w, columns=True), torch.linalg.norm(torch.from_numpy(w).T, dim=1).numpy())
 
 
-def test_a_delta_that_overflows_float32_is_refused(tmp_path: Path) -> None:
-    """Finite lora_A/lora_B whose product overflows: LORA-014 naming the adapter file and tensor, not an
-    all-inf weight written with exit 0."""
-    import subprocess
-    import sys
-
+def edited_adapter(tmp_path: Path, key_part: str, edit: Callable[[np.ndarray], np.ndarray]) -> Path:
+    """A copy of the fixture adapter whose float32 tensors with ``key_part`` in their key are ``edit(values)``."""
     adapter = tmp_path / "adapter"
     shutil.copytree(LORA / "adapter", adapter)
     path = adapter / "adapter_model.safetensors"
@@ -1162,10 +1159,20 @@ def test_a_delta_that_overflows_float32_is_refused(tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     header, data = json.loads(raw[8 : 8 + n]), bytearray(raw[8 + n :])
     for key, entry in header.items():
-        if "layers.0.self_attn.q_proj" in key:
+        if key_part in key:
             b, e = entry["data_offsets"]
-            data[b:e] = np.full((e - b) // 4, 3e38, dtype="<f4").tobytes()
+            data[b:e] = np.asarray(edit(np.frombuffer(bytes(data[b:e]), dtype="<f4")), dtype="<f4").tobytes()
     path.write_bytes(raw[: 8 + n] + bytes(data))
+    return adapter
+
+
+def test_a_delta_that_overflows_float32_is_refused(tmp_path: Path) -> None:
+    """Finite lora_A/lora_B whose product overflows: LORA-014 naming the adapter file and tensor, not an
+    all-inf weight written with exit 0."""
+    import subprocess
+    import sys
+
+    adapter = edited_adapter(tmp_path, "layers.0.self_attn.q_proj", lambda v: np.full_like(v, 3e38))
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "convert", str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16",
                         "--merge-lora", str(adapter), "-o", str(out)], capture_output=True, text=True,
@@ -1204,18 +1211,8 @@ def test_fp16_merge_counts_the_values_it_overflows(tmp_path: Path) -> None:
 
     from .conftest import read_safetensors
 
-    adapter = tmp_path / "adapter"
-    shutil.copytree(LORA / "adapter", adapter)
-    path = adapter / "adapter_model.safetensors"
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header, data = json.loads(raw[8 : 8 + n]), bytearray(raw[8 + n :])
-    for key, entry in header.items():
-        if "layers.0.self_attn.q_proj.lora_B" in key:
-            b, e = entry["data_offsets"]
-            vals = np.frombuffer(bytes(data[b:e]), dtype="<f4") * np.float32(3e7)  # deltas of 1e4..1e6: finite
-            data[b:e] = vals.astype("<f4").tobytes()
-    path.write_bytes(raw[: 8 + n] + bytes(data))
+    # deltas of 1e4..1e6: finite in float32, past float16
+    adapter = edited_adapter(tmp_path, "layers.0.self_attn.q_proj.lora_B", lambda v: v * np.float32(3e7))
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "convert", str(MODELS_DIR / "llama_nf4_dq"), "--to", "fp16",
                         "--merge-lora", str(adapter), "-o", str(out), "--json"], capture_output=True, text=True,
