@@ -415,6 +415,7 @@ class TensorMerge:
         self.needs_base = not ops or ops[0].kind != "replace"
         self.whole_tensor = any(op.kind == "dora" and op.layout != "linear" for op in ops)
         self._cache: dict[tuple[int, str], npt.NDArray[np.float32]] = {}
+        self._bounded: dict[int, bool] = {}  # op index -> _delta_bounded of its adapter, found once
 
     def __repr__(self) -> str:
         return f"TensorMerge('{self.name}', {[(op.kind, op.source) for op in self.ops]})"
@@ -422,6 +423,7 @@ class TensorMerge:
     def release(self) -> None:
         """Drop the cached fp32 copies of the adapter tensors and their pages of the adapter file."""
         self._cache.clear()
+        self._bounded.clear()
         for op in self.ops:
             for rec in (op.lora_A, op.lora_B, op.magnitude, op.replacement):
                 if rec is not None:
@@ -506,7 +508,11 @@ class TensorMerge:
             a = self._arr(i, "A", op.lora_A)
             b = self._arr(i, "B", op.lora_B)
             if op.kind == "lora" and op.layout == "linear":
-                x = self._merge_linear(x, a, b, op, start, stop, dt, st, original_rows if i == 0 else None, count)
+                if i not in self._bounded:
+                    with np.errstate(over="ignore"):  # (inf for a scale past float32: no bound holds)
+                        self._bounded[i] = _delta_bounded(a, b, float(np.float32(op.scale)))
+                x = self._merge_linear(x, a, b, op, start, stop, dt, st, original_rows if i == 0 else None, count,
+                                       check=not self._bounded[i])
                 continue
             w = np.asarray(x, dtype=np.float32)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -541,19 +547,22 @@ class TensorMerge:
 
     def _merge_linear(self, x: np.ndarray, lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float32],
                       op: MergeOp, start: int, stop: int, dt: np.dtype, st: _OpStats | None,
-                      original_rows: np.ndarray | None, f16_loss: npt.NDArray[np.int64] | None) -> np.ndarray:
+                      original_rows: np.ndarray | None, f16_loss: npt.NDArray[np.int64] | None,
+                      check: bool) -> np.ndarray:
         """Rows [start, stop) of ``round(fp32(W) + fp32(B @ A) * fp32(scale))`` for a Linear weight ``x``
         (``[stop - start, in]``, any float dtype): PEFT's ``lora.Linear`` merge, each sgemm block of
         :func:`product_blocks` scaled, checked, added and rounded in cache-sized pieces (the operations of
         :func:`lora_delta_rows` then ``+= W`` on every value, in a third of the time of whole-chunk passes).
 
-        ``f16_loss``: as :meth:`merge_rows` (float16 output only).
+        ``f16_loss``: as :meth:`merge_rows` (float16 output only). ``check``: test every piece of the
+        delta for overflow (False when :func:`_delta_bounded` holds for this adapter).
 
         Raises:
             NonFiniteAdapterError: the scaled product overflows float32 (LORA-014).
         """
         m = stop - start
         w = x.reshape(m, -1)
+        orig_rows = None if original_rows is None else np.asarray(original_rows).reshape(m, -1)
         out = np.empty(x.shape, dtype=dt)
         o = out.reshape(m, -1)
         cols = w.shape[1]
@@ -561,8 +570,7 @@ class TensorMerge:
         buf = np.empty((min(step, m), cols), dtype=np.float32)
         scratch = np.empty((ROW_ALIGN, cols), dtype=np.float32)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is LORA-014; inf from fp16 rounding is IEEE's
-            scale = np.float32(op.scale)  # (inf for a scale past float32: no bound holds, every piece is checked)
-            check = not _delta_bounded(lora_A, lora_B, float(scale))
+            scale = np.float32(op.scale)
             for row, block in product_blocks(lora_A, lora_B, start, stop, scratch=scratch):
                 for i in range(0, block.shape[0], step):
                     d = block[i : i + step]
@@ -581,10 +589,9 @@ class TensorMerge:
                     if st is not None:
                         st.delta_sq += sum_sq(d)
                         st.base_sq += sum_sq(base)
-                        if original_rows is not None:
+                        if orig_rows is not None:  # (this piece's rows widened, not the whole chunk per piece)
                             st.has_original = True
-                            orig = np.asarray(original_rows, dtype=np.float32).reshape(m, -1)[r0:r1]
-                            st.quant_err_sq += sum_sq(orig - base)
+                            st.quant_err_sq += sum_sq(np.asarray(orig_rows[r0:r1], dtype=np.float32) - base)
                     np.add(d, base, out=d)
                     np.copyto(o[r0:r1], d, casting="unsafe")  # one round to nearest even (ml_dtypes / NumPy)
                     if f16_loss is not None:
