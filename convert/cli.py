@@ -189,7 +189,7 @@ def _report(args: argparse.Namespace, result: Any) -> int:
 
 def print_summary(result: Any) -> None:
     """The summary of a finished conversion on stderr (what was written, speed, memory, notes)."""
-    from .lora import format_table
+    from .lora_report import format_table
 
     print(f"wrote {result.output}: {result.tensors} tensors, {format_bytes(result.bytes_in)} in, "
           f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "

@@ -29,7 +29,8 @@ from formats.dtypes import DType
 from formats.errors import LoraShapeError, UsageError
 from formats.peft import open_adapter
 
-from .lora import MergePlan, MergeStats, TensorMerge, plan_merge
+from .lora import MergePlan, TensorMerge, plan_merge
+from .lora_report import MergeStats
 from .plan import Plan, PlannedTensor, Source
 
 __all__ = ["LoraRun", "LoraSource", "apply_lora"]

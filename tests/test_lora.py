@@ -23,7 +23,7 @@ from formats.peft import LoraConfig, load_lora_config, open_adapter, parse_adapt
 
 from .conftest import FIXTURES, REFERENCES, bits, read_safetensors
 
-#: the merge report's norms are float32 sums of squares per chunk (convert.lora.sum_sq): relative error
+#: the merge report's norms are float32 sums of squares per chunk (convert.lora_report.sum_sq): relative error
 #: against the float64 reference
 REPORT_REL = 1e-4
 
@@ -908,7 +908,7 @@ def test_merge_figures_only_when_a_report_is_asked_for(tmp_path: Path, monkeypat
 
 def test_sum_sq_float32_accumulation_within_report_precision() -> None:
     """4M values (a large chunk) of mixed magnitude: the float32 sum is within 1e-5 of float64's."""
-    from convert.lora import sum_sq
+    from convert.lora_report import sum_sq
 
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(1 << 22) * np.exp(rng.uniform(-4, 4, 1 << 22))).astype(np.float32)
