@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import gguf
 import ml_dtypes
@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "Measured",
     "abs_max",
     "sum_squares",
     "Codec",
@@ -75,6 +76,25 @@ def seq_sum(x: F32, axis: int = -1) -> F32:
     return acc
 
 
+class Measured(NamedTuple):
+    """What :meth:`Codec.quantize_measured` gives: the encoded bytes and the error they add.
+
+    Attributes:
+        data: uint8 ``(rows, row bytes)``; None (or meaningless) when ``x`` holds inf or NaN.
+        max_err: ``max |e|`` with ``e = dequantize(data) - x``, over the measured elements.
+        sq_err: ``sum e^2`` over the measured elements (float32 dots: ~1e-6 relative).
+        sq_ref: ``sum x^2`` over the measured elements; not finite when ``x`` holds inf or NaN
+            anywhere (measured or not): the caller then checks ``x`` itself.
+        measured: how many elements the three sums cover (``x.size`` unless sampled).
+    """
+
+    data: U8 | None
+    max_err: float
+    sq_err: float
+    sq_ref: float
+    measured: int
+
+
 class Codec:
     """One GGML quantization type: ``quantize`` float32 rows, ``dequantize`` them back.
 
@@ -106,25 +126,33 @@ class Codec:
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
 
     @classmethod
-    def quantize_measured(cls, x: np.ndarray) -> tuple[U8 | None, float, float, float]:
-        """:meth:`quantize` of ``x`` widened to float32 (exactly: float32, bfloat16 or float16 ``(rows, n)``),
-        the error it adds, ``e = dequantize(data) - x``, and the size of ``x``.
+    def quantize_measured(cls, x: np.ndarray, sample: int = 1) -> Measured:
+        """:meth:`quantize` of ``x`` widened to float32 (exactly: float32, bfloat16 or float16 ``(rows, n)``)
+        and the error it adds, ``e = dequantize(data) - x``, measured on all of ``x`` or a sample.
+
+        Args:
+            x: ``(rows, n)``, ``n`` a multiple of the block size (1-D: one row).
+            sample: measure one piece in this many (1: every element). This base class measures rows
+                ``0, sample, 2 * sample, ...``; a codec that encodes in chunks measures whole chunks.
 
         Returns:
-            ``(data, max |e|, sum of e^2, sum of x^2)``. When ``x`` holds inf or NaN the last is not
-            finite, and the rest means nothing (``data`` may be None): the caller checks ``x`` itself.
-            This base class widens and sums ``x`` whole, then decodes the whole result again; a codec
-            that encodes in chunks widens, sums and measures each chunk while it is in cache.
+            :class:`Measured`. This base class widens and sums ``x`` whole (the inf/NaN check), then
+            decodes the sampled rows of the result again.
         """
         x = np.asarray(x, dtype=np.float32)
-        sq_ref = sum_squares(x)
-        if not math.isfinite(sq_ref):
-            return None, math.nan, math.nan, sq_ref
+        total = sum_squares(x)
+        if not math.isfinite(total):
+            return Measured(None, math.nan, math.nan, total, x.size)
         data = cls.quantize(x)
+        rows_x = x.reshape(-1, x.shape[-1] if x.ndim else 1)
+        rows_d = data.reshape(rows_x.shape[0], -1)
+        if sample > 1 and rows_x.shape[0] > 1:
+            rows_x, rows_d = rows_x[::sample], rows_d[::sample]
+            total = sum_squares(rows_x)
         with np.errstate(invalid="ignore", over="ignore"):
-            err = cls.dequantize(data).reshape(np.shape(x))
-            err -= x
-        return data, abs_max(err), sum_squares(err), sq_ref
+            err = cls.dequantize(rows_d).reshape(rows_x.shape)
+            err -= rows_x
+        return Measured(data, abs_max(err), sum_squares(err), total, rows_x.size)
 
 
 def abs_max(a: F32) -> float:

@@ -13,7 +13,9 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
    Gemma's ``+1`` on norms, in float32;
 3. the tensor's GGML type's codec (:func:`convert.ggml_codecs.codec`) encodes them;
 4. the added error is measured by decoding the result again (the codec's ``dequantize``): zero for
-   F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`).
+   F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`); on
+   all of it, or on one piece in ``sample`` (the summary's figures: the CLI asks for
+   :data:`convert.quant_report.SUMMARY_SAMPLE` unless ``--json`` wants the exact ones).
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
 not depend on the thread count or the chunk size; at most ``threads + 1`` chunks are in flight, the
@@ -101,7 +103,8 @@ class TensorReport:
     """What writing one tensor did to its values.
 
     The error is the GGUF value (decoded back to float32) minus the float32 weight given (after the
-    architecture's transforms), over all elements.
+    architecture's transforms), over all elements, or over the sample :func:`write_gguf` was asked
+    for (``sample``; the F16 over/underflow counts are always over all elements).
 
     Attributes:
         name: the GGUF name.
@@ -114,6 +117,7 @@ class TensorReport:
         rel_rms_error: rms_error / root mean square of the weight (0 for an all-zero weight).
         fp16_overflow: F16 only: finite values that became inf.
         fp16_underflow: F16 only: non-zero values that became 0.
+        measured: elements the three error figures cover (the product of ``shape`` unless sampled).
     """
 
     name: str
@@ -126,6 +130,7 @@ class TensorReport:
     rel_rms_error: float
     fp16_overflow: int = 0
     fp16_underflow: int = 0
+    measured: int = 0
 
 
 #: Source dtypes whose values the GGML type holds exactly.
@@ -145,15 +150,17 @@ class _Chunk:
     max_err: float
     sq_err: float
     sq_ref: float
+    measured: int  # the elements max_err, sq_err and sq_ref cover (all of the chunk unless sampled)
     f16_loss: tuple[int, int] = (0, 0)  # F16: (overflowed to inf, non-zero flushed to 0)
 
 
 def _convert_chunk(
     t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int,
-    procs: Executor | None,
+    procs: Executor | None, sample: int,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
-    encode, measure the added error (:func:`encode_chunk`, in ``procs`` for :data:`SEARCH_TYPES`)."""
+    encode, measure the added error on one piece in ``sample`` (:func:`encode_chunk`, in ``procs`` for
+    :data:`SEARCH_TYPES`)."""
     if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
         raise GgufSourceError(
             "source array is not a float array",
@@ -166,23 +173,22 @@ def _convert_chunk(
     if not t.offset and _SAME_FLOAT.get(x_in.dtype.name) == t.ggml_type:
         # already in the output type (bf16 -> BF16, f16 -> F16): the stored bits, nothing to measure
         same = np.ascontiguousarray(x_in if perm is None else x_in[perm])
-        return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0)
+        return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0, same.size)  # error 0 everywhere
     if x_in.dtype == BF16 and t.ggml_type == GT.F16 and not t.offset:
-        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]))
+        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]), sample)
         if fast is not None:
             return fast
     if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or t.ggml_type not in
                                                                            SEARCH_TYPES):
         # widened, summed, encoded and measured chunk by chunk in cache by the codec; inf/NaN: checked below
-        fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True)
+        fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample)
         if math.isfinite(fused.sq_ref):
             return fused
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
-    sq_ref = sum_squares(x)
-    if math.isfinite(sq_ref):  # (a non-finite sum: some value is inf/NaN)
-        return _encode(t.ggml_type, x, not exact, sq_ref, procs)
+    if math.isfinite(sum_squares(x)):  # (a non-finite sum: some value is inf/NaN)
+        return _encode(t.ggml_type, x, not exact, sample, procs)
     finite = np.isfinite(x)
     all_finite = bool(finite.all())
     if not all_finite and t.ggml_type not in _FLOAT_TYPES:
@@ -199,45 +205,51 @@ def _convert_chunk(
         )
     if not all_finite:  # a float type keeping inf/NaN as they are: no error to measure there
         return encode_chunk(t.ggml_type, x, not exact, finite)
-    return _encode(t.ggml_type, x, not exact, sq_ref, procs)
+    return _encode(t.ggml_type, x, not exact, sample, procs)
 
 
-def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
-    """A bf16 chunk to F16 by :func:`convert.kernels.bf16_to_f16` (most bf16 values are exact in F16: only
-    the few it rounds are measured), with the same figures as :func:`encode_chunk`; None when the chunk
-    holds inf or NaN (the general path leaves them out of the error)."""
+def _bf16_to_f16_chunk(x: np.ndarray, sample: int) -> _Chunk | None:
+    """A bf16 chunk to F16 by :func:`convert.kernels.bf16_to_f16`, with the figures of :func:`encode_chunk`
+    (on pieces ``0, sample, 2 * sample, ...`` of :data:`_PIECE` values; most bf16 values are exact in
+    F16, so only the few it rounds add error); None when the chunk holds inf or NaN (the general path
+    leaves them out of the error)."""
     flat = x.reshape(-1)
-    sq_ref = 0.0
-    for s in range(0, flat.size, 1 << 16):  # float32 pieces in cache, no chunk-sized temporary
-        sq_ref += sum_squares(flat[s : s + (1 << 16)].astype(np.float32))
-    if not math.isfinite(sq_ref):
-        return None
     loss = np.zeros(2, np.int64)
-    y, rounded = bf16_to_f16(flat, stats=loss)
-    max_err = sq_err = 0.0
-    if rounded.size:
-        with np.errstate(over="ignore", invalid="ignore"):
-            err = y[rounded].astype(np.float32) - flat[rounded].astype(np.float32)
-        max_err = abs_max(err)
-        sq_err = sum_squares(err)
-    return _Chunk(y.view(np.uint8), max_err, sq_err, sq_ref, (int(loss[0]), int(loss[1])))
+    y, rounded = bf16_to_f16(flat, stats=loss)  # inf/NaN are among the values not exact in F16
+    with np.errstate(over="ignore", invalid="ignore"):
+        wide = flat[rounded].astype(np.float32)
+        if not np.isfinite(wide).all():
+            return None
+        sq_ref, measured = 0.0, 0
+        for s in range(0, flat.size, _PIECE * sample):  # float32 pieces in cache, no chunk-sized temporary
+            piece = flat[s : s + _PIECE]
+            sq_ref += sum_squares(piece.astype(np.float32))
+            measured += piece.size
+        if sample > 1:
+            keep = (rounded // _PIECE) % sample == 0
+            rounded, wide = rounded[keep], wide[keep]
+        err = y[rounded].astype(np.float32) - wide
+    return _Chunk(y.view(np.uint8), abs_max(err), sum_squares(err), sq_ref, measured, (int(loss[0]), int(loss[1])))
 
 
-def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sq_ref: float,
+#: Values per piece of :func:`_bf16_to_f16_chunk`'s sums (float32 temporaries that stay in cache).
+_PIECE = 1 << 16
+
+
+def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sample: int,
             procs: Executor | None) -> _Chunk:
-    """:func:`encode_chunk` of finite ``x`` (``sq_ref``: its sum of squares, made already), in ``procs``
-    for :data:`SEARCH_TYPES`."""
+    """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
     if procs is not None and ggml_type in SEARCH_TYPES:
         try:
-            return procs.submit(encode_chunk, ggml_type, x, measure, None, sq_ref).result()  # waits, GIL free
+            return procs.submit(encode_chunk, ggml_type, x, measure, None, sample).result()  # waits, GIL free
         except BrokenProcessPool as exc:  # killed from outside (the OOM killer, a signal): not a bug here
             raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
                                     "memory?); run again, with less --max-memory or --threads 1") from exc
-    return encode_chunk(ggml_type, x, measure, None, sq_ref)
+    return encode_chunk(ggml_type, x, measure, None, sample)
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
-                 finite: npt.NDArray[np.bool_] | None = None, sq_ref: float | None = None) -> _Chunk:
+                 finite: npt.NDArray[np.bool_] | None = None, sample: int = 1) -> _Chunk:
     """Encode float32 rows ``(rows, cols)`` to ``ggml_type`` and measure the added error.
 
     A pure function of its arguments (it runs in a worker process too).
@@ -248,26 +260,28 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
             bfloat16/float16 (widened exactly; chunk by chunk by a codec that encodes in chunks).
         measure: decode the result again and measure the error (False for F32: none).
         finite: where ``x`` is finite (None: everywhere); inf/NaN are left out of the error.
-        sq_ref: the sum of squares of ``x`` when the caller has it (None: computed here).
+        sample: with ``measure`` and ``finite`` None, measure one piece of ``x`` in this many
+            (:meth:`convert.codec_base.Codec.quantize_measured`); 1: all of it.
 
     Returns:
         the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
-        squared errors and of squared weights. With ``measure``, ``finite`` None and inf/NaN in ``x``:
-        no bytes and a sum of squared weights that is not finite (the caller checks ``x`` itself).
+        squared errors and of squared weights, and the count of elements those cover. With
+        ``measure``, ``finite`` None and inf/NaN in ``x``: no bytes and a sum of squared weights
+        that is not finite (the caller checks ``x`` itself).
     """
     coder = codec(ggml_type)
     max_err = sq_err = 0.0
+    sq_ref: float | None = None
     with np.errstate(invalid="ignore", over="ignore"):  # F16's overflow to inf is the IEEE result (as gguf-py's)
         if not (measure and x.size):
             x = np.asarray(x, dtype=np.float32)
             data = coder.quantize(x)
+            counted = x.size
         elif finite is None:
-            encoded, max_err, sq_err, sq_x = coder.quantize_measured(x)
-            if encoded is None or not math.isfinite(sq_x):  # inf/NaN in x: the caller checks x itself
-                return _Chunk(np.empty(0, np.uint8), math.nan, math.nan, sq_x)
-            data = encoded
-            if sq_ref is None:
-                sq_ref = sq_x
+            m = coder.quantize_measured(x, sample)
+            if m.data is None or not math.isfinite(m.sq_ref):  # inf/NaN in x: the caller checks x itself
+                return _Chunk(np.empty(0, np.uint8), math.nan, math.nan, m.sq_ref, m.measured)
+            data, max_err, sq_err, sq_ref, counted = m
         else:  # a float type keeping inf/NaN: they are left out of the error
             data = coder.quantize(x)
             err = coder.dequantize(data).reshape(x.shape)
@@ -275,12 +289,13 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
             err[~finite] = 0
             max_err = abs_max(err)
             sq_err = sum_squares(err)
+            counted = x.size
     if sq_ref is None:
         sq_ref = sum_squares(x if finite is None else np.where(finite, x, 0))
     loss = np.zeros(2, np.int64)
     if ggml_type == GT.F16:
         count_f16_loss(np.asarray(x, dtype=np.float32), data.view(np.float16).reshape(x.shape), loss)
-    return _Chunk(data, max_err, sq_err, sq_ref, (int(loss[0]), int(loss[1])))
+    return _Chunk(data, max_err, sq_err, sq_ref, counted, (int(loss[0]), int(loss[1])))
 
 
 def _ignore_sigint() -> None:
@@ -326,6 +341,7 @@ def write_gguf(
     threads: int = 1,
     processes: int | None = None,
     progress: Callable[[int], None] | None = None,
+    sample: int = 1,
 ) -> list[TensorReport]:
     """Write the planned GGUF file, streaming one tensor at a time in row chunks.
 
@@ -346,6 +362,8 @@ def write_gguf(
         processes: worker processes encoding :data:`SEARCH_TYPES` chunks (0: the threads encode);
             None: :func:`encoder_processes`.
         progress: called with the bytes written after each chunk.
+        sample: measure each tensor's error on one piece in this many (1: exact; the bytes written
+            never depend on it): :meth:`convert.codec_base.Codec.quantize_measured`.
 
     Returns:
         One :class:`TensorReport` per tensor, in file order.
@@ -395,7 +413,7 @@ def write_gguf(
             for t in plan.tensors:
                 rec = records[t.source] if t.source is not None else None
                 fig = _Figures(t, rec)
-                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath):
+                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath, sample):
                     if pool is None:
                         fut: Future[_Chunk] = Future()
                         fut.set_result(task())
@@ -422,22 +440,23 @@ class _Figures:
     def __init__(self, t: GGUFTensor, rec: SourceTensor | None) -> None:
         self.t, self.rec = t, rec
         self.max_err = self.sq_err = self.sq_ref = 0.0
-        self.over = self.under = 0
+        self.measured = self.over = self.under = 0
 
     def add(self, c: _Chunk) -> None:
         self.max_err = max(self.max_err, c.max_err)
         self.sq_err += c.sq_err
         self.sq_ref += c.sq_ref
+        self.measured += c.measured
         self.over += c.f16_loss[0]
         self.under += c.f16_loss[1]
 
     def report(self) -> TensorReport:
         t = self.t
-        n = max(t.numel, 1)
+        n = max(self.measured, 1)
         rms_err = math.sqrt(self.sq_err / n)
         rms_ref = math.sqrt(self.sq_ref / n)
         return TensorReport(t.name, t.source, t.ggml_type, t.shape, t.nbytes, self.max_err, rms_err,
-                            rms_err / rms_ref if rms_ref else 0.0, self.over, self.under)
+                            rms_err / rms_ref if rms_ref else 0.0, self.over, self.under, self.measured)
 
 
 def _chunk_tasks(
@@ -447,6 +466,7 @@ def _chunk_tasks(
     chunk_elements: int,
     procs: Executor | None,
     path: str,
+    sample: int,
 ) -> Iterator[Callable[[], _Chunk]]:
     """The row chunks of one tensor, in order, each a task a worker runs: read the rows, convert them
     (:func:`_convert_chunk`).
@@ -494,7 +514,7 @@ def _chunk_tasks(
                     action="write",
                 )
             x = x.reshape(r1 - r0, cols)
-        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs)
+        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs, sample)
 
     for r0 in range(0, rows, step):
         yield functools.partial(task, r0, min(rows, r0 + step))

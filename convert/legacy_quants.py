@@ -39,6 +39,7 @@ NumPy's ``min``/``max`` return when a block holds both is NumPy's choice).
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, NamedTuple
 
 import gguf
@@ -47,6 +48,7 @@ import numpy.typing as npt
 
 from .codec_base import (
     Codec,
+    Measured,
     abs_max,
     block_absmax,
     block_minmax,
@@ -118,21 +120,34 @@ class _LegacyCodec(Codec):
         return encode_into_by_chunks(x, QK, cls.type_size(), lambda xb, ob: cls._encode_into(xb, ob, w), CHUNK_BLOCKS)
 
     @classmethod
-    def quantize_measured(cls, x: np.ndarray) -> tuple[U8 | None, float, float, float]:
-        """:meth:`Codec.quantize_measured`: each chunk widened to float32, summed, encoded and its error
-        (:meth:`_chunk_error`) measured while it is in cache (inf/NaN rows go to the reference encoder)."""
+    def quantize_measured(cls, x: np.ndarray, sample: int = 1) -> Measured:
+        """:meth:`Codec.quantize_measured`: each chunk of :data:`CHUNK_BLOCKS` blocks widened to float32
+        and encoded; chunks ``0, sample, 2 * sample, ...`` also summed and their error
+        (:meth:`_chunk_error`) measured while in cache. inf/NaN rows go to the reference encoder
+        (:func:`reference_blocks`), which is how an unmeasured chunk's inf/NaN is seen: every block
+        holding one has a ``d`` or ``1 / d`` that is not finite."""
         w = _work()
         max_err = sq_err = sq_ref = 0.0
+        measured = index = 0
+        finite = True
 
         def into(xb: F32, ob: U8) -> None:
-            nonlocal max_err, sq_err, sq_ref
+            nonlocal max_err, sq_err, sq_ref, measured, index, finite
+            measure = index % sample == 0
+            index += 1
+            if not measure:
+                bad = cls._encode_into(xb, ob, w)
+                if bad.any() and not np.isfinite(xb[bad]).all():
+                    finite = False
+                return
             sq_ref += sum_squares(xb)
             err = cls._chunk_error(xb, ob, w, cls._encode_into(xb, ob, w))
             max_err = max(max_err, abs_max(err))
             sq_err += sum_squares(err)
+            measured += xb.size
 
         data = encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS)
-        return data, max_err, sq_err, sq_ref
+        return Measured(data, max_err, sq_err, sq_ref if finite else math.nan, measured)
 
 
 def _work() -> _Work:

@@ -200,9 +200,11 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
 def prepare_gguf(plan: Plan, options: ConvertOptions, model_name: str) -> TargetJob:
     """``--to gguf[:TYPE]``: see :mod:`convert.to_gguf`."""
     from .gguf_encode import check_encoders
+    from .quant_report import SUMMARY_SAMPLE
     from .to_gguf import GgufJob
 
-    job = GgufJob(plan, options.to, model_name)
+    # exact error figures for --json; the summary's alone from one piece in SUMMARY_SAMPLE
+    job = GgufJob(plan, options.to, model_name, sample=1 if options.merge_report else SUMMARY_SAMPLE)
     if not options.dry_run:
         check_encoders(job.gplan)  # GGUF-002 before any output is claimed (a mix needs K-quant codecs)
     return job

@@ -9,6 +9,8 @@ exhaustively on the float32 ranges where it could go wrong.
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -164,7 +166,7 @@ def test_bf16_chunk_to_f16_equals_the_general_encoder(scale: float) -> None:
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((96, 320)) * scale).astype(ml_dtypes.bfloat16)
     x[0, :4] = [0.0, -0.0, 65280.0, -6.1035e-05]
-    fast = _bf16_to_f16_chunk(x)
+    fast = _bf16_to_f16_chunk(x, 1)
     assert fast is not None
     want = encode_chunk(GT.F16, x.astype(np.float32), True)
     assert np.array_equal(fast.data.reshape(-1), want.data.reshape(-1))
@@ -200,7 +202,7 @@ def test_bf16_chunk_with_inf_takes_the_general_path() -> None:
 
     x = np.ones((2, 32), ml_dtypes.bfloat16)
     x[1, 3] = np.inf
-    assert _bf16_to_f16_chunk(x) is None
+    assert _bf16_to_f16_chunk(x, 1) is None
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -211,12 +213,44 @@ def test_quantize_measured_per_chunk_equals_decoding_the_whole(t: GT) -> None:
     x = (rng.standard_normal((CHUNK_BLOCKS // 16 + 3, 32 * 32)) * 0.03).astype(np.float32)
     x[1, :32] *= 1e4  # one block far larger than the rest
     x[2, 32:64] = rng.standard_normal(32) * 1e-39  # subnormal: 1 / d overflows, the reference encodes it
-    data, max_err, sq_err, sq_ref = CODECS[t].quantize_measured(x)
+    data, max_err, sq_err, sq_ref, measured = CODECS[t].quantize_measured(x)
     assert np.array_equal(data, CODECS[t].quantize(x))
     err = gguf.quants.dequantize(data, t).astype(np.float64) - x
     assert max_err == np.abs(err).max()
     assert sq_err == pytest.approx(float((err * err).sum()), rel=1e-4)  # float32 dots: report precision
     assert sq_ref == pytest.approx(float(np.square(x, dtype=np.float64).sum()), rel=1e-4)
+    assert measured == x.size
+
+
+@pytest.mark.parametrize("t", TYPES + [GT.Q4_K], ids=lambda t: t.name)
+def test_quantize_measured_on_a_sample(t: GT) -> None:
+    """With sample=k the bytes do not change and the figures are those of the sampled pieces: the
+    legacy codecs' chunks 0, k, 2k, ... of CHUNK_BLOCKS blocks, the base class's rows 0, k, 2k, ..."""
+    rng = np.random.default_rng(14)
+    x = (rng.standard_normal((CHUNK_BLOCKS * 6 // 8 + 6, 256)) * 0.03).astype(np.float32)  # 7 legacy chunks
+    x[-1, :32] *= 1e3  # the largest error, in the last (partial, unmeasured) chunk and an unmeasured row
+    full = CODECS[t].quantize_measured(x)
+    m = CODECS[t].quantize_measured(x, 4)
+    assert np.array_equal(m.data, full.data)
+    flat, err = x.reshape(-1, 32), (gguf.quants.dequantize(full.data, t) - x).reshape(-1, 32)
+    if t in TYPES:  # blocks of chunks 0 and 4
+        keep = (np.arange(flat.shape[0]) // CHUNK_BLOCKS) % 4 == 0
+    else:
+        keep = np.repeat(np.arange(x.shape[0]) % 4 == 0, x.shape[1] // 32)
+    assert m.measured == int(keep.sum()) * 32 < x.size
+    assert m.max_err == np.abs(err[keep]).max() < full.max_err
+    assert m.sq_err == pytest.approx(float(np.square(err[keep], dtype=np.float64).sum()), rel=1e-4)
+    assert m.sq_ref == pytest.approx(float(np.square(flat[keep], dtype=np.float64).sum()), rel=1e-4)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=str)
+@pytest.mark.parametrize("t", TYPES + [GT.Q4_K], ids=lambda t: t.name)
+def test_quantize_measured_sees_inf_nan_outside_the_sample(t: GT, bad: float) -> None:
+    """inf/NaN in a piece the sample leaves out still make sq_ref non-finite (the caller then refuses
+    the weight: GGUF-011): the legacy codecs see it in the blocks their fast path hands to gguf-py."""
+    x = (np.random.default_rng(15).standard_normal((CHUNK_BLOCKS * 6 // 8 + 6, 256)) * 0.03).astype(np.float32)
+    x[CHUNK_BLOCKS // 8 * 3 + 1, 40] = bad  # row 1 of chunk 3 of 8 rows of 256 values: not sampled
+    assert not math.isfinite(CODECS[t].quantize_measured(x, 4).sq_ref)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -233,5 +267,4 @@ def test_quantize_measured_widens_16_bit_input_chunk_by_chunk(t: GT, dtype: str)
     got = CODECS[t].quantize_measured(x)
     assert np.array_equal(got[0], want[0]) and got[1:] == want[1:]
     x[5, 7] = np.inf
-    data, _, _, sq_ref = CODECS[t].quantize_measured(x)
-    assert sq_ref == np.inf
+    assert CODECS[t].quantize_measured(x).sq_ref == np.inf

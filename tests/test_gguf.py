@@ -1025,3 +1025,48 @@ def test_gguf_f16_counts_fp16_overflow_and_underflow(tmp_path, capsys):
     assert row["type"] == "F16" and row["max_abs_error"] == "inf"
     got = np.asarray(_tensor(gguf.GGUFReader(tmp_path / "m.gguf"), "blk.0.ffn_down.weight").data)
     assert np.array_equal(got.view(np.uint16), y.view(np.uint16))
+
+
+def test_cli_gguf_summary_error_on_a_sample_and_exact_with_json(tmp_path, capsys):
+    """Without --json the summary's error figures come from one piece in 8 of each tensor (and say so);
+    --json measures every value: the same bytes either way, and the sampled figures are those of the
+    exact report's tensors where a tensor is one piece (token_embd, 256,000 values, is two)."""
+    from convert.cli import main
+
+    model = str(MODELS / "llama_nf4_dq")
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert main([model, "--to", "gguf:q8_0", "-o", str(a)]) == 0
+    text = capsys.readouterr()
+    assert "relative RMS error per tensor (on a 1/8 sample of each tensor) up to" in text.out + text.err
+    assert main([model, "--to", "gguf:q8_0", "-o", str(b), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert "sample" not in " ".join(summary["notes"])
+    assert a.read_bytes() == b.read_bytes()
+    rows = {t["name"]: t for t in summary["gguf"]["tensors"]}
+    x = np.asarray(_tensor(gguf.GGUFReader(b), "token_embd.weight").data)
+    want = load_reference(MODELS / "llama_nf4_dq" / "reference" / "dequantized.safetensors")
+    w = want["model.embed_tokens.weight"].astype(np.float32)
+    err = gguf.quants.dequantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(w.shape) - w
+    assert rows["token_embd.weight"]["max_abs_error"] == pytest.approx(float(np.abs(err).max()), rel=1e-6)
+
+
+def test_bf16_to_f16_chunk_on_a_sample():
+    """gguf:f16 of bf16: with sample=k the bytes and over/underflow counts are those of sample=1 (every
+    value), the error figures those of pieces 0, k, 2k, ... of 65,536 values."""
+    from convert.gguf_encode import _bf16_to_f16_chunk
+
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((40, 16384)) * 1e-4).astype(ml_dtypes.bfloat16)  # 10 pieces; many subnormals
+    x[-1, -3:] = [7e4, 1e-9, -1e5]  # the last piece, not sampled: overflow and flush
+    full, s = _bf16_to_f16_chunk(x, 1), _bf16_to_f16_chunk(x, 4)
+    flat = x.reshape(-1).astype(np.float32)
+    with np.errstate(over="ignore"):
+        y = np.abs(flat.astype(np.float16))
+    flushed = int(np.count_nonzero((y == 0) & (flat != 0)))
+    assert np.array_equal(full.data, s.data) and s.f16_loss == full.f16_loss == (2, flushed) and flushed > 1
+    keep = (np.arange(flat.size) // 65536) % 4 == 0
+    err = full.data.view(np.float16).astype(np.float32) - flat
+    assert s.measured == int(keep.sum()) == 3 * 65536 and full.measured == flat.size
+    assert s.max_err == np.abs(err[keep]).max() and full.max_err == np.inf
+    assert s.sq_err == pytest.approx(float(np.square(err[keep], dtype=np.float64).sum()), rel=1e-5)
+    assert s.sq_ref == pytest.approx(float(np.square(flat[keep], dtype=np.float64).sum()), rel=1e-5)
