@@ -412,7 +412,7 @@ def inverse_scale(d: F32) -> tuple[F32, npt.NDArray[np.bool_]]:
 def reference_blocks(ggml_type: gguf.GGMLQuantizationType, xb: F32, ob: U8, rows: npt.NDArray[np.bool_]) -> None:
     """Overwrite ``ob[rows]`` with gguf-py's encoding of ``xb[rows]`` (the rare rows of
     :func:`inverse_scale`): float32 ``(blocks, block)``, uint8 ``(blocks, type_size)``, bool ``(blocks,)``."""
-    if rows.any():
+    if np.count_nonzero(rows):  # (C-level: ndarray.any() goes through a Python wrapper, per chunk)
         ob[rows] = gguf.quants.quantize(np.ascontiguousarray(xb[rows]), ggml_type).reshape(-1, ob.shape[1])
 
 

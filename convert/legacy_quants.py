@@ -137,7 +137,7 @@ class _LegacyCodec(Codec):
             index += 1
             if not measure:
                 bad = cls._encode_into(xb, ob, w)
-                if bad.any() and not np.isfinite(xb[bad]).all():
+                if np.count_nonzero(bad) and not np.isfinite(xb[bad]).all():
                     finite = False
                 return
             sq_ref += sum_squares(xb)
@@ -191,7 +191,7 @@ class Q8_0Codec(_LegacyCodec):
         q = np.trunc(w.t[:n], out=w.t[:n])  # w.t is t + copysign(0.5 - ulp, t)
         err = np.multiply(q, d16[:, None], out=w.v[:n])
         err -= xb
-        if bad.any():
+        if np.count_nonzero(bad):
             err[bad] = cls.dequantize(ob[bad]).reshape(-1, QK) - xb[bad]
         return err
 
