@@ -126,14 +126,18 @@ class Codec:
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
 
     @classmethod
-    def quantize_measured(cls, x: np.ndarray, sample: int = 1) -> Measured:
+    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0) -> Measured:
         """:meth:`quantize` of ``x`` widened to float32 (exactly: float32, bfloat16 or float16 ``(rows, n)``)
         and the error it adds, ``e = dequantize(data) - x``, measured on all of ``x`` or a sample.
 
         Args:
             x: ``(rows, n)``, ``n`` a multiple of the block size (1-D: one row).
-            sample: measure one piece in this many (1: every element). This base class measures rows
-                ``0, sample, 2 * sample, ...``; a codec that encodes in chunks measures whole chunks.
+            sample: measure one piece in this many (1: every element). This base class measures the
+                tensor's rows ``0, sample, 2 * sample, ...``; a codec that encodes in chunks measures
+                chunks ``0, sample, ...`` of a fixed grid over the tensor.
+            start: the flat index of ``x``'s first value in its tensor (a multiple of ``n``), which
+                places ``x`` on the sample's grid: the same values are measured however the tensor
+                is split into calls.
 
         Returns:
             :class:`Measured`. This base class widens and sums ``x`` whole (the inf/NaN check), then
@@ -146,8 +150,9 @@ class Codec:
         data = cls.quantize(x)
         rows_x = x.reshape(-1, x.shape[-1] if x.ndim else 1)
         rows_d = data.reshape(rows_x.shape[0], -1)
-        if sample > 1 and rows_x.shape[0] > 1:
-            rows_x, rows_d = rows_x[::sample], rows_d[::sample]
+        if sample > 1:
+            skip = -(start // rows_x.shape[1]) % sample  # rows up to the tensor's next sampled row
+            rows_x, rows_d = rows_x[skip::sample], rows_d[skip::sample]
             total = sum_squares(rows_x)
         with np.errstate(invalid="ignore", over="ignore"):
             err = cls.dequantize(rows_d).reshape(rows_x.shape)
@@ -281,14 +286,16 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
 
 
 def encode_into_by_chunks(
-    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], object], chunk: int
+    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], object], chunk: int, first: int = 0
 ) -> U8:
     """:func:`encode_by_chunks` for an encoder that writes its blocks in place.
 
     ``encode_into(xb, ob)``: float32 ``(blocks, block)`` (``blocks <= chunk``) -> fills uint8
     ``(blocks, type_size)`` ``ob``, a slice of the output (no per-chunk result array, no copy); what
     it returns is ignored. ``x`` may be bfloat16 or float16: each chunk is widened (exactly) into one
-    float32 scratch, in cache, instead of the whole array into a float32 copy.
+    float32 scratch, in cache, instead of the whole array into a float32 copy. ``first``: blocks of a
+    grid of ``chunk``-block chunks that lie before ``x`` (its offset in a larger tensor): the chunks are
+    cut on that grid (the first may be shorter), so they are the same pieces however the tensor is split.
 
     Raises:
         ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
@@ -302,13 +309,14 @@ def encode_into_by_chunks(
     out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
     scratch = None if x.dtype == np.float32 else np.empty((min(chunk, flat.shape[0]), block), np.float32)
     with np.errstate(all="ignore"):
-        for s in range(0, flat.shape[0], chunk):
-            xb = flat[s : s + chunk]
+        lead = -first % chunk  # blocks up to the next grid line
+        for s in ([0] if lead else []) + list(range(lead, flat.shape[0], chunk)):
+            xb = flat[s : lead if s == 0 and lead else s + chunk]
             if scratch is not None:
                 wide = scratch[: xb.shape[0]]
                 np.copyto(wide, xb, casting="unsafe")
                 xb = wide
-            encode_into(xb, out[s : s + chunk])
+            encode_into(xb, out[s : s + xb.shape[0]])
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
 
 

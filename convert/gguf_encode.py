@@ -13,9 +13,10 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
    Gemma's ``+1`` on norms, in float32;
 3. the tensor's GGML type's codec (:func:`convert.ggml_codecs.codec`) encodes them;
 4. the added error is measured by decoding the result again (the codec's ``dequantize``): zero for
-   F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`); on
-   all of it, or on one piece in ``sample`` (the summary's figures: the CLI asks for
-   :data:`convert.quant_report.SUMMARY_SAMPLE` unless ``--json`` wants the exact ones).
+   F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`); for
+   the Q types on all of it, or on one piece in ``sample`` of a fixed grid over the tensor (the
+   summary's figures: the CLI asks for :data:`convert.quant_report.SUMMARY_SAMPLE` unless ``--json``
+   wants the exact ones); the same pieces whatever the chunk size and thread count.
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
 not depend on the thread count or the chunk size; at most ``threads + 1`` chunks are in flight, the
@@ -159,8 +160,11 @@ def _convert_chunk(
     procs: Executor | None, sample: int,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
-    encode, measure the added error on one piece in ``sample`` (:func:`encode_chunk`, in ``procs`` for
-    :data:`SEARCH_TYPES`)."""
+    encode, measure the added error (of a block type: on one piece in ``sample`` of the tensor; float
+    types every value) (:func:`encode_chunk`, in ``procs`` for :data:`SEARCH_TYPES`)."""
+    start = row0 * (x_in.shape[-1] if x_in.ndim else 1)  # the chunk's first value in the tensor: the sample's grid
+    if t.ggml_type in _FLOAT_TYPES:
+        sample = 1
     if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
         raise GgufSourceError(
             "source array is not a float array",
@@ -175,20 +179,20 @@ def _convert_chunk(
         same = np.ascontiguousarray(x_in if perm is None else x_in[perm])
         return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0, same.size)  # error 0 everywhere
     if x_in.dtype == BF16 and t.ggml_type == GT.F16 and not t.offset:
-        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]), sample)
+        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]))
         if fast is not None:
             return fast
     if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or t.ggml_type not in
                                                                            SEARCH_TYPES):
         # widened, summed, encoded and measured chunk by chunk in cache by the codec; inf/NaN: checked below
-        fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample)
+        fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample, start)
         if math.isfinite(fused.sq_ref):
             return fused
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
     if math.isfinite(sum_squares(x)):  # (a non-finite sum: some value is inf/NaN)
-        return _encode(t.ggml_type, x, not exact, sample, procs)
+        return _encode(t.ggml_type, x, not exact, sample, start, procs)
     finite = np.isfinite(x)
     all_finite = bool(finite.all())
     if not all_finite and t.ggml_type not in _FLOAT_TYPES:
@@ -205,14 +209,13 @@ def _convert_chunk(
         )
     if not all_finite:  # a float type keeping inf/NaN as they are: no error to measure there
         return encode_chunk(t.ggml_type, x, not exact, finite)
-    return _encode(t.ggml_type, x, not exact, sample, procs)
+    return _encode(t.ggml_type, x, not exact, sample, start, procs)
 
 
-def _bf16_to_f16_chunk(x: np.ndarray, sample: int) -> _Chunk | None:
+def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
     """A bf16 chunk to F16 by :func:`convert.kernels.bf16_to_f16`, with the figures of :func:`encode_chunk`
-    (on pieces ``0, sample, 2 * sample, ...`` of :data:`_PIECE` values; most bf16 values are exact in
-    F16, so only the few it rounds add error); None when the chunk holds inf or NaN (the general path
-    leaves them out of the error)."""
+    over every value (most bf16 values are exact in F16, so only the few it rounds add error); None when
+    the chunk holds inf or NaN (the general path leaves them out of the error)."""
     flat = x.reshape(-1)
     loss = np.zeros(2, np.int64)
     y, rounded = bf16_to_f16(flat, stats=loss)  # inf/NaN are among the values not exact in F16
@@ -220,36 +223,31 @@ def _bf16_to_f16_chunk(x: np.ndarray, sample: int) -> _Chunk | None:
         wide = flat[rounded].astype(np.float32)
         if not np.isfinite(wide).all():
             return None
-        sq_ref, measured = 0.0, 0
-        for s in range(0, flat.size, _PIECE * sample):  # float32 pieces in cache, no chunk-sized temporary
-            piece = flat[s : s + _PIECE]
-            sq_ref += sum_squares(piece.astype(np.float32))
-            measured += piece.size
-        if sample > 1:
-            keep = (rounded // _PIECE) % sample == 0
-            rounded, wide = rounded[keep], wide[keep]
+        sq_ref = 0.0
+        for s in range(0, flat.size, _PIECE):  # float32 pieces in cache, no chunk-sized temporary
+            sq_ref += sum_squares(flat[s : s + _PIECE].astype(np.float32))
         err = y[rounded].astype(np.float32) - wide
-    return _Chunk(y.view(np.uint8), abs_max(err), sum_squares(err), sq_ref, measured, (int(loss[0]), int(loss[1])))
+    return _Chunk(y.view(np.uint8), abs_max(err), sum_squares(err), sq_ref, flat.size, (int(loss[0]), int(loss[1])))
 
 
-#: Values per piece of :func:`_bf16_to_f16_chunk`'s sums (float32 temporaries that stay in cache).
+#: Values per piece of :func:`_bf16_to_f16_chunk`'s sum of squares (float32 temporaries that stay in cache).
 _PIECE = 1 << 16
 
 
 def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sample: int,
-            procs: Executor | None) -> _Chunk:
+            start: int, procs: Executor | None) -> _Chunk:
     """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
     if procs is not None and ggml_type in SEARCH_TYPES:
         try:
-            return procs.submit(encode_chunk, ggml_type, x, measure, None, sample).result()  # waits, GIL free
+            return procs.submit(encode_chunk, ggml_type, x, measure, None, sample, start).result()  # waits, GIL free
         except BrokenProcessPool as exc:  # killed from outside (the OOM killer, a signal): not a bug here
             raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
                                     "memory?); run again, with less --max-memory or --threads 1") from exc
-    return encode_chunk(ggml_type, x, measure, None, sample)
+    return encode_chunk(ggml_type, x, measure, None, sample, start)
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
-                 finite: npt.NDArray[np.bool_] | None = None, sample: int = 1) -> _Chunk:
+                 finite: npt.NDArray[np.bool_] | None = None, sample: int = 1, start: int = 0) -> _Chunk:
     """Encode float32 rows ``(rows, cols)`` to ``ggml_type`` and measure the added error.
 
     A pure function of its arguments (it runs in a worker process too).
@@ -260,8 +258,9 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
             bfloat16/float16 (widened exactly; chunk by chunk by a codec that encodes in chunks).
         measure: decode the result again and measure the error (False for F32: none).
         finite: where ``x`` is finite (None: everywhere); inf/NaN are left out of the error.
-        sample: with ``measure`` and ``finite`` None, measure one piece of ``x`` in this many
-            (:meth:`convert.codec_base.Codec.quantize_measured`); 1: all of it.
+        sample: with ``measure`` and ``finite`` None, measure one piece of the tensor in this many
+            (:meth:`convert.codec_base.Codec.quantize_measured`); 1: all of ``x``.
+        start: the flat index of ``x``'s first value in its tensor (places ``x`` on the sample's grid).
 
     Returns:
         the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
@@ -278,7 +277,7 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
             data = coder.quantize(x)
             counted = x.size
         elif finite is None:
-            m = coder.quantize_measured(x, sample)
+            m = coder.quantize_measured(x, sample, start)
             if m.data is None or not math.isfinite(m.sq_ref):  # inf/NaN in x: the caller checks x itself
                 return _Chunk(np.empty(0, np.uint8), math.nan, math.nan, m.sq_ref, m.measured)
             data, max_err, sq_err, sq_ref, counted = m

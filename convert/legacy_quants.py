@@ -120,21 +120,23 @@ class _LegacyCodec(Codec):
         return encode_into_by_chunks(x, QK, cls.type_size(), lambda xb, ob: cls._encode_into(xb, ob, w), CHUNK_BLOCKS)
 
     @classmethod
-    def quantize_measured(cls, x: np.ndarray, sample: int = 1) -> Measured:
-        """:meth:`Codec.quantize_measured`: each chunk of :data:`CHUNK_BLOCKS` blocks widened to float32
-        and encoded; chunks ``0, sample, 2 * sample, ...`` also summed and their error
+    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0) -> Measured:
+        """:meth:`Codec.quantize_measured`: each chunk of :data:`CHUNK_BLOCKS` blocks (on a grid from the
+        tensor's first value: ``start``) widened to float32 and encoded; the tensor's chunks
+        ``0, sample, 2 * sample, ...`` also summed and their error
         (:meth:`_chunk_error`) measured while in cache. inf/NaN rows go to the reference encoder
         (:func:`reference_blocks`), which is how an unmeasured chunk's inf/NaN is seen: every block
         holding one has a ``d`` or ``1 / d`` that is not finite."""
         w = _work()
         max_err = sq_err = sq_ref = 0.0
-        measured = index = 0
+        measured = 0
+        block = start // QK  # the next chunk's first block, counted from the tensor's start
         finite = True
 
         def into(xb: F32, ob: U8) -> None:
-            nonlocal max_err, sq_err, sq_ref, measured, index, finite
-            measure = index % sample == 0
-            index += 1
+            nonlocal max_err, sq_err, sq_ref, measured, block, finite
+            measure = (block // CHUNK_BLOCKS) % sample == 0
+            block += xb.shape[0]
             if not measure:
                 bad = cls._encode_into(xb, ob, w)
                 if np.count_nonzero(bad) and not np.isfinite(xb[bad]).all():
@@ -146,7 +148,7 @@ class _LegacyCodec(Codec):
             sq_err += sum_squares(err)
             measured += xb.size
 
-        data = encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS)
+        data = encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS, first=start // QK)
         return Measured(data, max_err, sq_err, sq_ref if finite else math.nan, measured)
 
 

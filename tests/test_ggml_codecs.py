@@ -166,7 +166,7 @@ def test_bf16_chunk_to_f16_equals_the_general_encoder(scale: float) -> None:
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((96, 320)) * scale).astype(ml_dtypes.bfloat16)
     x[0, :4] = [0.0, -0.0, 65280.0, -6.1035e-05]
-    fast = _bf16_to_f16_chunk(x, 1)
+    fast = _bf16_to_f16_chunk(x)
     assert fast is not None
     want = encode_chunk(GT.F16, x.astype(np.float32), True)
     assert np.array_equal(fast.data.reshape(-1), want.data.reshape(-1))
@@ -202,7 +202,7 @@ def test_bf16_chunk_with_inf_takes_the_general_path() -> None:
 
     x = np.ones((2, 32), ml_dtypes.bfloat16)
     x[1, 3] = np.inf
-    assert _bf16_to_f16_chunk(x, 1) is None
+    assert _bf16_to_f16_chunk(x) is None
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -241,6 +241,10 @@ def test_quantize_measured_on_a_sample(t: GT) -> None:
     assert m.max_err == np.abs(err[keep]).max() < full.max_err
     assert m.sq_err == pytest.approx(float(np.square(err[keep], dtype=np.float64).sum()), rel=1e-4)
     assert m.sq_ref == pytest.approx(float(np.square(flat[keep], dtype=np.float64).sum()), rel=1e-4)
+    # split in two calls at row 1001 (start: the second part's place in the tensor): the same pieces
+    a, b = CODECS[t].quantize_measured(x[:1001], 4), CODECS[t].quantize_measured(x[1001:], 4, start=1001 * 256)
+    assert np.array_equal(np.concatenate([a.data, b.data]), full.data)
+    assert a.measured + b.measured == m.measured and max(a.max_err, b.max_err) == m.max_err
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=str)
