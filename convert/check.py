@@ -42,8 +42,9 @@ class CheckReport:
     Attributes:
         source: the path checked.
         problems: every problem found, in the order found.
-        files: weight files read.
-        tensors: tensors whose header entries are valid.
+        files: weight files read without a problem of their own (container rules).
+        tensors: tensors whose header entries are valid, in files without a whole-file problem (a
+            truncated data area, an unreadable header).
         layers_4bit: 4-bit layers that passed every BNB rule.
         layers_int8: LLM.int8 layers that passed.
         plain: tensors that are not part of a bnb layer.
@@ -115,11 +116,12 @@ def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str
         problems.append(exc)
         return report
     with ckpt:
-        report.files = len(ckpt.files)
-        report.tensors = len(ckpt.tensors)
         damaged = len(problems)
         # files that broke a container rule: some of their tensors may be missing from the map
         broken = {p.path for p in problems if (p.rule or "").startswith(("ST-", "PT-"))}
+        whole = {p.path for p in problems if p.path in broken and p.tensor is None}  # e.g. truncated
+        report.files = sum(1 for f in ckpt.files if os.fspath(f) not in broken)
+        report.tensors = sum(1 for t in ckpt.tensors.values() if os.fspath(t.reader.path) not in whole)
         try:
             layers, plain = group_layers(ckpt.tensors, ckpt.values, problems,
                                          int8_model=is_int8_config(ckpt.config))

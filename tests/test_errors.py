@@ -181,6 +181,19 @@ def test_check_reports_every_bad_entry_of_one_file(tmp_path: Path, capsys: pytes
     assert data["tensors"] == 1  # 'c' is valid
 
 
+def test_check_of_a_truncated_file_counts_nothing_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file whose data area is cut short is not a valid file, nor are the tensors of its header: the
+    summary said "valid: 1 file, 42 tensors" (ST-010 reported above it)."""
+    src = (MODELS / "llama_nf4_dq" / "model.safetensors").read_bytes()
+    path = write(tmp_path / "model.safetensors", src[:300_000])
+    assert main(["check", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "ST-010" in out and out.splitlines()[-1].endswith("1 problem (valid: 0 files, 0 tensors, 0 4-bit layers, "
+                                                             "0 int8 layers, 0 plain tensors)")
+    assert main(["check", str(MODELS / "llama_nf4_dq")]) == 0
+    assert "OK (1 file, 91 tensors, 14 4-bit layers" in capsys.readouterr().out
+
+
 def test_check_missing_source_and_not_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(tmp_path / "nope")]) == 2
     assert "CKPT-010" in capsys.readouterr().out
