@@ -190,7 +190,7 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
         if flagged:
             worst = ", ".join(f"{r.name} ({r.outlier_blocks} blocks, {100 * r.outlier_zero_share:.0f}% "
                               f"of their weights -> 0)" for r in flagged[:3])
-            out.append(f"most affected: {worst}" + ("; all layers in --quant-report" if q.quant_report is None
+            out.append(f"most affected: {worst}" + ("; all layers in --quant-report or --json" if sample > 1
                                                     else ""))
         return out
 

@@ -584,3 +584,17 @@ def test_summary_says_its_error_is_from_a_sample(tmp_path: Path, capsys: pytest.
     exact = capsys.readouterr().err
     assert "relative error: mean " in exact and "sample" not in exact
     assert (tmp_path / "a/model.safetensors").read_bytes() == (tmp_path / "b/model.safetensors").read_bytes()
+
+
+def test_summary_points_to_the_full_report_only_when_none_was_asked_for(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The outlier note ends with where every layer is listed: said without --quant-report/--json, not with
+    --json (whose output holds the report; the note used to send the user to --quant-report there)."""
+    src = str(MODELS / "llama_fp4_nodq")  # every matrix has a few 25x absmax outliers
+    assert main([src, "--to", "nf4", "-o", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "most affected: " in err and "; all layers in --quant-report or --json" in err
+    assert main([src, "--to", "nf4", "-o", str(tmp_path / "b"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    notes = " ".join(summary["notes"])
+    assert "most affected: " in notes and "all layers in" not in notes and len(summary["report"]) == 14
