@@ -9,7 +9,10 @@ for docs/performance.md and (with matplotlib, ``pip install -e '.[bench]'``) a P
 For each cap of ``--caps`` (default 128MiB, 512MiB, 1GiB), in one round: ``cp`` + ``sync`` of the bf16
 output (the disk's floor), then one ``convert-bnb`` run per path in a subprocess: ``--to bf16``, ``fp16``,
 ``gguf:f16``, ``gguf:q8_0``, ``gguf:q4_k_m``, bf16 with ``--merge-lora`` (when ``--lora`` is given) and
-``--to nf4`` from the bf16 output. Each run: wall seconds, CPU seconds (user + system of the process and
+``--to nf4`` from the bf16 output. Before each run its input is read once (:func:`warm`), so every path,
+the bf16 baseline included, starts with its input in the page cache (the writer drops the pages of
+what it writes, and other work evicts the rest: a cold baseline made every ratio look better). Each run:
+wall seconds, CPU seconds (user + system of the process and
 its children, from ``wait4``) and peak RSS (the largest of the process and its children). Ratios are
 against the bf16 run and the ``cp`` floor of the same round and cap; the 2-core machine this runs on is
 often shared, so the CPU seconds are printed beside the wall seconds.
@@ -42,6 +45,14 @@ PATHS: list[tuple[str, list[str]]] = [
     ("bf16 + merge-lora", ["--to", "bf16", "--merge-lora", "{lora}"]),
     ("bf16 -> nf4", ["--to", "nf4"]),  # from the bf16 output
 ]
+
+
+def warm(src: Path) -> None:
+    """Read every file under ``src`` (or ``src`` itself) once, into the page cache."""
+    for f in [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(16 << 20):
+                pass
 
 
 def measured(cmd: list[str]) -> dict[str, float]:
@@ -77,6 +88,9 @@ def run_round(src: Path, lora: Path | None, cap: str, threads: int, work: Path,
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         subprocess.run(["sync"], check=True)
+        warm(source)
+        if lora is not None and "{lora}" in args:
+            warm(lora)
         res = measured([sys.executable, "-m", "convert", str(source), *argv, "-o", str(out), "--max-memory", cap,
                         "--threads", str(threads), "--quiet"])
         rows.append({"path": label, "cap": cap, **res})
