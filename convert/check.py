@@ -43,8 +43,8 @@ class CheckReport:
         source: the path checked.
         problems: every problem found, in the order found.
         files: weight files read without a problem of their own (container rules).
-        tensors: tensors whose header entries are valid, in files without a whole-file problem (a
-            truncated data area, an unreadable header).
+        tensors: tensors whose header entries are valid and whose bytes are in the file (a truncated
+            file's readers leave out the tensors past its end).
         layers_4bit: 4-bit layers that passed every BNB rule.
         layers_int8: LLM.int8 layers that passed.
         plain: tensors that are not part of a bnb layer.
@@ -119,9 +119,8 @@ def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str
         damaged = len(problems)
         # files that broke a container rule: some of their tensors may be missing from the map
         broken = {p.path for p in problems if (p.rule or "").startswith(("ST-", "PT-"))}
-        whole = {p.path for p in problems if p.path in broken and p.tensor is None}  # e.g. truncated
         report.files = sum(1 for f in ckpt.files if os.fspath(f) not in broken)
-        report.tensors = sum(1 for t in ckpt.tensors.values() if os.fspath(t.reader.path) not in whole)
+        report.tensors = len(ckpt.tensors)
         try:
             layers, plain = group_layers(ckpt.tensors, ckpt.values, problems,
                                          int8_model=is_int8_config(ckpt.config))
@@ -130,11 +129,17 @@ def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str
             return report
         if broken:
             # a component whose weight sat in the damaged part of a file is a follow-on, not a cause
+            # (and a weight in a damaged file whose QuantState was cut off with it)
             orphans = [p for p in problems[damaged:] if p.rule == "BNB-010" and p.path in broken]
+            cut = [p for p in problems[damaged:] if p.rule == "BNB-011" and p.path in broken]
+            if orphans or cut:
+                problems[:] = [p for p in problems if p not in orphans and p not in cut]
             if orphans:
-                problems[:] = [p for p in problems if p not in orphans]
                 report.notes.append(f"{len(orphans)} QuantState components whose weight is in a damaged file "
                                     "were not checked")
+            if cut:
+                report.notes.append(f"{len(cut)} 4-bit weights in a damaged file whose QuantState is missing from "
+                                    "it were not checked")
         report.plain = len(plain)
         for layer in layers.values():
             if isinstance(layer, QuantizedLayer):

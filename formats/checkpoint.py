@@ -416,6 +416,10 @@ def _open_index(
     opened: dict[str, ContainerReader] = {}
     files: list[Path] = []
     seen: dict[str, str] = {}
+    # per shard that broke a container rule while opening (collected problems only): the tensors named in
+    # those problems, or None for the whole file (a truncated data area); a name the index maps there that
+    # its reader left out follows from that problem and is not reported again (CKPT-003)
+    damaged: dict[str, set[str] | None] = {}
     for shard in shard_names:
         shard_path = root / shard
         if os.sep in shard or (os.altsep and os.altsep in shard) or shard in ("", ".", ".."):
@@ -437,11 +441,16 @@ def _open_index(
                 expected="a regular file", found=shard_kind,
             ))
             continue
+        before = len(problems) if problems is not None else 0
         try:
             reader = far if far is not None else _open_file(shard_path, problems)
         except ConvertBnbError as exc:
             report(exc)
             continue
+        for p in problems[before:] if problems is not None else ():
+            hit = damaged.setdefault(shard, set())
+            if hit is not None:
+                damaged[shard] = None if p.tensor is None else hit | {p.tensor}
         readers.append(reader)
         opened[shard] = reader
         files.append(shard_path)
@@ -465,6 +474,10 @@ def _open_index(
         opened_reader = opened.get(shard)
         if opened_reader is None:
             continue  # its shard was reported above
+        if shard in damaged:
+            dropped = damaged[shard]
+            if dropped is None or name in dropped:
+                continue  # left out of the map by its shard's reported damage
         if name not in opened_reader.tensors and name not in getattr(opened_reader, "values", {}):
             report(IndexTensorMissingError(
                 "index names a tensor that is not in its shard", path=opened_reader.path, tensor=name,

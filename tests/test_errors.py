@@ -181,17 +181,47 @@ def test_check_reports_every_bad_entry_of_one_file(tmp_path: Path, capsys: pytes
     assert data["tensors"] == 1  # 'c' is valid
 
 
-def test_check_of_a_truncated_file_counts_nothing_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A file whose data area is cut short is not a valid file, nor are the tensors of its header: the
-    summary said "valid: 1 file, 42 tensors" (ST-010 reported above it)."""
+def test_check_of_a_truncated_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A truncated file is one problem (ST-010), not a valid file; its tensors whose bytes are present still
+    count (the summary said "valid: 1 file"); a cut inside the last QuantState leaves its weight to a note
+    (it was a second problem, BNB-011)."""
     src = (MODELS / "llama_nf4_dq" / "model.safetensors").read_bytes()
     path = write(tmp_path / "model.safetensors", src[:300_000])
     assert main(["check", str(path)]) == 2
     out = capsys.readouterr().out
-    assert "ST-010" in out and out.splitlines()[-1].endswith("1 problem (valid: 0 files, 0 tensors, 0 4-bit layers, "
+    assert "ST-010" in out and out.splitlines()[-1].endswith("1 problem (valid: 0 files, 42 tensors, 0 4-bit layers, "
                                                              "0 int8 layers, 0 plain tensors)")
+    write(path, src[:-1])  # the last byte of the last QuantState
+    assert main(["check", str(path)]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "BNB-" in line] == []
+    assert "note: 1 4-bit weights in a damaged file whose QuantState is missing from it were not checked" in lines
+    assert lines[-1].endswith("1 problem (valid: 0 files, 90 tensors, 13 4-bit layers, 0 int8 layers, 7 plain tensors)")
     assert main(["check", str(MODELS / "llama_nf4_dq")]) == 0
     assert "OK (1 file, 91 tensors, 14 4-bit layers" in capsys.readouterr().out
+
+
+def test_check_of_a_damaged_shard_reports_the_damage_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A truncated shard, or a bad entry in one, is its own problem; the index's names that its reader left out
+    follow from it and are not reported again (they were: one CKPT-003 'absent' per tensor)."""
+    import shutil
+
+    root = tmp_path / "m"
+    shutil.copytree(MODELS / "llama_nf4_dq_sharded", root)
+    last = sorted(root.glob("*.safetensors"))[-1]
+    good = last.read_bytes()
+    last.write_bytes(good[:200_000])
+    assert main(["check", str(root), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert [p["rule"] for p in data["problems"]] == ["ST-010"] and data["files"] == 3
+    header_len = int.from_bytes(good[:8], "little")
+    i = good.index(b'"dtype"', good.index(b"model.norm.weight")) + 9
+    assert good[i:i + 4] == b"BF16" and i < 8 + header_len
+    last.write_bytes(good[:i] + b"Q999" + good[i + 4:])
+    assert main(["check", str(root), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert [(p["rule"], p["tensor"]) for p in data["problems"]] == [("ST-005", "model.norm.weight")]
+    assert (data["files"], data["tensors"], data["plain"]) == (3, 90, 6)
 
 
 def test_check_missing_source_and_not_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
