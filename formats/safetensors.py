@@ -254,6 +254,7 @@ def _parse_header(
 
     infos.sort(key=lambda t: (t[0], t[1]))
     cursor = 0
+    claimed = 0  # the end of the spans of overlapping entries (reported, left out): no gap is theirs
     prev_name: str | None = None
     keep: list[tuple[int, int, str, DType | None, tuple[int, ...]]] = []
     for item in infos:
@@ -263,8 +264,9 @@ def _parse_header(
                 f"data overlaps tensor '{prev_name}'", path=path, tensor=name,
                 expected=f"begin >= {cursor}", found=begin,
             ))
+            claimed = max(claimed, end)
             continue
-        if begin > cursor and not unplaced:
+        if begin > cursor and not unplaced and claimed < begin:
             report(DataGapError(
                 "gap in the data area before this tensor", path=path, tensor=name,
                 expected=f"begin == {cursor}", found=begin,

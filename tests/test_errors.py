@@ -181,6 +181,25 @@ def test_check_reports_every_bad_entry_of_one_file(tmp_path: Path, capsys: pytes
     assert data["tensors"] == 1  # 'c' is valid
 
 
+def test_check_overlapping_entry_is_one_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry whose span overlaps its neighbour and runs on is ST-009; the bytes it claims are no 'gap'
+    before the next tensor (that was a second problem, ST-012, against an undamaged tensor). A real gap
+    after it is still one."""
+    from .malformed import header_bytes
+
+    def check(header: dict) -> list[tuple[str, str]]:
+        src = write(tmp_path / "x.safetensors", header_bytes(header) + b"\0" * 24)
+        assert main(["check", str(src), "--json"]) == 2
+        return [(p["rule"], p["tensor"]) for p in json.loads(capsys.readouterr().out)["problems"]]
+
+    a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    c = {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}
+    assert check({"a": a, "b": {"dtype": "F32", "shape": [5], "data_offsets": [4, 24]}, "c": c}) == [("ST-009", "b")]
+    c_later = {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]}
+    assert check({"a": a, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}, "c": c_later}) == [
+        ("ST-009", "b"), ("ST-012", "c")]
+
+
 def test_check_of_a_truncated_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A truncated file is one problem (ST-010), not a valid file; its tensors whose bytes are present still
     count (the summary said "valid: 1 file"); a cut inside the last QuantState leaves its weight to a note
