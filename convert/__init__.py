@@ -6,6 +6,10 @@ Reads through :mod:`formats`; ``formats`` never imports ``convert``.
 #: The version: the one source (pyproject.toml reads it; ``--version``, model cards and job keys use it).
 __version__ = "0.1.0"
 
+#: OpenBLAS's thread count when the user sets none: one (see :func:`main`); Ray tasks get it too
+#: (:func:`convert.batch_ray.task_options`), as their workers start with NumPy loaded.
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "1")
+
 
 def main() -> int:
     """The ``convert-bnb`` console script (and ``python -m convert``).
@@ -24,7 +28,7 @@ def main() -> int:
     # OpenBLAS's own pool on top of them oversubscribes the cores (its threads spin while they wait:
     # a rank-16 merge of 7 layers took 1.45x as long) and makes a product's bits depend on how many
     # cores the machine has. Set before NumPy loads OpenBLAS.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault(*BLAS_THREADS)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")

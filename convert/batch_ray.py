@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import sys
 import threading
@@ -33,7 +34,7 @@ from typing import Any
 
 from formats.errors import UsageError
 
-from . import __version__
+from . import BLAS_THREADS, __version__
 from .batch import execute_job, failed_result
 from .pipeline import reset_peak_rss
 from .units import format_bytes
@@ -47,6 +48,17 @@ RETRIES = 3
 WORKER_OVERHEAD = 128 << 20
 #: The command that installs the executor's dependency, as error messages name it.
 INSTALL = "pip install 'convert-bnb[ray]'"
+
+
+def task_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """Ray's options for a job's task: its threads as ``num_cpus``, its ``max_memory`` + :data:`WORKER_OVERHEAD`
+    as ``memory``, and OpenBLAS's thread count in the worker's environment: this process's (one unless the
+    user set it, :data:`convert.BLAS_THREADS`). A Ray worker would otherwise take ``OMP_NUM_THREADS``, which
+    Ray sets to ``num_cpus``: BLAS threads on top of the job's, and LoRA products whose bits differ from a
+    local run's."""
+    name, default = BLAS_THREADS
+    return {"num_cpus": spec["threads"], "memory": spec["max_memory"] + WORKER_OVERHEAD,
+            "runtime_env": {"env_vars": {name: os.environ.get(name, default)}}}
 
 
 def run_task(spec_path: str, log_path: str, version: str) -> tuple[dict[str, Any], int]:
@@ -170,7 +182,7 @@ class RayWorkers:
         :data:`WORKER_OVERHEAD` as ``memory``) and wait for its result."""
         ray = self._ray
         spec = json.loads(spec_path.read_text(encoding="utf-8"))
-        ref = self._task.options(num_cpus=spec["threads"], memory=spec["max_memory"] + WORKER_OVERHEAD).remote(
+        ref = self._task.options(**task_options(spec)).remote(
             str(spec_path.absolute()), str(log_path.absolute()), __version__)
         with self._lock:
             self._refs.add(ref)

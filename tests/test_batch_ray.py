@@ -235,3 +235,24 @@ def test_a_node_on_another_version_fails_the_job(tmp_path: Path) -> None:
     data, code = run_task(str(spec), str(log), "0.0.0-elsewhere")
     assert (code, data["status"], data["rule"]) == (2, "failed", "USE-001")
     assert "another convert-bnb version" in data["error"] and not spec.exists()
+
+
+def test_a_task_runs_with_one_blas_thread(cluster: tuple[str, Path], tmp_path: Path) -> None:
+    """A job's Ray task gets OpenBLAS's thread count of this process (one unless set), not Ray's
+    OMP_NUM_THREADS (= the task's CPUs), which OpenBLAS would take: BLAS threads on top of the job's, and
+    merge products whose bits differ from a local run's."""
+    from convert.batch_ray import RayWorkers, task_options
+
+    workers = RayWorkers(cluster[0])  # (connects this process, as a batch does)
+    try:
+        def env() -> tuple[str | None, str | None]:
+            return os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS")
+
+        options = task_options({"threads": 1, "max_memory": 64 << 20})
+        with mock.patch.dict(os.environ, {"OPENBLAS_NUM_THREADS": "1"}):
+            assert ray.get(ray.remote(env).options(**options).remote(), timeout=120)[0] == "1"
+        with mock.patch.dict(os.environ, {"OPENBLAS_NUM_THREADS": "3"}):  # the user's choice goes along
+            assert ray.get(ray.remote(env).options(**task_options({"threads": 1, "max_memory": 64 << 20}))
+                           .remote(), timeout=120)[0] == "3"
+    finally:
+        workers.close()
