@@ -172,11 +172,12 @@ class ConvertResult:
         plan_text: the plan as a table, with ``dry_run``.
         output_exists: with ``dry_run``: whether the output path exists already.
         tensors: tensors written.
-        elements: elements written.
+        elements: values converted: the model's, in its dequantized shapes (a packed 4-bit output's
+            weights, not its bytes).
         bytes_in: tensor bytes read.
         bytes_out: bytes written (all files).
         seconds: wall time.
-        gelem_per_s: elements written per second, in billions.
+        gelem_per_s: ``elements`` per second, in billions.
         peak_rss_bytes: the process's peak resident set (bytes).
         fp16_overflow: values that became inf when rounded to float16.
         fp16_underflow: non-zero values that became 0 when rounded to float16.

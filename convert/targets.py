@@ -47,7 +47,8 @@ class TargetJob(Protocol):
     #: whether the output is a directory (else one file), and the suffix of a file output
     is_dir: bool
     file_suffix: str
-    #: planned bytes of the output, tensors written, elements written, tensor bytes read
+    #: planned bytes of the output, tensors written, values converted (the model's, in its dequantized
+    #: shapes), tensor bytes read
     out_nbytes: int
     tensors: int
     elements: int
@@ -83,17 +84,19 @@ class SafetensorsJob:
         plan: the plan to write.
         extra_details: called after writing for target-specific results (the 4-bit report).
         extra_notes: called after writing for notes beyond the plan's.
+        elements: the values converted (default: the plan's elements; the re-quantized plan gives the
+            dequantized model's, not its packed bytes').
     """
 
     file_suffix = ".safetensors"
 
     def __init__(self, plan: Plan, extra_details: Callable[[], dict[str, Any]] | None = None,
-                 extra_notes: Callable[[], list[str]] | None = None) -> None:
+                 extra_notes: Callable[[], list[str]] | None = None, elements: int | None = None) -> None:
         self.plan = plan
         self.is_dir = plan.checkpoint.is_dir
         self.out_nbytes = plan.out_nbytes
         self.tensors = len(plan.tensors)
-        self.elements = sum(t.numel for t in plan.tensors)
+        self.elements = sum(t.numel for t in plan.tensors) if elements is None else elements
         self.in_nbytes = plan.in_nbytes
         self._extra_details = extra_details
         self._extra_notes = extra_notes
@@ -194,7 +197,7 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
                                                     else ""))
         return out
 
-    return SafetensorsJob(qplan, details, notes)
+    return SafetensorsJob(qplan, details, notes, elements=sum(t.numel for t in plan.tensors))
 
 
 def prepare_gguf(plan: Plan, options: ConvertOptions, model_name: str) -> TargetJob:

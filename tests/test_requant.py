@@ -598,3 +598,18 @@ def test_summary_points_to_the_full_report_only_when_none_was_asked_for(tmp_path
     summary = json.loads(capsys.readouterr().out)
     notes = " ".join(summary["notes"])
     assert "most affected: " in notes and "all layers in" not in notes and len(summary["report"]) == 14
+
+
+def test_elements_are_the_models_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--to nf4 counts the values it converts, as --to bf16 does (it counted its output's elements: the
+    packed bytes, half the weights, so its G elements/s read half of what it did)."""
+    src = str(MODELS / "llama_nf4_dq")
+    assert main([src, "--to", "bf16", "-o", str(tmp_path / "a"), "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main([src, "--to", "nf4", "--requantize", "-o", str(tmp_path / "b"), "--json"]) == 0
+    nf4 = json.loads(capsys.readouterr().out)
+    from safetensors import safe_open
+
+    with safe_open(str(MODELS / "llama_nf4_dq" / "reference" / "dequantized.safetensors"), "np") as ref:
+        values = sum(int(np.prod(ref.get_slice(k).get_shape())) for k in ref.keys())
+    assert nf4["elements"] == bf16["elements"] == values
