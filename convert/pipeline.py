@@ -129,7 +129,20 @@ class _Progress:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process, in bytes (Linux ``ru_maxrss`` is in KiB)."""
+    """Peak resident set size of this process, in bytes.
+
+    Linux: ``VmHWM`` of ``/proc/self/status``, the high-water mark of this process's own address space
+    (which :func:`reset_peak_rss` restarts). Not ``ru_maxrss``: Linux carries the spawning process's
+    peak into it across exec, so a batch worker started by a big batch process reported at least that
+    process's peak. Elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

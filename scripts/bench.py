@@ -215,17 +215,30 @@ def bnb_kernel(n_elem: int, threads: int, dtype: str = "bfloat16") -> dict | Non
             "seconds": round(best, 4), "gelem_per_s": round(n_elem / best / 1e9, 3)}
 
 
-def run_measured(cmd: list[str], cwd: Path | None = None) -> tuple[int, str, str, int]:
-    """Run a command; return (exit code, stdout, stderr, that child's own peak RSS in bytes) via wait4."""
+#: Runs argv[3:] with its stdout and stderr in the files argv[1] and argv[2], and prints its exit code,
+#: peak RSS and CPU seconds (its own and its children's: RUSAGE_CHILDREN) as JSON. A small fresh process:
+#: Linux keeps the spawning process's peak in a child's ``ru_maxrss`` across exec, so a command started
+#: by this (big) bench process would report at least this process's peak.
+_MEASURE = """
+import json, resource, subprocess, sys
+with open(sys.argv[1], "wb") as out, open(sys.argv[2], "wb") as err:
+    rc = subprocess.run(sys.argv[3:], stdout=out, stderr=err).returncode
+u = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": rc, "rss": u.ru_maxrss * 1024, "cpu": u.ru_utime + u.ru_stime}))
+"""
+
+
+def run_measured(cmd: list[str], cwd: Path | None = None) -> tuple[int, str, str, int, float]:
+    """Run a command; return (exit code, stdout, stderr, its own peak RSS in bytes, its CPU seconds), the
+    figures of the command and its children alone (through :data:`_MEASURE`)."""
     import tempfile
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=cwd)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024
+    with tempfile.NamedTemporaryFile() as out, tempfile.NamedTemporaryFile() as err:
+        r = subprocess.run([sys.executable, "-c", _MEASURE, out.name, err.name, *cmd], cwd=cwd,
+                           capture_output=True, text=True, check=True)
+        figures = json.loads(r.stdout)
+        return (figures["rc"], Path(out.name).read_text(errors="replace"), Path(err.name).read_text(errors="replace"),
+                figures["rss"], figures["cpu"])
 
 
 def compile_project() -> None:
@@ -238,11 +251,22 @@ def compile_project() -> None:
         compileall.compile_dir(ROOT / pkg, quiet=1)
 
 
+def warm(src: Path) -> None:
+    """Read every file under ``src`` (or ``src`` itself) once, into the page cache."""
+    for f in [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(16 << 20):
+                pass
+
+
 def cp_floor(out: Path, scratch: Path) -> float:
     """The floor: seconds of `cp` + `sync` of the output's own bytes on the same disk, one file at a
-    time (each copy removed before the next, so a 32 GB output needs one shard of extra space)."""
+    time (each copy removed before the next, so a 32 GB output needs one shard of extra space). Each
+    file is read once first (:func:`warm`): the conversion's writer drops the pages it wrote, and a
+    `cp` reading them back from the disk would time a read the conversion does not do."""
     total = 0.0
     for f in sorted(out.glob("*.safetensors")) if out.is_dir() else [out]:
+        warm(f)
         subprocess.run(["sync"], check=True)
         t = time.perf_counter()
         subprocess.run(["cp", str(f), str(scratch)], check=True)
@@ -262,7 +286,7 @@ def convert(src_dir: Path, max_memory: str, to: str, do_cp: bool, threads: int |
                ["--merge-lora", str(merge_lora)] if merge_lora else [])
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
-    code, stdout, stderr, child_rss = run_measured(cmd, cwd=ROOT)
+    code, stdout, stderr, child_rss, _cpu = run_measured(cmd, cwd=ROOT)
     wall = time.perf_counter() - t
     if code != 0:
         print(stderr, file=sys.stderr)
@@ -307,8 +331,8 @@ def llama_quantize(src_dir: Path, out_type: str, threads: int, max_memory: str) 
     out.unlink(missing_ok=True)
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
-    code, _stdout, stderr, rss = run_measured([sys.executable, "-c", _LLAMA_QUANTIZE, str(f32), str(out), out_type,
-                                               str(threads)])
+    code, _stdout, stderr, rss, _cpu = run_measured([sys.executable, "-c", _LLAMA_QUANTIZE, str(f32), str(out),
+                                                     out_type, str(threads)])
     wall = time.perf_counter() - t
     if code != 0:
         print(stderr[-3000:], file=sys.stderr)
@@ -344,7 +368,8 @@ def hf_baseline(src_dir: Path, threads: int) -> None:
         shutil.rmtree(out)
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
-    code, _stdout, stderr, rss = run_measured([sys.executable, "-c", _HF_SCRIPT, str(src_dir), str(out), str(threads)])
+    code, _stdout, stderr, rss, _cpu = run_measured([sys.executable, "-c", _HF_SCRIPT, str(src_dir), str(out),
+                                                     str(threads)])
     wall = time.perf_counter() - t
     if code != 0:
         print(stderr[-3000:], file=sys.stderr)

@@ -9,7 +9,7 @@ for docs/performance.md and (with matplotlib, ``pip install -e '.[bench]'``) a P
 For each cap of ``--caps`` (default 128MiB, 512MiB, 1GiB), in one round: ``cp`` + ``sync`` of the bf16
 output (the disk's floor), then one ``convert-bnb`` run per path in a subprocess: ``--to bf16``, ``fp16``,
 ``gguf:f16``, ``gguf:q8_0``, ``gguf:q4_k_m``, bf16 with ``--merge-lora`` (when ``--lora`` is given) and
-``--to nf4`` from the bf16 output. Before each run its input is read once (:func:`warm`), so every path,
+``--to nf4`` from the bf16 output. Before each run its input is read once (``bench.warm``), so every path,
 the bf16 baseline included, starts with its input in the page cache (the writer drops the pages of
 what it writes, and other work evicts the rest: a cold baseline made every ratio look better). Each run:
 wall seconds, CPU seconds (user + system of the process and
@@ -26,14 +26,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench import compile_project, cp_floor  # noqa: E402
+from bench import compile_project, cp_floor, run_measured, warm  # noqa: E402
 
 #: (label, convert-bnb arguments after SRC; "{bf16}" is the bf16 output of the same round).
 PATHS: list[tuple[str, list[str]]] = [
@@ -47,30 +46,17 @@ PATHS: list[tuple[str, list[str]]] = [
 ]
 
 
-def warm(src: Path) -> None:
-    """Read every file under ``src`` (or ``src`` itself) once, into the page cache."""
-    for f in [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file()):
-        with open(f, "rb", buffering=0) as fh:
-            while fh.read(16 << 20):
-                pass
-
-
 def measured(cmd: list[str]) -> dict[str, float]:
-    """Run ``cmd``; its wall seconds, CPU seconds (user + system of it and the children it reaped) and
-    peak RSS in MiB (the largest of it and those children), from ``wait4``."""
+    """Run ``cmd``; its wall seconds, CPU seconds (user + system of it and its children) and peak RSS in MiB
+    (the largest of it and its children), its own figures (``bench.run_measured``: not this process's
+    peak, which Linux would otherwise carry into the child's)."""
     t = time.perf_counter()
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - t
-        log.seek(0)
-        err = log.read().decode(errors="replace")
-    if os.waitstatus_to_exitcode(status) != 0:
+    code, _out, err, rss, cpu = run_measured(cmd, cwd=ROOT)
+    wall = time.perf_counter() - t
+    if code != 0:
         print(err[-2000:], file=sys.stderr)
         raise SystemExit(1)
-    return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_mib": round(rss / (1 << 20), 1)}
 
 
 def run_round(src: Path, lora: Path | None, cap: str, threads: int, work: Path,

@@ -147,3 +147,19 @@ def test_to_takes_any_letter_case_in_every_command(spelled: str, tmp_path: Path,
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"{MODEL} --to {spelled.strip()}\n")
     assert main(["batch", str(jobs), "--out-dir", str(tmp_path / "b"), "--to", spelled.strip(), "--dry-run"]) == 0
+
+
+def test_peak_rss_is_the_processes_own() -> None:
+    """The reported peak RSS is the conversion's own address space: not the peak of the process that
+    started it (Linux carries that into a child's ru_maxrss across exec: a batch worker started by a big
+    batch process reported at least its peak)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    big = np.ones(400 << 20, np.uint8)  # this process's peak: at least 400 MiB when the child starts
+    code = "from convert.pipeline import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               cwd=Path(__file__).resolve().parent.parent).stdout)
+    assert 5 << 20 < child < 200 << 20 and big.sum() == 400 << 20
