@@ -12,6 +12,7 @@ has none, and NumPy's ``a * b + c`` rounds twice as C does.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import ClassVar, NamedTuple
@@ -309,14 +310,15 @@ def encode_into_by_chunks(
     out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
     scratch = None if x.dtype == np.float32 else np.empty((min(chunk, flat.shape[0]), block), np.float32)
     with np.errstate(all="ignore"):
-        lead = -first % chunk  # blocks up to the next grid line
-        for s in ([0] if lead else []) + list(range(lead, flat.shape[0], chunk)):
-            xb = flat[s : lead if s == 0 and lead else s + chunk]
+        n = flat.shape[0]
+        cuts = [0, *range(-first % chunk or chunk, n, chunk), n] if n else []  # the grid's lines in x, its ends
+        for s, e in itertools.pairwise(cuts):
+            xb = flat[s:e]
             if scratch is not None:
                 wide = scratch[: xb.shape[0]]
                 np.copyto(wide, xb, casting="unsafe")
                 xb = wide
-            encode_into(xb, out[s : s + xb.shape[0]])
+            encode_into(xb, out[s:e])
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * type_size)
 
 

@@ -66,7 +66,7 @@ from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
-from .kernels import BF16, bf16_to_f16, count_f16_loss
+from .kernels import BF16, PIECE, bf16_to_f16, count_f16_loss
 from .output import user_path
 
 __all__ = ["SourceTensor", "TensorReport", "check_encoders", "encode_chunk", "encoder_processes", "write_gguf"]
@@ -133,6 +133,11 @@ class TensorReport:
     fp16_underflow: int = 0
     measured: int = 0
 
+    @property
+    def sampled(self) -> bool:
+        """The error figures cover a sample, not every element."""
+        return self.measured < math.prod(self.shape)
+
 
 #: Source dtypes whose values the GGML type holds exactly.
 _SAME_FLOAT = {"bfloat16": GT.BF16, "float16": GT.F16}
@@ -191,8 +196,9 @@ def _convert_chunk(
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
-    if math.isfinite(sum_squares(x)):  # (a non-finite sum: some value is inf/NaN)
-        return _encode(t.ggml_type, x, not exact, sample, start, procs)
+    encoded = _encode(t.ggml_type, x, not exact, sample, start, procs)
+    if math.isfinite(encoded.sq_ref):  # (a non-finite sum: some value is inf/NaN)
+        return encoded
     finite = np.isfinite(x)
     all_finite = bool(finite.all())
     if not all_finite and t.ggml_type not in _FLOAT_TYPES:
@@ -207,9 +213,8 @@ def _convert_chunk(
                   f"the first at row {row0 + row}, column {col} of {t.name}",
             action="write",
         )
-    if not all_finite:  # a float type keeping inf/NaN as they are: no error to measure there
-        return encode_chunk(t.ggml_type, x, not exact, finite)
-    return _encode(t.ggml_type, x, not exact, sample, start, procs)
+    # a float type keeping inf/NaN as they are: no error to measure there
+    return encode_chunk(t.ggml_type, x, not exact, finite)
 
 
 def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
@@ -224,14 +229,10 @@ def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
         if not np.isfinite(wide).all():
             return None
         sq_ref = 0.0
-        for s in range(0, flat.size, _PIECE):  # float32 pieces in cache, no chunk-sized temporary
-            sq_ref += sum_squares(flat[s : s + _PIECE].astype(np.float32))
+        for s in range(0, flat.size, PIECE):  # float32 pieces in cache, no chunk-sized temporary
+            sq_ref += sum_squares(flat[s : s + PIECE].astype(np.float32))
         err = y[rounded].astype(np.float32) - wide
     return _Chunk(y.view(np.uint8), abs_max(err), sum_squares(err), sq_ref, flat.size, (int(loss[0]), int(loss[1])))
-
-
-#: Values per piece of :func:`_bf16_to_f16_chunk`'s sum of squares (float32 temporaries that stay in cache).
-_PIECE = 1 << 16
 
 
 def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sample: int,

@@ -84,9 +84,8 @@ def _type_notes(out_type: str, tensors: list[GGUFTensor]) -> list[str]:
 
 
 def _error_notes(out_type: str, reports: list[TensorReport], sample: int) -> list[str]:
-    sampled = any(r.measured < math.prod(r.shape) for r in reports)
     # (a sampled tensor, of a block type, may differ outside its sample where it did not inside)
-    changed = [r for r in reports if r.max_abs_error > 0 or r.measured < math.prod(r.shape)]
+    changed = [r for r in reports if r.max_abs_error > 0 or r.sampled]
     if not changed:
         return [f"gguf {out_type}: every tensor equals the float weight (dequantized, merged) exactly"]
     worst = sorted(changed, key=lambda r: r.rel_rms_error, reverse=True)
@@ -95,7 +94,7 @@ def _error_notes(out_type: str, reports: list[TensorReport], sample: int) -> lis
         f"(rounding to each tensor's type); relative RMS error per tensor up to {worst[0].rel_rms_error:.3g}, "
         "worst tensors below (all in --json)"
         + (f"; the quantized tensors' figures are measured on a fixed 1/{sample} sample of each (every "
-           "value with --json)" if sampled else "")
+           "value with --json)" if any(r.sampled for r in reports) else "")
     ]
     for r in worst[:5]:
         notes.append(

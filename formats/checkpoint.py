@@ -447,10 +447,9 @@ def _open_index(
         except ConvertBnbError as exc:
             report(exc)
             continue
-        for p in problems[before:] if problems is not None else ():
-            hit = damaged.setdefault(shard, set())
-            if hit is not None:
-                damaged[shard] = None if p.tensor is None else hit | {p.tensor}
+        new = problems[before:] if problems is not None else []
+        if new:
+            damaged[shard] = None if any(p.tensor is None for p in new) else {p.tensor for p in new}
         readers.append(reader)
         opened[shard] = reader
         files.append(shard_path)
