@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from formats.errors import ConvertBnbError
 
-from . import __version__, batch, check, inspection
+from . import __version__, batch_cli, check, inspection
 from .output import InterruptedAfterCommit
 from .units import format_bytes, parse_size
 
@@ -46,7 +46,7 @@ other commands: {subcommands}
 
 #: ``convert-bnb COMMAND ...``: name -> (description, add the arguments, run the parsed arguments).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
-    "batch": (batch.DESCRIPTION, batch.add_arguments, batch.run_command),
+    "batch": (batch_cli.DESCRIPTION, batch_cli.add_arguments, batch_cli.run_command),
     "check": (check.DESCRIPTION, check.add_arguments, check.run_command),
     "inspect": (inspection.DESCRIPTION, inspection.add_arguments, inspection.run_command),
 }
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = bool(getattr(args, "json", False))
     # a batch keeps finished jobs and the finished shards of the others for a re-run; one conversion
     # removes its temporary (check and inspect write nothing)
-    tail = batch.INTERRUPTED_TAIL if run is batch.run_command else "no output was left behind"
+    tail = batch_cli.INTERRUPTED_TAIL if run is batch_cli.run_command else "no output was left behind"
     try:
         return run(args)
     except ConvertBnbError as exc:

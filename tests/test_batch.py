@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from convert.batch import summary_table
 from convert.batch_card import model_card
+from convert.batch_cli import summary_table
 from convert.batch_jobs import Job, parse_jobs
 from convert.cli import main
 from convert.output import sha256_file

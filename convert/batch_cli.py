@@ -1,0 +1,146 @@
+"""``convert-bnb batch``'s command line: its arguments, the run (or ``--dry-run`` plan) and the summary
+table printed at the end. The batch itself, its rules and its files are :mod:`convert.batch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from formats.errors import UsageError
+
+from .batch import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, JobResult, check_executor, run_batch
+from .batch_card import plan_batch
+from .batch_jobs import parse_jobs, target_names
+from .targets import normalize_target
+from .units import format_bytes, parse_size
+
+__all__ = ["DESCRIPTION", "INTERRUPTED_TAIL", "add_arguments", "run_command", "summary_table"]
+
+#: What an interrupted batch leaves, as the command line says it.
+INTERRUPTED_TAIL = ("finished jobs are kept, and so are the finished shards of unfinished directory outputs "
+                    "(OUT/.NAME.convert-bnb-partial); run the same command again to resume")
+
+
+def summary_table(results: list[JobResult]) -> str:
+    """The table printed at the end of a batch: one row per job, then the totals."""
+    head = ("job", "status", "shards new/kept", "output", "time", "detail")
+    rows = []
+    for r in results:
+        detail = r.error or (f"pushed to {r.pushed}" if r.pushed else "")
+        if r.commit and not r.error:
+            detail = (f"@{r.commit[:10]} " + detail).strip()
+        rows.append((r.name, r.status, f"{r.shards_written}/{r.shards_reused}",
+                     format_bytes(r.bytes_out) if r.bytes_out else "-", f"{r.seconds:.1f}s", detail))
+    widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head) - 1)]
+    lines = []
+    for row in [head, *rows]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1])
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    lines.append(", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f" of {len(results)} jobs")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+DESCRIPTION = ("Convert many checkpoints (Hub repos or paths) listed in JOBS into --out-dir: parallel worker processes "
+               "within one memory budget, resumable per shard, failures isolated, a summary table at the end "
+               f"(exit {EXIT_JOBS_FAILED} if any job failed); optional --push-to-hub.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``convert-bnb batch``."""
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = """\
+examples:
+  convert-bnb batch jobs.txt --out-dir out/ --to bf16 --jobs 2 --max-memory 4GiB
+  convert-bnb batch jobs.txt --out-dir out/ --push-to-hub my-org --dry-run   card + upload plan, no work
+  convert-bnb batch jobs.txt --out-dir /shared/out --executor ray --ray-address auto   on a Ray cluster
+
+jobs.txt:
+  # one job per line; options override the command line's
+  unsloth/llama-3-8b-bnb-4bit
+  unsloth/mistral-7b-bnb-4bit@main --to fp16 --max-shard-size 2GB
+  ./local-model-bnb-4bit --name local-bf16
+
+Re-running the same command skips finished jobs and finished shards (state in OUT/.convert-bnb/).
+"""
+    p.add_argument("jobs_file", metavar="JOBS",
+                   help="text file (one 'SRC[@REVISION] [--to T] [--max-shard-size S] [--name N]' per line, "
+                   "# comments) or a JSON/YAML list")
+    p.add_argument("--out-dir", type=Path, required=True, help="where the outputs and the state files go")
+    p.add_argument("--jobs", type=int, default=1, help="conversions running at a time (default: 1)")
+    p.add_argument("--to", default="auto", choices=target_names(), metavar="TARGET", type=normalize_target,
+                   help="default target of the jobs (default: auto)")
+    p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
+                   help="memory budget of the whole batch, split over --jobs (default: 1GiB)")
+    p.add_argument("--threads", type=int, default=None, help="threads of the whole batch (default: all cores)")
+    p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
+                   help="default largest output shard (default: 5GB)")
+    p.add_argument("--push-to-hub", metavar="ORG", default=None,
+                   help="create ORG/NAME repos and upload each output with a model card")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create private repos")
+    p.add_argument("--dry-run", action="store_true",
+                   help="convert nothing: print each job's plan (and with --push-to-hub the card and upload plan)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip re-reading written shards")
+    p.add_argument("--overwrite", action="store_true",
+                   help="redo jobs whose output was made with other settings (files the batch did not write are "
+                   "never removed)")
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="where jobs run: worker processes on this machine (local, the default), or Ray tasks on a "
+                   "cluster (ray; needs pip install 'convert-bnb[ray]' and an --out-dir every node sees)")
+    p.add_argument("--ray-address", metavar="ADDR", default=None,
+                   help="with --executor ray: the cluster (ray.init address, e.g. auto or HOST:6379; default: "
+                   "RAY_ADDRESS, a cluster started on this machine, or a new local one)")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``convert-bnb batch``: run (or ``--dry-run``: plan) the jobs; exit 3 if any failed."""
+    check_executor(args.executor, args.ray_address)
+    jobs = parse_jobs(args.jobs_file, args)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1", found=args.threads)
+    out_dir: Path = args.out_dir
+    if args.dry_run:
+        plan = plan_batch(jobs, out_dir, args.push_to_hub, args.private)
+        if args.json:
+            print(json.dumps(plan, indent=2))
+        else:
+            for e in plan:
+                print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
+                      + f" --to {e['to']} -> {e['output']}: {e['action']}"
+                      + (f" ({e['error']})" if "error" in e else ""))
+                if "upload" in e:
+                    up = e["upload"]
+                    print(f"  upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
+                          f"exist_ok), one commit '{up['commit']['commit_message']}':")
+                    for op in up["commit"]["operations"]:
+                        print(f"    {op['path_in_repo']:<40} {op['bytes']:>14,d} B  <- {op['from']}")
+                    print("  model card:")
+                    print("    " + e["card"].replace("\n", "\n    ").rstrip())
+        return 0
+    show = not args.quiet and not args.json
+    finished = [0]
+
+    def job_done(r: JobResult) -> None:
+        finished[0] += 1
+        if show:
+            print(f"[{r.status}] {r.name}" + (f": {r.error}" if r.error else "")
+                  + f" ({finished[0]} of {len(jobs)} jobs done)", file=sys.stderr, flush=True)
+
+    def progress(p: BatchProgress) -> None:
+        print(p.line(), file=sys.stderr, flush=True)
+
+    results = run_batch(jobs, out_dir, n_jobs=args.jobs, max_memory=args.max_memory, threads=args.threads,
+                        verify=args.verify, overwrite=args.overwrite, push_to_hub=args.push_to_hub,
+                        private=args.private, on_done=job_done, on_progress=progress if show else None,
+                        progress_interval=2.0 if sys.stderr.isatty() else 10.0, executor=args.executor,
+                        ray_address=args.ray_address)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    elif not args.quiet:
+        print(summary_table(results))
+    return EXIT_JOBS_FAILED if any(r.status == "failed" for r in results) else 0
