@@ -170,7 +170,7 @@ class JobResult:
         error_class: the error's class name when failed (``OutputBusyError``, ...).
         rule: the error's rule when failed (``OUT-004``, ...).
         pushed: the Hub repo pushed to (this run or before), or None.
-        notes: the conversion's notes.
+        notes: the conversion's notes (first its float16 line, when it has one).
     """
 
     name: str
@@ -268,7 +268,7 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             result.status = "converted"
             result.shards_written, result.shards_reused = done.shards_written, done.shards_reused
             result.verified = done.verified
-            result.notes = done.notes
+            result.notes = [line for line in [done.fp16_line()] if line] + done.notes
             state.update(status="done", files=done.files, error=None)
             if source.hub is not None:
                 state["source"] = {"repo": source.hub.repo_id, "revision": source.hub.revision,

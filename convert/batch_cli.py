@@ -130,6 +130,8 @@ def run_command(args: argparse.Namespace) -> int:
         if show:
             print(f"[{r.status}] {r.name}" + (f": {r.error}" if r.error else "")
                   + f" ({finished[0]} of {len(jobs)} jobs done)", file=sys.stderr, flush=True)
+            for n in r.notes:  # what a single conversion prints under its summary
+                print(f"  note: {n}", file=sys.stderr, flush=True)
 
     def progress(p: BatchProgress) -> None:
         print(p.line(), file=sys.stderr, flush=True)

@@ -194,9 +194,8 @@ def print_summary(result: Any) -> None:
     print(f"wrote {result.output}: {result.tensors} tensors, {format_bytes(result.bytes_in)} in, "
           f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
           f"peak RSS {format_bytes(result.peak_rss_bytes)}", file=sys.stderr)
-    if result.fp16_overflow or result.fp16_underflow:
-        print(f"float16: {result.fp16_overflow} values overflowed to inf, "
-              f"{result.fp16_underflow} non-zero values flushed to zero", file=sys.stderr)
+    if result.fp16_line():
+        print(result.fp16_line(), file=sys.stderr)
     for r in result.removed_stale:
         print(r, file=sys.stderr)
     for n in result.notes:

@@ -217,6 +217,14 @@ class ConvertResult:
     notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
+    def fp16_line(self) -> str | None:
+        """The summary's float16 line (values that overflowed to inf, non-zero values flushed to zero),
+        or None when neither happened."""
+        if not (self.fp16_overflow or self.fp16_underflow):
+            return None
+        return (f"float16: {self.fp16_overflow} values overflowed to inf, {self.fp16_underflow} non-zero values "
+                "flushed to zero")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``--json``): ``ok``, the converter's version, the fields, with ``details``
         flattened in (a dry run gives the plan)."""

@@ -734,3 +734,18 @@ def test_out_dir_inside_a_job_input_is_refused_before_anything_is_written(tmp_pa
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert cli_main(["batch", str(jobs), "--out-dir", str(afile), "-q"]) == 2
+
+
+def test_job_notes_are_printed_and_recorded(tmp_path: Path) -> None:
+    """A batch prints each job's notes under its status line, its float16 line first, as a single conversion
+    prints them under its summary (they were in --json only, without the float16 counts: nowhere)."""
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --to fp16\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    single = run_cli([str(MODELS / "llama_nf4_dq"), "--to", "fp16", "-o", str(tmp_path / "one")], env)
+    line = "float16: 0 values overflowed to inf, 1 non-zero values flushed to zero"
+    assert single.returncode == 0 and line in single.stderr.splitlines()
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "out")], env)
+    assert r.returncode == 0 and f"  note: {line}" in r.stderr.splitlines()
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "out2"), "--json"], env)
+    assert json.loads(r.stdout)[0]["notes"][0] == line
