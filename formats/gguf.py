@@ -44,13 +44,13 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 import gguf
 import numpy as np
 
 from .errors import GgufVerificationError
-from .writeback import WriteBehind
+from .writeback import FileStream
 
 __all__ = [
     "FileLayout",
@@ -153,12 +153,13 @@ class GGUFFileWriter:
             self._w.write_kv_data_to_file()
             self._w.write_ti_data_to_file()
             assert self._w.fout is not None
-            self._fout: BinaryIO = self._w.fout[0]
-            self._w.write_padding(self._fout, self._fout.tell())
-            self._behind = WriteBehind(self._fout)
-        except BaseException:
-            self._w.close()
-            raise
+            fout = self._w.fout[0]
+            self._w.write_padding(fout, fout.tell())
+            start = fout.tell()
+        finally:
+            self._w.close()  # (gguf-py's file: the data goes through the stream)
+        self._alignment = self._w.data_alignment
+        self._out = FileStream(self.path, start)
 
     def write(self, data: np.ndarray) -> int:
         """Append bytes of the current tensor.
@@ -170,10 +171,9 @@ class GGUFFileWriter:
         Returns:
             The number of bytes written (``data.nbytes``).
         """
-        self._fout.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
-        self._behind.advance(data.nbytes)
-        self._written += data.nbytes
-        return data.nbytes
+        n = self._out.write(data)
+        self._written += n
+        return n
 
     def end_tensor(self) -> None:
         """Finish the current tensor: check its byte count against its info, pad to 32 bytes.
@@ -191,13 +191,21 @@ class GGUFFileWriter:
                 found=self._written,
                 action="write",
             )
-        self._w.write_padding(self._fout, t.nbytes)
+        self._out.write(bytes(-t.nbytes % self._alignment))  # gguf-py's write_padding
         self._index += 1
         self._written = 0
 
     def close(self) -> None:
-        """Close the file (also after an error; the caller removes a partial file)."""
-        self._w.close()
+        """Write what is buffered, fsync and close the file.
+
+        Raises:
+            OSError: a write failed (the file is closed; the caller removes it).
+        """
+        self._out.close()
+
+    def abort(self) -> None:
+        """Close without writing what is buffered (after an error; the caller removes the file)."""
+        self._out.abort()
 
     def __enter__(self) -> GGUFFileWriter:
         return self
@@ -206,8 +214,9 @@ class GGUFFileWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc_type is None:
-            self._w.flush()
-        self.close()
+            self.close()
+        else:
+            self.abort()
 
 
 def verify_gguf(path: str | os.PathLike[str], plan: FileLayout) -> None:

@@ -52,7 +52,7 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -77,7 +77,7 @@ from .errors import (
     UnknownDtypeError,
 )
 from .jsonfile import load_json_bytes
-from .writeback import WriteBehind
+from .writeback import FileStream
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -554,24 +554,18 @@ class SafetensorsWriter:
     ) -> None:
         self.path = Path(path)
         header, self._spans = build_header(entries, metadata)
-        self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 - closed in close()
-        self._file.write(header)
-        self._behind = WriteBehind(self._file)
+        with open(self.path, "xb") as f:
+            f.write(header)
+        self._file = FileStream(self.path, len(header))
         self._index = 0
         self._written = 0  # bytes of the current tensor
         self.nbytes = len(header) + (self._spans[-1][2] if self._spans else 0)
 
     def write(self, data: np.ndarray | bytes | memoryview) -> None:
         """Append bytes of the current tensor (C-contiguous arrays are written without a copy)."""
-        payload: Any  # a buffer of bytes
-        if isinstance(data, np.ndarray):
-            if not data.flags.c_contiguous:
-                data = np.ascontiguousarray(data)
-            payload = data.reshape(-1).view(np.uint8)  # no copy
-        else:
-            payload = memoryview(data).cast("B")
+        payload = (np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
+                   else memoryview(data).cast("B"))  # (no copy of a C-contiguous array)
         n = payload.nbytes
-        self._behind.advance(n)  # (counts the bytes before they are written: the advice lags a step anyway)
         if self._written == 0 and self._index < len(self._spans):
             _, begin, end = self._spans[self._index]
             if n == end - begin:  # one whole tensor: the common case, 10^5 times for many small tensors
@@ -609,16 +603,12 @@ class SafetensorsWriter:
     def close(self, fsync: bool = True) -> None:
         """Flush (and fsync) the file and check that every planned byte was written."""
         self._skip_empty()
-        try:
-            if self._index != len(self._spans):
-                name = self._spans[self._index][0]
-                raise ValueError(f"'{self.path}': tensor '{name}' incomplete when closing")
-            self._file.flush()
-            if fsync:
-                os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
+        if self._index != len(self._spans):
+            self._file.abort()
+            name = self._spans[self._index][0]
+            raise ValueError(f"'{self.path}': tensor '{name}' incomplete when closing")
+        self._file.close(fsync=fsync)
 
     def abort(self) -> None:
         """Close without checks (the caller removes the file)."""
-        self._file.close()
+        self._file.abort()

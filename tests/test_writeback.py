@@ -1,15 +1,19 @@
-"""formats.writeback: the ranges whose writeback is started while a file is streamed."""
+"""formats.writeback: the output stream (O_DIRECT from aligned buffers, or the page cache with write-behind)."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
 import pytest
 
+import formats.writeback as wb_mod
 from formats.dtypes import by_code
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
-from formats.writeback import WriteBehind
+from formats.writeback import ALIGN, FileStream, WriteBehind
+
+HAS_DIRECT = hasattr(os, "O_DIRECT")
 
 
 def test_ranges_advised_twice_one_step_apart(tmp_path, monkeypatch):
@@ -17,7 +21,7 @@ def test_ranges_advised_twice_one_step_apart(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)), raising=False)
     with open(tmp_path / "f", "wb") as f:
         f.write(b"h" * 10)
-        wb = WriteBehind(f, step=100)
+        wb = WriteBehind(f.fileno(), 10, step=100)
         for _ in range(7):
             f.write(b"x" * 40)
             wb.advance(40)
@@ -35,7 +39,7 @@ def test_advice_refused_turns_it_off(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
     with open(tmp_path / "f", "wb") as f:
-        wb = WriteBehind(f, step=8)
+        wb = WriteBehind(f.fileno(), 0, step=8)
         for _ in range(5):
             f.write(b"y" * 8)
             wb.advance(8)
@@ -43,10 +47,145 @@ def test_advice_refused_turns_it_off(tmp_path, monkeypatch):
     assert (tmp_path / "f").read_bytes() == b"y" * 40
 
 
+def _stream(path, head: bytes, pieces: list[bytes], direct: bool) -> FileStream:
+    path.write_bytes(head)
+    s = FileStream(path, len(head), direct=direct)
+    for p in pieces:
+        assert s.write(np.frombuffer(p, np.uint8) if len(p) % 2 else p) == len(p)
+    return s
+
+
+def _pieces(rng: np.random.Generator, sizes: list[int]) -> list[bytes]:
+    return [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+
+
+# header lengths around the 4096-byte blocks; piece sizes that end a buffer exactly, cross one, and wrap the ring
+@pytest.mark.parametrize("head_len", [0, 1, 8, 4095, 4096, 4097, 12_345])
+@pytest.mark.parametrize("direct", [True, False])
+def test_stream_bytes_exact(tmp_path, monkeypatch, head_len, direct):
+    monkeypatch.setattr(wb_mod, "BUFFER_BYTES", 4 * ALIGN)  # 16 KiB buffers: the ring of 4 wraps many times
+    rng = np.random.default_rng(head_len)
+    head = rng.integers(0, 256, head_len, dtype=np.uint8).tobytes()
+    pieces = _pieces(rng, [0, 1, 4095, 16_384 - (head_len % 16_384), 16_384, 3, 50_000, 70_001, 0, 7])
+    s = _stream(tmp_path / "f", head, pieces, direct)
+    if not direct:
+        assert not s.direct
+    assert s.tell() == head_len + sum(map(len, pieces))
+    s.close()
+    assert (tmp_path / "f").read_bytes() == head + b"".join(pieces)
+
+
+def _direct_here(path) -> bool:
+    path.write_bytes(b"")
+    s = FileStream(path, 0)
+    ok = s.direct
+    s.abort()
+    return ok
+
+
+@pytest.mark.skipif(not HAS_DIRECT, reason="no O_DIRECT on this system")
+def test_direct_used_where_the_file_system_takes_it(tmp_path):
+    if not _direct_here(tmp_path / "probe"):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    rng = np.random.default_rng(1)
+    pieces = _pieces(rng, [100_000, 3 << 20, 9 << 20, 5])  # the real 8 MiB buffers, a padded last block
+    s = _stream(tmp_path / "f", b"header", pieces, True)
+    assert s.direct
+    s.close()
+    data = (tmp_path / "f").read_bytes()
+    assert len(data) == 6 + sum(map(len, pieces))  # cut to its length after the padded last block
+    assert data == b"header" + b"".join(pieces)
+
+
+@pytest.mark.skipif(not HAS_DIRECT, reason="no O_DIRECT on this system")
+def test_open_refusing_o_direct_goes_through_the_page_cache(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    rng = np.random.default_rng(2)
+    pieces = _pieces(rng, [5000, 70_000])
+    s = _stream(tmp_path / "f", b"hh", pieces, True)
+    assert not s.direct
+    s.close()
+    assert (tmp_path / "f").read_bytes() == b"hh" + b"".join(pieces)
+
+
+@pytest.mark.skipif(not HAS_DIRECT, reason="no O_DIRECT on this system")
+def test_write_refusing_o_direct_falls_back_for_the_rest(tmp_path, monkeypatch):
+    if not _direct_here(tmp_path / "probe"):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    monkeypatch.setattr(wb_mod, "BUFFER_BYTES", 2 * ALIGN)
+    real_pwrite, refused = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if fd in direct_fds:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    rng = np.random.default_rng(3)
+    pieces = _pieces(rng, [10_000, 30_000, 123])
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10)
+    s = FileStream(path, 10)
+    direct_fds = {s._direct_fd}
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    for p in pieces:
+        s.write(p)
+    s.close()
+    assert refused and not s.direct
+    assert path.read_bytes() == b"x" * 10 + b"".join(pieces)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_error_reaches_close_and_nothing_leaks(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(wb_mod, "BUFFER_BYTES", 2 * ALIGN)
+
+    def full(fd, data, offset=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = _open_fds()
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    s = FileStream(path, 0, direct=direct)
+    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as e:
+        for _ in range(10):
+            s.write(b"z" * 5000)
+        s.close()
+    assert e.value.errno == errno.ENOSPC
+    s.abort()  # what a writer does after the error: no second error, every descriptor closed
+    monkeypatch.undo()
+    assert _open_fds() == before
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_abort_discards_and_closes(tmp_path, direct):
+    path = tmp_path / "f"
+    s = _stream(path, b"abc", [b"q" * 10_000], direct)
+    s.abort()
+    s.abort()  # twice is harmless
+    s.close()  # and close after abort writes nothing
+    assert path.read_bytes()[:3] == b"abc"
+
+
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
 def test_streamed_file_is_exact_with_write_behind(tmp_path, monkeypatch):
-    """A small step so that the advice runs between the writes of one tensor and of the next."""
+    """Through the page cache (no O_DIRECT), with a small step so that the advice runs between the
+    writes of one tensor and of the next."""
     monkeypatch.setattr(WriteBehind.__init__, "__defaults__", (4096,))
+    monkeypatch.setattr(FileStream.__init__, "__defaults__", (False,))
     real, calls = os.posix_fadvise, []
     monkeypatch.setattr(os, "posix_fadvise", lambda *a: (calls.append(a[1:3]), real(*a))[1])
     rng = np.random.default_rng(5)
