@@ -10,12 +10,16 @@ __version__ = "0.1.0"
 #: (:func:`convert.batch_ray.task_options`), as their workers start with NumPy loaded.
 BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "1")
 
+#: Signals that stop a run as SIGINT does (exit 130, the temporary removed): SIGTERM, and SIGHUP where it
+#: exists (the terminal closed), by name so that importing this package stays light.
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+
 
 def main() -> int:
     """The ``convert-bnb`` console script (and ``python -m convert``).
 
-    OpenBLAS gets one thread unless ``OPENBLAS_NUM_THREADS`` is set (see below). SIGINT and SIGTERM
-    are handled before anything heavy is imported (NumPy and the command line take a second or more
+    OpenBLAS gets one thread unless ``OPENBLAS_NUM_THREADS`` is set (see below). SIGINT and
+    :data:`STOP_SIGNALS` are handled before anything heavy is imported (NumPy and the command line take a second or more
     to import on a loaded machine): a signal then ends the process with exit 130 and one line, as it
     does later in :func:`convert.cli.main`, instead of a traceback (SIGINT) or exit 143 (SIGTERM).
     """
@@ -33,8 +37,10 @@ def main() -> int:
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    stops = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _stop)
+        for sig in stops:
+            signal.signal(sig, _stop)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from .cli import main as cli_main
@@ -45,5 +51,5 @@ def main() -> int:
         return 130
     finally:  # the run is over: a late signal no longer kills the process while it exits with its code
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            for sig in [signal.SIGINT, *stops]:
+                signal.signal(sig, signal.SIG_IGN)

@@ -436,6 +436,6 @@ def write_directory_files(plan: Plan, tmp: Path) -> None:
     for extra in plan.checkpoint.extra_files:
         if extra.name == "config.json" and plan.config is not None:
             continue
-        shutil.copy2(extra, tmp / extra.name)
+        shutil.copyfile(extra, tmp / extra.name)  # (the bytes only: the output's mode follows the umask)
     if plan.config is not None:
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")

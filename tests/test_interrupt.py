@@ -87,7 +87,7 @@ def wait_mid_write(proc: subprocess.Popen[str], out: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["file", "dir"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_sigterm_sigint_remove_the_temporary(kind: str, sig: int, tmp_path: Path, big_layer: dict) -> None:
     src = make_input(kind, tmp_path, big_layer)
     before = digest(src)
@@ -137,7 +137,7 @@ def test_sigkill_leaves_only_a_stale_temporary_that_the_next_run_removes(
     assert digest(src) == before
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_during_start_up_imports_is_one_line_and_exit_130(sig: int, tmp_path: Path) -> None:
     """The harness (tests/harness/sitecustomize.py) holds the process while ``convert.cli`` (and with it
     NumPy) is being imported: the signal there used to print a KeyboardInterrupt traceback (SIGINT) or

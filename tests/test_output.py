@@ -344,3 +344,24 @@ def test_threads_are_capped_so_the_memory_cap_holds(tmp_path: Path) -> None:
                for n in res.notes), res.notes
     want = load_all(REFERENCES["llama_nf4_dq"])
     assert_same_tensors({k: v for k, v in load_all(tmp_path / "o").items() if k in want}, want)
+
+
+def test_copied_files_take_the_umask_not_the_source_mode(tmp_path):
+    """tokenizer and generation files are copied byte for byte, but created like every other output file
+    (a read-only source file used to give a read-only copy that ignored the umask)."""
+    src = tmp_path / "model"
+    src.mkdir()
+    for p in (MODELS / "llama_nf4_dq").iterdir():
+        if p.is_file():
+            (src / p.name).write_bytes(p.read_bytes())
+    os.chmod(src / "tokenizer_config.json", 0o444)
+    os.chmod(src / "generation_config.json", 0o400)
+    old = os.umask(0o027)
+    try:
+        assert main([str(src), "--to", "bf16", "-o", str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    for name in ("tokenizer_config.json", "generation_config.json", "tokenizer.json"):
+        out = tmp_path / "out" / name
+        assert out.read_bytes() == (src / name).read_bytes()
+        assert out.stat().st_mode & 0o777 == 0o640, name
