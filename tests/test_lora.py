@@ -525,7 +525,7 @@ def test_linear_merge_in_pieces_equals_delta_then_add(out_dtype: str, scale: flo
     assert rows * cols > WHOLE_PRODUCT_ELEMENTS
     rng = np.random.default_rng(9)
     a, b = lora_pair(rng, r, rows, cols, std=1.0)
-    assert _delta_bounded(a, b, scale) == (scale < 1)
+    assert _delta_bounded(a, b, scale) == (scale < 1e30)
     dt = ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.dtype(out_dtype)
     w = (rng.standard_normal((rows, cols)) * 0.02).astype(dt)
     op = MergeOp(tensor="w", adapter="a", kind="lora", source="lora", layout="linear", shape=(rows, cols), rank=r,
@@ -540,6 +540,38 @@ def test_linear_merge_in_pieces_equals_delta_then_add(out_dtype: str, scale: flo
         got = np.concatenate([tm.merge_rows(w[s : s + step], s, min(rows, s + step), out_dtype)
                               for s in range(0, rows, step)])
         assert_bits_equal(got, want)
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("scale", "tiny", "folds"), [
+    (2.0, False, True), (0.25, False, True), (-4.0, False, True), (1.0, False, True),
+    (3.0, False, False),  # not a power of two: the delta is scaled after the sgemm
+    (0.5, True, False),  # values whose products are subnormal: the fold would round differently
+])
+def test_power_of_two_scale_folded_into_lora_A_gives_the_same_bits(out_dtype: str, scale: float, tiny: bool,
+                                                                    folds: bool) -> None:
+    """A scale of +-2^p is multiplied into lora_A once (``_fold_scale``) instead of into every delta value:
+    the bits of PEFT's order, ``round(W + (B @ A) * scale)``, over several sgemm blocks and chunkings; refused
+    where a value of either order would be subnormal."""
+    from convert.lora import MergeOp, TensorMerge
+
+    rows, cols, r = 300, 4000, 16
+    rng = np.random.default_rng(11)
+    a, b = lora_pair(rng, r, rows, cols, std=1.0)
+    if tiny:
+        a, b = (a * np.float32(1e-25)).astype(np.float32), (b * np.float32(1e-14)).astype(np.float32)
+    dt = ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.dtype(out_dtype)
+    w = (rng.standard_normal((rows, cols)) * (1e-37 if tiny else 0.02)).astype(np.float32).astype(dt)
+    op = MergeOp(tensor="w", adapter="a", kind="lora", source="lora", layout="linear", shape=(rows, cols), rank=r,
+                 alpha=r * scale, scale=scale, lora_A=object(), lora_B=object())  # type: ignore[arg-type]
+    tm = TensorMerge("w", (rows, cols), [op])
+    tm._cache.update({(0, "A"): a, (0, "B"): b})
+    want = (w.astype(np.float32) + lora_delta_rows(a, b, scale, 0, rows)).astype(dt)
+    for step in (37, ROW_ALIGN, rows):
+        got = np.concatenate([tm.merge_rows(w[s : s + step], s, min(rows, s + step), out_dtype)
+                              for s in range(0, rows, step)])
+        assert_bits_equal(got, want)
+    assert (tm._bounded[0][1] is not None) == folds
 
 
 def test_delta_bound_holds_and_is_refused_past_float32() -> None:
