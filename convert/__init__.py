@@ -15,6 +15,13 @@ BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "1")
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")
 
 
+def stop_signals() -> list[int]:
+    """The :data:`STOP_SIGNALS` this platform has (Windows has no SIGHUP)."""
+    import signal
+
+    return [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+
+
 def main() -> int:
     """The ``convert-bnb`` console script (and ``python -m convert``).
 
@@ -37,7 +44,7 @@ def main() -> int:
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    stops = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+    stops = stop_signals()
     if threading.current_thread() is threading.main_thread():
         for sig in stops:
             signal.signal(sig, _stop)

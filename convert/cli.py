@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from formats.errors import ConvertBnbError
 
-from . import STOP_SIGNALS, __version__, batch_cli, check, inspection
+from . import __version__, batch_cli, check, inspection, stop_signals
 from .output import InterruptedAfterCommit
 from .units import format_bytes, parse_size
 
@@ -232,9 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     old: list[tuple[int, Any]] = []
     if threading.current_thread() is threading.main_thread():
         # SIGINT too: a shell starts background jobs with SIGINT ignored, and a run must stay stoppable
-        stops = [(getattr(signal, name), _sigterm) for name in STOP_SIGNALS if hasattr(signal, name)]
         old = [(sig, signal.signal(sig, handler)) for sig, handler in
-               (*stops, (signal.SIGINT, signal.default_int_handler))]
+               (*[(s, _sigterm) for s in stop_signals()], (signal.SIGINT, signal.default_int_handler))]
     as_json = bool(getattr(args, "json", False))
     # a batch keeps finished jobs and the finished shards of the others for a re-run; one conversion
     # removes its temporary (check and inspect write nothing)

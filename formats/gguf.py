@@ -191,7 +191,7 @@ class GGUFFileWriter:
                 found=self._written,
                 action="write",
             )
-        self._out.write(bytes(-t.nbytes % self._alignment))  # gguf-py's write_padding
+        self._out.write(bytes(gguf.GGUFWriter.ggml_pad(t.nbytes, self._alignment) - t.nbytes))
         self._index += 1
         self._written = 0
 

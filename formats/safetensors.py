@@ -77,7 +77,7 @@ from .errors import (
     UnknownDtypeError,
 )
 from .jsonfile import load_json_bytes
-from .writeback import FileStream
+from .writeback import FileStream, bytes_of
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -563,8 +563,7 @@ class SafetensorsWriter:
 
     def write(self, data: np.ndarray | bytes | memoryview) -> None:
         """Append bytes of the current tensor (C-contiguous arrays are written without a copy)."""
-        payload = (np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray)
-                   else memoryview(data).cast("B"))  # (no copy of a C-contiguous array)
+        payload = bytes_of(data)  # (no copy of a C-contiguous array)
         n = payload.nbytes
         if self._written == 0 and self._index < len(self._spans):
             _, begin, end = self._spans[self._index]
@@ -574,7 +573,7 @@ class SafetensorsWriter:
                 if self._index < len(self._spans) and self._spans[self._index][1] == self._spans[self._index][2]:
                     self._skip_empty()
                 return
-        buf = memoryview(payload).cast("B")
+        buf = payload
         while n:
             if self._index >= len(self._spans):
                 raise ValueError(f"'{self.path}': more data written than planned")

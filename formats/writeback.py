@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "BUFFERS", "BUFFER_BYTES", "WRITE_BEHIND_STEP", "FileStream", "WriteBehind"]
+__all__ = ["ALIGN", "BUFFERS", "BUFFER_BYTES", "WRITE_BEHIND_STEP", "FileStream", "WriteBehind", "bytes_of"]
 
 #: Bytes between two write-behind calls (64 MiB: a few calls a second at disk speed).
 WRITE_BEHIND_STEP = 64 << 20
@@ -85,7 +85,7 @@ class WriteBehind:
         self._previous, self._done = self._done, pos
 
 
-def _bytes_of(data: Any) -> np.ndarray:
+def bytes_of(data: Any) -> np.ndarray:
     """``data`` (an array, bytes or any buffer) as a flat uint8 array of its bytes, without a copy
     where it is contiguous."""
     if isinstance(data, np.ndarray):
@@ -110,7 +110,6 @@ class FileStream:
         self._pos = start  # the file offset of the next byte
         self._fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_BINARY", 0))
         self._direct_fd = -1
-        self._use_direct = False  # turned off by a write the file system refuses
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         os.ftruncate(self._fd, start)
@@ -119,7 +118,7 @@ class FileStream:
                 self._direct_fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
             except OSError:  # the file system has no O_DIRECT (tmpfs): through the page cache
                 self._direct_fd = -1
-        self._use_direct = self._direct_fd >= 0
+        self._use_direct = self._direct_fd >= 0  # turned off by a write the file system refuses
         if not self._use_direct:
             os.lseek(self._fd, start, os.SEEK_SET)
             self._behind = WriteBehind(self._fd, start)
@@ -152,7 +151,7 @@ class FileStream:
         Returns:
             The number of bytes appended.
         """
-        src = _bytes_of(data)
+        src = bytes_of(data)
         n = src.size
         if self._pool is None:
             view = memoryview(src)
