@@ -14,13 +14,20 @@ Numerics (verified bit for bit against bitsandbytes 0.50.2, see docs/bnb-format.
   spells it), matching bitsandbytes ``int8_vectorwise_dequant`` / ``Linear8bitLt`` weight dequantization.
 
 Speed: the codes of one byte are looked up as a pair (one 8-byte gather per byte), the product is
-one in-place multiply on a ``(n_blocks, blocksize)`` view, rounding to bf16 is ml_dtypes' cast and
-to fp16 NumPy's own cast (on NumPy 2.4 about 7x faster than the integer rounding used before, and
-equal to it on all 2^32 float32 bit patterns: scripts/check_f16_cast.py); work is cut into
-cache-sized pieces.
+one in-place multiply on a ``(n_blocks, blocksize)`` view, rounding to bf16 is ml_dtypes' cast in the
+same ufunc call. fp16 goes by table (each block's 16 products rounded once, the codes pick from them),
+the tables rounded by integer operations where the products are in float16's normal range (equal to
+NumPy's cast on every pattern there) and by NumPy's cast elsewhere (NumPy's own cast equals an integer
+round-to-nearest-even on all 2^32 float32 patterns: scripts/check_f16_cast.py; it is software on most
+x86 builds, 4-7 ns a value). Work is cut into cache-sized pieces; each NumPy call is kept long enough
+(tens of microseconds) that two threads overlap their calls: on a virtual machine, handing the GIL over
+to a thread that waits for it costs about 10 microseconds, and two threads running calls of a few
+microseconds each ran no faster than one.
 """
 
 from __future__ import annotations
+
+import math
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +43,7 @@ __all__ = [
     "dequantize_4bit",
     "dequantize_int8",
     "dequantize_nested_absmax",
+    "f16_normal_bits",
     "float_output",
     "pair_lut",
     "round_float32",
@@ -46,6 +54,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 #: Elements per inner piece: small enough that the fp32 temporaries stay in L2 cache.
 PIECE = 1 << 16
+#: Elements whose float16 table is made at once (:func:`_f16_table`): its NumPy calls long enough
+#: (tens of microseconds) that two threads overlap them instead of waiting for each other's GIL.
+TABLE_SPAN = 1 << 20
 
 
 def unpack_4bit(packed: npt.NDArray[np.uint8], n: int | None = None) -> npt.NDArray[np.uint8]:
@@ -192,44 +203,136 @@ def _dequantize_4bit_f16(
     piece: int,
 ) -> np.ndarray:
     """:func:`dequantize_4bit` to float16, by table: each block has only 16 values, so the 16 fp32
-    products ``fp32(quant_map[code] * absmax[block])`` of a block are rounded to float16 once (NumPy's
-    fp32 -> fp16 cast, about 2 ns a value here, is the cost) and the codes pick from that table.
+    products ``fp32(quant_map[code] * absmax[block])`` of a block are rounded to float16 once
+    (:class:`_F16Tables`, for :data:`TABLE_SPAN` elements at a time) and the codes pick from that table.
     The same product and the same single rounding per value as casting every element: the same bits.
 
-    The piece's table is laid out code-major, ``table[code * blocks + block]`` (the products are one
-    contiguous multiply per code, not a 16-wide one per block), so a packed byte gives its two codes
-    times ``blocks`` by one take (:func:`_code_pairs`) and the block index is added.
+    The table is laid out code-major, ``table[code * stride + block]``, so a packed byte gives its two
+    codes times ``stride`` by one take (:func:`_code_pairs`), the block index within the piece is added
+    and the piece takes from the table starting at its first block.
 
-    ``stats``: values that overflowed to inf and non-zero values flushed to zero, counted from the
-    table entries that did so (the elements that picked them are counted only when one exists).
+    ``stats``: values that overflowed to inf and non-zero values flushed to zero, counted from the table
+    entries that did so (the elements that picked them are counted only when one exists).
     """
-    qm = np.asarray(quant_map, dtype=np.float32).reshape(16, 1)
+    span = max(piece, (TABLE_SPAN // piece) * piece)  # elements whose table is made at once
+    tables = _F16Tables(quant_map, -(-min(span, n) // blocksize))
+    scaled = _code_pairs(tables.stride)  # (byte -> its two codes times the table's row stride)
     first = min(piece, n)
     block_of = np.repeat(np.arange(-(-first // blocksize), dtype=np.intp), blocksize)[:first]
     pairs = np.empty(-(-first // 2), dtype=_PAIR)
-    scaled, scaled_for = _code_pairs(1), 1  # (the codes times the piece's block count)
-    for s in range(0, n, piece):
-        e = min(n, s + piece)
-        m = e - s
-        src = packed[s // 2 : (e + 1) // 2]
-        b0 = s // blocksize
-        nb = -(-m // blocksize)
-        if nb != scaled_for:
-            scaled, scaled_for = _code_pairs(nb), nb
-        products = qm * absmax[None, b0 : b0 + nb]  # (16, blocks) fp32, as bnb's product
-        with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (counted below)
-            table = products.astype(np.float16).reshape(-1)  # round to nearest even
-        ix = np.take(scaled, src, out=pairs[: src.size], mode="wrap").view(np.intp)[:m]  # code * blocks
-        np.add(ix, block_of[:m], out=ix)  # + the block within the piece: the table entry
-        np.take(table, ix, out=out[s:e], mode="wrap")  # (in range by construction: "wrap" changes none)
-        if stats is not None:
-            magnitude = table.view(np.uint16) & np.uint16(0x7FFF)
-            over = magnitude == 0x7C00  # the products are finite: every inf is an overflow
-            under = (magnitude == 0) & (products.reshape(-1) != 0)
-            if over.any():
-                stats[0] += int(np.count_nonzero(over[ix]))
-            if under.any():
-                stats[1] += int(np.count_nonzero(under[ix]))
+    for s0 in range(0, n, span):
+        e0 = min(n, s0 + span)
+        b0, nb = s0 // blocksize, -(-(e0 - s0) // blocksize)
+        table, counts = tables.make(absmax[b0 : b0 + nb], stats is not None)
+        for s in range(s0, e0, piece):
+            e = min(e0, s + piece)
+            m = e - s
+            src = packed[s // 2 : (e + 1) // 2]
+            ix = np.take(scaled, src, out=pairs[: src.size], mode="wrap").view(np.intp)[:m]  # code * stride
+            np.add(ix, block_of[:m], out=ix)  # + the block within the piece ...
+            first_block = (s - s0) // blocksize  # ... indexes the table from the piece's first block
+            # (in range by construction: "wrap" changes none)
+            np.take(table[first_block:], ix, out=out[s:e].view(np.uint16), mode="wrap")
+            if counts is not None:
+                over, under = counts
+                if over is not None:
+                    stats[0] += int(np.count_nonzero(over[first_block:][ix]))
+                if under is not None:
+                    stats[1] += int(np.count_nonzero(under[first_block:][ix]))
+    return out
+
+
+class _F16Tables:
+    """The float16 values ``fp16(fp32(q[code] * absmax[block]))`` of up to ``blocks`` blocks at a time,
+    code-major: ``table[code * stride + block]``, rows padded to ``stride = blocks + 32`` entries (rows a
+    power of two apart would share the cache's sets: the takes ran 40% slower).
+
+    Where every product of the blocks is provably in float16's normal range (``min(absmax) * min|q| >=
+    2^-14`` and ``max(absmax) * max|q| < 65504`` over the non-zero q of the quant_map; nearly every span
+    of a real weight): by integer operations on the fp32 bits of ``|q| * absmax``
+    (:func:`f16_normal_bits`, the code's sign added; a zero q gives a zero of its sign), and nothing can
+    overflow or flush. Otherwise by NumPy's cast of ``q * absmax`` (4-7 ns a value on x86 without
+    AVX-512 FP16: float16 is converted in software), noting the entries that overflowed or flushed.
+    """
+
+    def __init__(self, quant_map: npt.NDArray[np.float32], blocks: int) -> None:
+        q = np.asarray(quant_map, dtype=np.float32).reshape(16, 1)
+        self.q, self.q_abs = q, np.abs(q)
+        self.sign = q.view(np.uint32) >> np.uint32(16) & np.uint32(0x8000)
+        self.zero = np.flatnonzero(q == 0)
+        nonzero = self.q_abs[q != 0].astype(np.float64)
+        # (NaN/inf in the map: bounds that are not finite send every span to NumPy's cast)
+        self.q_min, self.q_max = (float(nonzero.min()), float(nonzero.max())) if nonzero.size else (math.nan, math.nan)
+        self.stride = blocks + 32
+        self.products = np.empty((16, self.stride), np.float32)
+        self.bits = np.empty((16, self.stride), np.uint32)
+        self.table = np.empty((16, self.stride), np.uint16)
+
+    def make(
+        self, absmax: npt.NDArray[np.float32], count: bool
+    ) -> tuple[npt.NDArray[np.uint16], tuple[npt.NDArray[np.bool_] | None, npt.NDArray[np.bool_] | None] | None]:
+        """The table of ``absmax``'s blocks (``float32[nb]``, nb <= blocks).
+
+        Returns:
+            ``(uint16[16 * stride] table, counts)``: counts None when not asked (``count``) or when no
+            entry overflowed to inf or flushed a non-zero product to zero; else ``(over, under)``, each
+            ``bool[16 * stride]`` in the table's layout or None when no entry did it.
+        """
+        nb = absmax.size
+        products, table = self.products[:, :nb], self.table[:, :nb]
+        # (NaN in absmax: a bound that is not finite sends the span to NumPy's cast)
+        if float(absmax.min()) * self.q_min >= _F16_MIN_NORMAL and float(absmax.max()) * self.q_max < _F16_MAX:
+            # |q| * absmax: the magnitude of bnb's product (absmax > 0 here), rounded by integer operations
+            np.multiply(self.q_abs, absmax, out=products)
+            bits = f16_normal_bits(products.view(np.uint32), self.bits[:, :nb])
+            np.bitwise_or(bits, self.sign, out=table, casting="unsafe")
+            table[self.zero] = self.sign[self.zero]  # 0 * absmax: a zero of the code's sign
+            return self.table.reshape(-1), None
+        np.multiply(self.q, absmax, out=products)  # as bnb's product
+        with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (counted)
+            np.copyto(table, products.astype(np.float16).view(np.uint16))  # round to nearest even
+        if not count:
+            return self.table.reshape(-1), None
+        magnitude = self.table & np.uint16(0x7FFF)
+        over = magnitude == 0x7C00  # the products are finite: every inf is an overflow
+        under = magnitude == 0
+        under[:, :nb] &= products != 0
+        over[:, nb:] = under[:, nb:] = False
+        has_over, has_under = bool(over.any()), bool(under.any())
+        if not (has_over or has_under):
+            return self.table.reshape(-1), None
+        flat = self.table.reshape(-1)
+        return flat, (over.reshape(-1) if has_over else None, under.reshape(-1) if has_under else None)
+
+
+#: float16's smallest normal value and its largest finite one (bounds of :func:`f16_normal_bits`'s domain).
+_F16_MIN_NORMAL = 2.0**-14
+_F16_MAX = 65504.0
+
+
+def f16_normal_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    """float32 magnitudes (bits, sign clear) in float16's normal range -> float16 bits, round to nearest even.
+
+    Integer operations only (NumPy's fp32 -> fp16 cast is software on most x86 builds: 4-7 ns a value
+    against about 0.2 ns for these five passes): the exponent is rebiased from 127 to 15 and the
+    mantissa rounded from 23 to 10 bits by adding ``0xFFF`` plus its lowest kept bit and shifting out
+    13 bits, a carry moving into the exponent as rounding does. The normal-range branch of F. Giesen's
+    ``float_to_half_fast3_rtne``; equal to NumPy's cast on every pattern of the domain
+    (``scripts/check_f16_cast.py --normal``).
+
+    Args:
+        u: ``uint32[k]``: bits of float32 values ``x`` with ``2^-14 <= x < 65520`` (outside it the
+            result is meaningless).
+        out: ``uint32[k]`` destination (may not be ``u``).
+
+    Returns:
+        ``out``: the float16 bits in the low 16 bits.
+    """
+    np.right_shift(u, 13, out=out)
+    np.bitwise_and(out, 1, out=out)  # the lowest kept mantissa bit: ties go to even
+    np.add(out, u, out=out)
+    np.add(out, np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF), out=out)  # (wraps: mod 2^32)
+    np.right_shift(out, 13, out=out)
     return out
 
 
@@ -249,48 +352,43 @@ def _code_pairs(scale: int) -> np.ndarray:
 def bf16_to_f16(
     x: np.ndarray, out: npt.NDArray[np.float16] | None = None, stats: npt.NDArray[np.int64] | None = None
 ) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.intp]]:
-    """Round bfloat16 values to float16: the bits NumPy's cast of their float32 values gives, about 2.5x
+    """Round bfloat16 values to float16: the bits NumPy's cast of their float32 values gives, about 4x
     faster (in cache-sized pieces, no float32 temporaries).
 
     A bf16 value with a biased exponent E in 113..142 (magnitude in [2^-14, 65280]) has 8 significant
     bits and a float16 normal exponent: it is exact in float16, whose bits are rebuilt by integer
-    operations (``sign | (E - 112) << 10 | mantissa << 3``); so is +-0. The others (float16 subnormals,
-    overflow to inf, inf, NaN; about 0.2% of a normal(0, 0.02) weight) go through NumPy's cast, and are
-    returned by index: they are the only values rounding may change (every one of the 2^16 patterns is
-    checked in ``tests/test_dequant.py``).
+    operations (``sign | ((bits << 3) + (16 << 10)) mod 2^16``: the shift drops the sign and E's top two
+    bits, and ``E - 112 == E + 16 mod 64`` in the five bits that remain). The others (+-0, float16
+    subnormals, overflow to inf, inf, NaN; about 0.2% of a normal(0, 0.02) weight) go through NumPy's
+    cast, and are returned by index: they are the only values rounding may change (every one of the
+    2^16 patterns is checked in ``tests/test_dequant.py``).
 
     Args:
         x: ``bfloat16[...]``.
         out: optional ``float16`` destination with ``x.size`` elements (C-contiguous).
         stats: optional ``int64[2]``: adds the values that overflowed to inf and the non-zero values
-            flushed to zero (:func:`count_f16_loss`, over the rounded values: the only ones that can).
+            flushed to zero (:func:`count_f16_loss`, over the values by NumPy's cast: the only ones that can).
 
     Returns:
         ``(float16[x.size], intp[k])``: the values, flat, and the flat indices of the k values that
-        were not exact in float16 (rounded, or inf/NaN).
+        went through NumPy's cast (all that were not exact in float16, +-0 among them).
     """
     b = np.ascontiguousarray(x).reshape(-1).view(np.uint16)
     n = b.size
     y = (np.empty(n, np.float16) if out is None else out.reshape(-1)).view(np.uint16)
     size = min(n, PIECE)
-    mag, nonzero, ones = np.empty(size, np.uint16), np.empty(size, np.uint16), np.ones(size, np.uint16)
-    exact, zero = np.empty(size, np.bool_), np.empty(size, np.bool_)
+    mag, outside = np.empty(size, np.uint16), np.empty(size, np.bool_)
     others = []
     for s in range(0, n, PIECE):
         e = min(n, s + PIECE)
-        bs, ys, mg, nz, ok, z = b[s:e], y[s:e], mag[: e - s], nonzero[: e - s], exact[: e - s], zero[: e - s]
-        np.bitwise_and(bs, 0x7FFF, out=mg)
-        np.minimum(mg, ones[: e - s], out=nz)  # 0 for +-0, else 1 (an array operand: 8x a scalar's speed)
-        np.subtract(mg, 113 << 7, out=mg)  # (wraps below E = 113) E in 113..142 -> [0, 30 << 7)
-        np.less(mg, 30 << 7, out=ok)
-        np.multiply(mg, 8, out=ys)  # ((E - 113) << 7 | mantissa) << 3 ...
-        np.add(ys, 1 << 10, out=ys)  # ... + (1 << 10) = (E - 112) << 10 | mantissa << 3
-        np.multiply(ys, nz, out=ys)  # +-0 -> 0
+        bs, ys, mg, z = b[s:e], y[s:e], mag[: e - s], outside[: e - s]
+        np.left_shift(bs, 3, out=ys)  # E << 10 | mantissa << 3, mod 2^16 ...
+        np.add(ys, 16 << 10, out=ys)  # ... + (16 << 10) = (E - 112) << 10 | mantissa << 3 for E in 113..142
         np.bitwise_and(bs, 0x8000, out=mg)
         np.bitwise_or(ys, mg, out=ys)  # the sign
-        np.less(nz, 1, out=z)
-        np.logical_or(ok, z, out=ok)
-        np.logical_not(ok, out=z)
+        np.bitwise_and(bs, 0x7FFF, out=mg)
+        np.subtract(mg, 113 << 7, out=mg)  # (wraps below E = 113) E in 113..142 -> [0, 30 << 7)
+        np.greater_equal(mg, 30 << 7, out=z)
         if np.count_nonzero(z):
             others.append(np.flatnonzero(z) + s)
     rounded = np.concatenate(others) if others else np.empty(0, np.intp)

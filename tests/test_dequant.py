@@ -216,11 +216,55 @@ def test_fp16_by_table_equals_rounding_every_fp32_value() -> None:
     assert seen[0] > 1000 and seen[1] > 1000  # overflow and flush to zero were both exercised
 
 
+def test_fp16_tables_by_integer_rounding_equal_numpy_cast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spans whose products are all in float16's normal range get their tables by integer rounding
+    (kernels.f16_normal_bits), the others by NumPy's cast: both give the bits and the counts of rounding
+    every fp32 product (NF4, FP4 with its -0 code, a map with +-0; lengths across TABLE_SPAN; absmax at
+    the edges of the fast path's bounds, a zero and a negative absmax in one span only)."""
+    from convert import kernels
+    from formats.bnb import QUANT_TABLES
+
+    calls = []
+    real = kernels.f16_normal_bits
+    monkeypatch.setattr(kernels, "f16_normal_bits", lambda u, out: calls.append(u.size) or real(u, out))
+    rng = np.random.default_rng(11)
+    custom = rng.standard_normal(16).astype(np.float32)
+    custom[[3, 12]] = [0.0, -0.0]
+    span = kernels.TABLE_SPAN
+    for trial, (name, bs, n) in enumerate([("nf4", 64, 2 * span + 4160), ("fp4", 64, span + 64), ("nf4", 32, span // 2),
+                                           ("custom", 128, span + 1000), ("fp4", 4096, 3 * span), ("nf4", 64, 77)]):
+        qm = custom if name == "custom" else QUANT_TABLES[name]
+        packed = rng.integers(0, 256, (n + 1) // 2, dtype=np.uint8)
+        nb = -(-n // bs)
+        absmax = rng.uniform(0.02, 0.1, nb).astype(np.float32)  # (x 0.0052, FP4's least: normal)
+        nonzero = np.abs(qm[qm != 0]).astype(np.float64)
+        per_span = span // bs
+        if nb > 2 * per_span:  # the bounds of the fast path, just inside (span 0) and just outside (span 1)
+            absmax[5] = np.nextafter(np.float32(2.0**-14 / nonzero.min()), np.float32(1))  # inside, rounded up
+            absmax[6] = np.float32(65503.0 / nonzero.max())
+            absmax[per_span + 5] = np.nextafter(np.float32(2.0**-14 / nonzero.min()), np.float32(0))
+            absmax[per_span + 6] = np.float32(65600.0 / nonzero.max())
+        if nb > per_span and trial % 2:
+            absmax[per_span] = 0.0 if trial == 1 else -0.04
+        calls.clear()
+        got_stats, want_stats = np.zeros(2, np.int64), np.zeros(2, np.int64)
+        got = dequantize_4bit(packed, absmax, qm, bs, n, "float16", stats=got_stats)
+        x = dequantize_4bit(packed, absmax, qm, bs, n, "float32")
+        with np.errstate(over="ignore"):
+            want = x.astype(np.float16)
+        kernels.count_f16_loss(x, want, want_stats)
+        assert np.array_equal(bits(got), bits(want)), (name, bs, n)
+        assert got_stats.tolist() == want_stats.tolist(), (name, bs, n)
+        spans = -(-n // span)
+        slow = 1 if nb > 2 * per_span or (nb > per_span and trial % 2) else 0
+        assert len(calls) == spans - slow, (name, bs, n, calls)
+
+
 def test_bf16_to_f16_equals_numpy_cast_on_every_pattern() -> None:
     """All 2^16 bfloat16 bit patterns (three times over, so pieces and the index of a rounded value past
     the first piece are exercised): the bits of NumPy's float32 -> float16 cast; the indices returned
     hold every value that float16 changes (or that is inf/NaN), and are the patterns outside the exact
-    fast path (a biased exponent outside 113..142, but +-0)."""
+    fast path (a biased exponent outside 113..142, +-0 among them)."""
     from convert.kernels import BF16, bf16_to_f16
 
     x = np.tile(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16), 3).view(BF16)
@@ -232,9 +276,9 @@ def test_bf16_to_f16_equals_numpy_cast_on_every_pattern() -> None:
     assert np.array_equal(bits(got), bits(want))
     assert np.isin(np.flatnonzero(changed | np.isinf(x32)), rounded).all()
     exponent = (x.view(np.uint16) >> 7) & 0xFF
-    outside = ((exponent < 113) | (exponent > 142)) & (x.view(np.uint16) & 0x7FFF != 0)
+    outside = (exponent < 113) | (exponent > 142)
     assert np.array_equal(rounded, np.flatnonzero(outside))
-    assert rounded.size == 3 * 2 * (113 * 128 - 1 + 113 * 128)
+    assert rounded.size == 3 * 2 * (113 * 128 + 113 * 128)
 
 
 def test_round_float32_equals_an_integer_round_to_nearest_even() -> None:
