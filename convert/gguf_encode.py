@@ -158,6 +158,7 @@ class _Chunk:
     sq_ref: float
     measured: int  # the elements max_err, sq_err and sq_ref cover (all of the chunk unless sampled)
     f16_loss: tuple[int, int] = (0, 0)  # F16: (overflowed to inf, non-zero flushed to 0)
+    ref_measured: int | None = None  # the elements sq_ref covers when not the same (bf16 -> F16: a sample)
 
 
 def _convert_chunk(
@@ -166,8 +167,10 @@ def _convert_chunk(
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
     encode, measure the added error (of a block type: on one piece in ``sample`` of the tensor; float
-    types every value) (:func:`encode_chunk`, in ``procs`` for :data:`SEARCH_TYPES`)."""
+    types every value, bf16 -> F16 the weight's own sum of squares on the sample) (:func:`encode_chunk`,
+    in ``procs`` for :data:`SEARCH_TYPES`)."""
     start = row0 * (x_in.shape[-1] if x_in.ndim else 1)  # the chunk's first value in the tensor: the sample's grid
+    ref_sample = sample
     if t.ggml_type in _FLOAT_TYPES:
         sample = 1
     if not (np.issubdtype(x_in.dtype, np.floating) or x_in.dtype.name == "bfloat16"):
@@ -184,7 +187,7 @@ def _convert_chunk(
         same = np.ascontiguousarray(x_in if perm is None else x_in[perm])
         return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0, same.size)  # error 0 everywhere
     if x_in.dtype == BF16 and t.ggml_type == GT.F16 and not t.offset:
-        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]))
+        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]), ref_sample, start)
         if fast is not None:
             return fast
     if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or t.ggml_type not in
@@ -217,10 +220,13 @@ def _convert_chunk(
     return encode_chunk(t.ggml_type, x, not exact, finite)
 
 
-def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
-    """A bf16 chunk to F16 by :func:`convert.kernels.bf16_to_f16`, with the figures of :func:`encode_chunk`
-    over every value (most bf16 values are exact in F16, so only the few it rounds add error); None when
-    the chunk holds inf or NaN (the general path leaves them out of the error)."""
+def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int) -> _Chunk | None:
+    """A bf16 chunk ``(rows, ...)`` to F16 by :func:`convert.kernels.bf16_to_f16`, with the figures of
+    :func:`encode_chunk`; None when the chunk holds inf or NaN (the general path leaves them out of the
+    error). The error is measured on every value (only the few values ``bf16_to_f16`` rounds can
+    differ); the weight's sum of squares, the relative error's denominator, on the tensor's rows
+    ``0, sample, 2 * sample, ...`` (``start``: the flat index of the chunk's first value; ``sample`` 1:
+    every row), since summing every value costs as much as the conversion itself."""
     flat = x.reshape(-1)
     loss = np.zeros(2, np.int64)
     y, rounded = bf16_to_f16(flat, stats=loss)  # inf/NaN are among the values not exact in F16
@@ -228,11 +234,15 @@ def _bf16_to_f16_chunk(x: np.ndarray) -> _Chunk | None:
         wide = flat[rounded].astype(np.float32)
         if not np.isfinite(wide).all():
             return None
-        sq_ref = 0.0
-        for s in range(0, flat.size, PIECE):  # float32 pieces in cache, no chunk-sized temporary
-            sq_ref += sum_squares(flat[s : s + PIECE].astype(np.float32))
         err = y[rounded].astype(np.float32) - wide
-    return _Chunk(y.view(np.uint8), abs_max(err), sum_squares(err), sq_ref, flat.size, (int(loss[0]), int(loss[1])))
+    rows = flat.reshape(-1, x.shape[-1] if x.ndim > 1 else flat.size or 1)
+    if sample > 1:
+        rows = rows[-(start // rows.shape[1]) % sample :: sample]
+    sq_ref, step = 0.0, max(1, PIECE // rows.shape[1])
+    for r in range(0, len(rows), step):  # float32 pieces in cache, no chunk-sized temporary
+        sq_ref += sum_squares(rows[r : r + step].astype(np.float32))
+    return _Chunk(y.view(np.uint8), abs_max(err), sum_squares(err), sq_ref, flat.size, (int(loss[0]), int(loss[1])),
+                  rows.size)
 
 
 def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sample: int,
@@ -440,21 +450,21 @@ class _Figures:
     def __init__(self, t: GGUFTensor, rec: SourceTensor | None) -> None:
         self.t, self.rec = t, rec
         self.max_err = self.sq_err = self.sq_ref = 0.0
-        self.measured = self.over = self.under = 0
+        self.measured = self.ref_measured = self.over = self.under = 0
 
     def add(self, c: _Chunk) -> None:
         self.max_err = max(self.max_err, c.max_err)
         self.sq_err += c.sq_err
         self.sq_ref += c.sq_ref
         self.measured += c.measured
+        self.ref_measured += c.measured if c.ref_measured is None else c.ref_measured
         self.over += c.f16_loss[0]
         self.under += c.f16_loss[1]
 
     def report(self) -> TensorReport:
         t = self.t
-        n = max(self.measured, 1)
-        rms_err = math.sqrt(self.sq_err / n)
-        rms_ref = math.sqrt(self.sq_ref / n)
+        rms_err = math.sqrt(self.sq_err / max(self.measured, 1))
+        rms_ref = math.sqrt(self.sq_ref / max(self.ref_measured, 1))
         return TensorReport(t.name, t.source, t.ggml_type, t.shape, t.nbytes, self.max_err, rms_err,
                             rms_err / rms_ref if rms_ref else 0.0, self.over, self.under, self.measured)
 

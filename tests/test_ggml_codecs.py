@@ -166,7 +166,7 @@ def test_bf16_chunk_to_f16_equals_the_general_encoder(scale: float) -> None:
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((96, 320)) * scale).astype(ml_dtypes.bfloat16)
     x[0, :4] = [0.0, -0.0, 65280.0, -6.1035e-05]
-    fast = _bf16_to_f16_chunk(x)
+    fast = _bf16_to_f16_chunk(x, 1, 0)
     assert fast is not None
     want = encode_chunk(GT.F16, x.astype(np.float32), True)
     assert np.array_equal(fast.data.reshape(-1), want.data.reshape(-1))
@@ -180,6 +180,13 @@ def test_bf16_chunk_to_f16_equals_the_general_encoder(scale: float) -> None:
     assert fast.f16_loss == want.f16_loss == counts
     assert (counts[0] > 0) == (scale == 3e4) and (counts[1] > 0) == (scale == 1e-5)
     assert (fast.max_err > 0) == (scale != 0.02 or bool(np.any(np.abs(x.astype(np.float32)) < 6.1e-5)))
+    # the summary's sample: the same bytes and error, the weight's sum of squares over the tensor's rows
+    # 0, 8, 16, ... (this chunk starts at the tensor's row 3: its rows 5, 13, ...)
+    sampled = _bf16_to_f16_chunk(x, 8, 3 * 320)
+    assert sampled is not None and np.array_equal(sampled.data, fast.data)
+    assert (sampled.max_err, sampled.sq_err, sampled.measured) == (fast.max_err, fast.sq_err, x.size)
+    assert sampled.ref_measured == 12 * 320
+    assert sampled.sq_ref == pytest.approx(float(np.sum(x32[5::8].astype(np.float64) ** 2)), rel=1e-5)
 
 
 def test_f16_encoding_of_overflow_warns_nothing() -> None:
@@ -202,7 +209,7 @@ def test_bf16_chunk_with_inf_takes_the_general_path() -> None:
 
     x = np.ones((2, 32), ml_dtypes.bfloat16)
     x[1, 3] = np.inf
-    assert _bf16_to_f16_chunk(x) is None
+    assert _bf16_to_f16_chunk(x, 1, 0) is None
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

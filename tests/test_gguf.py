@@ -180,7 +180,16 @@ def test_float_tensors_equal_the_dequantized_weight_rounded_once(tmp_path, out_t
     assert rep["blk.0.ffn_down.weight"].max_abs_error == 0.0
     assert rep["blk.0.attn_norm.weight"].rms_error == 0.0
     if out_type == "f16":
-        assert 0 < rep["token_embd.weight"].max_abs_error < 6e-8
+        emb = rep["token_embd.weight"]
+        assert 0 < emb.max_abs_error < 6e-8
+        x = _expected_f32(emb.source, REF_W[emb.source]).astype(np.float64)
+        assert emb.rel_rms_error == pytest.approx(emb.rms_error / math.sqrt(float(np.mean(x * x))), rel=1e-6)
+        # the summary's sample (1 row in 8): the same error, the weight's RMS over rows 0, 8, 16, ...
+        _, _, sampled = _write(tmp_path / "sampled", out_type, sample=8)
+        emb8 = next(p for p in sampled if p.name == "token_embd.weight")
+        assert (emb8.max_abs_error, emb8.rms_error) == (emb.max_abs_error, emb.rms_error)
+        assert emb8.rel_rms_error == pytest.approx(emb.rms_error / math.sqrt(float(np.mean(x[::8] * x[::8]))), rel=1e-6)
+        assert not emb8.sampled
 
 
 @pytest.mark.parametrize(
