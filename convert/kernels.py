@@ -52,8 +52,11 @@ __all__ = [
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
-#: Elements per inner piece: small enough that the fp32 temporaries stay in L2 cache.
-PIECE = 1 << 16
+#: Elements per inner piece: the fp32 temporaries (1 MiB) stay in L2 cache, and each NumPy call on a
+#: piece takes tens of microseconds: with pieces of 2^16 two threads often ran no faster than one
+#: (handing the GIL to a waiting thread costs ~10 us on a virtual machine); 2^18 made every path 4-20%
+#: faster end to end on two threads, 2^20 was slower again (docs/performance.md).
+PIECE = 1 << 18
 #: Elements whose float16 table is made at once (:func:`_f16_table`): its NumPy calls long enough
 #: (tens of microseconds) that two threads overlap them instead of waiting for each other's GIL.
 TABLE_SPAN = 1 << 20

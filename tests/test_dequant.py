@@ -261,13 +261,14 @@ def test_fp16_tables_by_integer_rounding_equal_numpy_cast(monkeypatch: pytest.Mo
 
 
 def test_bf16_to_f16_equals_numpy_cast_on_every_pattern() -> None:
-    """All 2^16 bfloat16 bit patterns (three times over, so pieces and the index of a rounded value past
+    """All 2^16 bfloat16 bit patterns (over three pieces, so pieces and the index of a rounded value past
     the first piece are exercised): the bits of NumPy's float32 -> float16 cast; the indices returned
     hold every value that float16 changes (or that is inf/NaN), and are the patterns outside the exact
     fast path (a biased exponent outside 113..142, but +-0)."""
-    from convert.kernels import BF16, bf16_to_f16
+    from convert.kernels import BF16, PIECE, bf16_to_f16
 
-    x = np.tile(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16), 3).view(BF16)
+    tiles = 3 * max(1, PIECE >> 16)  # (three pieces or more)
+    x = np.tile(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16), tiles).view(BF16)
     got, rounded = bf16_to_f16(x)
     with np.errstate(over="ignore", invalid="ignore"):
         x32 = x.astype(np.float32)
@@ -278,7 +279,7 @@ def test_bf16_to_f16_equals_numpy_cast_on_every_pattern() -> None:
     exponent = (x.view(np.uint16) >> 7) & 0xFF
     outside = ((exponent < 113) | (exponent > 142)) & (x.view(np.uint16) & 0x7FFF != 0)
     assert np.array_equal(rounded, np.flatnonzero(outside))
-    assert rounded.size == 3 * 2 * (113 * 128 - 1 + 113 * 128)
+    assert rounded.size == tiles * 2 * (113 * 128 - 1 + 113 * 128)
 
 
 def test_round_float32_equals_an_integer_round_to_nearest_even() -> None:
@@ -358,8 +359,10 @@ def test_output_loads_in_transformers_with_reference_logits(tmp_out: Path) -> No
 @pytest.mark.parametrize("nested_dtype", ["float32", "bfloat16", "float16"])
 def test_nested_absmax_in_pieces_equals_whole_formula(nested_dtype: str) -> None:
     """dequantize_nested_absmax works in pieces of whole nested blocks: same bits as the one-shot formula."""
+    from convert.kernels import PIECE
+
     rng = np.random.default_rng(8)
-    n = 3 * 65536 + 77
+    n = 3 * PIECE + 77
     codes = rng.integers(0, 256, n, dtype=np.uint8)
     nested = (rng.random(-(-n // 256), dtype=np.float32) * 0.02).astype(np.float32)
     qmap = np.sort(rng.uniform(-1, 1, 256).astype(np.float32))
