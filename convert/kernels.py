@@ -41,8 +41,10 @@ __all__ = [
     "bf16_to_f16",
     "count_f16_loss",
     "dequantize_4bit",
+    "dequantize_4bit_f16_of_bf16",
     "dequantize_int8",
     "dequantize_nested_absmax",
+    "f16_bits_of_bf16",
     "f16_normal_bits",
     "float_output",
     "pair_lut",
@@ -195,6 +197,34 @@ def dequantize_4bit(
     return out
 
 
+def dequantize_4bit_f16_of_bf16(
+    packed: npt.NDArray[np.uint8],
+    absmax: npt.NDArray[np.float32],
+    quant_map: npt.NDArray[np.float32],
+    blocksize: int,
+    n: int,
+) -> npt.NDArray[np.float16] | None:
+    """float16 of the bfloat16 dequantization, ``fp16(bf16(fp32(quant_map[code] * absmax[block])))``,
+    when it is exact: the bits of :func:`bf16_to_f16` of :func:`dequantize_4bit` to bfloat16 (what
+    ``convert_hf_to_gguf.py`` writes as F16 from the dequantized bf16 checkpoint), by the float16
+    kernel's tables at about the float16 kernel's cost instead of both passes.
+
+    Args: as :func:`dequantize_4bit` (``n`` codes from a block boundary).
+
+    Returns:
+        ``float16[n]``, or None when some :data:`TABLE_SPAN` of blocks has products not provably in
+        ``[2^-14, 65280)`` (a bfloat16 there is exact in float16; the caller takes the bf16 route).
+    """
+    packed = packed.reshape(-1)
+    absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
+    piece = max(blocksize, (PIECE // blocksize) * blocksize)
+    try:
+        return _dequantize_4bit_f16(packed, absmax, quant_map, blocksize, n, np.empty(n, np.float16), None, piece,
+                                    via_bf16=True)
+    except _NotProvablyNormal:
+        return None
+
+
 def _dequantize_4bit_f16(
     packed: npt.NDArray[np.uint8],
     absmax: npt.NDArray[np.float32],
@@ -204,6 +234,7 @@ def _dequantize_4bit_f16(
     out: np.ndarray,
     stats: npt.NDArray[np.int64] | None,
     piece: int,
+    via_bf16: bool = False,
 ) -> np.ndarray:
     """:func:`dequantize_4bit` to float16, by table: each block has only 16 values, so the 16 fp32
     products ``fp32(quant_map[code] * absmax[block])`` of a block are rounded to float16 once
@@ -218,7 +249,7 @@ def _dequantize_4bit_f16(
     entries that did so (the elements that picked them are counted only when one exists).
     """
     span = max(piece, (TABLE_SPAN // piece) * piece)  # elements whose table is made at once
-    tables = _F16Tables(quant_map, -(-min(span, n) // blocksize))
+    tables = _F16Tables(quant_map, -(-min(span, n) // blocksize), via_bf16)
     scaled = _code_pairs(tables.stride)  # (byte -> its two codes times the table's row stride)
     first = min(piece, n)
     block_of = np.repeat(np.arange(-(-first // blocksize), dtype=np.intp), blocksize)[:first]
@@ -258,7 +289,8 @@ class _F16Tables:
     AVX-512 FP16: float16 is converted in software), noting the entries that overflowed or flushed.
     """
 
-    def __init__(self, quant_map: npt.NDArray[np.float32], blocks: int) -> None:
+    def __init__(self, quant_map: npt.NDArray[np.float32], blocks: int, via_bf16: bool = False) -> None:
+        self.via_bf16 = via_bf16  # round each product to bfloat16 first (fast path only)
         q = np.asarray(quant_map, dtype=np.float32).reshape(16, 1)
         self.q, self.q_abs = q, np.abs(q)
         self.sign = q.view(np.uint32) >> np.uint32(16) & np.uint32(0x8000)
@@ -284,13 +316,17 @@ class _F16Tables:
         nb = absmax.size
         products, table = self.products[:, :nb], self.table[:, :nb]
         # (NaN in absmax: a bound that is not finite sends the span to NumPy's cast)
-        if float(absmax.min()) * self.q_min >= _F16_MIN_NORMAL and float(absmax.max()) * self.q_max < _F16_MAX:
+        top = _BF16_F16_MAX if self.via_bf16 else _F16_MAX
+        if float(absmax.min()) * self.q_min >= _F16_MIN_NORMAL and float(absmax.max()) * self.q_max < top:
             # |q| * absmax: the magnitude of bnb's product (absmax > 0 here), rounded by integer operations
             np.multiply(self.q_abs, absmax, out=products)
-            bits = f16_normal_bits(products.view(np.uint32), self.bits[:, :nb])
+            rounding = f16_bits_of_bf16 if self.via_bf16 else f16_normal_bits
+            bits = rounding(products.view(np.uint32), self.bits[:, :nb])
             np.bitwise_or(bits, self.sign, out=table, casting="unsafe")
             table[self.zero] = self.sign[self.zero]  # 0 * absmax: a zero of the code's sign
             return self.table.reshape(-1), None
+        if self.via_bf16:
+            raise _NotProvablyNormal
         np.multiply(self.q, absmax, out=products)  # as bnb's product
         with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (counted)
             np.copyto(table, products.astype(np.float16).view(np.uint16))  # round to nearest even
@@ -311,6 +347,37 @@ class _F16Tables:
 #: float16's smallest normal value and its largest finite one (bounds of :func:`f16_normal_bits`'s domain).
 _F16_MIN_NORMAL = 2.0**-14
 _F16_MAX = 65504.0
+#: Below it a float32 rounds to a bfloat16 of at most 65280, exact in float16 (65408 would round up to 65536).
+_BF16_F16_MAX = 65280.0
+
+
+class _NotProvablyNormal(Exception):
+    """A span of :func:`dequantize_4bit_f16_of_bf16` whose products are not all provably in range."""
+
+
+def f16_bits_of_bf16(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    """float32 magnitudes (bits, sign clear) rounded to bfloat16, as float16 bits (exact there).
+
+    The bfloat16 rounding is ml_dtypes' (round to nearest even: ``(u + 0x7FFF + bit 16 of u) >> 16``);
+    a bfloat16 in float16's normal range has 8 significant bits, so its float16 bits are its own moved
+    (``b << 3``, the exponent rebiased by ``-(112 << 10)``) with no second rounding.
+
+    Args:
+        u: ``uint32[k]``: bits of float32 values ``x`` with ``2^-14 <= x < 65280`` (outside it the
+            result is meaningless).
+        out: ``uint32[k]`` destination (may not be ``u``).
+
+    Returns:
+        ``out``: the float16 bits in the low 16 bits.
+    """
+    np.right_shift(u, 16, out=out)
+    np.bitwise_and(out, 1, out=out)  # the lowest kept bit: ties go to even
+    np.add(out, u, out=out)
+    np.add(out, 0x7FFF, out=out)
+    np.right_shift(out, 16, out=out)  # the bfloat16 bits
+    np.left_shift(out, 3, out=out)
+    np.subtract(out, 112 << 10, out=out)
+    return out
 
 
 def f16_normal_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:

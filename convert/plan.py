@@ -80,6 +80,12 @@ class Source:
         """Elements [start, stop) of the flat tensor as ``dtype.numpy[stop - start]``."""
         raise NotImplementedError
 
+    def produce_f16_of_bf16(self, start: int, stop: int) -> npt.NDArray[np.float16] | None:
+        """Elements [start, stop) rounded to bfloat16 and then to float16, when every one of them is
+        exact in float16 (``float16[stop - start]``); None when this source cannot give them so cheaply
+        (the caller produces bfloat16 and rounds it itself)."""
+        return None
+
     def release(self, start: int, stop: int) -> None:
         """Elements [start, stop) are written: drop their input pages."""
 
@@ -169,6 +175,12 @@ class Dequant4Source(Source):
                                       lut=self._lut, stats=local)
         self._add_stats(local)
         return out
+
+    def produce_f16_of_bf16(self, start: int, stop: int) -> npt.NDArray[np.float16] | None:
+        st = self.layer.state
+        packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
+        absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
+        return kernels.dequantize_4bit_f16_of_bf16(packed, absmax, self._quant_map, st.blocksize, stop - start)
 
     def release(self, start: int, stop: int) -> None:
         self.layer.packed.release(start // 2, stop // 2)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from formats.errors import TokenizerError
@@ -28,17 +29,25 @@ from .output import ShardLedger
 from .pipeline import RunSettings, chunk_elements
 from .plan import Plan, PlannedTensor
 
+GT = gguf.GGMLQuantizationType
+
 __all__ = ["OUTPUT_TYPES", "GgufJob", "parse_output_type"]
 
 #: Largest GGUF chunk (elements): float32 copy, encoding, decoded copy and error, about 20 bytes each.
 _GGUF_BYTES_PER_ELEMENT = 24
 
 
-def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[int, int], np.ndarray]:
+def _row_reader(
+    t: PlannedTensor, max_memory: int, threads: int, f16_of_bf16: bool = False
+) -> Callable[[int, int], np.ndarray]:
     """rows(r0, r1) for a pipeline tensor: its Source's flat elements, block-aligned, in pieces of the
     pipeline's chunk size, input pages released as they are consumed (the rows returned are an array of
     their own, never a view of released pages). Called by the GGUF writer's
-    worker threads (the parallelism is across row chunks, so this never waits on the pool)."""
+    worker threads (the parallelism is across row chunks, so this never waits on the pool).
+
+    ``f16_of_bf16`` (a bfloat16 tensor written as F16): the rows as float16 where the source gives them
+    exactly (:meth:`convert.plan.Source.produce_f16_of_bf16`; the writer stores those bits, whose error
+    against the bf16 weight is 0), else as bfloat16 (the writer rounds and measures)."""
     src = t.source
     cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
     piece = chunk_elements(src.unit, max_memory, threads)
@@ -49,7 +58,9 @@ def _row_reader(t: PlannedTensor, max_memory: int, threads: int) -> Callable[[in
         a1 = min(t.numel, -(-stop // src.unit) * src.unit)
         bounds = list(range(a0, a1, piece)) + [a1]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        parts = [src.produce(s, e, t.dtype) for s, e in spans]
+        parts = [src.produce_f16_of_bf16(s, e) for s, e in spans] if f16_of_bf16 else [None]
+        if any(p is None for p in parts):  # (not all exact: every span as bf16, one dtype for the rows)
+            parts = [src.produce(s, e, t.dtype) for s, e in spans]
         flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if not flat.flags.writeable:
             # a read-only view of the input file (a source that does not cast): the caller reads it after
@@ -178,9 +189,12 @@ class GgufJob:
         return "\n".join(lines)
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
+        as_f16 = {g.source for g in self.gplan.tensors if g.ggml_type == GT.F16 and not g.offset}
+        as_f16 -= {g.source for g in self.gplan.tensors if g.ggml_type != GT.F16 or g.offset}
         records = [
-            SourceTensor(t.name, t.shape, rows=_row_reader(t, run.max_memory, run.threads), done=t.source.finish,
-                         row_align=_rows_per_unit(t))
+            SourceTensor(t.name, t.shape, rows=_row_reader(t, run.max_memory, run.threads,
+                                                           t.name in as_f16 and t.dtype.name == "bfloat16"),
+                         done=t.source.finish, row_align=_rows_per_unit(t))
             for t in self.plan.tensors
         ]
         budget = max(run.max_memory - 96 * 1024 * 1024, 16 * 1024 * 1024)

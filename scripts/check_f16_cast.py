@@ -11,9 +11,11 @@ check exits 1.
     python scripts/check_f16_cast.py --chunks 4   # the first 4 of 256 chunks of 2^24
     python scripts/check_f16_cast.py --normal     # convert.kernels.f16_normal_bits on its whole domain
 
-``--normal`` checks instead the integer rounding the float16 kernel uses for its tables,
-:func:`convert.kernels.f16_normal_bits`, against NumPy's cast on every float32 value of its domain,
-``2^-14 <= x < 65520`` (251,654,144 patterns; run on NumPy 2.4.6, 2026-12-02: all equal, 2 s).
+``--normal`` checks instead the integer roundings the float16 kernel uses for its tables on every
+float32 value of their domains: :func:`convert.kernels.f16_normal_bits` against NumPy's cast
+(``2^-14 <= x < 65520``, 251,654,144 patterns) and :func:`convert.kernels.f16_bits_of_bf16` against
+ml_dtypes' bfloat16 cast followed by NumPy's float16 cast (``2^-14 <= x < 65280``, 251,592,704
+patterns). Run on NumPy 2.4.6 and ml_dtypes 0.6.0, 2026-12-02: all equal (6 s).
 
 This is the evidence behind :func:`convert.kernels.round_float32` using NumPy's cast for float16. Run
 on NumPy 2.4.6, 2026-12-02: all 4,294,967,296 patterns equal (1,645 s on a loaded 2-core machine).
@@ -52,24 +54,35 @@ def _round_f16_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16]) -> N
 
 
 def check_normal() -> int:
-    """:func:`convert.kernels.f16_normal_bits` against NumPy's cast on every pattern of its domain."""
-    from convert.kernels import f16_normal_bits
+    """:func:`convert.kernels.f16_normal_bits` and :func:`convert.kernels.f16_bits_of_bf16` against the
+    casts they replace, on every pattern of their domains."""
+    import ml_dtypes
+
+    from convert.kernels import f16_bits_of_bf16, f16_normal_bits
+
+    def f16(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
+        with np.errstate(over="ignore"):
+            return u.view(np.float32).astype(np.float16).view(np.uint16)
+
+    def f16_of_bf16(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
+        return u.view(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32).astype(np.float16).view(np.uint16)
 
     t = time.perf_counter()
-    lo, hi = 0x38800000, 0x477FF000  # 2^-14 .. 65520 (which rounds to inf)
-    for c in range(lo, hi, CHUNK):
-        u = np.arange(c, min(hi, c + CHUNK), dtype=np.uint32)
-        got = f16_normal_bits(u, np.empty_like(u))
-        with np.errstate(over="ignore"):
-            want = u.view(np.float32).astype(np.float16).view(np.uint16)
-        bad = np.flatnonzero(got != want)
-        if bad.size:
-            i = int(bad[0])
-            print(f"differs at fp32 bits {int(u[i]):#010x}: NumPy {int(want[i]):#06x}, "
-                  f"f16_normal_bits {int(got[i]):#06x}")
-            return 1
-    print(f"f16_normal_bits: {hi - lo:,} bit patterns (2^-14 <= x < 65520), equal to NumPy {np.__version__}'s cast "
-          f"({time.perf_counter() - t:.0f} s)")
+    # 2^-14 .. 65520 (which rounds to inf in float16) and .. 65280 (the largest bfloat16 below 65504)
+    for fn, ref, lo, hi in ((f16_normal_bits, f16, 0x38800000, 0x477FF000),
+                            (f16_bits_of_bf16, f16_of_bf16, 0x38800000, 0x477F0000)):
+        for c in range(lo, hi, CHUNK):
+            u = np.arange(c, min(hi, c + CHUNK), dtype=np.uint32)
+            got, want = fn(u, np.empty_like(u)), ref(u)
+            bad = np.flatnonzero(got != want)
+            if bad.size:
+                i = int(bad[0])
+                print(f"differs at fp32 bits {int(u[i]):#010x}: reference {int(want[i]):#06x}, "
+                      f"{fn.__name__} {int(got[i]):#06x}")
+                return 1
+        print(f"{fn.__name__}: {hi - lo:,} bit patterns ({lo:#010x} <= bits < {hi:#010x}), equal to {ref.__name__} "
+              f"(NumPy {np.__version__}, ml_dtypes {ml_dtypes.__version__})")
+    print(f"({time.perf_counter() - t:.0f} s)")
     return 0
 
 

@@ -260,6 +260,46 @@ def test_fp16_tables_by_integer_rounding_equal_numpy_cast(monkeypatch: pytest.Mo
         assert len(calls) == spans - slow, (name, bs, n, calls)
 
 
+def test_f16_of_bf16_tables_equal_rounding_twice() -> None:
+    """dequantize_4bit_f16_of_bf16 (GGUF F16 of a bf16 layer) gives the bits of bf16_to_f16 of the bf16
+    kernel's output (NF4 and FP4, blocksizes 64..4096, several spans, absmax at the edges of the bounds
+    where every bfloat16 is exact in float16); None as soon as one span is not provably so (a zero, a
+    tiny or a huge absmax); f16_bits_of_bf16 equals that route on sampled patterns of its domain, ties
+    to even at bit 16 among them (scripts/check_f16_cast.py --normal checks all of them)."""
+    from convert.kernels import (
+        BF16,
+        TABLE_SPAN,
+        bf16_to_f16,
+        dequantize_4bit_f16_of_bf16,
+        f16_bits_of_bf16,
+    )
+    from formats.bnb import QUANT_TABLES
+
+    rng = np.random.default_rng(12)
+    u = np.concatenate([rng.integers(0x38800000, 0x477F0000, 400_000).astype(np.uint32),
+                        (rng.integers(0x3880, 0x477F, 4000).astype(np.uint32) << 16) | 0x8000,  # ties
+                        (rng.integers(0x3880, 0x477F, 4000).astype(np.uint32) << 16) | 0x7FFF,
+                        np.array([0x38800000, 0x477F0000 - 1], np.uint32)])
+    want = bf16_to_f16(u.view(np.float32).astype(BF16))[0].view(np.uint16)
+    assert np.array_equal(f16_bits_of_bf16(u, np.empty_like(u)).astype(np.uint16), want)
+    for name, bs, spans in [("nf4", 64, 2.5), ("fp4", 64, 1.2), ("nf4", 128, 1), ("fp4", 4096, 3)]:
+        qm = QUANT_TABLES[name]
+        n = int(spans * TABLE_SPAN) // bs * bs + bs // 2
+        nb = -(-n // bs)
+        packed = rng.integers(0, 256, (n + 1) // 2, dtype=np.uint8)
+        absmax = rng.uniform(0.02, 0.2, nb).astype(np.float32)
+        nonzero = np.abs(qm[qm != 0]).astype(np.float64)
+        absmax[1] = np.nextafter(np.float32(2.0**-14 / nonzero.min()), np.float32(1))
+        absmax[2] = np.nextafter(np.float32(65280.0 / nonzero.max()), np.float32(0))
+        got = dequantize_4bit_f16_of_bf16(packed, absmax, qm, bs, n)
+        want16 = bf16_to_f16(dequantize_4bit(packed, absmax, qm, bs, n, "bfloat16"))[0]
+        assert got is not None and np.array_equal(bits(got), bits(want16)), (name, bs, n)
+        for bad in (0.0, np.float32(2.0**-14 / nonzero.min()) * np.float32(0.99), 65280.0 / nonzero.max()):
+            worse = absmax.copy()
+            worse[-1] = bad  # in the last span only
+            assert dequantize_4bit_f16_of_bf16(packed, worse, qm, bs, n) is None, (name, bs, bad)
+
+
 def test_bf16_to_f16_equals_numpy_cast_on_every_pattern() -> None:
     """All 2^16 bfloat16 bit patterns (over three pieces, so pieces and the index of a rounded value past
     the first piece are exercised): the bits of NumPy's float32 -> float16 cast; the indices returned

@@ -878,10 +878,11 @@ def test_cli_gguf_loads_in_llama_cpp(tmp_path):
 def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
     """A plan hook (as --merge-lora installs) changes a source; the GGUF carries the changed values."""
     from convert.cli import main
-    from convert.plan import make_plan
+    from convert.plan import Source, make_plan
 
-    class Shifted:
+    class Shifted(Source):
         def __init__(self, base):
+            super().__init__()
             self.base = base
             self.unit, self.numel, self.kind, self.in_nbytes = base.unit, base.numel, "shifted", base.in_nbytes
 
@@ -1076,3 +1077,28 @@ def test_gguf_error_sample_is_a_fixed_grid_and_float_types_are_exact(tmp_path):
         assert e.measured == math.prod(e.shape) and r.max_abs_error <= e.max_abs_error
     f16 = _write(tmp_path / "f", "f16", weights=w, chunk_elements=5000, sample=8)[2]
     assert all(r.measured == math.prod(r.shape) for r in f16)
+
+
+def test_gguf_f16_of_bf16_layers_from_the_tables_equals_rounding_their_bf16(tmp_path, monkeypatch):
+    """gguf:f16 of a bnb model with bf16 layers takes each 4-bit layer's float16 straight from the kernel's
+    tables where every value is exact (Dequant4Source.produce_f16_of_bf16): the same file, byte for byte,
+    as producing bf16 and rounding it to F16 (the route taken where a source cannot)."""
+    from convert.cli import main
+    from convert.plan import Dequant4Source
+
+    calls = []
+    real = Dequant4Source.produce_f16_of_bf16
+
+    def spy(self, start, stop):
+        got = real(self, start, stop)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(Dequant4Source, "produce_f16_of_bf16", spy)
+    fast = tmp_path / "fast.gguf"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(fast), "-q"]) == 0
+    assert sum(calls) >= 14, calls  # every 4-bit layer of the two blocks (7 each) took the tables
+    monkeypatch.setattr(Dequant4Source, "produce_f16_of_bf16", lambda self, start, stop: None)
+    slow = tmp_path / "slow.gguf"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(slow), "-q"]) == 0
+    assert fast.read_bytes() == slow.read_bytes()
