@@ -27,6 +27,7 @@ microseconds each ran no faster than one.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import ml_dtypes
@@ -252,7 +253,7 @@ def _dequantize_4bit_f16(
     tables = _F16Tables(quant_map, -(-min(span, n) // blocksize), via_bf16)
     scaled = _code_pairs(tables.stride)  # (byte -> its two codes times the table's row stride)
     first = min(piece, n)
-    block_of = np.repeat(np.arange(-(-first // blocksize), dtype=np.intp), blocksize)[:first]
+    block_of = _block_of(-(-first // blocksize), blocksize)[:first]
     pairs = np.empty(-(-first // 2), dtype=_PAIR)
     for s0 in range(0, n, span):
         e0 = min(n, s0 + span)
@@ -410,13 +411,25 @@ def f16_normal_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> n
 _PAIR = np.dtype({8: np.complex128, 4: np.uint64}[np.dtype(np.intp).itemsize])
 
 
+@functools.lru_cache(maxsize=16)
+def _block_of(blocks: int, blocksize: int) -> npt.NDArray[np.intp]:
+    """``intp[blocks * blocksize]``: each element's block within a piece (read-only; made once per
+    shape: a fresh 2 MiB array per call cost as much as the call's work at small ``--max-memory``)."""
+    a = np.repeat(np.arange(blocks, dtype=np.intp), blocksize)
+    a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=64)
 def _code_pairs(scale: int) -> np.ndarray:
     """The 256-entry table byte -> its two codes (high nibble, low nibble) times ``scale``, as two
     ``intp`` in one :data:`_PAIR` item per byte (``np.take`` of it turns packed bytes into table
     indices in one call)."""
     idx = np.arange(256, dtype=np.intp)
     codes = np.stack([idx >> 4, idx & 15], axis=1) * scale
-    return codes.view(_PAIR).reshape(256)
+    pairs = codes.view(_PAIR).reshape(256)
+    pairs.flags.writeable = False
+    return pairs
 
 
 def bf16_to_f16(
