@@ -356,6 +356,20 @@ class _NotProvablyNormal(Exception):
     """A span of :func:`dequantize_4bit_f16_of_bf16` whose products are not all provably in range."""
 
 
+def _round_off_bits(
+    u: npt.NDArray[np.uint32], shift: int, add: int, out: npt.NDArray[np.uint32]
+) -> npt.NDArray[np.uint32]:
+    """``(u + add) >> shift`` rounded to nearest even (uint32, mod 2^32): ``u + add + 2^(shift-1) - 1``
+    plus the lowest kept bit of ``u``, then the ``shift`` low bits shifted out (a carry moves into the
+    bits above, as rounding does). Five passes; ``out`` may not be ``u``."""
+    np.right_shift(u, shift, out=out)
+    np.bitwise_and(out, 1, out=out)  # the lowest kept bit: ties go to even
+    np.add(out, u, out=out)
+    np.add(out, np.uint32((add + (1 << (shift - 1)) - 1) & 0xFFFFFFFF), out=out)
+    np.right_shift(out, shift, out=out)
+    return out
+
+
 def f16_bits_of_bf16(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
     """float32 magnitudes (bits, sign clear) rounded to bfloat16, as float16 bits (exact there).
 
@@ -371,11 +385,7 @@ def f16_bits_of_bf16(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> 
     Returns:
         ``out``: the float16 bits in the low 16 bits.
     """
-    np.right_shift(u, 16, out=out)
-    np.bitwise_and(out, 1, out=out)  # the lowest kept bit: ties go to even
-    np.add(out, u, out=out)
-    np.add(out, 0x7FFF, out=out)
-    np.right_shift(out, 16, out=out)  # the bfloat16 bits
+    _round_off_bits(u, 16, 0, out)  # the bfloat16 bits
     np.left_shift(out, 3, out=out)
     np.subtract(out, 112 << 10, out=out)
     return out
@@ -399,12 +409,7 @@ def f16_normal_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> n
     Returns:
         ``out``: the float16 bits in the low 16 bits.
     """
-    np.right_shift(u, 13, out=out)
-    np.bitwise_and(out, 1, out=out)  # the lowest kept mantissa bit: ties go to even
-    np.add(out, u, out=out)
-    np.add(out, np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF), out=out)  # (wraps: mod 2^32)
-    np.right_shift(out, 13, out=out)
-    return out
+    return _round_off_bits(u, 13, ((15 - 127) << 23) & 0xFFFFFFFF, out)  # exponent rebiased, 10 bits kept
 
 
 #: A NumPy type of two ``intp`` that ``np.take`` moves fast (its values are never used as numbers).
