@@ -132,11 +132,17 @@ class TensorReport:
     fp16_overflow: int = 0
     fp16_underflow: int = 0
     measured: int = 0
+    ref_measured: int | None = None
 
     @property
     def sampled(self) -> bool:
         """The error figures cover a sample, not every element."""
         return self.measured < math.prod(self.shape)
+
+    @property
+    def ref_sampled(self) -> bool:
+        """rel_rms_error's denominator (the weight's RMS) covers a sample (bf16 -> F16 without --json)."""
+        return self.ref_measured is not None and self.ref_measured < self.measured
 
 
 #: Source dtypes whose values the GGML type holds exactly.
@@ -466,7 +472,8 @@ class _Figures:
         rms_err = math.sqrt(self.sq_err / max(self.measured, 1))
         rms_ref = math.sqrt(self.sq_ref / max(self.ref_measured, 1))
         return TensorReport(t.name, t.source, t.ggml_type, t.shape, t.nbytes, self.max_err, rms_err,
-                            rms_err / rms_ref if rms_ref else 0.0, self.over, self.under, self.measured)
+                            rms_err / rms_ref if rms_ref else 0.0, self.over, self.under, self.measured,
+                            self.ref_measured)
 
 
 def _chunk_tasks(

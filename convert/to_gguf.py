@@ -106,6 +106,8 @@ def _error_notes(out_type: str, reports: list[TensorReport], sample: int) -> lis
         "worst tensors below (all in --json)"
         + (f"; the quantized tensors' figures are measured on a fixed 1/{sample} sample of each (every "
            "value with --json)" if any(r.sampled for r in reports) else "")
+        + (f"; F16 tensors' relative error is over the weight's RMS on a fixed 1/{sample} sample of its rows "
+           "(every row with --json)" if any(r.ref_sampled for r in changed) else "")
     ]
     for r in worst[:5]:
         notes.append(

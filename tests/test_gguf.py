@@ -189,7 +189,12 @@ def test_float_tensors_equal_the_dequantized_weight_rounded_once(tmp_path, out_t
         emb8 = next(p for p in sampled if p.name == "token_embd.weight")
         assert (emb8.max_abs_error, emb8.rms_error) == (emb.max_abs_error, emb.rms_error)
         assert emb8.rel_rms_error == pytest.approx(emb.rms_error / math.sqrt(float(np.mean(x[::8] * x[::8]))), rel=1e-6)
-        assert not emb8.sampled
+        assert not emb8.sampled and emb8.ref_sampled and not emb.ref_sampled
+        from convert.to_gguf import _error_notes
+
+        assert "F16 tensors' relative error is over the weight's RMS on a fixed 1/8 sample" in _error_notes(
+            "f16", sampled, 8)[0]
+        assert "relative error is over" not in _error_notes("f16", reports, 8)[0]
 
 
 @pytest.mark.parametrize(
