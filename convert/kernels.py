@@ -137,6 +137,11 @@ def float_output(dtype: np.dtype | str) -> np.dtype:
     return dt
 
 
+def _piece(blocksize: int) -> int:
+    """Elements per inner piece of a 4-bit kernel: :data:`PIECE` rounded down to whole blocks (one at least)."""
+    return max(blocksize, (PIECE // blocksize) * blocksize)
+
+
 def dequantize_4bit(
     packed: npt.NDArray[np.uint8],
     absmax: npt.NDArray[np.float32],
@@ -173,7 +178,7 @@ def dequantize_4bit(
         out = np.empty(n, dtype=dt)
     packed = packed.reshape(-1)
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
-    piece = max(blocksize, (PIECE // blocksize) * blocksize)
+    piece = _piece(blocksize)
     if dt == np.float16:
         return _dequantize_4bit_f16(packed, absmax, quant_map, blocksize, n, out, stats, piece)
     if lut is None:
@@ -218,7 +223,7 @@ def dequantize_4bit_f16_of_bf16(
     """
     packed = packed.reshape(-1)
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
-    piece = max(blocksize, (PIECE // blocksize) * blocksize)
+    piece = _piece(blocksize)
     try:
         return _dequantize_4bit_f16(packed, absmax, quant_map, blocksize, n, np.empty(n, np.float16), None, piece,
                                     via_bf16=True)
