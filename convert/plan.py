@@ -16,7 +16,7 @@ import copy
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +32,7 @@ from .units import format_bytes
 __all__ = [
     "TARGETS",
     "CastSource",
+    "Codes4",
     "Dequant4Source",
     "Int8Source",
     "Plan",
@@ -44,6 +45,25 @@ __all__ = [
 
 #: ``--to`` values of the safetensors output and the dtype they mean (None = per tensor).
 TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class Codes4(NamedTuple):
+    """Elements of a bnb 4-bit layer as stored (:meth:`Source.codes_4bit`): a run of whole blocks from
+    the block holding the first element wanted.
+
+    Attributes:
+        packed: ``uint8[ceil((lead + n) / 2)]`` the run's packed codes (high nibble = even element).
+        absmax: ``float32[ceil((lead + n) / blocksize)]`` its resolved absmax (finite).
+        quant_map: ``float32[16]``.
+        blocksize: elements per absmax.
+        lead: elements of the run before the first one wanted (< blocksize).
+    """
+
+    packed: npt.NDArray[np.uint8]
+    absmax: npt.NDArray[np.float32]
+    quant_map: npt.NDArray[np.float32]
+    blocksize: int
+    lead: int
 
 
 class Source:
@@ -80,10 +100,10 @@ class Source:
         """Elements [start, stop) of the flat tensor as ``dtype.numpy[stop - start]``."""
         raise NotImplementedError
 
-    def produce_f16_of_bf16(self, start: int, stop: int) -> npt.NDArray[np.float16] | None:
-        """Elements [start, stop) rounded to bfloat16 and then to float16, when every one of them is
-        exact in float16 (``float16[stop - start]``); None when this source cannot give them so cheaply
-        (the caller produces bfloat16 and rounds it itself)."""
+    def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
+        """The 4-bit codes and absmax behind elements [start, stop) when this source is a bnb 4-bit
+        layer dequantized as it is (for encoders that work from the codes: GGUF F16 and Q8_0 of its
+        bfloat16 values); None for every other source."""
         return None
 
     def release(self, start: int, stop: int) -> None:
@@ -176,11 +196,12 @@ class Dequant4Source(Source):
         self._add_stats(local)
         return out
 
-    def produce_f16_of_bf16(self, start: int, stop: int) -> npt.NDArray[np.float16] | None:
+    def codes_4bit(self, start: int, stop: int) -> Codes4:
         st = self.layer.state
-        packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
-        absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
-        return kernels.dequantize_4bit_f16_of_bf16(packed, absmax, self._quant_map, st.blocksize, stop - start)
+        first = start // st.blocksize * st.blocksize
+        packed = self.layer.packed.raw(first // 2, (stop + 1) // 2)
+        absmax = self.absmax()[first // st.blocksize : -(-stop // st.blocksize)]
+        return Codes4(packed, absmax, self._quant_map, st.blocksize, start - first)
 
     def release(self, start: int, stop: int) -> None:
         self.layer.packed.release(start // 2, stop // 2)

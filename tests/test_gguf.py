@@ -1086,24 +1086,69 @@ def test_gguf_error_sample_is_a_fixed_grid_and_float_types_are_exact(tmp_path):
 
 def test_gguf_f16_of_bf16_layers_from_the_tables_equals_rounding_their_bf16(tmp_path, monkeypatch):
     """gguf:f16 of a bnb model with bf16 layers takes each 4-bit layer's float16 straight from the kernel's
-    tables where every value is exact (Dequant4Source.produce_f16_of_bf16): the same file, byte for byte,
-    as producing bf16 and rounding it to F16 (the route taken where a source cannot)."""
+    tables where every value is exact (kernels.dequantize_4bit_f16_of_bf16 of Dequant4Source.codes_4bit):
+    the same file, byte for byte, as producing bf16 and rounding it to F16 (the route taken where a source
+    cannot)."""
+    from convert import kernels
     from convert.cli import main
     from convert.plan import Dequant4Source
 
     calls = []
-    real = Dequant4Source.produce_f16_of_bf16
+    real = kernels.dequantize_4bit_f16_of_bf16
 
-    def spy(self, start, stop):
-        got = real(self, start, stop)
+    def spy(*args):
+        got = real(*args)
         calls.append(got is not None)
         return got
 
-    monkeypatch.setattr(Dequant4Source, "produce_f16_of_bf16", spy)
+    monkeypatch.setattr(kernels, "dequantize_4bit_f16_of_bf16", spy)
     fast = tmp_path / "fast.gguf"
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(fast), "-q"]) == 0
     assert sum(calls) >= 14, calls  # every 4-bit layer of the two blocks (7 each) took the tables
-    monkeypatch.setattr(Dequant4Source, "produce_f16_of_bf16", lambda self, start, stop: None)
+    monkeypatch.setattr(Dequant4Source, "codes_4bit", lambda self, start, stop: None)
     slow = tmp_path / "slow.gguf"
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(slow), "-q"]) == 0
     assert fast.read_bytes() == slow.read_bytes()
+
+
+@pytest.mark.parametrize("json_report", [False, True])
+def test_gguf_q8_0_of_bf16_layers_from_the_codes_equals_encoding_their_bf16(tmp_path, monkeypatch, capsys,
+                                                                           json_report):
+    """gguf:q8_0 of a bnb model with bf16 layers encodes each 4-bit layer straight from its codes
+    (q8_0_of_4bit): the same file, byte for byte, as encoding the bf16 rows; with --json (every value
+    measured) the same error figures for every tensor (summed in another order where llama.cpp's rows are
+    permuted)."""
+    import convert.to_gguf as to_gguf
+    from convert.cli import main
+    from convert.plan import Dequant4Source
+
+    calls = []
+    real = to_gguf.q8_0_of_4bit
+
+    def spy(*args):
+        got = real(*args)
+        calls.append(got is not None)
+        return got
+
+    def run(out):
+        assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:q8_0", "-o", str(out), "-q"]
+                    + (["--json"] if json_report else [])) == 0
+        return capsys.readouterr().out
+
+    monkeypatch.setattr(to_gguf, "q8_0_of_4bit", spy)
+    fast = tmp_path / "fast.gguf"
+    fast_out = run(fast)
+    assert sum(calls) >= 14 and all(calls), calls  # every 4-bit layer of the two blocks took the codes
+    monkeypatch.setattr(Dequant4Source, "codes_4bit", lambda self, start, stop: None)
+    slow = tmp_path / "slow.gguf"
+    slow_out = run(slow)
+    assert fast.read_bytes() == slow.read_bytes()
+    if json_report:
+        fast_json, slow_json = json.loads(fast_out), json.loads(slow_out)
+        for f, s in zip(fast_json["gguf"]["tensors"], slow_json["gguf"]["tensors"], strict=True):
+            if f["name"].endswith(("attn_q.weight", "attn_k.weight")):
+                # rows permuted for llama.cpp: the same errors, summed in the source's row order
+                assert f == {**s, **{k: pytest.approx(s[k], rel=1e-6) for k in ("rms_error", "rel_rms_error")}}
+            else:
+                assert f == s
+        assert any(t["max_abs_error"] > 0 for t in fast_json["gguf"]["tensors"])
