@@ -62,7 +62,7 @@ import numpy.typing as npt
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 
-from .codec_base import Measured, abs_max, sum_squares
+from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
@@ -87,10 +87,6 @@ class SourceTensor:
         produce: returns the values, any float dtype (float32, float16, bfloat16), ``shape``.
         rows: ``rows(r0, r1)`` returns rows [r0, r1) as a float array of ``(r1 - r0, *shape[1:])``
             (a 1-D tensor is one row); may be called from several threads at once.
-        encoded: ``encoded(r0, r1, sample)``: rows [r0, r1) already in the tensor's GGML type, as
-            :meth:`convert.codec_base.Codec.quantize_measured` of those rows at ``sample`` gives them
-            (``uint8[(r1 - r0) * row bytes]`` and the error figures), or None when the source cannot
-            (``rows`` is used); may be called from several threads at once.
         done: called once the tensor is written (e.g. to drop its input pages).
         row_align: chunks start on multiples of this many rows (the source's natural unit).
     """
@@ -99,7 +95,6 @@ class SourceTensor:
     shape: tuple[int, ...]
     produce: Callable[[], np.ndarray] | None = None
     rows: Callable[[int, int], np.ndarray] | None = None
-    encoded: Callable[[int, int, int], Measured | None] | None = None
     done: Callable[[], None] | None = None
     row_align: int = 1
 
@@ -521,12 +516,6 @@ def _chunk_tasks(
     exact = t.ggml_type == GT.F32
 
     def task(r0: int, r1: int) -> _Chunk:
-        if rec is not None and rec.encoded is not None:
-            m = rec.encoded(r0, r1, sample)  # (the error sample on the source's row order)
-            if m is not None:
-                data = m.data.reshape(r1 - r0, -1)
-                return _Chunk(data if perm is None else data[perm[r0:r1] - r0], m.max_err, m.sq_err, m.sq_ref,
-                              m.measured)
         if whole is not None:
             x = whole[r0:r1]
         else:

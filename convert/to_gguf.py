@@ -23,7 +23,6 @@ from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
 
 from . import kernels
-from .codec_base import Measured
 from .gguf_encode import SourceTensor, TensorReport
 from .gguf_encode import write_gguf as _write_gguf
 from .gguf_mix import mix_summary
@@ -31,7 +30,6 @@ from .gguf_plan import OUTPUT_TYPES, GGUFTensor, parse_output_type, plan_gguf
 from .output import ShardLedger
 from .pipeline import RunSettings, chunk_elements
 from .plan import Plan, PlannedTensor
-from .q8_0_of_4bit import q8_0_of_4bit
 
 GT = gguf.GGMLQuantizationType
 
@@ -82,29 +80,6 @@ def _row_reader(
         return flat[start - a0 : stop - a0].reshape(r1 - r0, *t.shape[1:])
 
     return rows
-
-
-def _q8_0_reader(t: PlannedTensor) -> Callable[[int, int, int], Measured | None]:
-    """encoded(r0, r1, sample) for a tensor the plan makes as bfloat16 (``t.dtype``) and the GGUF holds as
-    Q8_0 only: when its source is a bnb 4-bit layer (:meth:`convert.plan.Source.codes_4bit`), rows [r0, r1) encoded
-    straight from its codes (:func:`convert.q8_0_of_4bit.q8_0_of_4bit`, the codec's bytes and error
-    figures on the sample grid from the tensor's first value), input pages released; None when the
-    source is not such a layer or that route cannot give the codec's bytes (the writer then encodes
-    the rows of :func:`_row_reader`)."""
-    src = t.source
-    cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
-
-    def encoded(r0: int, r1: int, sample: int) -> Measured | None:
-        start, stop = r0 * cols, r1 * cols
-        c = src.codes_4bit(start, stop)
-        if c is None:
-            return None
-        m = q8_0_of_4bit(c.packed, c.absmax, c.quant_map, c.blocksize, c.lead, stop - start, start, sample)
-        if m is not None:
-            src.release(start, stop)
-        return m
-
-    return encoded
 
 
 def _rows_per_unit(t: PlannedTensor) -> int:
@@ -225,11 +200,11 @@ class GgufJob:
         return "\n".join(lines)
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
-        as_f16, as_q8_0 = self._written_only_as(GT.F16), self._written_only_as(GT.Q8_0)
+        as_f16 = {g.source for g in self.gplan.tensors if g.ggml_type == GT.F16 and not g.offset}
+        as_f16 -= {g.source for g in self.gplan.tensors if g.ggml_type != GT.F16 or g.offset}
         records = [
             SourceTensor(t.name, t.shape, rows=_row_reader(t, run.max_memory, run.threads,
                                                            t.name in as_f16 and t.dtype.name == "bfloat16"),
-                         encoded=_q8_0_reader(t) if t.name in as_q8_0 and t.dtype.name == "bfloat16" else None,
                          done=t.source.finish, row_align=_rows_per_unit(t))
             for t in self.plan.tensors
         ]
@@ -244,13 +219,6 @@ class GgufJob:
             if bar is not None:
                 bar.close()
         return 1, 0
-
-    def _written_only_as(self, ggml_type: GT) -> set[str]:
-        """Source tensors every GGUF tensor of which is ``ggml_type`` with no offset (a source may feed
-        several GGUF tensors, e.g. a tied embedding)."""
-        gs = self.gplan.tensors
-        return {g.source for g in gs if g.ggml_type == ggml_type and not g.offset} - {
-            g.source for g in gs if g.ggml_type != ggml_type or g.offset}
 
     def verify(self, staging: Path) -> None:
         _verify_gguf(staging, self.gplan)
