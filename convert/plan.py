@@ -123,8 +123,8 @@ class Source:
                 self.stats += local
 
 
-#: quant_type -> (its ``float32[16]`` table, the table's :func:`kernels.pair_lut`), made once.
-_QUANT_LUTS = {qt: (table, kernels.pair_lut(table)) for qt, table in QUANT_TABLES.items()}
+#: quant_type -> (its ``float32[16]`` table, the table's :func:`kernels.quad_lut`), made once (1 MiB each).
+_QUANT_LUTS = {qt: (table, kernels.quad_lut(table)) for qt, table in QUANT_TABLES.items()}
 
 
 class Dequant4Source(Source):

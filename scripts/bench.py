@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from convert.kernels import dequantize_4bit, pair_lut  # noqa: E402
+from convert.kernels import dequantize_4bit, quad_lut  # noqa: E402
 from formats.bnb import DYNAMIC_MAP_SIGNED, NF4_TABLE, QuantState  # noqa: E402
 from formats.dtypes import BY_CODE  # noqa: E402
 from formats.safetensors import SafetensorsWriter  # noqa: E402
@@ -169,7 +169,7 @@ def kernel(n_elem: int, threads: int, dtype: str = "bfloat16") -> dict:
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, n_elem // 2, dtype=np.uint8)
     absmax = rng.uniform(0.03, 0.07, n_elem // BS).astype(np.float32)
-    lut = pair_lut(NF4_TABLE)
+    lut = quad_lut(NF4_TABLE)
     out = np.empty(n_elem, dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
     chunk = 1 << 22
 
