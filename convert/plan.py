@@ -123,8 +123,6 @@ class Source:
                 self.stats += local
 
 
-#: quant_type -> (its ``float32[16]`` table, the table's :func:`kernels.quad_lut`), made once (1 MiB each).
-_QUANT_LUTS = {qt: (table, kernels.quad_lut(table)) for qt, table in QUANT_TABLES.items()}
 
 
 class Dequant4Source(Source):
@@ -144,7 +142,7 @@ class Dequant4Source(Source):
         self.kind = f"dequant {st.quant_type} bs{st.blocksize}" + (" nested" if st.nested else "")
         self._absmax: npt.NDArray[np.float32] | None = None
         # the layer's quant_map equals its quant_type's table bit for bit (BNB-007, checked in formats.bnb)
-        self._quant_map, self._lut = _QUANT_LUTS[st.quant_type]
+        self._quant_map = QUANT_TABLES[st.quant_type]
 
     def absmax(self) -> npt.NDArray[np.float32]:
         """The resolved fp32 absmax, ``float32[n_blocks]`` (nested quantization undone), cached.
@@ -188,11 +186,10 @@ class Dequant4Source(Source):
         packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
         absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
         if dtype.name != "float16":
-            return kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy,
-                                           lut=self._lut)
+            return kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy)
         local = np.zeros(2, dtype=np.int64)
         out = kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy,
-                                      lut=self._lut, stats=local)
+                                      stats=local)
         self._add_stats(local)
         return out
 

@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from convert.kernels import dequantize_4bit, quad_lut  # noqa: E402
+from convert.kernels import dequantize_4bit  # noqa: E402
 from formats.bnb import DYNAMIC_MAP_SIGNED, NF4_TABLE, QuantState  # noqa: E402
 from formats.dtypes import BY_CODE  # noqa: E402
 from formats.safetensors import SafetensorsWriter  # noqa: E402
@@ -169,14 +169,13 @@ def kernel(n_elem: int, threads: int, dtype: str = "bfloat16") -> dict:
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, n_elem // 2, dtype=np.uint8)
     absmax = rng.uniform(0.03, 0.07, n_elem // BS).astype(np.float32)
-    lut = quad_lut(NF4_TABLE)
     out = np.empty(n_elem, dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
     chunk = 1 << 22
 
     def work(s: int) -> None:
         e = min(n_elem, s + chunk)
         dequantize_4bit(packed[s // 2:e // 2], absmax[s // BS:e // BS], NF4_TABLE, BS, e - s, dtype,
-                        out=out[s:e], lut=lut)
+                        out=out[s:e])
 
     best = 1e9
     for _ in range(3):
