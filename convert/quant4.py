@@ -24,6 +24,7 @@ result for the whole tensor, byte for byte (:func:`iter_block_chunks` yields suc
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 
@@ -219,39 +220,39 @@ def encode_4bit(
 _LITTLE = sys.byteorder == "little"
 
 
-_TABLE_CACHE: dict[bytes, tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None] = {}
+#: Bits of a float32 that pick its bucket in :func:`_code_table` (the sign, the exponent, 11 mantissa bits).
+_BUCKET_BITS = 20
+#: :func:`_code_table`'s entry for a bucket that holds a midpoint (or is not finite): search those values.
+_SEARCH = 255
 
 
-def _code_tables(
-    mid: npt.NDArray[np.float32], order: npt.NDArray[np.uint8]
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None:
-    """Tables that replace ``searchsorted(mid, s, side="left")`` by lookups on s's top 16 bits.
+@functools.lru_cache(maxsize=4)
+def _code_table(mid: bytes) -> npt.NDArray[np.uint8]:
+    """The table that replaces ``searchsorted(mid, s, side="left")`` by one lookup on s's top
+    :data:`_BUCKET_BITS` bits, for the float32 midpoints ``mid`` (as bytes).
 
-    The fp32 values sharing their top 16 bits form one interval ("bucket"). For bucket h:
-    ``rank[h] = count(mid < bucket start)`` (at most ``mid.size``); if a midpoint m lies in the bucket,
-    ``thr[h] = m``, else inf, so ``rank[h] + (s > thr[h])`` equals the search exactly (ties, s == m,
-    stay low). Returns None when a bucket holds two midpoints (not the case for the NF4 and FP4
-    tables), and the caller searches instead.
+    The float32 values sharing their top bits form one interval ("bucket", 2^12 consecutive patterns).
+    Where no midpoint lies in the bucket, the search gives the same answer for every value in it:
+    ``count(mid < bucket start)`` is stored. Where one does (one bucket per midpoint and sign, their
+    values a fraction of a percent of a weight's; ties ``s == m`` must stay low), or the bucket holds
+    inf/NaN, :data:`_SEARCH` is stored and the caller searches those values. Made once per table
+    (1 MiB), in pieces (no large temporaries).
     """
-    key = mid.tobytes() + order.tobytes()
-    if key in _TABLE_CACHE:
-        return _TABLE_CACHE[key]
-    h = np.arange(65536, dtype=np.uint32)
-    first = (h << 16).view(np.float32)
-    last = ((h << 16) | 0xFFFF).view(np.float32)
-    start = np.minimum(first, last)  # negative buckets run downwards
-    stop = np.maximum(first, last)
-    base = np.searchsorted(mid, start, side="left")  # count(mid < start)
-    inside = np.searchsorted(mid, stop, side="right") - base  # midpoints in [start, stop]
-    tables: tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None = None
-    finite = np.isfinite(start) & np.isfinite(stop)
-    if int(inside[finite].max()) <= 1:
-        thr = np.full(65536, np.inf, dtype=np.float32)
-        has = finite & (inside == 1)
-        thr[has] = mid[base[has]]
-        tables = (thr, np.minimum(base, mid.size).astype(np.uint8))
-    _TABLE_CACHE[key] = tables
-    return tables
+    m = np.frombuffer(mid, dtype=np.float32)
+    table = np.empty(1 << _BUCKET_BITS, dtype=np.uint8)
+    low = 32 - _BUCKET_BITS
+    step = 1 << 16
+    for h0 in range(0, table.size, step):
+        h = np.arange(h0, h0 + step, dtype=np.uint32)
+        first = (h << low).view(np.float32)
+        last = ((h << low) | ((1 << low) - 1)).view(np.float32)
+        start, stop = np.minimum(first, last), np.maximum(first, last)  # negative buckets run downwards
+        base = np.searchsorted(m, start, side="left")  # count(mid < start)
+        inside = np.searchsorted(m, stop, side="right") - base  # midpoints in [start, stop]
+        exact = np.isfinite(start) & np.isfinite(stop) & (inside == 0)
+        table[h0 : h0 + step] = np.where(exact, base, _SEARCH)
+    table.flags.writeable = False
+    return table
 
 
 def _pack_codes(
@@ -266,16 +267,12 @@ def _pack_codes(
     Any finite ``s`` is fine: values beyond [-1, 1] get the end codes, as bnb's clamp to [-1, 1] gives
     (every midpoint is inside), so callers need not clip.
     """
-    tables = _code_tables(mid, order)
-    if tables is not None:
-        thr, rank = tables
-        # the bucket: the top 16 bits (takes in "wrap" mode: every uint16 is in range, and it is the fastest)
-        top = np.right_shift(s.view(np.uint32), 16, out=np.empty(s.size, np.intp), casting="unsafe")
-        above = np.greater(s, np.take(thr, top, mode="wrap"))
-        idx = np.take(rank, top, mode="wrap")
-        np.add(idx, above.view(np.uint8), out=idx)
-    else:
-        idx = np.searchsorted(mid, s, side="left").astype(np.uint8)
+    # the bucket: the top bits (takes in "wrap" mode: every index is in range, and it is the fastest)
+    bucket = np.right_shift(s.view(np.uint32), 32 - _BUCKET_BITS, out=np.empty(s.size, np.intp), casting="unsafe")
+    idx = np.take(_code_table(mid.tobytes()), bucket, mode="wrap")
+    search = np.flatnonzero(idx == _SEARCH)
+    if search.size:  # values in a bucket that holds a midpoint
+        idx[search] = np.searchsorted(mid, s[search], side="left")
     codes = idx if is_nf4 else np.take(order, idx, mode="wrap")  # NF4's order is the identity
     if _LITTLE:  # a uint16 of two codes (< 16) is first | second << 8: byte = (v << 4 | v >> 8) & 0xFF
         v = codes.view(np.uint16)

@@ -434,14 +434,17 @@ def test_parity_bitsandbytes_quantize_4bit() -> None:
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_bucket_tables_equal_the_search(quant_type: str) -> None:
-    """The 16-bit bucket lookup gives searchsorted(midpoints, s, 'left') at every bucket edge, around
-    every midpoint and on random values."""
-    from convert.quant4 import _code_tables, _pack_codes
+    """The 20-bit bucket lookup gives searchsorted(midpoints, s, 'left') at every bucket edge, around
+    every midpoint and on random values (the buckets holding a midpoint, searched, are few)."""
+    from convert.quant4 import _BUCKET_BITS, _SEARCH, _code_table, _pack_codes
 
     mid, order = quantize_bounds(quant_type)
-    assert _code_tables(mid, order) is not None
-    h = np.arange(65536, dtype=np.uint32)
-    edges = np.concatenate([(h << 16), (h << 16) | 0xFFFF, (h << 16) | 0x8000]).view(np.float32)
+    table = _code_table(mid.tobytes())
+    finite = (np.arange(table.size, dtype=np.uint32) >> (_BUCKET_BITS - 9) & 0xFF) != 0xFF
+    assert 0 < np.count_nonzero(table[finite] == _SEARCH) <= 2 * mid.size
+    low = 32 - _BUCKET_BITS
+    h = np.arange(1 << _BUCKET_BITS, dtype=np.uint32)
+    edges = np.concatenate([(h << low), (h << low) | ((1 << low) - 1), (h << low) | (1 << (low - 1))]).view(np.float32)
     near = np.concatenate([np.nextafter(mid, np.float32(-2)), mid, np.nextafter(mid, np.float32(2))])
     rand = np.random.default_rng(0).uniform(-1, 1, 1 << 20).astype(np.float32)
     s = np.concatenate([edges[np.isfinite(edges)], near, rand])
