@@ -225,23 +225,57 @@ def dequantize_4bit_f16_of_bf16(
 ) -> npt.NDArray[np.float16] | None:
     """float16 of the bfloat16 dequantization, ``fp16(bf16(fp32(quant_map[code] * absmax[block])))``,
     when it is exact: the bits of :func:`bf16_to_f16` of :func:`dequantize_4bit` to bfloat16 (what
-    ``convert_hf_to_gguf.py`` writes as F16 from the dequantized bf16 checkpoint), by the float16
-    kernel's tables at about the float16 kernel's cost instead of both passes.
+    ``convert_hf_to_gguf.py`` writes as F16 from the dequantized bf16 checkpoint), in one pass of the
+    bf16 kernel's kind instead of both.
+
+    When every non-zero product is provably in ``[2^-14, 65280)`` (``min(absmax) * min|q| >= 2^-14``
+    and ``max(absmax) * max|q| < 65280`` over the non-zero ``q`` of the quant_map), each product is made
+    with ``absmax * 2^-112`` instead of ``absmax``: the same product scaled by ``2^-112`` exactly (every
+    value stays a float32 normal, where rounding commutes with powers of two), its exponent now
+    float16's. Its bfloat16 rounding (:func:`f16_bits_of_bf16`) then has 8 significant bits and a
+    float16 normal exponent, so the float16 bits are the bfloat16 bits moved, with no second rounding;
+    a zero code gives a zero of its sign, as the product does.
 
     Args: as :func:`dequantize_4bit` (``n`` codes from a block boundary).
 
     Returns:
-        ``float16[n]``, or None when some :data:`TABLE_SPAN` of blocks has products not provably in
-        ``[2^-14, 65280)`` (a bfloat16 there is exact in float16; the caller takes the bf16 route).
+        ``float16[n]``, or None when the products are not provably in that range (a zero, tiny or huge
+        absmax; the caller takes the bf16 route).
     """
     packed = packed.reshape(-1)
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
-    piece = _piece(blocksize)
-    try:
-        return _dequantize_4bit_f16(packed, absmax, quant_map, blocksize, n, np.empty(n, np.float16), None, piece,
-                                    via_bf16=True)
-    except _NotProvablyNormal:
+    q = np.abs(np.asarray(quant_map, dtype=np.float32).reshape(-1)).astype(np.float64)
+    q = q[q != 0]
+    # (NaN anywhere: a comparison that is False, the bf16 route)
+    if not (q.size and absmax.size and float(absmax.min()) * q.min() >= _F16_MIN_NORMAL
+            and float(absmax.max()) * q.max() < _BF16_F16_MAX):
         return None
+    scaled = absmax * np.float32(2.0**-112)  # exact: absmax >= 2^-14 here
+    lut = quad_lut(quant_map)
+    piece = _piece(blocksize)
+    out = np.empty(n, np.float16).view(np.uint16)
+    size = min(piece, n)
+    quads = np.empty(size // 4 + 1, dtype=np.complex128)
+    prod, bits, low = np.empty(size, np.float32), np.empty(size, np.uint32), np.empty(size, np.uint16)
+    for s in range(0, n, piece):
+        e = min(n, s + piece)
+        m = e - s
+        src = packed[s // 2 : (e + 1) // 2]
+        k = src.size // 2
+        np.take(lut, src[: 2 * k].view("<u2"), out=quads[:k], mode="wrap")
+        if src.size > 2 * k:
+            quads[k] = lut[src[-1]]
+        vals = quads.view(np.float32)[:m]
+        nb_full, b0 = m // blocksize, s // blocksize
+        full = nb_full * blocksize
+        x = prod[:m]
+        if nb_full:
+            np.multiply(vals[:full].reshape(nb_full, blocksize), scaled[b0 : b0 + nb_full, None],
+                        out=x[:full].reshape(nb_full, blocksize))
+        if m > full:
+            np.multiply(vals[full:], scaled[b0 + nb_full], out=x[full:])
+        f16_bits_of_bf16(x.view(np.uint32), bits[:m], low[:m], out[s:e])
+    return out.view(np.float16)
 
 
 def _dequantize_4bit_f16(
@@ -253,7 +287,6 @@ def _dequantize_4bit_f16(
     out: np.ndarray,
     stats: npt.NDArray[np.int64] | None,
     piece: int,
-    via_bf16: bool = False,
 ) -> np.ndarray:
     """:func:`dequantize_4bit` to float16, by table: each block has only 16 values, so the 16 fp32
     products ``fp32(quant_map[code] * absmax[block])`` of a block are rounded to float16 once
@@ -268,7 +301,7 @@ def _dequantize_4bit_f16(
     entries that did so (the elements that picked them are counted only when one exists).
     """
     span = max(piece, (TABLE_SPAN // piece) * piece)  # elements whose table is made at once
-    tables = _F16Tables(quant_map, -(-min(span, n) // blocksize), via_bf16)
+    tables = _F16Tables(quant_map, -(-min(span, n) // blocksize))
     scaled = _code_pairs(tables.stride)  # (byte -> its two codes times the table's row stride)
     first = min(piece, n)
     block_of = _block_of(-(-first // blocksize), blocksize)[:first]
@@ -308,8 +341,7 @@ class _F16Tables:
     AVX-512 FP16: float16 is converted in software), noting the entries that overflowed or flushed.
     """
 
-    def __init__(self, quant_map: npt.NDArray[np.float32], blocks: int, via_bf16: bool = False) -> None:
-        self.via_bf16 = via_bf16  # round each product to bfloat16 first (fast path only)
+    def __init__(self, quant_map: npt.NDArray[np.float32], blocks: int) -> None:
         q = np.asarray(quant_map, dtype=np.float32).reshape(16, 1)
         self.q, self.q_abs = q, np.abs(q)
         self.sign = q.view(np.uint32) >> np.uint32(16) & np.uint32(0x8000)
@@ -335,17 +367,13 @@ class _F16Tables:
         nb = absmax.size
         products, table = self.products[:, :nb], self.table[:, :nb]
         # (NaN in absmax: a bound that is not finite sends the span to NumPy's cast)
-        top = _BF16_F16_MAX if self.via_bf16 else _F16_MAX
-        if float(absmax.min()) * self.q_min >= _F16_MIN_NORMAL and float(absmax.max()) * self.q_max < top:
+        if float(absmax.min()) * self.q_min >= _F16_MIN_NORMAL and float(absmax.max()) * self.q_max < _F16_MAX:
             # |q| * absmax: the magnitude of bnb's product (absmax > 0 here), rounded by integer operations
             np.multiply(self.q_abs, absmax, out=products)
-            rounding = f16_bits_of_bf16 if self.via_bf16 else f16_normal_bits
-            bits = rounding(products.view(np.uint32), self.bits[:, :nb])
+            bits = f16_normal_bits(products.view(np.uint32), self.bits[:, :nb])
             np.bitwise_or(bits, self.sign, out=table, casting="unsafe")
             table[self.zero] = self.sign[self.zero]  # 0 * absmax: a zero of the code's sign
             return self.table.reshape(-1), None
-        if self.via_bf16:
-            raise _NotProvablyNormal
         np.multiply(self.q, absmax, out=products)  # as bnb's product
         with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (counted)
             np.copyto(table, products.astype(np.float16).view(np.uint16))  # round to nearest even
@@ -370,10 +398,6 @@ _F16_MAX = 65504.0
 _BF16_F16_MAX = 65280.0
 
 
-class _NotProvablyNormal(Exception):
-    """A span of :func:`dequantize_4bit_f16_of_bf16` whose products are not all provably in range."""
-
-
 def _round_off_bits(
     u: npt.NDArray[np.uint32], shift: int, add: int, out: npt.NDArray[np.uint32]
 ) -> npt.NDArray[np.uint32]:
@@ -388,24 +412,36 @@ def _round_off_bits(
     return out
 
 
-def f16_bits_of_bf16(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
-    """float32 magnitudes (bits, sign clear) rounded to bfloat16, as float16 bits (exact there).
+def f16_bits_of_bf16(
+    u: npt.NDArray[np.uint32], tmp: npt.NDArray[np.uint32], low: npt.NDArray[np.uint16], out: npt.NDArray[np.uint16]
+) -> npt.NDArray[np.uint16]:
+    """float16 bits of ``fp16(bf16(x))`` from the float32 bits of ``x * 2^-112``, for ``x`` with
+    ``2^-14 <= |x| < 65280`` or ``x = +-0`` (outside that the result is meaningless).
 
-    The bfloat16 rounding is ml_dtypes' (round to nearest even: ``(u + 0x7FFF + bit 16 of u) >> 16``);
-    a bfloat16 in float16's normal range has 8 significant bits, so its float16 bits are its own moved
-    (``b << 3``, the exponent rebiased by ``-(112 << 10)``) with no second rounding.
+    ``x * 2^-112`` has float16's exponent bias in float32's exponent field (``E - 112``, 1..30) and the
+    same significand; its bfloat16 rounding (ml_dtypes': round to nearest even, ``(u + 0x7FFF + bit 16
+    of u) >> 16``, the scaling commuting with it) keeps 7 fraction bits and the sign in bit 15, so the
+    float16 bits are ``(b << 3) | (b & 0x8000)`` (the shift drops the sign and the exponent's three
+    top bits, all zero): no second rounding, as a bfloat16 of that range is exact in float16. Eight
+    integer passes; checked on every pattern of the domain, both signs (``scripts/check_f16_cast.py
+    --normal``).
 
     Args:
-        u: ``uint32[k]``: bits of float32 values ``x`` with ``2^-14 <= x < 65280`` (outside it the
-            result is meaningless).
-        out: ``uint32[k]`` destination (may not be ``u``).
+        u: ``uint32[k]``: the bits of ``x * 2^-112``.
+        tmp: ``uint32[k]`` and ``low``: ``uint16[k]`` scratch.
+        out: ``uint16[k]`` destination.
 
     Returns:
-        ``out``: the float16 bits in the low 16 bits.
+        ``out``.
     """
-    _round_off_bits(u, 16, 0, out)  # the bfloat16 bits
-    np.left_shift(out, 3, out=out)
-    np.subtract(out, 112 << 10, out=out)
+    np.right_shift(u, 16, out=tmp)
+    np.bitwise_and(tmp, 1, out=tmp)  # ties go to even
+    np.add(tmp, u, out=tmp)
+    np.add(tmp, np.uint32(0x7FFF), out=tmp)
+    np.right_shift(tmp, 16, out=low, casting="unsafe")  # the bfloat16 bits
+    np.left_shift(low, 3, out=out)
+    np.bitwise_and(low, 0x8000, out=low)
+    np.bitwise_or(out, low, out=out)
     return out
 
 

@@ -11,11 +11,12 @@ check exits 1.
     python scripts/check_f16_cast.py --chunks 4   # the first 4 of 256 chunks of 2^24
     python scripts/check_f16_cast.py --normal     # convert.kernels.f16_normal_bits on its whole domain
 
-``--normal`` checks instead the integer roundings the float16 kernel uses for its tables on every
-float32 value of their domains: :func:`convert.kernels.f16_normal_bits` against NumPy's cast
-(``2^-14 <= x < 65520``, 251,654,144 patterns) and :func:`convert.kernels.f16_bits_of_bf16` against
-ml_dtypes' bfloat16 cast followed by NumPy's float16 cast (``2^-14 <= x < 65280``, 251,592,704
-patterns). Run on NumPy 2.4.6 and ml_dtypes 0.6.0, 2026-12-02: all equal (6 s).
+``--normal`` checks instead the integer roundings the float16 kernels use on every float32 value of
+their domains: :func:`convert.kernels.f16_normal_bits` (the float16 kernel's tables) against NumPy's
+cast (``2^-14 <= x < 65520``, 251,654,144 patterns) and :func:`convert.kernels.f16_bits_of_bf16`
+(GGUF F16 of a bf16 layer: the bits of ``x * 2^-112``) against ml_dtypes' bfloat16 cast followed by
+NumPy's float16 cast (``2^-14 <= |x| < 65280``, both signs, 503,185,408 patterns, and +-0). Run on
+NumPy 2.4.6 and ml_dtypes 0.6.0, 2026-12-02: all equal (10 s).
 
 This is the evidence behind :func:`convert.kernels.round_float32` using NumPy's cast for float16. Run
 on NumPy 2.4.6, 2026-12-02: all 4,294,967,296 patterns equal (1,645 s on a loaded 2-core machine).
@@ -67,13 +68,20 @@ def check_normal() -> int:
     def f16_of_bf16(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
         return u.view(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32).astype(np.float16).view(np.uint16)
 
+    def scaled_f16_of_bf16(u: npt.NDArray[np.uint32], tmp: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
+        # the kernel's input: the bits of x * 2^-112 (exact for these normal x: the exponent field less 112)
+        x = (u & np.uint32(0x7FFFFFFF)) - np.uint32(112 << 23) | (u & np.uint32(0x80000000))
+        return f16_bits_of_bf16(x, tmp, np.empty(u.size, np.uint16), np.empty(u.size, np.uint16))
+
     t = time.perf_counter()
-    # 2^-14 .. 65520 (which rounds to inf in float16) and .. 65280 (the largest bfloat16 below 65504)
+    # 2^-14 .. 65520 (which rounds to inf in float16) and .. 65280 (the largest bfloat16 below 65504), and
+    # the negative values of the latter (the F16 of a bf16 layer carries the sign through)
     for fn, ref, lo, hi in ((f16_normal_bits, f16, 0x38800000, 0x477FF000),
-                            (f16_bits_of_bf16, f16_of_bf16, 0x38800000, 0x477F0000)):
+                            (scaled_f16_of_bf16, f16_of_bf16, 0x38800000, 0x477F0000),
+                            (scaled_f16_of_bf16, f16_of_bf16, 0xB8800000, 0xC77F0000)):
         for c in range(lo, hi, CHUNK):
             u = np.arange(c, min(hi, c + CHUNK), dtype=np.uint32)
-            got, want = fn(u, np.empty_like(u)), ref(u)
+            got, want = fn(u, np.empty_like(u)).astype(np.uint16), ref(u)
             bad = np.flatnonzero(got != want)
             if bad.size:
                 i = int(bad[0])
@@ -82,6 +90,11 @@ def check_normal() -> int:
                 return 1
         print(f"{fn.__name__}: {hi - lo:,} bit patterns ({lo:#010x} <= bits < {hi:#010x}), equal to {ref.__name__} "
               f"(NumPy {np.__version__}, ml_dtypes {ml_dtypes.__version__})")
+    zeros = np.array([0, 0x80000000], np.uint32)  # +-0 scale to themselves
+    if f16_bits_of_bf16(zeros, np.empty_like(zeros), np.empty(2, np.uint16), np.empty(2, np.uint16)).tolist() != [
+            0, 0x8000]:
+        print("f16_bits_of_bf16 does not keep +-0")
+        return 1
     print(f"({time.perf_counter() - t:.0f} s)")
     return 0
 

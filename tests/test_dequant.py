@@ -264,8 +264,9 @@ def test_f16_of_bf16_tables_equal_rounding_twice() -> None:
     """dequantize_4bit_f16_of_bf16 (GGUF F16 of a bf16 layer) gives the bits of bf16_to_f16 of the bf16
     kernel's output (NF4 and FP4, blocksizes 64..4096, several spans, absmax at the edges of the bounds
     where every bfloat16 is exact in float16); None as soon as one span is not provably so (a zero, a
-    tiny or a huge absmax); f16_bits_of_bf16 equals that route on sampled patterns of its domain, ties
-    to even at bit 16 among them (scripts/check_f16_cast.py --normal checks all of them)."""
+    tiny or a huge absmax); f16_bits_of_bf16 of x * 2^-112 equals that route on sampled patterns of its
+    domain, both signs, ties to even at bit 16 among them (scripts/check_f16_cast.py --normal checks all
+    of them)."""
     from convert.kernels import (
         BF16,
         TABLE_SPAN,
@@ -280,8 +281,11 @@ def test_f16_of_bf16_tables_equal_rounding_twice() -> None:
                         (rng.integers(0x3880, 0x477F, 4000).astype(np.uint32) << 16) | 0x8000,  # ties
                         (rng.integers(0x3880, 0x477F, 4000).astype(np.uint32) << 16) | 0x7FFF,
                         np.array([0x38800000, 0x477F0000 - 1], np.uint32)])
+    u = np.concatenate([u, u | np.uint32(0x80000000), np.array([0, 0x80000000], np.uint32)])
     want = bf16_to_f16(u.view(np.float32).astype(BF16))[0].view(np.uint16)
-    assert np.array_equal(f16_bits_of_bf16(u, np.empty_like(u)).astype(np.uint16), want)
+    scaled = (u.view(np.float32) * np.float32(2.0**-112)).view(np.uint32)
+    got = f16_bits_of_bf16(scaled, np.empty_like(u), np.empty(u.size, np.uint16), np.empty(u.size, np.uint16))
+    assert np.array_equal(got, want)
     for name, bs, spans in [("nf4", 64, 2.5), ("fp4", 64, 1.2), ("nf4", 128, 1), ("fp4", 4096, 3)]:
         qm = QUANT_TABLES[name]
         n = int(spans * TABLE_SPAN) // bs * bs + bs // 2
