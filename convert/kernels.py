@@ -194,26 +194,40 @@ def dequantize_4bit(
     lut = quad_lut(quant_map)
     quads = np.empty(min(piece, n) // 4 + 1, dtype=np.complex128)  # (a whole piece for a tiny tensor: an mmap)
     for s in range(0, n, piece):
-        e = min(n, s + piece)
-        m = e - s
-        src = packed[s // 2 : (e + 1) // 2]
-        k = src.size // 2
-        # (every uint16 indexes the 65536 entries: "wrap" changes no index and is NumPy's fastest take mode)
-        np.take(lut, src[: 2 * k].view("<u2"), out=quads[:k], mode="wrap")
-        if src.size > 2 * k:  # an odd byte at the end: its two values start its entry
-            quads[k] = lut[src[-1]]
-        vals = quads.view(np.float32)[:m]
-        nb_full = m // blocksize
-        b0 = s // blocksize
-        k = nb_full * blocksize
         # the fp32 product written straight into the output: for bf16 the ufunc casts each buffer of
         # products as it goes (ml_dtypes' cast: round to nearest even), no separate pass
-        if nb_full:
-            np.multiply(vals[:k].reshape(nb_full, blocksize), absmax[b0 : b0 + nb_full, None],
-                        out=out[s : s + k].reshape(nb_full, blocksize), casting="unsafe")
-        if m > k:
-            np.multiply(vals[k:], absmax[b0 + nb_full], out=out[s + k : e], casting="unsafe")
+        _products_into(packed, absmax, lut, blocksize, s, min(n, s + piece), quads, out[s : s + piece])
     return out
+
+
+def _products_into(
+    packed: npt.NDArray[np.uint8],
+    absmax: npt.NDArray[np.float32],
+    lut: npt.NDArray[np.complex128],
+    blocksize: int,
+    s: int,
+    e: int,
+    quads: npt.NDArray[np.complex128],
+    out: np.ndarray,
+) -> None:
+    """``out[:e - s] = fp32(quant_map[code] * absmax[block])`` for elements [s, e) (``s`` on a block),
+    cast to ``out``'s dtype by the multiply (``casting="unsafe"``); ``quads``: scratch of at least
+    ``(e - s) // 4 + 1`` items."""
+    m = e - s
+    src = packed[s // 2 : (e + 1) // 2]
+    k = src.size // 2
+    # (every uint16 indexes the 65536 entries: "wrap" changes no index and is NumPy's fastest take mode)
+    np.take(lut, src[: 2 * k].view("<u2"), out=quads[:k], mode="wrap")
+    if src.size > 2 * k:  # an odd byte at the end: its two values start its entry
+        quads[k] = lut[src[-1]]
+    vals = quads.view(np.float32)[:m]
+    nb_full, b0 = m // blocksize, s // blocksize
+    full = nb_full * blocksize
+    if nb_full:
+        np.multiply(vals[:full].reshape(nb_full, blocksize), absmax[b0 : b0 + nb_full, None],
+                    out=out[:full].reshape(nb_full, blocksize), casting="unsafe")
+    if m > full:
+        np.multiply(vals[full:], absmax[b0 + nb_full], out=out[full:m], casting="unsafe")
 
 
 def dequantize_4bit_f16_of_bf16(
@@ -260,20 +274,8 @@ def dequantize_4bit_f16_of_bf16(
     for s in range(0, n, piece):
         e = min(n, s + piece)
         m = e - s
-        src = packed[s // 2 : (e + 1) // 2]
-        k = src.size // 2
-        np.take(lut, src[: 2 * k].view("<u2"), out=quads[:k], mode="wrap")
-        if src.size > 2 * k:
-            quads[k] = lut[src[-1]]
-        vals = quads.view(np.float32)[:m]
-        nb_full, b0 = m // blocksize, s // blocksize
-        full = nb_full * blocksize
         x = prod[:m]
-        if nb_full:
-            np.multiply(vals[:full].reshape(nb_full, blocksize), scaled[b0 : b0 + nb_full, None],
-                        out=x[:full].reshape(nb_full, blocksize))
-        if m > full:
-            np.multiply(vals[full:], scaled[b0 + nb_full], out=x[full:])
+        _products_into(packed, scaled, lut, blocksize, s, e, quads, x)
         f16_bits_of_bf16(x.view(np.uint32), bits[:m], low[:m], out[s:e])
     return out.view(np.float16)
 
