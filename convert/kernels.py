@@ -28,7 +28,6 @@ microseconds each ran no faster than one.
 from __future__ import annotations
 
 import functools
-import math
 
 import ml_dtypes
 import numpy as np
@@ -258,11 +257,7 @@ def dequantize_4bit_f16_of_bf16(
     """
     packed = packed.reshape(-1)
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
-    q = np.abs(np.asarray(quant_map, dtype=np.float32).reshape(-1)).astype(np.float64)
-    q = q[q != 0]
-    # (NaN anywhere: a comparison that is False, the bf16 route)
-    if not (q.size and absmax.size and float(absmax.min()) * q.min() >= _F16_MIN_NORMAL
-            and float(absmax.max()) * q.max() < _BF16_F16_MAX):
+    if not _products_between(absmax, quant_map, _F16_MIN_NORMAL, _BF16_F16_MAX):
         return None
     scaled = absmax * np.float32(2.0**-112)  # exact: absmax >= 2^-14 here
     lut = quad_lut(quant_map)
@@ -348,9 +343,6 @@ class _F16Tables:
         self.q, self.q_abs = q, np.abs(q)
         self.sign = q.view(np.uint32) >> np.uint32(16) & np.uint32(0x8000)
         self.zero = np.flatnonzero(q == 0)
-        nonzero = self.q_abs[q != 0].astype(np.float64)
-        # (NaN/inf in the map: bounds that are not finite send every span to NumPy's cast)
-        self.q_min, self.q_max = (float(nonzero.min()), float(nonzero.max())) if nonzero.size else (math.nan, math.nan)
         self.stride = blocks + 32
         self.products = np.empty((16, self.stride), np.float32)
         self.bits = np.empty((16, self.stride), np.uint32)
@@ -369,7 +361,7 @@ class _F16Tables:
         nb = absmax.size
         products, table = self.products[:, :nb], self.table[:, :nb]
         # (NaN in absmax: a bound that is not finite sends the span to NumPy's cast)
-        if float(absmax.min()) * self.q_min >= _F16_MIN_NORMAL and float(absmax.max()) * self.q_max < _F16_MAX:
+        if _products_between(absmax, self.q, _F16_MIN_NORMAL, _F16_MAX):
             # |q| * absmax: the magnitude of bnb's product (absmax > 0 here), rounded by integer operations
             np.multiply(self.q_abs, absmax, out=products)
             bits = f16_normal_bits(products.view(np.uint32), self.bits[:, :nb])
@@ -391,6 +383,18 @@ class _F16Tables:
             return self.table.reshape(-1), None
         flat = self.table.reshape(-1)
         return flat, (over.reshape(-1) if has_over else None, under.reshape(-1) if has_under else None)
+
+
+def _products_between(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np.float32], low: float,
+                      high: float) -> bool:
+    """Whether every product ``quant_map[c] * absmax[b]`` of a non-zero code is provably of magnitude in
+    ``[low, high)``: ``min(absmax) * min|q| >= low`` and ``max(absmax) * max|q| < high`` over the non-zero
+    ``q`` (float64 bounds; rounding to float32 is monotone and ``low``/``high`` are float32 values). False
+    for an empty absmax, a map of zeros, or NaN/inf anywhere (a comparison with NaN is False)."""
+    q = np.abs(np.asarray(quant_map, dtype=np.float32).reshape(-1)).astype(np.float64)
+    q = q[q != 0]
+    return bool(q.size and absmax.size and float(absmax.min()) * q.min() >= low
+                and float(absmax.max()) * q.max() < high)
 
 
 #: float16's smallest normal value and its largest finite one (bounds of :func:`f16_normal_bits`'s domain).

@@ -48,22 +48,20 @@ TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "flo
 
 
 class Codes4(NamedTuple):
-    """Elements of a bnb 4-bit layer as stored (:meth:`Source.codes_4bit`): a run of whole blocks from
-    the block holding the first element wanted.
+    """Elements [start, stop) of a bnb 4-bit layer as stored (:meth:`Source.codes_4bit`; ``start`` on a
+    block, as every chunk boundary is).
 
     Attributes:
-        packed: ``uint8[ceil((lead + n) / 2)]`` the run's packed codes (high nibble = even element).
-        absmax: ``float32[ceil((lead + n) / blocksize)]`` its resolved absmax (finite).
+        packed: ``uint8[ceil(n / 2)]`` the packed codes (high nibble = even element).
+        absmax: ``float32[ceil(n / blocksize)]`` their resolved absmax (finite).
         quant_map: ``float32[16]``.
         blocksize: elements per absmax.
-        lead: elements of the run before the first one wanted (< blocksize).
     """
 
     packed: npt.NDArray[np.uint8]
     absmax: npt.NDArray[np.float32]
     quant_map: npt.NDArray[np.float32]
     blocksize: int
-    lead: int
 
 
 class Source:
@@ -101,9 +99,9 @@ class Source:
         raise NotImplementedError
 
     def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
-        """The 4-bit codes and absmax behind elements [start, stop) when this source is a bnb 4-bit
-        layer dequantized as it is (for encoders that work from the codes: GGUF F16 and Q8_0 of its
-        bfloat16 values); None for every other source."""
+        """The 4-bit codes and absmax behind elements [start, stop) (``start`` a multiple of ``unit``) when
+        this source is a bnb 4-bit layer dequantized as it is (for an encoder that works from the codes:
+        GGUF F16 of its bfloat16 values); None for every other source."""
         return None
 
     def release(self, start: int, stop: int) -> None:
@@ -195,10 +193,9 @@ class Dequant4Source(Source):
 
     def codes_4bit(self, start: int, stop: int) -> Codes4:
         st = self.layer.state
-        first = start // st.blocksize * st.blocksize
-        packed = self.layer.packed.raw(first // 2, (stop + 1) // 2)
-        absmax = self.absmax()[first // st.blocksize : -(-stop // st.blocksize)]
-        return Codes4(packed, absmax, self._quant_map, st.blocksize, start - first)
+        packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
+        absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
+        return Codes4(packed, absmax, self._quant_map, st.blocksize)
 
     def release(self, start: int, stop: int) -> None:
         self.layer.packed.release(start // 2, stop // 2)

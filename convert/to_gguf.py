@@ -56,7 +56,7 @@ def _row_reader(
     piece = chunk_elements(src.unit, max_memory, threads)
 
     def f16(s: int, e: int) -> npt.NDArray[np.float16] | None:
-        c = src.codes_4bit(s, e)  # (s is on a block: c.lead == 0)
+        c = src.codes_4bit(s, e)
         if c is None:
             return None
         return kernels.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize, e - s)
