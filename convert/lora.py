@@ -364,6 +364,7 @@ class TensorMerge:
         stats: MergeStats | None = None,
         original_rows: np.ndarray | None = None,
         f16_loss: npt.NDArray[np.int64] | None = None,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """Merged rows [start, stop) of the tensor.
 
@@ -376,9 +377,10 @@ class TensorMerge:
             original_rows: the same rows of the original 16-bit model (for the quantization error).
             f16_loss: optional ``int64[2]``; for float16 output, adds the values each rounding overflowed
                 to inf and the non-zero values it flushed to zero (:func:`convert.kernels.count_f16_loss`).
+            out: optional C-contiguous ``out_dtype`` array of the result's size to write it into.
 
         Returns:
-            ``out_dtype[stop - start, *shape[1:]]``.
+            ``out_dtype[stop - start, *shape[1:]]`` (``out``, reshaped, when given).
 
         Raises:
             AdapterError: the rows given do not fit (wrong shape, partial rows for a whole-tensor merge).
@@ -431,8 +433,9 @@ class TensorMerge:
                         bounded = _delta_bounded(a, b, scale32)
                         self._bounded[i] = (bounded, _fold_scale(a, b, scale32) if bounded else None)
                 bounded, folded = self._bounded[i]
+                last = i == len(self.ops) - 1
                 x = self._merge_linear(x, a, b, op, start, stop, dt, st, original_rows if i == 0 else None, count,
-                                       check=not bounded, folded_A=folded)
+                                       check=not bounded, folded_A=folded, out=out if last else None)
                 continue
             w = np.asarray(x, dtype=np.float32)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -463,12 +466,18 @@ class TensorMerge:
                 delta += w
                 x = rnd(delta)
         assert x is not None
-        return x if x.dtype == dt else x.astype(dt)
+        if out is None:
+            return x if x.dtype == dt else x.astype(dt)
+        placed = out.reshape(x.shape)
+        if not np.shares_memory(placed, x):
+            np.copyto(placed, x, casting="unsafe")  # (a cast as astype's where x is not of dt)
+        return placed
 
     def _merge_linear(self, x: np.ndarray, lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float32],
                       op: MergeOp, start: int, stop: int, dt: np.dtype, st: _OpStats | None,
                       original_rows: np.ndarray | None, f16_loss: npt.NDArray[np.int64] | None,
-                      check: bool, folded_A: npt.NDArray[np.float32] | None = None) -> np.ndarray:
+                      check: bool, folded_A: npt.NDArray[np.float32] | None = None,
+                      out: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of ``round(fp32(W) + fp32(B @ A) * fp32(scale))`` for a Linear weight ``x``
         (``[stop - start, in]``, any float dtype): PEFT's ``lora.Linear`` merge, each sgemm block of
         :func:`product_blocks` scaled, checked, added and rounded in cache-sized pieces (the operations of
@@ -477,6 +486,7 @@ class TensorMerge:
         ``f16_loss``: as :meth:`merge_rows` (float16 output only). ``check``: test every piece of the
         delta for overflow (False when :func:`_delta_bounded` holds for this adapter). ``folded_A``:
         :func:`_fold_scale`'s ``lora_A * scale``, multiplied by ``lora_B`` in place of scaling each product.
+        ``out``: optional C-contiguous ``dt`` array of ``x``'s size the rows are written into (returned).
 
         Raises:
             NonFiniteAdapterError: the scaled product overflows float32 (LORA-014).
@@ -484,7 +494,7 @@ class TensorMerge:
         m = stop - start
         w = x.reshape(m, -1)
         orig_rows = None if original_rows is None else np.asarray(original_rows).reshape(m, -1)
-        out = np.empty(x.shape, dtype=dt)
+        out = np.empty(x.shape, dtype=dt) if out is None else out.reshape(x.shape)
         o = out.reshape(m, -1)
         cols = w.shape[1]
         step = max(1, PIECE // max(cols, 1))

@@ -72,6 +72,11 @@ class LoraSource(Source):
         self._counted: list[tuple[int, int]] = []
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
+        out = np.empty(stop - start, dtype=dtype.numpy)
+        self.produce_into(start, stop, dtype, out)
+        return out
+
+    def produce_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
         if start % self.cols or stop % self.cols:
             raise LoraShapeError("merge chunks must hold whole rows", tensor=self.name,
                                  expected=f"multiples of {self.cols}", found=[start, stop])
@@ -81,24 +86,22 @@ class LoraSource(Source):
             base = self.inner.produce(start, stop, dtype).reshape((r1 - r0, *self.merge.base_shape[1:]))
         loss = np.zeros(2, np.int64) if dtype.name == "float16" else None  # fp16 overflow / flush counts
         if self.shared_stats is None:  # no report: nothing to count or compare
-            out = self.merge.merge_rows(base, r0, r1, dtype.numpy, f16_loss=loss).reshape(-1)
+            self.merge.merge_rows(base, r0, r1, dtype.numpy, f16_loss=loss, out=out)
             self._count_f16(loss)
-            return out
+            return
         orig = None
         if self.original is not None:
             orig = self.original.array()[r0:r1]
-        parts = []
+        rows_out = out.reshape(r1 - r0, -1)
         for a, b, new in self._claim(r0, r1):
             local = MergeStats() if new else None
             rows = slice(a - r0, b - r0)
-            parts.append(self.merge.merge_rows(None if base is None else base[rows], a, b, dtype.numpy, local,
-                                               None if orig is None else orig[rows], f16_loss=loss))
+            self.merge.merge_rows(None if base is None else base[rows], a, b, dtype.numpy, local,
+                                  None if orig is None else orig[rows], f16_loss=loss, out=rows_out[rows])
             if local is not None:
                 with self._stats_lock:
                     self.shared_stats.add(local)
-        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self._count_f16(loss)
-        return out.reshape(-1)
 
     def _count_f16(self, loss: np.ndarray | None) -> None:
         """Add the merge's own fp16 roundings' losses to :attr:`stats` (shared with the base's source, which

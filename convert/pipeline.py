@@ -36,9 +36,10 @@ from formats.checkpoint import gc_paused
 from formats.dtypes import DType
 from formats.errors import VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter, build_header
+from formats.writeback import aligned_empty
 
 from .output import ShardLedger
-from .plan import CastSource, Plan, PlannedTensor, cast_run
+from .plan import CastSource, Plan, PlannedTensor, Source, cast_run
 
 __all__ = ["InputLifetime", "RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "verify_plan",
            "write_directory_files", "write_plan"]
@@ -298,8 +299,10 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar, run.inputs)
                 continue
+            at = writer.offset(k - 1)
             for s, e in _ranges(t, _chunk(t, run)):
-                pending.append((t, s, e, pool.submit(t.source.produce, s, e, t.dtype)))
+                placed = at + s * t.dtype.itemsize
+                pending.append((t, s, e, pool.submit(_produce_placed, t.source, s, e, t.dtype, placed)))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar, run.inputs)
         while pending:
@@ -317,6 +320,14 @@ def _chunk(t: PlannedTensor, run: RunSettings) -> int:
     if t.source.max_chunk:
         n = min(n, max(unit, t.source.max_chunk // unit * unit))
     return n
+
+
+def _produce_placed(source: Source, start: int, stop: int, dtype: DType, offset: int) -> np.ndarray:
+    """Elements [start, stop) of ``source`` in memory placed for file offset ``offset``
+    (:func:`formats.writeback.aligned_empty`): the writer sends them to the disk without a copy."""
+    out = aligned_empty((stop - start) * dtype.itemsize, offset).view(dtype.numpy)
+    source.produce_into(start, stop, dtype, out)
+    return out
 
 
 class _InOrder:

@@ -25,6 +25,7 @@ from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, TensorLike, gro
 from formats.checkpoint import Checkpoint, TensorRecord, gc_paused
 from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
+from formats.writeback import bytes_of
 
 from . import kernels
 from .units import format_bytes
@@ -97,6 +98,12 @@ class Source:
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:  # pragma: no cover - abstract
         """Elements [start, stop) of the flat tensor as ``dtype.numpy[stop - start]``."""
         raise NotImplementedError
+
+    def produce_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
+        """:meth:`produce` into ``out`` (C-contiguous ``dtype.numpy[stop - start]``, e.g. memory placed for
+        the writer): here a copy of the bytes :meth:`produce` returns (a copying source's raw bytes, too); a
+        source whose kernel writes in place overrides it."""
+        np.copyto(out.reshape(-1).view(np.uint8), bytes_of(self.produce(start, stop, dtype)))
 
     def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
         """The 4-bit codes and absmax behind elements [start, stop) (``start`` a multiple of ``unit``) when
@@ -180,16 +187,19 @@ class Dequant4Source(Source):
         return absmax
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
+        out = np.empty(stop - start, dtype=dtype.numpy)
+        self.produce_into(start, stop, dtype, out)
+        return out
+
+    def produce_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
         st = self.layer.state
         packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
         absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
-        if dtype.name != "float16":
-            return kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy)
-        local = np.zeros(2, dtype=np.int64)
-        out = kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy,
-                                      stats=local)
-        self._add_stats(local)
-        return out
+        local = np.zeros(2, dtype=np.int64) if dtype.name == "float16" else None
+        kernels.dequantize_4bit(packed, absmax, self._quant_map, st.blocksize, stop - start, dtype.numpy, out=out,
+                                stats=local)
+        if local is not None:
+            self._add_stats(local)
 
     def codes_4bit(self, start: int, stop: int) -> Codes4:
         st = self.layer.state

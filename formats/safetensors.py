@@ -557,6 +557,7 @@ class SafetensorsWriter:
         with open(self.path, "xb") as f:
             f.write(header)
         self._file = FileStream(self.path, len(header))
+        self._data_start = len(header)
         self._index = 0
         self._written = 0  # bytes of the current tensor
         self.nbytes = len(header) + (self._spans[-1][2] if self._spans else 0)
@@ -588,6 +589,11 @@ class SafetensorsWriter:
                 self._index += 1
                 self._written = 0
         self._skip_empty()
+
+    def offset(self, index: int) -> int:
+        """The file offset of the first byte of the tensor at ``index`` in the order given (for a chunk's
+        memory placed at the file's alignment: :func:`formats.writeback.aligned_empty`)."""
+        return self._data_start + self._spans[index][1]
 
     def _skip_empty(self) -> None:
         while self._index < len(self._spans) and self._spans[self._index][1] == self._spans[self._index][2]:

@@ -32,12 +32,23 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "BUFFERS", "BUFFER_BYTES", "WRITE_BEHIND_STEP", "FileStream", "WriteBehind", "bytes_of"]
+__all__ = [
+    "ALIGN",
+    "BUFFERS",
+    "BUFFER_BYTES",
+    "IN_PLACE_MIN",
+    "WRITE_BEHIND_STEP",
+    "FileStream",
+    "WriteBehind",
+    "aligned_empty",
+    "bytes_of",
+]
 
 #: Bytes between two write-behind calls (64 MiB: a few calls a second at disk speed).
 WRITE_BEHIND_STEP = 64 << 20
@@ -50,6 +61,11 @@ BUFFER_BYTES = 8 << 20
 #: Direct-write buffers: one filling while the others are written (32 MiB in all, inside the
 #: memory cap's baseline).
 BUFFERS = 4
+#: Bytes from which :meth:`FileStream.write` sends an array placed at the file's alignment
+#: (:func:`aligned_empty`) to the disk from its own memory instead of copying it into the buffers.
+IN_PLACE_MIN = 1 << 20
+#: Such in-place writes in flight at most (each keeps its array alive until written).
+IN_PLACE_WRITES = 2
 
 
 class WriteBehind:
@@ -83,6 +99,15 @@ class WriteBehind:
         except OSError:
             self._enabled = False
         self._previous, self._done = self._done, pos
+
+
+def aligned_empty(nbytes: int, offset: int) -> np.ndarray:
+    """An uninitialised ``uint8[nbytes]`` whose address is ``offset`` modulo :data:`ALIGN`: memory for the
+    bytes bound for file offset ``offset``, which :meth:`FileStream.write` then sends to the disk with
+    ``O_DIRECT`` from where they lie (the blocks they fill whole), without copying them."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    skip = (offset - raw.ctypes.data) % ALIGN
+    return raw[skip : skip + nbytes]
 
 
 def bytes_of(data: Any) -> np.ndarray:
@@ -126,6 +151,7 @@ class FileStream:
         self._maps = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]  # page-aligned
         self._bufs = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         self._inflight: list[Future[None] | None] = [None] * BUFFERS
+        self._in_place: deque[Future[None]] = deque()  # writes from the callers' arrays
         self._pool = ThreadPoolExecutor(max_workers=BUFFERS - 1, thread_name_prefix="convert-bnb-write")
         self._cur = 0
         self._base = start - start % ALIGN  # the file offset of the current buffer's first byte
@@ -159,6 +185,8 @@ class FileStream:
             while done < n:
                 done += os.write(self._fd, view[done:])
             self._behind.advance(n)
+        elif n >= IN_PLACE_MIN and (src.ctypes.data - self._pos) % ALIGN == 0:
+            self._write_in_place(src)
         else:
             done = 0
             while done < n:
@@ -170,6 +198,30 @@ class FileStream:
                     self._submit(BUFFER_BYTES)
         self._pos += n
         return n
+
+    def _write_in_place(self, src: np.ndarray) -> None:
+        """Write ``src`` (its address the stream's position modulo ALIGN): its first bytes complete the
+        current buffer's last block, which is written; the whole blocks after them go to the disk from
+        ``src`` itself (kept alive until written); the bytes of its last partial block start the next
+        buffer."""
+        assert self._pool is not None
+        head = -self._pos % ALIGN
+        head = min(head, src.size)
+        self._bufs[self._cur][self._fill : self._fill + head] = src[:head]
+        self._fill += head
+        if self._fill % ALIGN:  # (src ends inside the block: nothing more to place)
+            return
+        if self._fill:
+            self._submit(self._fill)
+        whole = (src.size - head) // ALIGN * ALIGN
+        if whole:
+            while len(self._in_place) >= IN_PLACE_WRITES:
+                self._in_place.popleft().result()
+            self._in_place.append(self._pool.submit(self._pwrite_from, src[head : head + whole], self._base))
+            self._base += whole
+        tail = src[head + whole :]
+        self._bufs[self._cur][: tail.size] = tail
+        self._fill = tail.size
 
     def _submit(self, length: int) -> None:
         """Hand the current buffer's first ``length`` bytes (a multiple of ALIGN) to a writing thread and
@@ -189,11 +241,16 @@ class FileStream:
             fut.result()
 
     def _pwrite(self, i: int, length: int, offset: int) -> None:
-        """Write buffer ``i``'s first ``length`` bytes at ``offset`` (a writing thread). A file system
-        that refuses the direct write (``EINVAL``) gets it and every later one through the page cache."""
-        with memoryview(self._maps[i]) as whole:
-            view = whole[:length]
-            done = 0
+        """Write buffer ``i``'s first ``length`` bytes at ``offset`` (a writing thread)."""
+        with memoryview(self._maps[i]) as whole, whole[:length] as view:
+            self._pwrite_from(view, offset)
+
+    def _pwrite_from(self, data: Any, offset: int) -> None:
+        """Write ``data`` (a buffer: its address, length and ``offset`` multiples of ALIGN) at ``offset`` (a
+        writing thread). A file system that refuses the direct write (``EINVAL``) gets it and every later
+        one through the page cache."""
+        with memoryview(data).cast("B") as view:
+            done, length = 0, view.nbytes
             while done < length:
                 direct = self._use_direct
                 try:
@@ -202,7 +259,6 @@ class FileStream:
                     if e.errno != errno.EINVAL or not direct:
                         raise
                     self._use_direct = False
-            view.release()
 
     def close(self, fsync: bool = True) -> None:
         """Write what is buffered, cut the file to its length, fsync (when asked) and close.
@@ -221,6 +277,8 @@ class FileStream:
                     self._submit(padded)
                 for i in range(BUFFERS):
                     self._wait(i)
+                while self._in_place:
+                    self._in_place.popleft().result()
                 os.ftruncate(self._fd, self._pos)
             if fsync:
                 os.fsync(self._fd)
@@ -231,7 +289,7 @@ class FileStream:
         """Close without writing what is buffered (the caller removes the file); waits for the writes in
         flight, whose errors are dropped."""
         if self._pool is not None:
-            for fut in self._inflight:
+            for fut in [*self._inflight, *self._in_place]:
                 if fut is not None:
                     fut.exception()
         self._release()

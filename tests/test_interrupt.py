@@ -3,8 +3,8 @@ stale temporary and says so; the input is never modified.
 
 The conversion runs in a subprocess on a synthetic 4-bit layer of 8M elements (16 MiB of bf16
 output) with ``--max-memory 64MiB --threads 1``, so it is written in about 24 chunks; each chunk
-also sleeps 50 ms (a wrapper around ``Dequant4Source.produce``) so that the signal lands mid-write
-on any machine. The test waits until the temporary holds data, then signals.
+also sleeps 50 ms (a wrapper around ``Dequant4Source.produce_into``, which ``produce`` calls too) so
+that the signal lands mid-write on any machine. The test waits until the temporary holds data, then signals.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ SHAPE = (2048, 4096)
 SLOW = """
 import sys, time
 import convert.plan as plan
-_produce = plan.Dequant4Source.produce
+_produce = plan.Dequant4Source.produce_into
 def slow(self, *args, **kwargs):
     time.sleep(0.05)
     return _produce(self, *args, **kwargs)
-plan.Dequant4Source.produce = slow
+plan.Dequant4Source.produce_into = slow
 from convert.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -26,13 +26,13 @@ MODEL = MODELS / "llama_nf4_dq"
 HELD = """
 import os, sys, time
 import convert.plan as plan
-_produce = plan.Dequant4Source.produce
+_produce = plan.Dequant4Source.produce_into
 def held(self, *args, **kwargs):
     deadline = time.monotonic() + 120  # a guard against a broken test
     while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
         time.sleep(0.02)
     return _produce(self, *args, **kwargs)
-plan.Dequant4Source.produce = held
+plan.Dequant4Source.produce_into = held
 from convert.cli import main
 sys.exit(main(sys.argv[2:]))
 """
