@@ -127,7 +127,7 @@ class Codec:
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
 
     @classmethod
-    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0) -> Measured:
+    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0, out: U8 | None = None) -> Measured:
         """:meth:`quantize` of ``x`` widened to float32 (exactly: float32, bfloat16 or float16 ``(rows, n)``)
         and the error it adds, ``e = dequantize(data) - x``, measured on all of ``x`` or a sample.
 
@@ -139,16 +139,21 @@ class Codec:
             start: the flat index of ``x``'s first value in its tensor (a multiple of ``n``), which
                 places ``x`` on the sample's grid: the same values are measured however the tensor
                 is split into calls.
+            out: optional uint8 ``(rows, n // block_size * type_size)`` (C-contiguous) the bytes are
+                written into (e.g. memory placed for the writer); this base class copies them there.
 
         Returns:
-            :class:`Measured`. This base class widens and sums ``x`` whole (the inf/NaN check), then
-            decodes the sampled rows of the result again.
+            :class:`Measured` (its ``data`` is ``out`` when given). This base class widens and sums ``x``
+            whole (the inf/NaN check), then decodes the sampled rows of the result again.
         """
         x = np.asarray(x, dtype=np.float32)
         total = sum_squares(x)
         if not math.isfinite(total):
             return Measured(None, math.nan, math.nan, total, x.size)
         data = cls.quantize(x)
+        if out is not None:
+            np.copyto(out, data.reshape(out.shape))
+            data = out
         rows_x = x.reshape(-1, x.shape[-1] if x.ndim else 1)
         rows_d = data.reshape(rows_x.shape[0], -1)
         if sample > 1:
@@ -287,7 +292,8 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
 
 
 def encode_into_by_chunks(
-    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], object], chunk: int, first: int = 0
+    x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], object], chunk: int, first: int = 0,
+    out: U8 | None = None,
 ) -> U8:
     """:func:`encode_by_chunks` for an encoder that writes its blocks in place.
 
@@ -297,6 +303,7 @@ def encode_into_by_chunks(
     float32 scratch, in cache, instead of the whole array into a float32 copy. ``first``: blocks of a
     grid of ``chunk``-block chunks that lie before ``x`` (its offset in a larger tensor): the chunks are
     cut on that grid (the first may be shorter), so they are the same pieces however the tensor is split.
+    ``out``: optional C-contiguous uint8 array of the result's size to encode into (returned, reshaped).
 
     Raises:
         ValueError: ``x`` is 0-D or its last axis is not a multiple of ``block``.
@@ -307,7 +314,7 @@ def encode_into_by_chunks(
     if x.ndim < 1 or x.shape[-1] % block:
         raise ValueError(f"expected float32 (..., n) with n a multiple of {block}, got {x.shape}")
     flat = x.reshape(-1, block)
-    out = np.empty((flat.shape[0], type_size), dtype=np.uint8)
+    out = np.empty((flat.shape[0], type_size), dtype=np.uint8) if out is None else out.reshape(-1, type_size)
     scratch = None if x.dtype == np.float32 else np.empty((min(chunk, flat.shape[0]), block), np.float32)
     with np.errstate(all="ignore"):
         n = flat.shape[0]

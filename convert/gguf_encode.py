@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -61,6 +61,7 @@ import numpy.typing as npt
 
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
+from formats.writeback import aligned_empty
 
 from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
@@ -85,8 +86,12 @@ class SourceTensor:
         name: the Hugging Face tensor name (``model.layers.0.mlp.up_proj.weight``).
         shape: its shape in elements (PyTorch order, rows first).
         produce: returns the values, any float dtype (float32, float16, bfloat16), ``shape``.
-        rows: ``rows(r0, r1)`` returns rows [r0, r1) as a float array of ``(r1 - r0, *shape[1:])``
-            (a 1-D tensor is one row); may be called from several threads at once.
+        rows: ``rows(r0, r1, place)`` returns rows [r0, r1) as a float array of ``(r1 - r0, *shape[1:])``
+            (a 1-D tensor is one row), memory of its own that nothing else changes (it may be written
+            to the file after the call returns); may be called from several threads at once. ``place``: the file
+            offset the rows' bytes would start at if written as they are (a tensor whose values are
+            already in the GGUF type: F16 made from 4-bit codes), for the array to lie at that offset
+            modulo 4096 (:func:`formats.writeback.aligned_empty`: written without a copy); None: anywhere.
         done: called once the tensor is written (e.g. to drop its input pages).
         row_align: chunks start on multiples of this many rows (the source's natural unit).
     """
@@ -94,7 +99,7 @@ class SourceTensor:
     name: str
     shape: tuple[int, ...]
     produce: Callable[[], np.ndarray] | None = None
-    rows: Callable[[int, int], np.ndarray] | None = None
+    rows: Callable[[int, int, int | None], np.ndarray] | None = None
     done: Callable[[], None] | None = None
     row_align: int = 1
 
@@ -165,16 +170,19 @@ class _Chunk:
     measured: int  # the elements max_err, sq_err and sq_ref cover (all of the chunk unless sampled)
     f16_loss: tuple[int, int] = (0, 0)  # F16: (overflowed to inf, non-zero flushed to 0)
     ref_measured: int | None = None  # the elements sq_ref covers when not the same (bf16 -> F16: a sample)
+    own: bool = False  # data is memory of its own, never a view of a caller's array: given up to the writer
 
 
 def _convert_chunk(
     t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int,
-    procs: Executor | None, sample: int,
+    procs: Executor | None, sample: int, place: int | None = None,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
     encode, measure the added error (of a block type: on one piece in ``sample`` of the tensor; float
     types every value, bf16 -> F16 the weight's own sum of squares on the sample) (:func:`encode_chunk`,
-    in ``procs`` for :data:`SEARCH_TYPES`)."""
+    in ``procs`` for :data:`SEARCH_TYPES`). ``place``: the file offset of the chunk's bytes; the bytes
+    made here (not in a process) lie at that offset modulo 4096 (:func:`_placed`), so the writer sends
+    them to the disk without a copy."""
     start = row0 * (x_in.shape[-1] if x_in.ndim else 1)  # the chunk's first value in the tensor: the sample's grid
     ref_sample = sample
     if t.ggml_type in _FLOAT_TYPES:
@@ -190,16 +198,23 @@ def _convert_chunk(
         )
     if not t.offset and _SAME_FLOAT.get(x_in.dtype.name) == t.ggml_type:
         # already in the output type (bf16 -> BF16, f16 -> F16): the stored bits, nothing to measure
-        same = np.ascontiguousarray(x_in if perm is None else x_in[perm])
+        if perm is None:
+            same = np.ascontiguousarray(x_in)  # (placed by the row reader when it could)
+        else:
+            dest = _placed(x_in.nbytes, place, x_in.dtype)
+            same = np.take(x_in, perm, axis=0, out=None if dest is None else dest.reshape(x_in.shape))
         return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0, same.size)  # error 0 everywhere
     if x_in.dtype == BF16 and t.ggml_type == GT.F16 and not t.offset:
-        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]), ref_sample, start)
+        fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]), ref_sample, start,
+                                  _placed(x_in.size * 2, place, np.float16))
         if fast is not None:
             return fast
     if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or t.ggml_type not in
                                                                            SEARCH_TYPES):
         # widened, summed, encoded and measured chunk by chunk in cache by the codec; inf/NaN: checked below
-        fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample, start)
+        block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
+        fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample, start,
+                             _placed(x_in.size // block * type_size, place, np.uint8))
         if math.isfinite(fused.sq_ref):
             return fused
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
@@ -226,16 +241,23 @@ def _convert_chunk(
     return encode_chunk(t.ggml_type, x, not exact, finite)
 
 
-def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int) -> _Chunk | None:
+def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike) -> np.ndarray | None:
+    """Flat ``dtype`` memory of ``nbytes`` lying at file offset ``place`` modulo 4096
+    (:func:`formats.writeback.aligned_empty`), or None for ``place`` None (any memory will do)."""
+    return None if place is None else aligned_empty(nbytes, place).view(dtype)
+
+
+def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray | None = None) -> _Chunk | None:
     """A bf16 chunk ``(rows, ...)`` to F16 by :func:`convert.kernels.bf16_to_f16`, with the figures of
     :func:`encode_chunk`; None when the chunk holds inf or NaN (the general path leaves them out of the
     error). The error is measured on every value (only the few values ``bf16_to_f16`` rounds can
     differ); the weight's sum of squares, the relative error's denominator, on the tensor's rows
     ``0, sample, 2 * sample, ...`` (``start``: the flat index of the chunk's first value; ``sample`` 1:
-    every row), since summing every value costs as much as the conversion itself."""
+    every row), since summing every value costs as much as the conversion itself. ``out``: optional flat
+    float16 destination of ``x``'s size."""
     flat = x.reshape(-1)
     loss = np.zeros(2, np.int64)
-    y, rounded = bf16_to_f16(flat, stats=loss)  # inf/NaN are among the values not exact in F16
+    y, rounded = bf16_to_f16(flat, out=out, stats=loss)  # inf/NaN are among the values not exact in F16
     with np.errstate(over="ignore", invalid="ignore"):
         wide = flat[rounded].astype(np.float32)
         if not np.isfinite(wide).all():
@@ -264,7 +286,8 @@ def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], me
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
-                 finite: npt.NDArray[np.bool_] | None = None, sample: int = 1, start: int = 0) -> _Chunk:
+                 finite: npt.NDArray[np.bool_] | None = None, sample: int = 1, start: int = 0,
+                 out: npt.NDArray[np.uint8] | None = None) -> _Chunk:
     """Encode float32 rows ``(rows, cols)`` to ``ggml_type`` and measure the added error.
 
     A pure function of its arguments (it runs in a worker process too).
@@ -278,6 +301,8 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
         sample: with ``measure`` and ``finite`` None, measure one piece of the tensor in this many
             (:meth:`convert.codec_base.Codec.quantize_measured`); 1: all of ``x``.
         start: the flat index of ``x``'s first value in its tensor (places ``x`` on the sample's grid).
+        out: optional flat uint8 memory of the encoded size to encode into, with ``measure`` and
+            ``finite`` None (:meth:`convert.codec_base.Codec.quantize_measured`); elsewhere unused.
 
     Returns:
         the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
@@ -294,7 +319,7 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
             data = coder.quantize(x)
             counted = x.size
         elif finite is None:
-            m = coder.quantize_measured(x, sample, start)
+            m = coder.quantize_measured(x, sample, start, None if out is None else out.reshape(x.shape[0], -1))
             if m.data is None or not math.isfinite(m.sq_ref):  # inf/NaN in x: the caller checks x itself
                 return _Chunk(np.empty(0, np.uint8), math.nan, math.nan, m.sq_ref, m.measured)
             data, max_err, sq_err, sq_ref, counted = m
@@ -420,16 +445,16 @@ def write_gguf(
                 return
             in_flight -= 1
             c = fut.result()
-            out.write(c.data)
+            out.write(c.data, in_place=c.own)
             fig.add(c)
             if progress is not None:
                 progress(c.data.nbytes)
 
         try:
-            for t in plan.tensors:
+            for i, t in enumerate(plan.tensors):
                 rec = records[t.source] if t.source is not None else None
                 fig = _Figures(t, rec)
-                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath, sample):
+                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath, sample, out.offset(i)):
                     if pool is None:
                         fut: Future[_Chunk] = Future()
                         fut.set_result(task())
@@ -484,9 +509,10 @@ def _chunk_tasks(
     procs: Executor | None,
     path: str,
     sample: int,
+    at: int,
 ) -> Iterator[Callable[[], _Chunk]]:
     """The row chunks of one tensor, in order, each a task a worker runs: read the rows, convert them
-    (:func:`_convert_chunk`).
+    (:func:`_convert_chunk`), their bytes placed for the file offset they go to (``at``: the tensor's).
 
     Raises:
         GgufSourceError: GGUF-007, a whole source array of another shape (at once) or rows of another
@@ -514,13 +540,17 @@ def _chunk_tasks(
     step = max(1, chunk_elements // max(cols, 1))
     step = -(-step // align) * align
     exact = t.ggml_type == GT.F32
+    block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
+    row_bytes = cols // block * type_size
 
     def task(r0: int, r1: int) -> _Chunk:
+        place = None  # where the chunk's bytes go, for chunks of memory their own (not of a caller's array)
         if whole is not None:
             x = whole[r0:r1]
         else:
             assert rec is not None and rec.rows is not None
-            x = rec.rows(r0, r1)
+            place = at + r0 * row_bytes  # (rows are arrays of their own: SourceTensor.rows)
+            x = rec.rows(r0, r1, place if perm is None else None)
             if tuple(x.shape) != (r1 - r0, *t.shape[1:]) and x.size != (r1 - r0) * cols:
                 raise GgufSourceError(
                     "source rows do not match the plan",
@@ -531,7 +561,8 @@ def _chunk_tasks(
                     action="write",
                 )
             x = x.reshape(r1 - r0, cols)
-        return _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs, sample)
+        c = _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs, sample, place)
+        return c if place is None else replace(c, own=True)
 
     for r0 in range(0, rows, step):
         yield functools.partial(task, r0, min(rows, r0 + step))

@@ -235,6 +235,7 @@ def dequantize_4bit_f16_of_bf16(
     quant_map: npt.NDArray[np.float32],
     blocksize: int,
     n: int,
+    out: npt.NDArray[np.float16] | None = None,
 ) -> npt.NDArray[np.float16] | None:
     """float16 of the bfloat16 dequantization, ``fp16(bf16(fp32(quant_map[code] * absmax[block])))``,
     when it is exact: the bits of :func:`bf16_to_f16` of :func:`dequantize_4bit` to bfloat16 (what
@@ -249,11 +250,11 @@ def dequantize_4bit_f16_of_bf16(
     float16 normal exponent, so the float16 bits are the bfloat16 bits moved, with no second rounding;
     a zero code gives a zero of its sign, as the product does.
 
-    Args: as :func:`dequantize_4bit` (``n`` codes from a block boundary).
+    Args: as :func:`dequantize_4bit` (``n`` codes from a block boundary; ``out``: optional ``float16[n]``).
 
     Returns:
-        ``float16[n]``, or None when the products are not provably in that range (a zero, tiny or huge
-        absmax; the caller takes the bf16 route).
+        ``float16[n]`` (``out`` when given), or None when the products are not provably in that range (a
+        zero, tiny or huge absmax; the caller takes the bf16 route; ``out`` is left as it was).
     """
     packed = packed.reshape(-1)
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
@@ -262,7 +263,7 @@ def dequantize_4bit_f16_of_bf16(
     scaled = absmax * np.float32(2.0**-112)  # exact: absmax >= 2^-14 here
     lut = quad_lut(quant_map)
     piece = _piece(blocksize)
-    out = np.empty(n, np.float16).view(np.uint16)
+    out = (np.empty(n, np.float16) if out is None else out).view(np.uint16)
     size = min(piece, n)
     quads = np.empty(size // 4 + 1, dtype=np.complex128)
     prod, bits, low = np.empty(size, np.float32), np.empty(size, np.uint32), np.empty(size, np.uint16)

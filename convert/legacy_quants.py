@@ -120,7 +120,7 @@ class _LegacyCodec(Codec):
         return encode_into_by_chunks(x, QK, cls.type_size(), lambda xb, ob: cls._encode_into(xb, ob, w), CHUNK_BLOCKS)
 
     @classmethod
-    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0) -> Measured:
+    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0, out: U8 | None = None) -> Measured:
         """:meth:`Codec.quantize_measured`: each chunk of :data:`CHUNK_BLOCKS` blocks (on a grid from the
         tensor's first value: ``start``) widened to float32 and encoded; the tensor's chunks
         ``0, sample, 2 * sample, ...`` also summed and their error
@@ -148,7 +148,7 @@ class _LegacyCodec(Codec):
             sq_err += sum_squares(err)
             measured += xb.size
 
-        data = encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS, first=start // QK)
+        data = encode_into_by_chunks(x, QK, cls.type_size(), into, CHUNK_BLOCKS, first=start // QK, out=out)
         return Measured(data, max_err, sq_err, sq_ref if finite else math.nan, measured)
 
 

@@ -375,7 +375,7 @@ def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Any]], writer: Safe
                bar: Any, inputs: InputLifetime | None) -> None:
     t, s, e, fut = pending.popleft()
     data = fut.result() if isinstance(fut, (Future, _InOrder)) else fut
-    writer.write(data)
+    writer.write(data, in_place=isinstance(fut, Future))  # (a worker's chunk: placed memory of its own)
     t.source.release(s, e)
     if bar is not None:
         bar.update(data.nbytes)

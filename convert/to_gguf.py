@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
+from formats.writeback import aligned_empty
 
 from . import kernels
 from .gguf_encode import SourceTensor, TensorReport
@@ -49,28 +50,33 @@ def _row_reader(
 
     ``f16_of_bf16`` (a bfloat16 tensor written as F16): the rows as float16 where the source's 4-bit
     codes give them exactly (:func:`convert.kernels.dequantize_4bit_f16_of_bf16`; the writer stores
-    those bits, whose error against the bf16 weight is 0), else as bfloat16 (the writer rounds and
-    measures)."""
+    those bits, whose error against the bf16 weight is 0), placed at ``place`` modulo 4096 when given
+    (:class:`convert.gguf_encode.SourceTensor`), else as bfloat16 (the writer rounds and measures)."""
     src = t.source
     cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
     piece = chunk_elements(src.unit, max_memory, threads)
 
-    def f16(s: int, e: int) -> npt.NDArray[np.float16] | None:
-        c = src.codes_4bit(s, e)
-        if c is None:
-            return None
-        return kernels.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize, e - s)
+    def f16(a0: int, spans: list[tuple[int, int]], place: int | None) -> npt.NDArray[np.float16] | None:
+        # the float16 of elements [a0, a1), span by span, placed so element ``start`` lies at ``place``
+        flat = (np.empty(spans[-1][1] - a0, np.float16) if place is None else
+                aligned_empty((spans[-1][1] - a0) * 2, place).view(np.float16))
+        for s, e in spans:
+            c = src.codes_4bit(s, e)
+            if c is None or kernels.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize,
+                                                                 e - s, out=flat[s - a0 : e - a0]) is None:
+                return None
+        return flat
 
-    def rows(r0: int, r1: int) -> np.ndarray:
+    def rows(r0: int, r1: int, place: int | None = None) -> np.ndarray:
         start, stop = r0 * cols, r1 * cols
         a0 = start // src.unit * src.unit
         a1 = min(t.numel, -(-stop // src.unit) * src.unit)
         bounds = list(range(a0, a1, piece)) + [a1]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        parts = [f16(s, e) for s, e in spans] if f16_of_bf16 else [None]
-        if any(p is None for p in parts):  # (not all exact: every span as bf16, one dtype for the rows)
+        flat = f16(a0, spans, None if place is None else place - (start - a0) * 2) if f16_of_bf16 else None
+        if flat is None:  # (not all exact: every span as bf16, one dtype for the rows)
             parts = [src.produce(s, e, t.dtype) for s, e in spans]
-        flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if not flat.flags.writeable:
             # a read-only view of the input file (a source that does not cast): the caller reads it after
             # the release below, which would map those pages again, for good (RSS growing to the file size)

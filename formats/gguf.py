@@ -39,6 +39,7 @@ GGUF-008  every tensor's data is as long as its info says (:meth:`GGUFFileWriter
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -159,19 +160,27 @@ class GGUFFileWriter:
         finally:
             self._w.close()  # (gguf-py's file: the data goes through the stream)
         self._alignment = self._w.data_alignment
+        padded = (gguf.GGUFWriter.ggml_pad(t.nbytes, self._alignment) for t in self._tensors)
+        self._offsets = list(itertools.accumulate(padded, initial=start))  # each tensor's data, then the end
         self._out = FileStream(self.path, start)
 
-    def write(self, data: np.ndarray) -> int:
+    def offset(self, index: int) -> int:
+        """The file offset of the data of the tensor at ``index`` in ``layout.tensors`` (for a chunk's memory
+        placed at the file's alignment: :func:`formats.writeback.aligned_empty`)."""
+        return self._offsets[index]
+
+    def write(self, data: np.ndarray, in_place: bool = False) -> int:
         """Append bytes of the current tensor.
 
         Args:
             data: any contiguous-able array; its bytes are written as they lie in memory
                 (little-endian on the platforms gguf supports).
+            in_place: ``data`` is given up to the stream (:meth:`formats.writeback.FileStream.write`).
 
         Returns:
             The number of bytes written (``data.nbytes``).
         """
-        n = self._out.write(data)
+        n = self._out.write(data, in_place)
         self._written += n
         return n
 

@@ -562,14 +562,15 @@ class SafetensorsWriter:
         self._written = 0  # bytes of the current tensor
         self.nbytes = len(header) + (self._spans[-1][2] if self._spans else 0)
 
-    def write(self, data: np.ndarray | bytes | memoryview) -> None:
-        """Append bytes of the current tensor (C-contiguous arrays are written without a copy)."""
+    def write(self, data: np.ndarray | bytes | memoryview, in_place: bool = False) -> None:
+        """Append bytes of the current tensor (``in_place``: ``data`` is given up to the stream,
+        :meth:`formats.writeback.FileStream.write`)."""
         payload = bytes_of(data)  # (no copy of a C-contiguous array)
         n = payload.nbytes
         if self._written == 0 and self._index < len(self._spans):
             _, begin, end = self._spans[self._index]
             if n == end - begin:  # one whole tensor: the common case, 10^5 times for many small tensors
-                self._file.write(payload)
+                self._file.write(payload, in_place)
                 self._index += 1
                 if self._index < len(self._spans) and self._spans[self._index][1] == self._spans[self._index][2]:
                     self._skip_empty()
@@ -581,7 +582,7 @@ class SafetensorsWriter:
             name, begin, end = self._spans[self._index]
             room = end - begin - self._written
             take = min(room, n)
-            self._file.write(buf[:take])
+            self._file.write(buf[:take], in_place)
             buf = buf[take:]
             n -= take
             self._written += take

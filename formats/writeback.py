@@ -61,8 +61,8 @@ BUFFER_BYTES = 8 << 20
 #: Direct-write buffers: one filling while the others are written (32 MiB in all, inside the
 #: memory cap's baseline).
 BUFFERS = 4
-#: Bytes from which :meth:`FileStream.write` sends an array placed at the file's alignment
-#: (:func:`aligned_empty`) to the disk from its own memory instead of copying it into the buffers.
+#: Bytes from which :meth:`FileStream.write` sends an array given up to it and placed at the file's
+#: alignment (:func:`aligned_empty`) to the disk from its own memory instead of copying it.
 IN_PLACE_MIN = 1 << 20
 #: Such in-place writes in flight at most (each keeps its array alive until written).
 IN_PLACE_WRITES = 2
@@ -171,8 +171,16 @@ class FileStream:
         """The file offset of the next byte."""
         return self._pos
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any, in_place: bool = False) -> int:
         """Append ``data``'s bytes (an array as it lies in memory, bytes, or any buffer).
+
+        Args:
+            data: the bytes.
+            in_place: the caller gives ``data`` up (it will not change it, nor unmap its memory): when it
+                is an array of at least :data:`IN_PLACE_MIN` bytes lying at the stream's position modulo
+                :data:`ALIGN` (:func:`aligned_empty`), the whole blocks it fills are written from its own
+                memory (the stream keeps a reference until they are), only its partial first and last
+                blocks copied. Otherwise ``data`` is copied and may change once this returns.
 
         Returns:
             The number of bytes appended.
@@ -185,7 +193,7 @@ class FileStream:
             while done < n:
                 done += os.write(self._fd, view[done:])
             self._behind.advance(n)
-        elif n >= IN_PLACE_MIN and (src.ctypes.data - self._pos) % ALIGN == 0:
+        elif in_place and n >= IN_PLACE_MIN and (src.ctypes.data - self._pos) % ALIGN == 0:
             self._write_in_place(src)
         else:
             done = 0

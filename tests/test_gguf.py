@@ -241,7 +241,7 @@ def test_chunk_size_threads_and_row_sources_do_not_change_the_bytes(tmp_path):
     asked: list[tuple[str, int, int]] = []
 
     def rows(name):
-        def read(r0, r1):
+        def read(r0, r1, place=None):
             asked.append((name, r0, r1))
             return REF_W[name][r0:r1]
 

@@ -11,7 +11,7 @@ import pytest
 import formats.writeback as wb_mod
 from formats.dtypes import by_code
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
-from formats.writeback import ALIGN, FileStream, WriteBehind
+from formats.writeback import ALIGN, FileStream, WriteBehind, aligned_empty
 
 HAS_DIRECT = hasattr(os, "O_DIRECT")
 
@@ -75,6 +75,75 @@ def test_stream_bytes_exact(tmp_path, monkeypatch, head_len, direct):
     assert (tmp_path / "f").read_bytes() == head + b"".join(pieces)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 8, 4095, 4096, 4097, 12_345])
+def test_aligned_empty_lies_at_the_offset_modulo_align(offset):
+    assert aligned_empty(0, offset).shape == (0,)
+    for n in (1, ALIGN, 3 * ALIGN + 5):
+        a = aligned_empty(n, offset)
+        assert a.dtype == np.uint8 and a.shape == (n,) and a.flags.c_contiguous and a.flags.writeable
+        assert (a.ctypes.data - offset) % ALIGN == 0
+
+
+# placed arrays of every size class around the blocks (inside one block, whole blocks, partial ends),
+# given up or not, between plain writes; in-place from 1 byte on, and buffers of 4 blocks
+@pytest.mark.parametrize("head_len", [0, 1, 4095, 4096, 12_345])
+@pytest.mark.parametrize("direct", [True, False])
+def test_placed_arrays_written_in_place_bytes_exact(tmp_path, monkeypatch, head_len, direct):
+    monkeypatch.setattr(wb_mod, "BUFFER_BYTES", 4 * ALIGN)
+    monkeypatch.setattr(wb_mod, "IN_PLACE_MIN", 1)
+    in_place = []
+    real = FileStream._pwrite_from
+    monkeypatch.setattr(FileStream, "_pwrite_from", lambda self, data, offset: (
+        in_place.append(isinstance(data, np.ndarray)), real(self, data, offset))[1])
+    rng = np.random.default_rng(head_len + 7)
+    path = tmp_path / "f"
+    head = rng.integers(0, 256, head_len, dtype=np.uint8).tobytes()
+    path.write_bytes(head)
+    s = FileStream(path, head_len, direct=direct)
+    expected = [head]
+    sizes = [1, 100, ALIGN - 1, ALIGN, ALIGN + 1, 5 * ALIGN, 50_000, 3, 70_001, 2 * ALIGN]
+    for i, n in enumerate(sizes):
+        a = aligned_empty(n, s.tell())
+        a[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        expected.append(a.tobytes())
+        assert s.write(a, in_place=i % 3 != 2) == n
+        if i % 2:  # a plain write between: the next array's block is shared with it
+            b = rng.integers(0, 256, 777 * i, dtype=np.uint8).tobytes()
+            expected.append(b)
+            s.write(b)
+    s.close()
+    assert path.read_bytes() == b"".join(expected)
+    if direct and s.direct:
+        assert any(in_place)  # some blocks went to the disk from the arrays themselves
+
+
+@pytest.mark.skipif(not HAS_DIRECT, reason="no O_DIRECT on this system")
+def test_unplaced_or_kept_arrays_are_copied(tmp_path, monkeypatch):
+    if not _direct_here(tmp_path / "probe"):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    from_arrays = []
+    real = FileStream._pwrite_from
+    monkeypatch.setattr(FileStream, "_pwrite_from", lambda self, data, offset: (
+        from_arrays.append(isinstance(data, np.ndarray)), real(self, data, offset))[1])
+    path = tmp_path / "f"
+    path.write_bytes(b"h" * 10)
+    s = FileStream(path, 10)
+    n = 2 << 20
+    kept = aligned_empty(n, s.tell())  # placed but not given up
+    kept[:] = 1
+    s.write(kept)
+    kept[:] = 9  # the caller changes it afterwards: the file has what was written
+    moved = aligned_empty(n + 1, s.tell() + 1)[1:]  # given up but not placed
+    moved[:] = 2
+    s.write(moved, in_place=True)
+    small = aligned_empty(1000, s.tell())  # placed and given up, under IN_PLACE_MIN
+    small[:] = 3
+    s.write(small, in_place=True)
+    s.close()
+    assert not any(from_arrays)
+    assert path.read_bytes() == b"h" * 10 + b"\x01" * n + b"\x02" * n + b"\x03" * 1000
+
+
 def _direct_here(path) -> bool:
     path.write_bytes(b"")
     s = FileStream(path, 0)
@@ -135,8 +204,14 @@ def test_write_refusing_o_direct_falls_back_for_the_rest(tmp_path, monkeypatch):
     s = FileStream(path, 10)
     direct_fds = {s._direct_fd}
     monkeypatch.setattr(os, "pwrite", pwrite)
-    for p in pieces:
-        s.write(p)
+    monkeypatch.setattr(wb_mod, "IN_PLACE_MIN", 1)
+    for i, p in enumerate(pieces):
+        if i == 1:  # an array written in place meets the refusal too
+            a = aligned_empty(len(p), s.tell())
+            a[:] = np.frombuffer(p, np.uint8)
+            s.write(a, in_place=True)
+        else:
+            s.write(p)
     s.close()
     assert refused and not s.direct
     assert path.read_bytes() == b"x" * 10 + b"".join(pieces)
