@@ -374,7 +374,7 @@ def _fifo_single(d: Path) -> Path:
 
 
 def _full_mid_run(src: Path, out: Path) -> None:
-    def full(self: Any, data: Any) -> None:
+    def full(self: Any, data: Any, in_place: bool = False) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with mock.patch("formats.safetensors.SafetensorsWriter.write", full):

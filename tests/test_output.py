@@ -273,11 +273,11 @@ def test_disk_full_mid_run_names_the_output_and_out_002(tmp_path: Path, monkeypa
 
     calls = []
 
-    def write(self, data):  # the third write() finds the disk full, as a real write() would
+    def write(self, data, in_place=False):  # the third write() finds the disk full, as a real write() would
         calls.append(1)
         if len(calls) == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return original(self, data)
+        return original(self, data, in_place)
 
     original = st.SafetensorsWriter.write
     monkeypatch.setattr(st.SafetensorsWriter, "write", write)
@@ -295,7 +295,7 @@ def test_other_write_errors_name_the_output(tmp_path: Path, monkeypatch: pytest.
 
     import formats.safetensors as st
 
-    def write(self, data):
+    def write(self, data, in_place=False):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(st.SafetensorsWriter, "write", write)
