@@ -1096,8 +1096,8 @@ def test_gguf_f16_of_bf16_layers_from_the_tables_equals_rounding_their_bf16(tmp_
     calls = []
     real = kernels.dequantize_4bit_f16_of_bf16
 
-    def spy(*args):
-        got = real(*args)
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
         calls.append(got is not None)
         return got
 
