@@ -45,9 +45,10 @@ __all__ = [
     "dequantize_int8",
     "dequantize_nested_absmax",
     "f16_bits_of_bf16",
-    "f16_normal_bits",
+    "f16_bits_of_signed",
     "float_output",
     "quad_lut",
+    "signed_quad_lut",
     "round_float32",
     "unpack_4bit",
 ]
@@ -239,41 +240,37 @@ def dequantize_4bit_f16_of_bf16(
 ) -> npt.NDArray[np.float16] | None:
     """float16 of the bfloat16 dequantization, ``fp16(bf16(fp32(quant_map[code] * absmax[block])))``,
     when it is exact: the bits of :func:`bf16_to_f16` of :func:`dequantize_4bit` to bfloat16 (what
-    ``convert_hf_to_gguf.py`` writes as F16 from the dequantized bf16 checkpoint), in one pass of the
-    bf16 kernel's kind instead of both.
+    ``convert_hf_to_gguf.py`` writes as F16 from the dequantized bf16 checkpoint), at the bf16
+    kernel's cost plus one pass.
 
-    When every non-zero product is provably in ``[2^-14, 65280)`` (``min(absmax) * min|q| >= 2^-14``
-    and ``max(absmax) * max|q| < 65280`` over the non-zero ``q`` of the quant_map), each product is made
-    with ``absmax * 2^-112`` instead of ``absmax``: the same product scaled by ``2^-112`` exactly (every
-    value stays a float32 normal, where rounding commutes with powers of two), its exponent now
-    float16's. Its bfloat16 rounding (:func:`f16_bits_of_bf16`) then has 8 significant bits and a
-    float16 normal exponent, so the float16 bits are the bfloat16 bits moved, with no second rounding;
-    a zero code gives a zero of its sign, as the product does.
+    When the signed-map route holds (:func:`_signed_route`: every non-zero product provably in
+    ``[2^-14, 65280)``, no -0.0 in the map), each product is made from :func:`signed_quad_lut` and
+    ``absmax * 2^-112`` (exactly ``x * 2^-112``, or ``x * 2^-80`` for a negative ``x``) and rounded to
+    bfloat16 by the multiply (ml_dtypes' cast, as the bf16 kernel); :func:`f16_bits_of_bf16` then moves
+    its bits into float16's: no second rounding, a bfloat16 of that range being exact in float16; the
+    zero code gives +0, as the product does.
 
     Args: as :func:`dequantize_4bit` (``n`` codes from a block boundary; ``out``: optional ``float16[n]``).
 
     Returns:
-        ``float16[n]`` (``out`` when given), or None when the products are not provably in that range (a
-        zero, tiny or huge absmax; the caller takes the bf16 route; ``out`` is left as it was).
+        ``float16[n]`` (``out`` when given), or None when the route does not hold (a zero, tiny or huge
+        absmax, a -0.0 code; the caller takes the bf16 route; ``out`` is left as it was).
     """
     packed = packed.reshape(-1)
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
-    if not _products_between(absmax, quant_map, _F16_MIN_NORMAL, _BF16_F16_MAX):
+    if not _signed_route(absmax, quant_map, _BF16_F16_MAX):
         return None
     scaled = absmax * np.float32(2.0**-112)  # exact: absmax >= 2^-14 here
-    lut = quad_lut(quant_map)
+    lut = signed_quad_lut(quant_map)
     piece = _piece(blocksize)
-    out = (np.empty(n, np.float16) if out is None else out).view(np.uint16)
-    size = min(piece, n)
-    quads = np.empty(size // 4 + 1, dtype=np.complex128)
-    prod, bits, low = np.empty(size, np.float32), np.empty(size, np.uint32), np.empty(size, np.uint16)
+    out = np.empty(n, np.float16) if out is None else out
+    bits, rounded = out.view(np.uint16), out.view(BF16)
+    quads = np.empty(min(piece, n) // 4 + 1, dtype=np.complex128)
     for s in range(0, n, piece):
         e = min(n, s + piece)
-        m = e - s
-        x = prod[:m]
-        _products_into(packed, scaled, lut, blocksize, s, e, quads, x)
-        f16_bits_of_bf16(x.view(np.uint32), bits[:m], low[:m], out[s:e])
-    return out.view(np.float16)
+        _products_into(packed, scaled, lut, blocksize, s, e, quads, rounded[s:e])  # bfloat16, in place
+        f16_bits_of_bf16(bits[s:e], bits[s:e])
+    return out
 
 
 def _dequantize_4bit_f16(
@@ -286,68 +283,63 @@ def _dequantize_4bit_f16(
     stats: npt.NDArray[np.int64] | None,
     piece: int,
 ) -> np.ndarray:
-    """:func:`dequantize_4bit` to float16, by table: each block has only 16 values, so the 16 fp32
-    products ``fp32(quant_map[code] * absmax[block])`` of a block are rounded to float16 once
-    (:class:`_F16Tables`, for :data:`TABLE_SPAN` elements at a time) and the codes pick from that table.
-    The same product and the same single rounding per value as casting every element: the same bits.
+    """:func:`dequantize_4bit` to float16, :data:`TABLE_SPAN` elements at a time, each span by one of two
+    routes giving the bits of NumPy's cast of every fp32 product (round to nearest even):
 
-    The table is laid out code-major, ``table[code * stride + block]``, so a packed byte gives its two
-    codes times ``stride`` by one take (:func:`_code_pairs`), the block index within the piece is added
-    and the piece takes from the table starting at its first block.
+    - where the signed-map route holds for the span's blocks (:func:`_signed_route`: every non-zero
+      product provably in float16's normal range, ``[2^-14, 65504)``; nearly every span of a real
+      weight): each product is made from :func:`signed_quad_lut` and ``absmax * 2^-112`` and rounded
+      by :func:`f16_bits_of_signed` (integer operations; nothing can overflow or flush);
+    - elsewhere by table (:class:`_F16Tables`: each block has only 16 values, so its 16 products are
+      rounded once by NumPy's cast, 4-7 ns a value on x86 without AVX-512 FP16, and the codes pick from
+      them). The table is laid out code-major, ``table[code * stride + block]``, so a packed byte gives
+      its two codes times ``stride`` by one take (:func:`_code_pairs`), the block index within the piece
+      is added and the piece takes from the table starting at its first block.
 
     ``stats``: values that overflowed to inf and non-zero values flushed to zero, counted from the table
     entries that did so (the elements that picked them are counted only when one exists).
     """
-    span = max(piece, (TABLE_SPAN // piece) * piece)  # elements whose table is made at once
-    tables = _F16Tables(quant_map, -(-min(span, n) // blocksize))
-    scaled = _code_pairs(tables.stride)  # (byte -> its two codes times the table's row stride)
+    span = max(piece, (TABLE_SPAN // piece) * piece)  # elements whose route is chosen at once
     first = min(piece, n)
-    block_of = _block_of(-(-first // blocksize), blocksize)[:first]
-    pairs = np.empty(-(-first // 2), dtype=_PAIR)
+    tables: _F16Tables | None = None
+    signed: tuple[npt.NDArray[np.complex128], npt.NDArray[np.complex128], npt.NDArray[np.float32],
+                  npt.NDArray[np.uint32]] | None = None
     for s0 in range(0, n, span):
         e0 = min(n, s0 + span)
         b0, nb = s0 // blocksize, -(-(e0 - s0) // blocksize)
-        table, counts = tables.make(absmax[b0 : b0 + nb], stats is not None)
-        for s in range(s0, e0, piece):
-            e = min(e0, s + piece)
-            m = e - s
-            src = packed[s // 2 : (e + 1) // 2]
-            ix = np.take(scaled, src, out=pairs[: src.size], mode="wrap").view(np.intp)[:m]  # code * stride
-            np.add(ix, block_of[:m], out=ix)  # + the block within the piece ...
-            first_block = (s - s0) // blocksize  # ... indexes the table from the piece's first block
-            # (in range by construction: "wrap" changes none)
-            np.take(table[first_block:], ix, out=out[s:e].view(np.uint16), mode="wrap")
-            if counts is not None:
-                over, under = counts
-                if over is not None:
-                    stats[0] += int(np.count_nonzero(over[first_block:][ix]))
-                if under is not None:
-                    stats[1] += int(np.count_nonzero(under[first_block:][ix]))
+        if _signed_route(absmax[b0 : b0 + nb], quant_map, _F16_MAX):
+            if signed is None:  # (lut, quads, products, scratch)
+                signed = (signed_quad_lut(quant_map), np.empty(first // 4 + 1, np.complex128),
+                          np.empty(first, np.float32), np.empty(first, np.uint32))
+            lut, quads, products, tmp = signed
+            scaled = absmax[b0 : b0 + nb] * np.float32(2.0**-112)  # exact: absmax >= 2^-14 here
+            for s in range(s0, e0, piece):
+                e = min(e0, s + piece)
+                x = products[: e - s]
+                _products_into(packed[s0 // 2 :], scaled, lut, blocksize, s - s0, e - s0, quads, x)
+                f16_bits_of_signed(x.view(np.uint32), tmp[: e - s], out[s:e].view(np.uint16))
+            continue
+        if tables is None:
+            tables = _F16Tables(quant_map, -(-min(span, n) // blocksize), first, blocksize)
+        tables.pick(packed, absmax[b0 : b0 + nb], s0, e0, piece, out, stats)
     return out
 
 
 class _F16Tables:
-    """The float16 values ``fp16(fp32(q[code] * absmax[block]))`` of up to ``blocks`` blocks at a time,
-    code-major: ``table[code * stride + block]``, rows padded to ``stride = blocks + 32`` entries (rows a
-    power of two apart would share the cache's sets: the takes ran 40% slower).
+    """The float16 values ``fp16(fp32(q[code] * absmax[block]))`` of up to ``blocks`` blocks at a time
+    by NumPy's cast, code-major: ``table[code * stride + block]``, rows padded to ``stride = blocks + 32``
+    entries (rows a power of two apart would share the cache's sets: the takes ran 40% slower), and the
+    scratch that picks from them (``first`` elements a piece at most)."""
 
-    Where every product of the blocks is provably in float16's normal range (``min(absmax) * min|q| >=
-    2^-14`` and ``max(absmax) * max|q| < 65504`` over the non-zero q of the quant_map; nearly every span
-    of a real weight): by integer operations on the fp32 bits of ``|q| * absmax``
-    (:func:`f16_normal_bits`, the code's sign added; a zero q gives a zero of its sign), and nothing can
-    overflow or flush. Otherwise by NumPy's cast of ``q * absmax`` (4-7 ns a value on x86 without
-    AVX-512 FP16: float16 is converted in software), noting the entries that overflowed or flushed.
-    """
-
-    def __init__(self, quant_map: npt.NDArray[np.float32], blocks: int) -> None:
-        q = np.asarray(quant_map, dtype=np.float32).reshape(16, 1)
-        self.q, self.q_abs = q, np.abs(q)
-        self.sign = q.view(np.uint32) >> np.uint32(16) & np.uint32(0x8000)
-        self.zero = np.flatnonzero(q == 0)
+    def __init__(self, quant_map: npt.NDArray[np.float32], blocks: int, first: int, blocksize: int) -> None:
+        self.q = np.asarray(quant_map, dtype=np.float32).reshape(16, 1)
+        self.blocksize = blocksize
         self.stride = blocks + 32
         self.products = np.empty((16, self.stride), np.float32)
-        self.bits = np.empty((16, self.stride), np.uint32)
         self.table = np.empty((16, self.stride), np.uint16)
+        self.scaled = _code_pairs(self.stride)  # (byte -> its two codes times the table's row stride)
+        self.block_of = _block_of(-(-first // blocksize), blocksize)[:first]
+        self.pairs = np.empty(-(-first // 2), dtype=_PAIR)
 
     def make(
         self, absmax: npt.NDArray[np.float32], count: bool
@@ -361,14 +353,6 @@ class _F16Tables:
         """
         nb = absmax.size
         products, table = self.products[:, :nb], self.table[:, :nb]
-        # (NaN in absmax: a bound that is not finite sends the span to NumPy's cast)
-        if _products_between(absmax, self.q, _F16_MIN_NORMAL, _F16_MAX):
-            # |q| * absmax: the magnitude of bnb's product (absmax > 0 here), rounded by integer operations
-            np.multiply(self.q_abs, absmax, out=products)
-            bits = f16_normal_bits(products.view(np.uint32), self.bits[:, :nb])
-            np.bitwise_or(bits, self.sign, out=table, casting="unsafe")
-            table[self.zero] = self.sign[self.zero]  # 0 * absmax: a zero of the code's sign
-            return self.table.reshape(-1), None
         np.multiply(self.q, absmax, out=products)  # as bnb's product
         with np.errstate(over="ignore"):  # overflow to inf is the IEEE result (counted)
             np.copyto(table, products.astype(np.float16).view(np.uint16))  # round to nearest even
@@ -385,6 +369,27 @@ class _F16Tables:
         flat = self.table.reshape(-1)
         return flat, (over.reshape(-1) if has_over else None, under.reshape(-1) if has_under else None)
 
+    def pick(self, packed: npt.NDArray[np.uint8], absmax: npt.NDArray[np.float32], s0: int, e0: int, piece: int,
+             out: np.ndarray, stats: npt.NDArray[np.int64] | None) -> None:
+        """``out[s0:e0]`` (elements of the flat weight, ``s0`` on a block) from the table of ``absmax``
+        (their blocks'), ``piece`` elements at a time; ``stats`` as :func:`_dequantize_4bit_f16`."""
+        table, counts = self.make(absmax, stats is not None)
+        for s in range(s0, e0, piece):
+            e = min(e0, s + piece)
+            m = e - s
+            src = packed[s // 2 : (e + 1) // 2]
+            ix = np.take(self.scaled, src, out=self.pairs[: src.size], mode="wrap").view(np.intp)[:m]  # code * stride
+            np.add(ix, self.block_of[:m], out=ix)  # + the block within the piece ...
+            first_block = (s - s0) // self.blocksize  # ... indexes the table from the piece's first block
+            # (in range by construction: "wrap" changes none)
+            np.take(table[first_block:], ix, out=out[s:e].view(np.uint16), mode="wrap")
+            if counts is not None:
+                over, under = counts
+                if over is not None:
+                    stats[0] += int(np.count_nonzero(over[first_block:][ix]))
+                if under is not None:
+                    stats[1] += int(np.count_nonzero(under[first_block:][ix]))
+
 
 def _products_between(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np.float32], low: float,
                       high: float) -> bool:
@@ -398,79 +403,74 @@ def _products_between(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np
                 and float(absmax.max()) * q.max() < high)
 
 
-#: float16's smallest normal value and its largest finite one (bounds of :func:`f16_normal_bits`'s domain).
+def _signed_route(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np.float32], high: float) -> bool:
+    """Whether the float16 kernels' signed-map route gives exact bits for these blocks: every non-zero
+    product provably of magnitude in ``[2^-14, high)`` (:func:`_products_between`; so ``absmax >= 2^-14``
+    and every scaled value is a float32 normal) and no -0.0 in the quant_map (its product, -0, would
+    come out +0: the route has no sign bit of its own)."""
+    q = np.asarray(quant_map, dtype=np.float32).reshape(-1)
+    return not bool(np.any(np.signbit(q) & (q == 0))) and _products_between(absmax, q, _F16_MIN_NORMAL, high)
+
+
+#: float16's smallest normal value and its largest finite one (bounds of :func:`f16_bits_of_signed`'s domain).
 _F16_MIN_NORMAL = 2.0**-14
 _F16_MAX = 65504.0
 #: Below it a float32 rounds to a bfloat16 of at most 65280, exact in float16 (65408 would round up to 65536).
 _BF16_F16_MAX = 65280.0
 
 
-def _round_off_bits(
-    u: npt.NDArray[np.uint32], shift: int, add: int, out: npt.NDArray[np.uint32]
-) -> npt.NDArray[np.uint32]:
-    """``(u + add) >> shift`` rounded to nearest even (uint32, mod 2^32): ``u + add + 2^(shift-1) - 1``
-    plus the lowest kept bit of ``u``, then the ``shift`` low bits shifted out (a carry moves into the
-    bits above, as rounding does). Five passes; ``out`` may not be ``u``."""
-    np.right_shift(u, shift, out=out)
-    np.bitwise_and(out, 1, out=out)  # the lowest kept bit: ties go to even
-    np.add(out, u, out=out)
-    np.add(out, np.uint32((add + (1 << (shift - 1)) - 1) & 0xFFFFFFFF), out=out)
-    np.right_shift(out, shift, out=out)
-    return out
+def signed_quad_lut(quant_map: npt.NDArray[np.float32]) -> npt.NDArray[np.complex128]:
+    """:func:`quad_lut` of the quant_map with each negative value times ``2^32`` (exactly; cached).
+
+    The float16 kernels multiply it by ``absmax * 2^-112``: a product is then exactly ``x * 2^-112`` for a
+    positive ``x = quant_map[code] * absmax`` and ``x * 2^-80`` for a negative one (powers of two commute
+    with rounding while every value is a float32 normal: :func:`_signed_route`). Either way float32's
+    exponent field holds float16's exponent (``E - 112``, 1..30) in its low five bits, and its sixth bit
+    (bit 28) is set exactly for a negative ``x``: shifted down by 13 (float16) or 16 - 3 (bfloat16), that
+    bit lands on the float16 sign bit, and float32's own sign (bit 31) falls out of the 16 bits kept.
+    """
+    q = np.asarray(quant_map, dtype=np.float32).reshape(16)
+    return _quad_lut(np.where(q < 0, q * np.float32(2.0**32), q).astype(np.float32).tobytes())
 
 
-def f16_bits_of_bf16(
-    u: npt.NDArray[np.uint32], tmp: npt.NDArray[np.uint32], low: npt.NDArray[np.uint16], out: npt.NDArray[np.uint16]
+def f16_bits_of_signed(
+    u: npt.NDArray[np.uint32], tmp: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16]
 ) -> npt.NDArray[np.uint16]:
-    """float16 bits of ``fp16(bf16(x))`` from the float32 bits of ``x * 2^-112``, for ``x`` with
-    ``2^-14 <= |x| < 65280`` or ``x = +-0`` (outside that the result is meaningless).
+    """float16 bits of ``x``, rounded to nearest even, from the float32 bits of ``x * 2^-112`` (``x > 0``)
+    or ``x * 2^-80`` (``x < 0``), for ``2^-14 <= |x| < 65504`` or ``x = +0`` (:func:`signed_quad_lut`;
+    outside that the result is meaningless).
 
-    ``x * 2^-112`` has float16's exponent bias in float32's exponent field (``E - 112``, 1..30) and the
-    same significand; its bfloat16 rounding (ml_dtypes': round to nearest even, ``(u + 0x7FFF + bit 16
-    of u) >> 16``, the scaling commuting with it) keeps 7 fraction bits and the sign in bit 15, so the
-    float16 bits are ``(b << 3) | (b & 0x8000)`` (the shift drops the sign and the exponent's three
-    top bits, all zero): no second rounding, as a bfloat16 of that range is exact in float16. Eight
-    integer passes; checked on every pattern of the domain, both signs (``scripts/check_f16_cast.py
-    --normal``).
+    ``(u + 0xFFF + bit 13 of u) >> 13``, its low 16 bits: the fraction rounded from 23 to 10 bits (a
+    carry moving into the exponent, as rounding does), float16's exponent in bits 10..14 and bit 28, set
+    for a negative ``x``, on the sign bit. Five integer passes (NumPy's fp32 -> fp16 cast is software on
+    most x86 builds: 4-7 ns a value). Equal to NumPy's cast on every pattern of the domain, both signs
+    (``scripts/check_f16_cast.py --normal``).
 
     Args:
-        u: ``uint32[k]``: the bits of ``x * 2^-112``.
-        tmp: ``uint32[k]`` and ``low``: ``uint16[k]`` scratch.
+        u: ``uint32[k]``, the scaled bits; ``tmp``: ``uint32[k]`` scratch (not ``u``).
         out: ``uint16[k]`` destination.
 
     Returns:
         ``out``.
     """
-    np.right_shift(u, 16, out=tmp)
-    np.bitwise_and(tmp, 1, out=tmp)  # ties go to even
+    np.right_shift(u, 13, out=tmp)
+    np.bitwise_and(tmp, 1, out=tmp)  # the lowest kept bit: ties go to even
     np.add(tmp, u, out=tmp)
-    np.add(tmp, np.uint32(0x7FFF), out=tmp)
-    np.right_shift(tmp, 16, out=low, casting="unsafe")  # the bfloat16 bits
-    np.left_shift(low, 3, out=out)
-    np.bitwise_and(low, 0x8000, out=low)
-    np.bitwise_or(out, low, out=out)
+    np.add(tmp, np.uint32(0xFFF), out=tmp)
+    np.right_shift(tmp, 13, out=out, casting="unsafe")  # (the low 16 bits)
     return out
 
 
-def f16_normal_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
-    """float32 magnitudes (bits, sign clear) in float16's normal range -> float16 bits, round to nearest even.
-
-    Integer operations only (NumPy's fp32 -> fp16 cast is software on most x86 builds: 4-7 ns a value
-    against about 0.2 ns for these five passes): the exponent is rebiased from 127 to 15 and the
-    mantissa rounded from 23 to 10 bits by adding ``0xFFF`` plus its lowest kept bit and shifting out
-    13 bits, a carry moving into the exponent as rounding does. The normal-range branch of F. Giesen's
-    ``float_to_half_fast3_rtne``; equal to NumPy's cast on every pattern of the domain
-    (``scripts/check_f16_cast.py --normal``).
-
-    Args:
-        u: ``uint32[k]``: bits of float32 values ``x`` with ``2^-14 <= x < 65520`` (outside it the
-            result is meaningless).
-        out: ``uint32[k]`` destination (may not be ``u``).
-
-    Returns:
-        ``out``: the float16 bits in the low 16 bits.
+def f16_bits_of_bf16(b: npt.NDArray[np.uint16], out: npt.NDArray[np.uint16]) -> npt.NDArray[np.uint16]:
+    """float16 bits of ``bf16(x)`` from the bfloat16 bits of ``x * 2^-112`` (``x > 0``) or ``x * 2^-80``
+    (``x < 0``) rounded to bfloat16 (ml_dtypes: round to nearest even, the scaling commuting with it), for
+    ``2^-14 <= |x| < 65280`` or ``x = +0`` (:func:`signed_quad_lut`; outside that meaningless): ``b << 3``,
+    its low 16 bits. The 7 fraction bits and float16's exponent (the low five bits of bfloat16's) move
+    into place and bit 12, set for a negative ``x``, onto the sign bit: no second rounding, a bfloat16
+    of that range being exact in float16. One pass; equal to NumPy's float16 cast of the bfloat16 on
+    every pattern of the domain, both signs (``scripts/check_f16_cast.py --normal``). ``out`` may be ``b``.
     """
-    return _round_off_bits(u, 13, ((15 - 127) << 23) & 0xFFFFFFFF, out)  # exponent rebiased, 10 bits kept
+    return np.left_shift(b, 3, out=out)
 
 
 #: A NumPy type of two ``intp`` that ``np.take`` moves fast (its values are never used as numbers).

@@ -9,14 +9,16 @@ check exits 1.
 
     python scripts/check_f16_cast.py              # all 2^32 patterns (about 10 minutes on 2 cores)
     python scripts/check_f16_cast.py --chunks 4   # the first 4 of 256 chunks of 2^24
-    python scripts/check_f16_cast.py --normal     # convert.kernels.f16_normal_bits on its whole domain
+    python scripts/check_f16_cast.py --normal     # the float16 kernels' integer routes on their domains
 
 ``--normal`` checks instead the integer roundings the float16 kernels use on every float32 value of
-their domains: :func:`convert.kernels.f16_normal_bits` (the float16 kernel's tables) against NumPy's
-cast (``2^-14 <= x < 65520``, 251,654,144 patterns) and :func:`convert.kernels.f16_bits_of_bf16`
-(GGUF F16 of a bf16 layer: the bits of ``x * 2^-112``) against ml_dtypes' bfloat16 cast followed by
-NumPy's float16 cast (``2^-14 <= |x| < 65280``, both signs, 503,185,408 patterns, and +-0). Run on
-NumPy 2.4.6 and ml_dtypes 0.6.0, 2026-12-02: all equal (10 s).
+their domains, from the products of :func:`convert.kernels.signed_quad_lut` (``x * 2^-112``, or
+``x * 2^-80`` for a negative ``x``): :func:`convert.kernels.f16_bits_of_signed` (``--to fp16``) against
+NumPy's float16 cast (``2^-14 <= |x| < 65504``, both signs, 503,300,096 patterns) and
+:func:`convert.kernels.f16_bits_of_bf16` (GGUF F16 of a bf16 layer) of ml_dtypes' bfloat16 cast
+against ml_dtypes' bfloat16 cast of ``x`` followed by NumPy's float16 cast (``2^-14 <= |x| < 65280``,
+both signs, 503,185,408 patterns), and +0. Run on NumPy 2.4.6 and ml_dtypes 0.6.0, 2026-12-03: all
+equal.
 
 This is the evidence behind :func:`convert.kernels.round_float32` using NumPy's cast for float16. Run
 on NumPy 2.4.6, 2026-12-02: all 4,294,967,296 patterns equal (1,645 s on a loaded 2-core machine).
@@ -55,11 +57,17 @@ def _round_f16_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16]) -> N
 
 
 def check_normal() -> int:
-    """:func:`convert.kernels.f16_normal_bits` and :func:`convert.kernels.f16_bits_of_bf16` against the
-    casts they replace, on every pattern of their domains."""
+    """:func:`convert.kernels.f16_bits_of_signed` and :func:`convert.kernels.f16_bits_of_bf16` against the
+    casts they replace, on every pattern of their domains, both signs, and +0."""
     import ml_dtypes
 
-    from convert.kernels import f16_bits_of_bf16, f16_normal_bits
+    from convert.kernels import f16_bits_of_bf16, f16_bits_of_signed
+
+    def scaled(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+        # the kernels' products: the bits of x * 2^-112 (x > 0) or x * 2^-80 (x < 0), exact for these normal
+        # x (the exponent field less 112 or 80; signed_quad_lut)
+        neg = u >= np.uint32(0x80000000)
+        return u - np.where(neg, np.uint32(80 << 23), np.uint32(112 << 23)).astype(np.uint32)
 
     def f16(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
         with np.errstate(over="ignore"):
@@ -68,20 +76,21 @@ def check_normal() -> int:
     def f16_of_bf16(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
         return u.view(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32).astype(np.float16).view(np.uint16)
 
-    def scaled_f16_of_bf16(u: npt.NDArray[np.uint32], tmp: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
-        # the kernel's input: the bits of x * 2^-112 (exact for these normal x: the exponent field less 112)
-        x = (u & np.uint32(0x7FFFFFFF)) - np.uint32(112 << 23) | (u & np.uint32(0x80000000))
-        return f16_bits_of_bf16(x, tmp, np.empty(u.size, np.uint16), np.empty(u.size, np.uint16))
+    def signed(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
+        return f16_bits_of_signed(scaled(u), np.empty_like(u), np.empty(u.size, np.uint16))
+
+    def of_bf16(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
+        b = scaled(u).view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)  # the multiply's rounding
+        return f16_bits_of_bf16(b, np.empty(u.size, np.uint16))
 
     t = time.perf_counter()
-    # 2^-14 .. 65520 (which rounds to inf in float16) and .. 65280 (the largest bfloat16 below 65504), and
-    # the negative values of the latter (the F16 of a bf16 layer carries the sign through)
-    for fn, ref, lo, hi in ((f16_normal_bits, f16, 0x38800000, 0x477FF000),
-                            (scaled_f16_of_bf16, f16_of_bf16, 0x38800000, 0x477F0000),
-                            (scaled_f16_of_bf16, f16_of_bf16, 0xB8800000, 0xC77F0000)):
+    # 2^-14 .. 65504 (the largest float16) and .. 65280 (the largest bfloat16 below 65504), both signs
+    for fn, ref, lo, hi in ((signed, f16, 0x38800000, 0x477FE000), (signed, f16, 0xB8800000, 0xC77FE000),
+                            (of_bf16, f16_of_bf16, 0x38800000, 0x477F0000),
+                            (of_bf16, f16_of_bf16, 0xB8800000, 0xC77F0000)):
         for c in range(lo, hi, CHUNK):
             u = np.arange(c, min(hi, c + CHUNK), dtype=np.uint32)
-            got, want = fn(u, np.empty_like(u)).astype(np.uint16), ref(u)
+            got, want = fn(u), ref(u)
             bad = np.flatnonzero(got != want)
             if bad.size:
                 i = int(bad[0])
@@ -90,10 +99,10 @@ def check_normal() -> int:
                 return 1
         print(f"{fn.__name__}: {hi - lo:,} bit patterns ({lo:#010x} <= bits < {hi:#010x}), equal to {ref.__name__} "
               f"(NumPy {np.__version__}, ml_dtypes {ml_dtypes.__version__})")
-    zeros = np.array([0, 0x80000000], np.uint32)  # +-0 scale to themselves
-    if f16_bits_of_bf16(zeros, np.empty_like(zeros), np.empty(2, np.uint16), np.empty(2, np.uint16)).tolist() != [
-            0, 0x8000]:
-        print("f16_bits_of_bf16 does not keep +-0")
+    zero = np.zeros(1, np.uint32)  # +0 scales to itself (a -0.0 code is refused by the route)
+    if (f16_bits_of_signed(zero, np.empty_like(zero), np.empty(1, np.uint16)).tolist() != [0]
+            or f16_bits_of_bf16(np.zeros(1, np.uint16), np.empty(1, np.uint16)).tolist() != [0]):
+        print("+0 does not stay +0")
         return 1
     print(f"({time.perf_counter() - t:.0f} s)")
     return 0
@@ -102,7 +111,7 @@ def check_normal() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=(1 << 32) // CHUNK)
-    ap.add_argument("--normal", action="store_true", help="check convert.kernels.f16_normal_bits instead")
+    ap.add_argument("--normal", action="store_true", help="check the float16 kernels' integer routes instead")
     a = ap.parse_args()
     if a.normal:
         return check_normal()

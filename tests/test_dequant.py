@@ -8,6 +8,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from convert.cli import main
@@ -216,17 +217,18 @@ def test_fp16_by_table_equals_rounding_every_fp32_value() -> None:
     assert seen[0] > 1000 and seen[1] > 1000  # overflow and flush to zero were both exercised
 
 
-def test_fp16_tables_by_integer_rounding_equal_numpy_cast(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spans whose products are all in float16's normal range get their tables by integer rounding
-    (kernels.f16_normal_bits), the others by NumPy's cast: both give the bits and the counts of rounding
-    every fp32 product (NF4, FP4 with its -0 code, a map with +-0; lengths across TABLE_SPAN; absmax at
-    the edges of the fast path's bounds, a zero and a negative absmax in one span only)."""
+def test_fp16_signed_route_and_tables_equal_numpy_cast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spans whose products are all in float16's normal range (and whose map has no -0.0) go by the
+    signed-map route (kernels.signed_quad_lut, kernels.f16_bits_of_signed), the others by tables of
+    NumPy's cast: both give the bits and the counts of rounding every fp32 product (NF4, FP4, a map
+    with +0 and -0: tables only; lengths across TABLE_SPAN; absmax at the edges of the route's bounds,
+    a zero and a negative absmax in one span only)."""
     from convert import kernels
     from formats.bnb import QUANT_TABLES
 
-    calls = []
-    real = kernels.f16_normal_bits
-    monkeypatch.setattr(kernels, "f16_normal_bits", lambda u, out: calls.append(u.size) or real(u, out))
+    routes: list[bool] = []
+    real = kernels._signed_route
+    monkeypatch.setattr(kernels, "_signed_route", lambda a, q, high: routes.append(real(a, q, high)) or routes[-1])
     rng = np.random.default_rng(11)
     custom = rng.standard_normal(16).astype(np.float32)
     custom[[3, 12]] = [0.0, -0.0]
@@ -239,14 +241,14 @@ def test_fp16_tables_by_integer_rounding_equal_numpy_cast(monkeypatch: pytest.Mo
         absmax = rng.uniform(0.02, 0.1, nb).astype(np.float32)  # (x 0.0052, FP4's least: normal)
         nonzero = np.abs(qm[qm != 0]).astype(np.float64)
         per_span = span // bs
-        if nb > 2 * per_span:  # the bounds of the fast path, just inside (span 0) and just outside (span 1)
+        if nb > 2 * per_span:  # the bounds of the route, just inside (span 0) and just outside (span 1)
             absmax[5] = np.nextafter(np.float32(2.0**-14 / nonzero.min()), np.float32(1))  # inside, rounded up
             absmax[6] = np.float32(65503.0 / nonzero.max())
             absmax[per_span + 5] = np.nextafter(np.float32(2.0**-14 / nonzero.min()), np.float32(0))
             absmax[per_span + 6] = np.float32(65600.0 / nonzero.max())
         if nb > per_span and trial % 2:
             absmax[per_span] = 0.0 if trial == 1 else -0.04
-        calls.clear()
+        routes.clear()
         got_stats, want_stats = np.zeros(2, np.int64), np.zeros(2, np.int64)
         got = dequantize_4bit(packed, absmax, qm, bs, n, "float16", stats=got_stats)
         x = dequantize_4bit(packed, absmax, qm, bs, n, "float32")
@@ -257,35 +259,51 @@ def test_fp16_tables_by_integer_rounding_equal_numpy_cast(monkeypatch: pytest.Mo
         assert got_stats.tolist() == want_stats.tolist(), (name, bs, n)
         spans = -(-n // span)
         slow = 1 if nb > 2 * per_span or (nb > per_span and trial % 2) else 0
-        assert len(calls) == spans - slow, (name, bs, n, calls)
+        assert len(routes) == spans, (name, bs, n, routes)
+        assert sum(routes) == (0 if name == "custom" else spans - slow), (name, bs, n, routes)
+
+
+def test_f16_integer_routes_equal_the_casts_on_sampled_patterns() -> None:
+    """f16_bits_of_signed of x * 2^-112 (x > 0) or x * 2^-80 (x < 0) equals NumPy's float16 cast of x,
+    and f16_bits_of_bf16 of those products' bfloat16 equals ml_dtypes' bfloat16 of x cast to float16,
+    on sampled patterns of their domains, both signs, ties to even at bit 13 and bit 16 among them, and
+    +0 (scripts/check_f16_cast.py --normal checks every pattern)."""
+    from convert.kernels import BF16, bf16_to_f16, f16_bits_of_bf16, f16_bits_of_signed
+
+    rng = np.random.default_rng(13)
+
+    def patterns(hi: int) -> npt.NDArray[np.uint32]:
+        u = np.concatenate([rng.integers(0x38800000, hi, 400_000).astype(np.uint32),
+                            (rng.integers(0x38800, hi >> 12, 4000).astype(np.uint32) << 12) | 0x1000,  # ties at 13
+                            (rng.integers(0x3880, hi >> 16, 4000).astype(np.uint32) << 16) | 0x8000,  # ties at 16
+                            (rng.integers(0x3880, hi >> 16, 4000).astype(np.uint32) << 16) | 0x7FFF,
+                            np.array([0x38800000, hi - 1], np.uint32)])
+        return np.concatenate([u, u | np.uint32(0x80000000)])
+
+    def scaled(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+        x = u.view(np.float32)
+        return np.where(x < 0, x * np.float32(2.0**-80), x * np.float32(2.0**-112)).astype(np.float32).view(np.uint32)
+
+    u = patterns(0x477FE000)  # |x| < 65504
+    got = f16_bits_of_signed(scaled(u), np.empty_like(u), np.empty(u.size, np.uint16))
+    assert np.array_equal(got, u.view(np.float32).astype(np.float16).view(np.uint16))
+    u = patterns(0x477F0000)  # |x| < 65280
+    got = f16_bits_of_bf16(scaled(u).view(np.float32).astype(BF16).view(np.uint16), np.empty(u.size, np.uint16))
+    assert np.array_equal(got, bf16_to_f16(u.view(np.float32).astype(BF16))[0].view(np.uint16))
+    zero = np.zeros(1, np.uint32)
+    assert f16_bits_of_signed(zero, np.empty_like(zero), np.empty(1, np.uint16)).tolist() == [0]
+    assert f16_bits_of_bf16(np.zeros(1, np.uint16), np.empty(1, np.uint16)).tolist() == [0]
 
 
 def test_f16_of_bf16_tables_equal_rounding_twice() -> None:
     """dequantize_4bit_f16_of_bf16 (GGUF F16 of a bf16 layer) gives the bits of bf16_to_f16 of the bf16
     kernel's output (NF4 and FP4, blocksizes 64..4096, several spans, absmax at the edges of the bounds
     where every bfloat16 is exact in float16); None as soon as one span is not provably so (a zero, a
-    tiny or a huge absmax); f16_bits_of_bf16 of x * 2^-112 equals that route on sampled patterns of its
-    domain, both signs, ties to even at bit 16 among them (scripts/check_f16_cast.py --normal checks all
-    of them)."""
-    from convert.kernels import (
-        BF16,
-        TABLE_SPAN,
-        bf16_to_f16,
-        dequantize_4bit_f16_of_bf16,
-        f16_bits_of_bf16,
-    )
+    tiny or a huge absmax) or the map holds -0.0."""
+    from convert.kernels import TABLE_SPAN, bf16_to_f16, dequantize_4bit_f16_of_bf16
     from formats.bnb import QUANT_TABLES
 
     rng = np.random.default_rng(12)
-    u = np.concatenate([rng.integers(0x38800000, 0x477F0000, 400_000).astype(np.uint32),
-                        (rng.integers(0x3880, 0x477F, 4000).astype(np.uint32) << 16) | 0x8000,  # ties
-                        (rng.integers(0x3880, 0x477F, 4000).astype(np.uint32) << 16) | 0x7FFF,
-                        np.array([0x38800000, 0x477F0000 - 1], np.uint32)])
-    u = np.concatenate([u, u | np.uint32(0x80000000), np.array([0, 0x80000000], np.uint32)])
-    want = bf16_to_f16(u.view(np.float32).astype(BF16))[0].view(np.uint16)
-    scaled = (u.view(np.float32) * np.float32(2.0**-112)).view(np.uint32)
-    got = f16_bits_of_bf16(scaled, np.empty_like(u), np.empty(u.size, np.uint16), np.empty(u.size, np.uint16))
-    assert np.array_equal(got, want)
     for name, bs, spans in [("nf4", 64, 2.5), ("fp4", 64, 1.2), ("nf4", 128, 1), ("fp4", 4096, 3)]:
         qm = QUANT_TABLES[name]
         n = int(spans * TABLE_SPAN) // bs * bs + bs // 2
@@ -302,6 +320,10 @@ def test_f16_of_bf16_tables_equal_rounding_twice() -> None:
             worse = absmax.copy()
             worse[-1] = bad  # in the last span only
             assert dequantize_4bit_f16_of_bf16(packed, worse, qm, bs, n) is None, (name, bs, bad)
+    signed_zero = QUANT_TABLES["nf4"].copy()
+    signed_zero[7] = -0.0  # its product is -0: the route would write +0
+    packed = rng.integers(0, 256, 512, dtype=np.uint8)
+    assert dequantize_4bit_f16_of_bf16(packed, np.full(16, 0.05, np.float32), signed_zero, 64, 1024) is None
 
 
 def test_bf16_to_f16_equals_numpy_cast_on_every_pattern() -> None:
