@@ -47,6 +47,8 @@ class LoraSource(Source):
         original: the tensor in the original 16-bit model (for the quantization error), or None.
     """
 
+    writes_in_place = True
+
     def __init__(self, inner: Source, merge: TensorMerge, stats: MergeStats | None, original: Any = None) -> None:
         super().__init__()
         self.inner = inner

@@ -301,8 +301,11 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
                 continue
             at = writer.offset(k - 1)
             for s, e in _ranges(t, _chunk(t, run)):
-                placed = at + s * t.dtype.itemsize
-                pending.append((t, s, e, pool.submit(_produce_placed, t.source, s, e, t.dtype, placed)))
+                if t.source.writes_in_place:  # made where the writer sends it from (no copy)
+                    task = pool.submit(_produce_placed, t.source, s, e, t.dtype, at + s * t.dtype.itemsize)
+                else:  # (copied into the writer's buffers, reused: fresh memory would cost page faults)
+                    task = pool.submit(t.source.produce, s, e, t.dtype)
+                pending.append((t, s, e, task))
                 while len(pending) > 2 * run.threads:
                     _drain_one(pending, writer, bar, run.inputs)
         while pending:
@@ -375,7 +378,7 @@ def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Any]], writer: Safe
                bar: Any, inputs: InputLifetime | None) -> None:
     t, s, e, fut = pending.popleft()
     data = fut.result() if isinstance(fut, (Future, _InOrder)) else fut
-    writer.write(data, in_place=isinstance(fut, Future))  # (a worker's chunk: placed memory of its own)
+    writer.write(data, in_place=isinstance(fut, Future) and t.source.writes_in_place)  # (placed, its own)
     t.source.release(s, e)
     if bar is not None:
         bar.update(data.nbytes)

@@ -90,6 +90,11 @@ class Source:
     #: which counts output elements): set by a source whose chunk reads more than one input element per
     #: output element (a 4-bit weight: two per byte), so a tensor still splits into chunks for every thread.
     max_chunk: int = 0
+    #: True when :meth:`produce_into` makes the values in the memory it is given (a kernel's output), so
+    #: the pipeline has chunks made in memory placed for the writer (no copy); a source whose values would
+    #: only be copied there is written from what :meth:`produce` returns, through the writer's buffers
+    #: (fresh memory for the copy costs page faults that the writer's reused buffers do not).
+    writes_in_place: bool = False
 
     def __init__(self) -> None:
         self.stats = np.zeros(2, dtype=np.int64)
@@ -132,6 +137,8 @@ class Source:
 
 class Dequant4Source(Source):
     """A bitsandbytes 4-bit layer, dequantized (bnb-format.md §2)."""
+
+    writes_in_place = True
 
     def __init__(self, layer: QuantizedLayer) -> None:
         super().__init__()
