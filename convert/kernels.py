@@ -260,7 +260,7 @@ def dequantize_4bit_f16_of_bf16(
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
     if not _signed_route(absmax, quant_map, _BF16_F16_MAX):
         return None
-    scaled = absmax * np.float32(2.0**-112)  # exact: absmax >= 2^-14 here
+    scaled = absmax * np.float32(2.0**-112)  # exact: absmax >= 2^-14 (_signed_route)
     lut = signed_quad_lut(quant_map)
     piece = _piece(blocksize)
     out = np.empty(n, np.float16) if out is None else out
@@ -312,7 +312,7 @@ def _dequantize_4bit_f16(
                 signed = (signed_quad_lut(quant_map), np.empty(first // 4 + 1, np.complex128),
                           np.empty(first, np.float32), np.empty(first, np.uint32))
             lut, quads, products, tmp = signed
-            scaled = absmax[b0 : b0 + nb] * np.float32(2.0**-112)  # exact: absmax >= 2^-14 here
+            scaled = absmax[b0 : b0 + nb] * np.float32(2.0**-112)  # exact: absmax >= 2^-14 (_signed_route)
             for s in range(s0, e0, piece):
                 e = min(e0, s + piece)
                 x = products[: e - s]
@@ -405,11 +405,15 @@ def _products_between(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np
 
 def _signed_route(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np.float32], high: float) -> bool:
     """Whether the float16 kernels' signed-map route gives exact bits for these blocks: every non-zero
-    product provably of magnitude in ``[2^-14, high)`` (:func:`_products_between`; so ``absmax >= 2^-14``
-    and every scaled value is a float32 normal) and no -0.0 in the quant_map (its product, -0, would
+    product provably of magnitude in ``[2^-14, high)`` (:func:`_products_between`: every scaled product
+    a float32 normal), ``absmax >= 2^-14`` (``absmax * 2^-112`` exact; implied by the first for
+    ``|q| <= 1``, not for a map with larger values; with the upper bound it keeps ``|q| < 2^30``, so a
+    negative value times ``2^32`` stays finite) and no -0.0 in the quant_map (its product, -0, would
     come out +0: the route has no sign bit of its own)."""
     q = np.asarray(quant_map, dtype=np.float32).reshape(-1)
-    return not bool(np.any(np.signbit(q) & (q == 0))) and _products_between(absmax, q, _F16_MIN_NORMAL, high)
+    return (not bool(np.any(np.signbit(q) & (q == 0)))
+            and bool(absmax.size) and float(absmax.min()) >= _F16_MIN_NORMAL
+            and _products_between(absmax, q, _F16_MIN_NORMAL, high))
 
 
 #: float16's smallest normal value and its largest finite one (bounds of :func:`f16_bits_of_signed`'s domain).

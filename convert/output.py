@@ -522,9 +522,10 @@ class OutputClaim:
             old = _hidden(self.final, OLD_MARK, str(os.getpid()))
             os.rename(self.final, old)
             os.rename(self.staging, self.final)
+            self._committed = True  # from here an interrupt leaves the new output in place
             _fsync_dir(parent)
-            remove_path(old)
+            remove_path(old)  # (if interrupted, the next run's _recover removes the rest)
         else:
             os.replace(self.staging, self.final)
+            self._committed = True
             _fsync_dir(parent)
-        self._committed = True

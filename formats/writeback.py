@@ -17,10 +17,11 @@ chunks there) skips the ring: the blocks it fills whole are written from its own
 partial first and last blocks go through the ring (the copy into the ring cost the writing thread
 0.3 ns a byte, 8% of a bf16 run's wall time; docs/performance.md, eighth round).
 
-Where ``O_DIRECT`` does not exist (macOS, Windows) or the file system refuses it (tmpfs: ``EINVAL`` at
-``open``, or at the first write), the stream writes through the page cache instead, with
-:class:`WriteBehind` starting the writeback as it goes. Either way the bytes in the file are the same,
-and :meth:`FileStream.close` fsyncs before the caller renames the file into place.
+Where ``O_DIRECT`` does not exist (macOS, Windows) or the file system refuses it (``EINVAL`` at
+``open``, or at the first write: tmpfs before Linux 6.6, some FUSE and network file systems), the
+stream writes through the page cache instead, with :class:`WriteBehind` starting the writeback as it
+goes. Either way the bytes in the file are the same, and :meth:`FileStream.close` fsyncs before the
+caller renames the file into place.
 
 :class:`WriteBehind`: Linux keeps written pages dirty in the page cache until
 ``vm.dirty_background_ratio`` (10% of the free memory by default: gigabytes) is reached, so a
@@ -146,7 +147,7 @@ class FileStream:
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self._direct_fd = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
-            except OSError:  # the file system has no O_DIRECT (tmpfs): through the page cache
+            except OSError:  # the file system refuses O_DIRECT: through the page cache
                 self._direct_fd = -1
         self._use_direct = self._direct_fd >= 0  # turned off by a write the file system refuses
         if not self._use_direct:

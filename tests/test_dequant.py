@@ -443,3 +443,33 @@ def test_nested_absmax_in_pieces_equals_whole_formula(nested_dtype: str) -> None
         o = np.float32(round_float32(np.array([o], np.float32), nested_dtype).astype(np.float32)[0])
         want = round_float32(prod + o, nested_dtype).astype(np.float32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("scale", [1024.0, 2.0**20])
+def test_f16_kernels_exact_for_a_quant_map_beyond_one(scale: float) -> None:
+    """A quant_map with values beyond +-1 (NF4 and FP4 times 1024 and 2^20) and absmax just below and
+    above 2^-14 (products in float16's normal range either way): both float16 kernels give the bits of
+    the casts. The signed-map route scales absmax by 2^-112, exact only from absmax >= 2^-14 (smaller
+    ones go by the tables, or give None for GGUF F16 of bf16)."""
+    from convert.kernels import BF16, _signed_route, bf16_to_f16, dequantize_4bit_f16_of_bf16
+    from formats.bnb import QUANT_TABLES
+
+    rng = np.random.default_rng(17)
+    bs, n = 64, 64 * 300
+    packed = rng.integers(0, 256, n // 2, dtype=np.uint8)
+    for name in ("nf4", "fp4"):
+        qm = (QUANT_TABLES[name] * np.float32(scale)).astype(np.float32)
+        nonzero = np.abs(qm[qm != 0]).astype(np.float64)
+        low = 2.0**-14 / nonzero.min()  # the least absmax whose products are all float16 normals
+        for lo, hi in [(low * 1.0001, 2.0**-14 * 0.999), (2.0**-14, 2.0**-14 * 8)]:
+            if lo >= hi or hi * nonzero.max() >= 65280:
+                continue
+            absmax = np.exp(rng.uniform(np.log(lo), np.log(hi), n // bs)).astype(np.float32)
+            assert _signed_route(absmax, qm, 65504.0) == (hi <= 2.0**-14 * 8 and lo >= 2.0**-14), (name, lo)
+            got = dequantize_4bit(packed, absmax, qm, bs, n, "float16")
+            x = dequantize_4bit(packed, absmax, qm, bs, n, "float32")
+            assert np.array_equal(bits(got), bits(x.astype(np.float16))), (name, scale, lo)
+            g16 = dequantize_4bit_f16_of_bf16(packed, absmax, qm, bs, n)
+            want16 = bf16_to_f16(x.astype(BF16))[0]
+            assert (g16 is None) == (lo < 2.0**-14), (name, scale, lo)
+            assert g16 is None or np.array_equal(bits(g16), bits(want16)), (name, scale, lo)

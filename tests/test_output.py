@@ -142,6 +142,40 @@ def test_claim_recovers_stale_temporaries_and_restores_a_set_aside_output(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model-bf16"]
 
 
+def test_an_interrupt_while_the_old_output_is_removed_says_the_new_one_is_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--overwrite of a directory: once the new output is renamed in, an interrupt while the old one (set
+    aside) is being removed is an interrupt after the commit (the CLI then says the output is complete,
+    not "no output was left behind"); the next claim removes what is left of the old one."""
+    from convert import output
+
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"old")
+    real_remove = output.remove_path
+
+    def interrupted(path: Path) -> None:
+        if output.OLD_MARK in path.name:
+            raise KeyboardInterrupt
+        real_remove(path)
+
+    monkeypatch.setattr(output, "remove_path", interrupted)
+    with pytest.raises(output.InterruptedAfterCommit) as caught:
+        with OutputClaim(final, is_dir=True, nbytes=0, inputs=[], overwrite=True) as claim:
+            (claim.staging / "model.safetensors").write_bytes(b"new")
+            claim.commit()
+    assert caught.value.path == final
+    assert (final / "model.safetensors").read_bytes() == b"new"
+    aside = [p.name for p in tmp_path.iterdir() if p.name != "out"]
+    assert len(aside) == 1 and output.OLD_MARK in aside[0]
+    monkeypatch.setattr(output, "remove_path", real_remove)
+    with OutputClaim(final, is_dir=True, nbytes=0, inputs=[], overwrite=True) as claim:
+        assert claim.recovered == [f"removed an old output set aside by an interrupted --overwrite: "
+                                   f"{tmp_path / aside[0]}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (final / "model.safetensors").read_bytes() == b"new"
+
+
 def test_claim_is_exclusive_and_released(tmp_path: Path) -> None:
     final = tmp_path / "x.safetensors"
     with OutputClaim(final, is_dir=False, nbytes=0, inputs=[]) as claim:
