@@ -369,10 +369,6 @@ class BatchProgress:
 _WORKER = "import sys; from convert.batch import worker_main; sys.exit(worker_main(sys.argv[1:]))"
 
 
-def _worker_sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def _die_with_parent(parent: int) -> None:
     """Ask Linux to send this worker SIGTERM when the batch process dies (``PR_SET_PDEATHSIG``), so a
     killed batch never leaves a worker writing on; exit at once when the parent is already gone."""
@@ -393,10 +389,10 @@ def worker_main(argv: list[str]) -> int:
 
     Exit codes: those of :func:`execute_job`; 130 also when the batch process died.
     """
-    import signal
+    from . import signals
 
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    signal.signal(signal.SIGTERM, _worker_sigterm)
+    signals.install()  # SIGTERM (the batch stopping it) ends the job as SIGINT does
     _die_with_parent(int(spec["parent_pid"]))
     data, code = execute_job(spec)
     print(json.dumps(data))

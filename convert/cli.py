@@ -15,16 +15,14 @@ import argparse
 import errno
 import json
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from formats.errors import ConvertBnbError
 
-from . import __version__, batch_cli, check, inspection, stop_signals
+from . import __version__, batch_cli, check, inspection, signals
 from .output import InterruptedAfterCommit
 from .units import format_bytes, parse_size
 
@@ -161,7 +159,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from .job import convert
+    with signals.deferred():  # (C extensions among its imports: see convert.signals)
+        from .job import convert
 
     result = convert(options_from_args(args))
     try:
@@ -205,10 +204,6 @@ def print_summary(result: Any) -> None:
 
 
 
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line. Returns the exit code (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -226,14 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.json_errors = "--json" in argv
         args = parser.parse_args(argv)  # usage errors: exit 2 with one line
     except KeyboardInterrupt:
+        signals.settle()
         print("convert-bnb: interrupted", file=sys.stderr)
         return 130
     debug = args.debug
-    old: list[tuple[int, Any]] = []
-    if threading.current_thread() is threading.main_thread():
-        # SIGINT too: a shell starts background jobs with SIGINT ignored, and a run must stay stoppable
-        old = [(sig, signal.signal(sig, handler)) for sig, handler in
-               (*[(s, _sigterm) for s in stop_signals()], (signal.SIGINT, signal.default_int_handler))]
+    old = signals.install()
     as_json = bool(getattr(args, "json", False))
     # a batch keeps finished jobs and the finished shards of the others for a re-run; one conversion
     # removes its temporary (check and inspect write nothing)
@@ -247,11 +239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_failure(as_json, {**exc.to_dict()})
         return 2
     except InterruptedAfterCommit as exc:  # the output was already complete and in place
+        signals.settle()  # (a second signal would cut this report)
         print(f"convert-bnb: interrupted after the output was complete: {exc.path}", file=sys.stderr)
         _print_failure(as_json, {"error": "KeyboardInterrupt", "rule": None,
                                  "message": f"interrupted after the output was complete: {exc.path}"})
         return 130
     except KeyboardInterrupt:
+        signals.settle()
         print(f"convert-bnb: interrupted; {tail}", file=sys.stderr)
         _print_failure(as_json, {"error": "KeyboardInterrupt", "rule": None, "message": "interrupted"})
         return 130
@@ -276,8 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_failure(as_json, {"error": type(exc).__name__, "rule": None, "message": str(exc), "internal": True})
         return 1
     finally:
-        for sig, handler in old:
-            signal.signal(sig, handler)
+        signals.restore(old)
 
 
 def _print_failure(as_json: bool, error: dict[str, Any]) -> None:

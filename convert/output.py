@@ -22,7 +22,9 @@ its final path only complete, and an existing output is replaced only when asked
    with no output in place is one rename; over an existing directory the old one is first renamed
    aside, then the new one renamed in, then the old one removed - a kill between the two renames
    leaves the old output aside, which step 3 of the next run restores. The parent directory is
-   fsynced after each rename.
+   fsynced after the renames. SIGINT/SIGTERM/SIGHUP arriving during the renames is held until they
+   are done (:func:`convert.signals.deferred`), so an interrupted commit is reported as such: the new
+   output in place (:class:`InterruptedAfterCommit`), and an old one set aside left to step 3.
 
 On any error or interruption the temporary is removed (a resumable staging directory is kept) and
 the claim released; the input is never opened for writing.
@@ -51,6 +53,8 @@ from formats.errors import (
     OverwriteRefusedError,
     UsageError,
 )
+
+from . import signals
 
 __all__ = [
     "DISK_HEADROOM",
@@ -379,11 +383,12 @@ class OutputClaim:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        try:
-            if not self._committed and not (self.resume_key is not None and self.is_dir):
-                remove_path(self.staging)
-        finally:
-            self._release()
+        with signals.deferred(drop=exc is not None):  # a signal while the claim is released waits
+            try:
+                if not self._committed and not (self.resume_key is not None and self.is_dir):
+                    remove_path(self.staging)
+            finally:
+                self._release()
         if self._committed and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, InterruptedAfterCommit):
             raise InterruptedAfterCommit(self.final) from exc
 
@@ -516,16 +521,17 @@ class OutputClaim:
         if self.ledger is not None:
             remove_path(self.staging / LEDGER_NAME)
         parent = self.final.parent
-        if self.final.is_symlink() and self.is_dir:  # the link itself is replaced, never what it points to
-            self.final.unlink()
-        if self.final.exists() and self.is_dir:
-            old = _hidden(self.final, OLD_MARK, str(os.getpid()))
-            os.rename(self.final, old)
-            os.rename(self.staging, self.final)
-            self._committed = True  # from here an interrupt leaves the new output in place
-            _fsync_dir(parent)
-            remove_path(old)  # (if interrupted, the next run's _recover removes the rest)
-        else:
-            os.replace(self.staging, self.final)
+        old: Path | None = None
+        with signals.deferred():  # the renames are not cut by a signal: it is raised once they are done
+            if self.final.is_symlink() and self.is_dir:  # the link itself is replaced, never what it points to
+                self.final.unlink()
+            if self.final.exists() and self.is_dir:
+                old = _hidden(self.final, OLD_MARK, str(os.getpid()))
+                os.rename(self.final, old)
+                os.rename(self.staging, self.final)
+            else:
+                os.replace(self.staging, self.final)
             self._committed = True
             _fsync_dir(parent)
+        if old is not None:
+            remove_path(old)  # (if interrupted, the next run's _recover removes the rest)

@@ -176,6 +176,68 @@ def test_an_interrupt_while_the_old_output_is_removed_says_the_new_one_is_in_pla
     assert (final / "model.safetensors").read_bytes() == b"new"
 
 
+@pytest.mark.parametrize("at_rename", [1, 2])
+def test_a_signal_during_the_commit_renames_waits_until_they_are_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], at_rename: int) -> None:
+    """SIGINT right after the first rename of an --overwrite commit (the old output set aside) or the
+    second (the new one in): held until both are done (convert.signals.deferred), then reported as an
+    interrupt after the commit. It used to delete the complete new output after rename 1, or say
+    "no output was left behind" with the new output in place after rename 2."""
+    from convert import output
+
+    out = tmp_path / "out"
+    assert main([str(MODEL), "--to", "fp16", "-o", str(out), "-q"]) == 0
+    calls = [0]
+    real_rename = os.rename
+
+    def rename(a: object, b: object) -> None:
+        real_rename(a, b)
+        calls[0] += 1
+        if calls[0] == at_rename:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(output.os, "rename", rename)
+    code = main([str(MODEL), "--to", "bf16", "-o", str(out), "--overwrite", "-q"])
+    monkeypatch.setattr(output.os, "rename", real_rename)
+    assert (code, capsys.readouterr().err) == (130, f"convert-bnb: interrupted after the output was complete: {out}\n")
+    assert calls[0] == 2
+    assert_same_tensors(load_all(out), read_safetensors(REFERENCES["llama_nf4_dq"]))
+    # the old output is still set aside (its removal comes after the renames); the next claim removes it
+    assert len([p for p in tmp_path.iterdir() if output.OLD_MARK in p.name]) == 1
+    with OutputClaim(out, is_dir=True, nbytes=0, inputs=[], overwrite=True):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_second_signal_while_stopping_after_the_commit_keeps_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGINT while the old output is removed after an --overwrite commit, and a second one while the
+    claim is released on the way out (a double Ctrl-C): the second is dropped, the claim released, and
+    the one line says the new output is complete. It used to say "no output was left behind", or print
+    two lines, and leave the lock file."""
+    from convert import output
+
+    out = tmp_path / "out"
+    assert main([str(MODEL), "--to", "fp16", "-o", str(out), "-q"]) == 0
+    real_remove, real_release = output.remove_path, OutputClaim._release
+
+    def remove(path: Path) -> None:
+        if output.OLD_MARK in path.name:
+            os.kill(os.getpid(), signal.SIGINT)
+        real_remove(path)
+
+    def release(self: OutputClaim) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        real_release(self)
+
+    monkeypatch.setattr(output, "remove_path", remove)
+    monkeypatch.setattr(OutputClaim, "_release", release)
+    code = main([str(MODEL), "--to", "bf16", "-o", str(out), "--overwrite", "-q"])
+    assert (code, capsys.readouterr().err) == (130, f"convert-bnb: interrupted after the output was complete: {out}\n")
+    assert_same_tensors(load_all(out), read_safetensors(REFERENCES["llama_nf4_dq"]))
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith("-lock")]
+
+
 def test_claim_is_exclusive_and_released(tmp_path: Path) -> None:
     final = tmp_path / "x.safetensors"
     with OutputClaim(final, is_dir=False, nbytes=0, inputs=[]) as claim:

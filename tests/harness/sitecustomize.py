@@ -1,8 +1,10 @@
 """Test harness for batch workers (subprocesses): on PYTHONPATH only in tests, active only when
 ``CONVERT_BNB_TEST_PAUSE=NAME:POINT:MARKER`` is set.
 
-With NAME ``import``, the process stops while POINT (a module name, e.g. ``convert.cli``) is being
-imported: it writes its pid to MARKER and sleeps, so a test can signal a command during start-up.
+With NAME ``import``, the process stops while POINT (a module name, e.g. ``convert.cli``, or
+``datetime``, which NumPy's C extension imports) is being imported: it writes its pid to MARKER and
+sleeps until the file MARKER.go exists, so a test can signal a command during start-up and then let
+the import finish.
 
 Otherwise the worker of job NAME stops at POINT: after its N-th finished shard is recorded in the resumable
 staging ledger (POINT is the number N), or right after its output is committed (POINT is ``commit``,
@@ -24,14 +26,15 @@ if _SPEC:
 
     _name, _point, _marker = _SPEC.split(":", 2)
 
-    def _hold() -> None:
+    def _hold(until_go: bool = False) -> None:
         if Path(_marker).exists() and Path(_marker).read_text():
             return  # held once already (and killed there): a retried job runs through
         tmp = Path(f"{_marker}.{os.getpid()}.tmp")
         tmp.write_text(str(os.getpid()))
         os.replace(tmp, _marker)  # whole: a test waiting for MARKER never reads it empty
-        while True:  # hold here until the test kills the batch (or the worker dies with it)
-            time.sleep(3600)
+        go = Path(f"{_marker}.go")
+        while not (until_go and go.exists()):  # hold here until the test says go, or kills the process
+            time.sleep(0.01 if until_go else 3600)
 
     def _install() -> None:
         from convert import output
@@ -61,7 +64,7 @@ if _SPEC:
         @staticmethod
         def find_spec(fullname: str, path: object = None, target: object = None) -> None:
             if fullname == _point:
-                _hold()
+                _hold(until_go=True)
             return None
 
     if _name == "import":

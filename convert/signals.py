@@ -1,0 +1,116 @@
+"""How a run stops on a signal: SIGINT, SIGTERM and SIGHUP (:data:`STOP_SIGNALS`) raise
+``KeyboardInterrupt`` in the main thread, which the command line turns into exit 130 and one line.
+
+Three places must not be cut by that exception, and hold a signal instead (:func:`deferred`):
+
+- imports of C extensions: NumPy's import turns a ``KeyboardInterrupt`` raised inside it into an
+  ``ImportError`` (``PyCapsule_Import could not import module "datetime"``), which would read as a bug;
+- the renames of an output's commit (:meth:`convert.output.OutputClaim.commit`): cut between the two
+  renames of an ``--overwrite``, the new output would be left staged and the old one set aside, and
+  the message would not say which is in place;
+- the clean-up after a run stopped or failed (a second Ctrl-C would cut the release of the claim).
+
+A signal held there is raised as ``KeyboardInterrupt`` when the outermost section ends, unless the
+section ends by an exception or is clean-up on the way out (the run is already stopping or failing:
+the signal is dropped). Once an interrupt is being reported, :func:`settle` drops every later signal,
+so the report stays one line.
+
+The state is process-wide because signal handlers are: one :class:`_Gate`, used only from the main
+thread (Python runs handlers there). Only the standard library is imported: the handlers are
+installed before anything heavy is.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+__all__ = ["STOP_SIGNALS", "deferred", "install", "restore", "settle", "stop_signals"]
+
+#: Signals that stop a run as SIGINT does (exit 130, the temporary removed): SIGTERM, and SIGHUP where it
+#: exists (the terminal closed), by name (Windows has no SIGHUP).
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+class _Gate:
+    """``depth``: :func:`deferred` sections entered; ``pending``: a signal held in one; ``settled``: an
+    interrupt is being reported (later signals are dropped)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: int | None = None
+        self.settled = False
+
+
+_GATE = _Gate()
+
+
+def stop_signals() -> list[int]:
+    """The :data:`STOP_SIGNALS` this platform has."""
+    return [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    if _GATE.settled:
+        return
+    if _GATE.depth:
+        _GATE.pending = signum
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def install() -> list[tuple[int, Any]]:
+    """Handle SIGINT and :data:`STOP_SIGNALS` as above (SIGINT too: a shell starts background jobs with
+    SIGINT ignored, and a run must stay stoppable), with a fresh state; from the main thread only
+    (elsewhere nothing is installed).
+
+    Returns:
+        ``(signal, previous handler)`` pairs for :func:`restore`.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    _GATE.depth, _GATE.pending, _GATE.settled = 0, None, False
+    return [(sig, signal.signal(sig, _handler)) for sig in (signal.SIGINT, *stop_signals())]
+
+
+def restore(old: list[tuple[int, Any]]) -> None:
+    """Put back the handlers :func:`install` replaced."""
+    for sig, handler in old:
+        signal.signal(sig, handler)
+
+
+def settle() -> None:
+    """Drop every later signal: the run is reporting its interrupt (or has ended)."""
+    _GATE.settled = True
+
+
+@contextmanager
+def deferred(drop: bool = False) -> Iterator[None]:
+    """Hold SIGINT and :data:`STOP_SIGNALS` during the block; raise the held one as ``KeyboardInterrupt``
+    when the outermost block ends normally, drop it when the block ends by an exception or ``drop`` is
+    true (the caller is already stopping: clean-up on the way out). Outside the main thread the block
+    runs as it is (the handlers run in the main thread, whatever it is doing).
+
+    Raises:
+        KeyboardInterrupt: a signal arrived during the block (``"signal N"``).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _GATE.depth += 1
+    try:
+        yield
+    except BaseException:
+        if _GATE.depth == 1:
+            _GATE.pending = None
+        raise
+    finally:
+        _GATE.depth -= 1
+    if _GATE.depth == 0 and _GATE.pending is not None:
+        signum, _GATE.pending = _GATE.pending, None
+        if not drop:
+            raise KeyboardInterrupt(f"signal {signum}")
