@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formats.bnb import DYNAMIC_MAP_SIGNED
+from formats.errors import NestedOffsetOverflowError
 
 from .kernels import PIECE
 from .torch_reduce import TORCH_NUM_THREADS, flat_f32, torch_mean_float32
@@ -155,6 +156,23 @@ def resolve_nested(
     return (prod + _F32(offset)).astype(_F32)
 
 
+def _nested_offset(absmax: npt.NDArray[np.float32], num_threads: int) -> np.float32:
+    """``nested_offset``: ``torch.mean(absmax)`` in fp32 (:func:`torch_mean_float32`).
+
+    Raises:
+        NestedOffsetOverflowError: QNT-006, the mean overflows float32 (absmax near float32's largest
+            values): bnb would store an infinite offset, which no loader resolves.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        offset = torch_mean_float32(absmax, num_threads=num_threads)
+    if not np.isfinite(offset):
+        raise NestedOffsetOverflowError(
+            "the mean of the absmax overflows float32: no finite nested_offset for double quantization",
+            expected="a finite mean", found=f"{float(offset)} (largest absmax {float(absmax.max()):.4g})",
+            hint="quantize with --no-double-quant", action="quantize")
+    return offset
+
+
 def double_quantize_absmax(
     absmax: npt.NDArray[np.float32], *, num_threads: int = TORCH_NUM_THREADS
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], float]:
@@ -170,9 +188,12 @@ def double_quantize_absmax(
     Returns:
         (``uint8[n_blocks]`` codes (the stored ``absmax``), ``float32[ceil(n_blocks/256)]``
         ``nested_absmax``, ``nested_offset`` as a Python float holding the fp32 exactly).
+
+    Raises:
+        NestedOffsetOverflowError: QNT-006 (:func:`_nested_offset`).
     """
     absmax = flat_f32(absmax)
-    offset = torch_mean_float32(absmax, num_threads=num_threads)
+    offset = _nested_offset(absmax, num_threads)
     codes, nested = quantize_blockwise_8bit(absmax - offset, NESTED_BLOCKSIZE, DYNAMIC_MAP_SIGNED)
     return codes, nested, float(offset)
 
@@ -193,9 +214,12 @@ def nested_statistics(
     Returns:
         (``float32[ceil(n_blocks/256)]`` ``nested_absmax``, ``nested_offset`` as a Python float holding
         the fp32 exactly).
+
+    Raises:
+        NestedOffsetOverflowError: QNT-006 (:func:`_nested_offset`).
     """
     absmax = flat_f32(absmax)
-    offset = torch_mean_float32(absmax, num_threads=num_threads)
+    offset = _nested_offset(absmax, num_threads)
     n = absmax.size
     nested = np.empty(-(-n // NESTED_BLOCKSIZE), dtype=_F32)
     step = max(1, PIECE // NESTED_BLOCKSIZE) * NESTED_BLOCKSIZE

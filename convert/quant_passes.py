@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from formats.bnb import QuantState
-from formats.errors import NonFiniteWeightError
+from formats.errors import NestedOffsetOverflowError, NonFiniteWeightError
 
 from .nested8 import NESTED_BLOCKSIZE, encode_8bit, nested_statistics, resolve_nested
 from .plan import PlannedTensor
@@ -209,10 +209,19 @@ class AbsmaxPass:
         ``scratch``: am is not needed afterwards (the median may reorder it instead of copying).
         """
         if self.settings.nested and self.nested is None:
-            self.nested = nested_statistics(am, num_threads=self.settings.num_threads)
+            try:
+                self.nested = nested_statistics(am, num_threads=self.settings.num_threads)
+            except NestedOffsetOverflowError as exc:
+                raise NestedOffsetOverflowError(exc.reason, path=_source_file(self.layer.source),
+                                                tensor=self.layer.name, expected=exc.expected, found=exc.found,
+                                                hint=exc.hint, action="quantize") from None
         if self.median_max is None and am.size:
             top = float(am.max())
-            self.median_max = (float(np.median(am, overwrite_input=scratch)), top)
+            with np.errstate(over="ignore"):  # the mean of the two middle values, in float32
+                median = float(np.median(am, overwrite_input=scratch))
+            if math.isinf(median):  # both near float32's largest: their mean in float64 is finite
+                median = float(np.median(am.astype(np.float64)))
+            self.median_max = (median, top)
 
     def prepass(self, want_median: bool) -> None:
         """Pass 1 of a nested layer: its nested statistics and absmax median/max, and its fp32 absmax

@@ -77,6 +77,18 @@ class QuantReport:
 SUMMARY_SAMPLE = 8
 
 
+
+def _sum_squares(x: npt.NDArray[np.float32], y: npt.NDArray[np.float32] | None = None) -> float:
+    """``sum((x - y)^2)`` (``sum(x^2)`` without ``y``) by a float32 BLAS dot; in float64 when that
+    overflows (values near float32's largest)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = x if y is None else x - y
+        s = float(np.dot(d, d))
+    if math.isfinite(s):
+        return s
+    d64 = x.astype(np.float64) if y is None else x.astype(np.float64) - y
+    return float(np.dot(d64, d64))
+
 class ReportAccumulator:
     """Collects the :class:`QuantReport` figures of one weight chunk by chunk (thread-safe).
 
@@ -104,6 +116,8 @@ class ReportAccumulator:
         self.median = absmax_median
         self.max = absmax_max
         self.threshold = outlier_factor * absmax_median if absmax_median > 0 else math.inf
+        if self.threshold > float(np.finfo(np.float32).max):  # (no float32 absmax is above it)
+            self.threshold = math.inf
         self.sample = max(1, sample)
         self._qmap = QUANT_TABLES[state.quant_type]
         self._parts: dict[int, tuple[float, float, int, int, int, int, int]] = {}
@@ -141,10 +155,9 @@ class ReportAccumulator:
                 nz = xf != 0
                 zz = nz & (yf == 0)
                 if sampled:
-                    d = xf - yf
                     # float32 BLAS dots of a cache-sized piece (relative error ~1e-6, summed in float64)
-                    err2 += float(np.dot(d, d))
-                    ref2 += float(np.dot(xf, xf))
+                    err2 += _sum_squares(xf, yf)
+                    ref2 += _sum_squares(xf)
                     nonzero += int(np.count_nonzero(nz))
                     zeroed += int(np.count_nonzero(zz))
                 if has_out:

@@ -1106,6 +1106,14 @@ class NonFiniteWeightError(UnsupportedError):
               "would write garbage.")
 
 
+class NestedOffsetOverflowError(UnsupportedError):
+    """The mean of a tensor's absmax (double quantization's nested_offset) overflows float32."""
+
+    default_rule = "QNT-006"
+    advice = ("The weights are finite but so large that their blocks' absmax sum past float32's range: "
+              "quantize with --no-double-quant, or scale the weights down first.")
+
+
 class QuantStorageOptionError(UsageError):
     """The quant storage asked for is not uint8, bfloat16, float16 or float32."""
 

@@ -86,15 +86,18 @@ class JsonKind:
         name: what the file is, for the docs (``"config"``).
         max_bytes: the largest file accepted, in bytes.
         allow_nan: whether the ``NaN``, ``Infinity`` and ``-Infinity`` tokens are accepted.
+        allow_lone_surrogates: whether a ``\\uD800``..``\\uDFFF`` escape without its pair is accepted
+            (a string no UTF-8 encoder takes: printing a tensor name holding one failed).
     """
 
     name: str
     max_bytes: int
     allow_nan: bool
+    allow_lone_surrogates: bool = True
 
 
-HEADER = JsonKind("safetensors header", 100 * MiB, allow_nan=False)
-INDEX = JsonKind("shard index", 64 * MiB, allow_nan=False)
+HEADER = JsonKind("safetensors header", 100 * MiB, allow_nan=False, allow_lone_surrogates=False)
+INDEX = JsonKind("shard index", 64 * MiB, allow_nan=False, allow_lone_surrogates=False)
 CONFIG = JsonKind("config", 16 * MiB, allow_nan=True)
 TOKENIZER = JsonKind("tokenizer", 64 * MiB, allow_nan=True)
 QUANT_STATE = JsonKind("QuantState", 1 * MiB, allow_nan=True)
@@ -282,6 +285,31 @@ def _parse(text: str, plain: bytes, kind: JsonKind, long_digits: bool) -> Any:
     return obj
 
 
+#: A ``\\u`` escape of a UTF-16 surrogate (a cheap test before looking at the parsed strings).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    """Raise :class:`_Refused` at the first key or string of ``value`` holding a lone surrogate (JSON's
+    escapes allow one; Python keeps it in the ``str``, serde_json - Rust safetensors - refuses it, and
+    no UTF-8 encoder takes it). Iterative."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        texts: list[Any] = [v] if type(v) is str else list(v) if type(v) is dict else []
+        for t in texts:
+            if type(t) is str:
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise _Refused("holds a lone UTF-16 surrogate escape", "text without lone surrogates",
+                                   t[:80]) from None
+        if type(v) is dict:
+            stack.extend(v.values())
+        elif type(v) is list:
+            stack.extend(v)
+
+
 def load_json_bytes(
     raw: bytes,
     kind: JsonKind,
@@ -329,7 +357,10 @@ def load_json_bytes(
     if deep is not None:
         raise fail("is nested too deeply", f"at most {MAX_DEPTH} levels", f"level {MAX_DEPTH + 1} at byte {deep}")
     try:
-        return _parse(text, plain, kind, _LONG_DIGITS in raw.translate(_DIGITS_TO_9))
+        value = _parse(text, plain, kind, _LONG_DIGITS in raw.translate(_DIGITS_TO_9))
+        if not kind.allow_lone_surrogates and _SURROGATE_ESCAPE.search(raw):
+            _refuse_lone_surrogates(value)
+        return value
     except _Refused as exc:
         if exc.key is not None and on_duplicate is not None:
             raise on_duplicate(exc.key) from None

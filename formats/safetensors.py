@@ -20,7 +20,7 @@ ST-001   FileTooShortError           the file holds at least 8 bytes
 ST-002   HeaderTooLargeError         N <= file size - 8 and N <= MAX_HEADER_BYTES (100 MiB)
 ST-003   HeaderJsonError             the header is UTF-8 JSON: an object of tensor objects, within
                                      :mod:`formats.jsonfile`'s limits (nesting, integer digits,
-                                     no NaN/Infinity)
+                                     no NaN/Infinity, no lone surrogate escape)
 ST-004   NotSafetensorsError         the file is a safetensors file at all (Git LFS pointer,
                                      HTML, zip, pickle and text are named)
 ST-005   UnknownDtypeError           dtype is a known safetensors code

@@ -930,6 +930,9 @@ CASES: list[Case] = [
     Case("header-nested-100k", E.HeaderJsonError, ["ST-003 header", *DEEP_PARTS], _st_header('{"w": ' + DEEP + "}")),
     Case("header-nan", E.HeaderJsonError, ["ST-003 header holds NaN, which is not JSON", "found 'NaN'"],
          _st_header('{"w": {"dtype": "U8", "shape": [NaN], "data_offsets": [0, 1]}}')),
+    Case("header-lone-surrogate", E.HeaderJsonError,
+         ["ST-003 header holds a lone UTF-16 surrogate escape", "found 'w\\ud800'"],
+         _st_header('{"w\\ud800": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}')),
     # ---- torch pickles
     Case("pt-junk", E.NotTorchCheckpointError, ["/junk.bin'", "PT-001", "not a PyTorch checkpoint"],
          raw_file(b"\x00\x01junk" * 10, "junk.bin")),
@@ -1254,6 +1257,9 @@ CASES: list[Case] = [
          run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_storage="int8")), argv=None),
     Case("qnt-storage-odd", E.QuantStorageSizeError, ["QNT-005", "tensor 'w'", "found 3"], _empty,
          run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_storage="float32").storage_shape(5, "w")),
+         argv=None),
+    Case("qnt-nested-offset-overflow", E.NestedOffsetOverflowError, ["QNT-006", "found 'inf (largest absmax 3e+38)'"],
+         _empty, run=_qnt("convert.nested8", lambda q: q.double_quantize_absmax(np.full(8, 3e38, np.float32))),
          argv=None),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),

@@ -287,6 +287,36 @@ def test_non_finite_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_weights_near_the_float32_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Weights of 3e38 (finite, their absmax's mean is not): double quantization is refused with QNT-006
+    (bnb would store an infinite nested_offset, which no loader resolves; we used to write it and then
+    refuse our own file); without it the layer quantizes with no RuntimeWarning, its report finite, and
+    reads back exactly (NF4's code 15 is 1.0: every value is its block's absmax)."""
+    import warnings
+
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "huge.safetensors"
+    x = np.full((64, 64), 3e38, np.float32)
+    x[1::2] *= -1
+    save_file({"model.layers.0.mlp.up_proj.weight": x}, str(src))
+    out = tmp_path / "o.safetensors"
+    assert main([str(src), "--to", "nf4", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert (f"Failed to quantize '{src}': tensor 'model.layers.0.mlp.up_proj.weight': QNT-006 the mean of the "
+            "absmax overflows float32") in err
+    assert "found 'inf (largest absmax 3e+38)'" in err and "--no-double-quant" in err
+    assert not out.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main([str(src), "--to", "nf4", "-o", str(out), "--no-double-quant", "--json"]) == 0
+        assert main([str(out), "--to", "fp32", "-o", str(tmp_path / "back.safetensors"), "-q"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)["report"]
+    assert (report["rel_error"], report["absmax_median"]) == (0.0, float(np.float32(3e38))), report
+    assert np.array_equal(load_all(tmp_path / "back.safetensors")["model.layers.0.mlp.up_proj.weight"], x)
+
+
 # --- rules -------------------------------------------------------------------------------------------
 
 BF16 = BY_NAME["bfloat16"]
