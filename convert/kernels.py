@@ -28,6 +28,7 @@ microseconds each ran no faster than one.
 from __future__ import annotations
 
 import functools
+import math
 
 import ml_dtypes
 import numpy as np
@@ -391,29 +392,36 @@ class _F16Tables:
                     stats[1] += int(np.count_nonzero(under[first_block:][ix]))
 
 
-def _products_between(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np.float32], low: float,
-                      high: float) -> bool:
-    """Whether every product ``quant_map[c] * absmax[b]`` of a non-zero code is provably of magnitude in
-    ``[low, high)``: ``min(absmax) * min|q| >= low`` and ``max(absmax) * max|q| < high`` over the non-zero
-    ``q`` (float64 bounds; rounding to float32 is monotone and ``low``/``high`` are float32 values). False
-    for an empty absmax, a map of zeros, or NaN/inf anywhere (a comparison with NaN is False)."""
-    q = np.abs(np.asarray(quant_map, dtype=np.float32).reshape(-1)).astype(np.float64)
-    q = q[q != 0]
-    return bool(q.size and absmax.size and float(absmax.min()) * q.min() >= low
-                and float(absmax.max()) * q.max() < high)
+@functools.lru_cache(maxsize=16)
+def _map_range(qbytes: bytes) -> tuple[float, float, bool]:
+    """Of a quant_map (its float32 bytes; cached: the route is asked once per span): the least and the
+    largest ``|q|`` over its non-zero values (float64; NaN for a map of zeros, or when it holds NaN),
+    and whether it holds -0.0."""
+    q = np.frombuffer(qbytes, dtype=np.float32)
+    mag = np.abs(q).astype(np.float64)
+    mag = mag[mag != 0]
+    lo, hi = (float(mag.min()), float(mag.max())) if mag.size else (math.nan, math.nan)
+    return lo, hi, bool(np.any(np.signbit(q) & (q == 0)))
 
 
 def _signed_route(absmax: npt.NDArray[np.float32], quant_map: npt.NDArray[np.float32], high: float) -> bool:
-    """Whether the float16 kernels' signed-map route gives exact bits for these blocks: every non-zero
-    product provably of magnitude in ``[2^-14, high)`` (:func:`_products_between`: every scaled product
-    a float32 normal), ``absmax >= 2^-14`` (``absmax * 2^-112`` exact; implied by the first for
-    ``|q| <= 1``, not for a map with larger values; with the upper bound it keeps ``|q| < 2^30``, so a
-    negative value times ``2^32`` stays finite) and no -0.0 in the quant_map (its product, -0, would
-    come out +0: the route has no sign bit of its own)."""
-    q = np.asarray(quant_map, dtype=np.float32).reshape(-1)
-    return (not bool(np.any(np.signbit(q) & (q == 0)))
-            and bool(absmax.size) and float(absmax.min()) >= _F16_MIN_NORMAL
-            and _products_between(absmax, q, _F16_MIN_NORMAL, high))
+    """Whether the float16 kernels' signed-map route gives exact bits for these blocks:
+
+    - every non-zero product provably of magnitude in ``[2^-14, high)``: ``min(absmax) * min|q| >= 2^-14``
+      and ``max(absmax) * max|q| < high`` over the non-zero ``q``, in float64 (rounding to float32 is
+      monotone and the bounds are float32 values), so every scaled product is a float32 normal;
+    - ``absmax >= 2^-14``: ``absmax * 2^-112`` exact (implied by the first for ``|q| <= 1``, not for a
+      map with larger values; with the upper bound it keeps ``|q| < 2^30``, so a negative value times
+      ``2^32`` stays finite);
+    - no -0.0 in the quant_map (its product, -0, would come out +0: the route has no sign bit of its own).
+
+    False for an empty absmax, a map of zeros, or NaN/inf anywhere (a comparison with NaN is False)."""
+    if not absmax.size:
+        return False
+    qmin, qmax, negative_zero = _map_range(np.asarray(quant_map, dtype=np.float32).tobytes())
+    amin, amax = float(absmax.min()), float(absmax.max())
+    return (not negative_zero and amin >= _F16_MIN_NORMAL and amin * qmin >= _F16_MIN_NORMAL
+            and amax * qmax < high)
 
 
 #: float16's smallest normal value and its largest finite one (bounds of :func:`f16_bits_of_signed`'s domain).
