@@ -395,6 +395,7 @@ def worker_main(argv: list[str]) -> int:
     signals.install()  # SIGTERM (the batch stopping it) ends the job as SIGINT does
     _die_with_parent(int(spec["parent_pid"]))
     data, code = execute_job(spec)
+    signals.settle()  # the job is over: a late signal no longer kills the worker while it reports
     print(json.dumps(data))
     return code
 

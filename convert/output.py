@@ -360,26 +360,34 @@ class OutputClaim:
         self._check_kind()
         self._check_not_input()
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self._acquire()
         try:
-            self.recovered = self._recover()
-            if (self.final.exists() or self.final.is_symlink()) and not self.overwrite:
-                raise OutputExistsError("output exists", path=self.final, action="write",
-                                        hint="pass --overwrite to replace it, or choose -o")
-            if self.final.is_dir() and not self.final.is_symlink():
-                self._check_replaceable()
-            self._check_disk()
-            if self.resume_key is not None and self.is_dir:
-                self.staging.mkdir(exist_ok=True)
-                self.ledger = ShardLedger.open(self.staging, self.resume_key)
-            else:
-                remove_path(self.staging)
-                if self.is_dir:
-                    self.staging.mkdir()
+            with signals.deferred():  # a signal waits until the claim is whole, then undoes it below
+                self._claim()
         except BaseException:
-            self._release()
+            with signals.deferred(drop=True):
+                if self.resume_key is None or not self.is_dir:
+                    remove_path(self.staging)
+                self._release()
             raise
         return self
+
+    def _claim(self) -> None:
+        """:meth:`__enter__`'s steps 2-4 (the lock, recovery, pre-flight, staging)."""
+        self._acquire()
+        self.recovered = self._recover()
+        if (self.final.exists() or self.final.is_symlink()) and not self.overwrite:
+            raise OutputExistsError("output exists", path=self.final, action="write",
+                                    hint="pass --overwrite to replace it, or choose -o")
+        if self.final.is_dir() and not self.final.is_symlink():
+            self._check_replaceable()
+        self._check_disk()
+        if self.resume_key is not None and self.is_dir:
+            self.staging.mkdir(exist_ok=True)
+            self.ledger = ShardLedger.open(self.staging, self.resume_key)
+        else:
+            remove_path(self.staging)
+            if self.is_dir:
+                self.staging.mkdir()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

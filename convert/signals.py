@@ -12,8 +12,10 @@ Three places must not be cut by that exception, and hold a signal instead (:func
 
 A signal held there is raised as ``KeyboardInterrupt`` when the outermost section ends, unless the
 section ends by an exception or is clean-up on the way out (the run is already stopping or failing:
-the signal is dropped). Once an interrupt is being reported, :func:`settle` drops every later signal,
-so the report stays one line.
+the signal is dropped). Once one signal has been raised, later ones are dropped: the run is stopping,
+and a second Ctrl-C would only cut its clean-up (a thread pool's shutdown, the claim's release) or its
+one-line report. :func:`settle` ignores them for good once the run has ended (Python resets its own
+handlers to the default while it shuts down, where SIGTERM would kill the process without a word).
 
 The state is process-wide because signal handlers are: one :class:`_Gate`, used only from the main
 thread (Python runs handlers there). Only the standard library is imported: the handlers are
@@ -60,6 +62,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if _GATE.depth:
         _GATE.pending = signum
         return
+    _GATE.settled = True  # the run is stopping: a second signal would only cut its clean-up
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -84,8 +87,13 @@ def restore(old: list[tuple[int, Any]]) -> None:
 
 
 def settle() -> None:
-    """Drop every later signal: the run is reporting its interrupt (or has ended)."""
+    """Drop every later signal: the run is reporting its interrupt, or has ended. The signals are
+    ignored (``SIG_IGN``), which Python keeps through its shutdown (a handler of ours would be reset to
+    the default there, and a signal in the last milliseconds would kill the process without a word)."""
     _GATE.settled = True
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, *stop_signals()):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 @contextmanager
