@@ -101,7 +101,7 @@ INDEX = JsonKind("shard index", 64 * MiB, allow_nan=False, allow_lone_surrogates
 CONFIG = JsonKind("config", 16 * MiB, allow_nan=True)
 TOKENIZER = JsonKind("tokenizer", 64 * MiB, allow_nan=True)
 QUANT_STATE = JsonKind("QuantState", 1 * MiB, allow_nan=True)
-JOBS = JsonKind("JOBS file", 16 * MiB, allow_nan=False)
+JOBS = JsonKind("JOBS file", 16 * MiB, allow_nan=False, allow_lone_surrogates=False)
 
 _CHUNK = 1 << 22
 #: per byte: +1 for '[' and '{', -1 for ']' and '}', _QUOTE for '"', 0 for any other
