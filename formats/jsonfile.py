@@ -37,6 +37,10 @@ QUANT_STATE     1 MiB      allowed  a packed QuantState (bnb writes ~200 bytes w
 JOBS            16 MiB     refused  a ``convert-bnb batch`` JOBS file
 ==============  =========  =======  ================================================================
 
+A safetensors header, a shard index and a JOBS file also refuse a string holding a lone UTF-16
+surrogate escape (``"\\ud800"`` without its pair: serde_json, which Rust safetensors uses, refuses it,
+and no UTF-8 encoder takes it: printing or naming a directory after it failed).
+
 Every kind: depth at most :data:`MAX_DEPTH` (256; real files nest under 20 levels) and integers of
 at most :data:`MAX_INT_DIGITS` (100) digits (the longest real one is transformers' ``model_max_length``
 of ``int(1e30)``, 31 digits). Floats are not limited: ``float()`` has no digit limit and a huge
