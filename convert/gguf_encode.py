@@ -61,7 +61,7 @@ import numpy.typing as npt
 
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
-from formats.writeback import aligned_empty
+from formats.writeback import IN_PLACE_WRITES, PlacedMemory
 
 from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
@@ -175,14 +175,14 @@ class _Chunk:
 
 def _convert_chunk(
     t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int,
-    procs: Executor | None, sample: int, place: int | None = None,
+    procs: Executor | None, sample: int, place: int | None = None, memory: PlacedMemory | None = None,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
     encode, measure the added error (of a block type: on one piece in ``sample`` of the tensor; float
     types every value, bf16 -> F16 the weight's own sum of squares on the sample) (:func:`encode_chunk`,
     in ``procs`` for :data:`SEARCH_TYPES`). ``place``: the file offset of the chunk's bytes; the bytes
     made here (not in a process) lie at that offset modulo 4096 (:func:`_placed`), so the writer sends
-    them to the disk without a copy."""
+    them to the disk without a copy; taken from ``memory``."""
     start = row0 * (x_in.shape[-1] if x_in.ndim else 1)  # the chunk's first value in the tensor: the sample's grid
     ref_sample = sample
     if t.ggml_type in _FLOAT_TYPES:
@@ -201,12 +201,12 @@ def _convert_chunk(
         if perm is None:
             same = np.ascontiguousarray(x_in)  # (placed by the row reader when it could)
         else:
-            dest = _placed(x_in.nbytes, place, x_in.dtype)
+            dest = _placed(x_in.nbytes, place, x_in.dtype, memory)
             same = np.take(x_in, perm, axis=0, out=None if dest is None else dest.reshape(x_in.shape))
         return _Chunk(same.reshape(-1).view(np.uint8), 0.0, 0.0, 0.0, same.size)  # error 0 everywhere
     if x_in.dtype == BF16 and t.ggml_type == GT.F16 and not t.offset:
         fast = _bf16_to_f16_chunk(np.ascontiguousarray(x_in if perm is None else x_in[perm]), ref_sample, start,
-                                  _placed(x_in.size * 2, place, np.float16))
+                                  _placed(x_in.size * 2, place, np.float16, memory))
         if fast is not None:
             return fast
     if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or t.ggml_type not in
@@ -214,7 +214,7 @@ def _convert_chunk(
         # widened, summed, encoded and measured chunk by chunk in cache by the codec; inf/NaN: checked below
         block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
         fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample, start,
-                             _placed(x_in.size // block * type_size, place, np.uint8))
+                             _placed(x_in.size // block * type_size, place, np.uint8, memory))
         if math.isfinite(fused.sq_ref):
             return fused
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
@@ -241,10 +241,11 @@ def _convert_chunk(
     return encode_chunk(t.ggml_type, x, not exact, finite)
 
 
-def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike) -> np.ndarray | None:
-    """Flat ``dtype`` memory of ``nbytes`` lying at file offset ``place`` modulo 4096
-    (:func:`formats.writeback.aligned_empty`), or None for ``place`` None (any memory will do)."""
-    return None if place is None else aligned_empty(nbytes, place).view(dtype)
+def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike, memory: PlacedMemory | None) -> np.ndarray | None:
+    """Flat ``dtype`` memory of ``nbytes`` from ``memory`` lying at file offset ``place`` modulo 4096
+    (:meth:`formats.writeback.PlacedMemory.empty`), or None for ``place`` or ``memory`` None (any memory
+    will do)."""
+    return None if place is None or memory is None else memory.empty(nbytes, place).view(dtype)
 
 
 def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray | None = None) -> _Chunk | None:
@@ -383,6 +384,7 @@ def write_gguf(
     processes: int | None = None,
     progress: Callable[[int], None] | None = None,
     sample: int = 1,
+    memory: PlacedMemory | None = None,
 ) -> list[TensorReport]:
     """Write the planned GGUF file, streaming one tensor at a time in row chunks.
 
@@ -405,6 +407,8 @@ def write_gguf(
         progress: called with the bytes written after each chunk.
         sample: measure each tensor's error on one piece in this many (1: exact; the bytes written
             never depend on it): :meth:`convert.codec_base.Codec.quantize_measured`.
+        memory: where chunks of memory their own are made (the sources' row readers may share it);
+            None: a :class:`formats.writeback.PlacedMemory` of this call.
 
     Returns:
         One :class:`TensorReport` per tensor, in file order.
@@ -424,6 +428,8 @@ def write_gguf(
     reports: list[TensorReport] = []
     n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
     workers = max(threads, n_procs)
+    if memory is None:  # (chunks in flight: ``workers + 1`` made or written, and the in-place writes)
+        memory = PlacedMemory(keep=workers + 1 + IN_PLACE_WRITES)
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         # spawned, not forked: this process has threads (fork would copy their locks mid-use)
@@ -454,7 +460,7 @@ def write_gguf(
             for i, t in enumerate(plan.tensors):
                 rec = records[t.source] if t.source is not None else None
                 fig = _Figures(t, rec)
-                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath, sample, out.offset(i)):
+                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath, sample, out.offset(i), memory):
                     if pool is None:
                         fut: Future[_Chunk] = Future()
                         fut.set_result(task())
@@ -510,9 +516,11 @@ def _chunk_tasks(
     path: str,
     sample: int,
     at: int,
+    memory: PlacedMemory,
 ) -> Iterator[Callable[[], _Chunk]]:
     """The row chunks of one tensor, in order, each a task a worker runs: read the rows, convert them
-    (:func:`_convert_chunk`), their bytes placed for the file offset they go to (``at``: the tensor's).
+    (:func:`_convert_chunk`), their bytes placed for the file offset they go to (``at``: the tensor's)
+    in ``memory``.
 
     Raises:
         GgufSourceError: GGUF-007, a whole source array of another shape (at once) or rows of another
@@ -561,7 +569,8 @@ def _chunk_tasks(
                     action="write",
                 )
             x = x.reshape(r1 - r0, cols)
-        c = _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs, sample, place)
+        c = _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs, sample, place,
+                           memory)
         return c if place is None else replace(c, own=True)
 
     for r0 in range(0, rows, step):

@@ -36,13 +36,13 @@ from formats.checkpoint import gc_paused
 from formats.dtypes import DType
 from formats.errors import VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter, build_header
-from formats.writeback import aligned_empty
+from formats.writeback import IN_PLACE_WRITES, PlacedMemory
 
 from .output import ShardLedger
 from .plan import CastSource, Plan, PlannedTensor, Source, cast_run
 
-__all__ = ["InputLifetime", "RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "verify_plan",
-           "write_directory_files", "write_plan"]
+__all__ = ["InputLifetime", "RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "placed_memory",
+           "verify_plan", "write_directory_files", "write_plan"]
 
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
@@ -228,6 +228,7 @@ def write_plan(plan: Plan, path: Path, run: RunSettings, ledger: ShardLedger | N
         if ledger is not None:
             ledger.keep_only([f.name for f in files])
         with ThreadPoolExecutor(max_workers=run.threads) as pool, ThreadPoolExecutor(max_workers=1) as syncer:
+            memory = placed_memory(run.threads)
             synced: list[Future[None]] = []
             for file, shard in zip(files, plan.shards, strict=True):
                 if ledger is not None and ledger.reusable(file.name):
@@ -238,7 +239,7 @@ def write_plan(plan: Plan, path: Path, run: RunSettings, ledger: ShardLedger | N
                         for i in shard:
                             run.inputs.done(plan.tensors[i])
                     continue
-                _write_shard(plan, shard, file, pool, run, bar)
+                _write_shard(plan, shard, file, pool, memory, run, bar)
                 written += 1
                 if ledger is not None:  # on disk before it is recorded as finished
                     _fsync(file)
@@ -255,10 +256,11 @@ def write_plan(plan: Plan, path: Path, run: RunSettings, ledger: ShardLedger | N
     return written, reused
 
 
-def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecutor, run: RunSettings,
-                 bar: Any) -> None:
+def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecutor, memory: PlacedMemory,
+                 run: RunSettings, bar: Any) -> None:
     """Write one output file: chunks of all its tensors flow through the pool as one stream (so the
-    workers never wait for a tensor boundary), up to ``2 * threads`` in flight, written in order.
+    workers never wait for a tensor boundary), up to ``2 * threads`` in flight, written in order; a
+    source that writes in place makes its chunks in ``memory``.
     The file is closed without fsync; :func:`_fsync` runs in the background and is awaited before
     verifying."""
     tensors = [plan.tensors[i] for i in shard]
@@ -302,7 +304,7 @@ def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecu
             at = writer.offset(k - 1)
             for s, e in _ranges(t, _chunk(t, run)):
                 if t.source.writes_in_place:  # made where the writer sends it from (no copy)
-                    task = pool.submit(_produce_placed, t.source, s, e, t.dtype, at + s * t.dtype.itemsize)
+                    task = pool.submit(_produce_placed, memory, t.source, s, e, t.dtype, at + s * t.dtype.itemsize)
                 else:  # (copied into the writer's buffers, reused: fresh memory would cost page faults)
                     task = pool.submit(t.source.produce, s, e, t.dtype)
                 pending.append((t, s, e, task))
@@ -325,10 +327,18 @@ def _chunk(t: PlannedTensor, run: RunSettings) -> int:
     return n
 
 
-def _produce_placed(source: Source, start: int, stop: int, dtype: DType, offset: int) -> np.ndarray:
-    """Elements [start, stop) of ``source`` in memory placed for file offset ``offset``
-    (:func:`formats.writeback.aligned_empty`): the writer sends them to the disk without a copy."""
-    out = aligned_empty((stop - start) * dtype.itemsize, offset).view(dtype.numpy)
+def placed_memory(threads: int) -> PlacedMemory:
+    """Reused memory for the chunks of one run of ``threads`` workers (:class:`formats.writeback.PlacedMemory`,
+    keeping as many free slabs as chunks can be in flight: ``2 * threads + 1`` made or written, and the
+    writer's in-place writes)."""
+    return PlacedMemory(keep=2 * threads + 1 + IN_PLACE_WRITES)
+
+
+def _produce_placed(memory: PlacedMemory, source: Source, start: int, stop: int, dtype: DType,
+                    offset: int) -> np.ndarray:
+    """Elements [start, stop) of ``source`` in ``memory`` placed for file offset ``offset``
+    (:meth:`formats.writeback.PlacedMemory.empty`): the writer sends them to the disk without a copy."""
+    out = memory.empty((stop - start) * dtype.itemsize, offset).view(dtype.numpy)
     source.produce_into(start, stop, dtype, out)
     return out
 

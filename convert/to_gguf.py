@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
-from formats.writeback import aligned_empty
+from formats.writeback import PlacedMemory
 
 from . import kernels
 from .gguf_encode import SourceTensor, TensorReport
@@ -29,7 +29,7 @@ from .gguf_encode import write_gguf as _write_gguf
 from .gguf_mix import mix_summary
 from .gguf_plan import OUTPUT_TYPES, GGUFTensor, parse_output_type, plan_gguf
 from .output import ShardLedger
-from .pipeline import RunSettings, chunk_elements
+from .pipeline import RunSettings, chunk_elements, placed_memory
 from .plan import Plan, PlannedTensor
 
 GT = gguf.GGMLQuantizationType
@@ -41,7 +41,7 @@ _GGUF_BYTES_PER_ELEMENT = 24
 
 
 def _row_reader(
-    t: PlannedTensor, max_memory: int, threads: int, f16_of_bf16: bool = False
+    t: PlannedTensor, max_memory: int, threads: int, memory: PlacedMemory, f16_of_bf16: bool = False
 ) -> Callable[[int, int], np.ndarray]:
     """rows(r0, r1) for a pipeline tensor: its Source's flat elements, block-aligned, in pieces of the
     pipeline's chunk size, input pages released as they are consumed (the rows returned are an array of
@@ -51,15 +51,16 @@ def _row_reader(
     ``f16_of_bf16`` (a bfloat16 tensor written as F16): the rows as float16 where the source's 4-bit
     codes give them exactly (:func:`convert.kernels.dequantize_4bit_f16_of_bf16`; the writer stores
     those bits, whose error against the bf16 weight is 0), placed at ``place`` modulo 4096 when given
-    (:class:`convert.gguf_encode.SourceTensor`), else as bfloat16 (the writer rounds and measures)."""
+    (:class:`convert.gguf_encode.SourceTensor`), else as bfloat16 (the writer rounds and measures).
+    Rows are made in ``memory``, placed for ``place`` either way (rows already in the GGUF type, bf16 ->
+    BF16, then go to the disk without a copy)."""
     src = t.source
     cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
     piece = chunk_elements(src.unit, max_memory, threads)
 
     def f16(a0: int, spans: list[tuple[int, int]], place: int | None) -> npt.NDArray[np.float16] | None:
         # the float16 of elements [a0, a1), span by span, placed so element ``start`` lies at ``place``
-        flat = (np.empty(spans[-1][1] - a0, np.float16) if place is None else
-                aligned_empty((spans[-1][1] - a0) * 2, place).view(np.float16))
+        flat = memory.empty((spans[-1][1] - a0) * 2, 0 if place is None else place).view(np.float16)
         for s, e in spans:
             c = src.codes_4bit(s, e)
             if c is None or kernels.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize,
@@ -74,7 +75,12 @@ def _row_reader(
         bounds = list(range(a0, a1, piece)) + [a1]
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         flat = f16(a0, spans, None if place is None else place - (start - a0) * 2) if f16_of_bf16 else None
-        if flat is None:  # (not all exact: every span as bf16, one dtype for the rows)
+        if flat is None and src.writes_in_place:  # (not all exact: every span as bf16, one dtype for the rows)
+            at = 0 if place is None else place - (start - a0) * t.dtype.itemsize  # (the rows' bytes as they are)
+            flat = memory.empty((a1 - a0) * t.dtype.itemsize, at).view(t.dtype.numpy)
+            for s, e in spans:
+                src.produce_into(s, e, t.dtype, flat[s - a0 : e - a0])
+        elif flat is None:
             parts = [src.produce(s, e, t.dtype) for s, e in spans]
             flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if not flat.flags.writeable:
@@ -208,8 +214,9 @@ class GgufJob:
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
         as_f16 = {g.source for g in self.gplan.tensors if g.ggml_type == GT.F16 and not g.offset}
         as_f16 -= {g.source for g in self.gplan.tensors if g.ggml_type != GT.F16 or g.offset}
+        memory = placed_memory(run.threads)
         records = [
-            SourceTensor(t.name, t.shape, rows=_row_reader(t, run.max_memory, run.threads,
+            SourceTensor(t.name, t.shape, rows=_row_reader(t, run.max_memory, run.threads, memory,
                                                            t.name in as_f16 and t.dtype.name == "bfloat16"),
                          done=t.source.finish, row_align=_rows_per_unit(t))
             for t in self.plan.tensors
@@ -220,7 +227,8 @@ class GgufJob:
         try:
             self.reports = _write_gguf(self.gplan, staging, records, chunk_elements=gchunk, threads=run.threads,
                                        processes=None if run.processes else 0,
-                                       progress=bar.update if bar is not None else None, sample=self.sample)
+                                       progress=bar.update if bar is not None else None, sample=self.sample,
+                                       memory=memory)
         finally:
             if bar is not None:
                 bar.close()

@@ -6,6 +6,7 @@ The synthetic model is 7B-shaped: blocks of q/k/v/o 4096x4096 and gate/up 11008x
 realistic absmax (0.03..0.07 around a 0.05 offset), as many blocks as fit the size asked for.
 
     python scripts/bench.py kernel                       # the kernel alone, in memory
+    python scripts/bench.py pages --mib 32               # fresh pages against reused memory, ns a byte
     python scripts/bench.py make --packed-gb 2 --dir bench-data/2g
     python scripts/bench.py convert --dir bench-data/2g --max-memory 512MiB [--to bf16] [--cp]
     python scripts/bench.py make-lora --model bench-data/2g --dir bench-data/2g-lora64 --rank 64
@@ -41,6 +42,7 @@ from convert.kernels import dequantize_4bit  # noqa: E402
 from formats.bnb import DYNAMIC_MAP_SIGNED, NF4_TABLE, QuantState  # noqa: E402
 from formats.dtypes import BY_CODE  # noqa: E402
 from formats.safetensors import SafetensorsWriter  # noqa: E402
+from formats.writeback import PlacedMemory  # noqa: E402
 
 SHAPES = {
     "self_attn.q_proj": (4096, 4096),
@@ -450,6 +452,35 @@ def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, thre
     src.unlink()
 
 
+def pages(mib: int, rounds: int) -> dict:
+    """ns a byte to write a chunk of ``mib`` MiB (the bf16 kernel's store: a uint16 copy) into fresh
+    memory (``np.empty`` each time, as :func:`formats.writeback.aligned_empty`), into one array written
+    before, and into :class:`formats.writeback.PlacedMemory` (the pipeline's chunks); best of ``rounds``
+    rounds of 10 chunks, one thread."""
+    n = mib << 20
+    src = np.ones(n // 2, np.uint16)
+    kept = np.empty(n, np.uint8)
+    memory = PlacedMemory(keep=2)
+
+    def fresh() -> None:
+        np.empty(n, np.uint8).view(np.uint16)[:] = src
+
+    def reused() -> None:
+        kept.view(np.uint16)[:] = src
+
+    def placed() -> None:
+        memory.empty(n, 0).view(np.uint16)[:] = src
+
+    best = {}
+    for _ in range(rounds):
+        for name, fn in (("fresh", fresh), ("reused", reused), ("placed_memory", placed)):
+            t = time.perf_counter()
+            for _ in range(10):
+                fn()
+            best[name] = min(best.get(name, 1e9), (time.perf_counter() - t) / (10 * n) * 1e9)
+    return {"bench": "pages", "chunk_mib": mib, **{f"{k}_ns_per_byte": round(v, 3) for k, v in best.items()}}
+
+
 def main() -> None:
     compile_project()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -483,6 +514,9 @@ def main() -> None:
     lq.add_argument("--type", default="q4_k_m")
     lq.add_argument("--threads", type=int, default=2)
     lq.add_argument("--max-memory", default="512MiB")
+    pg = sub.add_parser("pages", help="writing a chunk into fresh, reused and PlacedMemory memory, ns a byte")
+    pg.add_argument("--mib", type=int, default=32)
+    pg.add_argument("--rounds", type=int, default=5)
     h = sub.add_parser("transformers", help="time transformers from_pretrained -> dequantize -> save_pretrained")
     h.add_argument("--dir", type=Path, required=True)
     h.add_argument("--threads", type=int, default=2)
@@ -496,6 +530,8 @@ def main() -> None:
                 theirs = bnb_kernel(a.elements, th, dt)
                 if theirs is not None:
                     print(json.dumps(theirs))
+    elif a.cmd == "pages":
+        print(json.dumps(pages(a.mib, a.rounds)))
     elif a.cmd == "transformers":
         hf_baseline(a.dir, a.threads)
     elif a.cmd == "tensors":

@@ -17,6 +17,7 @@ from convert.quant_settings import QuantSettings
 from convert.requant import make_quant_plan, safetensors_order_key
 from formats.checkpoint import open_checkpoint
 from formats.dtypes import BY_CODE, BY_NAME
+from formats.writeback import ALIGN, PlacedMemory
 
 from .conftest import MODELS, SINGLE, assert_same_tensors, load_all, manifest
 
@@ -547,7 +548,7 @@ class _ZeroCopy:
         self.values, self.log = values, log
         self.numel, self.unit, self.kind, self.in_nbytes = values.size, 1, "view", values.nbytes
         self.stats = np.zeros(2, dtype=np.int64)
-        self.barrier, self.max_chunk = Source.barrier, Source.max_chunk
+        self.barrier, self.max_chunk, self.writes_in_place = Source.barrier, Source.max_chunk, Source.writes_in_place
 
     def produce(self, start: int, stop: int, dtype: object) -> np.ndarray:
         self.log.append(("produce", start, stop))
@@ -597,10 +598,33 @@ def test_gguf_rows_are_not_views_of_released_pages() -> None:
     log: list[tuple[str, int, int]] = []
     values = np.arange(64 * 8, dtype=np.float32)
     t = PlannedTensor("w.weight", BY_CODE["F32"], (8, 64), _ZeroCopy(values, log))  # type: ignore[arg-type]
-    rows = _row_reader(t, 1 << 30, 2)(2, 5)
+    rows = _row_reader(t, 1 << 30, 2, PlacedMemory(keep=2))(2, 5)
     assert rows.flags.writeable and not np.shares_memory(rows, values)
     assert np.array_equal(rows, values.reshape(8, 64)[2:5])
     assert [k for k, _, _ in log] == ["produce", "release"]
+
+
+@pytest.mark.parametrize("place", [None, 0, 4094, 123_456])
+def test_gguf_rows_of_a_4bit_layer_are_made_placed_in_the_run_memory(place: int | None) -> None:
+    """A 4-bit layer's rows are dequantized into the run's PlacedMemory, lying at the file offset asked for
+    (bf16 -> BF16 writes them without a copy), equal to the source's own values; the memory is used again
+    once the rows are gone."""
+    from convert.to_gguf import _row_reader
+
+    with open_checkpoint(MODELS / "llama_nf4_dq") as ck:
+        plan = make_plan(ck, "bf16")
+        t = next(u for u in plan.tensors if u.source.writes_in_place and u.shape[0] >= 8)
+        cols = t.numel // t.shape[0]
+        memory = PlacedMemory(keep=2)
+        rows = _row_reader(t, 1 << 30, 2, memory)(2, 7, place)
+        assert rows.dtype == t.dtype.numpy and rows.shape == (5, *t.shape[1:])
+        want = t.source.produce(0, t.numel, t.dtype).reshape(-1)[2 * cols : 7 * cols]
+        assert rows.reshape(-1).view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+        if place is not None:
+            assert (rows.ctypes.data - place) % ALIGN == 0
+        assert memory.free_slabs() == []
+        del rows
+        assert len(memory.free_slabs()) == 1
 
 
 def test_summary_says_its_error_is_from_a_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import pytest
 import formats.writeback as wb_mod
 from formats.dtypes import by_code
 from formats.safetensors import SafetensorsReader, SafetensorsWriter
-from formats.writeback import ALIGN, FileStream, WriteBehind, aligned_empty
+from formats.writeback import ALIGN, SLAB_ROUND, FileStream, PlacedMemory, WriteBehind, aligned_empty
 
 HAS_DIRECT = hasattr(os, "O_DIRECT")
 
@@ -82,6 +83,80 @@ def test_aligned_empty_lies_at_the_offset_modulo_align(offset):
         a = aligned_empty(n, offset)
         assert a.dtype == np.uint8 and a.shape == (n,) and a.flags.c_contiguous and a.flags.writeable
         assert (a.ctypes.data - offset) % ALIGN == 0
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4095, 4096, 12_345])
+def test_placed_memory_lies_at_the_offset_and_is_reused_once_nothing_refers_to_it(offset):
+    memory = PlacedMemory(keep=4)
+    assert memory.empty(0, offset).shape == (0,)
+    memory = PlacedMemory(keep=4)
+    for n in (1, ALIGN, 3 * ALIGN + 5, SLAB_ROUND):
+        a = memory.empty(n, offset)
+        assert a.dtype == np.uint8 and a.shape == (n,) and a.flags.c_contiguous and a.flags.writeable
+        assert (a.ctypes.data - offset) % ALIGN == 0
+        a[:] = 7
+        address = a.ctypes.data
+        del a
+        assert memory.free_slabs() == [-(-(n + ALIGN) // SLAB_ROUND) * SLAB_ROUND]
+        b = memory.empty(n, offset)  # the same slab, so the same address
+        assert b.ctypes.data == address and memory.free_slabs() == []
+        del b
+        memory = PlacedMemory(keep=4)
+
+
+def test_placed_memory_is_held_by_every_view_of_it():
+    memory = PlacedMemory(keep=4)
+    a = memory.empty(3 * ALIGN, 0)
+    view = a.view(np.uint16)[100:200]
+    buffer = memoryview(a[ALIGN:])  # as the writer's pwrite of an in-place array holds it
+    del a
+    assert memory.free_slabs() == []
+    b = memory.empty(3 * ALIGN, 0)  # a new slab: the first is still held
+    assert not np.shares_memory(b, view) and not np.shares_memory(b, np.frombuffer(buffer, np.uint8))
+    del view
+    assert memory.free_slabs() == []
+    buffer.release()
+    del buffer
+    assert memory.free_slabs() == [SLAB_ROUND]
+    del b
+    assert memory.free_slabs() == [SLAB_ROUND, SLAB_ROUND]
+
+
+def test_placed_memory_keeps_the_largest_free_slabs_and_takes_the_smallest_that_fits():
+    memory = PlacedMemory(keep=2)
+    arrays = [memory.empty(k * SLAB_ROUND, 0) for k in (1, 3, 2)]  # slabs of 2, 4 and 3 MiB
+    del arrays
+    assert memory.free_slabs() == [3 * SLAB_ROUND, 4 * SLAB_ROUND]  # the smallest (2 MiB) dropped
+    a = memory.empty(SLAB_ROUND, 0)  # fits both: the 3 MiB slab
+    assert memory.free_slabs() == [4 * SLAB_ROUND]
+    c = memory.empty(5 * SLAB_ROUND, 0)  # fits none: a new one
+    assert memory.free_slabs() == [4 * SLAB_ROUND]
+    del a, c
+    assert memory.free_slabs() == [4 * SLAB_ROUND, 6 * SLAB_ROUND]
+    assert PlacedMemory(keep=0).free_slabs() == []
+
+
+def test_placed_memory_never_hands_out_memory_in_use_across_threads():
+    memory = PlacedMemory(keep=3)
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        for i in range(300):
+            n = (1 + (i * 7 + k) % 5) * ALIGN * 64
+            a = memory.empty(n, i)
+            a[:] = k
+            held = a[::4096]  # a view outliving the array for a while
+            del a
+            if not (held == k).all():
+                errors.append(f"thread {k}, round {i}: memory changed under it")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(memory.free_slabs()) <= 3
 
 
 # placed arrays of every size class around the blocks (inside one block, whole blocks, partial ends),
