@@ -141,9 +141,12 @@ class PlacedMemory:
     Each slab is an anonymous ``mmap`` (page-aligned) seen through one NumPy array that does not own its
     memory; every array sliced or viewed from it refers to that array (NumPy makes a view's base the
     first array owning its data or whose base is not an array), so when the last of them is gone (the
-    writer's in-place write of it included) the slab comes back here (``weakref.finalize``). At most
-    ``keep`` free slabs are kept (the smallest dropped first); a request takes the smallest free slab
-    that holds it, or a new one of its size rounded up to :data:`SLAB_ROUND`. Thread-safe.
+    writer's in-place write of it included) the slab comes back here (``weakref.finalize``). Every slab
+    is as large as the largest request so far (rounded up to :data:`SLAB_ROUND`), so any free slab serves
+    any request and the slabs of a run are never more than its chunks in flight at once: a larger request
+    drops the smaller free slabs, a smaller slab coming back is dropped, and at most ``keep`` free slabs
+    are kept (a slab's pages are resident once written: a small chunk in a large slab costs only its own).
+    Thread-safe.
 
     Args:
         keep: free slabs kept at most (the chunks a run has in flight at once).
@@ -151,30 +154,29 @@ class PlacedMemory:
 
     def __init__(self, keep: int) -> None:
         self._keep = max(0, keep)
+        self._size = 0  # bytes of every slab made from now on
         self._free: list[mmap.mmap] = []
         self._lock = threading.RLock()  # (a finalizer may run in a thread inside either method)
 
     def empty(self, nbytes: int, offset: int) -> np.ndarray:
         """An uninitialised ``uint8[nbytes]`` at ``offset`` modulo :data:`ALIGN`, as :func:`aligned_empty`."""
         need = nbytes + ALIGN
-        slab = None
         with self._lock:  # (nothing here makes a container: no garbage collection runs a finalizer inside)
-            for m in self._free:
-                if len(m) >= need and (slab is None or len(m) < len(slab)):
-                    slab = m
-            if slab is not None:
-                self._free.remove(slab)
+            if need > self._size:
+                self._size = -(-need // SLAB_ROUND) * SLAB_ROUND
+                self._free.clear()  # (too small now; unmapped once nothing refers to them)
+            slab = self._free.pop() if self._free else None
+            size = self._size
         if slab is None:
-            slab = mmap.mmap(-1, -(-need // SLAB_ROUND) * SLAB_ROUND)
+            slab = mmap.mmap(-1, size)
         raw = np.frombuffer(slab, dtype=np.uint8)
-        weakref.finalize(raw, self._give_back, slab)
+        weakref.finalize(raw, self._give_back, slab).atexit = False  # (nothing to give back at exit)
         return _placed_in(raw, nbytes, offset)
 
     def _give_back(self, slab: mmap.mmap) -> None:
         with self._lock:
-            self._free.append(slab)
-            if len(self._free) > self._keep:
-                self._free.remove(min(self._free, key=len))  # (unmapped once nothing refers to it)
+            if len(slab) == self._size and len(self._free) < self._keep:
+                self._free.append(slab)
 
     def free_slabs(self) -> list[int]:
         """The sizes of the free slabs kept, in bytes (for tests)."""

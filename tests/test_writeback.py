@@ -122,17 +122,23 @@ def test_placed_memory_is_held_by_every_view_of_it():
     assert memory.free_slabs() == [SLAB_ROUND, SLAB_ROUND]
 
 
-def test_placed_memory_keeps_the_largest_free_slabs_and_takes_the_smallest_that_fits():
+def test_placed_memory_slabs_grow_to_the_largest_request_and_at_most_keep_are_kept():
     memory = PlacedMemory(keep=2)
-    arrays = [memory.empty(k * SLAB_ROUND, 0) for k in (1, 3, 2)]  # slabs of 2, 4 and 3 MiB
+    a = memory.empty(SLAB_ROUND, 0)  # a 2 MiB slab (1 MiB and the alignment's page, rounded up)
+    b = memory.empty(3 * SLAB_ROUND, 0)  # slabs of 4 MiB from now on
+    c = memory.empty(10, 5)  # a 4 MiB slab too
+    del a  # smaller than the slabs now made: dropped
+    assert memory.free_slabs() == []
+    del b, c
+    assert memory.free_slabs() == [4 * SLAB_ROUND, 4 * SLAB_ROUND]
+    arrays = [memory.empty(ALIGN, 0) for _ in range(3)]  # two free slabs, then a new one
+    assert memory.free_slabs() == []
     del arrays
-    assert memory.free_slabs() == [3 * SLAB_ROUND, 4 * SLAB_ROUND]  # the smallest (2 MiB) dropped
-    a = memory.empty(SLAB_ROUND, 0)  # fits both: the 3 MiB slab
-    assert memory.free_slabs() == [4 * SLAB_ROUND]
-    c = memory.empty(5 * SLAB_ROUND, 0)  # fits none: a new one
-    assert memory.free_slabs() == [4 * SLAB_ROUND]
-    del a, c
-    assert memory.free_slabs() == [4 * SLAB_ROUND, 6 * SLAB_ROUND]
+    assert memory.free_slabs() == [4 * SLAB_ROUND, 4 * SLAB_ROUND]  # keep=2: the third dropped
+    d = memory.empty(4 * SLAB_ROUND, 0)  # larger: the free slabs are dropped, 5 MiB from now on
+    assert memory.free_slabs() == [] and d.base is not None and d.base.size == 5 * SLAB_ROUND
+    del d
+    assert memory.free_slabs() == [5 * SLAB_ROUND]
     assert PlacedMemory(keep=0).free_slabs() == []
 
 
