@@ -160,6 +160,8 @@ class Codec:
             skip = -(start // rows_x.shape[1]) % sample  # rows up to the tensor's next sampled row
             rows_x, rows_d = rows_x[skip::sample], rows_d[skip::sample]
             total = sum_squares(rows_x)
+            if not rows_x.shape[0]:  # no sampled row here (gguf-py's dequantize refuses an empty array)
+                return Measured(data, 0.0, 0.0, 0.0, 0)
         with np.errstate(invalid="ignore", over="ignore"):
             err = cls.dequantize(rows_d).reshape(rows_x.shape)
             err -= rows_x

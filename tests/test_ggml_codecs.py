@@ -254,6 +254,20 @@ def test_quantize_measured_on_a_sample(t: GT) -> None:
     assert a.measured + b.measured == m.measured and max(a.max_err, b.max_err) == m.max_err
 
 
+@pytest.mark.parametrize("t", [GT.Q4_K, GT.Q6_K, GT.Q2_K], ids=lambda t: t.name)
+def test_quantize_measured_of_rows_holding_no_sampled_row(t: GT) -> None:
+    """A tensor's last chunk may hold fewer rows than the sample's step and none on its grid (rows 1017-1023
+    of a 1024-row output.weight in 1/8): its bytes are encoded and it measures nothing (gguf-py's dequantize
+    of the empty sample raised "cannot reshape array of size 0": an internal error for any GGUF K-quant)."""
+    x = (np.random.default_rng(15).standard_normal((1024, 256)) * 0.03).astype(np.float32)
+    m = CODECS[t].quantize_measured(x[1017:], 8, start=1017 * 256)
+    assert np.array_equal(m.data, CODECS[t].quantize(x[1017:]))
+    assert (m.max_err, m.sq_err, m.sq_ref, m.measured) == (0.0, 0.0, 0.0, 0)
+    whole = CODECS[t].quantize_measured(x, 8)
+    head = CODECS[t].quantize_measured(x[:1017], 8)
+    assert (head.max_err, head.sq_err, head.measured) == (whole.max_err, whole.sq_err, whole.measured)
+
+
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=str)
 @pytest.mark.parametrize("t", TYPES + [GT.Q4_K], ids=lambda t: t.name)
 def test_quantize_measured_sees_inf_nan_outside_the_sample(t: GT, bad: float) -> None:
