@@ -168,7 +168,12 @@ class PlacedMemory:
             slab = self._free.pop() if self._free else None
             size = self._size
         if slab is None:
-            slab = mmap.mmap(-1, size)
+            try:
+                slab = mmap.mmap(-1, size)
+            except OSError as e:  # (out of memory is no fault of the output path: as np.empty says it)
+                if e.errno != errno.ENOMEM:
+                    raise
+                raise MemoryError(f"cannot map {size} bytes for a chunk") from None
         raw = np.frombuffer(slab, dtype=np.uint8)
         weakref.finalize(raw, self._give_back, slab).atexit = False  # (nothing to give back at exit)
         return _placed_in(raw, nbytes, offset)
