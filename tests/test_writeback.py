@@ -142,6 +142,15 @@ def test_placed_memory_slabs_grow_to_the_largest_request_and_at_most_keep_are_ke
     assert PlacedMemory(keep=0).free_slabs() == []
 
 
+def test_placed_memory_out_of_memory_is_a_memory_error(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(wb_mod.mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match="cannot map 2097152 bytes for a chunk"):
+        PlacedMemory(keep=2).empty(SLAB_ROUND, 0)
+
+
 def test_placed_memory_never_hands_out_memory_in_use_across_threads():
     memory = PlacedMemory(keep=3)
     errors: list[str] = []
