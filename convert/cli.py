@@ -4,9 +4,9 @@ one line and an exit code here, and only here.
 ``convert-bnb SRC --to ...`` parses into :class:`~convert.job.ConvertOptions` and calls
 :func:`convert.job.convert`; the other commands are the static table :data:`SUBCOMMANDS`.
 
-Exit codes: 0 success; 2 bad input or usage (one line on stderr naming file, tensor and rule);
-1 an internal error (one line asking for a report; ``--debug`` shows the traceback); 130 interrupted
-(SIGINT or SIGTERM).
+Exit codes: 0 success; 2 bad input or usage (one line on stderr naming file, tensor and rule), or
+the environment (a full disk, no permission, out of memory); 1 an internal error (one line asking for
+a report; ``--debug`` shows the traceback); 130 interrupted (SIGINT or SIGTERM).
 """
 
 from __future__ import annotations
@@ -252,6 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `convert-bnb ... --dry-run | head`
         sys.stderr.close()
         return 0
+    except MemoryError as exc:  # the environment too: not a bug, and the caps are the user's to lower
+        if debug:
+            raise
+        message = f"out of memory ({exc or 'no detail'}): try a lower --max-memory or fewer --threads"
+        print(f"convert-bnb: error: {message}", file=sys.stderr)
+        _print_failure(as_json, {"error": "MemoryError", "rule": None, "message": message})
+        return 2
     except OSError as exc:  # the environment (a missing file, a full disk, no permission): not a bug
         if debug:
             raise

@@ -102,6 +102,22 @@ def test_unexpected_exception_is_exit_1_with_one_line(tmp_path: Path, monkeypatc
     assert "internal error: RuntimeError: boom" in err and "please report it" in err
 
 
+def test_out_of_memory_is_exit_2_with_one_line_naming_the_caps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import convert.job
+
+    def no_memory(*a: object, **k: object) -> None:
+        raise MemoryError("cannot map 68157440 bytes for a chunk")
+
+    monkeypatch.setattr(convert.job, "make_plan", no_memory)
+    src = one_file(layer())(tmp_path)
+    assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("convert-bnb: error: out of memory (cannot map 68157440 bytes for a chunk): try a lower "
+                   "--max-memory or fewer --threads\n")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 def test_hostile_tensor_name_stays_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     name = "evil\nname\r"
     src = write(tmp_path / "m.safetensors",
