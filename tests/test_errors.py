@@ -87,34 +87,27 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
         main([str(src), "-o", str(tmp_path / "o.safetensors"), "--debug"])
 
 
-def test_unexpected_exception_is_exit_1_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("exc", "code", "line"), [
+    (RuntimeError("boom"), 1, "convert-bnb: internal error: RuntimeError: boom. This is a bug; please report it with "
+                              "the output of the same command plus --debug."),
+    (MemoryError("cannot map 68157440 bytes for a chunk"), 2,
+     "convert-bnb: error: out of memory (cannot map 68157440 bytes for a chunk): try a lower --max-memory or fewer "
+     "--threads"),
+], ids=["internal-error", "out-of-memory"])
+def test_unexpected_exception_and_out_of_memory_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str], exc: Exception,
+                                                             code: int, line: str) -> None:
+    """An unexpected exception is a bug (exit 1, asking for a report); running out of memory is the
+    environment's (exit 2, naming the caps to lower). One line each, no output left."""
     import convert.job
 
-    def boom(*a: object, **k: object) -> None:
-        raise RuntimeError("boom")
+    def fail(*a: object, **k: object) -> None:
+        raise exc
 
-    monkeypatch.setattr(convert.job, "make_plan", boom)
+    monkeypatch.setattr(convert.job, "make_plan", fail)
     src = one_file(layer())(tmp_path)
-    assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert "internal error: RuntimeError: boom" in err and "please report it" in err
-
-
-def test_out_of_memory_is_exit_2_with_one_line_naming_the_caps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    import convert.job
-
-    def no_memory(*a: object, **k: object) -> None:
-        raise MemoryError("cannot map 68157440 bytes for a chunk")
-
-    monkeypatch.setattr(convert.job, "make_plan", no_memory)
-    src = one_file(layer())(tmp_path)
-    assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == 2
-    err = capsys.readouterr().err
-    assert err == ("convert-bnb: error: out of memory (cannot map 68157440 bytes for a chunk): try a lower "
-                   "--max-memory or fewer --threads\n")
+    assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == code
+    assert capsys.readouterr().err == line + "\n"
     assert not (tmp_path / "o.safetensors").exists()
 
 
