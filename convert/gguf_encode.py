@@ -175,7 +175,7 @@ class _Chunk:
 
 def _convert_chunk(
     t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int,
-    procs: Executor | None, sample: int, place: int | None = None, memory: PlacedMemory | None = None,
+    procs: Executor | None, sample: int, place: int | None, memory: PlacedMemory,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
     encode, measure the added error (of a block type: on one piece in ``sample`` of the tensor; float
@@ -241,11 +241,10 @@ def _convert_chunk(
     return encode_chunk(t.ggml_type, x, not exact, finite)
 
 
-def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike, memory: PlacedMemory | None) -> np.ndarray | None:
+def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike, memory: PlacedMemory) -> np.ndarray | None:
     """Flat ``dtype`` memory of ``nbytes`` from ``memory`` lying at file offset ``place`` modulo 4096
-    (:meth:`formats.writeback.PlacedMemory.empty`), or None for ``place`` or ``memory`` None (any memory
-    will do)."""
-    return None if place is None or memory is None else memory.empty(nbytes, place).view(dtype)
+    (:meth:`formats.writeback.PlacedMemory.empty`), or None for ``place`` None (any memory will do)."""
+    return None if place is None else memory.empty(nbytes, place).view(dtype)
 
 
 def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray | None = None) -> _Chunk | None:
