@@ -19,7 +19,8 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
    wants the exact ones); the same pieces whatever the chunk size and thread count.
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
-not depend on the thread count or the chunk size; at most ``threads + 1`` chunks are in flight, the
+not depend on the thread count or the chunk size; at most ``2 * threads`` chunks are in flight (made,
+being made or queued: a worker finds the next chunk waiting while the oldest is still being made), the
 chunks of consecutive tensors in one stream (no worker idles at a tensor's end), plus the whole
 array of a source given whole (generated tensors: a few KiB). Steps 3-4 of the types whose encoder
 searches (the K-quants and IQ4_NL, tens of NumPy passes per value) run in ``processes`` worker processes when asked
@@ -390,7 +391,7 @@ def write_gguf(
     Header, key/value pairs and tensor infos, then the tensor data chunk by chunk, go through
     :class:`formats.gguf.GGUFFileWriter` (gguf-py's ``GGUFWriter`` with 32-byte padding). Chunks
     are converted by ``threads`` workers and written in order, so the bytes do not depend on the
-    thread count or the chunk size; at most ``threads + 1`` chunks are in flight.
+    thread count or the chunk size; at most ``2 * threads`` chunks are in flight.
 
     Args:
         plan: from :func:`convert.gguf_plan.plan_gguf`.
@@ -427,8 +428,8 @@ def write_gguf(
     reports: list[TensorReport] = []
     n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
     workers = max(threads, n_procs)
-    if memory is None:  # (chunks in flight: ``workers + 1`` made or written, and the in-place writes)
-        memory = PlacedMemory(keep=workers + 1 + IN_PLACE_WRITES)
+    if memory is None:  # (chunks in flight: ``2 * workers`` made or queued, and the in-place writes)
+        memory = PlacedMemory(keep=2 * workers + IN_PLACE_WRITES)
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         # spawned, not forked: this process has threads (fork would copy their locks mid-use)
@@ -467,7 +468,7 @@ def write_gguf(
                         fut = pool.submit(task)
                     pending.append((fut, fig))
                     in_flight += 1
-                    while in_flight > workers:
+                    while in_flight > 2 * workers:  # (``workers``: 0.90x the wall time of q8_0, 0.87x of f16)
                         drain()
                 pending.append((None, fig))
             while pending:
