@@ -17,7 +17,7 @@ import pytest
 
 from convert.codec_base import round_half_away_into
 from convert.ggml_codecs import CODECS
-from convert.legacy_quants import CHUNK_BLOCKS
+from convert.legacy_quants import CHUNK_BLOCKS, SAMPLE_BLOCKS
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py's own, on inf/NaN
 
@@ -232,23 +232,26 @@ def test_quantize_measured_per_chunk_equals_decoding_the_whole(t: GT) -> None:
 @pytest.mark.parametrize("t", TYPES + [GT.Q4_K], ids=lambda t: t.name)
 def test_quantize_measured_on_a_sample(t: GT) -> None:
     """With sample=k the bytes do not change and the figures are those of the sampled pieces: the
-    legacy codecs' chunks 0, k, 2k, ... of CHUNK_BLOCKS blocks, the base class's rows 0, k, 2k, ..."""
+    legacy codecs' pieces 0, k, 2k, ... of SAMPLE_BLOCKS blocks (two to an encoded chunk of CHUNK_BLOCKS),
+    the base class's rows 0, k, 2k, ..."""
+    assert CHUNK_BLOCKS == 2 * SAMPLE_BLOCKS
     rng = np.random.default_rng(14)
-    x = (rng.standard_normal((CHUNK_BLOCKS * 6 // 8 + 6, 256)) * 0.03).astype(np.float32)  # 7 legacy chunks
+    x = (rng.standard_normal((SAMPLE_BLOCKS * 6 // 8 + 6, 256)) * 0.03).astype(np.float32)  # 7 legacy pieces
     x[-1, :32] *= 1e3  # the largest error, in the last (partial, unmeasured) chunk and an unmeasured row
     full = CODECS[t].quantize_measured(x)
     m = CODECS[t].quantize_measured(x, 4)
     assert np.array_equal(m.data, full.data)
     flat, err = x.reshape(-1, 32), (gguf.quants.dequantize(full.data, t) - x).reshape(-1, 32)
-    if t in TYPES:  # blocks of chunks 0 and 4
-        keep = (np.arange(flat.shape[0]) // CHUNK_BLOCKS) % 4 == 0
+    if t in TYPES:  # blocks of pieces 0 and 4 (the first halves of chunks 0 and 2)
+        keep = (np.arange(flat.shape[0]) // SAMPLE_BLOCKS) % 4 == 0
     else:
         keep = np.repeat(np.arange(x.shape[0]) % 4 == 0, x.shape[1] // 32)
     assert m.measured == int(keep.sum()) * 32 < x.size
     assert m.max_err == np.abs(err[keep]).max() < full.max_err
     assert m.sq_err == pytest.approx(float(np.square(err[keep], dtype=np.float64).sum()), rel=1e-4)
     assert m.sq_ref == pytest.approx(float(np.square(flat[keep], dtype=np.float64).sum()), rel=1e-4)
-    # split in two calls at row 1001 (start: the second part's place in the tensor): the same pieces
+    # split in two calls at row 1001 (start: the second part's place in the tensor; block 8008, in piece 1
+    # of chunk 0): the same pieces
     a, b = CODECS[t].quantize_measured(x[:1001], 4), CODECS[t].quantize_measured(x[1001:], 4, start=1001 * 256)
     assert np.array_equal(np.concatenate([a.data, b.data]), full.data)
     assert a.measured + b.measured == m.measured and max(a.max_err, b.max_err) == m.max_err
@@ -268,13 +271,14 @@ def test_quantize_measured_of_rows_holding_no_sampled_row(t: GT) -> None:
     assert (head.max_err, head.sq_err, head.measured) == (whole.max_err, whole.sq_err, whole.measured)
 
 
+@pytest.mark.parametrize("piece", [1, 3], ids=["beside-a-measured-piece", "in-an-unmeasured-chunk"])
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=str)
 @pytest.mark.parametrize("t", TYPES + [GT.Q4_K], ids=lambda t: t.name)
-def test_quantize_measured_sees_inf_nan_outside_the_sample(t: GT, bad: float) -> None:
+def test_quantize_measured_sees_inf_nan_outside_the_sample(t: GT, bad: float, piece: int) -> None:
     """inf/NaN in a piece the sample leaves out still make sq_ref non-finite (the caller then refuses
     the weight: GGUF-011): the legacy codecs see it in the blocks their fast path hands to gguf-py."""
-    x = (np.random.default_rng(15).standard_normal((CHUNK_BLOCKS * 6 // 8 + 6, 256)) * 0.03).astype(np.float32)
-    x[CHUNK_BLOCKS // 8 * 3 + 1, 40] = bad  # row 1 of chunk 3 of 8 rows of 256 values: not sampled
+    x = (np.random.default_rng(15).standard_normal((SAMPLE_BLOCKS * 6 // 8 + 6, 256)) * 0.03).astype(np.float32)
+    x[SAMPLE_BLOCKS // 8 * piece + 1, 40] = bad  # row 1 of piece 1 or 3 (the second half of chunk 0 or 1)
     assert not math.isfinite(CODECS[t].quantize_measured(x, 4).sq_ref)
 
 
