@@ -370,7 +370,9 @@ class TensorMerge:
 
         Args:
             base_rows: rows [start, stop) of the dequantized base, ``[stop - start, *base_shape[1:]]``, in
-                any float dtype (upcast exactly to fp32); None when :attr:`needs_base` is False.
+                any float dtype (upcast exactly to fp32); None when :attr:`needs_base` is False. It may be
+                ``out`` itself: only the last op writes ``out``, from an array of its own or, a Linear merge,
+                piece by piece, each piece of its input read before that piece is written.
             start, stop: row range (rows of the merged tensor; ``[0, shape[0])`` when :attr:`whole_tensor`).
             out_dtype: ``bfloat16``, ``float16`` or ``float32``: the dtype every op rounds to.
             stats: accumulates the report figures when given (:func:`sum_sq`); None computes none.

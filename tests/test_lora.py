@@ -6,6 +6,7 @@ rounding. Where torch, transformers and peft are installed, the same adapters ar
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -540,6 +541,48 @@ def test_linear_merge_in_pieces_equals_delta_then_add(out_dtype: str, scale: flo
         got = np.concatenate([tm.merge_rows(w[s : s + step], s, min(rows, s + step), out_dtype)
                               for s in range(0, rows, step)])
         assert_bits_equal(got, want)
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
+def test_lora_source_merges_in_place_in_runs_for_any_chunking(out_dtype: str) -> None:
+    """LoraSource dequantizes the base into the output chunk itself and merges it there, runs of rows at a
+    time on a grid from row 0 (``_run_rows``: 576 rows here): chunks that start and end inside runs give
+    the bits of merging a separate base array, with and without a report."""
+    from types import SimpleNamespace
+
+    from convert.lora import MergeOp, TensorMerge
+    from convert.lora_report import MergeStats
+    from convert.merge import LoraSource
+    from convert.plan import Source
+    from formats.dtypes import BY_CODE
+
+    rows, cols, r = 700, 4000, 8
+    rng = np.random.default_rng(21)
+    a, b = lora_pair(rng, r, rows, cols, std=1.0)
+    dt = ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.dtype(out_dtype)
+    w = (rng.standard_normal((rows, cols)) * 0.02).astype(dt)
+
+    class Base(Source):  # the dequantized base, as a source writing into the chunk it is given
+        name, kind, unit, in_nbytes = "w", "test base", 1, w.nbytes
+
+        def produce(self, start: int, stop: int, dtype: object) -> np.ndarray:
+            return w.reshape(-1)[start:stop].copy()
+
+    record = SimpleNamespace(nbytes=a.nbytes, file=None)
+    op = MergeOp(tensor="w", adapter="a", kind="lora", source="lora", layout="linear", shape=(rows, cols), rank=r,
+                 alpha=r * 0.5, scale=0.5, lora_A=record, lora_B=record)  # type: ignore[arg-type]
+    want = None
+    for report in (False, True):
+        tm = TensorMerge("w", (rows, cols), [op])
+        tm._cache.update({(0, "A"): a, (0, "B"): b})  # the adapter tensors as read (no file behind these)
+        if want is None:
+            want = tm.merge_rows(w, 0, rows, out_dtype)
+        src = LoraSource(Base(), tm, MergeStats() if report else None)
+        assert src._run_rows() == 576
+        dtype = BY_CODE[{"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[out_dtype]]
+        for cuts in ([0, rows], [0, 100, 650, rows], [0, 575, 577, rows]):
+            got = np.concatenate([src.produce(s * cols, e * cols, dtype) for s, e in itertools.pairwise(cuts)])
+            assert_bits_equal(got.reshape(rows, cols), want)
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
