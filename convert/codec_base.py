@@ -22,6 +22,8 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
+from .block_reduce import block_max_bits
+
 __all__ = [
     "Measured",
     "abs_max",
@@ -30,7 +32,6 @@ __all__ = [
     "bitmask",
     "HALF_DOWN",
     "block_absmax",
-    "block_max_bits",
     "block_minmax",
     "block_signed_absmax",
     "encode_by_chunks",
@@ -334,29 +335,6 @@ def encode_into_by_chunks(
 #: Input dtypes :func:`encode_into_by_chunks` widens chunk by chunk (float32 itself, and the two whose
 #: float32 values are exact); any other is converted whole first.
 _WIDENED = frozenset({np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
-
-
-def block_max_bits(
-    a: npt.NDArray[np.int32] | npt.NDArray[np.uint32], n: int, scratch: npt.NDArray[np.int32]
-) -> npt.NDArray:
-    """Max of each of the ``n`` consecutive equal runs of int32 or uint32 ``a`` (1-D, ``a.size // n``
-    a power of two) -> ``(n,)`` of ``a``'s dtype (a copy).
-
-    NumPy reduces a short row at ~1-2 ns an element (per-row overhead); this is a pairwise tree of
-    long strided ``maximum`` passes (~0.7 ns an element in all). The levels alternate between two
-    regions of the last ``0.75 * a.size`` elements of ``scratch`` (int32, at least
-    ``1.75 * a.size``), so no output overlaps its input (NumPy would copy the input first), and
-    ``a`` may be ``scratch[:a.size]``, which is left as it was.
-    """
-    size = a.size
-    buf = scratch.view(a.dtype)
-    regions = (buf[size : size + size // 2], buf[size + size // 2 : size + size // 2 + size // 4])
-    level = 0
-    while a.size > n:
-        h = a.size // 2
-        a = np.maximum(a[0::2], a[1::2], out=regions[level % 2][:h])
-        level += 1
-    return a.copy()
 
 
 def block_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:

