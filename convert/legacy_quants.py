@@ -69,7 +69,7 @@ U8 = npt.NDArray[np.uint8]
 #: Blocks of 32 values per chunk (1 MiB of float32 input; scratch ~4.8 MiB). Each chunk is ~25 NumPy
 #: calls, and between two calls a thread needs the GIL: with two threads, 4096 blocks held it about half
 #: the wall time (py-spy --gil) and the threads waited for each other. On a 2 MiB-L2 EPYC, 8192 ran q8_0
-#: in 0.83x the wall time of 4096 on two threads (0.90x the CPU) and 0.92x on one; 16384 in 1.09x on one.
+#: in 0.83x the wall time of 4096 on two threads (0.90x the CPU) and 0.90x on one; 16384 in 1.09x on one.
 CHUNK_BLOCKS = 8192
 #: Blocks of the error sample's pieces (131,072 values; README), two to a chunk.
 SAMPLE_BLOCKS = 4096
