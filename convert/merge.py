@@ -95,11 +95,11 @@ class LoraSource(Source):
         rows_out = out.reshape(r1 - r0, -1)
         merge = self.merge
         in_place = merge.needs_base and merge.shape == merge.base_shape
-        run = self._run_rows() if in_place else r1 - r0
+        run = self._run_rows()
         loss = np.zeros(2, np.int64) if dtype.name == "float16" else None  # fp16 overflow / flush counts
         a = r0
         while a < r1:
-            b = min(r1, (a // run + 1) * run)  # runs on a grid from row 0 (the sgemm's blocks)
+            b = min(r1, (a // run + 1) * run) if in_place else r1  # runs on a grid from row 0 (the sgemm's blocks)
             dst = rows_out[a - r0 : b - r0]
             base = None
             if in_place:
@@ -115,7 +115,7 @@ class LoraSource(Source):
         """Rows merged at once when the base is dequantized in place: whole chunk units and whole
         :data:`~convert.lora.ROW_ALIGN`-row sgemm blocks, at least ``8 * PIECE`` elements (4 MiB of bf16:
         in L3 when the merge reads it; runs of one ``PIECE`` paid more in per-call overhead than they
-        saved: 1.17x the CPU); all rows for a merge that needs them at once."""
+        saved: 1.17x the CPU in a paired run); all rows for a merge that needs them at once."""
         if self.merge.whole_tensor:
             return self.merge.shape[0]
         rows = math.lcm(self.unit // self.cols, ROW_ALIGN)
