@@ -14,6 +14,7 @@ shape goes into the plan, and ``vocab_size`` in the output ``config.json`` is up
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import threading
@@ -94,21 +95,19 @@ class LoraSource(Source):
         r0, r1 = start // cols, stop // cols
         rows_out = out.reshape(r1 - r0, -1)
         merge = self.merge
-        in_place = merge.needs_base and merge.shape == merge.base_shape
-        run = self._run_rows()
         loss = np.zeros(2, np.int64) if dtype.name == "float16" else None  # fp16 overflow / flush counts
-        a = r0
-        while a < r1:
-            b = min(r1, (a // run + 1) * run) if in_place else r1  # runs on a grid from row 0 (the sgemm's blocks)
-            dst = rows_out[a - r0 : b - r0]
+        if not (merge.needs_base and merge.shape == merge.base_shape):  # a resized tensor, or none read
             base = None
-            if in_place:
+            if merge.needs_base:
+                base = self.inner.produce(start, stop, dtype).reshape((r1 - r0, *merge.base_shape[1:]))
+            self._merge_rows(base, r0, r1, dtype, rows_out, loss)
+        else:
+            run = self._run_rows()
+            cuts = [r0, *range((r0 // run + 1) * run, r1, run), r1]  # runs on a grid from row 0 (sgemm blocks)
+            for a, b in itertools.pairwise(cuts):
+                dst = rows_out[a - r0 : b - r0]
                 self.inner.produce_into(a * cols, b * cols, dtype, dst.reshape(-1))
-                base = dst.reshape((b - a, *merge.base_shape[1:]))
-            elif merge.needs_base:
-                base = self.inner.produce(a * cols, b * cols, dtype).reshape((b - a, *merge.base_shape[1:]))
-            self._merge_rows(base, a, b, dtype, dst, loss)
-            a = b
+                self._merge_rows(dst.reshape((b - a, *merge.base_shape[1:])), a, b, dtype, dst, loss)
         self._count_f16(loss)
 
     def _run_rows(self) -> int:
