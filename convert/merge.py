@@ -31,7 +31,8 @@ from formats.errors import LoraShapeError, UsageError
 from formats.peft import open_adapter
 
 from .kernels import PIECE
-from .lora import ROW_ALIGN, MergePlan, TensorMerge, plan_merge
+from .lora import ROW_ALIGN, TensorMerge
+from .lora_plan import MergePlan, plan_merge
 from .lora_report import MergeStats
 from .plan import Plan, PlannedTensor, Source
 

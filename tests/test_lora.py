@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert.lora import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows, plan_merge
+from convert.lora import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows
+from convert.lora_plan import plan_merge
 from formats.errors import AdapterError, NonFiniteAdapterError, PatternTimeoutError, UnsupportedError
 from formats.peft import LoraConfig, load_lora_config, open_adapter, parse_adapter_key, parse_lora_config
 
