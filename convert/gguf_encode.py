@@ -71,7 +71,8 @@ from .gguf_plan import GGUFPlan, GGUFTensor
 from .kernels import BF16, PIECE, bf16_to_f16, count_f16_loss
 from .output import user_path
 
-__all__ = ["SourceTensor", "TensorReport", "check_encoders", "encode_chunk", "encoder_processes", "write_gguf"]
+__all__ = ["SourceTensor", "TensorReport", "check_encoders", "chunks_held", "encode_chunk", "encoder_processes",
+           "write_gguf"]
 
 GT = gguf.GGMLQuantizationType
 
@@ -354,6 +355,13 @@ def encoder_processes(tensors: Iterable[GGUFTensor], threads: int) -> int:
     return threads if threads > 1 and heavy >= PROCESS_MIN_ELEMENTS else 0
 
 
+def chunks_held(workers: int) -> int:
+    """The most chunks :func:`write_gguf` holds at once with ``workers`` threads or processes: ``2 * workers``
+    made, being made or queued, and :data:`formats.writeback.IN_PLACE_WRITES` being written in place
+    (a caller sizing chunks under a memory cap divides by this)."""
+    return 2 * max(1, workers) + IN_PLACE_WRITES
+
+
 def check_encoders(plan: GGUFPlan) -> None:
     """Every GGML type the plan uses has a codec (:data:`convert.ggml_codecs.CODECS`).
 
@@ -428,8 +436,8 @@ def write_gguf(
     reports: list[TensorReport] = []
     n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
     workers = max(threads, n_procs)
-    if memory is None:  # (chunks in flight: ``2 * workers`` made or queued, and the in-place writes)
-        memory = PlacedMemory(keep=2 * workers + IN_PLACE_WRITES)
+    if memory is None:
+        memory = PlacedMemory(keep=chunks_held(workers))
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         # spawned, not forked: this process has threads (fork would copy their locks mid-use)

@@ -24,7 +24,7 @@ from formats.gguf import verify_gguf as _verify_gguf
 from formats.writeback import PlacedMemory
 
 from . import kernels
-from .gguf_encode import SourceTensor, TensorReport
+from .gguf_encode import SourceTensor, TensorReport, chunks_held
 from .gguf_encode import write_gguf as _write_gguf
 from .gguf_mix import mix_summary
 from .gguf_plan import OUTPUT_TYPES, GGUFTensor, parse_output_type, plan_gguf
@@ -36,8 +36,9 @@ GT = gguf.GGMLQuantizationType
 
 __all__ = ["OUTPUT_TYPES", "GgufJob", "parse_output_type"]
 
-#: Largest GGUF chunk (elements): float32 copy, encoding, decoded copy and error, about 20 bytes each.
-_GGUF_BYTES_PER_ELEMENT = 24
+#: Bytes a GGUF chunk holds per element, at most: its rows as read (2-4), as float32 (4), permuted (4)
+#: and encoded (at most 4); the encoders' scratch is per piece of 8192 blocks, not per chunk.
+_GGUF_BYTES_PER_ELEMENT = 16
 
 
 def _row_reader(
@@ -222,7 +223,7 @@ class GgufJob:
             for t in self.plan.tensors
         ]
         budget = max(run.max_memory - 96 * 1024 * 1024, 16 * 1024 * 1024)
-        gchunk = max(1 << 16, min(1 << 22, budget // ((run.threads + 2) * _GGUF_BYTES_PER_ELEMENT)))
+        gchunk = max(1 << 16, min(1 << 22, budget // (chunks_held(run.threads) * _GGUF_BYTES_PER_ELEMENT)))
         bar = run.bar(self.gplan.nbytes)
         try:
             self.reports = _write_gguf(self.gplan, staging, records, chunk_elements=gchunk, threads=run.threads,
