@@ -164,7 +164,10 @@ class AbsmaxPass:
     """Pass 1 over one weight: its whole fp32 absmax, and what the later passes keep of it.
 
     Attributes:
-        cached: ``float32[n_blocks]`` the fp32 absmax of a non-nested layer while the budget allows, or None.
+        cached: ``[n_blocks]`` the layer's fp32 absmax while the budget allows, or None: held in the weight's
+            own dtype when that is bfloat16 or float16 (the largest magnitude of a block of such values is one
+            of them: exact, half the bytes; a tail block's floor 1e-38 is not, and keeps the layer in
+            float32), so twice the layers fit the budget; read through :meth:`cached_blocks`.
         nested: (``float32[ceil(n_blocks/256)]`` nested_absmax, nested offset) of a nested layer
             (:func:`~convert.nested8.nested_statistics`), or None until the absmax was read.
         median_max: (median, max) of the fp32 absmax (the report's outlier threshold), or None until read.
@@ -180,12 +183,28 @@ class AbsmaxPass:
         self._cached_nbytes = 0
         self._lock = threading.RLock()
 
+    def cached_blocks(self, ba: int, bb: int) -> npt.NDArray[np.float32] | None:
+        """``float32[bb - ba]`` the cached absmax of blocks [ba, bb), or None when the layer is not cached."""
+        cached = self.cached
+        return None if cached is None else np.asarray(cached[ba:bb], dtype=np.float32)
+
     def blocks(self, ba: int, bb: int) -> npt.NDArray[np.float32]:
         """fp32 absmax of blocks [ba, bb) (cached, or recomputed from the source)."""
-        cached = self.cached
-        if cached is not None:
-            return cached[ba:bb]
-        return self.layer.absmax_blocks(ba, bb)
+        am = self.cached_blocks(ba, bb)
+        return self.layer.absmax_blocks(ba, bb) if am is None else am
+
+    def _cache(self, am: npt.NDArray[np.float32]) -> None:
+        """Keep ``am`` (the whole layer's) as :attr:`cached` if the budget allows, in the weight's 16-bit dtype
+        when that holds it exactly."""
+        kept: np.ndarray = am
+        dt = self.layer.dtype.numpy
+        if dt.itemsize == 2 and dt.kind in "fV":  # float16, or ml_dtypes' bfloat16 (kind "V")
+            compact = am.astype(dt)
+            if np.array_equal(compact.astype(np.float32), am):
+                kept = compact
+        if self.budget.take(kept.nbytes):
+            self.cached = kept
+            self._cached_nbytes = kept.nbytes
 
     def full(self) -> npt.NDArray[np.float32]:
         """``float32[n_blocks]`` the whole layer's fp32 absmax (a full pass), cached while the budget allows.
@@ -194,13 +213,11 @@ class AbsmaxPass:
         only by :meth:`prepass`.
         """
         with self._lock:
-            if self.cached is not None:
-                return self.cached
             am = self.blocks(0, self.layer.n_blocks)
-            self._keep(am)
-            if not self.settings.nested and self.budget.take(am.nbytes):
-                self.cached = am
-                self._cached_nbytes = am.nbytes
+            if self.cached is None:
+                self._keep(am)
+                if not self.settings.nested:
+                    self._cache(am)
             return am
 
     def _keep(self, am: npt.NDArray[np.float32], scratch: bool = False) -> None:
@@ -237,11 +254,9 @@ class AbsmaxPass:
             if self.nested is not None and (self.median_max is not None or not want_median):
                 return
             am = self.blocks(0, self.layer.n_blocks)
-            keep = self.cached is None and self.budget.take(am.nbytes)
-            self._keep(am, scratch=not keep)
-            if keep:
-                self.cached = am
-                self._cached_nbytes = am.nbytes
+            if self.cached is None:
+                self._cache(am)
+            self._keep(am, scratch=self.cached is None or self.cached.dtype != am.dtype)
         self.layer.finish()
 
     def nested_statistics(self) -> tuple[npt.NDArray[np.float32], float]:
@@ -378,8 +393,9 @@ class LayerJob:
         out = []
         for s, e in self.input.pieces(a, b):
             x = self.input.read(s, e)
-            cached = self.absmax.cached  # (from the pre-pass, checked finite there)
-            am = cached[s // bs : -(-e // bs)] if cached is not None else self.input.absmax(x, s)
+            am = self.absmax.cached_blocks(s // bs, -(-e // bs))  # (from the pre-pass, checked finite there)
+            if am is None:
+                am = self.input.absmax(x, s)
             packed = encode_4bit(x, am, bs, self.settings.quant_type, self._bounds)
             out.append(packed)
             resolved = am  # the absmax a loader sees

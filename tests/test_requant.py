@@ -454,9 +454,10 @@ def test_nested_layers_are_read_twice_and_nothing_kept_between_passes(tmp_path: 
 
 @pytest.mark.parametrize("cache_bytes", [0, 3 * 4096, None])
 def test_prepass_drops_the_input_layers_caches(cache_bytes: int | None) -> None:
-    """A bnb input's resolved fp32 absmax is not kept for every layer between the passes; the new fp32
+    """A bnb input's resolved fp32 absmax is not kept for every layer between the passes; the new
     absmax the pre-pass computed is kept for the codes pass only within the budget (first come first
-    served: 12 KiB holds two or three layers' absmax), and the bytes are the same as recomputing it."""
+    served: 12 KiB holds four or five layers' absmax), as bfloat16 (the weights' dtype, which holds a
+    block's largest magnitude exactly: 2 bytes a block), and the bytes are the same as recomputing it."""
     outs = {}
     with open_checkpoint(MODELS / "llama_nf4_dq") as ck:
         qplan, info = make_quant_plan(make_plan(ck, "auto"), QuantSettings("nf4", 64, True), requantize=True,
@@ -467,10 +468,11 @@ def test_prepass_drops_the_input_layers_caches(cache_bytes: int | None) -> None:
             assert job.input.source._absmax is None, job.name
             assert job.absmax.nested is not None and job.absmax.median_max is not None
             if job.absmax.cached is not None:
-                assert job.absmax.cached.dtype == np.float32 and job.absmax.cached.size == job.input.n_blocks
+                assert job.absmax.cached.dtype == BY_NAME["bfloat16"].numpy == job.input.dtype.numpy
+                assert job.absmax.cached.size == job.input.n_blocks
                 kept += job.absmax.cached.nbytes
         if cache_bytes is None:  # the default budget (1/8 of the cap) holds them all
-            assert kept == sum(4 * j.input.n_blocks for j in info.jobs)
+            assert kept == sum(2 * j.input.n_blocks for j in info.jobs)
         else:
             assert kept <= cache_bytes and (kept > 0) == (cache_bytes > 0)
         for t in qplan.tensors:
@@ -480,6 +482,43 @@ def test_prepass_drops_the_input_layers_caches(cache_bytes: int | None) -> None:
                                    threads=2, cache_bytes=0)
         for t in qplan.tensors:
             assert t.source.produce(0, t.numel, t.dtype).tobytes() == outs[t.name], t.name
+
+
+@pytest.mark.parametrize(("dtype", "n", "kept_dtype"), [
+    ("bfloat16", 64 * 40, "bfloat16"),
+    ("float16", 64 * 40, "float16"),
+    ("float32", 64 * 40, "float32"),
+    ("bfloat16", 64 * 40 + 6, "float32"),  # a zero tail block: absmax 1e-38, not a bfloat16 value
+])
+def test_cached_absmax_is_kept_in_the_weights_dtype_when_exact(dtype: str, n: int, kept_dtype: str) -> None:
+    """The absmax the codes pass reads from the cache is the fp32 absmax it would recompute, bit for bit,
+    kept in 2 bytes a block for a bfloat16 or float16 weight unless a block's absmax is not such a value
+    (the floor 1e-38 of an all-zero tail block); the codes are the same with and without the cache."""
+    import convert.quant_passes as qp
+    from convert.plan import PlannedTensor
+    from convert.quant4 import blockwise_absmax
+
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal(n) * 0.03).astype(BY_NAME[dtype].numpy)
+    values[64 * 40 :] = 0
+    values[64 * 7 : 64 * 8] = 0  # an all-zero full block: absmax +0.0
+    want = blockwise_absmax(values, 64)
+    packed = {}
+    for budget in (1 << 20, 0):
+        t = PlannedTensor("w.weight", BY_NAME[dtype], (n,), _ZeroCopy(values, []))  # type: ignore[arg-type]
+        job = qp.LayerJob(t, QuantSettings(nested=True), 64 * 8, qp.AbsmaxBudget(budget), False, 10.0)
+        job.prepass()
+        cached = job.absmax.cached
+        if budget:
+            assert cached is not None and cached.dtype == BY_NAME[kept_dtype].numpy
+            assert cached.nbytes == job.input.n_blocks * BY_NAME[kept_dtype].numpy.itemsize
+            got = job.absmax.cached_blocks(0, job.input.n_blocks)
+            assert got is not None and got.dtype == np.float32
+            assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+        else:
+            assert cached is None
+        packed[budget] = job.encode(0, n).tobytes() + job.absmax_codes(0, job.input.n_blocks).tobytes()
+    assert packed[1 << 20] == packed[0]
 
 
 def _resident_pages(path: Path, ranges: list[tuple[int, int]]) -> int:
