@@ -68,7 +68,8 @@ from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
 from .gguf_plan import GGUFPlan, GGUFTensor
-from .kernels import BF16, PIECE, bf16_to_f16, count_f16_loss
+from .kernel_base import BF16, PIECE
+from .kernels_f16 import bf16_to_f16, count_f16_loss
 from .output import user_path
 
 __all__ = ["SourceTensor", "TensorReport", "check_encoders", "chunks_held", "encode_chunk", "encoder_processes",
@@ -250,7 +251,7 @@ def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike, memory: Placed
 
 
 def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray | None = None) -> _Chunk | None:
-    """A bf16 chunk ``(rows, ...)`` to F16 by :func:`convert.kernels.bf16_to_f16`, with the figures of
+    """A bf16 chunk ``(rows, ...)`` to F16 by :func:`convert.kernels_f16.bf16_to_f16`, with the figures of
     :func:`encode_chunk`; None when the chunk holds inf or NaN (the general path leaves them out of the
     error). The error is measured on every value (only the few values ``bf16_to_f16`` rounds can
     differ); the weight's sum of squares, the relative error's denominator, on the tensor's rows

@@ -45,7 +45,9 @@ import numpy.typing as npt
 from formats.checkpoint import TensorRecord
 from formats.errors import LoraShapeError, NonFiniteAdapterError
 
-from .kernels import BF16, PIECE, count_f16_loss, round_float32
+from .kernel_base import BF16, PIECE
+from .kernels import round_float32
+from .kernels_f16 import count_f16_loss
 from .lora_report import MergeStats, _OpStats, sum_sq
 
 __all__ = [
@@ -375,7 +377,7 @@ class TensorMerge:
             stats: accumulates the report figures when given (:func:`sum_sq`); None computes none.
             original_rows: the same rows of the original 16-bit model (for the quantization error).
             f16_loss: optional ``int64[2]``; for float16 output, adds the values each rounding overflowed
-                to inf and the non-zero values it flushed to zero (:func:`convert.kernels.count_f16_loss`).
+                to inf and the non-zero values it flushed to zero (:func:`convert.kernels_f16.count_f16_loss`).
             out: optional C-contiguous ``out_dtype`` array of the result's size to write it into.
 
         Returns:

@@ -30,7 +30,7 @@ from formats.dtypes import DType
 from formats.errors import LoraShapeError, UsageError
 from formats.peft import open_adapter
 
-from .kernels import PIECE
+from .kernel_base import PIECE
 from .lora import ROW_ALIGN, TensorMerge
 from .lora_plan import MergePlan, plan_merge
 from .lora_report import MergeStats

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from formats.bnb import DYNAMIC_MAP_SIGNED
 from formats.errors import NestedOffsetOverflowError
 
-from .kernels import PIECE
+from .kernel_base import PIECE
 from .torch_reduce import TORCH_NUM_THREADS, flat_f32, torch_mean_float32
 
 __all__ = [

@@ -27,7 +27,7 @@ from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 from formats.writeback import bytes_of
 
-from . import kernels
+from . import kernels, kernels_f16
 from .units import format_bytes
 
 __all__ = [
@@ -272,21 +272,21 @@ def cast_run(sources: list[CastSource], dtype: DType) -> np.ndarray:
 
 def _cast(raw: npt.NDArray[np.uint8], stored: DType, dtype: DType, counts: Source) -> np.ndarray:
     """Stored elements (``raw`` bytes of ``stored``) as ``dtype``: a view when the dtypes are the same,
-    else widened to fp32 (exact) and rounded once (bf16 -> fp16: :func:`convert.kernels.bf16_to_f16`, the
+    else widened to fp32 (exact) and rounded once (bf16 -> fp16: :func:`convert.kernels_f16.bf16_to_f16`, the
     same bits); fp16 overflow/underflow counts go to ``counts``."""
     if dtype.code == stored.code:  # a read-only view of the stored elements: no copy
         return raw.view(dtype.numpy)
     flat = raw.view(stored.numpy)
     if stored.name == "bfloat16" and dtype.name == "float16":  # only the few values not exact can be lost
         local = np.zeros(2, dtype=np.int64)
-        out, rounded = kernels.bf16_to_f16(flat, stats=local)
+        out, rounded = kernels_f16.bf16_to_f16(flat, stats=local)
         if rounded.size:
             counts._add_stats(local)
         return out
     out = kernels.round_float32(flat, dtype.name)
     if dtype.name == "float16":
         local = np.zeros(2, dtype=np.int64)
-        kernels.count_f16_loss(flat.astype(np.float32, copy=False), out, local)
+        kernels_f16.count_f16_loss(flat.astype(np.float32, copy=False), out, local)
         counts._add_stats(local)
     return out
 
@@ -578,7 +578,7 @@ class Int8Source(Source):
         x = kernels.dequantize_int8(w, scb, "float32").reshape(-1)
         out = kernels.round_float32(x, "float16")
         local = np.zeros(2, dtype=np.int64)
-        kernels.count_f16_loss(x, out, local)
+        kernels_f16.count_f16_loss(x, out, local)
         self._add_stats(local)
         return out
 

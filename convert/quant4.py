@@ -35,7 +35,7 @@ from formats.bnb import BLOCKSIZES, QUANT_TABLES
 from formats.errors import BlocksizeOptionError, NonFiniteWeightError, QuantTypeOptionError
 
 from .block_reduce import block_max_bits
-from .kernels import PIECE
+from .kernel_base import PIECE
 
 __all__ = [
     "ABSMAX_FLOOR",

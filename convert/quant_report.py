@@ -27,7 +27,8 @@ import numpy.typing as npt
 
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState
 
-from .kernels import PIECE, dequantize_4bit, dequantize_nested_absmax
+from .kernel_base import PIECE
+from .kernels import dequantize_4bit, dequantize_nested_absmax
 from .nested8 import NESTED_BLOCKSIZE
 from .quant4 import iter_block_chunks
 from .quant_layer import QuantizedLayerArrays

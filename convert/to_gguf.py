@@ -23,7 +23,7 @@ from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
 from formats.writeback import PlacedMemory
 
-from . import kernels
+from . import kernels_f16
 from .gguf_encode import SourceTensor, TensorReport, chunks_held
 from .gguf_encode import write_gguf as _write_gguf
 from .gguf_mix import mix_summary
@@ -50,7 +50,7 @@ def _row_reader(
     worker threads (the parallelism is across row chunks, so this never waits on the pool).
 
     ``f16_of_bf16`` (a bfloat16 tensor written as F16): the rows as float16 where the source's 4-bit
-    codes give them exactly (:func:`convert.kernels.dequantize_4bit_f16_of_bf16`; the writer stores
+    codes give them exactly (:func:`convert.kernels_f16.dequantize_4bit_f16_of_bf16`; the writer stores
     those bits, whose error against the bf16 weight is 0), placed at ``place`` modulo 4096 when given
     (:class:`convert.gguf_encode.SourceTensor`), else as bfloat16 (the writer rounds and measures).
     Rows are made in ``memory``, placed for ``place`` either way (rows already in the GGUF type, bf16 ->
@@ -64,7 +64,7 @@ def _row_reader(
         flat = memory.empty((spans[-1][1] - a0) * 2, 0 if place is None else place).view(np.float16)
         for s, e in spans:
             c = src.codes_4bit(s, e)
-            if c is None or kernels.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize,
+            if c is None or kernels_f16.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize,
                                                                  e - s, out=flat[s - a0 : e - a0]) is None:
                 return None
         return flat

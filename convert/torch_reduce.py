@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import PIECE
+from .kernel_base import PIECE
 
 __all__ = [
     "TORCH_GRAIN_SIZE",

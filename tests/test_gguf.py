@@ -1086,22 +1086,22 @@ def test_gguf_error_sample_is_a_fixed_grid_and_float_types_are_exact(tmp_path):
 
 def test_gguf_f16_of_bf16_layers_from_the_tables_equals_rounding_their_bf16(tmp_path, monkeypatch):
     """gguf:f16 of a bnb model with bf16 layers takes each 4-bit layer's float16 straight from the kernel's
-    tables where every value is exact (kernels.dequantize_4bit_f16_of_bf16 of Dequant4Source.codes_4bit):
+    tables where every value is exact (kernels_f16.dequantize_4bit_f16_of_bf16 of Dequant4Source.codes_4bit):
     the same file, byte for byte, as producing bf16 and rounding it to F16 (the route taken where a source
     cannot)."""
-    from convert import kernels
+    from convert import kernels_f16
     from convert.cli import main
     from convert.plan import Dequant4Source
 
     calls = []
-    real = kernels.dequantize_4bit_f16_of_bf16
+    real = kernels_f16.dequantize_4bit_f16_of_bf16
 
     def spy(*args, **kwargs):
         got = real(*args, **kwargs)
         calls.append(got is not None)
         return got
 
-    monkeypatch.setattr(kernels, "dequantize_4bit_f16_of_bf16", spy)
+    monkeypatch.setattr(kernels_f16, "dequantize_4bit_f16_of_bf16", spy)
     fast = tmp_path / "fast.gguf"
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(fast), "-q"]) == 0
     assert sum(calls) >= 14, calls  # every 4-bit layer of the two blocks (7 each) took the tables

@@ -370,7 +370,7 @@ def test_report_chunked_equals_whole() -> None:
 def test_report_on_a_sample_measures_the_fixed_grid_pieces() -> None:
     """sample=k measures the error and zero share on grid pieces 0, k, 2k, ... of the flat weight (the same
     pieces however it is chunked) and every outlier block wherever it is: the figures of those elements."""
-    from convert.kernels import PIECE
+    from convert.kernel_base import PIECE
     from convert.quant_report import ReportAccumulator, stored_nbytes
 
     rng = np.random.default_rng(3)
@@ -504,7 +504,7 @@ def test_nested_statistics_equal_double_quantize_absmax(n: int) -> None:
 def test_blockwise_absmax_of_16_bit_patterns(dtype: str) -> None:
     """The 16-bit path (max of the sign-cleared bit patterns) equals max |x| in float32 on every finite
     pattern (subnormals, -0, the largest values), with a partial last block; inf and NaN raise QNT-003."""
-    from convert.kernels import BF16
+    from convert.kernel_base import BF16
     from convert.quant4 import blockwise_absmax
     from formats.errors import NonFiniteWeightError
 
