@@ -65,7 +65,7 @@ def _row_reader(
         for s, e in spans:
             c = src.codes_4bit(s, e)
             if c is None or kernels_f16.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize,
-                                                                 e - s, out=flat[s - a0 : e - a0]) is None:
+                                                                     e - s, out=flat[s - a0 : e - a0]) is None:
                 return None
         return flat
 
