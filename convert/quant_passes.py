@@ -197,9 +197,8 @@ class AbsmaxPass:
         """Keep ``am`` (the whole layer's) as :attr:`cached` if the budget allows, in the weight's 16-bit dtype
         when that holds it exactly."""
         kept: np.ndarray = am
-        dt = self.layer.dtype.numpy
-        if dt.itemsize == 2 and dt.kind in "fV":  # float16, or ml_dtypes' bfloat16 (kind "V")
-            compact = am.astype(dt)
+        if self.layer.dtype.name in ("bfloat16", "float16"):
+            compact = am.astype(self.layer.dtype.numpy)
             if np.array_equal(compact.astype(np.float32), am):
                 kept = compact
         if self.budget.take(kept.nbytes):
