@@ -46,9 +46,8 @@ from __future__ import annotations
 import errno
 import functools
 import math
-import multiprocessing
+import multiprocessing.context
 import os
-import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -64,6 +63,7 @@ from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 from formats.writeback import IN_PLACE_WRITES, PlacedMemory
 
+from . import signals
 from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
@@ -342,10 +342,20 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     return _Chunk(data, max_err, sq_err, sq_ref, counted, (int(loss[0]), int(loss[1])))
 
 
-def _ignore_sigint() -> None:
-    """An encoder process leaves Ctrl-C to the converting process, which stops the pool (no traceback
-    per worker; each finishes its chunk and exits when the pool shuts down)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+class _EncoderProcess(multiprocessing.context.SpawnProcess):
+    """A spawned encoder process that never receives SIGINT or the stop signals (:func:`convert.signals.blocked`):
+    Ctrl-C goes to the converting process, which stops the pool (each worker finishes its chunk and exits)."""
+
+    def start(self) -> None:
+        with signals.blocked():
+            super().start()
+
+
+class _EncoderContext(multiprocessing.context.SpawnContext):
+    """``spawn``, not ``fork`` (the converting process has threads: fork would copy their locks mid-use),
+    with :class:`_EncoderProcess` workers."""
+
+    Process = _EncoderProcess
 
 
 def encoder_processes(tensors: Iterable[GGUFTensor], threads: int) -> int:
@@ -441,9 +451,7 @@ def write_gguf(
         memory = PlacedMemory(keep=chunks_held(workers))
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
-        # spawned, not forked: this process has threads (fork would copy their locks mid-use)
-        procs = ProcessPoolExecutor(n_procs, mp_context=multiprocessing.get_context("spawn"),
-                                    initializer=_ignore_sigint) if n_procs else None
+        procs = ProcessPoolExecutor(n_procs, mp_context=_EncoderContext()) if n_procs else None
         # chunks of every tensor flow through the pool as one stream (the workers never wait at a tensor's
         # end), written in order; None marks a tensor's end: its report, end_tensor() and done() then
         pending: deque[tuple[Future[_Chunk] | None, _Figures]] = deque()

@@ -17,6 +17,13 @@ and a second Ctrl-C would only cut its clean-up (a thread pool's shutdown, the c
 one-line report. :func:`settle` ignores them for good once the run has ended (Python resets its own
 handlers to the default while it shuts down, where SIGTERM would kill the process without a word).
 
+Worker processes are started inside :func:`blocked`: they inherit a mask holding SIGINT and
+:data:`STOP_SIGNALS` from their first instruction, so a terminal's Ctrl-C (sent to the whole process
+group) reaches only this process, which stops the workers itself. Ignoring the signal in the worker
+once it runs is too late: a spawned worker imports NumPy and this package first, and a signal there
+printed a ``KeyboardInterrupt`` traceback per worker and could leave the pool waiting for ever on the
+dead worker (CPython gh-94777, Python 3.11.2).
+
 The state is process-wide because signal handlers are: one :class:`_Gate`, used only from the main
 thread (Python runs handlers there). Only the standard library is imported: the handlers are
 installed before anything heavy is.
@@ -31,7 +38,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["STOP_SIGNALS", "deferred", "install", "restore", "settle", "stop_signals"]
+__all__ = ["STOP_SIGNALS", "blocked", "deferred", "install", "restore", "settle", "stop_signals"]
 
 #: Signals that stop a run as SIGINT does (exit 130, the temporary removed): SIGTERM, and SIGHUP where it
 #: exists (the terminal closed), by name (Windows has no SIGHUP).
@@ -122,3 +129,19 @@ def deferred(drop: bool = False) -> Iterator[None]:
         signum, _GATE.pending = _GATE.pending, None
         if not drop:
             raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def blocked() -> Iterator[None]:
+    """Block SIGINT and :data:`STOP_SIGNALS` in the calling thread during the block (the kernel holds them
+    for the process: another thread, the main one, takes a process-wide signal at once). A process
+    started in the block inherits the mask through ``fork`` and ``exec`` and never receives them (the
+    way CPython starts its resource tracker); nothing is blocked where ``pthread_sigmask`` is missing."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *stop_signals()})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

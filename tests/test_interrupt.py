@@ -186,3 +186,43 @@ def test_a_signal_after_the_commit_says_the_output_is_complete(sig: int, tmp_pat
     assert (proc.returncode, err) == (130, f"convert-bnb: interrupted after the output was complete: {out}\n")
     assert sorted(p.name for p in out.parent.iterdir()) == ["o.safetensors"]
     check_output(src, out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_terminal_ctrl_c_while_gguf_encoder_processes_start_is_one_line_and_exit_130(
+    sig: int, tmp_path: Path
+) -> None:
+    """A terminal's Ctrl-C goes to the whole process group: here while a spawned K-quant encoder process
+    is still importing (the harness holds it in NumPy's import; encoder processes forced on the small
+    fixture). The workers used to die there with a KeyboardInterrupt traceback each, and on Python
+    3.11.2 the pool could wait for the dead worker for ever (CPython gh-94777); now they are started
+    with the stop signals blocked (convert.signals.blocked), and only the converting process stops."""
+    marker = tmp_path / "pid"
+    out = tmp_path / "out" / "m.gguf"
+    wrapper = ("import sys\nfrom convert import gguf_encode\ngguf_encode.PROCESS_MIN_ELEMENTS = 0\n"
+               "from convert.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'harness'}{os.pathsep}{ROOT}",
+           "CONVERT_BNB_TEST_PAUSE": f"worker-import:numpy:{marker}"}
+    src = ROOT / "tests" / "fixtures" / "models" / "llama_nf4_dq"
+    before = digest(src)
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, str(src), "--to", "gguf:q4_k_m", "--threads", "2",
+                             "-o", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
+        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        worker = int(marker.read_text())
+        assert worker != proc.pid
+        os.killpg(proc.pid, sig)  # the whole group, as a terminal does
+        time.sleep(0.2)  # (delivered while the worker's import is held)
+        (tmp_path / "pid.go").touch()
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert (proc.returncode, stdout, err) == (130, "", "convert-bnb: interrupted; no output was left behind\n")
+    assert list(out.parent.iterdir()) == []
+    assert digest(src) == before

@@ -4,7 +4,8 @@
 With NAME ``import``, the process stops while POINT (a module name, e.g. ``convert.cli``, or
 ``datetime``, which NumPy's C extension imports) is being imported: it writes its pid to MARKER and
 sleeps until the file MARKER.go exists, so a test can signal a command during start-up and then let
-the import finish.
+the import finish. With NAME ``worker-import``, the same, but only in a spawned ``multiprocessing``
+worker (its command line ends with ``--multiprocessing-fork``), e.g. a GGUF encoder process.
 
 Otherwise the worker of job NAME stops at POINT: after its N-th finished shard is recorded in the resumable
 staging ledger (POINT is the number N), or right after its output is committed (POINT is ``commit``,
@@ -67,9 +68,10 @@ if _SPEC:
                 _hold(until_go=True)
             return None
 
-    if _name == "import":
+    if _name in ("import", "worker-import"):
         import sys
 
-        sys.meta_path.insert(0, _PauseOnImport())  # type: ignore[arg-type]
+        if _name == "import" or sys.argv[-1:] == ["--multiprocessing-fork"]:
+            sys.meta_path.insert(0, _PauseOnImport())  # type: ignore[arg-type]
     else:
         _install()
