@@ -46,8 +46,10 @@ from __future__ import annotations
 import errno
 import functools
 import math
+import multiprocessing.connection
 import multiprocessing.context
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -344,11 +346,26 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
 
 class _EncoderProcess(multiprocessing.context.SpawnProcess):
     """A spawned encoder process that never receives SIGINT or the stop signals (:func:`convert.signals.blocked`):
-    Ctrl-C goes to the converting process, which stops the pool (each worker finishes its chunk and exits)."""
+    Ctrl-C goes to the converting process, which stops the pool (each worker finishes its chunk and exits).
+    A worker whose converting process is gone (killed with SIGKILL) exits too: without that it waited for
+    ever on its queues, which it holds both ends of."""
 
     def start(self) -> None:
         with signals.blocked():
             super().start()
+
+    def run(self) -> None:
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            threading.Thread(target=_exit_with, args=(parent.sentinel,), name="convert-bnb-parent", daemon=True).start()
+        super().run()
+
+
+def _exit_with(sentinel: int) -> None:
+    """End this process as soon as the process behind ``sentinel`` (its parent's, ready when the parent is gone)
+    has ended."""
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 class _EncoderContext(multiprocessing.context.SpawnContext):

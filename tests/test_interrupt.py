@@ -27,6 +27,7 @@ from .fuzzing import check_output
 from .malformed import layer, model_dir, st_bytes, write
 
 ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "tests" / "fixtures" / "models"
 SHAPE = (2048, 4096)
 SLOW = """
 import sys, time
@@ -188,33 +189,52 @@ def test_a_signal_after_the_commit_says_the_output_is_complete(sig: int, tmp_pat
     check_output(src, out)
 
 
+ENCODER_WRAPPER = ("import sys\nfrom convert import gguf_encode\ngguf_encode.PROCESS_MIN_ELEMENTS = 0\n"
+                   "from convert.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+
+
+def start_gguf_with_a_held_worker(tmp_path: Path) -> tuple[subprocess.Popen[str], int, Path]:
+    """``--to gguf:q4_k_m --threads 2`` of the small fixture with encoder processes forced, in a process group
+    of its own; returns once the harness holds the first spawned encoder in its NumPy import, with that
+    worker's pid (the test touches ``pid.go`` to let it go on)."""
+    marker = tmp_path / "pid"
+    out = tmp_path / "out" / "m.gguf"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'harness'}{os.pathsep}{ROOT}",
+           "CONVERT_BNB_TEST_PAUSE": f"worker-import:numpy:{marker}"}
+    proc = subprocess.Popen([sys.executable, "-c", ENCODER_WRAPPER, str(MODELS / "llama_nf4_dq"), "--to", "gguf:q4_k_m",
+                             "--threads", "2", "-o", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the conversion ended before its encoder started: {proc.communicate()}")
+        time.sleep(0.01)
+    worker = int(marker.read_text())
+    assert worker != proc.pid
+    return proc, worker, out
+
+
+def ended(pid: int) -> bool:
+    """The process is gone, or a zombie (it has exited; whoever adopted it has not reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_terminal_ctrl_c_while_gguf_encoder_processes_start_is_one_line_and_exit_130(
     sig: int, tmp_path: Path
 ) -> None:
     """A terminal's Ctrl-C goes to the whole process group: here while a spawned K-quant encoder process
-    is still importing (the harness holds it in NumPy's import; encoder processes forced on the small
-    fixture). The workers used to die there with a KeyboardInterrupt traceback each, and on Python
-    3.11.2 the pool could wait for the dead worker for ever (CPython gh-94777); now they are started
-    with the stop signals blocked (convert.signals.blocked), and only the converting process stops."""
-    marker = tmp_path / "pid"
-    out = tmp_path / "out" / "m.gguf"
-    wrapper = ("import sys\nfrom convert import gguf_encode\ngguf_encode.PROCESS_MIN_ELEMENTS = 0\n"
-               "from convert.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'harness'}{os.pathsep}{ROOT}",
-           "CONVERT_BNB_TEST_PAUSE": f"worker-import:numpy:{marker}"}
-    src = ROOT / "tests" / "fixtures" / "models" / "llama_nf4_dq"
+    is still importing (the harness holds it in NumPy's import). The workers used to die there with a
+    KeyboardInterrupt traceback each, and on Python 3.11.2 the pool could wait for the dead worker for
+    ever (CPython gh-94777); now they are started with the stop signals blocked
+    (convert.signals.blocked), and only the converting process stops."""
+    src = MODELS / "llama_nf4_dq"
     before = digest(src)
-    proc = subprocess.Popen([sys.executable, "-c", wrapper, str(src), "--to", "gguf:q4_k_m", "--threads", "2",
-                             "-o", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc, _, out = start_gguf_with_a_held_worker(tmp_path)
     try:
-        deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
-        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.01)
-        worker = int(marker.read_text())
-        assert worker != proc.pid
         os.killpg(proc.pid, sig)  # the whole group, as a terminal does
         time.sleep(0.2)  # (delivered while the worker's import is held)
         (tmp_path / "pid.go").touch()
@@ -226,3 +246,24 @@ def test_a_terminal_ctrl_c_while_gguf_encoder_processes_start_is_one_line_and_ex
     assert (proc.returncode, stdout, err) == (130, "", "convert-bnb: interrupted; no output was left behind\n")
     assert list(out.parent.iterdir()) == []
     assert digest(src) == before
+
+
+def test_gguf_encoder_processes_end_when_the_converting_process_is_killed(tmp_path: Path) -> None:
+    """SIGKILL to the converting process alone (the OOM killer): its encoder processes used to wait for
+    ever on their queues (they hold both ends), each holding its memory; now each exits when its parent
+    is gone."""
+    proc, worker, _ = start_gguf_with_a_held_worker(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(timeout=60)  # (not communicate: the worker holds the same stdout and stderr)
+        (tmp_path / "pid.go").touch()
+        deadline = time.monotonic() + 60  # a guard against a broken test, not a speed check
+        while not ended(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ended(worker)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # (what is left of the group, if the test failed)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
