@@ -607,8 +607,9 @@ def reference_int8(inp: dict[str, Raw], name: str, out_code: str) -> Raw:
     scb = _floats(inp[name[: -len(".weight")] + ".SCB"])
     with np.errstate(all="ignore"):
         y = ((w * scb[:, None]).astype(np.float32) * np.float32(7.874015718698502e-3)).astype(np.float32)
-    out_name = {v: k for k, v in _OUT_CODE.items()}[out_code]
-    return (out_code, list(shape), y.astype(_ROUND[out_name]).tobytes())
+        out_name = {v: k for k, v in _OUT_CODE.items()}[out_code]
+        y = y.astype(_ROUND[out_name])  # (to float16: overflow to inf is the IEEE result, as the converter's)
+    return (out_code, list(shape), y.tobytes())
 
 
 def read_input(src: Path) -> dict[str, Raw]:
