@@ -346,13 +346,19 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
 
 class _EncoderProcess(multiprocessing.context.SpawnProcess):
     """A spawned encoder process that never receives SIGINT or the stop signals (:func:`convert.signals.blocked`):
-    Ctrl-C goes to the converting process, which stops the pool (each worker finishes its chunk and exits).
+    Ctrl-C goes to the converting process, which stops the pool (each worker finishes its chunk and exits);
+    the pool ends a worker by SIGKILL (:meth:`terminate`).
     A worker whose converting process is gone (killed with SIGKILL) exits too: without that it waited for
     ever on its queues, which it holds both ends of."""
 
     def start(self) -> None:
         with signals.blocked():
             super().start()
+
+    def terminate(self) -> None:
+        """SIGKILL: the pool terminates its other workers when one has died (a broken pool), and SIGTERM
+        would stay blocked here, the pool waiting for ever to join them."""
+        self.kill()
 
     def run(self) -> None:
         parent = multiprocessing.parent_process()
@@ -468,7 +474,8 @@ def write_gguf(
         memory = PlacedMemory(keep=chunks_held(workers))
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
-        procs = ProcessPoolExecutor(n_procs, mp_context=_EncoderContext()) if n_procs else None
+        with signals.blocked():  # (the resource tracker CPython starts for the pool's queues inherits it too)
+            procs = ProcessPoolExecutor(n_procs, mp_context=_EncoderContext()) if n_procs else None
         # chunks of every tensor flow through the pool as one stream (the workers never wait at a tensor's
         # end), written in order; None marks a tensor's end: its report, end_tensor() and done() then
         pending: deque[tuple[Future[_Chunk] | None, _Figures]] = deque()

@@ -214,6 +214,20 @@ def start_gguf_with_a_held_worker(tmp_path: Path) -> tuple[subprocess.Popen[str]
     return proc, worker, out
 
 
+def spawned_workers(parent: int) -> list[int]:
+    """The pids of ``parent``'s multiprocessing workers (command line ending in ``--multiprocessing-fork``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and cmdline.endswith(b"--multiprocessing-fork\0"):
+            found.append(int(stat.parent.name))
+    return found
+
+
 def ended(pid: int) -> bool:
     """The process is gone, or a zombie (it has exited; whoever adopted it has not reaped it yet)."""
     try:
@@ -222,7 +236,7 @@ def ended(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_terminal_ctrl_c_while_gguf_encoder_processes_start_is_one_line_and_exit_130(
     sig: int, tmp_path: Path
 ) -> None:
@@ -230,7 +244,9 @@ def test_a_terminal_ctrl_c_while_gguf_encoder_processes_start_is_one_line_and_ex
     is still importing (the harness holds it in NumPy's import). The workers used to die there with a
     KeyboardInterrupt traceback each, and on Python 3.11.2 the pool could wait for the dead worker for
     ever (CPython gh-94777); now they are started with the stop signals blocked
-    (convert.signals.blocked), and only the converting process stops."""
+    (convert.signals.blocked), and only the converting process stops. SIGHUP (the terminal closed) also
+    used to kill CPython's resource tracker (it ignores only SIGINT and SIGTERM), whose relaunch printed a
+    warning and KeyError tracebacks; it is started with the signals blocked too."""
     src = MODELS / "llama_nf4_dq"
     before = digest(src)
     proc, _, out = start_gguf_with_a_held_worker(tmp_path)
@@ -267,3 +283,25 @@ def test_gguf_encoder_processes_end_when_the_converting_process_is_killed(tmp_pa
         except ProcessLookupError:
             pass
         proc.communicate()
+
+
+def test_a_killed_gguf_encoder_process_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    """One encoder process SIGKILLed (the OOM killer) while the other runs: the pool, broken, terminates the
+    other, which blocks SIGTERM, so the run used to wait for ever to join it; now the pool's terminate is a
+    SIGKILL and the run ends with exit 2 and one line, its temporary removed."""
+    proc, held, out = start_gguf_with_a_held_worker(tmp_path)
+    try:
+        deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
+        while len(spawned_workers(proc.pid)) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        assert held in spawned_workers(proc.pid) and len(spawned_workers(proc.pid)) == 2
+        os.kill(held, signal.SIGKILL)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1 and "a GGUF encoder process ended abruptly" in err, err
+    assert list(out.parent.iterdir()) == []
