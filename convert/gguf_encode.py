@@ -518,8 +518,22 @@ def write_gguf(
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
             if procs is not None:
+                _unblock_broken(procs)
                 procs.shutdown(wait=True, cancel_futures=True)
     return reports
+
+
+def _unblock_broken(procs: ProcessPoolExecutor) -> None:
+    """Let a broken pool (a worker killed) shut down on Pythons without CPython's fix of gh-94777 (Debian
+    12's 3.11.2): its manager thread waits for the call queue's feeder thread, which waits for ever to write
+    a chunk into the pipe to the dead workers, whose read end this process still holds. Closing that end
+    (what ``terminate_broken`` does itself since the fix; closing twice is harmless) makes the write fail
+    and the shutdown finish. The executor's private attributes, looked up defensively: where they differ,
+    nothing is done."""
+    if getattr(procs, "_broken", False):
+        reader = getattr(getattr(procs, "_call_queue", None), "_reader", None)
+        if reader is not None:
+            reader.close()
 
 
 class _Figures:
