@@ -43,6 +43,7 @@ GGUF-011  a weight quantized to a block type (Q8_0, Q4_K, ...) holds no inf or N
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import functools
 import math
@@ -283,11 +284,24 @@ def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], me
     """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
     if procs is not None and ggml_type in SEARCH_TYPES:
         try:
-            return procs.submit(encode_chunk, ggml_type, x, measure, None, sample, start).result()  # waits, GIL free
+            return _result(procs, procs.submit(encode_chunk, ggml_type, x, measure, None, sample, start))
         except BrokenProcessPool as exc:  # killed from outside (the OOM killer, a signal): not a bug here
             raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
                                     "memory?); run again, with less --max-memory or --threads 1") from exc
     return encode_chunk(ggml_type, x, measure, None, sample, start)
+
+
+def _result(procs: Executor, fut: Future[_Chunk]) -> _Chunk:
+    """``fut.result()`` (waiting with the GIL released), or BrokenProcessPool once ``procs`` is broken and
+    ``fut`` is still not done a second later: on CPython 3.11 a ``submit`` can race the pool's breakage
+    (``terminate_broken`` fails the pending work without the lock ``submit`` holds) and leave a future
+    that nothing completes. ``_broken`` is the executor's private flag, looked up defensively."""
+    while True:
+        try:
+            return fut.result(timeout=1.0)
+        except concurrent.futures.TimeoutError:
+            if getattr(procs, "_broken", False) and not fut.done():
+                raise BrokenProcessPool("the encoder pool broke while this chunk was being submitted") from None
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,

@@ -305,3 +305,24 @@ def test_a_killed_gguf_encoder_process_ends_the_run_with_one_line(tmp_path: Path
     assert proc.returncode == 2, err
     assert err.count("\n") == 1 and "a GGUF encoder process ended abruptly" in err, err
     assert list(out.parent.iterdir()) == []
+
+
+def test_a_chunk_submitted_as_the_encoder_pool_breaks_does_not_wait_for_ever() -> None:
+    """CPython 3.11's pool can lose a future submitted while it breaks (its ``terminate_broken`` fails the
+    pending work without the lock ``submit`` holds); the chunk's wait then ends in BrokenProcessPool once
+    the pool says it is broken, instead of never (a hang seen once in ~120 runs with a worker SIGKILLed)."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    from convert.gguf_encode import _result
+
+    class Broken:
+        _broken = "A child process terminated abruptly"
+
+    start = time.monotonic()
+    with pytest.raises(BrokenProcessPool, match="broke while this chunk was being submitted"):
+        _result(Broken(), Future())  # type: ignore[arg-type]
+    assert time.monotonic() - start < 30  # a guard against a hang, not a speed check
+    done: Future[int] = Future()
+    done.set_result(7)
+    assert _result(Broken(), done) == 7  # type: ignore[arg-type]
