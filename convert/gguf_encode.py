@@ -26,7 +26,8 @@ array of a source given whole (generated tensors: a few KiB). Steps 3-4 of the t
 searches (the K-quants and IQ4_NL, tens of NumPy passes per value) run in ``processes`` worker processes when asked
 (:func:`encoder_processes`): NumPy releases the GIL only inside each call, and the searches make
 many small calls, so two threads give them 1.4x where two processes give them nearly 2x. A chunk is
-sent to a process as float32 (pickled, 4 bytes a weight) and comes back encoded, with its error.
+sent to a process as float32 (pickled, 4 bytes a weight) and comes back encoded, with its error; how
+those processes start, take signals and stop is :mod:`convert.encoder_pool`'s.
 
 Rules raised here (see docs/errors.md):
 
@@ -43,18 +44,12 @@ GGUF-011  a weight quantized to a block type (Q8_0, Q4_K, ...) holds no inf or N
 
 from __future__ import annotations
 
-import concurrent.futures
-import errno
 import functools
 import math
-import multiprocessing.connection
-import multiprocessing.context
 import os
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,7 +61,7 @@ from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 from formats.writeback import IN_PLACE_WRITES, PlacedMemory
 
-from . import signals
+from . import encoder_pool
 from .codec_base import abs_max, sum_squares
 from .ggml_codecs import CODECS, codec
 from .gguf_arch import permutation
@@ -181,7 +176,7 @@ class _Chunk:
 
 def _convert_chunk(
     t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int,
-    procs: Executor | None, sample: int, place: int | None, memory: PlacedMemory,
+    procs: ProcessPoolExecutor | None, sample: int, place: int | None, memory: PlacedMemory,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
     encode, measure the added error (of a block type: on one piece in ``sample`` of the tensor; float
@@ -280,28 +275,11 @@ def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray |
 
 
 def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sample: int,
-            start: int, procs: Executor | None) -> _Chunk:
+            start: int, procs: ProcessPoolExecutor | None) -> _Chunk:
     """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
     if procs is not None and ggml_type in SEARCH_TYPES:
-        try:
-            return _result(procs, procs.submit(encode_chunk, ggml_type, x, measure, None, sample, start))
-        except BrokenProcessPool as exc:  # killed from outside (the OOM killer, a signal): not a bug here
-            raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
-                                    "memory?); run again, with less --max-memory or --threads 1") from exc
+        return encoder_pool.call(procs, encode_chunk, ggml_type, x, measure, None, sample, start)
     return encode_chunk(ggml_type, x, measure, None, sample, start)
-
-
-def _result(procs: Executor, fut: Future[_Chunk]) -> _Chunk:
-    """``fut.result()`` (waiting with the GIL released), or BrokenProcessPool once ``procs`` is broken and
-    ``fut`` is still not done a second later: on CPython 3.11 a ``submit`` can race the pool's breakage
-    (``terminate_broken`` fails the pending work without the lock ``submit`` holds) and leave a future
-    that nothing completes. ``_broken`` is the executor's private flag, looked up defensively."""
-    while True:
-        try:
-            return fut.result(timeout=1.0)
-        except concurrent.futures.TimeoutError:
-            if getattr(procs, "_broken", False) and not fut.done():
-                raise BrokenProcessPool("the encoder pool broke while this chunk was being submitted") from None
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
@@ -356,43 +334,6 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     if ggml_type == GT.F16:
         count_f16_loss(np.asarray(x, dtype=np.float32), data.view(np.float16).reshape(x.shape), loss)
     return _Chunk(data, max_err, sq_err, sq_ref, counted, (int(loss[0]), int(loss[1])))
-
-
-class _EncoderProcess(multiprocessing.context.SpawnProcess):
-    """A spawned encoder process that never receives SIGINT or the stop signals (:func:`convert.signals.blocked`):
-    Ctrl-C goes to the converting process, which stops the pool (each worker finishes its chunk and exits);
-    the pool ends a worker by SIGKILL (:meth:`terminate`).
-    A worker whose converting process is gone (killed with SIGKILL) exits too: without that it waited for
-    ever on its queues, which it holds both ends of."""
-
-    def start(self) -> None:
-        with signals.blocked():
-            super().start()
-
-    def terminate(self) -> None:
-        """SIGKILL: the pool terminates its other workers when one has died (a broken pool), and SIGTERM
-        would stay blocked here, the pool waiting for ever to join them."""
-        self.kill()
-
-    def run(self) -> None:
-        parent = multiprocessing.parent_process()
-        if parent is not None:
-            threading.Thread(target=_exit_with, args=(parent.sentinel,), name="convert-bnb-parent", daemon=True).start()
-        super().run()
-
-
-def _exit_with(sentinel: int) -> None:
-    """End this process as soon as the process behind ``sentinel`` (its parent's, ready when the parent is gone)
-    has ended."""
-    multiprocessing.connection.wait([sentinel])
-    os._exit(1)
-
-
-class _EncoderContext(multiprocessing.context.SpawnContext):
-    """``spawn``, not ``fork`` (the converting process has threads: fork would copy their locks mid-use),
-    with :class:`_EncoderProcess` workers."""
-
-    Process = _EncoderProcess
 
 
 def encoder_processes(tensors: Iterable[GGUFTensor], threads: int) -> int:
@@ -488,8 +429,7 @@ def write_gguf(
         memory = PlacedMemory(keep=chunks_held(workers))
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
-        with signals.blocked():  # (the resource tracker CPython starts for the pool's queues inherits it too)
-            procs = ProcessPoolExecutor(n_procs, mp_context=_EncoderContext()) if n_procs else None
+        procs = encoder_pool.start(n_procs) if n_procs else None
         # chunks of every tensor flow through the pool as one stream (the workers never wait at a tensor's
         # end), written in order; None marks a tensor's end: its report, end_tensor() and done() then
         pending: deque[tuple[Future[_Chunk] | None, _Figures]] = deque()
@@ -532,22 +472,8 @@ def write_gguf(
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
             if procs is not None:
-                _unblock_broken(procs)
-                procs.shutdown(wait=True, cancel_futures=True)
+                encoder_pool.stop(procs)
     return reports
-
-
-def _unblock_broken(procs: ProcessPoolExecutor) -> None:
-    """Let a broken pool (a worker killed) shut down on Pythons without CPython's fix of gh-94777 (Debian
-    12's 3.11.2): its manager thread waits for the call queue's feeder thread, which waits for ever to write
-    a chunk into the pipe to the dead workers, whose read end this process still holds. Closing that end
-    (what ``terminate_broken`` does itself since the fix; closing twice is harmless) makes the write fail
-    and the shutdown finish. The executor's private attributes, looked up defensively: where they differ,
-    nothing is done."""
-    if getattr(procs, "_broken", False):
-        reader = getattr(getattr(procs, "_call_queue", None), "_reader", None)
-        if reader is not None:
-            reader.close()
 
 
 class _Figures:
@@ -581,7 +507,7 @@ def _chunk_tasks(
     rec: SourceTensor | None,
     plan: GGUFPlan,
     chunk_elements: int,
-    procs: Executor | None,
+    procs: ProcessPoolExecutor | None,
     path: str,
     sample: int,
     at: int,

@@ -1182,7 +1182,7 @@ def test_encoder_processes_write_the_same_bytes_as_threads(tmp_path, monkeypatch
     """K-quant chunks encoded in spawned worker processes (forced here on the small fixture) give the
     file byte for byte, and the same error report (to float32 rounding), as one thread encoding them; Q3_K_M mixes
     Q3_K/Q4_K/Q5_K/Q6_K, Q4_0 fallbacks and unquantized tensors."""
-    from convert import gguf_encode
+    from convert import encoder_pool, gguf_encode
     from convert.cli import main
 
     one = tmp_path / "one.gguf"
@@ -1190,13 +1190,13 @@ def test_encoder_processes_write_the_same_bytes_as_threads(tmp_path, monkeypatch
     want = json.loads(capsys.readouterr().out)
     monkeypatch.setattr(gguf_encode, "PROCESS_MIN_ELEMENTS", 0)
     spawned: list[int] = []
-    real = gguf_encode.ProcessPoolExecutor
+    real = encoder_pool.ProcessPoolExecutor
 
     def counting(n, **kw):
         spawned.append(n)
         return real(n, **kw)
 
-    monkeypatch.setattr(gguf_encode, "ProcessPoolExecutor", counting)
+    monkeypatch.setattr(encoder_pool, "ProcessPoolExecutor", counting)
     two = tmp_path / "two.gguf"
     assert main([str(FIXTURE), "--to", "gguf:q3_k_m", "-o", str(two), "--threads", "2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)

@@ -217,21 +217,26 @@ def start_gguf_with_a_held_worker(tmp_path: Path) -> tuple[subprocess.Popen[str]
 def spawned_workers(parent: int) -> list[int]:
     """The pids of ``parent``'s multiprocessing workers (command line ending in ``--multiprocessing-fork``)."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
+            ppid = int(stat_fields(proc)[1])
+            cmdline = (proc / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
         if ppid == parent and cmdline.endswith(b"--multiprocessing-fork\0"):
-            found.append(int(stat.parent.name))
+            found.append(int(proc.name))
     return found
+
+
+def stat_fields(proc: Path) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: state, ppid, ..."""
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()
 
 
 def ended(pid: int) -> bool:
     """The process is gone, or a zombie (it has exited; whoever adopted it has not reaped it yet)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return stat_fields(Path(f"/proc/{pid}"))[0] == "Z"
     except FileNotFoundError:
         return True
 
@@ -314,15 +319,23 @@ def test_a_chunk_submitted_as_the_encoder_pool_breaks_does_not_wait_for_ever() -
     from concurrent.futures import Future
     from concurrent.futures.process import BrokenProcessPool
 
-    from convert.gguf_encode import _result
+    from convert import encoder_pool
 
     class Broken:
         _broken = "A child process terminated abruptly"
 
+        def __init__(self, fut: Future[int]) -> None:
+            self.fut = fut
+
+        def submit(self, fn: object, *args: object) -> Future[int]:
+            return self.fut
+
     start = time.monotonic()
-    with pytest.raises(BrokenProcessPool, match="broke while this chunk was being submitted"):
-        _result(Broken(), Future())  # type: ignore[arg-type]
+    with pytest.raises(ChildProcessError, match="a GGUF encoder process ended abruptly") as caught:
+        encoder_pool.call(Broken(Future()), print)  # type: ignore[arg-type]
+    assert isinstance(caught.value.__cause__, BrokenProcessPool)
+    assert "broke while this chunk was being submitted" in str(caught.value.__cause__)
     assert time.monotonic() - start < 30  # a guard against a hang, not a speed check
     done: Future[int] = Future()
     done.set_result(7)
-    assert _result(Broken(), done) == 7  # type: ignore[arg-type]
+    assert encoder_pool.call(Broken(done), print) == 7  # type: ignore[arg-type]
