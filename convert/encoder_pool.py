@@ -12,7 +12,8 @@ how they start, take signals, are waited on and stop.
 - **Orphans**: a worker exits as soon as its converting process is gone (killed with SIGKILL); it
   would otherwise wait for ever on queues it holds both ends of.
 - **A worker killed from outside** (the OOM killer): the pool breaks, ends the other workers by
-  SIGKILL (SIGTERM stays blocked in them), and :func:`call` raises ``ChildProcessError``; two races
+  SIGKILL (SIGTERM stays blocked in them), and :func:`call` raises
+  :class:`~formats.errors.EncoderProcessError` (one line from the CLI, exit 2); two races
   of CPython 3.11's executor are worked around (:func:`call`, :func:`stop`), through its private
   attributes read defensively (where they differ, nothing is done).
 """
@@ -20,7 +21,6 @@ how they start, take signals, are waited on and stop.
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import multiprocessing.connection
 import multiprocessing.context
 import os
@@ -29,6 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
+
+from formats.errors import EncoderProcessError
 
 from . import signals
 
@@ -83,8 +85,8 @@ def call(procs: ProcessPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
     lock ``submit`` holds) and leave a future that nothing completes.
 
     Raises:
-        ChildProcessError: a worker ended abruptly (killed from outside, out of memory): ECHILD, with
-            what to do about it.
+        EncoderProcessError: a worker ended abruptly (killed from outside, out of memory), with what to
+            do about it.
     """
     try:
         fut = procs.submit(fn, *args)
@@ -95,8 +97,8 @@ def call(procs: ProcessPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
                 if getattr(procs, "_broken", False) and not fut.done():
                     raise BrokenProcessPool("the encoder pool broke while this chunk was being submitted") from None
     except BrokenProcessPool as exc:  # killed from outside (the OOM killer, a signal): not a bug here
-        raise ChildProcessError(errno.ECHILD, "a GGUF encoder process ended abruptly (killed, or out of "
-                                "memory?); run again, with less --max-memory or --threads 1") from exc
+        raise EncoderProcessError("a GGUF encoder process ended abruptly (killed, or out of memory?)",
+                                  hint="run again, with a lower --max-memory or --threads 1") from exc
 
 
 def stop(procs: ProcessPoolExecutor) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "DiskSpaceError",
     "DuplicateAdapterTargetError",
     "DuplicateTensorError",
+    "EncoderProcessError",
     "FileTooShortError",
     "ForeignFilesError",
     "GgufConfigError",
@@ -1055,6 +1056,14 @@ class GgufNonFiniteError(UnsupportedError):
     default_rule = "GGUF-011"
     advice = ("llama.cpp refuses such a tensor too (ggml_validate_row_data): fix the weight, or write a float "
               "type (gguf:f16, bf16 or f32), which keeps inf and NaN as they are.")
+
+
+class EncoderProcessError(ConvertBnbError, ChildProcessError):
+    """A GGUF encoder worker process ended abruptly (killed from outside: the OOM killer, a signal to it
+    alone). Not a rule of the input: the run's environment, so no rule id; the run's temporary output is
+    removed as for any failed run."""
+
+    advice = "Run again, with a lower --max-memory or --threads 1 (one process, no workers) if memory is short."
 
 
 # -------------------------------------------------------------------------- SentencePiece tokenizers
