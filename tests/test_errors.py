@@ -361,7 +361,7 @@ def test_every_rule_class_is_raised_by_name() -> None:
     # ``grep ClassName`` finds where a rule is checked: the class is named in a ``raise`` (``raise
     # Cls(...)``, or a helper given the class: ``raise _err(Cls, ...)``), in check mode's
     # ``report(Cls(...))`` (which raises it when problems are not collected), or in the return of a
-    # one-rule factory that call sites raise (``return Cls(...)``: peft's ``_bad``, bnb's ``bad``)
+    # one-rule factory that call sites raise (``return Cls(...)``: peft_config's ``_bad``, bnb's ``bad``)
     named: set[str] = set()
     for _, tree in _library_trees():
         for node in ast.walk(tree):

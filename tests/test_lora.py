@@ -21,7 +21,8 @@ import pytest
 from convert.lora import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows
 from convert.lora_plan import plan_merge
 from formats.errors import AdapterError, NonFiniteAdapterError, PatternTimeoutError, UnsupportedError
-from formats.peft import LoraConfig, load_lora_config, open_adapter, parse_adapter_key, parse_lora_config
+from formats.peft import open_adapter, parse_adapter_key
+from formats.peft_config import LoraConfig, load_lora_config, parse_lora_config
 
 from .conftest import FIXTURES, REFERENCES, bits, read_safetensors
 
@@ -406,9 +407,9 @@ def load_lora_config_obj(extra: dict) -> LoraConfig:
 
 def test_pattern_time_limit_counts_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """The budget is per pattern over all module names: many slow-but-finishing matches end as LORA-013 too."""
-    import formats.peft as peft
+    import formats.peft_config as peft_config
 
-    monkeypatch.setattr(peft, "PATTERN_BUDGET", 0.3)
+    monkeypatch.setattr(peft_config, "PATTERN_BUDGET", 0.3)
     cfg = load_lora_config_obj({"target_modules": r"(.|..)+\d\d\d"})
     with pytest.raises(PatternTimeoutError) as e:
         for _ in range(10_000):
@@ -760,7 +761,7 @@ def test_missing_files(tmp_path: Path) -> None:
 
 
 def test_regex_targets_and_layers_to_transform() -> None:
-    from formats.peft import parse_lora_config
+    from formats.peft_config import parse_lora_config
 
     c = parse_lora_config({"peft_type": "LORA", "target_modules": r".*layers\.1\.self_attn\.(q|v)_proj"})
     assert [m for m in ATTN if c.is_targeted(m)] == ATTN[2:]
