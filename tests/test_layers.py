@@ -77,7 +77,8 @@ FILES = sorted(FORMATS.rglob("*.py"))
 
 def test_the_walk_sees_the_format_modules() -> None:
     names = {_module_name(p)[0] for p in FILES}
-    assert {"formats", "formats.errors", "formats.gguf", "formats.safetensors"} <= names
+    want = {"formats", "formats.errors", "formats.gguf", "formats.peft", "formats.peft_config", "formats.safetensors"}
+    assert want <= names
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -87,6 +88,17 @@ def test_formats_never_imports_convert(path: Path) -> None:
     assert not bad, f"{path.relative_to(ROOT)} imports convert (formats/ must not): " + ", ".join(
         f"line {line}: {name}" for line, name in bad
     )
+
+
+def test_peft_config_never_imports_peft() -> None:
+    # one way: formats.peft (adapter weights) uses formats.peft_config (adapter_config.json), never the reverse
+    def imports(name: str) -> set[str]:
+        path = FORMATS / f"{name.split('.')[-1]}.py"
+        return {n for _, n in imported_modules(path.read_text(encoding="utf-8"), name)}
+
+    config_imports = imports("formats.peft_config")
+    assert not {n for n in config_imports if n == "formats.peft" or n.startswith("formats.peft.")}, config_imports
+    assert "formats.peft_config" in imports("formats.peft")
 
 
 SYNTHETIC = '''
