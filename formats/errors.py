@@ -548,7 +548,7 @@ class NotStateDictError(TorchPickleError):
 class PickleLimitError(TorchPickleError):
     """The pickle exceeds a limit of the reader (opcodes, memo, elements, depth, integer or key size).
 
-    A torch.save state dict stays far within them; the limits are in formats/torch_pickle.py.
+    A torch.save state dict stays far within them; the limits are in formats/pickle_machine.py.
     """
 
     default_rule = "PT-010"

@@ -27,48 +27,35 @@ safetensors.
 
 (The older tar layout of torch < 0.4 is refused.)
 
-Safety: the pickle is run by our own pickle machine (:class:`_Machine`, every opcode of protocols 0-5),
-not by :class:`pickle.Unpickler`. Its ``find_class`` is the only way a pickle can reach a Python
-callable; it never imports anything: it maps a short allow-list of names to stand-ins defined here
-(which only build plain data) and raises :class:`~formats.errors.UnsafePickleError` naming the global
-for everything else (``os.system``, ``builtins.eval``, ``subprocess.Popen``, ...).
+Safety: the pickle is run by our own pickle machine (:class:`~formats.pickle_machine.PickleMachine`,
+every opcode of protocols 0-5, iterative and bounded: see :mod:`formats.pickle_machine` for its design
+and its limits, MAX_PICKLE_BYTES ... MAX_KEY_COST), not by :class:`pickle.Unpickler`. Its
+``find_class`` is the only way a pickle can reach a Python callable; it never imports anything: it maps
+a short allow-list of names to stand-ins defined here and in the machine (which only build plain data)
+and raises :class:`~formats.errors.UnsafePickleError` naming the global for everything else
+(``os.system``, ``builtins.eval``, ``subprocess.Popen``, ...).
 
-Bounds: bad input never crashes, hangs or eats memory. The machine is a loop over a stack (no
-recursion, so no RecursionError and no C-stack overflow; SIGINT/SIGTERM land between two opcodes),
-the walk that flattens the result is iterative too, and every message that shows pickled data goes
-through a summariser that looks at no more than ~80 items and never prints a big integer in decimal.
-The limits, against what a real state dict needs (``torch.save`` of a Llama state dict costs about 30
-opcodes, 8 memo entries, 21 container elements and 125 bytes of pickle per tensor; a 70B model's
-``pytorch_model.bin`` holds a few thousand tensors, so its pickle is under 1 MB and 150,000 opcodes):
+Bounds: bad input never crashes, hangs or eats memory. Besides the machine's limits, the walk that
+flattens the result is iterative too (nesting at most the machine's MAX_DEPTH), every message that shows
+pickled data goes through the machine's bounded :func:`~formats.pickle_machine.summary`, and the
+reader has limits of its own:
 
 ====================  ===========  ========================================================================
-MAX_PICKLE_BYTES      64 MiB       data.pkl (declared size checked before inflating; inflating is capped
-                                   too), or one legacy pickle (PT-002); ~500,000 tensors
-MAX_OPCODES           2,000,000    opcodes per pickle, ~65,000 tensors; bounds the time (a few seconds)
-MAX_MEMO              1,000,000    memo entries
-MAX_CONTAINER_ITEMS   1,000,000    elements of one list/tuple/dict/set, and values on the machine's stack
-MAX_TOTAL_ITEMS       2,000,000    containers and elements made in all, ~95,000 tensors; bounds memory
-                                   (a hostile pickle at every limit stays well under 1 GiB)
-MAX_DEPTH             100          nesting of containers and of MARKs (a state dict nests < 10 deep)
-MAX_INT_BYTES         16           bytes of a LONG1/LONG4 integer (40 digits for text INT/LONG); counts,
-                                   offsets, sizes and strides must also fit in int64
-MAX_KEY_COST          256          a dict key or set member is a str/bytes/number/None/bool, or a tuple
-                                   of them with at most 256 elements in all (nothing else is hashed)
-MAX_DIMS              64           dimensions of a tensor
+MAX_DIMS              64           dimensions of a tensor (PT-004)
 MAX_VALUE_NODES       1,000,000    nodes visited flattening the values (a list shared 2**40 ways) (PT-009)
 MAX_ZIP_MEMBERS       200,000      members of the zip (one per storage), from the end record before the
                                    directory is read: ~600 bytes of memory each (PT-001)
 ====================  ===========  ========================================================================
 
-Each limit but the three marked is rule PT-010 (:class:`~formats.errors.PickleLimitError`), naming the limit
-and what was found. Storage keys are at most 256 characters (PT-004).
+Storage keys are at most 256 characters (PT-004).
 
 Allowed globals: ``torch._utils._rebuild_tensor_v2`` / ``_rebuild_tensor`` / ``_rebuild_parameter``,
 ``torch.<Type>Storage`` / ``torch.cuda.<Type>Storage`` / ``torch.UntypedStorage``, torch dtypes
 (``torch.bfloat16``, ... as :class:`TorchDType`), ``torch.Size``, ``torch.device``,
+``bitsandbytes.functional.QuantState`` (kept as a :class:`PickledObject` holding its attribute dict;
+never instantiated), and the machine's plain ones (:data:`~formats.pickle_machine.PLAIN_GLOBALS`):
 ``collections.OrderedDict``, ``_codecs.encode`` (latin-1 only: how protocol 2 spells ``bytes``),
-``builtins.set`` / ``frozenset``, and ``bitsandbytes.functional.QuantState`` (kept as a
-:class:`PickledObject` holding its attribute dict; never instantiated).
+``builtins.set`` / ``frozenset``.
 
 The unpickled object must be a dict (a state dict). Nested dicts are flattened with ``.``. Tensors go to
 :attr:`TorchPickleReader.tensors`; every other value (ints, strings, lists such as a legacy list
@@ -81,7 +68,7 @@ Rules, each with its own subclass of :class:`~formats.errors.TorchPickleError` (
 
 =======  ==========================================================================================
 PT-001   the file is a torch zip archive (one directory holding data.pkl) or a legacy torch pickle
-PT-002   data.pkl is at most MAX_PICKLE_BYTES
+PT-002   data.pkl is at most MAX_PICKLE_BYTES (the machine's)
 PT-003   every global the pickle names is on the allow-list
 PT-004   the pickle is well formed: opcodes, persistent ids, rebuild arguments of the right types
 PT-005   every storage record exists, is stored uncompressed, lies inside the file and holds
@@ -90,21 +77,16 @@ PT-006   every tensor's view (offset, size, stride) lies inside its storage
 PT-007   a tensor is row-major contiguous (small non-contiguous views are copied; large ones refused)
 PT-008   the byte order is little-endian
 PT-009   the top-level object is a dict with string keys; names are unique; values nest at most
-         MAX_DEPTH deep and hold at most MAX_VALUE_NODES nodes
-PT-010   the pickle stays within the machine's limits (above)
+         MAX_DEPTH (the machine's) deep and hold at most MAX_VALUE_NODES nodes
+PT-010   the pickle stays within the machine's limits (formats.pickle_machine)
 =======  ==========================================================================================
 """
 
 from __future__ import annotations
 
-import codecs
-import collections
-import copyreg
-import itertools
 import math
 import mmap
 import os
-import pickle
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -114,6 +96,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from . import pickle_machine  # its limits are read from the module when used (tests lower them)
 from .dtypes import BY_NAME, DType
 from .errors import (
     ByteOrderError,
@@ -129,12 +112,22 @@ from .errors import (
     TorchPickleError,
     UnsafePickleError,
 )
+from .pickle_machine import (
+    PLAIN_GLOBALS,
+    Limit,
+    NoBuild,
+    ObjectStandIn,
+    PickleMachine,
+    Refused,
+    TooLong,
+    clip,
+    summary,
+)
 from .safetensors import byte_range
 
 __all__ = [
     "ALLOWED_GLOBALS",
     "MAX_COPY_BYTES",
-    "MAX_PICKLE_BYTES",
     "PickledObject",
     "PickledTensor",
     "TensorRef",
@@ -142,8 +135,6 @@ __all__ = [
     "TorchPickleReader",
 ]
 
-#: Largest data.pkl accepted, in bytes (a 70B-parameter state dict's pickle is about 1 MB).
-MAX_PICKLE_BYTES = 64 * 1024 * 1024
 #: What :mod:`zipfile` raises on a damaged archive: besides BadZipFile, NotImplementedError for a
 #: "version needed" or compression method it lacks and RuntimeError for an "encrypted" flag (a flipped bit).
 _ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError)
@@ -152,14 +143,6 @@ MAX_COPY_BYTES = 64 * 1024 * 1024
 #: Most containers and scalars walked in the non-tensor values (a pickle can share one list many
 #: times over, which would otherwise expand exponentially).
 MAX_VALUE_NODES = 1_000_000
-#: Limits of the pickle machine (PT-010; see the module docstring for why each is what it is).
-MAX_OPCODES = 2_000_000
-MAX_MEMO = 1_000_000
-MAX_CONTAINER_ITEMS = 1_000_000
-MAX_TOTAL_ITEMS = 2_000_000
-MAX_DEPTH = 100
-MAX_INT_BYTES = 16
-MAX_KEY_COST = 256
 #: Most dimensions of a tensor (size and stride tuples).
 MAX_DIMS = 64
 #: Most members of a torch zip (one per storage, plus ~5), checked before zipfile reads the directory.
@@ -171,7 +154,8 @@ _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. name length, extra le
 
 
 # ---------------------------------------------------------------------------------------------------
-# Stand-ins handed to the pickle. None of them imports, opens or calls anything outside this module.
+# Stand-ins handed to the pickle (besides the machine's plain ones). None of them imports, opens or calls
+# anything outside this module and formats.pickle_machine.
 
 
 class TorchDType(str):
@@ -208,102 +192,76 @@ class PickledObject:
     state: dict[str, Any]
 
 
-class _Refused(Exception):
-    pass
-
-
-class _NoBuild:
-    """Stand-ins the pickle may not modify: BUILD (``__setstate__``) is refused."""
-
-    __slots__ = ()
-
-    def __setstate__(self, state: Any) -> None:
-        raise _Refused(f"BUILD on {type(self).__name__.lstrip('_')} is not allowed")
-
-
 @dataclass(frozen=True)
-class _StorageType(_NoBuild):
+class _StorageType(NoBuild):
     dtype: DType
     name: str
 
     def __call__(self, *args: Any, **kw: Any) -> Any:
-        raise _Refused(f"calling storage type {self.name}")
+        raise Refused(f"calling storage type {self.name}")
+
+    def label(self) -> str:
+        return f"torch.{self.name}"
 
 
 @dataclass
-class _Storage(_NoBuild):
+class _Storage(NoBuild):
     key: str
     dtype: DType
     numel: int  # elements of dtype
     elem_offset: int = 0  # legacy views into a root storage
     root_key: str = ""
 
+    def label(self) -> str:
+        return "<storage>"
+
 
 @dataclass
-class _Tensor(_NoBuild):
+class _Tensor(NoBuild):
     storage: _Storage
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
-
-class _Object:
-    """NEWOBJ + BUILD target for an allowed class; records the state dict only."""
-
-    _cls_name = ""
-    state: dict[str, Any]
-
-    def __new__(cls, *args: Any, **kw: Any) -> _Object:
-        self = super().__new__(cls)
-        self.state = {}
-        return self
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
-            state = state[1]  # (None, slotstate)
-        if not isinstance(state, dict):
-            raise _Refused(f"state of {self._cls_name} is a {type(state).__name__}, not a dict")
-        self.state = dict(state)
+    def label(self) -> str:
+        return "<tensor>"
 
 
 def _object_class(full_name: str) -> type:
-    return type("QuantStateStandIn", (_Object,), {"_cls_name": full_name, "__slots__": ()})
+    return type("QuantStateStandIn", (ObjectStandIn,), {"cls_name": full_name, "__slots__": ()})
 
 
 def _int(v: Any, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
-        raise _Refused(f"{what} must be an integer, got {type(v).__name__}")
+        raise Refused(f"{what} must be an integer, got {type(v).__name__}")
     if not -(2**63) <= v < 2**63:  # torch's int64; the machine already refuses ints over MAX_INT_BYTES
-        raise _Refused(f"{what} must fit in 64 bits, got an integer of {v.bit_length()} bits")
+        raise Refused(f"{what} must fit in 64 bits, got an integer of {v.bit_length()} bits")
     return v
 
 
 def _int_tuple(v: Any, what: str) -> tuple[int, ...]:
     if not isinstance(v, (tuple, list)):
-        raise _Refused(f"{what} must be a tuple of integers, got {type(v).__name__}")
+        raise Refused(f"{what} must be a tuple of integers, got {type(v).__name__}")
     if len(v) > MAX_DIMS:
-        raise _Refused(f"{what} has {len(v)} dimensions (at most {MAX_DIMS})")
+        raise Refused(f"{what} has {len(v)} dimensions (at most {MAX_DIMS})")
     return tuple(_int(x, what) for x in v)
 
 
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _Tensor:
     if not isinstance(storage, _Storage):
-        raise _Refused(f"tensor storage must come from a persistent id, got {type(storage).__name__}")
+        raise Refused(f"tensor storage must come from a persistent id, got {type(storage).__name__}")
     if len(rest) > 3:
-        raise _Refused(f"_rebuild_tensor_v2 takes at most 7 arguments, got {4 + len(rest)}")
+        raise Refused(f"_rebuild_tensor_v2 takes at most 7 arguments, got {4 + len(rest)}")
     size_t = _int_tuple(size, "tensor size")
     stride_t = _int_tuple(stride, "tensor stride")
     if len(size_t) != len(stride_t):
-        raise _Refused(f"size {_summary(list(size_t))} and stride {_summary(list(stride_t))} differ in length")
+        raise Refused(f"size {summary(list(size_t))} and stride {summary(list(stride_t))} differ in length")
     return _Tensor(storage, _int(storage_offset, "storage offset"), size_t, stride_t)
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> _Tensor:
     if not isinstance(data, _Tensor):
-        raise _Refused(f"parameter data must be a tensor, got {type(data).__name__}")
+        raise Refused(f"parameter data must be a tensor, got {type(data).__name__}")
     return data
 
 
@@ -313,26 +271,8 @@ def _torch_size(values: Any = ()) -> tuple[int, ...]:
 
 def _torch_device(*args: Any) -> str:
     if not args or not all(isinstance(a, (str, int)) for a in args):
-        raise _Refused("torch.device takes a string (and an index)")
+        raise Refused("torch.device takes a string (and an index)")
     return ":".join(str(a) for a in args)
-
-
-def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise _Refused("_codecs.encode is allowed only as encode(str, 'latin1') (protocol 2 bytes)")
-    return text.encode("latin-1")
-
-
-def _plain_set(items: Any = ()) -> set[Any]:
-    if not isinstance(items, (list, tuple)):
-        raise _Refused("set() takes a list")
-    return set(items)
-
-
-def _plain_frozenset(items: Any = ()) -> frozenset[Any]:
-    if not isinstance(items, (list, tuple)):
-        raise _Refused("frozenset() takes a list")
-    return frozenset(items)
 
 
 _STORAGE_DTYPES = {
@@ -350,6 +290,7 @@ _TORCH_DTYPES = {
     "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
 }
 _QUANT_STATE_CLASSES = ("bitsandbytes.functional.QuantState",)
+_STORAGE_TYPES = {sname: _StorageType(BY_NAME[dname], sname) for sname, dname in _STORAGE_DTYPES.items()}
 
 
 def _build_allowed() -> dict[tuple[str, str], Any]:
@@ -359,13 +300,9 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch", "Size"): _torch_size,
         ("torch", "device"): _torch_device,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("_codecs", "encode"): _codecs_encode,
-        ("builtins", "set"): _plain_set,
-        ("builtins", "frozenset"): _plain_frozenset,
+        **PLAIN_GLOBALS,  # OrderedDict, _codecs.encode, set, frozenset
     }
-    for sname, dname in _STORAGE_DTYPES.items():
-        st = _StorageType(BY_NAME[dname], sname)
+    for sname, st in _STORAGE_TYPES.items():
         allowed[("torch", sname)] = st
         if sname != "UntypedStorage":
             allowed[("torch.cuda", sname)] = st
@@ -379,673 +316,9 @@ def _build_allowed() -> dict[tuple[str, str], Any]:
 
 #: (module, name) -> the stand-in a pickle gets for it. Everything else is refused (PT-003).
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _build_allowed()
-
-
-# ---------------------------------------------------------------------------------------------------
-# The pickle machine. Our own, in Python, instead of pickle.Unpickler: every opcode is counted, every
-# length is checked against the bytes that are left before anything is allocated, every container
-# knows its nesting depth, and only small immutable values may be hashed (dict keys, set members).
-# It is a loop over a stack: nothing in it recurses, so it cannot exhaust the C stack or the Python
-# recursion limit, and a signal (KeyboardInterrupt) is delivered between any two opcodes.
-
-
-class _Text(str):
-    """Literal text inside :func:`_summary`'s work list (not a value being summarised)."""
-
-    __slots__ = ()
-
-
-def _summary(obj: Any, limit: int = 80) -> str:
-    """``repr``-like text of a pickled value, at most about ``limit`` characters.
-
-    Iterative and bounded: looks at no more than ``limit`` items in all, slices strings and bytes
-    before ``repr``, and never converts a large integer to decimal, so a value shared 2**60 ways or
-    nested 200,000 deep costs no more than a small one.
-    """
-    parts: list[str] = []
-    used = 0
-    todo: list[Any] = [obj]
-    while todo and used < limit:
-        x = todo.pop()
-        if type(x) is _Text:
-            s = str(x)
-        elif isinstance(x, (str, bytes, bytearray)):
-            s = repr(x[:limit])
-        elif isinstance(x, bool) or x is None or isinstance(x, float):
-            s = repr(x)
-        elif isinstance(x, int):
-            s = repr(x) if x.bit_length() <= 128 else f"<integer of {x.bit_length()} bits>"
-        elif isinstance(x, (list, tuple, set, frozenset, dict)):
-            brackets = {list: "[]", tuple: "()", dict: "{}"}.get(type(x), "{}")
-            opener, closer = brackets[0], brackets[1]
-            if isinstance(x, (set, frozenset)) and not x:
-                opener, closer = f"{type(x).__name__}(", ")"
-            room = max(1, (limit - used) // 2)
-            items = list(itertools.islice(x.items() if isinstance(x, dict) else iter(x), room))
-            tail: list[Any] = [_Text(closer)]
-            if len(x) > len(items):
-                tail.append(_Text(", ..."))
-            for i in range(len(items) - 1, -1, -1):
-                if isinstance(x, dict):
-                    tail.extend([items[i][1], _Text(": "), items[i][0]])
-                else:
-                    tail.append(items[i])
-                if i:
-                    tail.append(_Text(", "))
-            if isinstance(x, tuple) and len(x) == 1:
-                tail.insert(1, _Text(","))
-            todo.extend(tail)
-            s = opener
-        elif isinstance(x, _Tensor):
-            s = "<tensor>"
-        elif isinstance(x, _Storage):
-            s = "<storage>"
-        elif isinstance(x, _StorageType):
-            s = f"torch.{x.name}"
-        elif isinstance(x, _Object):
-            s = f"<{x._cls_name}>"
-        elif isinstance(x, type):
-            s = f"<class {x.__name__}>"
-        else:
-            s = f"<{type(x).__name__}>"
-        if used + len(s) > limit:
-            parts.append(s[: limit - used])
-            used = limit + 1
-            break
-        parts.append(s)
-        used += len(s)
-    if todo or used > limit:
-        parts.append("...")
-    return "".join(parts)
-
-
-def _clip(text: str, limit: int = 100) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-class _Limit(Exception):
-    """A parsing limit is exceeded (PT-010); the reader adds the file."""
-
-    def __init__(self, message: str, expected: Any, found: Any) -> None:
-        super().__init__(message)
-        self.expected = expected
-        self.found = found
-
-
-class _TooLong(Exception):
-    """The pickle runs past MAX_PICKLE_BYTES (PT-002)."""
-
-
-# scalar types that may be hashed (dict keys, set members); each costs 1 toward MAX_KEY_COST
-_KEY_SCALARS = frozenset({str, bytes, int, float, bool, type(None), TorchDType})
-_NOT_KEY = -1
-_DIGITS = 40  # longest INT/LONG/GET/PUT text argument (protocol 0), in characters
-
-
-def _decode_long_text(line: bytes) -> int:
-    if len(line) > _DIGITS:
-        raise _Limit("an integer in the pickle is too large", f"<= {_DIGITS} digits",
-                     f"{len(line)} characters")
-    return int(line)
-
-
-class _Machine:
-    """Runs one pickle from ``buf[pos:]`` under the limits; see :meth:`run`."""
-
-    def __init__(self, find_class: Any, persistent_load: Any) -> None:
-        self.find_class = find_class
-        self.persistent_load = persistent_load
-        # id(container) -> (depth, key cost). Every container the machine makes is entered when it is
-        # made (so an entry left by a freed object whose id is reused is overwritten), and any other
-        # object it makes or receives (call results, storages, globals) has its id's entry removed.
-        self.meta: dict[int, tuple[int, int]] = {}
-        self.items = 0  # containers and container elements made so far (MAX_TOTAL_ITEMS)
-
-    # ------------------------------------------------------------------------------ bookkeeping
-
-    def info(self, x: Any) -> tuple[int, int]:
-        if type(x) in _KEY_SCALARS:
-            return (0, 1)
-        m = self.meta.get(id(x))
-        return m if m is not None else (0, _NOT_KEY)
-
-    def note(self, x: Any, depth: int, cost: int, new: bool = False) -> Any:
-        if depth > MAX_DEPTH:
-            raise _Limit("containers are nested too deeply", f"<= {MAX_DEPTH} levels", f"{depth} levels")
-        if new:
-            self.count(1, 0)
-        self.meta[id(x)] = (depth, cost)
-        return x
-
-    def plain(self, x: Any) -> Any:
-        """An object that is no container of ours (a call result, storage, global): forget its id."""
-        self.meta.pop(id(x), None)
-        return x
-
-    def count(self, n: int, size: int) -> None:
-        self.items += n
-        if size > MAX_CONTAINER_ITEMS:
-            raise _Limit("a list, tuple, dict or set has too many elements",
-                         f"<= {MAX_CONTAINER_ITEMS}", size)
-        if self.items > MAX_TOTAL_ITEMS:
-            raise _Limit("the pickle's containers hold too many elements in all",
-                         f"<= {MAX_TOTAL_ITEMS}", f"more than {MAX_TOTAL_ITEMS}")
-
-    def tuple_of(self, items: Any) -> tuple[Any, ...]:
-        t = tuple(items)
-        n = len(t)
-        self.items += n + 1
-        if n > MAX_CONTAINER_ITEMS or self.items > MAX_TOTAL_ITEMS:
-            self.count(0, n)  # raises
-        depth, cost = 0, 1
-        meta = self.meta
-        for x in t:  # the hot path of a torch pickle: inlined info()
-            if type(x) in _KEY_SCALARS:
-                cost += 1
-                continue
-            m = meta.get(id(x))
-            if m is None:
-                cost = _NOT_KEY
-                continue
-            if m[0] > depth:
-                depth = m[0]
-            if m[1] == _NOT_KEY:
-                cost = _NOT_KEY
-            elif cost != _NOT_KEY:
-                cost += m[1]
-        if cost == _NOT_KEY or cost > MAX_KEY_COST:
-            cost = _NOT_KEY if cost == _NOT_KEY else MAX_KEY_COST + 1
-        if depth >= MAX_DEPTH:
-            self.note(t, depth + 1, cost)  # raises
-        meta[id(t)] = (depth + 1, cost)
-        return t
-
-    def key(self, k: Any, where: str) -> Any:
-        cost = self.info(k)[1]
-        if cost == _NOT_KEY:
-            raise _Refused(f"{where} must be a string, number, bytes, None or a tuple of them, "
-                           f"got {type(k).__name__}")
-        if cost > MAX_KEY_COST:
-            raise _Limit(f"{where} is too large to hash", f"a tuple of <= {MAX_KEY_COST} elements in all",
-                         f"more than {MAX_KEY_COST}")
-        return k
-
-    def grow(self, c: Any, children: Any) -> None:
-        depth, cost = self.info(c)
-        meta = self.meta
-        for x in children:
-            if type(x) not in _KEY_SCALARS:
-                m = meta.get(id(x))
-                if m is not None and m[0] >= depth:
-                    depth = m[0] + 1
-        self.note(c, depth, cost)
-
-    def extend(self, lst: Any, items: list[Any]) -> None:
-        if type(lst) is not list:
-            raise _Refused(f"APPEND to a {type(lst).__name__}, not a list")
-        lst.extend(items)
-        self.count(len(items), len(lst))
-        self.grow(lst, items)
-
-    def set_items(self, d: Any, items: list[Any]) -> None:
-        if not isinstance(d, dict) or type(d) not in (dict, collections.OrderedDict):
-            raise _Refused(f"SETITEM on a {type(d).__name__}, not a dict")
-        if len(items) % 2:
-            raise _Refused("SETITEMS needs key/value pairs (odd number of items)")
-        for i in range(0, len(items), 2):
-            d[self.key(items[i], "a dict key")] = items[i + 1]
-        self.count(len(items) // 2, len(d))
-        self.grow(d, items[1::2])
-
-    def new_dict(self) -> dict[Any, Any]:
-        return self.note({}, 1, _NOT_KEY, new=True)  # plain: it keeps order, at half OrderedDict's memory
-
-    def new_set(self, kind: type, items: Any, what: str) -> Any:
-        if not isinstance(items, (list, tuple)):
-            raise _Refused(f"{what} takes a list")
-        for x in items:
-            self.key(x, f"a {kind.__name__} member")
-        s = kind(items)
-        self.count(len(s), len(s))
-        depth = max((self.info(x)[0] for x in items), default=0) + 1
-        return self.note(s, depth, _NOT_KEY, new=True)
-
-    def call(self, func: Any, args: Any) -> Any:
-        """REDUCE / INST / OBJ: ``func(*args)`` for the allow-listed stand-ins only."""
-        if type(args) is not tuple:
-            raise _Refused(f"call arguments must be a tuple, got {type(args).__name__}")
-        if func is collections.OrderedDict:
-            d = self.new_dict()
-            if args:
-                pairs = args[0]
-                if len(args) > 1 or not isinstance(pairs, list) or not all(
-                        type(p) is tuple and len(p) == 2 for p in pairs):
-                    raise _Refused("OrderedDict() takes a list of (key, value) pairs")
-                self.set_items(d, [x for p in pairs for x in p])
-            return d
-        if func is _plain_set or func is _plain_frozenset:
-            kind = set if func is _plain_set else frozenset
-            if len(args) > 1:
-                raise _Refused(f"{kind.__name__}() takes one list")
-            return self.new_set(kind, args[0] if args else [], f"{kind.__name__}()")
-        if isinstance(func, type) and issubclass(func, _Object):
-            return self.note(func.__new__(func), 1, _NOT_KEY, new=True)
-        if any(func is c for c in _CALLABLES) or isinstance(func, _StorageType):  # `is`: func may be unhashable
-            try:
-                out = func(*args)
-            except TypeError as exc:  # wrong number of arguments
-                raise _Refused(str(exc)[:200]) from None
-            return self.tuple_of(out) if type(out) is tuple else self.plain(out)
-        raise _Refused(f"{_summary(func, 60)} is not callable")
-
-    def new_object(self, cls: Any, args: Any, kwargs: Any = None) -> Any:
-        """NEWOBJ / NEWOBJ_EX: ``cls.__new__(cls, *args)`` for an allowed class."""
-        if type(args) is not tuple or (kwargs is not None and not isinstance(kwargs, dict)):
-            raise _Refused("NEWOBJ arguments must be a tuple (and a dict)")
-        if cls is collections.OrderedDict:
-            return self.new_dict()
-        if isinstance(cls, type) and issubclass(cls, _Object):
-            return self.note(cls.__new__(cls), 1, _NOT_KEY, new=True)
-        raise _Refused(f"NEWOBJ on {_summary(cls, 60)}, which is not an allowed class")
-
-    def build(self, inst: Any, state: Any) -> None:
-        if isinstance(inst, _Object):
-            inst.__setstate__(state)
-            self.grow(inst, [state])
-        elif type(inst) in (dict, collections.OrderedDict):
-            # a state dict's `_metadata` attribute (OrderedDict.__reduce__ state): dropped
-            if not (isinstance(state, dict) or (type(state) is tuple and len(state) == 2
-                                                and all(s is None or isinstance(s, dict) for s in state))):
-                raise _Refused(f"state of a dict is a {type(state).__name__}")
-        else:
-            raise _Refused(f"BUILD on {type(inst).__name__.lstrip('_')} is not allowed")
-
-    # ------------------------------------------------------------------------------------- run
-
-    def run(self, buf: Any, pos: int, end: int) -> tuple[Any, int]:
-        """Unpickle the pickle at ``buf[pos:end]``; returns the object and the offset after STOP.
-
-        Raises:
-            _Refused: malformed (PT-004). _Limit: a limit (PT-010). _TooLong: MAX_PICKLE_BYTES (PT-002).
-            UnsafePickleError: from ``find_class``.
-        """
-        stop = min(end, pos + MAX_PICKLE_BYTES)
-        stack: list[Any] = []
-        marks: list[int] = []
-        memo: dict[int, Any] = {}
-        push = stack.append
-        spop = stack.pop
-        done: list[Any] = []  # STOP puts the result here
-
-        def take(n: int) -> bytes:
-            nonlocal pos
-            if n < 0 or pos + n > stop:
-                if 0 <= n and pos + n <= end:
-                    raise _TooLong
-                raise _Refused(f"pickle data was truncated (needs {n} bytes at offset {pos}, "
-                               f"{max(0, stop - pos)} left)")
-            raw = buf[pos:pos + n]
-            pos += n
-            return raw
-
-        def u8() -> int:
-            nonlocal pos
-            if pos >= stop:
-                take(1)
-            pos += 1
-            return buf[pos - 1]
-
-        def line() -> bytes:
-            nonlocal pos
-            i = buf.find(b"\n", pos, stop)
-            if i < 0:
-                if stop < end:
-                    raise _TooLong
-                raise _Refused("pickle data was truncated (a text argument has no newline)")
-            raw = bytes(buf[pos:i])
-            pos = i + 1
-            return raw
-
-        def text(raw: bytes) -> str:
-            return raw.decode("utf-8", "surrogatepass")
-
-        def pop_mark() -> list[Any]:
-            if not marks:
-                raise _Refused("could not find MARK")
-            k = marks.pop()
-            items = stack[k:]
-            del stack[k:]
-            return items
-
-        def put(idx: int) -> None:
-            if not stack:
-                raise _Refused("PUT with an empty stack")
-            if idx not in memo and len(memo) >= MAX_MEMO:
-                raise _Limit("the pickle's memo has too many entries", f"<= {MAX_MEMO}", f"more than {MAX_MEMO}")
-            memo[idx] = stack[-1]
-
-        def get(idx: int) -> None:
-            try:
-                push(memo[idx])
-            except KeyError:
-                raise _Refused(f"memo key {idx} is not defined") from None
-
-        def too_big(n: int) -> None:
-            raise _Limit("an integer in the pickle is too large", f"<= {MAX_INT_BYTES} bytes", f"{n} bytes")
-
-        # ---- one small function per opcode (a table lookup costs the same for every opcode)
-        def binput() -> None:
-            put(u8())
-
-        def binget() -> None:
-            nonlocal pos
-            if pos >= stop:
-                take(1)
-            pos += 1
-            try:
-                push(memo[buf[pos - 1]])
-            except KeyError:
-                raise _Refused(f"memo key {buf[pos - 1]} is not defined") from None
-
-        def long_binput() -> None:
-            put(_U32.unpack(take(4))[0])
-
-        def long_binget() -> None:
-            get(_U32.unpack(take(4))[0])
-
-        def memoize() -> None:
-            put(len(memo))
-
-        def binunicode() -> None:
-            push(text(take(_U32.unpack(take(4))[0])))
-
-        def short_binunicode() -> None:
-            push(text(take(u8())))
-
-        def binunicode8() -> None:
-            push(text(take(_U64.unpack(take(8))[0])))
-
-        def mark() -> None:
-            marks.append(len(stack))
-            if len(marks) > MAX_DEPTH:
-                raise _Limit("MARKs are nested too deeply", f"<= {MAX_DEPTH}", len(marks))
-
-        def tuple_() -> None:
-            push(self.tuple_of(pop_mark()))
-
-        def tuple_n(n: int) -> Any:
-            def op() -> None:
-                if len(stack) < n:
-                    raise _Refused("stack underflow")
-                items = stack[-n:]
-                del stack[-n:]
-                push(self.tuple_of(items))
-            return op
-
-        def empty_tuple() -> None:
-            push(self.tuple_of(()))
-
-        def binint1() -> None:
-            nonlocal pos
-            if pos >= stop:
-                take(1)
-            push(buf[pos])
-            pos += 1
-
-        def binint2() -> None:
-            push(_U16.unpack(take(2))[0])
-
-        def binint() -> None:
-            push(_I32.unpack(take(4))[0])
-
-        def long1() -> None:
-            n = u8()
-            if n > MAX_INT_BYTES:
-                too_big(n)
-            push(int.from_bytes(take(n), "little", signed=True))
-
-        def long4() -> None:
-            n = _I32.unpack(take(4))[0]
-            if n < 0:
-                raise _Refused("LONG pickle has negative byte count")
-            if n > MAX_INT_BYTES:
-                too_big(n)
-            push(int.from_bytes(take(n), "little", signed=True))
-
-        def binfloat() -> None:
-            push(_F64.unpack(take(8))[0])
-
-        def none() -> None:
-            push(None)
-
-        def newtrue() -> None:
-            push(True)
-
-        def newfalse() -> None:
-            push(False)
-
-        def reduce() -> None:
-            args = spop()
-            stack[-1] = self.call(stack[-1], args)
-
-        def empty_dict() -> None:
-            push(self.new_dict())
-
-        def setitems() -> None:
-            items = pop_mark()
-            self.set_items(stack[-1], items)
-
-        def setitem() -> None:
-            v = spop()
-            k = spop()
-            self.set_items(stack[-1], [k, v])
-
-        def dict_() -> None:
-            items = pop_mark()
-            d = self.new_dict()
-            self.set_items(d, items)
-            push(d)
-
-        def empty_list() -> None:
-            push(self.note([], 1, _NOT_KEY, new=True))
-
-        def appends() -> None:
-            items = pop_mark()
-            self.extend(stack[-1], items)
-
-        def append() -> None:
-            v = spop()
-            self.extend(stack[-1], [v])
-
-        def list_() -> None:
-            items = pop_mark()
-            lst = self.note([], 1, _NOT_KEY, new=True)
-            self.extend(lst, items)
-            push(lst)
-
-        def empty_set() -> None:
-            push(self.new_set(set, [], "set()"))
-
-        def additems() -> None:
-            items = pop_mark()
-            s = stack[-1]
-            if type(s) is not set:
-                raise _Refused(f"ADDITEMS to a {type(s).__name__}, not a set")
-            for x in items:
-                s.add(self.key(x, "a set member"))
-            self.count(len(items), len(s))
-            self.grow(s, items)
-
-        def frozenset_() -> None:
-            push(self.new_set(frozenset, pop_mark(), "frozenset()"))
-
-        def global_() -> None:
-            module = text(line())
-            push(self.plain(self.find_class(module, text(line()))))
-
-        def stack_global() -> None:
-            name = spop()
-            module = spop()
-            if type(name) is not str or type(module) is not str:
-                raise _Refused("STACK_GLOBAL requires str module and name")
-            push(self.plain(self.find_class(module, name)))
-
-        def binpersid() -> None:
-            stack[-1] = self.plain(self.persistent_load(stack[-1]))
-
-        def persid() -> None:
-            push(self.plain(self.persistent_load(line().decode("ascii"))))
-
-        def newobj() -> None:
-            args = spop()
-            stack[-1] = self.new_object(stack[-1], args)
-
-        def newobj_ex() -> None:
-            kwargs = spop()
-            args = spop()
-            stack[-1] = self.new_object(stack[-1], args, kwargs)
-
-        def build() -> None:
-            state = spop()
-            self.build(stack[-1], state)
-
-        def inst() -> None:
-            module = text(line())
-            cls = self.find_class(module, text(line()))
-            push(self.call(cls, self.tuple_of(pop_mark())))
-
-        def obj() -> None:
-            items = pop_mark()
-            if not items:
-                raise _Refused("OBJ without a class")
-            push(self.call(items[0], self.tuple_of(items[1:])))
-
-        def proto() -> None:
-            p = u8()
-            if p > pickle.HIGHEST_PROTOCOL:
-                raise _Refused(f"unsupported pickle protocol: {p}")
-
-        def frame() -> None:  # a hint for buffered readers; we read from memory
-            take(8)
-
-        def stop_() -> None:
-            if not stack:
-                raise _Refused("STOP with an empty stack")
-            done.append(spop())
-
-        def pop() -> None:
-            if marks and marks[-1] == len(stack):
-                marks.pop()
-            else:
-                spop()
-
-        def pop_mark_() -> None:
-            pop_mark()
-
-        def dup() -> None:
-            push(stack[-1])
-
-        def binbytes() -> None:
-            push(take(_U32.unpack(take(4))[0]))
-
-        def short_binbytes() -> None:
-            push(take(u8()))
-
-        def binbytes8() -> None:
-            push(take(_U64.unpack(take(8))[0]))
-
-        def bytearray8() -> None:
-            push(self.plain(bytearray(take(_U64.unpack(take(8))[0]))))
-
-        def binstring() -> None:  # protocol 1 str, read as utf-8
-            push(take(_I32.unpack(take(4))[0]).decode("utf-8"))
-
-        def short_binstring() -> None:
-            push(take(u8()).decode("utf-8"))
-
-        def int_() -> None:
-            raw = line()
-            push(False if raw == b"00" else True if raw == b"01" else _decode_long_text(raw))
-
-        def long_() -> None:
-            raw = line()
-            push(_decode_long_text(raw[:-1] if raw.endswith(b"L") else raw))
-
-        def float_() -> None:
-            push(float(line()))
-
-        def string() -> None:
-            raw = line()
-            if len(raw) < 2 or raw[0] != raw[-1] or raw[:1] not in (b"'", b'"'):
-                raise _Refused("the STRING opcode argument must be quoted")
-            push(codecs.escape_decode(raw[1:-1])[0].decode("utf-8"))
-
-        def unicode() -> None:
-            push(line().decode("raw-unicode-escape"))
-
-        def get_() -> None:
-            get(_decode_long_text(line()))
-
-        def put_() -> None:
-            put(_decode_long_text(line()))
-
-        def ext(size: int) -> Any:
-            def op() -> None:
-                raw = take(size)
-                code = raw[0] if size == 1 else _U16.unpack(raw)[0] if size == 2 else _I32.unpack(raw)[0]
-                pair = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
-                if pair is None:
-                    raise _Refused(f"unregistered extension code {code}")
-                push(self.plain(self.find_class(*pair)))
-            return op
-
-        def buffer() -> None:
-            raise _Refused("out-of-band buffers (NEXT_BUFFER) are not part of a checkpoint")
-
-        table: list[Any] = [None] * 256
-        for code, fn in {
-            b"q": binput, b"h": binget, b"r": long_binput, b"j": long_binget, b"\x94": memoize,
-            b"X": binunicode, b"\x8c": short_binunicode, b"\x8d": binunicode8, b"(": mark, b"t": tuple_,
-            b"\x85": tuple_n(1), b"\x86": tuple_n(2), b"\x87": tuple_n(3), b")": empty_tuple,
-            b"K": binint1, b"M": binint2, b"J": binint, b"\x8a": long1, b"\x8b": long4, b"G": binfloat,
-            b"N": none, b"\x88": newtrue, b"\x89": newfalse, b"R": reduce, b"}": empty_dict, b"u": setitems,
-            b"s": setitem, b"d": dict_, b"]": empty_list, b"e": appends, b"a": append, b"l": list_,
-            b"\x8f": empty_set, b"\x90": additems, b"\x91": frozenset_, b"c": global_,
-            b"\x93": stack_global, b"Q": binpersid, b"P": persid, b"\x81": newobj, b"\x92": newobj_ex,
-            b"b": build, b"i": inst, b"o": obj, b"\x80": proto, b"\x95": frame, b".": stop_, b"0": pop,
-            b"1": pop_mark_, b"2": dup, b"B": binbytes, b"C": short_binbytes, b"\x8e": binbytes8,
-            b"\x96": bytearray8, b"T": binstring, b"U": short_binstring, b"I": int_, b"L": long_,
-            b"F": float_, b"S": string, b"V": unicode, b"g": get_, b"p": put_, b"\x82": ext(1),
-            b"\x83": ext(2), b"\x84": ext(4), b"\x97": buffer, b"\x98": buffer,
-        }.items():
-            table[code[0]] = fn
-
-        ops = 0
-        while not done:
-            if pos >= stop:
-                take(1)  # raises: truncated, or over MAX_PICKLE_BYTES
-            handler = table[buf[pos]]
-            pos += 1
-            if handler is None:
-                raise _Refused(f"invalid load key {chr(buf[pos - 1])!r} (opcode 0x{buf[pos - 1]:02x}) "
-                               f"at offset {pos - 1}")
-            handler()
-            ops += 1
-            if not ops & 1023:
-                if ops > MAX_OPCODES:
-                    raise _Limit("the pickle has too many opcodes", f"<= {MAX_OPCODES}", f"more than {MAX_OPCODES}")
-                if len(stack) > MAX_CONTAINER_ITEMS:
-                    raise _Limit("the pickle's stack holds too many values", f"<= {MAX_CONTAINER_ITEMS}",
-                                 len(stack))
-        return done[0], pos
-
-
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_I32 = struct.Struct("<i")
-_U64 = struct.Struct("<Q")
-_F64 = struct.Struct(">d")
-_CALLABLES = (_rebuild_tensor, _rebuild_parameter, _torch_size, _torch_device, _codecs_encode)
+#: What REDUCE / INST / OBJ may call besides the machine's own stand-ins: torch's functions, and its
+#: storage types (calling one is refused: "calling storage type ...").
+_CALLABLES = (_rebuild_tensor, _rebuild_parameter, _torch_size, _torch_device, *_STORAGE_TYPES.values())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1169,20 +442,21 @@ class TorchPickleReader:
 
     def _unpickle(self, buf: Any, pos: int, storage_for: Any) -> tuple[Any, int]:
         """Run one pickle at ``buf[pos:]`` (bytes or the file's mapping); the object and the end offset."""
-        machine = _Machine(self._find_class, storage_for)
+        machine = PickleMachine(self._find_class, storage_for, _CALLABLES, (TorchDType,))
         try:
             return machine.run(buf, pos, len(buf))
         except ConvertBnbError:
             raise
-        except _Refused as exc:
+        except Refused as exc:
             raise self._fail(MalformedPickleError, f"malformed pickle: {exc}") from None
-        except _Limit as exc:
+        except Limit as exc:
             raise self._fail(PickleLimitError, str(exc), expected=exc.expected,
                              found=exc.found,
                              hint="a torch.save state dict is far within it; this file is damaged or hostile") from None
-        except _TooLong:
+        except TooLong:
+            limit = pickle_machine.MAX_PICKLE_BYTES
             raise self._fail(PickleTooLargeError, "pickle data is larger than the limit",
-                             expected=f"<= {MAX_PICKLE_BYTES} bytes", found=f"more than {MAX_PICKLE_BYTES}") from None
+                             expected=f"<= {limit} bytes", found=f"more than {limit}") from None
         except IndexError:
             raise self._fail(MalformedPickleError, "malformed pickle: stack underflow") from None
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError, struct.error) as exc:
@@ -1228,22 +502,23 @@ class TorchPickleReader:
                     raise self._fail(ByteOrderError, "only little-endian checkpoints are read",
                                      expected="little", found=order.decode("ascii", "replace"))
             pinfo = infos[pkls[0]]
-            if pinfo.file_size > MAX_PICKLE_BYTES:  # the declared size, checked before inflating anything
+            limit = pickle_machine.MAX_PICKLE_BYTES  # the machine's limit, read now (tests lower it)
+            if pinfo.file_size > limit:  # the declared size, checked before inflating anything
                 raise self._fail(PickleTooLargeError, "data.pkl is larger than the limit",
-                                 expected=f"<= {MAX_PICKLE_BYTES} bytes", found=pinfo.file_size)
+                                 expected=f"<= {limit} bytes", found=pinfo.file_size)
             try:
                 with zf.open(pinfo) as fh:  # and a cap on what inflating may produce, whatever was declared
-                    data = fh.read(MAX_PICKLE_BYTES + 1)
+                    data = fh.read(limit + 1)
             except _ZIP_ERRORS as exc:
                 raise self._fail(NotTorchCheckpointError, f"cannot read data.pkl ({exc})") from None
-            if len(data) > MAX_PICKLE_BYTES:
+            if len(data) > limit:
                 raise self._fail(PickleTooLargeError, "data.pkl is larger than the limit",
-                                 expected=f"<= {MAX_PICKLE_BYTES} bytes", found=f"more than {MAX_PICKLE_BYTES}")
+                                 expected=f"<= {limit} bytes", found=f"more than {limit}")
 
             def storage_for(pid: Any) -> _Storage:
                 if type(pid) is not tuple or len(pid) != 5 or pid[0] not in ("storage", b"storage"):
-                    raise _Refused(
-                        f"persistent id must be ('storage', type, key, location, numel), got {_summary(pid)}"
+                    raise Refused(
+                        f"persistent id must be ('storage', type, key, location, numel), got {summary(pid)}"
                     )
                 _, stype, key, _location, numel = pid
                 return self._storage(stype, key, numel)
@@ -1284,46 +559,46 @@ class TorchPickleReader:
 
     def _storage(self, stype: Any, key: Any, numel: Any, view: Any = None) -> _Storage:
         if not isinstance(stype, _StorageType):
-            raise _Refused(f"storage type must be a torch storage global, got {type(stype).__name__}")
+            raise Refused(f"storage type must be a torch storage global, got {type(stype).__name__}")
         if isinstance(key, bytes):
             key = key.decode("ascii", "replace")
         if not isinstance(key, (str, int)) or isinstance(key, bool):
-            raise _Refused(f"storage key must be a string, got {type(key).__name__}")
+            raise Refused(f"storage key must be a string, got {type(key).__name__}")
         key = str(key)
         if len(key) > 256:
-            raise _Refused(f"storage key must be at most 256 characters, got {len(key)}")
+            raise Refused(f"storage key must be at most 256 characters, got {len(key)}")
         numel = _int(numel, "storage numel")
         if numel < 0:
-            raise _Refused(f"storage numel must be >= 0, got {numel}")
+            raise Refused(f"storage numel must be >= 0, got {numel}")
         root = self._storages.get(key)
         if root is None:
             root = self._storages[key] = _Storage(key, stype.dtype, numel, 0, key)
         elif root.dtype != stype.dtype or root.numel != numel:
-            raise _Refused(f"storage '{key}' is named twice with different dtype or size")
+            raise Refused(f"storage '{key}' is named twice with different dtype or size")
         if view is None:
             return root
         if not isinstance(view, tuple) or len(view) != 3:
-            raise _Refused("legacy view metadata must be (view_key, offset, size)")
+            raise Refused("legacy view metadata must be (view_key, offset, size)")
         _vkey, off, size = view
         off, size = _int(off, "view offset"), _int(size, "view size")
         if off < 0 or size < 0 or off + size > numel:
-            raise _Refused(f"storage view [{off}, {off + size}) outside storage '{key}' of {numel} elements")
+            raise Refused(f"storage view [{off}, {off + size}) outside storage '{key}' of {numel} elements")
         return _Storage(key, root.dtype, size, off, key)
 
     def _load_legacy(self, f: BinaryIO) -> Any:
         def no_storage(pid: Any) -> Any:
-            raise _Refused("persistent id in a legacy header pickle")
+            raise Refused("persistent id in a legacy header pickle")
 
         buf = self._map()  # the pickles are parsed in place; each may span at most MAX_PICKLE_BYTES
         magic, pos = self._unpickle(buf, 0, no_storage)
         if type(magic) is not int or magic != LEGACY_MAGIC:
             raise self._fail(NotTorchCheckpointError, "a pickle, but not a torch checkpoint (no torch magic number)",
-                             expected=hex(LEGACY_MAGIC), found=_summary(magic, 40),
+                             expected=hex(LEGACY_MAGIC), found=summary(magic, 40),
                              hint="plain pickles are never read: they can run code")
         proto, pos = self._unpickle(buf, pos, no_storage)
         if type(proto) is not int or proto != LEGACY_PROTOCOL:
             raise self._fail(NotTorchCheckpointError, "unknown legacy torch protocol version", expected=LEGACY_PROTOCOL,
-                             found=_summary(proto, 40))
+                             found=summary(proto, 40))
         sys_info, pos = self._unpickle(buf, pos, no_storage)
         if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
             raise self._fail(ByteOrderError, "only little-endian checkpoints are read",
@@ -1332,8 +607,8 @@ class TorchPickleReader:
         def storage_for(pid: Any) -> _Storage:
             if type(pid) is not tuple or len(pid) != 6 or pid[0] not in ("storage", b"storage"):
                 is_module = type(pid) is tuple and bool(pid) and type(pid[0]) is str and pid[0] == "module"
-                what = "a whole nn.Module" if is_module else _summary(pid)
-                raise _Refused(
+                what = "a whole nn.Module" if is_module else summary(pid)
+                raise Refused(
                     f"persistent id must be ('storage', type, key, location, numel, view), got {what}"
                 )
             _, stype, key, _location, numel, view = pid
@@ -1346,7 +621,7 @@ class TorchPickleReader:
         for k in keys:
             st = self._storages.get(str(k))
             if st is None:
-                raise self._fail(StorageRecordError, f"storage '{_clip(str(k))}' is listed but no tensor uses it")
+                raise self._fail(StorageRecordError, f"storage '{clip(str(k))}' is listed but no tensor uses it")
             if pos + 8 > self.file_size:
                 raise self._fail(StorageRecordError, f"file ends before storage '{k}'", hint="the file is truncated")
             (count,) = struct.unpack_from("<q", buf, pos)
@@ -1364,7 +639,7 @@ class TorchPickleReader:
         missing = sorted(set(self._storages) - set(self._storage_start))
         if missing:
             raise self._fail(StorageRecordError, "storages used by tensors are not in the file",
-                             found=_summary(missing, 120))
+                             found=summary(missing, 120))
         return obj
 
     # ------------------------------------------------------------------------------- flattening
@@ -1372,6 +647,7 @@ class TorchPickleReader:
     def _collect(self, obj: Any) -> None:
         """Flatten the state dict into ``tensors`` and ``values``: iterative, depth- and budget-bounded."""
         self._budget = MAX_VALUE_NODES
+        max_depth = pickle_machine.MAX_DEPTH  # the machine's nesting limit also bounds the flattening
         if not isinstance(obj, dict):
             raise self._fail(NotStateDictError, "the checkpoint is not a state dict", expected="a dict of tensors",
                              found=type(obj).__name__ if not isinstance(obj, _Tensor) else "a single tensor")
@@ -1384,16 +660,16 @@ class TorchPickleReader:
                 continue
             k, v = entry
             if not isinstance(k, str):
-                raise self._fail(NotStateDictError, "state dict keys must be strings", found=_summary(k, 60))
+                raise self._fail(NotStateDictError, "state dict keys must be strings", found=summary(k, 60))
             name = prefix + k
             self._spend(name)
             if isinstance(v, _Tensor):
                 self._add_name(name)
                 self._add_tensor(name, v)
             elif isinstance(v, dict) and v and all(isinstance(x, str) for x in v):
-                if len(frames) >= MAX_DEPTH:
-                    raise self._fail(NotStateDictError, "values are nested too deeply", tensor=_clip(name),
-                                     expected=f"<= {MAX_DEPTH} levels")
+                if len(frames) >= max_depth:
+                    raise self._fail(NotStateDictError, "values are nested too deeply", tensor=clip(name),
+                                     expected=f"<= {max_depth} levels")
                 frames.append((iter(v.items()), name + "."))
             else:
                 self._add_name(name)
@@ -1406,7 +682,7 @@ class TorchPickleReader:
     def _spend(self, name: str) -> None:
         self._budget -= 1
         if self._budget < 0:
-            raise self._fail(NotStateDictError, "the pickle holds too many values", tensor=_clip(name),
+            raise self._fail(NotStateDictError, "the pickle holds too many values", tensor=clip(name),
                              expected=f"<= {MAX_VALUE_NODES} containers and scalars")
 
     def _open(self, v: Any, name: str) -> tuple[bool, Any]:
@@ -1421,21 +697,22 @@ class TorchPickleReader:
             return False, [type(v) if type(v) in (list, tuple) else list, iter(enumerate(v)), [], name, None, None]
         if isinstance(v, dict):
             return False, [dict, iter(v.items()), [], name, None, None]
-        if isinstance(v, _Object):
-            return False, [PickledObject, iter(v.state.items()), [], name, v._cls_name, None]
+        if isinstance(v, ObjectStandIn):
+            return False, [PickledObject, iter(v.state.items()), [], name, v.cls_name, None]
         if isinstance(v, (_Storage, _StorageType)):
-            raise self._fail(NotStateDictError, "a bare storage is not a tensor", tensor=_clip(name))
+            raise self._fail(NotStateDictError, "a bare storage is not a tensor", tensor=clip(name))
         return True, v
 
     def _value(self, root: Any, root_name: str) -> Any:
         """A non-tensor value rebuilt as plain data, tensors inside it replaced by :class:`TensorRef`.
 
-        Walks with an explicit stack: depth <= MAX_DEPTH (a self-referencing list ends there), nodes
-        <= MAX_VALUE_NODES in all (a list shared 2**40 ways ends there).
+        Walks with an explicit stack: depth <= the machine's MAX_DEPTH (a self-referencing list ends there),
+        nodes <= MAX_VALUE_NODES in all (a list shared 2**40 ways ends there).
         """
         leaf, out = self._open(root, root_name)
         if leaf:
             return out
+        max_depth = pickle_machine.MAX_DEPTH
         frames: list[list[Any]] = [out]
         while True:
             kind, items, acc, name, cls, _ = frames[-1]
@@ -1459,9 +736,9 @@ class TorchPickleReader:
             if leaf:
                 acc.append((k, out))
             else:
-                if len(frames) >= MAX_DEPTH:
-                    raise self._fail(NotStateDictError, "values are nested too deeply", tensor=_clip(root_name),
-                                     expected=f"<= {MAX_DEPTH} levels")
+                if len(frames) >= max_depth:
+                    raise self._fail(NotStateDictError, "values are nested too deeply", tensor=clip(root_name),
+                                     expected=f"<= {max_depth} levels")
                 frames[-1][5] = k
                 frames.append(out)
 

@@ -426,8 +426,10 @@ def _tensor(*args: Any, **kw: Any) -> Any:
 
 
 def _patched(attr: str, value: Any) -> Callable[[Path, Path], None]:
+    """Convert with ``formats.<attr>`` (``"module.NAME"``) set to ``value``."""
+
     def run(src: Path, out: Path) -> None:
-        with mock.patch(f"formats.torch_pickle.{attr}", value):
+        with mock.patch(f"formats.{attr}", value):
             convert(src, out)
 
     return run
@@ -937,7 +939,7 @@ CASES: list[Case] = [
     Case("pt-junk", E.NotTorchCheckpointError, ["/junk.bin'", "PT-001", "not a PyTorch checkpoint"],
          raw_file(b"\x00\x01junk" * 10, "junk.bin")),
     Case("pt-pickle-too-large", E.PickleTooLargeError, ["PT-002", "larger than the limit"], _pt({"w": _tensor(ARR)}),
-         run=_patched("MAX_PICKLE_BYTES", 16), argv=None),
+         run=_patched("pickle_machine.MAX_PICKLE_BYTES", 16), argv=None),
     Case("pt-os-system", E.UnsafePickleError, ["PT-003", "found 'posix.system'", "nothing was imported or run"],
          _pt_raw(SYSTEM_PICKLE)),
     Case("pt-malformed", E.MalformedPickleError, ["PT-004", "malformed pickle"], _pt_raw(b"\x80\x02}q\x00(X")),
@@ -952,7 +954,8 @@ CASES: list[Case] = [
     Case("pt-view-past-storage", E.TensorViewError, ["PT-006", "tensor 'w'", "reaches past its storage"],
          _pt({"w": _tensor(ARR, shape=(4, 6), offset=1)})),
     Case("pt-large-non-contiguous", E.NonContiguousTensorError, ["PT-007", "tensor 't'"],
-         _pt({"t": _tensor(ARR, shape=(6, 4), stride=(1, 6))}), run=_patched("MAX_COPY_BYTES", 64), argv=None),
+         _pt({"t": _tensor(ARR, shape=(6, 4), stride=(1, 6))}), run=_patched("torch_pickle.MAX_COPY_BYTES", 64),
+         argv=None),
     Case("pt-big-endian", E.ByteOrderError, ["PT-008", "little-endian", "found 'big'"],
          _pt({"w": _tensor(ARR)}, byteorder=b"big")),
     Case("pt-list-not-dict", E.NotStateDictError, ["PT-009", "not a state dict", "found 'list'"],

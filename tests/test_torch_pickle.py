@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import formats.pickle_machine as pm
 import formats.torch_pickle as tp
 from convert.cli import main
 from formats.bnb import BnbLayerError, QuantizedLayer, group_layers
@@ -264,7 +265,7 @@ def test_malformed_containers(tmp_path, monkeypatch):
     _expect(tmp_path / "plain.bin", "PT-001", "no torch magic number")
 
     # data.pkl over the limit
-    monkeypatch.setattr(tp, "MAX_PICKLE_BYTES", 16)
+    monkeypatch.setattr(pm, "MAX_PICKLE_BYTES", 16)
     _expect(tmp_path / "good.pt", "PT-002", "larger than the limit")
 
 
@@ -677,13 +678,13 @@ def test_hostile_pickles_through_the_cli(hostile_files, tmp_path, name):
 
 _SLOW_PARSE = """
 import sys
-import formats.torch_pickle as tp
-tp.MAX_OPCODES = 10**9  # a pickle that parses for a long time, to be interrupted while it does
-run = tp._Machine.run
+import formats.pickle_machine as pm
+pm.MAX_OPCODES = 10**9  # a pickle that parses for a long time, to be interrupted while it does
+run = pm.PickleMachine.run
 def announced(self, *args):
     print("parsing", flush=True)
     return run(self, *args)
-tp._Machine.run = announced
+pm.PickleMachine.run = announced
 from convert.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -725,13 +726,13 @@ def test_a_signal_stops_the_parse_at_once(tmp_path, command, sig):
     ("MAX_KEY_COST", 8, b"\x80\x02}" + shared_tuples(3) + b"Ns.", ["a dict key is too large to hash"]),
 ])
 def test_each_limit_is_pt_010(tmp_path, monkeypatch, limit, value, blob, parts):
-    monkeypatch.setattr(tp, limit, value)
+    monkeypatch.setattr(pm, limit, value)
     _expect(save_zip_raw_pickle(tmp_path / "l.pt", blob), "PT-010", *parts, cls=PickleLimitError)
 
 
 def test_pickle_over_the_byte_limit_is_pt_002_in_both_layouts(tmp_path, monkeypatch):
     blob = b"\x80\x02}" + b"N0" * 100 + b"."
-    monkeypatch.setattr(tp, "MAX_PICKLE_BYTES", 64)
+    monkeypatch.setattr(pm, "MAX_PICKLE_BYTES", 64)
     _expect(save_zip_raw_pickle(tmp_path / "z.pt", blob), "PT-002", "data.pkl is larger than the limit",
             cls=PickleTooLargeError)
     _expect(save_legacy_raw(tmp_path / "l.pt", blob), "PT-002", "pickle data is larger than the limit",
@@ -759,16 +760,16 @@ def test_malformed_opcodes_are_pt_004(tmp_path, blob, part):
 
 def test_the_summary_of_a_value_is_bounded():
     blob = b"\x80\x02" + shared_tuples(90) + b"."  # 2**90 leaves
-    obj, _ = tp._Machine(None, None).run(blob, 0, len(blob))
-    text = tp._summary(obj)
+    obj, _ = pm.PickleMachine(None, None).run(blob, 0, len(blob))
+    text = pm.summary(obj)
     assert len(text) < 120 and text.startswith("((((") and text.endswith("...")
     deep: list = []
     for _ in range(200_000):
         deep = [deep]
-    assert len(tp._summary(deep)) < 120
-    assert tp._summary(10**5000) == "<integer of 16610 bits>"
-    assert tp._summary("x" * 10**6) == "'" + "x" * 79 + "..."
-    assert tp._summary({"a": [1, (2,)], "b": set()}) == "{'a': [1, (2,)], 'b': set()}"
+    assert len(pm.summary(deep)) < 120
+    assert pm.summary(10**5000) == "<integer of 16610 bits>"
+    assert pm.summary("x" * 10**6) == "'" + "x" * 79 + "..."
+    assert pm.summary({"a": [1, (2,)], "b": set()}) == "{'a': [1, (2,)], 'b': set()}"
 
 
 def test_protocol_0_and_5_pickles_read_as_pickle_does(tmp_path):
@@ -777,7 +778,7 @@ def test_protocol_0_and_5_pickles_read_as_pickle_does(tmp_path):
              "n": None, "bool": [True, False], "d": {"k": ((1, 2), frozenset({3}))}, "set": {4, 5}}
     for proto in range(6):
         blob = pickle.dumps(value, protocol=proto, fix_imports=False)  # builtins.set, not __builtin__.set
-        obj, end = tp._Machine(lambda m, n: tp.ALLOWED_GLOBALS[(m, n)], None).run(blob, 0, len(blob))
+        obj, end = pm.PickleMachine(lambda m, n: pm.PLAIN_GLOBALS[(m, n)], None).run(blob, 0, len(blob))
         assert obj == value and end == len(blob), proto
 
 
