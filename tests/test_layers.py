@@ -1,4 +1,5 @@
-"""The layering rule: ``formats/`` (containers: readers, writers, rules) never imports ``convert``.
+"""The layering rule: ``formats/`` (containers: readers, writers, rules) never imports ``convert``; and
+inside it, the generic pickle machine never imports the torch reader that runs on it.
 
 Every ``.py`` file under formats/ is parsed (not imported) and every import in it is collected: module
 level and inside functions or classes, ``import x``, ``from x import y``, relative imports resolved
@@ -77,7 +78,8 @@ FILES = sorted(FORMATS.rglob("*.py"))
 
 def test_the_walk_sees_the_format_modules() -> None:
     names = {_module_name(p)[0] for p in FILES}
-    want = {"formats", "formats.errors", "formats.gguf", "formats.peft", "formats.peft_config", "formats.safetensors"}
+    want = {"formats", "formats.errors", "formats.gguf", "formats.peft", "formats.peft_config",
+            "formats.pickle_machine", "formats.safetensors", "formats.torch_pickle"}
     assert want <= names
 
 
@@ -90,15 +92,19 @@ def test_formats_never_imports_convert(path: Path) -> None:
     )
 
 
-def test_peft_config_never_imports_peft() -> None:
-    # one way: formats.peft (adapter weights) uses formats.peft_config (adapter_config.json), never the reverse
+#: (lower, upper): ``upper`` is built on ``lower``, which never imports it (one-way dependencies inside formats)
+ONE_WAY = [("formats.peft_config", "formats.peft"), ("formats.pickle_machine", "formats.torch_pickle")]
+
+
+@pytest.mark.parametrize(("lower", "upper"), ONE_WAY)
+def test_one_way_dependency(lower: str, upper: str) -> None:
     def imports(name: str) -> set[str]:
         path = FORMATS / f"{name.split('.')[-1]}.py"
         return {n for _, n in imported_modules(path.read_text(encoding="utf-8"), name)}
 
-    config_imports = imports("formats.peft_config")
-    assert not {n for n in config_imports if n == "formats.peft" or n.startswith("formats.peft.")}, config_imports
-    assert "formats.peft_config" in imports("formats.peft")
+    below = imports(lower)
+    assert not {n for n in below if n == upper or n.startswith(upper + ".")}, below
+    assert lower in imports(upper)
 
 
 SYNTHETIC = '''
