@@ -10,12 +10,13 @@ gguf-py's name tables, one :class:`Architecture` row per model class instead of 
 - :func:`hparams`: config.json plus the defaults transformers' config classes fill in (llama.cpp
   reads the config through ``AutoConfig``), ``text_config`` merged, ``rope_theta`` found where
   transformers >= 5 keeps it (per attention kind for sliding-window models), derived ``@`` keys
-  (the SWA RoPE base, Phi-3's rotary dimensions and LongRoPE attention factor, Gemma 3's optional
-  keys); :func:`block_count`; :class:`Param` rows map keys to ``GGUFWriter.add_*`` calls
+  (the SWA RoPE base, Phi-3's rotary dimensions and LongRoPE attention factor, with
+  :mod:`convert.gguf_rope`'s helpers; Gemma 3's optional keys); :func:`block_count`; :class:`Param`
+  rows map keys to ``GGUFWriter.add_*`` calls
   (``TextModel``/``GemmaModel``/``Gemma2Model``/``Gemma3Model``/``Phi3MiniModel.set_gguf_parameters``);
-- :func:`rope_metadata` (RoPE scaling keys, ``TextModel.set_gguf_parameters``),
-  :func:`llama3_rope_freqs` (``rope_freqs.weight``, ``LlamaModel.generate_extra_tensors``) and
-  :func:`longrope_factors` (``rope_factors_long/short.weight``, ``Phi3MiniModel.generate_extra_tensors``);
+- RoPE scaling (its metadata keys, ``rope_freqs.weight``, ``rope_factors_long/short.weight``) is
+  :mod:`convert.gguf_rope`'s, driven by each row's ``rope_types``, ``rope_scaling_keys`` and
+  ``longrope_factors``;
 - tensor names: :func:`is_skipped` (tensors llama.cpp never writes) and :func:`gguf_tensor_name`
   (gguf-py's ``TensorNameMap.get_name``: ``model.layers.3.self_attn.q_proj.weight`` ->
   ``blk.3.attn_q.weight``), refused before any weight is read;
@@ -30,10 +31,8 @@ Rules raised here (see docs/errors.md):
 GGUF-001  the architecture is one of :data:`ARCHITECTURES`, and not a Qwen3 reranker (which llama.cpp
           converts with a classifier head) (:class:`UnsupportedArchitectureError`)
 GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
-GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama; the
-          RoPE object is an object, its type a string, its keys as llama.cpp reads them
-          (:func:`convert.gguf_config.check_rope`); Phi-3's LongRoPE factors one finite number per
-          rotary dimension pair (:class:`RopeScalingError`)
+GGUF-005  ``rope_parameters`` / ``rope_scaling`` is an object (or null) (:class:`RopeScalingError`;
+          the scaling type, its keys and Phi-3's LongRoPE factors: :mod:`convert.gguf_rope`)
 GGUF-006  config.json holds the hyperparameters the architecture needs, no MoE experts, q/k rows
           split into heads, ``text_config`` an object, head counts and the layer count positive
           integers that divide (:mod:`convert.gguf_config`) (:class:`GgufConfigError`)
@@ -45,7 +44,6 @@ config.json type or range.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +60,8 @@ from formats.errors import (
     UnsupportedArchitectureError,
 )
 
-from .gguf_config import check_heads, check_rope, real, whole
+from .gguf_config import check_heads, whole
+from .gguf_rope import LOCAL_THETA, longrope_attn_factor, rope_object, rotary_dims
 
 __all__ = [
     "ARCHITECTURES",
@@ -73,12 +72,9 @@ __all__ = [
     "gguf_tensor_name",
     "hparams",
     "is_skipped",
-    "llama3_rope_freqs",
-    "longrope_factors",
     "norm_offset",
     "permutation",
     "permute_heads",
-    "rope_metadata",
 ]
 
 #: Source tensors llama.cpp never writes.
@@ -474,7 +470,7 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
             )
     # rope_theta lives in rope_parameters (transformers >= 5; per attention kind for models with
     # sliding-window layers) or at the top level (older configs); TextModel.__init__
-    rope = _rope(hp)
+    rope = rope_object(hp)
     if "rope_theta" not in hp or hp["rope_theta"] is None:
         theta = rope.get("rope_theta", hp.get("rotary_emb_base"))
         if theta is not None:
@@ -483,7 +479,7 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     swa = params.get("sliding_attention") if isinstance(params, dict) else None
     swa_theta = swa.get("rope_theta") if isinstance(swa, dict) else None
     if swa_theta is None:
-        swa_theta = next((hp[k] for k in _LOCAL_THETA if hp.get(k) is not None), None)
+        swa_theta = next((hp[k] for k in LOCAL_THETA if hp.get(k) is not None), None)
     check_heads(hp, path)  # before the defaults: head_dim is derived only when config.json has none
     heads = hp.get("num_attention_heads")
     hidden = hp.get("hidden_size")
@@ -499,18 +495,18 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
             hp[key] = default
     hp["@head_dim"] = hp.get("head_dim") or derived_head_dim
     if swa_theta is None:
-        swa_theta = next((hp[k] for k in _LOCAL_THETA if hp.get(k) is not None), None)
+        swa_theta = next((hp[k] for k in LOCAL_THETA if hp.get(k) is not None), None)
     hp["@rope_theta_swa"] = swa_theta
-    rope_obj = _rope(hp)
+    rope_obj = rope_object(hp)
     orig = rope_obj.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
     hp["@original_max_position_embeddings"] = orig
     # Phi3MiniModel: rotary dimensions int(partial_rotary_factor * hidden) // heads, window 0 when unset
     hp["@partial_rotary_factor"] = next(
         (v for v in (rope_obj.get("partial_rotary_factor"), hp.get("partial_rotary_factor"), hp.get("rope_pct"),
                      hp.get("rope_percent")) if v is not None), 1.0)
-    hp["@rope_dimension_count"] = _rotary_dims(hp, path) if arch.longrope_factors else None
+    hp["@rope_dimension_count"] = rotary_dims(hp, path) if arch.longrope_factors else None
     hp["@sliding_window_or_0"] = hp.get("sliding_window") if hp.get("sliding_window") is not None else 0
-    hp["@rope_attn_factor"] = _longrope_attn_factor(hp, path) if arch.longrope_factors else None
+    hp["@rope_attn_factor"] = longrope_attn_factor(hp, path) if arch.longrope_factors else None
     # Gemma3Model: the final softcapping only when set, the window unless every layer is global
     hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
     hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
@@ -524,187 +520,6 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
                 action="convert",
             )
     return hp
-
-
-#: Keys of the sliding-window layers' RoPE base (TextModel.__init__'s ``local_rope_theta``).
-_LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
-
-
-def _rope(hp: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE object (``rope_parameters``, else ``rope_scaling``; {} when neither is an object); for a
-    model with per-attention-kind parameters, those of the full-attention layers (TextModel)."""
-    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        return {}
-    full = rope.get("full_attention")
-    if isinstance(full, dict):
-        return full
-    return rope
-
-
-def _rope_kind(rope: Mapping[str, Any], path: str | None) -> str | None:
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind is None or isinstance(kind, str):
-        return kind.lower() if kind is not None else None
-    raise RopeScalingError(
-        "config.json RoPE 'rope_type' is not a string",
-        path=path,
-        expected="a string such as 'linear'",
-        found=f"{type(kind).__name__} {str(kind)[:40]}",
-        action="convert",
-    )
-
-
-def _rotary_dims(hp: Mapping[str, Any], path: str | None) -> int:
-    """``int(partial_rotary_factor * hidden_size) // num_attention_heads`` (Phi3MiniModel)."""
-    hidden = whole(hp.get("hidden_size", hp.get("n_embd")), "hidden_size", path)
-    heads = whole(hp.get("num_attention_heads", hp.get("n_head")), "num_attention_heads", path)
-    pct = real(hp["@partial_rotary_factor"], "partial_rotary_factor", path, hi=1.0)
-    dims = int(pct * hidden) // heads
-    if dims < 2:
-        raise GgufConfigError(
-            "config.json 'partial_rotary_factor' leaves no rotary dimensions",
-            path=path, expected="int(factor x hidden_size) // heads >= 2", found=pct, action="convert",
-        )
-    return dims
-
-
-def _longrope_attn_factor(hp: Mapping[str, Any], path: str | None) -> float | None:
-    """The attention factor Phi3MiniModel.generate_extra_tensors writes when LongRoPE factors are given.
-
-    Raises:
-        RopeScalingError: GGUF-005 (a scaling type with factors that is not longrope/su/yarn).
-        GgufConfigError: GGUF-006 (context lengths that are not positive integers).
-    """
-    rope = _rope(hp)
-    if not rope.get("long_factor"):
-        return None
-    kind = (_rope_kind(rope, path) or "").lower()
-    if kind not in ("longrope", "su", "yarn"):
-        raise RopeScalingError(
-            "RoPE long/short factors with a scaling type llama.cpp does not convert",
-            path=path, expected="rope_type longrope, su or yarn", found=kind or "none", action="convert",
-        )
-    ctx = whole(hp.get("n_positions", hp.get("max_position_embeddings")), "max_position_embeddings", path)
-    orig = whole(hp.get("@original_max_position_embeddings"), "original_max_position_embeddings", path)
-    scale = ctx / orig
-    if scale <= 1.0:
-        return 1.0
-    if kind == "yarn":
-        return 0.1 * math.log(scale) + 1.0
-    if orig < 2:
-        raise GgufConfigError(
-            "config.json 'original_max_position_embeddings' is too small for LongRoPE",
-            path=path, expected="an integer >= 2", found=orig, action="convert",
-        )
-    return math.sqrt(1 + math.log(scale) / math.log(orig))
-
-
-def longrope_factors(
-    hp: Mapping[str, Any], arch: Architecture, path: str | None
-) -> list[tuple[str, npt.NDArray[np.float32]]]:
-    """``rope_factors_long/short.weight`` (Phi3MiniModel.generate_extra_tensors), [] without long factors.
-
-    Raises:
-        RopeScalingError: GGUF-005 (factors missing, not finite numbers, or not rotary dims / 2 of each).
-    """
-    rope = _rope(hp)
-    if not arch.longrope_factors or not rope.get("long_factor"):
-        return []
-    dims = hp["@rope_dimension_count"]
-    out = []
-    for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
-                        ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
-        values = rope.get(key)
-        if not isinstance(values, list) or len(values) * 2 != dims:
-            raise RopeScalingError(
-                f"config.json RoPE '{key}' does not hold one factor per rotary dimension pair",
-                path=path, expected=f"a list of {dims // 2} numbers",
-                found=f"{type(values).__name__} of {len(values)}" if isinstance(values, list) else values,
-                action="convert",
-            )
-        factors = [real(v, f"rope.{key}[{i}]", path, error=RopeScalingError) for i, v in enumerate(values)]
-        out.append((gguf.TENSOR_NAMES[tensor] + ".weight", np.asarray(factors, dtype=np.float32)))
-    return out
-
-
-def rope_metadata(hp: Mapping[str, Any], arch: Architecture, path: str | None) -> list[tuple[str, Any]]:
-    """(writer method, value) for the RoPE scaling keys (TextModel.set_gguf_parameters).
-
-    Raises:
-        RopeScalingError: GGUF-005 (a scaling type the architecture does not take, or keys the type
-            needs missing, of the wrong type or out of range: :func:`convert.gguf_config.check_rope`).
-    """
-    rope = _rope(hp)
-    kind = _rope_kind(rope, path)
-    if kind is None:
-        return []
-    if kind not in arch.rope_types:
-        raise RopeScalingError(
-            "RoPE scaling type not supported for GGUF output",
-            path=path,
-            expected=f"one of {', '.join(arch.rope_types)}",
-            found=kind,
-            action="convert",
-        )
-    if not arch.rope_scaling_keys:  # Phi-3: its own keys (_PHI3_PARAMS, longrope_factors)
-        return []
-    checked = check_rope(rope, kind, hp, path)
-    factor = rope.get("factor")
-    out: list[tuple[str, Any]] = []
-    if kind == "linear" and factor is not None:
-        out += [("add_rope_scaling_type", gguf.RopeScalingType.LINEAR), ("add_rope_scaling_factor", factor)]
-    elif kind == "yarn" and factor is not None:
-        out += [
-            ("add_rope_scaling_type", gguf.RopeScalingType.YARN),
-            ("add_rope_scaling_factor", factor),
-            ("add_rope_scaling_orig_ctx_len", checked["original_max_position_embeddings"]),
-        ]
-        for method, keys in (
-            ("add_rope_scaling_yarn_ext_factor", ("extrapolation_factor",)),
-            ("add_rope_scaling_yarn_attn_factor", ("attention_factor", "attn_factor")),
-            ("add_rope_scaling_yarn_beta_fast", ("beta_fast",)),
-            ("add_rope_scaling_yarn_beta_slow", ("beta_slow",)),
-        ):
-            value = next((rope[k] for k in keys if rope.get(k) is not None), None)
-            if value is not None:
-                out.append((method, value))
-    return out
-
-
-def llama3_rope_freqs(hp: Mapping[str, Any], path: str | None = None) -> npt.NDArray[np.float32] | None:
-    """The ``rope_freqs.weight`` factors of Llama 3.1 RoPE scaling (LlamaModel.generate_extra_tensors).
-
-    Raises:
-        RopeScalingError: GGUF-005 (:func:`convert.gguf_config.check_rope`).
-        GgufConfigError: GGUF-006 (``rope_theta`` or the head dimension not a positive number).
-    """
-    rope = _rope(hp)
-    if _rope_kind(rope, path) != "llama3":
-        return None
-    checked = check_rope(rope, "llama3", hp, path)
-    base = checked.get("rope_theta")
-    if base is None:
-        base = float(hp["rope_theta"]) if hp.get("rope_theta") is not None else 10000.0
-    base = real(base, "rope_theta", path)
-    dim = whole(hp.get("@head_dim"), "head_dim", path)
-    freqs = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
-    factor = checked.get("factor", 8.0)
-    low = checked.get("low_freq_factor", 1.0)
-    high = checked.get("high_freq_factor", 4.0)
-    old_ctx = float(checked.get("original_max_position_embeddings", 8192))
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    out = []
-    for f in freqs:
-        wavelen = 2 * math.pi / float(f) if f > 0 else math.inf
-        if wavelen < high_wavelen:
-            out.append(1.0)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
 
 
 def block_count(hp: Mapping[str, Any], path: str | None) -> int:

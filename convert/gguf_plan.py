@@ -6,8 +6,9 @@ every metadata key, before any weight is read. It matches what llama.cpp's ``con
 writes for the same model and ``--outtype`` (``TextModel.set_gguf_parameters``,
 ``ModelBase.prepare_tensors``, ``LlamaModel.generate_extra_tensors``); the metadata keys and value
 types are the gguf package's own (the plan fills a scratch ``GGUFWriter`` with ``add_*`` calls and
-keeps its key/value table). The architecture rows are :mod:`convert.gguf_arch`'s, the tokenizer keys
-:mod:`convert.gguf_tokenizer`'s; :mod:`convert.gguf_encode` writes the plan.
+keeps its key/value table). The architecture rows are :mod:`convert.gguf_arch`'s, the RoPE scaling keys
+and tensors :mod:`convert.gguf_rope`'s, the tokenizer keys :mod:`convert.gguf_tokenizer`'s;
+:mod:`convert.gguf_encode` writes the plan.
 
 Output types (``--to gguf:TYPE``, :data:`OUTPUT_TYPES`, any letter case):
 
@@ -35,7 +36,7 @@ transformers):
   layer and name); ours keep the converter's order. Types and bytes are the same.
 
 Rules raised here (see docs/errors.md), besides those of :mod:`convert.gguf_arch` (GGUF-001, 003,
-005, 006) and :mod:`convert.gguf_tokenizer` (GGUF-004):
+005, 006), :mod:`convert.gguf_rope` (GGUF-005, 006) and :mod:`convert.gguf_tokenizer` (GGUF-004):
 
 ========  ======================================================================================
 GGUF-002  the output type is one of :data:`OUTPUT_TYPES` (:class:`GgufTypeError`)
@@ -74,14 +75,12 @@ from .gguf_arch import (
     gguf_tensor_name,
     hparams,
     is_skipped,
-    llama3_rope_freqs,
-    longrope_factors,
     norm_offset,
     permute_heads,
-    rope_metadata,
 )
 from .gguf_config import check_packable, check_param, check_shapes, check_special_ids, check_vocab, layer_count
 from .gguf_mix import FILE_TYPES, MixModel, mix_types
+from .gguf_rope import llama3_rope_freqs, longrope_factors, rope_metadata
 from .gguf_tokenizer import add_tokenizer
 
 __all__ = [
