@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
+from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
+from formats.bnb_layers import group_layers
 from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
 

@@ -87,7 +87,8 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     Raises:
         BnbLayerError: a layer breaks a BNB-xxx rule (as the conversion would report it).
     """
-    from formats.bnb import Int8Layer, QuantizedLayer, group_layers, is_int8_config
+    from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
+    from formats.bnb_layers import group_layers
 
     from .plan import TARGETS, make_plan
 

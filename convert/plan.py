@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, TensorLike, group_layers, is_int8_config
+from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, TensorLike, is_int8_config
+from formats.bnb_layers import group_layers
 from formats.checkpoint import Checkpoint, TensorRecord, gc_paused
 from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
@@ -153,7 +154,7 @@ class Dequant4Source(Source):
         )
         self.kind = f"dequant {st.quant_type} bs{st.blocksize}" + (" nested" if st.nested else "")
         self._absmax: npt.NDArray[np.float32] | None = None
-        # the layer's quant_map equals its quant_type's table bit for bit (BNB-007, checked in formats.bnb)
+        # the layer's quant_map equals its quant_type's table bit for bit (BNB-005, checked in formats.bnb_layers)
         self._quant_map = QUANT_TABLES[st.quant_type]
 
     def absmax(self) -> npt.NDArray[np.float32]:

@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from formats.bnb import BnbLayerError, ConstTensor, QuantizedLayer, group_layers
+from formats.bnb import BnbLayerError, ConstTensor, QuantizedLayer
+from formats.bnb_layers import group_layers
 from formats.checkpoint import open_checkpoint
 from formats.safetensors import SafetensorsReader
 

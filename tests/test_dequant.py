@@ -13,7 +13,7 @@ import pytest
 
 from convert.cli import main
 from convert.kernels import dequantize_4bit, dequantize_nested_absmax, round_float32, unpack_4bit
-from formats.bnb import group_layers
+from formats.bnb_layers import group_layers
 from formats.checkpoint import open_checkpoint
 
 from .conftest import MODELS, PEER, REFERENCES, SINGLE, assert_same_tensors, bits, load_all, manifest

@@ -11,7 +11,8 @@ import pytest
 from convert.cli import main
 from convert.kernels import INT8_SCALE, dequantize_int8
 from convert.plan import Int8Source
-from formats.bnb import BnbLayerError, ConstTensor, Int8Layer, group_layers
+from formats.bnb import BnbLayerError, ConstTensor, Int8Layer
+from formats.bnb_layers import group_layers
 from formats.checkpoint import open_checkpoint
 from formats.dtypes import BY_NAME
 from formats.errors import UnsupportedError

@@ -78,8 +78,8 @@ FILES = sorted(FORMATS.rglob("*.py"))
 
 def test_the_walk_sees_the_format_modules() -> None:
     names = {_module_name(p)[0] for p in FILES}
-    want = {"formats", "formats.errors", "formats.gguf", "formats.peft", "formats.peft_config",
-            "formats.pickle_machine", "formats.safetensors", "formats.torch_pickle"}
+    want = {"formats", "formats.bnb_layers", "formats.errors", "formats.gguf", "formats.peft",
+            "formats.peft_config", "formats.pickle_machine", "formats.safetensors", "formats.torch_pickle"}
     assert want <= names
 
 
@@ -94,7 +94,7 @@ def test_formats_never_imports_convert(path: Path) -> None:
 
 #: (lower, upper): ``upper`` is built on ``lower``, which never imports it (one-way dependencies between modules)
 ONE_WAY = [("formats.peft_config", "formats.peft"), ("formats.pickle_machine", "formats.torch_pickle"),
-           ("convert.gguf_rope", "convert.gguf_arch")]
+           ("convert.gguf_rope", "convert.gguf_arch"), ("formats.bnb", "formats.bnb_layers")]
 
 
 @pytest.mark.parametrize(("lower", "upper"), ONE_WAY)

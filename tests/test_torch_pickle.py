@@ -24,7 +24,8 @@ import pytest
 import formats.pickle_machine as pm
 import formats.torch_pickle as tp
 from convert.cli import main
-from formats.bnb import BnbLayerError, QuantizedLayer, group_layers
+from formats.bnb import BnbLayerError, QuantizedLayer
+from formats.bnb_layers import group_layers
 from formats.checkpoint import open_checkpoint
 from formats.errors import (
     ConvertBnbError,
