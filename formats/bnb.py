@@ -347,7 +347,7 @@ def parse_quant_state(
     the ``quant_state.bitsandbytes__<type>`` key, checked against the JSON.
 
     Raises:
-        BnbLayerError: BNB-001, BNB-002, BNB-006, BNB-009, BNB-013 or BNB-014.
+        BnbLayerError: BNB-001, BNB-002, BNB-006, BNB-009, BNB-013, BNB-014 or BNB-019.
     """
 
     def bad(message: str, **kw: Any) -> BnbLayerError:
