@@ -336,6 +336,30 @@ def _overwrite_other_kind(src: Path, out: Path) -> None:
         existing.unlink()
 
 
+def _overwrite_a_fifo(src: Path, out: Path) -> None:
+    """--overwrite aimed at a FIFO (as at /dev/null): refused, the FIFO left as it was (a rename would have
+    put a regular file in its place)."""
+    import stat
+
+    fifo = out.with_name("fifo")
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    try:
+        convert(src, fifo, overwrite=True)
+    finally:
+        assert stat.S_ISFIFO(fifo.lstat().st_mode)
+        fifo.unlink()
+
+
+def _output_under_a_file(src: Path, out: Path) -> None:
+    existing = write(out.with_name("existing.txt"), b"a file")
+    try:
+        convert(src, existing / "sub" / "out.safetensors", overwrite=True)
+    finally:
+        assert existing.read_bytes() == b"a file"
+        existing.unlink()
+
+
 def _inside_input(src: Path, out: Path) -> None:
     convert(src, src / "converted")
 
@@ -1299,6 +1323,12 @@ CASES: list[Case] = [
          argv=["{src}", "-o", "{out}.safetensors", "-q"], same_message=False),
     Case("overwrite-file-with-directory", E.OutputKindError, ["USE-003", "expected 'a directory', found 'a file'"],
          lambda d: model_dir(d / "model", {"model.safetensors": V}), run=_overwrite_other_kind, argv=None),
+    Case("overwrite-a-fifo", E.OutputKindError,
+         ["Failed to write", "fifo'", "USE-003", "neither a file nor a directory",
+          "expected 'a file or a directory', found 'a FIFO'"], one_file(V), run=_overwrite_a_fifo, argv=None),
+    Case("output-under-a-file", E.OutputKindError,
+         ["Failed to write", "existing.txt'", "USE-003 a parent of -o is not a directory",
+          "expected 'a directory', found 'a file'"], one_file(V), run=_output_under_a_file, argv=None),
     # ---- batch JOBS files (convert-bnb batch)
     Case("batch-bad-json", E.BatchFileError, ["BATCH-001", "jobs.json'", "not valid JSON"],
          batch('[{"src": ', "jobs.json"), run=run_batch, argv=BATCH_ARGV),
