@@ -168,6 +168,17 @@ class Dequant4Source(Source):
                 self._absmax = self._resolve()
             return self._absmax
 
+    def check_absmax(self) -> None:
+        """Check the resolved absmax without keeping it (a layer copied unchanged to an NF4/FP4 output: its
+        bytes are never dequantized, and a cached absmax would hold 1/16 of the layer's size for the run).
+
+        Raises:
+            NonFiniteAbsmaxError: BNB-012 when a value is not finite (inf or NaN).
+        """
+        with self._lock:
+            if self._absmax is None:
+                self._resolve()
+
     def _resolve(self) -> npt.NDArray[np.float32]:
         layer, st = self.layer, self.layer.state
         if st.nested:

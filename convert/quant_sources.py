@@ -201,7 +201,13 @@ def passthrough_ok(src: Source, settings: QuantSettings) -> bool:
 
 
 def passthrough_tensors(t: PlannedTensor, src: Dequant4Source, settings: QuantSettings) -> list[PlannedTensor]:
-    """The planned tensors of a bnb layer copied unchanged (its bytes; the packed codes under ``quant_storage``)."""
+    """The planned tensors of a bnb layer copied unchanged (its bytes; the packed codes under ``quant_storage``).
+
+    Raises:
+        NonFiniteAbsmaxError: BNB-012, the layer's absmax is not finite (as when it is dequantized: copying
+            it would write a layer that no reader, this one included, accepts).
+    """
+    src.check_absmax()
     layer, st = src.layer, src.layer.state
     storage = BY_NAME[settings.quant_storage]
     shape = settings.storage_shape(st.numel, t.name)
