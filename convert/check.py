@@ -122,6 +122,11 @@ def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str
         broken = {p.path for p in problems if (p.rule or "").startswith(("ST-", "PT-"))}
         report.files = sum(1 for f in ckpt.files if os.fspath(f) not in broken)
         report.tensors = len(ckpt.tensors)
+        if not problems:
+            try:
+                ckpt.require_tensors()
+            except ConvertBnbError as exc:
+                problems.append(exc)
         try:
             layers, plain = group_layers(ckpt.tensors, ckpt.values, problems,
                                          int8_model=is_int8_config(ckpt.config))

@@ -493,6 +493,7 @@ def make_plan(
 
     Raises:
         UsageError: an unknown ``to``.
+        NoWeightsError: CKPT-005, the checkpoint holds no tensor.
         BnbLayerError: a layer breaks a BNB rule.
         UnsupportedError: a layer kind without a kernel.
     """
@@ -503,6 +504,7 @@ def make_plan(
 
 
 def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
+    checkpoint.require_tensors()
     layers, plain = group_layers(checkpoint.tensors, checkpoint.values,
                                  int8_model=is_int8_config(checkpoint.config))
     tensors: list[PlannedTensor] = []

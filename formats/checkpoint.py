@@ -21,7 +21,8 @@ CKPT-002  MissingShardError           every shard the index names exists
 CKPT-003  IndexTensorMissingError     every tensor the index names is in the shard it names
 CKPT-004  UnindexedShardError         no shard-named weight file (``model-00001-of-00002.safetensors``)
                                       is left out of the index
-CKPT-005  NoWeightsError              the directory holds weights at all
+CKPT-005  NoWeightsError              the directory holds weights at all, and they hold a tensor
+                                      (:meth:`Checkpoint.require_tensors`, before a conversion)
 CKPT-006  ShardDuplicateTensorError   a tensor name appears in only one shard
 CKPT-007  ConfigJsonError             config.json, when present, is a JSON object (within
                                       :mod:`formats.jsonfile`'s limits)
@@ -218,6 +219,18 @@ class Checkpoint:
     def nbytes(self) -> int:
         """Total bytes of tensor data."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    def require_tensors(self) -> None:
+        """Check that the weight files hold a tensor (what a conversion needs; ``inspect`` shows an empty file).
+
+        Raises:
+            NoWeightsError: CKPT-005, no tensor in any weight file (an empty state dict, or one of plain values).
+        """
+        if not self.tensors:
+            raise NoWeightsError(
+                "the weight files hold no tensors", path=self.source, expected="at least one tensor",
+                found=f"0 tensors and {len(self.values)} other values" if self.values else "0 tensors",
+                hint="give the model's checkpoint: this one was saved empty, or is not a model")
 
     def close(self) -> None:
         """Close every reader."""

@@ -594,7 +594,7 @@ class UnindexedShardError(CheckpointError):
 
 
 class NoWeightsError(CheckpointError):
-    """The directory holds no weights convert-bnb can find."""
+    """The directory holds no weights convert-bnb can find, or its weight files hold no tensors."""
 
     default_rule = "CKPT-005"
     advice = "Point SRC at the model directory (with model.safetensors or an index) or at one weight file."

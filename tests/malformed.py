@@ -1020,6 +1020,9 @@ CASES: list[Case] = [
          ["CKPT-004", "no index names them", "found ['model-00002-of-00002.safetensors']"], _stray_single),
     Case("no-weights", E.NoWeightsError, ["CKPT-005", "no weights found", "found 'no weight files'"],
          lambda d: model_dir(d / "model", {})),
+    Case("no-tensors", E.NoWeightsError, ["Failed to read", "model.safetensors'", "CKPT-005 the weight files hold no "
+                                          "tensors", "expected 'at least one tensor', found '0 tensors'"],
+         one_file({})),
     Case("tensor-in-two-shards", E.ShardDuplicateTensorError,
          ["CKPT-006", "tensor 'model.norm.weight'", "also in shard 'model-00001-of-00002.safetensors'"],
          _duplicate_across),
