@@ -56,6 +56,12 @@ def matches_module(full_name: str, pattern: str) -> bool:
     return full_name.endswith(pattern)
 
 
+def selects(name: str, pattern: str, *, include: bool) -> bool:
+    """Whether a ``--skip-modules`` (``include`` False) or ``--include`` pattern names the tensor ``name``:
+    its module by :func:`matches_module` (an ``--include`` pattern may also name the tensor itself)."""
+    return matches_module(module_name(name), pattern) or (include and matches_module(name, pattern))
+
+
 def module_name(name: str) -> str:
     """The module a tensor belongs to: ``name`` without a trailing ``.weight``."""
     return name[: -len(".weight")] if name.endswith(".weight") else name
@@ -97,9 +103,9 @@ def should_quantize(
         return False, f"{dtype.code} weight (a QuantState dtype is F16, BF16 or F32)"
     if any(d == 0 for d in shape):  # a QuantState's shape has positive sizes (BNB-014 would refuse the output)
         return False, "empty (no values to quantize)"
-    if any(matches_module(name, p) or matches_module(module, p) for p in include):
+    if any(selects(name, p, include=True) for p in include):
         return True, "--include"
-    if any(matches_module(module, p) for p in skip):
+    if any(selects(name, p, include=False) for p in skip):
         return False, "--skip-modules"
     if was_quantized:
         if is_head(module):

@@ -32,7 +32,7 @@ from formats.dtypes import DType, float_dtype_name
 
 from .plan import Dequant4Source, Plan, PlannedTensor, shard_tensors
 from .quant_passes import AbsmaxBudget, LayerJob
-from .quant_rules import input_quantization_config, is_head, module_name, quantization_config, should_quantize
+from .quant_rules import input_quantization_config, is_head, module_name, quantization_config, selects, should_quantize
 from .quant_settings import QuantSettings
 from .quant_sources import job_tensors, passthrough_ok, passthrough_tensors
 
@@ -67,12 +67,15 @@ class QuantPlanInfo:
         passthrough: weights copied unchanged from a bnb input.
         kept: tensors left as they are, with the reason.
         skip_modules: the ``llm_int8_skip_modules`` written to config.json (None = null).
+        unmatched: the ``--skip-modules`` and ``--include`` patterns given that name no tensor of the
+            input, by option (a typo, or a name of another model).
     """
 
     jobs: list[LayerJob] = field(default_factory=list)
     passthrough: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
     skip_modules: list[str] | None = None
+    unmatched: dict[str, list[str]] = field(default_factory=dict)
 
 
 def make_quant_plan(
@@ -122,6 +125,11 @@ def make_quant_plan(
     from .pipeline import chunk_elements
 
     info = QuantPlanInfo()
+    for option, patterns, include_ in (("--skip-modules", skip, False), ("--include", include, True)):
+        missed = [p for p in dict.fromkeys(patterns) if not any(selects(t.name, p, include=include_)
+                                                                for t in plan.tensors)]
+        if missed:
+            info.unmatched[option] = missed
     old_qc = input_quantization_config(plan.checkpoint.config)
     skip = list(dict.fromkeys([*skip, *(old_qc.get("llm_int8_skip_modules") or [])]))
     if piece_elements is None:

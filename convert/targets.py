@@ -171,6 +171,9 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
         f"double quant {'on' if settings.nested else 'off'}, storage {settings.quant_storage})"
         + (f", {len(info.passthrough)} copied unchanged" if info.passthrough else "")
     )
+    for option, missed in info.unmatched.items():
+        qplan.notes.append(f"{option} {', '.join(repr(p) for p in missed)}: no module of the input matches "
+                           "(a module name, a suffix of one, or a regular expression matched from the start)")
 
     def reports() -> list[Any]:
         return [j.report for j in info.jobs if j.report is not None]

@@ -206,6 +206,17 @@ def test_skip_modules_go_into_the_config(tmp_out: Path) -> None:
         assert f"model.layers.{layer}.mlp.up_proj.weight.absmax" in got
 
 
+def test_patterns_that_match_no_module_are_noted(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a typo ('q_proj(' is not a valid regex, and no module ends with it) silently left everything quantized
+    assert main([str(ORIG), "--to", "nf4", "--skip-modules", "q_proj(", "--skip-modules", "mlp.down_proj",
+                 "--include", "nope", "-o", str(tmp_out)]) == 0
+    err = capsys.readouterr().err
+    assert ("note: --skip-modules 'q_proj(': no module of the input matches (a module name, a suffix of one, or a "
+            "regular expression matched from the start)") in err
+    assert "note: --include 'nope': no module of the input matches" in err
+    assert "mlp.down_proj'" not in err  # (it matches)
+
+
 def test_input_skip_list_and_compute_dtype_carry_over(tmp_path: Path) -> None:
     first, second = tmp_path / "a", tmp_path / "b"
     assert main([str(ORIG), "--to", "nf4", "--skip-modules", "mlp.down_proj", "-o", str(first), "-q"]) == 0
