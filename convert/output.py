@@ -39,12 +39,12 @@ import json
 import os
 import re
 import shutil
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from formats.checkpoint import path_kind
 from formats.errors import (
     DiskSpaceError,
     OutputBusyError,
@@ -221,19 +221,6 @@ def file_manifest(root: Path, known: dict[str, dict[str, Any]] | None = None) ->
         sha = rec["sha256"] if rec and rec.get("bytes") == size else sha256_file(f)
         out[rel] = {"bytes": size, "sha256": sha}
     return out
-
-
-def _special_kind(path: Path) -> str | None:
-    """What ``path`` is, in words, when it exists as something no output can be (a character or block device,
-    a FIFO, a socket); None for a missing path, a symlink (an output replaces the link, never what it points
-    to: :meth:`OutputClaim.commit`), a regular file or a directory."""
-    try:
-        mode = path.lstat().st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    kinds = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO",
-             stat.S_IFSOCK: "a socket"}
-    return kinds.get(stat.S_IFMT(mode))
 
 
 def _fsync_dir(d: Path) -> None:
@@ -417,17 +404,19 @@ class OutputClaim:
     # -- pre-flight
     def _check_kind(self) -> None:
         out, suffix = self.final, self.file_suffix
-        kind = _special_kind(out)
-        if kind is not None:
+        # a device, FIFO or socket is never written over (a rename would put a file in place of /dev/null);
+        # a symlink is replaced as a link, never what it points to (commit)
+        kind = path_kind(out, follow_symlinks=False)
+        if kind not in ("missing", "file", "directory", "a symlink") and not kind.startswith("unreadable"):
             raise OutputKindError("-o names something that is neither a file nor a directory, which convert-bnb "
                                   "never writes over, even with --overwrite", path=out, action="write",
                                   expected="a file or a directory", found=kind, hint="choose another path with -o")
-        parent = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
-        if parent is not None and not parent.is_dir():
+        parent = next((p for p in out.parents if path_kind(p, follow_symlinks=False) != "missing"), None)
+        parent_kind = "directory" if parent is None else path_kind(parent)
+        if parent_kind != "directory" and not parent_kind.startswith("unreadable"):
             raise OutputKindError("a parent of -o is not a directory", path=parent, action="write",
-                                  expected="a directory", found=_special_kind(parent) or (
-                                      "a file" if parent.exists() else "a symlink to nothing"),
-                                  hint="choose another path with -o")
+                                  expected="a directory", found={"file": "a file", "missing": "a symlink to nothing"}
+                                  .get(parent_kind, parent_kind), hint="choose another path with -o")
         if self.is_dir and out.suffix.lower() == suffix:
             raise OutputKindError(
                 f"a model directory converts to a directory, but -o names a '{suffix}' file", path=out,

@@ -244,11 +244,12 @@ class Checkpoint:
         self.close()
 
 
-def path_kind(path: str | os.PathLike[str]) -> str:
+def path_kind(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> str:
     """What a path is, following symlinks: ``"file"``, ``"directory"``, ``"missing"`` (also a dangling
-    symlink), or a description of anything else (``"a FIFO (named pipe)"``, ``"a symlink loop"``, ...)."""
+    symlink), or a description of anything else (``"a FIFO (named pipe)"``, ``"a symlink loop"``, ...).
+    With ``follow_symlinks`` False a symlink is ``"a symlink"``, whatever it points to."""
     try:
-        mode = os.stat(path).st_mode
+        mode = os.stat(path, follow_symlinks=follow_symlinks).st_mode
     except FileNotFoundError:
         return "missing"
     except OSError as exc:
@@ -262,7 +263,8 @@ def path_kind(path: str | os.PathLike[str]) -> str:
 
 #: ``stat.S_IFMT`` of a path -> what :func:`path_kind` calls it.
 _FILE_TYPES = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFIFO: "a FIFO (named pipe)",
-               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
+               stat.S_IFLNK: "a symlink"}
 
 
 def _open_file(path: Path, problems: list[ConvertBnbError] | None = None) -> ContainerReader:
