@@ -421,6 +421,11 @@ def _open_index(
             found=type(wmap).__name__ if not isinstance(wmap, dict) else "non-string entries",
         )
     shard_names = list(dict.fromkeys(wmap.values()))  # in index order, once each (linear)
+    # a name that leaves the directory first: it is the cause when the real shards then look stray (CKPT-004)
+    outside = {s for s in shard_names if os.sep in s or (os.altsep and os.altsep in s) or s in ("", ".", "..")}
+    for shard in (s for s in shard_names if s in outside):
+        report(ShardPathError("index names a shard outside the directory", path=index_path,
+                              expected="a plain file name", found=shard))
     stray = _stray_shards(root, set(shard_names), suffix)
     if stray:
         report(UnindexedShardError(
@@ -436,11 +441,9 @@ def _open_index(
     # its reader left out follows from that problem and is not reported again (CKPT-003)
     damaged: dict[str, set[str] | None] = {}
     for shard in shard_names:
-        shard_path = root / shard
-        if os.sep in shard or (os.altsep and os.altsep in shard) or shard in ("", ".", ".."):
-            report(ShardPathError("index names a shard outside the directory", path=index_path,
-                                  expected="a plain file name", found=shard))
+        if shard in outside:
             continue
+        shard_path = root / shard
         shard_kind = path_kind(shard_path)
         far = remote(shard_path) if shard_kind == "missing" and remote is not None else None
         if shard_kind == "missing" and far is None:

@@ -1043,6 +1043,10 @@ CASES: list[Case] = [
          _unindexed_tensor),
     Case("shard-outside-directory", E.ShardPathError, ["CKPT-009", "found '../evil.safetensors'"],
          lambda d: _two_shards(d, index=_full_index({"model.norm.weight": "../evil.safetensors"}))),
+    # the index's only shard leaves the directory: that is the cause, not the real shards it leaves unnamed
+    Case("shard-outside-directory-before-stray", E.ShardPathError, ["CKPT-009", "found '../../../../etc/passwd'"],
+         lambda d: _two_shards(d, index=_full_index(dict.fromkeys(_full_index()["weight_map"],
+                                                                  "../../../../etc/passwd")))),
     Case("shard-is-a-fifo", E.NotRegularFileError,
          ["model-00002-of-00002.safetensors'", "CKPT-011", "not a regular file", "found 'a FIFO (named pipe)'"],
          _fifo_shard),
