@@ -197,8 +197,14 @@ class Dequant4Source(Source):
         finite = np.isfinite(absmax)
         if not finite.all():
             j = int(np.argmin(finite))
+            # name the stored tensor that holds the damage: a non-finite nested_absmax spoils whole nested blocks
+            src = layer.absmax
+            if st.nested and layer.nested_absmax is not None and st.nested_blocksize is not None:
+                k = j // st.nested_blocksize
+                if not np.isfinite(np.asarray(layer.nested_absmax.array(), dtype=np.float32).reshape(-1)[k]):
+                    src = layer.nested_absmax
             raise NonFiniteAbsmaxError(
-                "absmax must be finite", path=layer.absmax.file, tensor=layer.absmax.name,
+                "absmax must be finite", path=src.file, tensor=src.name,
                 expected="finite values",
                 found=f"{absmax[j]} at block {j} ({int((~finite).sum())} of {absmax.size} not finite)",
                 hint="the layer's scales are damaged; this weight cannot be recovered from the file",
