@@ -181,12 +181,14 @@ class Dequant4Source(Source):
 
     def _resolve(self) -> npt.NDArray[np.float32]:
         layer, st = self.layer, self.layer.state
+        src = layer.absmax  # the stored tensor named when a value is not finite
         if st.nested:
             assert layer.nested_absmax is not None and layer.nested_quant_map is not None
             assert st.nested_blocksize is not None and st.nested_offset is not None
+            nested = np.asarray(layer.nested_absmax.array(), dtype=np.float32).reshape(-1)
             absmax = kernels.dequantize_nested_absmax(
                 layer.absmax_flat(),
-                layer.nested_absmax.array().reshape(-1),
+                nested,
                 layer.nested_quant_map.array().reshape(-1),
                 st.nested_blocksize,
                 st.nested_offset,
@@ -197,12 +199,8 @@ class Dequant4Source(Source):
         finite = np.isfinite(absmax)
         if not finite.all():
             j = int(np.argmin(finite))
-            # name the stored tensor that holds the damage: a non-finite nested_absmax spoils whole nested blocks
-            src = layer.absmax
-            if st.nested and layer.nested_absmax is not None and st.nested_blocksize is not None:
-                k = j // st.nested_blocksize
-                if not np.isfinite(np.asarray(layer.nested_absmax.array(), dtype=np.float32).reshape(-1)[k]):
-                    src = layer.nested_absmax
+            if st.nested and not np.isfinite(nested[j // st.nested_blocksize]):
+                src = layer.nested_absmax  # (it spoils its whole nested block)
             raise NonFiniteAbsmaxError(
                 "absmax must be finite", path=src.file, tensor=src.name,
                 expected="finite values",
