@@ -1061,9 +1061,7 @@ class GgufNonFiniteError(UnsupportedError):
 class EncoderProcessError(ConvertBnbError, ChildProcessError):
     """A GGUF encoder worker process ended abruptly (killed from outside: the OOM killer, a signal to it
     alone). Not a rule of the input: the run's environment, so no rule id; the run's temporary output is
-    removed as for any failed run."""
-
-    advice = "Run again, with a lower --max-memory or --threads 1 (one process, no workers) if memory is short."
+    removed as for any failed run. What to do is the hint it is raised with (:func:`convert.encoder_pool.call`)."""
 
 
 # -------------------------------------------------------------------------- SentencePiece tokenizers
