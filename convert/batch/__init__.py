@@ -1,0 +1,1 @@
+"""``convert-bnb batch``: many conversions, resumable, on local processes or Ray."""

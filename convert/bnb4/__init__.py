@@ -1,0 +1,1 @@
+"""``--to nf4|fp4``: re-quantization in bitsandbytes' layout."""

@@ -1,0 +1,1 @@
+"""bnb -> float numerics, pure NumPy: products, kernels, float16 rounding."""

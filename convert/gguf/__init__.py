@@ -1,0 +1,1 @@
+"""``--to gguf[:TYPE]``: GGUF files for llama.cpp."""

@@ -1,0 +1,1 @@
+"""Hugging Face Hub repos as SRC: repo ids, downloads, remote shards."""

@@ -1,0 +1,1 @@
+"""PEFT LoRA adapters merged into the dequantized weights."""
