@@ -7,7 +7,7 @@ Reads through :mod:`formats`; ``formats`` never imports ``convert``.
 __version__ = "0.1.0"
 
 #: OpenBLAS's thread count when the user sets none: one (see :func:`main`); Ray tasks get it too
-#: (:func:`convert.batch_ray.task_options`), as their workers start with NumPy loaded.
+#: (:func:`convert.batch.ray_executor.task_options`), as their workers start with NumPy loaded.
 BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "1")
 
 def main() -> int:
@@ -22,7 +22,7 @@ def main() -> int:
     import os
     import sys
 
-    from . import signals
+    from convert import signals
 
     # One BLAS thread (unless the user chose): the workers of --threads are the parallelism, and
     # OpenBLAS's own pool on top of them oversubscribes the cores (its threads spin while they wait:
@@ -32,7 +32,7 @@ def main() -> int:
     signals.install()
     try:
         with signals.deferred():
-            from .cli import main as cli_main
+            from convert.cli import main as cli_main
         return cli_main()
     except KeyboardInterrupt:  # while importing, or after the command line returned (its output is final)
         signals.settle()

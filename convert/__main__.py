@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from convert import main
 
 sys.exit(main())

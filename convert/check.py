@@ -25,13 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from convert.stream.plan import Dequant4Source
+from convert.targets import normalize_target
 from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
 from formats.bnb_layers import group_layers
 from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
-
-from .plan import Dequant4Source
-from .targets import normalize_target
 
 __all__ = ["CheckReport", "check_source"]
 
@@ -179,9 +178,9 @@ def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str
 
 def _check_target(ckpt: Checkpoint, to: str, model_name: str | None, problems: list[ConvertBnbError]) -> None:
     """Plan ``--to`` as the conversion would (no data is read); its first problem joins ``problems``."""
-    from .job import ConvertOptions
-    from .plan import make_plan
-    from .targets import TARGETS, target_for
+    from convert.job import ConvertOptions
+    from convert.stream.plan import make_plan
+    from convert.targets import TARGETS, target_for
 
     try:
         target = TARGETS[target_for(to)]
@@ -212,7 +211,7 @@ def run_command(args: argparse.Namespace) -> int:
     ``--json`` prints the report as JSON; ``--quiet`` prints nothing when clean and only the problems,
     one line each on stderr, otherwise (no notes, no summary).
     """
-    from .job import resolve_source
+    from convert.job import resolve_source
 
     try:
         src = resolve_source(args.src, args.revision)  # a Hub repo id is fetched into the HF cache

@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from convert import __version__, check, inspection, signals
+from convert.batch import cli as batch_cli
+from convert.output import InterruptedAfterCommit
+from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError
-
-from . import __version__, batch_cli, check, inspection, signals
-from .output import InterruptedAfterCommit
-from .units import format_bytes, parse_size
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args"]
 
@@ -70,9 +70,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the main job, ``convert-bnb SRC --to ...``."""
-    from .quant_settings import QUANT_STORAGES
-    from .targets import normalize_target, target_names
-    from .torch_reduce import TORCH_NUM_THREADS
+    from convert.bnb4.settings import QUANT_STORAGES
+    from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
+    from convert.targets import normalize_target, target_names
 
     p = _Parser(
         prog="convert-bnb",
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> Any:
     """The parsed command line as :class:`~convert.job.ConvertOptions`."""
-    from .job import ConvertOptions, QuantOptions
+    from convert.job import ConvertOptions, QuantOptions
 
     quiet = args.quiet or args.json
     return ConvertOptions(
@@ -160,7 +160,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _run_convert(args: argparse.Namespace) -> int:
     with signals.deferred():  # (C extensions among its imports: see convert.signals)
-        from .job import convert
+        from convert.job import convert
 
     result = convert(options_from_args(args))
     try:
@@ -188,7 +188,7 @@ def _report(args: argparse.Namespace, result: Any) -> int:
 
 def print_summary(result: Any) -> None:
     """The summary of a finished conversion on stderr (what was written, speed, memory, notes)."""
-    from .lora_report import format_table
+    from convert.lora.report import format_table
 
     print(f"wrote {result.output}: {result.tensors} tensors, {format_bytes(result.bytes_in)} in, "
           f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
@@ -289,7 +289,7 @@ def _print_failure(as_json: bool, error: dict[str, Any]) -> None:
 
 def _os_message(exc: OSError) -> str:
     """An OS error as one line naming the path the user knows (an output, not its temporary)."""
-    from .output import user_path
+    from convert.output import user_path
 
     if exc.strerror is None:
         return str(exc)

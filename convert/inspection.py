@@ -1,7 +1,7 @@
 """``convert-bnb inspect SRC [--json] [--stats]``: what a checkpoint holds, before a long run.
 
 Without reading weight data (headers, the QuantState JSON and the 16-value quant_map only), the
-report lists (a Hub repo id is read in place, :mod:`convert.hub_shards`: its headers and those few
+report lists (a Hub repo id is read in place, :mod:`convert.hub.shards`: its headers and those few
 bytes by HTTP range requests, its small files into the cache, no weights downloaded):
 
 - quantized layers grouped by their settings -- 4-bit: ``quant_type``, ``blocksize``, nested
@@ -13,7 +13,7 @@ bytes by HTTP range requests, its small files into the cache, no weights downloa
   nested_quant_map), ``quant_map``, ``quant_state`` (the JSON), ``int8_weight``, ``int8_scale``
   (SCB + weight_format) and ``unquantized:<dtype>`` per safetensors dtype code;
 - the planned output for each ``--to`` target (tensor bytes and file count, from
-  :func:`convert.plan.make_plan`, exactly what the pipeline would write), plus targets other modules
+  :func:`convert.stream.plan.make_plan`, exactly what the pipeline would write), plus targets other modules
   register in :data:`OUTPUT_SIZERS`.
 
 ``--stats`` reads only the absmax vectors (nested quantization undone; for LLM.int8 the per-row
@@ -30,9 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError, UsageError
-
-from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: this module loads at CLI start-up
     import numpy as np
@@ -87,10 +86,9 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     Raises:
         BnbLayerError: a layer breaks a BNB-xxx rule (as the conversion would report it).
     """
+    from convert.stream.plan import TARGETS, make_plan
     from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
     from formats.bnb_layers import group_layers
-
-    from .plan import TARGETS, make_plan
 
     opts = options or InspectOptions()
     layers, plain = group_layers(ckpt.tensors, int8_model=is_int8_config(ckpt.config))  # type: ignore[arg-type]
@@ -238,7 +236,7 @@ def _absmax_of(layer: QuantizedLayer | Int8Layer) -> np.ndarray:
 
     if isinstance(layer, Int8Layer):
         return np.asarray(layer.scb.array(), dtype=np.float32).reshape(-1)
-    from .plan import Dequant4Source
+    from convert.stream.plan import Dequant4Source
 
     return Dequant4Source(layer).absmax()
 
@@ -379,7 +377,7 @@ examples:
 
 def run_command(args: argparse.Namespace) -> int:
     """``convert-bnb inspect``: print the report (``--json``: as JSON)."""
-    from .job import resolve_source
+    from convert.job import resolve_source
 
     if args.outlier_factor <= 0 or args.flag_ratio <= 0:
         raise UsageError("--outlier-factor and --flag-ratio must be positive",

@@ -1,16 +1,16 @@
 """``convert(ConvertOptions) -> ConvertResult``: one conversion, readable top to bottom.
 
-The command line (:mod:`convert.cli`), batch workers (:mod:`convert.batch`) and library users all
+The command line (:mod:`convert.cli`), batch workers (:mod:`convert.batch.run`) and library users all
 call :func:`convert`; there is no other path to an output. The steps:
 
 1. check the options against each other (:func:`check_options`; usage errors before any I/O);
-2. resolve the source: a local path, or a Hub repo id fetched into the HF cache (:mod:`convert.hub`),
+2. resolve the source: a local path, or a Hub repo id fetched into the HF cache (:mod:`convert.hub.download`),
    or read in place: headers only for ``dry_run``, one shard at a time for ``low_disk``
-   (:mod:`convert.hub_shards`, whose :class:`~convert.hub_shards.ShardLifetime` the pipeline tells
+   (:mod:`convert.hub.shards`, whose :class:`~convert.hub.shards.ShardLifetime` the pipeline tells
    when each tensor is about to be made and when it is written);
 3. open the checkpoint (:func:`formats.checkpoint.open_checkpoint`) and plan the dequantization
-   (:func:`convert.plan.make_plan`): every output tensor with the source that produces it;
-4. merge LoRA adapters into the plan (:func:`convert.merge.apply_lora`), when asked;
+   (:func:`convert.stream.plan.make_plan`): every output tensor with the source that produces it;
+4. merge LoRA adapters into the plan (:func:`convert.lora.apply.apply_lora`), when asked;
 5. prepare the target's writer from the static table :data:`convert.targets.TARGETS`
    (safetensors float, bnb 4-bit, GGUF); ``dry_run`` stops here with the plan;
 6. claim the output, write into staging, verify, commit (:class:`convert.output.OutputClaim`);
@@ -31,19 +31,18 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from convert import __version__
+from convert.hub.download import HubSource, WeightMode, is_repo_id, parse_repo_spec, resolve_repo
+from convert.hub.shards import ShardLifetime
+from convert.lora.apply import apply_lora
+from convert.output import InterruptedAfterCommit, OutputClaim, default_output, output_path, write_json
+from convert.stream.pipeline import max_threads, peak_rss_bytes
+from convert.stream.plan import TARGETS as FLOAT_TARGETS
+from convert.stream.plan import make_plan
+from convert.targets import TARGETS, RunSettings, Target, normalize_target, target_for
+from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
 from formats.errors import ConvertBnbError, DiskSpaceError, SourceNotFoundError, UsageError
-
-from . import __version__
-from .hub import HubSource, WeightMode, is_repo_id, parse_repo_spec, resolve_repo
-from .hub_shards import ShardLifetime
-from .merge import apply_lora
-from .output import InterruptedAfterCommit, OutputClaim, default_output, output_path, write_json
-from .pipeline import max_threads, peak_rss_bytes
-from .plan import TARGETS as FLOAT_TARGETS
-from .plan import make_plan
-from .targets import TARGETS, RunSettings, Target, normalize_target, target_for
-from .units import format_bytes
 
 __all__ = ["MIN_MEMORY", "ConvertOptions", "ConvertResult", "QuantOptions", "ResolvedSource", "check_options",
            "convert", "job_key", "resolve_source"]
@@ -111,7 +110,7 @@ class ConvertOptions:
             even without ``report`` or ``original`` (the CLI sets it for ``--json``); without any of the
             three no figures are computed and ``lora_merge`` is absent. With ``--to nf4|fp4`` it also
             makes the quantization report's error figures exact (else measured on a sample:
-            :data:`convert.quant_report.SUMMARY_SAMPLE`).
+            :data:`convert.bnb4.report.SUMMARY_SAMPLE`).
         quant: the ``--to nf4|fp4`` settings.
         dry_run: plan only; write nothing.
         overwrite: replace an existing output.
@@ -130,7 +129,7 @@ class ConvertOptions:
             output and delete each once converted, instead of the whole repo into the cache first (also
             chosen by itself when only that fits the disk; ``--to auto|bf16|fp16|fp32`` only).
         processes: GGUF K-quants may be encoded in spawned worker processes
-            (:func:`convert.gguf_encode.encoder_processes`). Spawned processes import the ``__main__``
+            (:func:`convert.gguf.encode.encoder_processes`). Spawned processes import the ``__main__``
             module again, so a script that sets this must guard its entry point with
             ``if __name__ == "__main__":``; the command line sets it.
     """
@@ -341,7 +340,7 @@ def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", o
         to: the target, for the Hub disk pre-flight's output estimate.
         output: the output path, for the Hub disk pre-flight (and a low-disk staging folder beside it).
         progress: show huggingface_hub's progress bars.
-        weights: how a Hub repo's weights are made readable (:data:`convert.hub.WeightMode`).
+        weights: how a Hub repo's weights are made readable (:data:`convert.hub.download.WeightMode`).
 
     Returns:
         the :class:`ResolvedSource`; :meth:`ResolvedSource.close` it when done.
@@ -349,7 +348,7 @@ def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", o
     Raises:
         UsageError: ``revision`` with a local path; ``weights="low-disk"`` with a local path.
         SourceNotFoundError: no such path, and not a repo id (CKPT-010).
-        HubError, DiskSpaceError: from :func:`convert.hub.resolve_repo`.
+        HubError, DiskSpaceError: from :func:`convert.hub.download.resolve_repo`.
     """
     if os.path.lexists(src):  # a symlink loop or a dangling link is local too (open_checkpoint says which)
         if revision:

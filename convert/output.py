@@ -44,6 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from convert import signals
 from formats.checkpoint import path_kind
 from formats.errors import (
     DiskSpaceError,
@@ -54,8 +55,6 @@ from formats.errors import (
     OverwriteRefusedError,
     UsageError,
 )
-
-from . import signals
 
 __all__ = [
     "DISK_HEADROOM",

@@ -7,7 +7,7 @@ auto, bf16, fp16, fp32     the same value                    :class:`Safetensors
                                                              or sharded model directory)
 nf4, fp4                   auto (each QuantState's dtype)    :func:`prepare_bnb4`: re-quantized in
                                                              bnb's layout, written as safetensors
-gguf, gguf:TYPE            auto                              :class:`convert.to_gguf.GgufJob`
+gguf, gguf:TYPE            auto                              :class:`convert.gguf.target.GgufJob`
 =========================  ===============================  ==========================================
 
 Every writer is a :class:`TargetJob`: it knows its output's kind and size before anything is
@@ -26,15 +26,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from convert.output import ShardLedger
+from convert.stream.pipeline import RunSettings, verify_plan, write_plan
+from convert.stream.plan import TARGETS as FLOAT_TARGETS
+from convert.stream.plan import Plan
 from formats.errors import UsageError
 
-from .output import ShardLedger
-from .pipeline import RunSettings, verify_plan, write_plan
-from .plan import TARGETS as FLOAT_TARGETS
-from .plan import Plan
-
 if TYPE_CHECKING:
-    from .job import ConvertOptions
+    from convert.job import ConvertOptions
 
 __all__ = [
     "TARGETS", "RunSettings", "SafetensorsJob", "Target", "TargetJob", "normalize_target", "prepare_bnb4", "target_for",
@@ -77,7 +76,7 @@ class TargetJob(Protocol):
 
 
 class SafetensorsJob:
-    """A :class:`~convert.plan.Plan` written as safetensors (``--to auto|bf16|fp16|fp32``, and the
+    """A :class:`~convert.stream.plan.Plan` written as safetensors (``--to auto|bf16|fp16|fp32``, and the
     re-quantized plan of ``--to nf4|fp4``).
 
     Args:
@@ -144,10 +143,10 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
     """
     import os
 
-    from .quant_report import SUMMARY_SAMPLE
-    from .quant_settings import QuantSettings
-    from .requant import make_quant_plan
-    from .torch_reduce import TORCH_NUM_THREADS
+    from convert.bnb4.plan import make_quant_plan
+    from convert.bnb4.report import SUMMARY_SAMPLE
+    from convert.bnb4.settings import QuantSettings
+    from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
 
     q = options.quant
     settings = QuantSettings(
@@ -204,10 +203,10 @@ def prepare_bnb4(plan: Plan, options: ConvertOptions, model_name: str) -> Target
 
 
 def prepare_gguf(plan: Plan, options: ConvertOptions, model_name: str) -> TargetJob:
-    """``--to gguf[:TYPE]``: see :mod:`convert.to_gguf`."""
-    from .gguf_encode import check_encoders
-    from .quant_report import SUMMARY_SAMPLE
-    from .to_gguf import GgufJob
+    """``--to gguf[:TYPE]``: see :mod:`convert.gguf.target`."""
+    from convert.bnb4.report import SUMMARY_SAMPLE
+    from convert.gguf.encode import check_encoders
+    from convert.gguf.target import GgufJob
 
     # exact error figures for --json; the summary's alone from one piece in SUMMARY_SAMPLE
     job = GgufJob(plan, options.to, model_name, sample=1 if options.merge_report else SUMMARY_SAMPLE)
@@ -221,7 +220,7 @@ class Target:
     """One row of :data:`TARGETS`.
 
     Attributes:
-        dequantize_to: ``--to`` value -> the ``to`` of :func:`convert.plan.make_plan` that feeds the
+        dequantize_to: ``--to`` value -> the ``to`` of :func:`convert.stream.plan.make_plan` that feeds the
             writer.
         prepare: ``(plan, options, model name) -> TargetJob``.
     """
@@ -232,14 +231,14 @@ class Target:
 
 def _gguf_input(to: str) -> str:
     """``fp32`` for the GGUF types llama.cpp makes from an f32 file (see
-    :data:`convert.gguf_plan.FLOAT32_INPUT`), else each tensor's own dtype (``auto``)."""
-    from .gguf_plan import FLOAT32_INPUT, parse_output_type
+    :data:`convert.gguf.plan.FLOAT32_INPUT`), else each tensor's own dtype (``auto``)."""
+    from convert.gguf.plan import FLOAT32_INPUT, parse_output_type
 
     return "fp32" if parse_output_type(to.partition(":")[2] or None) in FLOAT32_INPUT else "auto"
 
 
 def _gguf_types() -> list[str]:
-    from .to_gguf import OUTPUT_TYPES
+    from convert.gguf.target import OUTPUT_TYPES
 
     return list(OUTPUT_TYPES)
 
@@ -276,7 +275,7 @@ def target_for(to: str) -> str:
         return to
     family, sep, spec = to.partition(":")
     if sep and family == "gguf":
-        from .to_gguf import parse_output_type
+        from convert.gguf.target import parse_output_type
 
         parse_output_type(spec)  # GgufTypeError (GGUF-002) for a type we do not write
         return family

@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from convert.kernels import dequantize_4bit  # noqa: E402
+from convert.dequant.kernels import dequantize_4bit  # noqa: E402
 from formats.bnb import DYNAMIC_MAP_SIGNED, NF4_TABLE, QuantState  # noqa: E402
 from formats.dtypes import BY_CODE  # noqa: E402
 from formats.safetensors import SafetensorsWriter  # noqa: E402
@@ -419,7 +419,7 @@ def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, thre
     """Time opening, planning and converting a file of ``n`` tiny tensors (in this process)."""
     from convert.job import ConvertOptions
     from convert.job import convert as run
-    from convert.plan import make_plan
+    from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
 
     src = out_dir / f"many-{n}{'-zero' if zero_size else ''}.safetensors"

@@ -12,15 +12,15 @@ check exits 1.
     python scripts/check_f16_cast.py --normal     # the float16 kernels' integer routes on their domains
 
 ``--normal`` checks instead the integer roundings the float16 kernels use on every float32 value of
-their domains, from the products of :func:`convert.kernels_f16.signed_quad_lut` (``x * 2^-112``, or
-``x * 2^-80`` for a negative ``x``): :func:`convert.kernels_f16.f16_bits_of_signed` (``--to fp16``) against
+their domains, from the products of :func:`convert.dequant.kernels_f16.signed_quad_lut` (``x * 2^-112``, or
+``x * 2^-80`` for a negative ``x``): :func:`convert.dequant.kernels_f16.f16_bits_of_signed` (``--to fp16``) against
 NumPy's float16 cast (``2^-14 <= |x| < 65504``, both signs, 503,300,096 patterns) and
-:func:`convert.kernels_f16.f16_bits_of_bf16` (GGUF F16 of a bf16 layer) of ml_dtypes' bfloat16 cast
+:func:`convert.dequant.kernels_f16.f16_bits_of_bf16` (GGUF F16 of a bf16 layer) of ml_dtypes' bfloat16 cast
 against ml_dtypes' bfloat16 cast of ``x`` followed by NumPy's float16 cast (``2^-14 <= |x| < 65280``,
 both signs, 503,185,408 patterns), and +0. Run on NumPy 2.4.6 and ml_dtypes 0.6.0, 2026-12-03: all
 equal.
 
-This is the evidence behind :func:`convert.kernels.round_float32` using NumPy's cast for float16. Run
+This is the evidence behind :func:`convert.dequant.kernels.round_float32` using NumPy's cast for float16. Run
 on NumPy 2.4.6, 2026-12-02: all 4,294,967,296 patterns equal (1,645 s on a loaded 2-core machine).
 """
 
@@ -57,11 +57,12 @@ def _round_f16_bits(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16]) -> N
 
 
 def check_normal() -> int:
-    """:func:`convert.kernels_f16.f16_bits_of_signed` and :func:`convert.kernels_f16.f16_bits_of_bf16` against the
-    casts they replace, on every pattern of their domains, both signs, and +0."""
+    """:func:`convert.dequant.kernels_f16.f16_bits_of_signed` and
+    :func:`convert.dequant.kernels_f16.f16_bits_of_bf16` against the casts they replace, on every pattern of
+    their domains, both signs, and +0."""
     import ml_dtypes
 
-    from convert.kernels_f16 import f16_bits_of_bf16, f16_bits_of_signed
+    from convert.dequant.kernels_f16 import f16_bits_of_bf16, f16_bits_of_signed
 
     def scaled(u: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
         # the kernels' products: the bits of x * 2^-112 (x > 0) or x * 2^-80 (x < 0), exact for these normal

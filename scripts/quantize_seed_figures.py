@@ -17,9 +17,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from convert.quant_layer import quantize_layer  # noqa: E402
-from convert.quant_report import quantization_report  # noqa: E402
-from convert.quant_settings import QuantSettings  # noqa: E402
+from convert.bnb4.layer import quantize_layer  # noqa: E402
+from convert.bnb4.report import quantization_report  # noqa: E402
+from convert.bnb4.settings import QuantSettings  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

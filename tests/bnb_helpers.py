@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from convert.kernels import dequantize_4bit, dequantize_int8, dequantize_nested_absmax
+from convert.dequant.kernels import dequantize_4bit, dequantize_int8, dequantize_nested_absmax
 from formats.bnb import Int8Layer, QuantizedLayer
 
 from .conftest import FIXTURES, bits

@@ -575,7 +575,7 @@ def _floats(t: Raw) -> np.ndarray:
 
 
 def reference_4bit(inp: dict[str, Raw], name: str, state: dict[str, Any]) -> Raw:
-    """bnb-format.md section 2, written again from the spec, independent of convert.kernels."""
+    """bnb-format.md section 2, written again from the spec, independent of convert.dequant.kernels."""
     dtype = state["dtype"].removeprefix("torch.")
     n = math.prod(state["shape"])
     bs = state["blocksize"]

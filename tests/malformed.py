@@ -281,8 +281,8 @@ def _disk_full(src: Path, out: Path) -> None:
 
 
 def _verify_mismatch(src: Path, out: Path) -> None:
-    from convert.pipeline import verify_plan
-    from convert.plan import make_plan
+    from convert.stream.pipeline import verify_plan
+    from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
 
     written = write(out, st_bytes({W: ("F32", [4, 32], f32(np.zeros(128)))}))
@@ -294,7 +294,7 @@ def _verify_mismatch(src: Path, out: Path) -> None:
 
 
 def _bad_to(src: Path, out: Path) -> None:
-    from convert.plan import make_plan
+    from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
 
     with open_checkpoint(src) as ck:
@@ -570,8 +570,8 @@ def _batch_job(src: Path, out_dir: Path, to: str, overwrite: bool = False) -> No
     import os
     from dataclasses import asdict
 
-    from convert.batch import run_job
-    from convert.batch_jobs import Job
+    from convert.batch.jobs import Job
+    from convert.batch.run import run_job
 
     spec = {"job": asdict(Job(str(src), None, to, 5 * 10**9, "job")), "out_dir": str(out_dir),
             "max_memory": 64 << 20, "threads": 1, "verify": True, "overwrite": overwrite, "parent_pid": os.getpid()}
@@ -611,7 +611,7 @@ def _busy_output(src: Path, out: Path) -> None:
 def _hub_offline(src: Path, out: Path) -> None:
     from huggingface_hub import constants
 
-    from convert.hub import resolve_repo
+    from convert.hub.download import resolve_repo
 
     with mock.patch.object(constants, "HF_HUB_OFFLINE", True):
         resolve_repo("org/not-in-the-cache", cache_dir=src)
@@ -621,7 +621,7 @@ def _hub_shard_withheld(src: Path, out: Path) -> None:
     """A low-disk run fetches a shard whose header the Hub served but whose file it no longer serves."""
     from huggingface_hub import constants
 
-    from convert.hub_shards import HubShards, RemoteFile
+    from convert.hub.shards import HubShards, RemoteFile
 
     from .fakehub import FakeHub
 
@@ -710,14 +710,14 @@ def _gguf_inputs(src: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 
 def _gguf_unmapped(src: Path, out: Path) -> None:
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
     plan_gguf(cfg, [(n, a.shape) for n, a in w.items()] + [("vision_tower.patch_embed.weight", (8, 8))], src)
 
 
 def _gguf_moe(src: Path, out: Path) -> None:
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
     moe = dict(cfg, architectures=["MistralForCausalLM"], num_local_experts=8)
@@ -725,8 +725,8 @@ def _gguf_moe(src: Path, out: Path) -> None:
 
 
 def _gguf_wrong_source(src: Path, out: Path) -> None:
-    from convert.gguf_encode import write_gguf
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.encode import write_gguf
+    from convert.gguf.plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
     plan = plan_gguf(cfg, [(n, a.shape) for n, a in w.items()], src, "f16")
@@ -741,8 +741,8 @@ def _gguf_wrong_source(src: Path, out: Path) -> None:
 
 
 def _gguf_inf_weight(src: Path, out: Path) -> None:
-    from convert.gguf_encode import write_gguf
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.encode import write_gguf
+    from convert.gguf.plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
     plan = plan_gguf(cfg, [(n, a.shape) for n, a in w.items()], src, "q4_k_m")
@@ -758,8 +758,8 @@ def _gguf_inf_weight(src: Path, out: Path) -> None:
 
 
 def _gguf_verify(src: Path, out: Path) -> None:
-    from convert.gguf_encode import write_gguf
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.encode import write_gguf
+    from convert.gguf.plan import plan_gguf
     from formats.gguf import verify_gguf
 
     cfg, w = _gguf_inputs(src)
@@ -775,7 +775,7 @@ def _gguf_verify(src: Path, out: Path) -> None:
 
 
 def _gguf_type(src: Path, out: Path) -> None:
-    from convert.gguf_plan import parse_output_type
+    from convert.gguf.plan import parse_output_type
 
     parse_output_type("iq4_nl")
 
@@ -816,7 +816,7 @@ def _tiny_bpe(build: Callable[[Path], Path]) -> Callable[[Path], Path]:
 
 def _gguf_without_tokenizers(src: Path, out: Path) -> None:
     """As the CLI, in an environment without the optional tokenizers package."""
-    from convert import gguf_bpe_pre
+    from convert.gguf import bpe_pre as gguf_bpe_pre
 
     saved = gguf_bpe_pre._tokenizers
     gguf_bpe_pre._tokenizers = lambda: None  # type: ignore[assignment]
@@ -1286,19 +1286,19 @@ CASES: list[Case] = [
     Case("spm-no-pieces", E.SentencePiecePiecesError, ["SPM-003"], _spm(b"\x12\x00"), run=_read_pieces, argv=None),
     # ---- re-quantization (--to nf4|fp4)
     Case("qnt-int4", E.QuantTypeOptionError, ["QNT-001", "found 'int4'"], _empty,
-         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_type="int4")), argv=None),
+         run=_qnt("convert.bnb4.settings", lambda q: q.QuantSettings(quant_type="int4")), argv=None),
     Case("qnt-blocksize-48", E.BlocksizeOptionError, ["QNT-002", "found 48"], _empty,
-         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(blocksize=48)), argv=None),
+         run=_qnt("convert.bnb4.settings", lambda q: q.QuantSettings(blocksize=48)), argv=None),
     Case("qnt-nan-weight", E.NonFiniteWeightError, ["QNT-003", "NaN or infinite"], _empty,
-         run=_qnt("convert.quant4", lambda q: q.quantize_4bit(np.array([1.0, np.nan, 2.0], dtype=np.float32), 64,
+         run=_qnt("convert.bnb4.encode", lambda q: q.quantize_4bit(np.array([1.0, np.nan, 2.0], dtype=np.float32), 64,
                                                                "nf4")), argv=None),
     Case("qnt-storage-int8", E.QuantStorageOptionError, ["QNT-004", "found 'int8'"], _empty,
-         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_storage="int8")), argv=None),
+         run=_qnt("convert.bnb4.settings", lambda q: q.QuantSettings(quant_storage="int8")), argv=None),
     Case("qnt-storage-odd", E.QuantStorageSizeError, ["QNT-005", "tensor 'w'", "found 3"], _empty,
-         run=_qnt("convert.quant_settings", lambda q: q.QuantSettings(quant_storage="float32").storage_shape(5, "w")),
+         run=_qnt("convert.bnb4.settings", lambda q: q.QuantSettings(quant_storage="float32").storage_shape(5, "w")),
          argv=None),
     Case("qnt-nested-offset-overflow", E.NestedOffsetOverflowError, ["QNT-006", "found 'inf (largest absmax 3e+38)'"],
-         _empty, run=_qnt("convert.nested8", lambda q: q.double_quantize_absmax(np.full(8, 3e38, np.float32))),
+         _empty, run=_qnt("convert.bnb4.absmax8", lambda q: q.double_quantize_absmax(np.full(8, 3e38, np.float32))),
          argv=None),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from convert.batch_card import model_card
-from convert.batch_cli import summary_table
-from convert.batch_jobs import Job, parse_jobs
+from convert.batch.card import model_card
+from convert.batch.cli import summary_table
+from convert.batch.jobs import Job, parse_jobs
 from convert.cli import main
 from convert.output import sha256_file
 from formats.errors import UsageError
@@ -426,7 +426,7 @@ def test_model_card_metadata_and_claims_fit_the_target(to: str, library: str, ta
 
 
 def test_single_file_outputs_push_to_a_repo_named_without_the_extension() -> None:
-    from convert.batch_card import build_upload_plan
+    from convert.batch.card import build_upload_plan
 
     job = Job("org/m", None, "gguf:q8_0", 10**9, "m-gguf-q8_0.gguf")
     up = build_upload_plan("me", job, Path("/o/m-gguf-q8_0.gguf"), {"m-gguf-q8_0.gguf": {"bytes": 4, "sha256": "x"}},
@@ -449,7 +449,7 @@ def test_progress_per_job_and_overall(tmp_path: Path, monkeypatch: pytest.Monkey
     """While a job runs, the batch reports each running job's bytes written of its total and the jobs done."""
     import threading
 
-    from convert.batch import BatchProgress, run_batch
+    from convert.batch.run import BatchProgress, run_batch
 
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"{MODELS / 'llama_fp4_nodq'} --name a\n{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name c\n")
@@ -600,7 +600,7 @@ def test_bad_jobs_files(tmp_path: Path, name: str, content: str, rule: str, part
 
 
 def test_summary_table_rows() -> None:
-    from convert.batch import JobResult
+    from convert.batch.run import JobResult
 
     t = summary_table([JobResult("a", "org/a", "converted", bytes_out=2048, shards_written=2, commit="f" * 40),
                        JobResult("b", "org/b", "failed", error="boom")])

@@ -19,8 +19,8 @@ from unittest import mock
 
 import pytest
 
-from convert.batch import run_batch
-from convert.batch_jobs import parse_jobs
+from convert.batch.jobs import parse_jobs
+from convert.batch.run import run_batch
 from convert.cli import main
 
 from .conftest import MODELS
@@ -229,7 +229,7 @@ def test_an_address_without_a_cluster_is_a_usage_error_at_once(tmp_path: Path, j
 
 def test_a_node_on_another_version_fails_the_job(tmp_path: Path) -> None:
     """The task checks the batch's convert-bnb version before anything is written (its key would differ)."""
-    from convert.batch_ray import run_task
+    from convert.batch.ray_executor import run_task
 
     spec, log = tmp_path / "j.spec.json", tmp_path / "j.log"
     data, code = run_task(str(spec), str(log), "0.0.0-elsewhere")
@@ -241,7 +241,7 @@ def test_a_task_runs_with_one_blas_thread(cluster: tuple[str, Path], tmp_path: P
     """A job's Ray task gets OpenBLAS's thread count of this process (one unless set), not Ray's
     OMP_NUM_THREADS (= the task's CPUs), which OpenBLAS would take: BLAS threads on top of the job's, and
     merge products whose bits differ from a local run's."""
-    from convert.batch_ray import RayWorkers, task_options
+    from convert.batch.ray_executor import RayWorkers, task_options
 
     workers = RayWorkers(cluster[0])  # (connects this process, as a batch does)
     try:

@@ -130,7 +130,7 @@ def test_every_run_time_dependency_is_imported_by_the_run_time_code() -> None:
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    code = "\n".join(p.read_text() for d in ("convert", "formats") for p in (ROOT / d).glob("*.py"))
+    code = "\n".join(p.read_text() for d in ("convert", "formats") for p in (ROOT / d).rglob("*.py"))
     imported = set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_][A-Za-z0-9_]*)", code, re.MULTILINE))
     names = [re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].replace("-", "_") for d in deps]
     assert names == ["numpy", "huggingface_hub", "tqdm", "gguf", "ml_dtypes", "regex"]
@@ -159,7 +159,7 @@ def test_peak_rss_is_the_processes_own() -> None:
     import numpy as np
 
     big = np.ones(400 << 20, np.uint8)  # this process's peak: at least 400 MiB when the child starts
-    code = "from convert.pipeline import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from convert.stream.pipeline import peak_rss_bytes; print(peak_rss_bytes())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                cwd=Path(__file__).resolve().parent.parent).stdout)
     assert 5 << 20 < child < 200 << 20 and big.sum() == 400 << 20

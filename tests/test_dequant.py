@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pytest
 
 from convert.cli import main
-from convert.kernels import dequantize_4bit, dequantize_nested_absmax, round_float32, unpack_4bit
+from convert.dequant.kernels import dequantize_4bit, dequantize_nested_absmax, round_float32, unpack_4bit
 from formats.bnb_layers import group_layers
 from formats.checkpoint import open_checkpoint
 
@@ -194,7 +194,7 @@ def test_fp16_by_table_equals_rounding_every_fp32_value() -> None:
     the same overflow/underflow counts, as rounding every fp32 value (random codes, NF4 and FP4, every
     blocksize, odd lengths, partial last blocks, pieces, absmax from 1e-12 (flush to zero) to 1e7
     (overflow), zero absmax)."""
-    from convert.kernels_f16 import count_f16_loss
+    from convert.dequant.kernels_f16 import count_f16_loss
     from formats.bnb import QUANT_TABLES
 
     rng = np.random.default_rng(7)
@@ -223,7 +223,7 @@ def test_fp16_signed_route_and_tables_equal_numpy_cast(monkeypatch: pytest.Monke
     NumPy's cast: both give the bits and the counts of rounding every fp32 product (NF4, FP4, a map
     with +0 and -0: tables only; lengths across TABLE_SPAN; absmax at the edges of the route's bounds,
     a zero and a negative absmax in one span only)."""
-    from convert import kernels_f16
+    from convert.dequant import kernels_f16
     from formats.bnb import QUANT_TABLES
 
     routes: list[bool] = []
@@ -268,8 +268,8 @@ def test_f16_integer_routes_equal_the_casts_on_sampled_patterns() -> None:
     and f16_bits_of_bf16 of those products' bfloat16 equals ml_dtypes' bfloat16 of x cast to float16,
     on sampled patterns of their domains, both signs, ties to even at bit 13 and bit 16 among them, and
     +0 (scripts/check_f16_cast.py --normal checks every pattern)."""
-    from convert.kernel_base import BF16
-    from convert.kernels_f16 import bf16_to_f16, f16_bits_of_bf16, f16_bits_of_signed
+    from convert.dequant.kernels_f16 import bf16_to_f16, f16_bits_of_bf16, f16_bits_of_signed
+    from convert.dequant.products import BF16
 
     rng = np.random.default_rng(13)
 
@@ -301,7 +301,7 @@ def test_f16_of_bf16_tables_equal_rounding_twice() -> None:
     kernel's output (NF4 and FP4, blocksizes 64..4096, several spans, absmax at the edges of the bounds
     where every bfloat16 is exact in float16); None as soon as one span is not provably so (a zero, a
     tiny or a huge absmax) or the map holds -0.0."""
-    from convert.kernels_f16 import TABLE_SPAN, bf16_to_f16, dequantize_4bit_f16_of_bf16
+    from convert.dequant.kernels_f16 import TABLE_SPAN, bf16_to_f16, dequantize_4bit_f16_of_bf16
     from formats.bnb import QUANT_TABLES
 
     rng = np.random.default_rng(12)
@@ -332,8 +332,8 @@ def test_bf16_to_f16_equals_numpy_cast_on_every_pattern() -> None:
     the first piece are exercised): the bits of NumPy's float32 -> float16 cast; the indices returned
     hold every value that float16 changes (or that is inf/NaN), and are the patterns outside the exact
     fast path (a biased exponent outside 113..142, but +-0)."""
-    from convert.kernel_base import BF16, PIECE
-    from convert.kernels_f16 import bf16_to_f16
+    from convert.dequant.kernels_f16 import bf16_to_f16
+    from convert.dequant.products import BF16, PIECE
 
     tiles = 3 * max(1, PIECE >> 16)  # (three pieces or more)
     x = np.tile(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16), tiles).view(BF16)
@@ -427,7 +427,7 @@ def test_output_loads_in_transformers_with_reference_logits(tmp_out: Path) -> No
 @pytest.mark.parametrize("nested_dtype", ["float32", "bfloat16", "float16"])
 def test_nested_absmax_in_pieces_equals_whole_formula(nested_dtype: str) -> None:
     """dequantize_nested_absmax works in pieces of whole nested blocks: same bits as the one-shot formula."""
-    from convert.kernel_base import PIECE
+    from convert.dequant.products import PIECE
 
     rng = np.random.default_rng(8)
     n = 3 * PIECE + 77
@@ -453,8 +453,8 @@ def test_f16_kernels_exact_for_a_quant_map_beyond_one(scale: float) -> None:
     above 2^-14 (products in float16's normal range either way): both float16 kernels give the bits of
     the casts. The signed-map route scales absmax by 2^-112, exact only from absmax >= 2^-14 (smaller
     ones go by the tables, or give None for GGUF F16 of bf16)."""
-    from convert.kernel_base import BF16
-    from convert.kernels_f16 import _signed_route, bf16_to_f16, dequantize_4bit_f16_of_bf16
+    from convert.dequant.kernels_f16 import _signed_route, bf16_to_f16, dequantize_4bit_f16_of_bf16
+    from convert.dequant.products import BF16
     from formats.bnb import QUANT_TABLES
 
     rng = np.random.default_rng(17)

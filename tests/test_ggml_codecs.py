@@ -1,4 +1,4 @@
-"""Our legacy GGML encoders (:mod:`convert.legacy_quants`) against gguf-py's, byte for byte.
+"""Our legacy GGML encoders (:mod:`convert.gguf.codecs.legacy`) against gguf-py's, byte for byte.
 
 gguf-py's ``gguf.quants.quantize`` reproduces llama.cpp's ``quantize_row_*_ref``; every case here
 compares the whole encoded array with it (and ``dequantize`` bit for bit where we override it):
@@ -15,9 +15,9 @@ import gguf
 import numpy as np
 import pytest
 
-from convert.codec_base import round_half_away_into
-from convert.ggml_codecs import CODECS
-from convert.legacy_quants import CHUNK_BLOCKS, SAMPLE_BLOCKS
+from convert.gguf.codecs import CODECS
+from convert.gguf.codecs.base import round_half_away_into
+from convert.gguf.codecs.legacy import CHUNK_BLOCKS, SAMPLE_BLOCKS
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py's own, on inf/NaN
 
@@ -161,7 +161,7 @@ def test_bf16_chunk_to_f16_equals_the_general_encoder(scale: float) -> None:
     1e-5: many float16 subnormals; 3e4: many overflow to inf, an infinite error as before)."""
     import ml_dtypes
 
-    from convert.gguf_encode import _bf16_to_f16_chunk, encode_chunk
+    from convert.gguf.encode import _bf16_to_f16_chunk, encode_chunk
 
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((96, 320)) * scale).astype(ml_dtypes.bfloat16)
@@ -193,7 +193,7 @@ def test_f16_encoding_of_overflow_warns_nothing() -> None:
     """F16's overflow to inf is the IEEE result: no RuntimeWarning reaches the user (gguf-py's cast warned)."""
     import warnings
 
-    from convert.gguf_encode import encode_chunk
+    from convert.gguf.encode import encode_chunk
 
     x = np.array([[1e5, 1.0] * 16, [np.inf, 2.0] * 16], np.float32)
     with warnings.catch_warnings():
@@ -205,7 +205,7 @@ def test_f16_encoding_of_overflow_warns_nothing() -> None:
 def test_bf16_chunk_with_inf_takes_the_general_path() -> None:
     import ml_dtypes
 
-    from convert.gguf_encode import _bf16_to_f16_chunk
+    from convert.gguf.encode import _bf16_to_f16_chunk
 
     x = np.ones((2, 32), ml_dtypes.bfloat16)
     x[1, 3] = np.inf

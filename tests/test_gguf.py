@@ -15,10 +15,10 @@ import pytest
 from gguf.vocab import bytes_to_unicode
 from safetensors.numpy import save_file
 
-from convert.ggml_codecs import CODECS
-from convert.gguf_arch import ARCHITECTURES
-from convert.gguf_encode import SourceTensor, write_gguf
-from convert.gguf_plan import OUTPUT_TYPES, parse_output_type, plan_gguf
+from convert.gguf.arch import ARCHITECTURES
+from convert.gguf.codecs import CODECS
+from convert.gguf.encode import SourceTensor, write_gguf
+from convert.gguf.plan import OUTPUT_TYPES, parse_output_type, plan_gguf
 from formats import sentencepiece
 from formats.errors import CheckpointError, UnsupportedError, VerificationError
 from formats.gguf import verify_gguf
@@ -37,7 +37,7 @@ def load_reference(path: Path) -> dict[str, np.ndarray]:
 REF_W = load_reference(REF / "dequantized.safetensors")
 
 
-#: llama-quantize's q4_0..q5_1 keep output.weight at Q6_K (convert.gguf_mix): writing them needs that codec
+#: llama-quantize's q4_0..q5_1 keep output.weight at Q6_K (convert.gguf.mix): writing them needs that codec
 needs_q6_k = pytest.mark.skipif(gguf.GGMLQuantizationType.Q6_K not in CODECS,
                                 reason="q4_0..q5_1 write output.weight as Q6_K, whose codec is not merged yet")
 
@@ -70,7 +70,7 @@ def _tensor(reader: gguf.GGUFReader, name: str):
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    # llama.cpp LlamaModel.permute, written independently of convert.gguf_arch
+    # llama.cpp LlamaModel.permute, written independently of convert.gguf.arch
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -190,7 +190,7 @@ def test_float_tensors_equal_the_dequantized_weight_rounded_once(tmp_path, out_t
         assert (emb8.max_abs_error, emb8.rms_error) == (emb.max_abs_error, emb.rms_error)
         assert emb8.rel_rms_error == pytest.approx(emb.rms_error / math.sqrt(float(np.mean(x[::8] * x[::8]))), rel=1e-6)
         assert not emb8.sampled and emb8.ref_sampled and not emb.ref_sampled
-        from convert.to_gguf import _error_notes
+        from convert.gguf.target import _error_notes
 
         assert "F16 tensors' relative error is over the weight's RMS on a fixed 1/8 sample" in _error_notes(
             "f16", sampled, 8)[0]
@@ -223,7 +223,7 @@ def test_quantized_tensors_are_gguf_quants_of_the_weight_and_report_their_error(
 
 
 def test_llama_quantize_types_of_q4_0_to_q5_1_are_planned_without_a_codec():
-    """q4_0 ... q5_1 follow llama-quantize (convert.gguf_mix): output.weight Q6_K, the rest of the
+    """q4_0 ... q5_1 follow llama-quantize (convert.gguf.mix): output.weight Q6_K, the rest of the
     matrices the type asked for (704 is a multiple of 32: no fallback)."""
     for out_type in ("q4_0", "q4_1", "q5_0", "q5_1"):
         plan = plan_gguf(CONFIG, _shapes(REF_W), FIXTURE, out_type)
@@ -591,7 +591,7 @@ def make_gemma(root: Path, seed: int = 1) -> dict[str, np.ndarray]:
 def known_pre(monkeypatch, tok_dir: Path, name: str) -> None:
     """Add a test tokenizer's check hash to llama.cpp's table (as convert_hf_to_gguf_update.py would)."""
     pytest.importorskip("tokenizers")
-    from convert import gguf_bpe_pre
+    from convert.gguf import bpe_pre as gguf_bpe_pre
 
     monkeypatch.setitem(gguf_bpe_pre.PRE_BY_HASH, gguf_bpe_pre.check_hash(tok_dir / "tokenizer.json"), name)
 
@@ -847,14 +847,14 @@ def test_cli_gguf_dry_run_writes_nothing(tmp_path, capsys):
 
 
 def test_cli_gguf_unsupported_architecture_reads_no_weight(tmp_path, capsys, monkeypatch):
-    import convert.plan
+    import convert.stream.plan
     from convert.cli import main
 
     def no_read(*a, **k):
         raise AssertionError("a weight was read")
 
-    monkeypatch.setattr(convert.plan.Dequant4Source, "produce", no_read)
-    monkeypatch.setattr(convert.plan.CastSource, "produce", no_read)
+    monkeypatch.setattr(convert.stream.plan.Dequant4Source, "produce", no_read)
+    monkeypatch.setattr(convert.stream.plan.CastSource, "produce", no_read)
     src = tmp_path / "falcon"
     shutil.copytree(MODELS / "llama_nf4_dq", src)
     cfg = json.loads((src / "config.json").read_text())
@@ -883,7 +883,7 @@ def test_cli_gguf_loads_in_llama_cpp(tmp_path):
 def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
     """A plan hook (as --merge-lora installs) changes a source; the GGUF carries the changed values."""
     from convert.cli import main
-    from convert.plan import Source, make_plan
+    from convert.stream.plan import Source, make_plan
 
     class Shifted(Source):
         def __init__(self, base):
@@ -1089,9 +1089,9 @@ def test_gguf_f16_of_bf16_layers_from_the_tables_equals_rounding_their_bf16(tmp_
     tables where every value is exact (kernels_f16.dequantize_4bit_f16_of_bf16 of Dequant4Source.codes_4bit):
     the same file, byte for byte, as producing bf16 and rounding it to F16 (the route taken where a source
     cannot)."""
-    from convert import kernels_f16
     from convert.cli import main
-    from convert.plan import Dequant4Source
+    from convert.dequant import kernels_f16
+    from convert.stream.plan import Dequant4Source
 
     calls = []
     real = kernels_f16.dequantize_4bit_f16_of_bf16

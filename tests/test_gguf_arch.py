@@ -198,7 +198,7 @@ def test_check_to_gguf_is_clean_for_each_fixture(arch):
 
 
 def test_unsupported_architecture_lists_the_new_ones():
-    from convert.gguf_arch import find_architecture
+    from convert.gguf.arch import find_architecture
 
     with pytest.raises(E.UnsupportedArchitectureError) as e:
         find_architecture({"architectures": ["Qwen3MoeForCausalLM"]})
@@ -210,8 +210,8 @@ def test_unsupported_architecture_lists_the_new_ones():
 def test_phi3_with_a_gpt2_tokenizer_class_takes_the_byte_level_bpe_path(tmp_path, monkeypatch):
     """Phi3MiniModel.set_vocab: tokenizer_config.json's GPT2Tokenizer (Phi-4-mini) -> byte-level BPE, even
     with a tokenizer.model beside it; otherwise tokenizer.model (SentencePiece)."""
-    from convert.gguf_plan import plan_gguf
-    from convert.plan import make_plan
+    from convert.gguf.plan import plan_gguf
+    from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
     from tests.test_gguf import known_pre, make_qwen2
 
@@ -265,7 +265,7 @@ def _kquant_golden(arch: str) -> dict[str, dict[str, list[str]]]:
 def test_every_kquant_mix_equals_llama_quantizes_output(tmp_path, arch):
     """``--to gguf:MIX`` for each of llama-quantize's file types: every tensor's type and bytes as
     llama-quantize writes them from our ``gguf:f32`` file (golden hashes; no llama_cpp needed)."""
-    from convert.gguf_mix import FILE_TYPES
+    from convert.gguf.mix import FILE_TYPES
 
     golden = _kquant_golden(arch)
     assert sorted(golden) == sorted(FILE_TYPES)

@@ -19,8 +19,8 @@ import gguf
 import pytest
 
 import formats.errors as E
-from convert import gguf_bpe_pre
-from convert.gguf_bpe_table import PRE_BY_HASH
+from convert.gguf import bpe_pre as gguf_bpe_pre
+from convert.gguf.bpe_table import PRE_BY_HASH
 
 #: Pre-tokenizer regular expressions of the two tokenizers (their tokenizer.json ``Split`` patterns).
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

@@ -299,7 +299,7 @@ def test_resource_examples_fail_fast_and_small_through_the_cli(case: str, tmp_pa
 
 def test_valid_rope_variants_and_bounds_still_convert(tmp_path: Path) -> None:
     """Values at the edges of the rules plan as before: yarn with every key, int rope_theta, list eos ids."""
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.plan import plan_gguf
     from formats.safetensors import SafetensorsReader
 
     config = json.loads((FIXTURE / "config.json").read_text())
@@ -393,7 +393,7 @@ def test_config_that_does_not_fit_the_weights_is_refused_while_planning(case: st
 
 
 def _fixture_plan_inputs(name: str) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...]]], Path]:
-    from convert.plan import make_plan
+    from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
 
     root = MODELS / name
@@ -417,7 +417,7 @@ def _fixture_plan_inputs(name: str) -> tuple[dict[str, Any], list[tuple[str, tup
      ["blk.0.attn_q.weight has 1 dimensions; llama.cpp loads it with 2"]),
 ])
 def test_weights_that_do_not_fit_the_config_are_refused_by_the_plan(fixture, source, shape, parts) -> None:
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.plan import plan_gguf
 
     config, shapes, root = _fixture_plan_inputs(fixture)
     assert source in dict(shapes)
@@ -431,8 +431,8 @@ def test_weights_that_do_not_fit_the_config_are_refused_by_the_plan(fixture, sou
 
 @pytest.mark.parametrize("fixture", sorted(p.name for p in MODELS.iterdir()))
 def test_every_shipped_fixture_fits_the_loader_shapes(fixture: str) -> None:
-    from convert.gguf_config import LOADER_SHAPES
-    from convert.gguf_plan import plan_gguf
+    from convert.gguf.config import LOADER_SHAPES
+    from convert.gguf.plan import plan_gguf
 
     config, shapes, root = _fixture_plan_inputs(fixture)
     plan = plan_gguf(config, shapes, root, "q4_k_m")

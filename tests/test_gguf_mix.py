@@ -7,9 +7,9 @@ Three layers of checks:
   every 2-D tensor per model and mix, checked against our plan without llama_cpp;
 - the same against a live ``llama_model_quantize`` where llama_cpp imports, plus tensor names,
   ``general.file_type`` and the bytes of every tensor whose type has a codec in
-  :data:`convert.ggml_codecs.CODECS` (a loop over tensors; the K-quant codecs are merged
+  :data:`convert.gguf.codecs.CODECS` (a loop over tensors; the K-quant codecs are merged
   separately, and until then the test checks what it can and skips naming the types left);
-- unit tests of :func:`convert.gguf_mix.mix_types` on synthetic tensor lists, and on header-only
+- unit tests of :func:`convert.gguf.mix.mix_types` on synthetic tensor lists, and on header-only
   GGUF files (tiny tensors, real hyperparameters) for the rules no small model reaches: a 70B
   Llama, 80-layer Qwen2, 8 experts, tied embeddings with 32 layers, against llama.cpp.
 
@@ -34,9 +34,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from convert.ggml_codecs import CODECS, codec
-from convert.gguf_mix import FILE_TYPES, MixModel, mix_summary, mix_types, use_more_bits
-from convert.gguf_plan import OUTPUT_TYPES, parse_output_type
+from convert.gguf.codecs import CODECS, codec
+from convert.gguf.mix import FILE_TYPES, MixModel, mix_summary, mix_types, use_more_bits
+from convert.gguf.plan import OUTPUT_TYPES, parse_output_type
 from formats.errors import GgufTypeError
 
 from .test_gguf import _has_llama_cpp, _layers, make_gemma, make_qwen2
@@ -89,7 +89,7 @@ def model_dirs(tmp_path_factory) -> Iterator[dict[str, Path]]:
     dirs["gemma"], dirs["qwen2"] = root / "gemma", root / "qwen2"
     # the tiny Qwen2's BPE tokenizer is in no table of llama.cpp's: add its check hash as "qwen2"
     pytest.importorskip("tokenizers")
-    from convert import gguf_bpe_pre
+    from convert.gguf import bpe_pre as gguf_bpe_pre
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(gguf_bpe_pre.PRE_BY_HASH, gguf_bpe_pre.check_hash(root / "qwen2" / "tokenizer.json"), "qwen2")
@@ -1182,8 +1182,9 @@ def test_encoder_processes_write_the_same_bytes_as_threads(tmp_path, monkeypatch
     """K-quant chunks encoded in spawned worker processes (forced here on the small fixture) give the
     file byte for byte, and the same error report (to float32 rounding), as one thread encoding them; Q3_K_M mixes
     Q3_K/Q4_K/Q5_K/Q6_K, Q4_0 fallbacks and unquantized tensors."""
-    from convert import encoder_pool, gguf_encode
     from convert.cli import main
+    from convert.gguf import encode as gguf_encode
+    from convert.gguf import encoder_pool
 
     one = tmp_path / "one.gguf"
     assert main([str(FIXTURE), "--to", "gguf:q3_k_m", "-o", str(one), "--threads", "1", "--json"]) == 0
@@ -1210,8 +1211,8 @@ def test_encoder_processes_write_the_same_bytes_as_threads(tmp_path, monkeypatch
 
 
 def test_encoder_processes_only_for_big_search_work():
-    from convert.gguf_encode import PROCESS_MIN_ELEMENTS, encoder_processes
-    from convert.gguf_plan import GGUFTensor
+    from convert.gguf.encode import PROCESS_MIN_ELEMENTS, encoder_processes
+    from convert.gguf.plan import GGUFTensor
 
     GT = gguf.GGMLQuantizationType
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from convert.hub import (
+from convert.hub.download import (
     DownloadPlan,
     RepoFile,
     check_disk,
@@ -18,7 +18,7 @@ from convert.hub import (
     resolve_repo,
 )
 from convert.output import default_output
-from convert.plan import make_plan
+from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
 from formats.errors import DiskSpaceError, HubError, NoWeightsError
 

@@ -218,7 +218,7 @@ def test_inspect_and_dry_run_read_headers_only(hub, repo_files, tmp_path: Path):
 
 
 def test_auto_low_disk_when_only_that_fits(hub, repo_files, tmp_path: Path):
-    from convert.hub import estimate_output_bytes
+    from convert.hub.download import estimate_output_bytes
 
     h, env = hub
     headers = {}

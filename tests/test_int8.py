@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from convert.cli import main
-from convert.kernels import INT8_SCALE, dequantize_int8
-from convert.plan import Int8Source
+from convert.dequant.kernels import INT8_SCALE, dequantize_int8
+from convert.stream.plan import Int8Source
 from formats.bnb import BnbLayerError, ConstTensor, Int8Layer
 from formats.bnb_layers import group_layers
 from formats.checkpoint import open_checkpoint

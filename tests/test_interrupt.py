@@ -31,7 +31,7 @@ MODELS = ROOT / "tests" / "fixtures" / "models"
 SHAPE = (2048, 4096)
 SLOW = """
 import sys, time
-import convert.plan as plan
+import convert.stream.plan as plan
 _produce = plan.Dequant4Source.produce_into
 def slow(self, *args, **kwargs):
     time.sleep(0.05)
@@ -189,7 +189,7 @@ def test_a_signal_after_the_commit_says_the_output_is_complete(sig: int, tmp_pat
     check_output(src, out)
 
 
-ENCODER_WRAPPER = ("import sys\nfrom convert import gguf_encode\ngguf_encode.PROCESS_MIN_ELEMENTS = 0\n"
+ENCODER_WRAPPER = ("import sys\nfrom convert.gguf import encode as gguf_encode\ngguf_encode.PROCESS_MIN_ELEMENTS = 0\n"
                    "from convert.cli import main\nsys.exit(main(sys.argv[1:]))\n")
 
 
@@ -320,7 +320,7 @@ def test_a_chunk_submitted_as_the_encoder_pool_breaks_does_not_wait_for_ever() -
     from concurrent.futures import Future
     from concurrent.futures.process import BrokenProcessPool
 
-    from convert import encoder_pool
+    from convert.gguf import encoder_pool
     from formats.errors import EncoderProcessError
 
     class Broken:

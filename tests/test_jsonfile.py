@@ -232,7 +232,7 @@ def test_hub_index_and_headers_are_bounded(tmp_path: Path) -> None:
 
 
 def test_hub_choose_weight_files_reads_through_the_loader(tmp_path: Path) -> None:
-    from convert.hub import _load_index, choose_weight_files
+    from convert.hub.download import _load_index, choose_weight_files
 
     p = tmp_path / "model.safetensors.index.json"
     p.write_text('{"metadata": {"total_size": ' + BIG_INT + '}, "weight_map": {}}')

@@ -1,4 +1,4 @@
-"""Q4_K, Q5_K and Q2_K encoders (convert.kquant_minmax): byte identity with llama.cpp's C reference.
+"""Q4_K, Q5_K and Q2_K encoders (convert.gguf.codecs.kquant_minmax): byte identity with llama.cpp's C reference.
 
 The oracle is the ``quantize_row_q{4,5,2}_K_ref`` / ``dequantize_row_q{4,5,2}_K`` exported by the
 ``libggml-base.so`` of llama-cpp-python (0.3.36, the revision the encoders pin), loaded with ctypes;
@@ -19,9 +19,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert.codec_base import Codec, nearest_int, nearest_int_bits
-from convert.ggml_codecs import CODECS, codec
-from convert.kquant_minmax import CHUNK_BLOCKS, Q2_KCodec, Q4_KCodec, Q5_KCodec
+from convert.gguf.codecs import CODECS, codec
+from convert.gguf.codecs.base import Codec, nearest_int, nearest_int_bits
+from convert.gguf.codecs.kquant_minmax import CHUNK_BLOCKS, Q2_KCodec, Q4_KCodec, Q5_KCodec
 
 from .conftest import REFERENCES, read_safetensors
 
@@ -260,7 +260,7 @@ def test_dequantize_matches_c(oracle: _Oracle, name: str) -> None:
 
 #: sha256 of the C oracle's ``quantize_row_*_ref`` output (bytes, row-major) for each golden input,
 #: produced with llama-cpp-python 0.3.36's libggml-base.so (ggml 0.25.3, commit 0c1e570), NOT with
-#: convert.kquant_minmax, so these check the encoders where llama_cpp is not installed.
+#: convert.gguf.codecs.kquant_minmax, so these check the encoders where llama_cpp is not installed.
 GOLDEN: dict[tuple[str, str], str] = {
     ("q4_K", "normal_seed0"): "60dfba489daf02cffbfa06a0b0fe46a4c7a0401aa5d9065f88e85eb47f070f18",
     ("q4_K", "uniform_seed1"): "805facecffb4401512f796561332824fdeb84c4af82e9ae2567ffaa57db444f5",
@@ -330,7 +330,7 @@ def test_nearest_int_bits() -> None:
 def test_seq_sum_is_sequential(n: int, m: int) -> None:
     """``_seq_sum`` (one ``np.add.reduce(axis=0)`` for ``m >= 2``) adds row after row in float32,
     as the C loops do: pairwise or reordered summation would differ on these magnitudes."""
-    from convert.kquant_minmax import _seq_sum
+    from convert.gguf.codecs.kquant_minmax import _seq_sum
 
     rng = np.random.default_rng(n * 1000 + m)
     a = (rng.standard_normal((n, m)) * 10.0 ** rng.integers(-7, 7, (n, m))).astype(np.float32)

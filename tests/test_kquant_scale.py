@@ -1,4 +1,4 @@
-"""Byte identity of the Q6_K / Q3_K / IQ4_NL encoders (convert.kquant_scale, convert.iq4_nl)
+"""Byte identity of the Q6_K / Q3_K / IQ4_NL encoders (convert.gguf.codecs.kquant_scale, convert.gguf.codecs.iq4_nl)
 with llama.cpp's C quantizers.
 
 The oracle is the C library llama-cpp-python 0.3.36 installs (libggml-base.so, the llama.cpp
@@ -21,10 +21,10 @@ import gguf
 import numpy as np
 import pytest
 
-from convert.codec_base import Codec
-from convert.ggml_codecs import CODECS
-from convert.iq4_nl import IQ4_NLCodec
-from convert.kquant_scale import Q3_KCodec, Q6_KCodec
+from convert.gguf.codecs import CODECS
+from convert.gguf.codecs.base import Codec
+from convert.gguf.codecs.iq4_nl import IQ4_NLCodec
+from convert.gguf.codecs.kquant_scale import Q3_KCodec, Q6_KCodec
 from tests.conftest import read_safetensors
 
 GT = gguf.GGMLQuantizationType
@@ -234,8 +234,8 @@ def test_iq4_nl_is_not_the_ref_function(oracle: Oracle) -> None:
 @pytest.mark.parametrize("codec", CODEC_LIST, ids=IDS)
 def test_ragged_chunks(oracle: Oracle, codec: type[Codec], monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk and column-block sizes that do not divide the input give the same bytes."""
-    import convert.iq4_nl as iq4
-    import convert.kquant_scale as ks
+    import convert.gguf.codecs.iq4_nl as iq4
+    import convert.gguf.codecs.kquant_scale as ks
 
     monkeypatch.setattr(ks, "CHUNK_BLOCKS", 3)
     monkeypatch.setattr(ks, "CHUNK_BLOCKS_Q3", 5)
@@ -247,7 +247,7 @@ def test_ragged_chunks(oracle: Oracle, codec: type[Codec], monkeypatch: pytest.M
 
 def test_iq4_nl_bracket_table_matches_search() -> None:
     """The table path of best_index_iq4nl equals the searchsorted path (C's binary search)."""
-    from convert.iq4_nl import KVALUES_IQ4NL, best_index_iq4nl
+    from convert.gguf.codecs.iq4_nl import KVALUES_IQ4NL, best_index_iq4nl
 
     v = KVALUES_IQ4NL.astype(np.float64)
     mids = (v[1:] + v[:-1]) / 2
@@ -274,7 +274,7 @@ def test_shapes(oracle: Oracle, codec: type[Codec]) -> None:
 def test_fp16_bytes_matches_ggml(oracle: Oracle) -> None:
     """fp16_bytes is GGML_FP32_TO_FP16 for every float32 class: random bit patterns (NaNs with
     payloads included), rounding ties, overflow and subnormal edges."""
-    from convert.codec_base import fp16_bytes
+    from convert.gguf.codecs.base import fp16_bytes
 
     f = oracle.lib.ggml_fp32_to_fp16_row
     f.restype = None
@@ -290,7 +290,7 @@ def test_fp16_bytes_matches_ggml(oracle: Oracle) -> None:
 
 def test_fast_sum_path_is_used() -> None:
     """This NumPy reduces axis 0 row by row, so the tests above exercise seq_sum0's fast path."""
-    from convert.codec_base import reduce_axis0_is_sequential, seq_sum, seq_sum0
+    from convert.gguf.codecs.base import reduce_axis0_is_sequential, seq_sum, seq_sum0
 
     assert reduce_axis0_is_sequential()
     a = (np.random.default_rng(1).standard_normal((16, 300)) * 1e6).astype(np.float32)

@@ -94,7 +94,7 @@ def test_formats_never_imports_convert(path: Path) -> None:
 
 #: (lower, upper): ``upper`` is built on ``lower``, which never imports it (one-way dependencies between modules)
 ONE_WAY = [("formats.peft_config", "formats.peft"), ("formats.pickle_machine", "formats.torch_pickle"),
-           ("convert.gguf_rope", "convert.gguf_arch"), ("formats.bnb", "formats.bnb_layers")]
+           ("convert.gguf.rope", "convert.gguf.arch"), ("formats.bnb", "formats.bnb_layers")]
 
 
 @pytest.mark.parametrize(("lower", "upper"), ONE_WAY)

@@ -18,15 +18,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert.lora import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows
-from convert.lora_plan import plan_merge
+from convert.lora.delta import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows
+from convert.lora.plan import plan_merge
 from formats.errors import AdapterError, NonFiniteAdapterError, PatternTimeoutError, UnsupportedError
 from formats.peft import open_adapter, parse_adapter_key
 from formats.peft_config import LoraConfig, load_lora_config, parse_lora_config
 
 from .conftest import FIXTURES, REFERENCES, bits, read_safetensors
 
-#: the merge report's norms are float32 sums of squares per chunk (convert.lora_report.sum_sq): relative error
+#: the merge report's norms are float32 sums of squares per chunk (convert.lora.report.sum_sq): relative error
 #: against the float64 reference
 REPORT_REL = 1e-4
 
@@ -522,7 +522,7 @@ def test_linear_merge_in_pieces_equals_delta_then_add(out_dtype: str, scale: flo
     when the adapter's bound allows): the bits of ``round(W + lora_delta_rows(...))`` for every chunking,
     past WHOLE_PRODUCT_ELEMENTS, and with a scale large enough that the bound does not hold (1e37: fp16
     overflows to inf, the delta stays finite, nothing is refused)."""
-    from convert.lora import MergeOp, TensorMerge, _delta_bounded
+    from convert.lora.delta import MergeOp, TensorMerge, _delta_bounded
 
     rows, cols, r = 300, 4000, 8
     assert rows * cols > WHOLE_PRODUCT_ELEMENTS
@@ -552,10 +552,10 @@ def test_lora_source_merges_in_place_in_runs_for_any_chunking(out_dtype: str) ->
     the bits of merging a separate base array, with and without a report."""
     from types import SimpleNamespace
 
-    from convert.lora import MergeOp, TensorMerge
-    from convert.lora_report import MergeStats
-    from convert.merge import LoraSource
-    from convert.plan import Source
+    from convert.lora.apply import LoraSource
+    from convert.lora.delta import MergeOp, TensorMerge
+    from convert.lora.report import MergeStats
+    from convert.stream.plan import Source
     from formats.dtypes import BY_CODE
 
     rows, cols, r = 700, 4000, 8
@@ -598,7 +598,7 @@ def test_power_of_two_scale_folded_into_lora_A_gives_the_same_bits(out_dtype: st
     """A scale of +-2^p is multiplied into lora_A once (``_fold_scale``) instead of into every delta value:
     the bits of PEFT's order, ``round(W + (B @ A) * scale)``, over several sgemm blocks and chunkings; refused
     where a value of either order would be subnormal."""
-    from convert.lora import MergeOp, TensorMerge
+    from convert.lora.delta import MergeOp, TensorMerge
 
     rows, cols, r = 300, 4000, 16
     rng = np.random.default_rng(11)
@@ -622,7 +622,7 @@ def test_power_of_two_scale_folded_into_lora_A_gives_the_same_bits(out_dtype: st
 def test_delta_bound_holds_and_is_refused_past_float32() -> None:
     """_delta_bounded is an upper bound of |(B @ A) * scale| (checked on random adapters, signs mixed), and
     says no when the delta could overflow: then every chunk is checked (LORA-014 below)."""
-    from convert.lora import _DELTA_BOUND, _delta_bounded
+    from convert.lora.delta import _DELTA_BOUND, _delta_bounded
 
     rng = np.random.default_rng(3)
     for _ in range(20):
@@ -853,7 +853,7 @@ def test_matches_peft(peft_env, llama_dir: Path, tmp_path: Path, variant: str,
     want = _peft_merge(torch, llama_dir, d, resize)
     assert sorted(got) == sorted(want)
     # B @ A through torch's sgemm instead of NumPy's: every other step is ours, so this is bit-exact on any CPU
-    import convert.lora as lora_mod
+    import convert.lora.delta as lora_mod
 
     with monkeypatch.context() as m:
         m.setattr(lora_mod, "np", _WithMatmul(_torch_matmul(torch)))
@@ -873,7 +873,7 @@ def test_matches_peft(peft_env, llama_dir: Path, tmp_path: Path, variant: str,
 
 
 class _WithMatmul:
-    """NumPy with ``matmul`` replaced (for ``convert.lora``'s products only)."""
+    """NumPy with ``matmul`` replaced (for ``convert.lora.delta``'s products only)."""
 
     def __init__(self, matmul) -> None:
         self.matmul = matmul
@@ -995,7 +995,7 @@ def test_cli_report_original_and_json(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_merge_figures_only_when_a_report_is_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No --report/--original/--json: no sum of squares is computed and no lora_merge figures are returned
     (same bytes); with --report the figures match the float64 reference within REPORT_REL."""
-    import convert.lora as lora_mod
+    import convert.lora.delta as lora_mod
     from convert.job import ConvertOptions, convert
 
     from .conftest import load_all
@@ -1031,7 +1031,7 @@ def test_merge_figures_only_when_a_report_is_asked_for(tmp_path: Path, monkeypat
 
 def test_sum_sq_float32_accumulation_within_report_precision() -> None:
     """4M values (a large chunk) of mixed magnitude: the float32 sum is within 1e-5 of float64's."""
-    from convert.lora_report import sum_sq
+    from convert.lora.report import sum_sq
 
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(1 << 22) * np.exp(rng.uniform(-4, 4, 1 << 22))).astype(np.float32)
@@ -1070,8 +1070,8 @@ def test_cli_report_counts_each_element_once_whatever_the_passes(tmp_path: Path,
 
 def test_lora_source_counts_rows_once_over_uneven_passes() -> None:
     """Two passes with different chunkings (as a pre-pass and a codes pass may have): same figures as one."""
-    from convert.merge import LoraSource
-    from convert.plan import make_plan
+    from convert.lora.apply import LoraSource
+    from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
     from formats.dtypes import BY_CODE
 
@@ -1264,7 +1264,7 @@ def test_fan_in_fan_out_dora_matches_peft_gpt2(peft_env, tmp_path: Path) -> None
 
 @pytest.mark.parametrize("n", [8, 256, 704, 4096, 4099, 9, 3])
 def test_dora_norm_matches_torch(peft_env, n: int) -> None:
-    from convert.lora import dora_norm
+    from convert.lora.delta import dora_norm
 
     torch = peft_env
     v = (np.random.default_rng(n).standard_normal((100, n)) * 0.02).astype(np.float32)

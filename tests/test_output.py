@@ -25,7 +25,7 @@ MODEL = MODELS / "llama_nf4_dq"
 #: mid-write whatever the machine's load.
 HELD = """
 import os, sys, time
-import convert.plan as plan
+import convert.stream.plan as plan
 _produce = plan.Dequant4Source.produce_into
 def held(self, *args, **kwargs):
     deadline = time.monotonic() + 120  # a guard against a broken test
@@ -426,7 +426,7 @@ def test_report_paths_are_checked_before_any_work(tmp_path: Path, monkeypatch: p
 
 def test_threads_are_capped_so_the_memory_cap_holds(tmp_path: Path) -> None:
     from convert.job import ConvertOptions, convert
-    from convert.pipeline import _BASELINE, _BYTES_PER_ELEMENT, MIN_CHUNK_ELEMENTS, chunk_elements, max_threads
+    from convert.stream.pipeline import _BASELINE, _BYTES_PER_ELEMENT, MIN_CHUNK_ELEMENTS, chunk_elements, max_threads
 
     cap = max_threads(64 << 20)
     budget = max((64 << 20) - _BASELINE, 16 << 20)

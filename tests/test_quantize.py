@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from convert.kernels import dequantize_4bit, dequantize_nested_absmax, unpack_4bit
-from convert.nested8 import double_quantize_absmax, dynamic_map_lut, quantize_blockwise_8bit
-from convert.quant4 import (
+from convert.bnb4.absmax8 import double_quantize_absmax, dynamic_map_lut, quantize_blockwise_8bit
+from convert.bnb4.encode import (
     ABSMAX_FLOOR,
     FP4_ORDER,
     blockwise_absmax,
@@ -24,10 +23,11 @@ from convert.quant4 import (
     quantize_4bit,
     quantize_bounds,
 )
-from convert.quant_layer import layer_tensors, quantize_layer
-from convert.quant_report import quantization_report
-from convert.quant_settings import QuantSettings
-from convert.torch_reduce import torch_mean_float32, torch_sum_float32
+from convert.bnb4.layer import layer_tensors, quantize_layer
+from convert.bnb4.report import quantization_report
+from convert.bnb4.settings import QuantSettings
+from convert.bnb4.torch_reduce import torch_mean_float32, torch_sum_float32
+from convert.dequant.kernels import dequantize_4bit, dequantize_nested_absmax, unpack_4bit
 from formats.bnb import DYNAMIC_MAP_SIGNED, FP4_TABLE, NF4_TABLE, QUANT_TABLES
 from formats.errors import UnsupportedError, UsageError
 from formats.safetensors import SafetensorsReader
@@ -370,8 +370,8 @@ def test_report_chunked_equals_whole() -> None:
 def test_report_on_a_sample_measures_the_fixed_grid_pieces() -> None:
     """sample=k measures the error and zero share on grid pieces 0, k, 2k, ... of the flat weight (the same
     pieces however it is chunked) and every outlier block wherever it is: the figures of those elements."""
-    from convert.kernel_base import PIECE
-    from convert.quant_report import ReportAccumulator, stored_nbytes
+    from convert.bnb4.report import ReportAccumulator, stored_nbytes
+    from convert.dequant.products import PIECE
 
     rng = np.random.default_rng(3)
     n, bs, k = 9 * PIECE + 640, 64, 4
@@ -436,7 +436,7 @@ def test_parity_bitsandbytes_quantize_4bit() -> None:
 def test_bucket_tables_equal_the_search(quant_type: str) -> None:
     """The 20-bit bucket lookup gives searchsorted(midpoints, s, 'left') at every bucket edge, around
     every midpoint and on random values (the buckets holding a midpoint, searched, are few)."""
-    from convert.quant4 import _BUCKET_BITS, _SEARCH, _code_table, _pack_codes
+    from convert.bnb4.encode import _BUCKET_BITS, _SEARCH, _code_table, _pack_codes
 
     mid, order = quantize_bounds(quant_type)
     table = _code_table(mid.tobytes())
@@ -459,7 +459,7 @@ def test_bucket_tables_equal_the_search(quant_type: str) -> None:
 @pytest.mark.parametrize("n", [65_537, 1_000_003, 704_512])
 def test_cascade_sum_in_pieces_equals_one_accumulate(n: int) -> None:
     """_multi_row_sum sums its level-0 groups a few at a time (no n-sized temporary): same bits."""
-    from convert.torch_reduce import _multi_row_sum
+    from convert.bnb4.torch_reduce import _multi_row_sum
 
     rng = np.random.default_rng(n)
     rows = (np.abs(rng.standard_normal(n - n % 32)) * 0.05).astype(np.float32).reshape(-1, 4, 8)
@@ -491,7 +491,7 @@ def test_cascade_sum_in_pieces_equals_one_accumulate(n: int) -> None:
 
 @pytest.mark.parametrize("n", [1, 255, 256, 70_000, 704_513])
 def test_nested_statistics_equal_double_quantize_absmax(n: int) -> None:
-    from convert.nested8 import nested_statistics
+    from convert.bnb4.absmax8 import nested_statistics
 
     am = (np.random.default_rng(n).random(n, dtype=np.float32) * 0.05).astype(np.float32)
     _, nested, offset = double_quantize_absmax(am)
@@ -504,8 +504,8 @@ def test_nested_statistics_equal_double_quantize_absmax(n: int) -> None:
 def test_blockwise_absmax_of_16_bit_patterns(dtype: str) -> None:
     """The 16-bit path (max of the sign-cleared bit patterns) equals max |x| in float32 on every finite
     pattern (subnormals, -0, the largest values), with a partial last block; inf and NaN raise QNT-003."""
-    from convert.kernel_base import BF16
-    from convert.quant4 import blockwise_absmax
+    from convert.bnb4.encode import blockwise_absmax
+    from convert.dequant.products import BF16
     from formats.errors import NonFiniteWeightError
 
     dt = BF16 if dtype == "bfloat16" else np.dtype(np.float16)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convert.kernels import dequantize_4bit
-from convert.quant4 import blockwise_absmax, encode_4bit, iter_block_chunks, quantize_4bit
-from convert.quant_layer import quantize_layer
-from convert.quant_settings import QuantSettings
+from convert.bnb4.encode import blockwise_absmax, encode_4bit, iter_block_chunks, quantize_4bit
+from convert.bnb4.layer import quantize_layer
+from convert.bnb4.settings import QuantSettings
+from convert.dequant.kernels import dequantize_4bit
 from formats.bnb import QUANT_TABLES
 
 hypothesis = pytest.importorskip("hypothesis")

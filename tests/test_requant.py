@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from convert.bnb4.plan import make_quant_plan, safetensors_order_key
+from convert.bnb4.select import matches_module, should_quantize
+from convert.bnb4.settings import QuantSettings
 from convert.cli import main
-from convert.pipeline import RunSettings, write_plan
-from convert.plan import make_plan
-from convert.quant_rules import matches_module, should_quantize
-from convert.quant_settings import QuantSettings
-from convert.requant import make_quant_plan, safetensors_order_key
+from convert.stream.pipeline import RunSettings, write_plan
+from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
 from formats.dtypes import BY_CODE, BY_NAME
 from formats.writeback import ALIGN, PlacedMemory
@@ -91,7 +91,7 @@ def test_bin_checkpoint_passes_through(tmp_out: Path) -> None:
 
 
 def test_int8_checkpoint_to_nf4_quantizes_its_exact_dequantization(tmp_out: Path) -> None:
-    from convert.quant_layer import layer_tensors, quantize_layer
+    from convert.bnb4.layer import layer_tensors, quantize_layer
 
     assert main([str(MODELS / "llama_int8"), "--to", "nf4", "-o", str(tmp_out), "-q"]) == 0
     got = load_all(tmp_out / "model.safetensors")
@@ -137,7 +137,7 @@ def test_requantize_round_trip_keeps_codes(tmp_out: Path, capsys: pytest.Capture
 def test_merged_lora_model_as_nf4_in_one_command(tmp_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--merge-lora + --to nf4: merged layers are bnb's quantization of PEFT's merge (merged_reference),
     the layers the adapter does not touch are copied from the 4-bit base unchanged."""
-    from convert.quant_layer import layer_tensors, quantize_layer
+    from convert.bnb4.layer import layer_tensors, quantize_layer
 
     lora = MODELS.parent / "lora"
     assert main([str(MODELS / "llama_nf4_dq"), "--merge-lora", str(lora / "adapter"), "--to", "nf4",
@@ -505,9 +505,9 @@ def test_cached_absmax_is_kept_in_the_weights_dtype_when_exact(dtype: str, n: in
     """The absmax the codes pass reads from the cache is the fp32 absmax it would recompute, bit for bit,
     kept in 2 bytes a block for a bfloat16 or float16 weight unless a block's absmax is not such a value
     (the floor 1e-38 of an all-zero tail block); the codes are the same with and without the cache."""
-    import convert.quant_passes as qp
-    from convert.plan import PlannedTensor
-    from convert.quant4 import blockwise_absmax
+    import convert.bnb4.passes as qp
+    from convert.bnb4.encode import blockwise_absmax
+    from convert.stream.plan import PlannedTensor
 
     rng = np.random.default_rng(5)
     values = (rng.standard_normal(n) * 0.03).astype(BY_NAME[dtype].numpy)
@@ -560,7 +560,7 @@ def test_prepass_releases_the_input_pages(tmp_path: Path) -> None:
     """After the pre-pass no page of a layer's packed codes or absmax stays mapped (large folios too)."""
     from safetensors.numpy import save_file
 
-    from convert.quant_layer import layer_tensors, quantize_layer
+    from convert.bnb4.layer import layer_tensors, quantize_layer
 
     rng = np.random.default_rng(5)
     tensors = {}
@@ -593,7 +593,7 @@ class _ZeroCopy:
     logging each produce and release."""
 
     def __init__(self, values: np.ndarray, log: list[tuple[str, int, int]]) -> None:
-        from convert.plan import Source
+        from convert.stream.plan import Source
 
         self.values, self.log = values, log
         self.numel, self.unit, self.kind, self.in_nbytes = values.size, 1, "view", values.nbytes
@@ -617,9 +617,9 @@ def test_pieces_are_released_after_they_are_used(monkeypatch: pytest.MonkeyPatch
     """Each piece's input pages are released once the piece is encoded, never between the read and the use:
     released earlier, the encoder's reads mapped them again for good (peak RSS grew to the input's size,
     2.6 GiB for a 2.8 GB bf16 model at the 1 GiB cap)."""
-    import convert.quant_passes as qp
-    from convert.plan import PlannedTensor
-    from convert.quant_settings import QuantSettings
+    import convert.bnb4.passes as qp
+    from convert.bnb4.settings import QuantSettings
+    from convert.stream.plan import PlannedTensor
     from formats.dtypes import BY_CODE
 
     log: list[tuple[str, int, int]] = []
@@ -641,8 +641,8 @@ def test_pieces_are_released_after_they_are_used(monkeypatch: pytest.MonkeyPatch
 
 def test_gguf_rows_are_not_views_of_released_pages() -> None:
     """The GGUF writer's rows of a zero-copy source are copied before their input pages are released."""
-    from convert.plan import PlannedTensor
-    from convert.to_gguf import _row_reader
+    from convert.gguf.target import _row_reader
+    from convert.stream.plan import PlannedTensor
     from formats.dtypes import BY_CODE
 
     log: list[tuple[str, int, int]] = []
@@ -659,7 +659,7 @@ def test_gguf_rows_of_a_4bit_layer_are_made_placed_in_the_run_memory(place: int 
     """A 4-bit layer's rows are dequantized into the run's PlacedMemory, lying at the file offset asked for
     (bf16 -> BF16 writes them without a copy), equal to the source's own values; the memory is used again
     once the rows are gone."""
-    from convert.to_gguf import _row_reader
+    from convert.gguf.target import _row_reader
 
     with open_checkpoint(MODELS / "llama_nf4_dq") as ck:
         plan = make_plan(ck, "bf16")

@@ -24,13 +24,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from convert import __version__
+from convert.batch.jobs import Job, job_options
+from convert.batch.state import load_state, save_state, state_path
+from convert.job import job_key
+from convert.output import recorded_shards
 from formats.errors import ConvertBnbError
-
-from . import __version__
-from .batch_jobs import Job, job_options
-from .batch_state import load_state, save_state, state_path
-from .job import job_key
-from .output import recorded_shards
 
 __all__ = ["LOSSLESS_TARGETS", "build_upload_plan", "card_claims", "model_card", "plan_batch", "push_output",
            "quant_summary", "repo_name"]
@@ -38,9 +37,8 @@ __all__ = ["LOSSLESS_TARGETS", "build_upload_plan", "card_claims", "model_card",
 
 def quant_summary(src: Path) -> list[str]:
     """One line per group of quantized layers in the source (headers only)."""
+    from convert.inspection import InspectOptions, inspect_checkpoint
     from formats.checkpoint import open_checkpoint
-
-    from .inspection import InspectOptions, inspect_checkpoint
 
     try:
         with open_checkpoint(src) as ckpt:
@@ -250,8 +248,8 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
 
 def _resolve_without_download(job: Job) -> Any:
     """The job's source as a :class:`~convert.job.ResolvedSource`; a Hub repo resolved to its commit only."""
-    from .hub import resolve_repo
-    from .job import ResolvedSource, resolve_source
+    from convert.hub.download import resolve_repo
+    from convert.job import ResolvedSource, resolve_source
 
     if not job.is_repo:
         return resolve_source(job.src, job.revision)
@@ -263,9 +261,8 @@ def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
     """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local."""
     if not src.exists():
         return None
+    from convert.stream.plan import TARGETS, make_plan
     from formats.checkpoint import open_checkpoint
-
-    from .plan import TARGETS, make_plan
 
     if job.to not in TARGETS:
         return None

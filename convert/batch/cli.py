@@ -1,5 +1,5 @@
 """``convert-bnb batch``'s command line: its arguments, the run (or ``--dry-run`` plan) and the summary
-table printed at the end. The batch itself, its rules and its files are :mod:`convert.batch`.
+table printed at the end. The batch itself, its rules and its files are :mod:`convert.batch.run`.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ import json
 import sys
 from pathlib import Path
 
+from convert.batch.card import plan_batch
+from convert.batch.jobs import parse_jobs, target_names
+from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, JobResult, check_executor, run_batch
+from convert.targets import normalize_target
+from convert.units import format_bytes, parse_size
 from formats.errors import UsageError
-
-from .batch import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, JobResult, check_executor, run_batch
-from .batch_card import plan_batch
-from .batch_jobs import parse_jobs, target_names
-from .targets import normalize_target
-from .units import format_bytes, parse_size
 
 __all__ = ["DESCRIPTION", "INTERRUPTED_TAIL", "add_arguments", "run_command", "summary_table"]
 

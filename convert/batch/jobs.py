@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from convert.batch.state import manifest_path, state_path
+from convert.units import parse_size
 from formats import jsonfile
 from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError
 
-from .batch_state import manifest_path, state_path
-from .units import parse_size
-
 if TYPE_CHECKING:
-    from .job import ConvertOptions
+    from convert.job import ConvertOptions
 
 __all__ = ["Job", "job_options", "parse_jobs", "target_names"]
 
@@ -72,7 +71,7 @@ class Job:
     @property
     def is_repo(self) -> bool:
         """Whether SRC is a Hub repo id (not an existing local path)."""
-        from .hub import is_repo_id
+        from convert.hub.download import is_repo_id
 
         return is_repo_id(self.src)
 
@@ -89,7 +88,7 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
         revision: the resolved commit to convert (default: the job's revision).
         overwrite: replace an existing output.
     """
-    from .job import ConvertOptions
+    from convert.job import ConvertOptions
 
     out_dir = Path(spec["out_dir"])
     return ConvertOptions(src=job.src, to=job.to, output=out_dir / job.name,
@@ -101,7 +100,7 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
 
 def target_names() -> list[str]:
     """The ``--to`` values a job may ask for."""
-    from .targets import target_names
+    from convert.targets import target_names
 
     return target_names()
 
@@ -117,16 +116,16 @@ def _job_parser() -> argparse.ArgumentParser:
 
 
 def _default_name(src: str, to: str, revision: str | None) -> str:
-    from .hub import is_repo_id
-    from .output import default_output
+    from convert.hub.download import is_repo_id
+    from convert.output import default_output
 
     repo = is_repo_id(src)
     return default_output(Path(src), to, src if repo else None, revision if repo else None).name
 
 
 def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
-    from .hub import parse_repo_spec
-    from .output import with_target_suffix
+    from convert.hub.download import parse_repo_spec
+    from convert.output import with_target_suffix
 
     def bad(msg: str, **kw: Any) -> BatchOptionError:
         return BatchOptionError(f"{where}: {msg}", path=path, **kw)
@@ -142,7 +141,7 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
         raise bad("revision must be a string", found=revision)
     to = fields.get("to") or defaults.to
     if isinstance(to, str):
-        from .targets import normalize_target
+        from convert.targets import normalize_target
 
         to = normalize_target(to)  # gguf:Q4_K_M -> gguf:q4_k_m, as on the command line
     if to not in target_names():

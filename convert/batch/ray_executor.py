@@ -1,8 +1,8 @@
 """``convert-bnb batch --executor ray``: each job a Ray task on a cluster (``pip install 'convert-bnb[ray]'``).
 
-The batch process (the Ray driver) does what it does with local workers (:func:`convert.batch.run_batch`:
+The batch process (the Ray driver) does what it does with local workers (:func:`convert.batch.run.run_batch`:
 checks, the out-dir lock, ``SPEC.json`` and the log per job, the results); only the place a job runs
-changes. A job is one Ray task running :func:`run_task`, which runs :func:`convert.batch.execute_job` on
+changes. A job is one Ray task running :func:`run_task`, which runs :func:`convert.batch.run.execute_job` on
 the job's ``SPEC.json``, exactly as a local worker process does: the outputs, state files and results
 are the same, and a batch started on one executor resumes on the other. Hence ``--out-dir`` must be a
 path every node sees (a shared file system, mounted at the same path).
@@ -32,12 +32,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from convert import BLAS_THREADS, __version__
+from convert.batch.run import execute_job, failed_result
+from convert.stream.pipeline import reset_peak_rss
+from convert.units import format_bytes
 from formats.errors import UsageError
-
-from . import BLAS_THREADS, __version__
-from .batch import execute_job, failed_result
-from .pipeline import reset_peak_rss
-from .units import format_bytes
 
 __all__ = ["RETRIES", "WORKER_OVERHEAD", "RayWorkers", "import_ray", "run_task"]
 
@@ -62,7 +61,7 @@ def task_options(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_task(spec_path: str, log_path: str, version: str) -> tuple[dict[str, Any], int]:
-    """The Ray task of one job: :func:`convert.batch.execute_job` on ``SPEC.json``, its messages
+    """The Ray task of one job: :func:`convert.batch.run.execute_job` on ``SPEC.json``, its messages
     appended to the job's log (as a local worker's stderr is).
 
     Args:
@@ -71,7 +70,7 @@ def run_task(spec_path: str, log_path: str, version: str) -> tuple[dict[str, Any
         version: the batch process's convert-bnb version.
 
     Returns:
-        the job's result and exit code, as :func:`convert.batch.execute_job`; a failed result with
+        the job's result and exit code, as :func:`convert.batch.run.execute_job`; a failed result with
         USE-001 when this node runs another convert-bnb version (its outputs would carry another key).
     """
     reset_peak_rss()  # this worker process may have run other jobs before
@@ -123,7 +122,7 @@ def import_ray() -> Any:
 
 
 class RayWorkers:
-    """Jobs as Ray tasks (:class:`convert.batch.Workers`).
+    """Jobs as Ray tasks (:class:`convert.batch.run.Workers`).
 
     Args:
         address: the cluster (``ray.init(address=...)``: ``auto``, ``HOST:PORT``, ``ray://HOST:PORT``), or

@@ -1,9 +1,9 @@
 """``convert-bnb batch JOBS --out-dir DIR``: many conversions, resumable, failures isolated.
 
 This module runs a batch (parent process, workers); its command line and summary table are
-:mod:`convert.batch_cli`; the JOBS file is read by
-:mod:`convert.batch_jobs`, the per-job state is kept by :mod:`convert.batch_state`, the model card,
-the push and the dry-run plan are in :mod:`convert.batch_card`.
+:mod:`convert.batch.cli`; the JOBS file is read by
+:mod:`convert.batch.jobs`, the per-job state is kept by :mod:`convert.batch.state`, the model card,
+the push and the dry-run plan are in :mod:`convert.batch.card`.
 
 JOBS file
     One job per line, ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S] [--name NAME]``
@@ -14,7 +14,7 @@ JOBS file
     file and line: BATCH-001 the file reads and parses (``BatchFileError``), BATCH-002 every item has
     a source (``BatchJobError``), BATCH-003 per-job options are known and valid
     (``BatchOptionError``), BATCH-004 no two jobs share an output name (``BatchNameClashError``).
-    See :mod:`convert.batch_jobs`.
+    See :mod:`convert.batch.jobs`.
 
 Layout under DIR
     ``DIR/NAME``                         a finished output (a directory, or a file for a single-file source)
@@ -24,7 +24,7 @@ Layout under DIR
                                          file, removed when the run fails
     ``DIR/.NAME.convert-bnb-lock``       the output's claim, held with ``flock`` by the worker writing it
     ``DIR/.NAME.convert-bnb-old-PID``    an old output set aside while ``--overwrite`` installs the new one
-    ``DIR/.convert-bnb/NAME.json``       the job's state file (:mod:`convert.batch_state`)
+    ``DIR/.convert-bnb/NAME.json``       the job's state file (:mod:`convert.batch.state`)
     ``DIR/.convert-bnb/NAME.spec.json``  what the worker was asked to do
     ``DIR/.convert-bnb/NAME.log``        the worker's stderr
     ``DIR/.convert-bnb/lock``            held with ``flock`` while a batch runs: one batch per DIR at a time
@@ -36,10 +36,10 @@ Running
     ``max_memory // N`` and its share of the threads; one job's crash cannot stop the others. A worker
     (:func:`worker_main`) asks Linux to SIGTERM it when the parent dies (``PR_SET_PDEATHSIG``), so a
     killed batch never leaves a worker writing on; SIGTERM stops it with exit code 130. It runs
-    :func:`run_job`: resolve SRC (Hub repos through :mod:`convert.hub`, honouring the HF cache and
+    :func:`run_job`: resolve SRC (Hub repos through :mod:`convert.hub.download`, honouring the HF cache and
     offline mode) to a commit, compare the job's key with the state file, and run
     :func:`convert.job.convert` with the job's :class:`~convert.job.ConvertOptions`
-    (:func:`convert.batch_jobs.job_options`: resumable, with a file manifest), which claims the output,
+    (:func:`convert.batch.jobs.job_options`: resumable, with a file manifest), which claims the output,
     writes and verifies each shard and commits the output atomically (:mod:`convert.output`). The
     worker prints its :class:`JobResult` as one JSON line (:func:`execute_job` turns every failure into
     the result); the parent prints a summary table and exits with :data:`EXIT_JOBS_FAILED` when any job
@@ -47,14 +47,14 @@ Running
 
 Executors
     Where jobs run is a :class:`Workers`: ``--executor local`` (:class:`LocalWorkers`, the worker
-    processes above) or ``--executor ray`` (:class:`convert.batch_ray.RayWorkers`: each job a Ray task
+    processes above) or ``--executor ray`` (:class:`convert.batch.ray_executor.RayWorkers`: each job a Ray task
     on a cluster, ``--ray-address``; DIR on a file system every node sees). Both run
     :func:`execute_job` on the job's ``SPEC.json`` and write the same files, state and results, so a
     batch started on one executor resumes on the other. See docs/many-machines.md.
 
 Done
     A job is marked ``done`` in its state file only after :func:`convert.job.convert` has returned and
-    :func:`convert.batch_state.check_complete` has found the installed output complete: exactly the
+    :func:`convert.batch.state.check_complete` has found the installed output complete: exactly the
     files of the conversion's manifest, at their sizes, and every shard its index names. The state
     then records every file's size and sha256. Until then the state says ``running``, and on an
     error ``failed`` with the error.
@@ -84,7 +84,7 @@ Pushing
     commit, the settings and the converter version. The push is recorded in the state file; a re-run
     does not push a job again once pushed to the same repo with the same key. A failed push fails the
     job but leaves its conversion done. ``--dry-run`` converts nothing and prints each job's plan,
-    the card and the upload plan. See :mod:`convert.batch_card`.
+    the card and the upload plan. See :mod:`convert.batch.card`.
 """
 
 from __future__ import annotations
@@ -98,18 +98,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from formats.errors import (
-    ConvertBnbError,
-    ForeignFilesError,
-    JobSettingsChangedError,
-    OutputInsideInputError,
-    OutputKindError,
-    UsageError,
-)
-
-from .batch_card import push_output, quant_summary
-from .batch_jobs import Job, job_options
-from .batch_state import (
+from convert.batch.card import push_output, quant_summary
+from convert.batch.jobs import Job, job_options
+from convert.batch.state import (
     STATE_DIR,
     STATE_VERSION,
     check_complete,
@@ -121,8 +112,16 @@ from .batch_state import (
     save_state,
     state_path,
 )
-from .job import job_key
-from .units import format_bytes
+from convert.job import job_key
+from convert.units import format_bytes
+from formats.errors import (
+    ConvertBnbError,
+    ForeignFilesError,
+    JobSettingsChangedError,
+    OutputInsideInputError,
+    OutputKindError,
+    UsageError,
+)
 
 if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI start-up
     import subprocess
@@ -210,8 +209,8 @@ def run_job(spec: dict[str, Any]) -> JobResult:
         ConvertBnbError: any failure of the job (recorded in the state file first): the conversion's
             own errors, JobSettingsChangedError (BATCH-005), ForeignFilesError (BATCH-006).
     """
-    from .job import convert, resolve_source
-    from .pipeline import peak_rss_bytes
+    from convert.job import convert, resolve_source
+    from convert.stream.pipeline import peak_rss_bytes
 
     t0 = time.perf_counter()
     job = Job(**spec["job"])
@@ -299,7 +298,7 @@ def progress_path(out_dir: Path, name: str) -> Path:
 def _progress_writer(path: Path, every: float = 0.5) -> Callable[[int, int], None]:
     """A ``ConvertOptions.on_progress`` that writes the progress to ``path`` (atomically), at most every
     ``every`` seconds, and always when the output is complete."""
-    from .output import write_json
+    from convert.output import write_json
 
     last = [0.0]
 
@@ -327,7 +326,7 @@ def _read_progress(path: Path) -> tuple[int, int] | None:
 def interrupted_message(out_dir: Path, name: str) -> str:
     """What an interrupted job leaves, truthfully: the finished shards kept for the next run (a directory
     output's staging), or nothing (a one-file output is written again whole)."""
-    from .output import PARTIAL_MARK
+    from convert.output import PARTIAL_MARK
 
     partial = out_dir / f".{name}{PARTIAL_MARK}"
     if (out_dir / name).exists() and not partial.exists():
@@ -366,7 +365,7 @@ class BatchProgress:
 
 # ---------------------------------------------------------------- the batch (parent process)
 
-_WORKER = "import sys; from convert.batch import worker_main; sys.exit(worker_main(sys.argv[1:]))"
+_WORKER = "import sys; from convert.batch.run import worker_main; sys.exit(worker_main(sys.argv[1:]))"
 
 
 def _die_with_parent(parent: int) -> None:
@@ -389,7 +388,7 @@ def worker_main(argv: list[str]) -> int:
 
     Exit codes: those of :func:`execute_job`; 130 also when the batch process died.
     """
-    from . import signals
+    from convert import signals
 
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     signals.install()  # SIGTERM (the batch stopping it) ends the job as SIGINT does
@@ -441,7 +440,7 @@ EXECUTORS = ("local", "ray")
 
 class Workers(Protocol):
     """Where a batch's jobs run: :class:`LocalWorkers` (processes on this machine) or
-    :class:`convert.batch_ray.RayWorkers` (Ray tasks on a cluster). Both run :func:`execute_job` on the
+    :class:`convert.batch.ray_executor.RayWorkers` (Ray tasks on a cluster). Both run :func:`execute_job` on the
     job's ``SPEC.json`` and give back its result: the outputs, state files and results are the same."""
 
     def job_threads(self, threads: int | None, n_jobs: int, job_memory: int) -> int:
@@ -559,7 +558,7 @@ def run_batch(
             :class:`BatchProgress` (jobs finished, each running job's bytes written).
         progress_interval: seconds between ``on_progress`` calls.
         executor: ``local`` (worker processes on this machine) or ``ray`` (Ray tasks, see
-            :mod:`convert.batch_ray`).
+            :mod:`convert.batch.ray_executor`).
         ray_address: with ``executor="ray"``, the cluster to connect to (``ray.init(address=...)``;
             None: ``RAY_ADDRESS``, a cluster started on this machine, or a new local one).
 
@@ -590,7 +589,7 @@ def run_batch(
                                          action="write", hint=f"job {job.where} reads '{job.src}'")
     out_dir = out_dir.absolute()  # the same path for every worker, whatever its working directory
     if executor == "ray":
-        from .batch_ray import RayWorkers
+        from convert.batch.ray_executor import RayWorkers
 
         workers: Workers = RayWorkers(ray_address)
     else:
@@ -712,6 +711,6 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
 def _worker_env() -> dict[str, str]:
     """The worker's environment: ours, with this package importable (the worker runs ``-c``)."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the convert package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

@@ -32,9 +32,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from convert.output import sha256_file, write_json
 from formats.errors import VerificationError
-
-from .output import sha256_file, write_json
 
 __all__ = [
     "STATE_DIR",

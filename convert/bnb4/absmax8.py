@@ -6,7 +6,7 @@ against bitsandbytes and torch 2.13 themselves):
 
 Double quantization of absmax
     ``offset = torch.mean(absmax)`` in fp32 exactly as torch computes it on CPU
-    (:func:`convert.torch_reduce.torch_mean_float32`: torch's cascade sum, which is neither NumPy's
+    (:func:`convert.bnb4.torch_reduce.torch_mean_float32`: torch's cascade sum, which is neither NumPy's
     pairwise sum nor a sequential one), then ``quantize_blockwise(absmax - offset, blocksize=256)``
     with bnb's signed dynamic map, as its CPU C kernel does it: per block ``m = max|v|`` (stored as
     ``nested_absmax``; m == 0 gives code 0), ``t = clip(v * fp32(1/m), -1, 1)``,
@@ -14,7 +14,7 @@ Double quantization of absmax
     multiply-add), ``code = LUT[i16]`` with ``LUT[i] = count(midpoints < fp32(-1 + fp32(2i) / 65535))``.
 
 Loading resolves the codes back with two roundings, ``fp32(fp32(code[c] * nested_absmax) + offset)``
-(:func:`resolve_nested`, the same as :func:`convert.kernels.dequantize_nested_absmax`).
+(:func:`resolve_nested`, the same as :func:`convert.dequant.kernels.dequantize_nested_absmax`).
 
 Chunking: :func:`encode_8bit` and :func:`resolve_nested` take any slice, given each value's
 ``nested_absmax``; only the offset and ``nested_absmax`` need the whole layer's absmax
@@ -26,11 +26,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from convert.bnb4.torch_reduce import TORCH_NUM_THREADS, flat_f32, torch_mean_float32
+from convert.dequant.products import PIECE
 from formats.bnb import DYNAMIC_MAP_SIGNED
 from formats.errors import NestedOffsetOverflowError
-
-from .kernel_base import PIECE
-from .torch_reduce import TORCH_NUM_THREADS, flat_f32, torch_mean_float32
 
 __all__ = [
     "NESTED_BLOCKSIZE",
@@ -140,7 +139,7 @@ def resolve_nested(
 ) -> npt.NDArray[np.float32]:
     """absmax back from 8-bit codes, for any slice: ``fp32(fp32(code[c] * scale) + offset)``.
 
-    The same two roundings as :func:`convert.kernels.dequantize_nested_absmax` (bnb
+    The same two roundings as :func:`convert.dequant.kernels.dequantize_nested_absmax` (bnb
     ``dequantize_blockwise`` then ``+= offset``), with the nested absmax given per value.
 
     Args:

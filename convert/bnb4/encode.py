@@ -14,7 +14,7 @@ bitsandbytes 0.50.2 wrote, and against bitsandbytes and torch 2.13 themselves):
     holds code 2k in its high nibble and code 2k+1 in its low one; an odd count is padded with a
     scaled value of 0.0 (nibble 7 for NF4, 0 for FP4).
 
-The double quantization of absmax (``compress_statistics=True``) is :mod:`convert.nested8`.
+The double quantization of absmax (``compress_statistics=True``) is :mod:`convert.bnb4.absmax8`.
 
 Chunking: every function that takes a slice of the flat tensor accepts any slice that starts on a
 block boundary; only the slice that ends the tensor may end inside a block (its partial block is the
@@ -31,11 +31,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import numpy.typing as npt
 
+from convert.dequant.block_reduce import block_max_bits
+from convert.dequant.products import PIECE
 from formats.bnb import BLOCKSIZES, QUANT_TABLES
 from formats.errors import BlocksizeOptionError, NonFiniteWeightError, QuantTypeOptionError
-
-from .block_reduce import block_max_bits
-from .kernel_base import PIECE
 
 __all__ = [
     "ABSMAX_FLOOR",
@@ -59,7 +58,7 @@ _F32 = np.float32
 
 
 def check_quant_type(quant_type: str) -> None:
-    """Check a 4-bit quant type (also :class:`~convert.quant_settings.QuantSettings`'s check).
+    """Check a 4-bit quant type (also :class:`~convert.bnb4.settings.QuantSettings`'s check).
 
     Raises:
         QuantTypeOptionError: QNT-001, quant_type is not ``"nf4"`` or ``"fp4"``.

@@ -4,8 +4,8 @@ The reference path: the arrays of one layer in one call (:func:`quantize_layer`,
 ``bitsandbytes.functional.quantize_4bit(x, blocksize, compress_statistics=nested, quant_type,
 quant_storage)``) and their names, order and stored dtypes on disk (:func:`layer_tensors`). The
 tests and ``scripts/quantize_seed_figures.py`` use it; ``--to nf4|fp4`` streams the same bytes
-under the memory cap instead (:mod:`convert.requant`, from the slice functions of
-:mod:`convert.quant4` and :mod:`convert.nested8`).
+under the memory cap instead (:mod:`convert.bnb4.plan`, from the slice functions of
+:mod:`convert.bnb4.encode` and :mod:`convert.bnb4.absmax8`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from convert.bnb4.absmax8 import double_quantize_absmax
+from convert.bnb4.encode import quantize_4bit
+from convert.bnb4.settings import QuantSettings, storage_dtype
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState, component_name, state_key
-
-from .nested8 import double_quantize_absmax
-from .quant4 import quantize_4bit
-from .quant_settings import QuantSettings, storage_dtype
 
 __all__ = ["QuantizedLayerArrays", "layer_tensors", "quantize_layer"]
 

@@ -11,12 +11,12 @@ Pass 1, the absmax pass (:class:`AbsmaxPass`)
     (:class:`AbsmaxBudget`: 1/8, taken first come first served), otherwise recomputed by the codes pass.
 
 Pass 2, the codes pass (:meth:`LayerJob.encode`)
-    Makes the packed 4-bit codes piece by piece, feeds the report (:class:`~convert.quant_report.ReportAccumulator`)
+    Makes the packed 4-bit codes piece by piece, feeds the report (:class:`~convert.bnb4.report.ReportAccumulator`)
     and, for a nested layer, records the 8-bit absmax codes (1 byte a block, :class:`AbsmaxCodes`) for
     the layer's absmax tensor, written after the weight: a nested layer is read exactly twice.
 
 :class:`LayerJob` ties the passes of one weight together and frees what they keep once its last output
-tensor is written (the sources in :mod:`convert.quant_sources` call :meth:`LayerJob.done_one`).
+tensor is written (the sources in :mod:`convert.bnb4.sources` call :meth:`LayerJob.done_one`).
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from convert.bnb4.absmax8 import NESTED_BLOCKSIZE, encode_8bit, nested_statistics, resolve_nested
+from convert.bnb4.encode import blockwise_absmax, encode_4bit, quantize_bounds
+from convert.bnb4.report import QuantReport, ReportAccumulator, stored_nbytes
+from convert.bnb4.settings import QuantSettings
+from convert.stream.plan import PlannedTensor
 from formats.bnb import QuantState
 from formats.errors import NestedOffsetOverflowError, NonFiniteWeightError
-
-from .nested8 import NESTED_BLOCKSIZE, encode_8bit, nested_statistics, resolve_nested
-from .plan import PlannedTensor
-from .quant4 import blockwise_absmax, encode_4bit, quantize_bounds
-from .quant_report import QuantReport, ReportAccumulator, stored_nbytes
-from .quant_settings import QuantSettings
 
 __all__ = ["AbsmaxBudget", "AbsmaxCodes", "AbsmaxPass", "LayerInput", "LayerJob", "nested_codes"]
 
@@ -64,7 +63,7 @@ class LayerInput:
 
     Attributes:
         name: the weight.
-        source: its planned :class:`~convert.plan.Source`.
+        source: its planned :class:`~convert.stream.plan.Source`.
         dtype: its dtype in the plan (read as is, no conversion).
         shape: its shape in elements.
         n: elements.
@@ -109,7 +108,7 @@ class LayerInput:
         self.source.release(max(0, a - _RELEASE_MARGIN), min(self.n, b + _RELEASE_MARGIN))
 
     def absmax(self, x: np.ndarray, start: int) -> npt.NDArray[np.float32]:
-        """:func:`~convert.quant4.blockwise_absmax` of elements read from ``start``.
+        """:func:`~convert.bnb4.encode.blockwise_absmax` of elements read from ``start``.
 
         Raises:
             NonFiniteWeightError: QNT-003, naming this tensor, its file and the block holding NaN or infinity.
@@ -135,7 +134,7 @@ class LayerInput:
         return out
 
     def finish(self) -> None:
-        """Drop the source's caches and pages (:meth:`convert.plan.Source.finish`)."""
+        """Drop the source's caches and pages (:meth:`convert.stream.plan.Source.finish`)."""
         self.source.finish()
 
 
@@ -169,7 +168,7 @@ class AbsmaxPass:
             of them: exact, half the bytes; a tail block's floor 1e-38 is not, and keeps the layer in
             float32), so twice the layers fit the budget; read through :meth:`cached_blocks`.
         nested: (``float32[ceil(n_blocks/256)]`` nested_absmax, nested offset) of a nested layer
-            (:func:`~convert.nested8.nested_statistics`), or None until the absmax was read.
+            (:func:`~convert.bnb4.absmax8.nested_statistics`), or None until the absmax was read.
         median_max: (median, max) of the fp32 absmax (the report's outlier threshold), or None until read.
     """
 
@@ -286,7 +285,7 @@ class AbsmaxPass:
 def nested_codes(
     absmax: npt.NDArray[np.float32], first_block: int, nested: tuple[npt.NDArray[np.float32], float]
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
-    """The stored 8-bit codes of a run of a layer's absmax (:func:`~convert.nested8.encode_8bit`).
+    """The stored 8-bit codes of a run of a layer's absmax (:func:`~convert.bnb4.absmax8.encode_8bit`).
 
     Args:
         absmax: ``float32[k]`` fp32 absmax of blocks [first_block, first_block + k).
@@ -356,8 +355,8 @@ class LayerJob:
         settings: the quantization settings.
         absmax: its :class:`AbsmaxPass`.
         codes: its recorded 8-bit absmax codes (used when nested).
-        tensors_left: output tensors not written yet (each source of :mod:`convert.quant_sources` adds one).
-        report: its :class:`~convert.quant_report.QuantReport` once every tensor is written (when asked for).
+        tensors_left: output tensors not written yet (each source of :mod:`convert.bnb4.sources` adds one).
+        report: its :class:`~convert.bnb4.report.QuantReport` once every tensor is written (when asked for).
     """
 
     def __init__(self, t: PlannedTensor, settings: QuantSettings, piece: int, budget: AbsmaxBudget,

@@ -2,13 +2,13 @@
 
 The input is anything the dequantization plan reads (a float model or file, a bnb 4-bit or 8-bit
 checkpoint) after every plan hook (``--merge-lora``): each planned float tensor is a
-:class:`~convert.plan.Source` of its values. :func:`make_quant_plan` replaces the tensors transformers
-would quantize (the rules of :mod:`convert.quant_rules`) with the tensors ``Linear4bit`` saves
-(:mod:`convert.quant_sources`; :func:`convert.quant_layer.layer_tensors` is the in-memory reference),
+:class:`~convert.stream.plan.Source` of its values. :func:`make_quant_plan` replaces the tensors transformers
+would quantize (the rules of :mod:`convert.bnb4.select`) with the tensors ``Linear4bit`` saves
+(:mod:`convert.bnb4.sources`; :func:`convert.bnb4.layer.layer_tensors` is the in-memory reference),
 and adds ``quantization_config`` to ``config.json`` as transformers writes it.
 
 Streaming under the memory cap: a layer's tensors are produced from its source in block-aligned
-pieces by two passes (:mod:`convert.quant_passes`). The pre-pass runs here, over every nested layer
+pieces by two passes (:mod:`convert.bnb4.passes`). The pre-pass runs here, over every nested layer
 before anything is written, because the QuantState JSON's length (in the header) depends on the
 nested offset; it keeps only the nested statistics. The codes pass runs while the tensors are
 written. Tensors are written in the order the ``safetensors`` library writes them (dtype, then name),
@@ -27,14 +27,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from convert.bnb4.passes import AbsmaxBudget, LayerJob
+from convert.bnb4.select import (
+    input_quantization_config,
+    is_head,
+    module_name,
+    quantization_config,
+    selects,
+    should_quantize,
+)
+from convert.bnb4.settings import QuantSettings
+from convert.bnb4.sources import job_tensors, passthrough_ok, passthrough_tensors
+from convert.stream.plan import Dequant4Source, Plan, PlannedTensor, shard_tensors
 from formats.bnb import Int8Layer, QuantizedLayer
 from formats.dtypes import DType, float_dtype_name
-
-from .plan import Dequant4Source, Plan, PlannedTensor, shard_tensors
-from .quant_passes import AbsmaxBudget, LayerJob
-from .quant_rules import input_quantization_config, is_head, module_name, quantization_config, selects, should_quantize
-from .quant_settings import QuantSettings
-from .quant_sources import job_tensors, passthrough_ok, passthrough_tensors
 
 __all__ = [
     "SAFETENSORS_DTYPE_ORDER",
@@ -98,7 +104,7 @@ def make_quant_plan(
     """Turn a dequantization plan (``--to auto`` + hooks) into a 4-bit plan.
 
     Args:
-        plan: from :func:`convert.plan.make_plan` with ``to="auto"``, after the plan hooks.
+        plan: from :func:`convert.stream.plan.make_plan` with ``to="auto"``, after the plan hooks.
         settings: quant type, blocksize, nesting, storage.
         skip: ``--skip-modules`` patterns.
         include: ``--include`` patterns.
@@ -106,9 +112,9 @@ def make_quant_plan(
         threads: worker threads of the pre-pass.
         max_shard_size: largest shard of a directory output, in bytes.
         requantize: re-quantize bnb layers even when they already have these settings.
-        report: collect a :class:`~convert.quant_report.QuantReport` per quantized weight.
+        report: collect a :class:`~convert.bnb4.report.QuantReport` per quantized weight.
         report_sample: measure its error and zero share on one piece of the weight in this many (1:
-            exact; :data:`~convert.quant_report.SUMMARY_SAMPLE` for the summary's figures alone).
+            exact; :data:`~convert.bnb4.report.SUMMARY_SAMPLE` for the summary's figures alone).
         outlier_factor: the report's outlier threshold, in layer medians of absmax.
         prepass: read each nested layer once now, so its QuantState JSON length is known (needed
             before writing; ``False`` for ``--dry-run``, which then shows an estimated length).
@@ -122,7 +128,7 @@ def make_quant_plan(
         UnsupportedError: QNT-005, a weight whose packed bytes do not fill ``quant_storage``
             elements; QNT-003, a weight with NaN or infinity (found in the pre-pass or while writing).
     """
-    from .pipeline import chunk_elements
+    from convert.stream.pipeline import chunk_elements
 
     info = QuantPlanInfo()
     for option, patterns, include_ in (("--skip-modules", skip, False), ("--include", include, True)):

@@ -5,14 +5,14 @@ Figures of one weight (:class:`QuantReport`), gathered chunk by chunk in any thr
 
 - relative Frobenius error ``||x - dq(q(x))||_F / ||x||_F``: float32 differences and BLAS dots per
   cache-sized piece, summed in float64 (relative error about 1e-6: ample for a 3-digit figure), with dq bnb's exact
-  dequantization (:func:`convert.kernels.dequantize_4bit`; nested absmax resolved as a loader does);
+  dequantization (:func:`convert.dequant.kernels.dequantize_4bit`; nested absmax resolved as a loader does);
 - bits per weight from the size-dependent tensors only (packed codes, absmax, nested_absmax:
   :func:`stored_nbytes`), as bnb's own figures count them;
 - outlier blocks: blocks whose fp32 absmax exceeds ``outlier_factor`` times the layer's median
   absmax, and the share of their non-zero weights that dequantize to 0.
 
-``--to nf4|fp4`` accumulates while it streams (:mod:`convert.requant`);
-:func:`quantization_report` measures a layer quantized in memory (:mod:`convert.quant_layer`).
+``--to nf4|fp4`` accumulates while it streams (:mod:`convert.bnb4.plan`);
+:func:`quantization_report` measures a layer quantized in memory (:mod:`convert.bnb4.layer`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from convert.bnb4.absmax8 import NESTED_BLOCKSIZE
+from convert.bnb4.encode import iter_block_chunks
+from convert.bnb4.layer import QuantizedLayerArrays
+from convert.dequant.kernels import dequantize_4bit, dequantize_nested_absmax
+from convert.dequant.products import PIECE
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState
-
-from .kernel_base import PIECE
-from .kernels import dequantize_4bit, dequantize_nested_absmax
-from .nested8 import NESTED_BLOCKSIZE
-from .quant4 import iter_block_chunks
-from .quant_layer import QuantizedLayerArrays
 
 __all__ = ["SUMMARY_SAMPLE", "QuantReport", "ReportAccumulator", "quantization_report", "stored_nbytes"]
 
@@ -218,7 +217,7 @@ def quantization_report(
         name: the weight name.
         source: the original values: an array of n elements (any shape), or a callable
             ``(start, stop) -> array`` giving elements [start, stop) of the flat tensor.
-        arrays: the quantized weight (:func:`convert.quant_layer.quantize_layer`).
+        arrays: the quantized weight (:func:`convert.bnb4.layer.quantize_layer`).
         outlier_factor: a block is an outlier when its absmax exceeds this many layer medians.
         max_elements: elements per chunk.
 

@@ -24,9 +24,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from convert.bnb4.settings import QuantSettings
 from formats.dtypes import FLOAT_OUTPUTS, DType, float_dtype_name
-
-from .quant_settings import QuantSettings
 
 __all__ = [
     "input_quantization_config",

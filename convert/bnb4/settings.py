@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from convert.bnb4.absmax8 import NESTED_BLOCKSIZE
+from convert.bnb4.encode import check_blocksize, check_quant_type
+from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
 from formats.bnb import QuantState
 from formats.errors import QuantStorageOptionError, QuantStorageSizeError
-
-from .nested8 import NESTED_BLOCKSIZE
-from .quant4 import check_blocksize, check_quant_type
-from .torch_reduce import TORCH_NUM_THREADS
 
 __all__ = ["QUANT_STORAGES", "QuantSettings", "storage_dtype"]
 

@@ -1,14 +1,14 @@
-"""The planned tensors of one 4-bit weight, and the :class:`~convert.plan.Source` of each.
+"""The planned tensors of one 4-bit weight, and the :class:`~convert.stream.plan.Source` of each.
 
 A quantized weight ``P.weight`` becomes the tensors ``Linear4bit`` saves, in this order
 (``_save_to_state_dict`` + ``QuantState.as_dict(packed=True)``; the in-memory reference is
-:func:`convert.quant_layer.layer_tensors`): ``P.weight`` (packed codes viewed as ``quant_storage``,
+:func:`convert.bnb4.layer.layer_tensors`): ``P.weight`` (packed codes viewed as ``quant_storage``,
 ``[ceil(n/2) / itemsize, 1]``), ``P.weight.absmax`` (``float32[n_blocks]``, or ``uint8[n_blocks]``
 codes when nested), ``P.weight.quant_map`` (``float32[16]``), when nested ``P.weight.nested_absmax``
 (``float32[ceil(n_blocks/256)]``) and ``P.weight.nested_quant_map`` (``float32[256]``), and
 ``P.weight.quant_state.bitsandbytes__<type>`` (``uint8[len]``, the QuantState JSON).
 
-:func:`job_tensors` plans them from a :class:`~convert.quant_passes.LayerJob` (each source produces
+:func:`job_tensors` plans them from a :class:`~convert.bnb4.passes.LayerJob` (each source produces
 from the job's passes and tells it when its tensor is written). A bnb input layer that already has the
 asked settings is copied unchanged instead (:func:`passthrough_ok`, :func:`passthrough_tensors`).
 """
@@ -20,13 +20,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from convert.bnb4.absmax8 import NESTED_BLOCKSIZE
+from convert.bnb4.passes import LayerJob
+from convert.bnb4.settings import QuantSettings
+from convert.stream.plan import Dequant4Source, PlannedTensor, Source
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, component_name, state_key
 from formats.dtypes import BY_CODE, BY_NAME, DType
-
-from .nested8 import NESTED_BLOCKSIZE
-from .plan import Dequant4Source, PlannedTensor, Source
-from .quant_passes import LayerJob
-from .quant_settings import QuantSettings
 
 __all__ = ["job_tensors", "passthrough_ok", "passthrough_tensors"]
 

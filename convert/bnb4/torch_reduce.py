@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .kernel_base import PIECE
+from convert.dequant.products import PIECE
 
 __all__ = [
     "TORCH_GRAIN_SIZE",

@@ -3,8 +3,8 @@
 NumPy reduces a short row (``a.reshape(n, 32).max(axis=1)``) at ~1-2 ns an element, paying a per-row
 overhead; halving the whole array at each level (``np.maximum(a[0::2], a[1::2])``) costs ~0.7 ns an
 element in all. Callers turn floats into bit patterns that order as the values they need: the float32
-magnitudes of a GGML block (:mod:`convert.codec_base`), the bfloat16/float16 magnitudes of a bnb block
-(:func:`convert.quant4.blockwise_absmax`). No GGML or bnb knowledge here, and nothing imported beyond NumPy.
+magnitudes of a GGML block (:mod:`convert.gguf.codecs.base`), the bfloat16/float16 magnitudes of a bnb block
+(:func:`convert.bnb4.encode.blockwise_absmax`). No GGML or bnb knowledge here, and nothing imported beyond NumPy.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ Numerics (verified bit for bit against bitsandbytes 0.50.2, see docs/bnb-format.
   ``y = dtype(fp32(fp32(int8 * SCB[row]) * fp32(7.874015718698502e-3)))`` (7.87e-3 = 1/127 as bnb
   spells it), matching bitsandbytes ``int8_vectorwise_dequant`` / ``Linear8bitLt`` weight dequantization.
 
-Speed: the 4-bit products come from :mod:`convert.kernel_base` (a quad table, one multiply on a
+Speed: the 4-bit products come from :mod:`convert.dequant.products` (a quad table, one multiply on a
 ``(n_blocks, blocksize)`` view); rounding to bf16 is ml_dtypes' cast in the same ufunc call. float16
-output is :mod:`convert.kernels_f16` (integer rounding, tables where products leave float16's normal range).
+output is :mod:`convert.dequant.kernels_f16` (integer rounding, tables where products leave float16's normal range).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from convert.dequant.kernels_f16 import dequantize_4bit_f16
+from convert.dequant.products import BF16, F32, PIECE, piece_elements, products_into, quad_lut
 from formats.dtypes import BY_NAME
-
-from .kernel_base import BF16, F32, PIECE, piece_elements, products_into, quad_lut
-from .kernels_f16 import dequantize_4bit_f16
 
 __all__ = [
     "INT8_SCALE",

@@ -12,7 +12,7 @@
 
 NumPy's own fp32 -> fp16 cast equals an integer round-to-nearest-even on all 2^32 float32 patterns, and
 the integer routes equal it on their whole domains: ``scripts/check_f16_cast.py``. The products come from
-:mod:`convert.kernel_base` (the quad table of the quant_map, or of :func:`signed_quad_lut`).
+:mod:`convert.dequant.products` (the quad table of the quant_map, or of :func:`signed_quad_lut`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from .kernel_base import BF16, PIECE, piece_elements, products_into, quad_lut
+from convert.dequant.products import BF16, PIECE, piece_elements, products_into, quad_lut
 
 __all__ = [
     "TABLE_SPAN",
@@ -51,7 +51,7 @@ def dequantize_4bit_f16_of_bf16(
     out: npt.NDArray[np.float16] | None = None,
 ) -> npt.NDArray[np.float16] | None:
     """float16 of the bfloat16 dequantization, ``fp16(bf16(fp32(quant_map[code] * absmax[block])))``,
-    when it is exact: the bits of :func:`bf16_to_f16` of :func:`convert.kernels.dequantize_4bit` to
+    when it is exact: the bits of :func:`bf16_to_f16` of :func:`convert.dequant.kernels.dequantize_4bit` to
     bfloat16 (what ``convert_hf_to_gguf.py`` writes as F16 from the dequantized bf16 checkpoint), at the
     bf16 kernel's cost plus one pass.
 
@@ -62,7 +62,7 @@ def dequantize_4bit_f16_of_bf16(
     its bits into float16's: no second rounding, a bfloat16 of that range being exact in float16; the
     zero code gives +0, as the product does.
 
-    Args: as :func:`convert.kernels.dequantize_4bit` (``n`` codes from a block boundary; ``out``: optional
+    Args: as :func:`convert.dequant.kernels.dequantize_4bit` (``n`` codes from a block boundary; ``out``: optional
     ``float16[n]``).
 
     Returns:
@@ -96,7 +96,7 @@ def dequantize_4bit_f16(
     stats: npt.NDArray[np.int64] | None,
     piece: int,
 ) -> np.ndarray:
-    """:func:`convert.kernels.dequantize_4bit` to float16 (``piece``: its inner piece, elements),
+    """:func:`convert.dequant.kernels.dequantize_4bit` to float16 (``piece``: its inner piece, elements),
     :data:`TABLE_SPAN` elements at a time, each span by one of two routes giving the bits of NumPy's cast
     of every fp32 product (round to nearest even):
 

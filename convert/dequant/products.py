@@ -4,7 +4,7 @@ bitsandbytes' 4-bit value is ``fp32(quant_map[code]) * fp32(absmax[block])`` (do
 Here the codes of two packed bytes are looked up as a quad (:func:`quad_lut`: one 16-byte gather per
 two bytes; NumPy's take costs about the same per item for 8 or 16 bytes) and the products are one
 multiply on a ``(n_blocks, blocksize)`` view (:func:`products_into`), which may cast them to the output's
-dtype in the same ufunc call. :mod:`convert.kernels` (bf16, fp32) and :mod:`convert.kernels_f16`
+dtype in the same ufunc call. :mod:`convert.dequant.kernels` (bf16, fp32) and :mod:`convert.dequant.kernels_f16`
 (float16) round them.
 
 Work is cut into pieces of :data:`PIECE` elements; each NumPy call is kept long enough (tens of

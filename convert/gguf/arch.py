@@ -11,11 +11,11 @@ gguf-py's name tables, one :class:`Architecture` row per model class instead of 
   reads the config through ``AutoConfig``), ``text_config`` merged, ``rope_theta`` found where
   transformers >= 5 keeps it (per attention kind for sliding-window models), derived ``@`` keys
   (the SWA RoPE base, Phi-3's rotary dimensions and LongRoPE attention factor, with
-  :mod:`convert.gguf_rope`'s helpers; Gemma 3's optional keys); :func:`block_count`; :class:`Param`
+  :mod:`convert.gguf.rope`'s helpers; Gemma 3's optional keys); :func:`block_count`; :class:`Param`
   rows map keys to ``GGUFWriter.add_*`` calls
   (``TextModel``/``GemmaModel``/``Gemma2Model``/``Gemma3Model``/``Phi3MiniModel.set_gguf_parameters``);
 - RoPE scaling (its metadata keys, ``rope_freqs.weight``, ``rope_factors_long/short.weight``) is
-  :mod:`convert.gguf_rope`'s, driven by each row's ``rope_types``, ``rope_scaling_keys`` and
+  :mod:`convert.gguf.rope`'s, driven by each row's ``rope_types``, ``rope_scaling_keys`` and
   ``longrope_factors``;
 - tensor names: :func:`is_skipped` (tensors llama.cpp never writes) and :func:`gguf_tensor_name`
   (gguf-py's ``TensorNameMap.get_name``: ``model.layers.3.self_attn.q_proj.weight`` ->
@@ -23,7 +23,7 @@ gguf-py's name tables, one :class:`Architecture` row per model class instead of 
 - weight transforms: Llama's q/k row permutation (:func:`permute_heads`, :func:`permutation`: HF
   rotary halves -> GGML interleaved pairs, ``LlamaModel.permute``) and Gemma's ``+1`` on every
   ``*norm.weight`` (:func:`norm_offset`; Gemma's RMSNorm multiplies by ``1 + weight``), both applied
-  in float32 by :mod:`convert.gguf_encode`.
+  in float32 by :mod:`convert.gguf.encode`.
 
 Rules raised here (see docs/errors.md):
 
@@ -32,13 +32,13 @@ GGUF-001  the architecture is one of :data:`ARCHITECTURES`, and not a Qwen3 rera
           converts with a classifier head) (:class:`UnsupportedArchitectureError`)
 GGUF-003  every tensor name maps to a GGUF name for the architecture (:class:`UnmappedTensorError`)
 GGUF-005  ``rope_parameters`` / ``rope_scaling`` is an object (or null) (:class:`RopeScalingError`;
-          the scaling type, its keys and Phi-3's LongRoPE factors: :mod:`convert.gguf_rope`)
+          the scaling type, its keys and Phi-3's LongRoPE factors: :mod:`convert.gguf.rope`)
 GGUF-006  config.json holds the hyperparameters the architecture needs, no MoE experts, q/k rows
           split into heads, ``text_config`` an object, head counts and the layer count positive
-          integers that divide (:mod:`convert.gguf_config`) (:class:`GgufConfigError`)
+          integers that divide (:mod:`convert.gguf.config`) (:class:`GgufConfigError`)
 ========  ======================================================================================
 
-Every value is checked (:mod:`convert.gguf_config`) before it is used; nothing here trusts a
+Every value is checked (:mod:`convert.gguf.config`) before it is used; nothing here trusts a
 config.json type or range.
 """
 
@@ -53,15 +53,14 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from convert.gguf.config import check_heads, whole
+from convert.gguf.rope import LOCAL_THETA, longrope_attn_factor, rope_object, rotary_dims
 from formats.errors import (
     GgufConfigError,
     RopeScalingError,
     UnmappedTensorError,
     UnsupportedArchitectureError,
 )
-
-from .gguf_config import check_heads, whole
-from .gguf_rope import LOCAL_THETA, longrope_attn_factor, rope_object, rotary_dims
 
 __all__ = [
     "ARCHITECTURES",
@@ -444,7 +443,7 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     Raises:
         GgufConfigError: GGUF-006 (a mixture-of-experts model, a ``text_config`` that is not an object,
             head counts that are not positive integers or do not divide:
-            :func:`convert.gguf_config.check_heads`).
+            :func:`convert.gguf.config.check_heads`).
         RopeScalingError: GGUF-005 (``rope_parameters`` / ``rope_scaling`` that is not an object).
     """
     hp: dict[str, Any] = dict(config)
@@ -527,7 +526,7 @@ def block_count(hp: Mapping[str, Any], path: str | None) -> int:
 
     Raises:
         GgufConfigError: GGUF-006 (config.json has no layer count, or one that is not an integer
-            from 1 to 2**32 - 1; :func:`convert.gguf_config.layer_count` checks it against the tensors).
+            from 1 to 2**32 - 1; :func:`convert.gguf.config.layer_count` checks it against the tensors).
     """
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if key in hp:

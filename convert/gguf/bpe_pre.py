@@ -3,7 +3,7 @@
 llama.cpp's converter (``TextModel.get_vocab_base_pre``) cannot read a pre-tokenizer's regular
 expressions; it tokenizes a fixed check text with the model's own tokenizer (transformers'
 ``AutoTokenizer(...).encode``, special tokens included), takes the sha256 of ``str(ids)`` and looks the
-hash up in a table of known tokenizers (:data:`convert.gguf_bpe_table.PRE_BY_HASH`); an unknown hash
+hash up in a table of known tokenizers (:data:`convert.gguf.bpe_table.PRE_BY_HASH`); an unknown hash
 stops the conversion. This module does the same with the ``tokenizers`` package (the Rust library under
 transformers' fast tokenizers; no torch) on ``tokenizer.json``:
 
@@ -29,9 +29,8 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
+from convert.gguf.bpe_table import PRE_BY_HASH
 from formats.errors import MissingTokenizersError, TokenizerError, UnknownBpePreTokenizerError
-
-from .gguf_bpe_table import PRE_BY_HASH
 
 __all__ = ["CHECK_TEXT", "PRE_BY_HASH", "bpe_pre", "check_hash"]
 

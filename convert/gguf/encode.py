@@ -1,6 +1,6 @@
 """Encoding a planned GGUF file's tensors: float weights -> GGML types, streamed in row chunks.
 
-:func:`write_gguf` writes a :class:`convert.gguf_plan.GGUFPlan` through the container writer
+:func:`write_gguf` writes a :class:`convert.gguf.plan.GGUFPlan` through the container writer
 (:class:`formats.gguf.GGUFFileWriter`), asking each source for its values only when its turn comes,
 by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per chunk of rows
 (matching llama.cpp's ``convert_hf_to_gguf.py`` ``ModelBase.prepare_tensors`` + gguf-py
@@ -8,14 +8,14 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
 
 1. the values become float32, except an unchanged bf16 -> BF16 or f16 -> F16 tensor, whose stored
    bits are written as they are;
-2. the architecture's transforms (:mod:`convert.gguf_arch`): Llama's q/k rows in
-   ``LlamaModel.permute`` order (:func:`convert.gguf_arch.permutation`; chunks hold whole heads),
+2. the architecture's transforms (:mod:`convert.gguf.arch`): Llama's q/k rows in
+   ``LlamaModel.permute`` order (:func:`convert.gguf.arch.permutation`; chunks hold whole heads),
    Gemma's ``+1`` on norms, in float32;
-3. the tensor's GGML type's codec (:func:`convert.ggml_codecs.codec`) encodes them;
+3. the tensor's GGML type's codec (:func:`convert.gguf.codecs.codec`) encodes them;
 4. the added error is measured by decoding the result again (the codec's ``dequantize``): zero for
    F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`); for
    the Q types on all of it, or on one piece in ``sample`` of a fixed grid over the tensor (the
-   summary's figures: the CLI asks for :data:`convert.quant_report.SUMMARY_SAMPLE` unless ``--json``
+   summary's figures: the CLI asks for :data:`convert.bnb4.report.SUMMARY_SAMPLE` unless ``--json``
    wants the exact ones); the same pieces whatever the chunk size and thread count.
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
@@ -27,7 +27,7 @@ searches (the K-quants and IQ4_NL, tens of NumPy passes per value) run in ``proc
 (:func:`encoder_processes`): NumPy releases the GIL only inside each call, and the searches make
 many small calls, so two threads give them 1.4x where two processes give them nearly 2x. A chunk is
 sent to a process as float32 (pickled, 4 bytes a weight) and comes back encoded, with its error; how
-those processes start, take signals and stop is :mod:`convert.encoder_pool`'s.
+those processes start, take signals and stop is :mod:`convert.gguf.encoder_pool`'s.
 
 Rules raised here (see docs/errors.md):
 
@@ -57,18 +57,17 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from convert.dequant.kernels_f16 import bf16_to_f16, count_f16_loss
+from convert.dequant.products import BF16, PIECE
+from convert.gguf import encoder_pool
+from convert.gguf.arch import permutation
+from convert.gguf.codecs import CODECS, codec
+from convert.gguf.codecs.base import abs_max, sum_squares
+from convert.gguf.plan import GGUFPlan, GGUFTensor
+from convert.output import user_path
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 from formats.writeback import IN_PLACE_WRITES, PlacedMemory
-
-from . import encoder_pool
-from .codec_base import abs_max, sum_squares
-from .ggml_codecs import CODECS, codec
-from .gguf_arch import permutation
-from .gguf_plan import GGUFPlan, GGUFTensor
-from .kernel_base import BF16, PIECE
-from .kernels_f16 import bf16_to_f16, count_f16_loss
-from .output import user_path
 
 __all__ = ["SourceTensor", "TensorReport", "check_encoders", "chunks_held", "encode_chunk", "encoder_processes",
            "write_gguf"]
@@ -249,7 +248,7 @@ def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike, memory: Placed
 
 
 def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray | None = None) -> _Chunk | None:
-    """A bf16 chunk ``(rows, ...)`` to F16 by :func:`convert.kernels_f16.bf16_to_f16`, with the figures of
+    """A bf16 chunk ``(rows, ...)`` to F16 by :func:`convert.dequant.kernels_f16.bf16_to_f16`, with the figures of
     :func:`encode_chunk`; None when the chunk holds inf or NaN (the general path leaves them out of the
     error). The error is measured on every value (only the few values ``bf16_to_f16`` rounds can
     differ); the weight's sum of squares, the relative error's denominator, on the tensor's rows
@@ -290,16 +289,16 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     A pure function of its arguments (it runs in a worker process too).
 
     Args:
-        ggml_type: the GGML type (a codec of :data:`convert.ggml_codecs.CODECS`).
+        ggml_type: the GGML type (a codec of :data:`convert.gguf.codecs.CODECS`).
         x: ``(rows, cols)``, in GGUF row order, the architecture's transforms applied: float32, or
             bfloat16/float16 (widened exactly; chunk by chunk by a codec that encodes in chunks).
         measure: decode the result again and measure the error (False for F32: none).
         finite: where ``x`` is finite (None: everywhere); inf/NaN are left out of the error.
         sample: with ``measure`` and ``finite`` None, measure one piece of the tensor in this many
-            (:meth:`convert.codec_base.Codec.quantize_measured`); 1: all of ``x``.
+            (:meth:`convert.gguf.codecs.base.Codec.quantize_measured`); 1: all of ``x``.
         start: the flat index of ``x``'s first value in its tensor (places ``x`` on the sample's grid).
         out: optional flat uint8 memory of the encoded size to encode into, with ``measure`` and
-            ``finite`` None (:meth:`convert.codec_base.Codec.quantize_measured`); elsewhere unused.
+            ``finite`` None (:meth:`convert.gguf.codecs.base.Codec.quantize_measured`); elsewhere unused.
 
     Returns:
         the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
@@ -352,7 +351,7 @@ def chunks_held(workers: int) -> int:
 
 
 def check_encoders(plan: GGUFPlan) -> None:
-    """Every GGML type the plan uses has a codec (:data:`convert.ggml_codecs.CODECS`).
+    """Every GGML type the plan uses has a codec (:data:`convert.gguf.codecs.CODECS`).
 
     Planning chooses types without encoders (llama-quantize's mixes need the K-quant codecs); a
     build without one of them refuses before anything is written, instead of failing mid-file.
@@ -391,7 +390,7 @@ def write_gguf(
     thread count or the chunk size; at most ``2 * threads`` chunks are in flight.
 
     Args:
-        plan: from :func:`convert.gguf_plan.plan_gguf`.
+        plan: from :func:`convert.gguf.plan.plan_gguf`.
         path: the file to create or overwrite (the caller picks a temporary name and renames it
             after :func:`formats.gguf.verify_gguf`).
         sources: Hugging Face name -> callable returning the whole float array, or
@@ -403,7 +402,7 @@ def write_gguf(
             None: :func:`encoder_processes`.
         progress: called with the bytes written after each chunk.
         sample: measure each tensor's error on one piece in this many (1: exact; the bytes written
-            never depend on it): :meth:`convert.codec_base.Codec.quantize_measured`.
+            never depend on it): :meth:`convert.gguf.codecs.base.Codec.quantize_measured`.
         memory: where chunks of memory their own are made (the sources' row readers may share it);
             None: a :class:`formats.writeback.PlacedMemory` of this call.
 

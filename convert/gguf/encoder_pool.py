@@ -1,4 +1,4 @@
-"""The worker processes the GGUF writer encodes its search types in (:func:`convert.gguf_encode.write_gguf`):
+"""The worker processes the GGUF writer encodes its search types in (:func:`convert.gguf.encode.write_gguf`):
 how they start, take signals, are waited on and stop.
 
 - **Start** (:func:`start`): ``spawn``, not ``fork`` (the converting process has threads: fork would copy
@@ -30,9 +30,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
+from convert import signals
 from formats.errors import EncoderProcessError
-
-from . import signals
 
 __all__ = ["call", "start", "stop"]
 

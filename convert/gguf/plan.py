@@ -6,9 +6,9 @@ every metadata key, before any weight is read. It matches what llama.cpp's ``con
 writes for the same model and ``--outtype`` (``TextModel.set_gguf_parameters``,
 ``ModelBase.prepare_tensors``, ``LlamaModel.generate_extra_tensors``); the metadata keys and value
 types are the gguf package's own (the plan fills a scratch ``GGUFWriter`` with ``add_*`` calls and
-keeps its key/value table). The architecture rows are :mod:`convert.gguf_arch`'s, the RoPE scaling keys
-and tensors :mod:`convert.gguf_rope`'s, the tokenizer keys :mod:`convert.gguf_tokenizer`'s;
-:mod:`convert.gguf_encode` writes the plan.
+keeps its key/value table). The architecture rows are :mod:`convert.gguf.arch`'s, the RoPE scaling keys
+and tensors :mod:`convert.gguf.rope`'s, the tokenizer keys :mod:`convert.gguf.tokenizer`'s;
+:mod:`convert.gguf.encode` writes the plan.
 
 Output types (``--to gguf:TYPE``, :data:`OUTPUT_TYPES`, any letter case):
 
@@ -18,7 +18,7 @@ Output types (``--to gguf:TYPE``, :data:`OUTPUT_TYPES`, any letter case):
 - ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1`` and the K-quant mixes ``q2_k``, ``q3_k_s``, ``q3_k_m``,
   ``q3_k_l``, ``q4_k_s``, ``q4_k_m``, ``q5_k_s``, ``q5_k_m``, ``q6_k``: llama.cpp's
   ``llama-quantize`` file types. Each tensor gets the type llama-quantize would give it when
-  quantizing our ``f32`` file (:func:`convert.gguf_mix.mix_types`: ``output.weight`` Q6_K, more
+  quantizing our ``f32`` file (:func:`convert.gguf.mix.mix_types`: ``output.weight`` Q6_K, more
   bits for some ``attn_v``/``ffn_down`` layers, fallbacks for rows that are not a multiple of 256),
   with the hyperparameters the planned metadata holds; the reason is each tensor's ``fallback``.
 
@@ -35,8 +35,8 @@ transformers):
 - llama-quantize writes its tensors in its loader's order (outside-layer tensors first, then by
   layer and name); ours keep the converter's order. Types and bytes are the same.
 
-Rules raised here (see docs/errors.md), besides those of :mod:`convert.gguf_arch` (GGUF-001, 003,
-005, 006), :mod:`convert.gguf_rope` (GGUF-005, 006) and :mod:`convert.gguf_tokenizer` (GGUF-004):
+Rules raised here (see docs/errors.md), besides those of :mod:`convert.gguf.arch` (GGUF-001, 003,
+005, 006), :mod:`convert.gguf.rope` (GGUF-005, 006) and :mod:`convert.gguf.tokenizer` (GGUF-004):
 
 ========  ======================================================================================
 GGUF-002  the output type is one of :data:`OUTPUT_TYPES` (:class:`GgufTypeError`)
@@ -45,10 +45,10 @@ GGUF-006  config.json holds every required hyperparameter of the architecture
 ========  ======================================================================================
 
 Order (nothing is sized by a config value before it is checked): the hyperparameters and RoPE keys
-(:mod:`convert.gguf_config`), the layer count against the tensor names, then gguf's
+(:mod:`convert.gguf.config`), the layer count against the tensor names, then gguf's
 ``TensorNameMap`` for that many layers, the tensors, ``vocab_size``/``hidden_size`` against the
 token embedding, the tokenizer bounded by the embedding's rows, and last a check that every
-metadata value packs as its GGUF type (:func:`convert.gguf_config.check_packable`).
+metadata value packs as its GGUF type (:func:`convert.gguf.config.check_packable`).
 """
 
 from __future__ import annotations
@@ -64,10 +64,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from formats.errors import GgufConfigError, GgufTypeError
-from formats.gguf import tensor_nbytes
-
-from .gguf_arch import (
+from convert.gguf.arch import (
     Architecture,
     Param,
     block_count,
@@ -78,10 +75,12 @@ from .gguf_arch import (
     norm_offset,
     permute_heads,
 )
-from .gguf_config import check_packable, check_param, check_shapes, check_special_ids, check_vocab, layer_count
-from .gguf_mix import FILE_TYPES, MixModel, mix_types
-from .gguf_rope import llama3_rope_freqs, longrope_factors, rope_metadata
-from .gguf_tokenizer import add_tokenizer
+from convert.gguf.config import check_packable, check_param, check_shapes, check_special_ids, check_vocab, layer_count
+from convert.gguf.mix import FILE_TYPES, MixModel, mix_types
+from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_metadata
+from convert.gguf.tokenizer import add_tokenizer
+from formats.errors import GgufConfigError, GgufTypeError
+from formats.gguf import tensor_nbytes
 
 __all__ = [
     "DEFAULT_OUTPUT_TYPE",
@@ -100,13 +99,13 @@ GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
 
 #: ``--to gguf:TYPE`` names (lower case) -> (GGML type of the matrices, ``general.file_type``); for
-#: llama-quantize's file types (:data:`convert.gguf_mix.FILE_TYPES`) the mix's default type.
+#: llama-quantize's file types (:data:`convert.gguf.mix.FILE_TYPES`) the mix's default type.
 OUTPUT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "f32": (GT.F32, FT.ALL_F32),
     "f16": (GT.F16, FT.MOSTLY_F16),
     "bf16": (GT.BF16, FT.MOSTLY_BF16),
     "q8_0": (GT.Q8_0, FT.MOSTLY_Q8_0),
-    # llama-quantize's file types: the default type of the mix (convert.gguf_mix decides per tensor)
+    # llama-quantize's file types: the default type of the mix (convert.gguf.mix decides per tensor)
     **{name: (ft.default, ft.ftype) for name, ft in FILE_TYPES.items()},
 }
 DEFAULT_OUTPUT_TYPE = "f16"
@@ -168,7 +167,7 @@ class GGUFTensor:
 
 @dataclass
 class GGUFPlan:
-    """Everything :func:`convert.gguf_encode.write_gguf` needs except the weights.
+    """Everything :func:`convert.gguf.encode.write_gguf` needs except the weights.
 
     It is the :class:`formats.gguf.FileLayout` that :class:`formats.gguf.GGUFFileWriter` writes and
     :func:`formats.gguf.verify_gguf` checks.
@@ -237,7 +236,7 @@ def plan_gguf(
 
     Matches the metadata, tensor names, tensor types and tokenizer llama.cpp's
     ``convert_hf_to_gguf.py`` writes for the same model and ``--outtype``; for llama-quantize's file
-    types (:data:`convert.gguf_mix.FILE_TYPES`) each tensor's type is llama-quantize's
+    types (:data:`convert.gguf.mix.FILE_TYPES`) each tensor's type is llama-quantize's
     (:func:`apply_mix`, from the planned metadata's block count, heads, kv heads and experts).
 
     Args:
@@ -375,7 +374,7 @@ def mix_model(arch_name: str, metadata: Mapping[str, tuple[Any, Any, Any]]) -> M
 
 
 def apply_mix(out_name: str, planned: Sequence[GGUFTensor], model: MixModel) -> list[GGUFTensor]:
-    """The planned tensors with llama-quantize's type for each (:func:`convert.gguf_mix.mix_types`)."""
+    """The planned tensors with llama-quantize's type for each (:func:`convert.gguf.mix.mix_types`)."""
     choices = mix_types(out_name, [(t.name, t.shape) for t in planned], model)
     return [
         replace(t, ggml_type=c.ggml_type, nbytes=tensor_nbytes(t.shape, c.ggml_type), fallback=c.reason)

@@ -4,7 +4,7 @@ Follows llama.cpp's ``convert_hf_to_gguf.py``. The RoPE object is config.json's 
 (transformers >= 5), else ``rope_scaling``; for a model with per-attention-kind parameters, that of the
 full-attention layers (:func:`rope_object`, ``TextModel``). Its type is ``rope_type``, else ``type``,
 in lower case; none means no scaling. Which types an architecture takes is its row's ``rope_types``
-(:class:`convert.gguf_arch.Architecture`):
+(:class:`convert.gguf.arch.Architecture`):
 
 - :func:`rope_metadata` (``TextModel.set_gguf_parameters``): ``linear`` with a ``factor`` writes
   ``rope.scaling.type`` (linear) and ``rope.scaling.factor``; ``yarn`` with a ``factor`` writes the
@@ -25,7 +25,7 @@ in lower case; none means no scaling. Which types an architecture takes is its r
   :func:`longrope_attn_factor`, written as ``rope.scaling.attn_factor``: with scale = context length /
   ``original_max_position_embeddings``, 1 when scale <= 1, ``0.1 ln(scale) + 1`` for yarn, else
   ``sqrt(1 + ln(scale) / ln(original))``.
-- what :func:`convert.gguf_arch.hparams` derives from the RoPE object and config.json:
+- what :func:`convert.gguf.arch.hparams` derives from the RoPE object and config.json:
   :data:`LOCAL_THETA` (the keys of the sliding-window layers' RoPE base, ``@rope_theta_swa``),
   :func:`rotary_dims` (Phi-3's ``rope.dimension_count``, ``@rope_dimension_count``) and
   :func:`longrope_attn_factor` (``@rope_attn_factor``).
@@ -35,14 +35,14 @@ Rules raised here (see docs/errors.md):
 ========  ======================================================================================
 GGUF-005  the RoPE scaling type is supported: none/default, linear, yarn, llama3 for Llama; the
           RoPE type a string, its keys as llama.cpp reads them
-          (:func:`convert.gguf_config.check_rope`); Phi-3's LongRoPE factors one finite number per
+          (:func:`convert.gguf.config.check_rope`); Phi-3's LongRoPE factors one finite number per
           rotary dimension pair, with a longrope, su or yarn type (:class:`RopeScalingError`)
 GGUF-006  Phi-3's ``partial_rotary_factor`` a number in (0, 1] that leaves at least 2 rotary
           dimensions, its context lengths positive integers (the original one >= 2 for LongRoPE);
           Llama 3's ``rope_theta`` and head dimension positive (:class:`GgufConfigError`)
 ========  ======================================================================================
 
-:mod:`convert.gguf_arch` imports this module, never the reverse: the architecture row is read
+:mod:`convert.gguf.arch` imports this module, never the reverse: the architecture row is read
 through the fields used here (:class:`_ArchitectureLike`).
 """
 
@@ -56,9 +56,8 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from convert.gguf.config import check_rope, real, whole
 from formats.errors import GgufConfigError, RopeScalingError
-
-from .gguf_config import check_rope, real, whole
 
 __all__ = [
     "LOCAL_THETA",
@@ -72,7 +71,7 @@ __all__ = [
 
 
 class _ArchitectureLike(Protocol):
-    """The fields of :class:`convert.gguf_arch.Architecture` read here."""
+    """The fields of :class:`convert.gguf.arch.Architecture` read here."""
 
     @property
     def rope_types(self) -> tuple[str, ...]: ...
@@ -116,7 +115,7 @@ def _rope_kind(rope: Mapping[str, Any], path: str | None) -> str | None:
 def rotary_dims(hp: Mapping[str, Any], path: str | None) -> int:
     """``int(partial_rotary_factor * hidden_size) // num_attention_heads`` (Phi3MiniModel).
 
-    ``partial_rotary_factor`` is ``hp["@partial_rotary_factor"]`` (:func:`convert.gguf_arch.hparams`).
+    ``partial_rotary_factor`` is ``hp["@partial_rotary_factor"]`` (:func:`convert.gguf.arch.hparams`).
 
     Raises:
         GgufConfigError: GGUF-006 (sizes that are not positive integers, a factor outside (0, 1],
@@ -198,7 +197,7 @@ def rope_metadata(hp: Mapping[str, Any], arch: _ArchitectureLike, path: str | No
 
     Raises:
         RopeScalingError: GGUF-005 (a scaling type the architecture does not take, or keys the type
-            needs missing, of the wrong type or out of range: :func:`convert.gguf_config.check_rope`).
+            needs missing, of the wrong type or out of range: :func:`convert.gguf.config.check_rope`).
     """
     rope = rope_object(hp)
     kind = _rope_kind(rope, path)
@@ -241,7 +240,7 @@ def llama3_rope_freqs(hp: Mapping[str, Any], path: str | None = None) -> npt.NDA
     """The ``rope_freqs.weight`` factors of Llama 3.1 RoPE scaling (LlamaModel.generate_extra_tensors).
 
     Raises:
-        RopeScalingError: GGUF-005 (:func:`convert.gguf_config.check_rope`).
+        RopeScalingError: GGUF-005 (:func:`convert.gguf.config.check_rope`).
         GgufConfigError: GGUF-006 (``rope_theta`` or the head dimension not a positive number).
     """
     rope = rope_object(hp)

@@ -1,8 +1,8 @@
 """``--to gguf[:TYPE]``: the pipeline's dequantized tensors, written as GGUF (:class:`GgufJob`).
 
-The dequantization plan (:func:`convert.plan.make_plan` with ``to="auto"``: each tensor in the dtype
-bitsandbytes dequantizes it to, LoRA merges applied) is planned by :func:`convert.gguf_plan.plan_gguf`
-and feeds :func:`convert.gguf_encode.write_gguf` by row ranges, each rounded once to the GGUF type.
+The dequantization plan (:func:`convert.stream.plan.make_plan` with ``to="auto"``: each tensor in the dtype
+bitsandbytes dequantizes it to, LoRA merges applied) is planned by :func:`convert.gguf.plan.plan_gguf`
+and feeds :func:`convert.gguf.encode.write_gguf` by row ranges, each rounded once to the GGUF type.
 Output naming, pre-flight, claim and commit are :mod:`convert.output`'s, as for every target;
 ``verify`` re-reads the file with ``gguf.GGUFReader`` (:func:`formats.gguf.verify_gguf`).
 """
@@ -19,18 +19,17 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from convert.dequant import kernels_f16
+from convert.gguf.encode import SourceTensor, TensorReport, chunks_held
+from convert.gguf.encode import write_gguf as _write_gguf
+from convert.gguf.mix import mix_summary
+from convert.gguf.plan import OUTPUT_TYPES, GGUFTensor, parse_output_type, plan_gguf
+from convert.output import ShardLedger
+from convert.stream.pipeline import RunSettings, chunk_elements, placed_memory
+from convert.stream.plan import Plan, PlannedTensor
 from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
 from formats.writeback import PlacedMemory
-
-from . import kernels_f16
-from .gguf_encode import SourceTensor, TensorReport, chunks_held
-from .gguf_encode import write_gguf as _write_gguf
-from .gguf_mix import mix_summary
-from .gguf_plan import OUTPUT_TYPES, GGUFTensor, parse_output_type, plan_gguf
-from .output import ShardLedger
-from .pipeline import RunSettings, chunk_elements, placed_memory
-from .plan import Plan, PlannedTensor
 
 GT = gguf.GGMLQuantizationType
 
@@ -50,9 +49,9 @@ def _row_reader(
     worker threads (the parallelism is across row chunks, so this never waits on the pool).
 
     ``f16_of_bf16`` (a bfloat16 tensor written as F16): the rows as float16 where the source's 4-bit
-    codes give them exactly (:func:`convert.kernels_f16.dequantize_4bit_f16_of_bf16`; the writer stores
+    codes give them exactly (:func:`convert.dequant.kernels_f16.dequantize_4bit_f16_of_bf16`; the writer stores
     those bits, whose error against the bf16 weight is 0), placed at ``place`` modulo 4096 when given
-    (:class:`convert.gguf_encode.SourceTensor`), else as bfloat16 (the writer rounds and measures).
+    (:class:`convert.gguf.encode.SourceTensor`), else as bfloat16 (the writer rounds and measures).
     Rows are made in ``memory``, placed for ``place`` either way (rows already in the GGUF type, bf16 ->
     BF16, then go to the disk without a copy)."""
     src = t.source
@@ -156,7 +155,7 @@ class GgufJob:
 
     Raises:
         TokenizerError: the input is not a model directory with config.json (GGUF-004).
-        UnsupportedError: GGUF-001..006 (from :func:`convert.gguf_plan.plan_gguf`).
+        UnsupportedError: GGUF-001..006 (from :func:`convert.gguf.plan.plan_gguf`).
     """
 
     is_dir = False

@@ -12,12 +12,12 @@ transformers or torch:
   tokenizer_config.json names ``GPT2Tokenizer``;
 - ``tokenizer.json`` (byte-level BPE) -> ``"gpt2"`` with tokens, types and merges, and
   ``tokenizer.ggml.pre`` from the hash of a check text's token ids, as llama.cpp chooses it
-  (:mod:`convert.gguf_bpe_pre`; needs the optional ``tokenizers`` package);
+  (:mod:`convert.gguf.bpe_pre`; needs the optional ``tokenizers`` package);
 - special token ids, ``add_bos``/``add_eos`` and the chat template through gguf-py's
   ``SpecialVocab``; the architecture's extra special ids (CodeGemma, CodeLlama's infill tokens).
 
 Which tokenizer kinds an architecture takes and its ``add_space_prefix`` are columns of
-:data:`convert.gguf_arch.ARCHITECTURES`.
+:data:`convert.gguf.arch.ARCHITECTURES`.
 
 Where the output knowingly differs from ``convert_hf_to_gguf.py``:
 
@@ -59,12 +59,11 @@ from typing import Any
 
 import gguf
 
+from convert.gguf.arch import Architecture
+from convert.gguf.bpe_pre import bpe_pre
+from convert.gguf.config import SPECIAL_TOKEN_TYPES
 from formats import jsonfile, sentencepiece
 from formats.errors import TokenizerError
-
-from .gguf_arch import Architecture
-from .gguf_bpe_pre import bpe_pre
-from .gguf_config import SPECIAL_TOKEN_TYPES
 
 __all__ = ["add_tokenizer"]
 
@@ -481,7 +480,7 @@ def add_tokenizer(
         w: the writer collecting the metadata (nothing is written to a file).
         tok_dir: the directory with the tokenizer files (and config.json for special token ids).
         arch: the architecture row.
-        hp: the hyperparameters (:func:`convert.gguf_arch.hparams`; ``vocab_size`` pads the vocabulary).
+        hp: the hyperparameters (:func:`convert.gguf.arch.hparams`; ``vocab_size`` pads the vocabulary).
         n_vocab: rows of the token embedding: no tokenizer may hold more tokens, and no tokenizer
             file more than :data:`FILE_BYTES_BASE` + :data:`FILE_BYTES_PER_TOKEN` x ``n_vocab`` bytes.
 

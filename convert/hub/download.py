@@ -21,7 +21,7 @@ and, when the cache and the output share a filesystem, the estimated output too
 (:func:`estimate_output_bytes` over the safetensors headers the Hub serves). Offline there is
 nothing to download, and a missing snapshot is a :class:`~formats.errors.HubError`.
 
-The weights need not be downloaded first (:data:`WeightMode`, :mod:`convert.hub_shards`): ``inspect`` and
+The weights need not be downloaded first (:data:`WeightMode`, :mod:`convert.hub.shards`): ``inspect`` and
 ``--dry-run`` read the safetensors headers by HTTP range requests (``headers``); ``--low-disk`` fetches the
 small files and then one shard at a time into a staging folder beside the output, never the cache
 (``low-disk``), which a conversion also chooses by itself when only that fits the disk (``auto``).
@@ -59,7 +59,7 @@ from formats.errors import (
 )
 
 if TYPE_CHECKING:
-    from .hub_shards import HubShards, RemoteFile
+    from convert.hub.shards import HubShards, RemoteFile
 
 __all__ = [
     "DownloadPlan",
@@ -465,9 +465,9 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
 
 
 def remote_files(plan: DownloadPlan) -> dict[str, RemoteFile]:
-    """The plan's weight files as :class:`~convert.hub_shards.RemoteFile` (none read yet), or {} when
+    """The plan's weight files as :class:`~convert.hub.shards.RemoteFile` (none read yet), or {} when
     they cannot be read in place (:attr:`DownloadPlan.reads_in_place`)."""
-    from .hub_shards import RemoteFile
+    from convert.hub.shards import RemoteFile
 
     if not plan.reads_in_place:
         return {}
@@ -624,7 +624,7 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
     """:func:`resolve_repo` once the staging folder of an explicit low-disk run exists (or None)."""
     from huggingface_hub import snapshot_download
 
-    from .hub_shards import HubShards
+    from convert.hub.shards import HubShards
 
     unreachable: BaseException | None = None
     try:

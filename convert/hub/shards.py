@@ -7,7 +7,7 @@ Two uses, one reader (:class:`HubShard`, a :class:`formats.checkpoint.ContainerR
   same ST rules as a local file). The few tensor bytes a plan reads (a QuantState's JSON, a 16-value
   quant_map) are range requests of their own; no shard is downloaded.
 - **low-disk** (``--low-disk``): the same, and :class:`ShardLifetime`, plugged into the pipeline as
-  its :class:`convert.pipeline.InputLifetime`, downloads a shard into the run's private staging
+  its :class:`convert.stream.pipeline.InputLifetime`, downloads a shard into the run's private staging
   folder just before the first output tensor that reads it is made, and deletes it right after the
   last such tensor is written. Tensors are written in the plan's order (input file order), so at most
   the shard being read and the next one (a layer whose parts straddle two shards) are on disk.
@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from convert.stream.plan import Plan, PlannedTensor
 from formats.errors import HubShardError, UsageError
 from formats.safetensors import Header, SafetensorsReader, TensorInfo, byte_range, read_header
-
-from .plan import Plan, PlannedTensor
 
 __all__ = ["HubShard", "HubShards", "RemoteFile", "ShardLifetime"]
 
@@ -82,7 +81,7 @@ class RemoteFile:
     def _get(self, start: int, stop: int) -> bytes:
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        from .hub import is_hub_exception
+        from convert.hub.download import is_hub_exception
 
         try:
             response = get_session().get(self.url, headers={**build_hf_headers(), "Range": f"bytes={start}-{stop - 1}"})
@@ -238,7 +237,7 @@ class HubShards:
         """
         from huggingface_hub import hf_hub_download
 
-        from .hub import is_hub_exception
+        from convert.hub.download import is_hub_exception
 
         try:
             got = Path(hf_hub_download(self.repo_id, shard.name, revision=self.commit, local_dir=self.folder))
@@ -280,7 +279,7 @@ class HubShards:
 class ShardLifetime:
     """The low-disk policy: which downloaded shards each planned tensor reads, fetched by :meth:`need`
     before it is made and deleted by :meth:`done` once no tensor still to be written reads them
-    (a :class:`convert.pipeline.InputLifetime`).
+    (a :class:`convert.stream.pipeline.InputLifetime`).
 
     Args:
         plan: the plan the pipeline writes (its sources name the input tensors they read).

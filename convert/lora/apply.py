@@ -3,9 +3,9 @@
 :func:`apply_lora` runs after the dequantization plan is made (:func:`convert.job.convert`, step 4):
 every planned tensor an adapter touches gets its source wrapped in a
 :class:`LoraSource`, which produces whole rows: it asks the wrapped source for the dequantized base
-rows (in the output dtype), merges them with :meth:`convert.lora.TensorMerge.merge_rows` and hands the
+rows (in the output dtype), merges them with :meth:`convert.lora.delta.TensorMerge.merge_rows` and hands the
 merged rows on. The chunk unit becomes a multiple of both the layer's blocksize and whole rows (the
-product's ``ROW_ALIGN``-row blocks are fixed whatever the chunking: :func:`convert.lora.lora_delta_rows`),
+product's ``ROW_ALIGN``-row blocks are fixed whatever the chunking: :func:`convert.lora.delta.lora_delta_rows`),
 so the pipeline's memory cap and threading apply to the merge unchanged.
 
 A tensor whose rows the adapter resizes (a resized vocabulary) is taken from the adapter, its new
@@ -24,17 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from convert.dequant.products import PIECE
+from convert.lora.delta import ROW_ALIGN, TensorMerge
+from convert.lora.plan import MergePlan, plan_merge
+from convert.lora.report import MergeStats
+from convert.stream.plan import Plan, PlannedTensor, Source
 from formats.bnb import TensorLike
 from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.dtypes import DType
 from formats.errors import LoraShapeError, UsageError
 from formats.peft import open_adapter
-
-from .kernel_base import PIECE
-from .lora import ROW_ALIGN, TensorMerge
-from .lora_plan import MergePlan, plan_merge
-from .lora_report import MergeStats
-from .plan import Plan, PlannedTensor, Source
 
 __all__ = ["LoraRun", "LoraSource", "apply_lora"]
 
@@ -44,7 +43,7 @@ class LoraSource(Source):
 
     Args:
         inner: the source of the dequantized (or cast) base tensor.
-        merge: the tensor's :class:`~convert.lora.TensorMerge`.
+        merge: the tensor's :class:`~convert.lora.delta.TensorMerge`.
         stats: the run's shared report accumulator, or None when no report is asked for (nothing is
             summed then).
         original: the tensor in the original 16-bit model (for the quantization error), or None.
@@ -86,7 +85,7 @@ class LoraSource(Source):
 
         When the merged tensor has the base's shape (every merge but a resized vocabulary), the base is
         dequantized into ``out`` itself and merged there (each piece read before it is written:
-        :meth:`convert.lora.TensorMerge.merge_rows`), :meth:`_run_rows` rows at a time: no base array
+        :meth:`convert.lora.delta.TensorMerge.merge_rows`), :meth:`_run_rows` rows at a time: no base array
         for the chunk (rank 16 on the bench model at 512 MiB: 0.75x the peak RSS, the same time).
         """
         cols = self.cols
@@ -113,7 +112,7 @@ class LoraSource(Source):
 
     def _run_rows(self) -> int:
         """Rows merged at once when the base is dequantized in place: whole chunk units and whole
-        :data:`~convert.lora.ROW_ALIGN`-row sgemm blocks, at least ``8 * PIECE`` elements (4 MiB of bf16:
+        :data:`~convert.lora.delta.ROW_ALIGN`-row sgemm blocks, at least ``8 * PIECE`` elements (4 MiB of bf16:
         in L3 when the merge reads it; runs of one ``PIECE`` paid more in per-call overhead than they
         saved: 1.17x the CPU in a paired run); all rows for a merge that needs them at once."""
         if self.merge.whole_tensor:

@@ -17,7 +17,7 @@ full tensor     ``W' = round(T)``: modules_to_save, an embedding layer PEFT save
                 a ``base_layer`` copy replaces the base tensor whole (its shape may differ: reported).
 ==============  ===========================================================================================
 
-``round`` is one round-to-nearest-even to the output dtype (:func:`convert.kernels.round_float32`);
+``round`` is one round-to-nearest-even to the output dtype (:func:`convert.dequant.kernels.round_float32`);
 ``scale`` is ``lora_alpha / r`` or ``lora_alpha / sqrt(r)`` (rsLoRA), rounded to fp32 by the multiply
 as torch does for a Python scalar. Several adapters are applied in order, each rounding to the
 output dtype, as merging one adapter and then loading the next onto the merged model does.
@@ -42,13 +42,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from convert.dequant.kernels import round_float32
+from convert.dequant.kernels_f16 import count_f16_loss
+from convert.dequant.products import BF16, PIECE
+from convert.lora.report import MergeStats, _OpStats, sum_sq
 from formats.checkpoint import TensorRecord
 from formats.errors import LoraShapeError, NonFiniteAdapterError
-
-from .kernel_base import BF16, PIECE
-from .kernels import round_float32
-from .kernels_f16 import count_f16_loss
-from .lora_report import MergeStats, _OpStats, sum_sq
 
 __all__ = [
     "ROW_ALIGN",
@@ -377,7 +376,7 @@ class TensorMerge:
             stats: accumulates the report figures when given (:func:`sum_sq`); None computes none.
             original_rows: the same rows of the original 16-bit model (for the quantization error).
             f16_loss: optional ``int64[2]``; for float16 output, adds the values each rounding overflowed
-                to inf and the non-zero values it flushed to zero (:func:`convert.kernels_f16.count_f16_loss`).
+                to inf and the non-zero values it flushed to zero (:func:`convert.dequant.kernels_f16.count_f16_loss`).
             out: optional C-contiguous ``out_dtype`` array of the result's size to write it into.
 
         Returns:

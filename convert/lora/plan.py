@@ -1,11 +1,11 @@
 """Planning LoRA merges: which adapter changes which base tensor, and how (:func:`plan_merge`).
 
 Adapters (:func:`formats.peft.open_adapter`) are checked against the base model's tensor shapes
-(LORA-007..LORA-010) and each touched base tensor gets a :class:`~convert.lora.TensorMerge` of its
-:class:`~convert.lora.MergeOp` list, in adapter order: a LoRA/DoRA pair on a Linear, fan_in_fan_out or
+(LORA-007..LORA-010) and each touched base tensor gets a :class:`~convert.lora.delta.TensorMerge` of its
+:class:`~convert.lora.delta.MergeOp` list, in adapter order: a LoRA/DoRA pair on a Linear, fan_in_fan_out or
 Embedding weight, or a full tensor (``modules_to_save``, a saved embedding layer, a ``base_layer``
 copy) that replaces the tensor and supersedes earlier ops. A full tensor may change only the row
-count (a resized vocabulary): :attr:`MergePlan.shape_changes`. The numerics are in :mod:`convert.lora`.
+count (a resized vocabulary): :attr:`MergePlan.shape_changes`. The numerics are in :mod:`convert.lora.delta`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from convert.lora.delta import MergeOp, TensorMerge
+from convert.lora.report import MergeStats
 from formats.errors import LoraShapeError
 from formats.peft import Adapter
-
-from .lora import MergeOp, TensorMerge
-from .lora_report import MergeStats
 
 __all__ = ["MergePlan", "plan_merge"]
 

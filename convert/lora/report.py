@@ -1,7 +1,7 @@
 """The LoRA merge report: per tensor and adapter op, ``||B A|| * scale``, ``||W||``, their ratio and the
 quantization error ``||W16 - dequant(W4)||`` (``--report merge.json``, ``--original``, ``--json``).
 
-:class:`MergeStats` accumulates the sums of squares :meth:`convert.lora.TensorMerge.merge_rows` feeds it
+:class:`MergeStats` accumulates the sums of squares :meth:`convert.lora.delta.TensorMerge.merge_rows` feeds it
 chunk by chunk (:func:`sum_sq`, float32 per chunk: report precision); :func:`format_table` is the
 fixed-width table the CLI prints.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from .lora import MergeOp
+    from convert.lora.delta import MergeOp
 
 __all__ = ["MergeStats", "format_table", "sum_sq"]
 

@@ -1,4 +1,4 @@
-"""Writing a :class:`~convert.plan.Plan` as safetensors: chunked, threaded, bounded in memory.
+"""Writing a :class:`~convert.stream.plan.Plan` as safetensors: chunked, threaded, bounded in memory.
 
 How the bytes are written (into a staging path that :class:`convert.output.OutputClaim` owns and
 later commits; naming, pre-flight, claims and renames are not done here):
@@ -32,14 +32,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from convert.output import ShardLedger
+from convert.stream.plan import CastSource, Plan, PlannedTensor, Source, cast_run
 from formats.checkpoint import gc_paused
 from formats.dtypes import DType
 from formats.errors import VerificationError
 from formats.safetensors import SafetensorsReader, SafetensorsWriter, build_header
 from formats.writeback import IN_PLACE_WRITES, PlacedMemory
-
-from .output import ShardLedger
-from .plan import CastSource, Plan, PlannedTensor, Source, cast_run
 
 __all__ = ["InputLifetime", "RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "placed_memory",
            "verify_plan", "write_directory_files", "write_plan"]
@@ -56,7 +55,7 @@ _RUN_ELEMENTS = 1 << 16
 
 class InputLifetime(Protocol):
     """Keeps the input files a tensor reads on disk while it is written, and no longer (a low-disk Hub
-    run, :class:`convert.hub_shards.ShardLifetime`: each shard is fetched before the first tensor that
+    run, :class:`convert.hub.shards.ShardLifetime`: each shard is fetched before the first tensor that
     reads it and deleted after the last one is written)."""
 
     def ready(self, tensor: PlannedTensor) -> bool:
@@ -210,7 +209,7 @@ def write_plan(plan: Plan, path: Path, run: RunSettings, ledger: ShardLedger | N
     """Write a plan's tensors to ``path`` (an existing directory for a directory output, else a file).
 
     Args:
-        plan: from :func:`convert.plan.make_plan` (and the merges / re-quantization applied to it).
+        plan: from :func:`convert.stream.plan.make_plan` (and the merges / re-quantization applied to it).
         path: the staging path.
         run: threads, memory cap, progress.
         ledger: finished shards of a resumable run (directory outputs), or None.
@@ -344,7 +343,7 @@ def _produce_placed(memory: PlacedMemory, source: Source, start: int, stop: int,
 
 
 class _InOrder:
-    """A chunk of a barrier source (:attr:`convert.plan.Source.barrier`), made by the writing thread once
+    """A chunk of a barrier source (:attr:`convert.stream.plan.Source.barrier`), made by the writing thread once
     every chunk before it is written (:func:`_drain_one` calls :meth:`result` when its turn comes)."""
 
     def __init__(self, source: Any, start: int, stop: int, dtype: DType) -> None:

@@ -2,7 +2,7 @@
 
 A :class:`Plan` names every output tensor (name, dtype, shape, bytes) with the :class:`Source` that
 produces it, groups them into shards, and carries the edited ``config.json``. ``--dry-run`` prints
-it; :mod:`convert.pipeline` runs it.
+it; :mod:`convert.stream.pipeline` runs it.
 
 A :class:`Source` produces a tensor's flat elements ``[start, stop)`` in the output dtype. Chunk
 boundaries must be multiples of ``Source.unit`` (a 4-bit layer's blocksize), so every chunk starts on
@@ -21,15 +21,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from convert.dequant import kernels, kernels_f16
+from convert.units import format_bytes
 from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, TensorLike, is_int8_config
 from formats.bnb_layers import group_layers
 from formats.checkpoint import Checkpoint, TensorRecord, gc_paused
 from formats.dtypes import BY_NAME, DType, float_dtype_name
 from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 from formats.writeback import bytes_of
-
-from . import kernels, kernels_f16
-from .units import format_bytes
 
 __all__ = [
     "TARGETS",
@@ -87,7 +86,7 @@ class Source:
     #: absmax tensor made from codes recorded while its weight was written): the pipeline's writing thread
     #: makes its chunks when their turn to be written comes (the workers go on with later tensors).
     barrier: bool = False
-    #: Most elements per chunk, or 0 for the pipeline's sizing alone (:func:`convert.pipeline.chunk_elements`,
+    #: Most elements per chunk, or 0 for the pipeline's sizing alone (:func:`convert.stream.pipeline.chunk_elements`,
     #: which counts output elements): set by a source whose chunk reads more than one input element per
     #: output element (a 4-bit weight: two per byte), so a tensor still splits into chunks for every thread.
     max_chunk: int = 0
@@ -288,7 +287,7 @@ def cast_run(sources: list[CastSource], dtype: DType) -> np.ndarray:
 
 def _cast(raw: npt.NDArray[np.uint8], stored: DType, dtype: DType, counts: Source) -> np.ndarray:
     """Stored elements (``raw`` bytes of ``stored``) as ``dtype``: a view when the dtypes are the same,
-    else widened to fp32 (exact) and rounded once (bf16 -> fp16: :func:`convert.kernels_f16.bf16_to_f16`, the
+    else widened to fp32 (exact) and rounded once (bf16 -> fp16: :func:`convert.dequant.kernels_f16.bf16_to_f16`, the
     same bits); fp16 overflow/underflow counts go to ``counts``."""
     if dtype.code == stored.code:  # a read-only view of the stored elements: no copy
         return raw.view(dtype.numpy)

@@ -1,7 +1,7 @@
 """The GGML codec base class and the float32 helpers byte identity with ggml-quants.c needs.
 
 :class:`Codec` is one GGML quantization type (``quantize``/``dequantize``); the table of codecs is
-:data:`convert.ggml_codecs.CODECS`. Byte identity with llama.cpp's C reference quantizers needs
+:data:`convert.gguf.codecs.CODECS`. Byte identity with llama.cpp's C reference quantizers needs
 their float32 operation order, which the helpers give: :func:`nearest_int` (llama.cpp's
 ``nearest_int``: round half to even, valid for ``|x| < 2**22``), :func:`fp16_round`
 (``GGML_FP32_TO_FP16`` and back: round to nearest even) and :func:`seq_sum` (a sequential float32
@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from .block_reduce import block_max_bits
+from convert.dequant.block_reduce import block_max_bits
 
 __all__ = [
     "Measured",

@@ -25,11 +25,11 @@ Float32 order rules: sums are sequential loops over the 32 positions of the bloc
 s += v[i]``); ``w*q*x`` is ``(w * q) * x``; divisions stay divisions; the nearest-value test is
 ``x - val[mu-1] < val[mu] - x`` in float32. Vectorized over all blocks of a chunk (position-major
 ``(32, blocks)``, sums by ``np.add.reduce`` over axis 0, see
-:func:`~convert.codec_base.seq_sum0`); Python loops run over the 16 trials only. The bracket
+:func:`~convert.gguf.codecs.base.seq_sum0`); Python loops run over the 16 trials only. The bracket
 ``(val[mu-1], val[mu])`` of every weight comes from one ``take`` in a 243-entry table indexed by
 ``floor(al) + 128`` (the table values are integers) when the chunk is finite, from
 ``np.searchsorted`` otherwise (NaN). In the trials the nearest value is ``hi - down * (hi - lo)``
-(exact: small integers); the scale choices are bit selects (:func:`~convert.codec_base.select`).
+(exact: small integers); the scale choices are bit selects (:func:`~convert.gguf.codecs.base.select`).
 
 Cost (4096 x 4096 float32, one thread, CPU time): about 5 s against C's 7.4 s (C's per-weight
 binary search over 16 trials is slow; here a table ``take`` per weight and trial dominates).
@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_bytes, select, seq_sum0
+from convert.gguf.codecs.base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_bytes, select, seq_sum0
 
 __all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl"]
 

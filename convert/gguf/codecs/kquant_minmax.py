@@ -5,7 +5,7 @@ Pinned upstream: the llama.cpp revision vendored in llama-cpp-python 0.3.36 (its
 ``quantize_row_q4_K_ref``, ``quantize_row_q5_K_ref`` and ``quantize_row_q2_K_ref`` of
 ``ggml/src/ggml-quants.c`` with their helpers ``make_qkx2_quants``, ``nearest_int`` and
 ``get_scale_min_k4``; the block structs are in ``ggml/src/ggml-common.h``. Decoding is gguf-py's
-(:meth:`convert.codec_base.Codec.dequantize`).
+(:meth:`convert.gguf.codecs.base.Codec.dequantize`).
 
 Block layouts (one block = one super-block of 256 values; fp16 fields little-endian)
 -----------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ a float32 scalar, ``1/iscale`` and ``63/max`` are divisions (not reciprocal prod
 is a sequential loop over the 16/32 positions (``sum_w``/``sum_x`` start from position 0, the
 others from 0.f). min/max/argmax use the C comparisons (``x < min``, ``s > max_scale``), so NaN
 never wins. ``nearest_int`` is the magic-number trick bit for bit
-(:func:`convert.codec_base.nearest_int_bits`), including for huge values, infinities and NaN.
+(:func:`convert.gguf.codecs.base.nearest_int_bits`), including for huge values, infinities and NaN.
 fp16 conversion rounds to nearest even, overflow to inf (``ggml_compute_fp32_to_fp16``).
 
 Vectorization: every sub-block of a chunk of super-blocks at once, data laid out as
@@ -75,7 +75,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import Codec, encode_by_chunks, nearest_int_bits
+from convert.gguf.codecs.base import Codec, encode_by_chunks, nearest_int_bits
 
 __all__ = ["Q2_KCodec", "Q4_KCodec", "Q5_KCodec"]
 

@@ -4,7 +4,7 @@ Matched revision: the llama.cpp copy vendored in llama-cpp-python 0.3.36
 (``vendor/llama.cpp/ggml/src/ggml-quants.c``), the functions ``ggml_quantize_chunk`` calls when
 llama-quantize runs without an importance matrix: ``quantize_q6_K`` -> ``quantize_row_q6_K_ref``
 and ``quantize_q3_K`` -> ``quantize_row_q3_K_ref``. IQ4_NL, the fallback type for Q2_K/Q3_K rows
-that are not a multiple of 256, is in :mod:`convert.iq4_nl`.
+that are not a multiple of 256, is in :mod:`convert.gguf.codecs.iq4_nl`.
 
 Block layouts (little-endian, ``QK_K = 256`` weights per super-block of 16 sub-blocks of 16):
 
@@ -45,14 +45,14 @@ of a sub-block (``s = 0; s += v[i]``), never pairwise; products associate left t
 written in C (``w*x[i]*l`` is ``(w * x) * l``, ``w*l*l`` is ``(w * l) * l``); division stays
 division (``x / d``, not ``x * (1 / d)``) and ``1 / iscale`` is a division; no fused multiply-add
 (the x86-64 ``libggml-base`` has none); ``nearest_int`` is the ``+ 1.5 * 2**23`` bit trick
-(:func:`~convert.codec_base.nearest_int_bits` where the argument can be large; ``np.rint`` where
+(:func:`~convert.gguf.codecs.base.nearest_int_bits` where the argument can be large; ``np.rint`` where
 it stays below ``nmax + 1``, which is the same there). Selections take whole bit patterns
-(:func:`~convert.codec_base.select`), so NaN payloads and signed zeros pass as in C: NaN, inf and
+(:func:`~convert.gguf.codecs.base.select`), so NaN payloads and signed zeros pass as in C: NaN, inf and
 overflowing inputs give C's bytes too.
 
 Vectorization: one NumPy operation covers every sub-block of a chunk of super-blocks (data laid
 out position-major, ``(16, sub-blocks)``, so a sequential sum is ``np.add.reduce`` over axis 0,
-see :func:`~convert.codec_base.seq_sum0`); Python loops only run over the 16 positions and the
+see :func:`~convert.gguf.codecs.base.seq_sum0`); Python loops only run over the 16 positions and the
 trial scales. Chunks of :data:`CHUNK_BLOCKS` (Q6_K) / :data:`CHUNK_BLOCKS_Q3` super-blocks bound
 the working set (a few float32 copies of the chunk). Q3_K's first refinement pass runs by column
 blocks of :data:`Q3_COLUMNS` sub-blocks; the later passes only over the sub-blocks whose codes
@@ -71,7 +71,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import (
+from convert.gguf.codecs.base import (
     GT,
     Codec,
     bitmask,

@@ -27,10 +27,10 @@ Block layouts (little-endian; a block is 32 consecutive values of a row):
 Identity with gguf-py, value for value: the same float32 operations in the same order (``d`` the
 float32 quotient, ``id = 1 / d`` or 0, the products and sums in gguf-py's order), the same
 ``float16`` conversion of ``d`` and ``m``, Q8_0's rounding by
-:func:`convert.codec_base.round_half_away_into`, which equals ``np_roundf`` for every finite
+:func:`convert.gguf.codecs.base.round_half_away_into`, which equals ``np_roundf`` for every finite
 float32, and the others' float -> uint8 truncation by NumPy's cast, as gguf-py. The block maxima
-come from :func:`convert.codec_base.block_absmax` and siblings, equal to NumPy's reductions. Rare
-blocks are handed to gguf-py itself (:func:`convert.codec_base.reference_blocks`): those whose ``d``
+come from :func:`convert.gguf.codecs.base.block_absmax` and siblings, equal to NumPy's reductions. Rare
+blocks are handed to gguf-py itself (:func:`convert.gguf.codecs.base.reference_blocks`): those whose ``d``
 or ``id`` is not finite (``d < 2**-128``, a block of subnormals; ``max - min`` overflowing), where
 the reference casts NaN to an integer and we might cast inf (the same byte on x86-64, but NumPy
 does not promise it), and for Q4_1/Q5_1 those whose min or max is a zero (the sign of the zero
@@ -46,7 +46,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from .codec_base import (
+from convert.gguf.codecs.base import (
     Codec,
     Measured,
     abs_max,
