@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from convert.stream.plan import Dequant4Source
-from convert.targets import normalize_target
+from convert.options import AUTO, ConvertOptions, Target, target_for
+from convert.stream.plan import Dequant4Source, make_plan
+from convert.targets import TARGETS
 from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
 from formats.bnb_layers import group_layers
 from formats.checkpoint import Checkpoint, open_checkpoint
@@ -92,13 +93,13 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str | None = None) -> CheckReport:
+def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_name: str | None = None) -> CheckReport:
     """Run every input rule on a file or directory and collect all problems; nothing is written.
 
     Args:
         path: a weight file or a model directory.
-        to: a ``--to`` value; when the input is clean, the target's planning runs too (its first
-            problem is reported).
+        to: the target (a ``--to`` string is parsed here); when the input is clean, the target's planning
+            runs too (its first problem is reported, or the ``--to`` value's own).
         model_name: the name the target gives the model (GGUF ``general.name``; default the
             directory's name).
 
@@ -110,6 +111,10 @@ def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str
     """
     report = CheckReport(os.fspath(path))
     problems = report.problems
+    try:
+        target: Target | ConvertBnbError = to if isinstance(to, Target) else target_for(to)
+    except ConvertBnbError as exc:  # reported where the target's planning would be
+        target = exc
     try:
         ckpt = open_checkpoint(path, problems)
     except ConvertBnbError as exc:
@@ -171,22 +176,21 @@ def check_source(path: str | os.PathLike[str], to: str = "auto", model_name: str
                 if w not in seen:
                     seen.add(w)
                     report.notes.append(f"{w} (e.g. {layer.name})")
-        if not problems and to != "auto":
-            _check_target(ckpt, to, model_name, problems)
+        if not problems and (not isinstance(target, Target) or target != AUTO):
+            _check_target(ckpt, target, model_name, problems)
     return report
 
 
-def _check_target(ckpt: Checkpoint, to: str, model_name: str | None, problems: list[ConvertBnbError]) -> None:
-    """Plan ``--to`` as the conversion would (no data is read); its first problem joins ``problems``."""
-    from convert.job import ConvertOptions
-    from convert.stream.plan import make_plan
-    from convert.targets import TARGETS, target_for
-
+def _check_target(ckpt: Checkpoint, target: Target | ConvertBnbError, model_name: str | None,
+                  problems: list[ConvertBnbError]) -> None:
+    """Plan the target as the conversion would (no data is read); its first problem (or the problem of the
+    ``--to`` value itself) joins ``problems``."""
     try:
-        target = TARGETS[target_for(to)]
-        plan = make_plan(ckpt, target.dequantize_to(to))
-        target.prepare(plan, ConvertOptions(src=str(ckpt.source), to=to),
-                       model_name or ckpt.source.resolve().name)
+        if not isinstance(target, Target):
+            raise target
+        options = ConvertOptions(src=str(ckpt.source), to=target)
+        plan = make_plan(ckpt, target.dequantize_to)
+        TARGETS[target.family](plan, options, model_name or ckpt.source.resolve().name)
     except ConvertBnbError as exc:
         problems.append(exc)
 
@@ -200,7 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", metavar="SRC", help="a .safetensors / .bin / .pt file, a model directory or a Hub repo "
                    "id org/name")
     p.add_argument("--revision", default=None, help="with a Hub repo id: branch, tag or commit sha")
-    p.add_argument("--to", default="auto", metavar="TARGET", type=normalize_target,
+    p.add_argument("--to", default="auto", metavar="TARGET",
                    help="also plan this target from the headers, config.json and tokenizer (e.g. gguf:q8_0): "
                    "a clean check then means --to TARGET will not fail on the input")
 

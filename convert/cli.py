@@ -22,6 +22,9 @@ from typing import Any, NoReturn
 
 from convert import __version__, check, inspection, signals
 from convert.batch import cli as batch_cli
+from convert.bnb4.settings import QUANT_STORAGES
+from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
+from convert.options import ConvertOptions, QuantOptions, target_arg, target_names
 from convert.output import InterruptedAfterCommit
 from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError
@@ -70,10 +73,6 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the main job, ``convert-bnb SRC --to ...``."""
-    from convert.bnb4.settings import QUANT_STORAGES
-    from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
-    from convert.targets import normalize_target, target_names
-
     p = _Parser(
         prog="convert-bnb",
         description="Convert a bitsandbytes 4-bit or 8-bit checkpoint (file, model directory or Hub repo) to "
@@ -87,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .safetensors / .bin / .pt file, a model directory (pickles are read "
                         "without running code) or a Hub repo id org/name")
     targets = target_names()
-    p.add_argument("--to", default="auto", choices=targets, metavar="TARGET", type=normalize_target,
+    p.add_argument("--to", default="auto", metavar="TARGET", type=target_arg,
                    help="output: auto (each tensor's QuantState dtype), " + ", ".join(targets[1:])
                    + " (default: auto; GGUF types in any case: gguf:Q4_K_M is llama-quantize's Q4_K_M mix)")
     p.add_argument("-o", "--output", help="output path (default: next to SRC, with a suffix); DIR/ puts a one-file "
@@ -141,10 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def options_from_args(args: argparse.Namespace) -> Any:
-    """The parsed command line as :class:`~convert.job.ConvertOptions`."""
-    from convert.job import ConvertOptions, QuantOptions
-
+def options_from_args(args: argparse.Namespace) -> ConvertOptions:
+    """The parsed command line as :class:`~convert.options.ConvertOptions`."""
     quiet = args.quiet or args.json
     return ConvertOptions(
         src=args.src, to=args.to, output=args.output, revision=args.revision, max_memory=args.max_memory,

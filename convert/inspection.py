@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from convert.options import FLOAT_TARGETS
 from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError, UsageError
 
@@ -86,7 +87,7 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     Raises:
         BnbLayerError: a layer breaks a BNB-xxx rule (as the conversion would report it).
     """
-    from convert.stream.plan import TARGETS, make_plan
+    from convert.stream.plan import make_plan
     from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
     from formats.bnb_layers import group_layers
 
@@ -151,7 +152,7 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
         _add(by_kind, f"unquantized:{rec.dtype.code}", rec.nbytes)
 
     outputs: dict[str, dict[str, Any]] = {}
-    for to in TARGETS:
+    for to in FLOAT_TARGETS:
         try:
             plan = make_plan(ckpt, to, max_shard_size=opts.max_shard_size)
             outputs[to] = {"bytes": plan.out_nbytes, "files": len(plan.shards)}

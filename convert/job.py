@@ -26,137 +26,24 @@ import errno
 import json
 import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from convert import __version__
 from convert.hub.download import HubSource, WeightMode, is_repo_id, parse_repo_spec, resolve_repo
-from convert.hub.shards import ShardLifetime
-from convert.lora.apply import apply_lora
+from convert.hub.shards import HubShards, ShardLifetime
+from convert.lora.apply import LoraRun, apply_lora
+from convert.options import MIN_MEMORY, ConvertOptions
 from convert.output import InterruptedAfterCommit, OutputClaim, default_output, output_path, write_json
-from convert.stream.pipeline import max_threads, peak_rss_bytes
-from convert.stream.plan import TARGETS as FLOAT_TARGETS
-from convert.stream.plan import make_plan
-from convert.targets import TARGETS, RunSettings, Target, normalize_target, target_for
+from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
+from convert.stream.plan import Plan, make_plan
+from convert.targets import TARGETS, TargetJob
 from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
 from formats.errors import ConvertBnbError, DiskSpaceError, SourceNotFoundError, UsageError
 
-__all__ = ["MIN_MEMORY", "ConvertOptions", "ConvertResult", "QuantOptions", "ResolvedSource", "check_options",
-           "convert", "job_key", "resolve_source"]
-
-#: The smallest ``max_memory`` the pipeline can keep to.
-MIN_MEMORY = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class QuantOptions:
-    """Settings of ``--to nf4|fp4`` (None: the default, as transformers' ``BitsAndBytesConfig``).
-
-    Attributes:
-        blocksize: elements per absmax block, 32..4096 (default 64).
-        double_quant: 8-bit quantize absmax (default on).
-        quant_storage: dtype the packed bytes are stored as (default uint8).
-        skip_modules: modules kept unquantized (transformers ``llm_int8_skip_modules`` matching).
-        include: tensors quantized whatever the selection rules say.
-        requantize: re-quantize bnb layers that already have the asked settings.
-        quant_report: where to write the per-tensor quantization report (JSON), or None.
-        torch_threads: reproduce ``torch.mean`` as with this many torch threads (nested absmax of
-            32768+ blocks).
-    """
-
-    blocksize: int | None = None
-    double_quant: bool | None = None
-    quant_storage: str | None = None
-    skip_modules: tuple[str, ...] = ()
-    include: tuple[str, ...] = ()
-    requantize: bool = False
-    quant_report: Path | None = None
-    torch_threads: int | None = None
-
-    def given(self) -> list[str]:
-        """The command-line flags of the settings that differ from the defaults."""
-        out = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value not in (None, (), False):
-                out.append("--no-double-quant" if value is False else "--" + f.name.replace("_", "-"))
-            elif f.name == "double_quant" and value is False:
-                out.append("--no-double-quant")
-        return out
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    """One conversion, as asked.
-
-    Attributes:
-        src: a ``.safetensors`` / ``.bin`` / ``.pt`` file, a model directory, or a Hub repo id
-            ``org/name`` (``org/name@rev``).
-        to: ``auto``, ``bf16``, ``fp16``, ``fp32``, ``nf4``, ``fp4``, ``gguf`` or ``gguf:TYPE``.
-        output: the output path (None: :func:`convert.output.default_output`); a str ending in a path
-            separator names the directory a one-file output goes into (:func:`convert.output.output_path`).
-        revision: with a Hub repo id: branch, tag or commit sha.
-        max_memory: the working-memory cap in bytes (>= 64 MiB).
-        threads: worker threads (None: all cores).
-        max_shard_size: largest output shard in bytes (directory outputs).
-        merge_lora: PEFT LoRA adapter directories merged in, in order.
-        report: with ``merge_lora``: where to write the merge report (JSON), or None.
-        original: with ``merge_lora``: the 16-bit model before quantization (adds the quantization
-            error to the report), or None.
-        merge_report: with ``merge_lora``: compute the merge report's figures (``details["lora_merge"]``)
-            even without ``report`` or ``original`` (the CLI sets it for ``--json``); without any of the
-            three no figures are computed and ``lora_merge`` is absent. With ``--to nf4|fp4`` it also
-            makes the quantization report's error figures exact (else measured on a sample:
-            :data:`convert.bnb4.report.SUMMARY_SAMPLE`).
-        quant: the ``--to nf4|fp4`` settings.
-        dry_run: plan only; write nothing.
-        overwrite: replace an existing output.
-        verify: re-read the output before committing it.
-        progress: show progress bars on stderr.
-        resume_key: make the run resumable (finished shards of a killed run with the same key are kept;
-            batch jobs), or None.
-        manifest: list every output file with its size and sha256 in the result, and write that list
-            to this JSON file before the output is committed (so whoever asked can tell its own complete
-            output from someone else's files even when the run dies right after the commit), or None.
-        list_files: list every output file with its size and sha256 in the result (``--json``) without
-            writing a manifest file.
-        on_progress: called with (bytes written, bytes to write) while the output is written (batch
-            workers report progress through it), or None.
-        low_disk: with a Hub repo id: download one shard at a time into a staging folder beside the
-            output and delete each once converted, instead of the whole repo into the cache first (also
-            chosen by itself when only that fits the disk; ``--to auto|bf16|fp16|fp32`` only).
-        processes: GGUF K-quants may be encoded in spawned worker processes
-            (:func:`convert.gguf.encode.encoder_processes`). Spawned processes import the ``__main__``
-            module again, so a script that sets this must guard its entry point with
-            ``if __name__ == "__main__":``; the command line sets it.
-    """
-
-    src: str
-    to: str = "auto"
-    output: str | Path | None = None
-    revision: str | None = None
-    max_memory: int = 1 << 30
-    threads: int | None = None
-    max_shard_size: int = 5 * 10**9
-    merge_lora: tuple[Path, ...] = ()
-    report: Path | None = None
-    original: Path | None = None
-    merge_report: bool = False
-    quant: QuantOptions = field(default_factory=QuantOptions)
-    dry_run: bool = False
-    overwrite: bool = False
-    verify: bool = True
-    progress: bool = False
-    resume_key: dict[str, Any] | None = None
-    manifest: Path | None = None
-    list_files: bool = False
-    on_progress: Callable[[int, int], None] | None = None
-    low_disk: bool = False
-    processes: bool = False
-
+__all__ = ["ConvertResult", "ResolvedSource", "check_options", "convert", "job_key", "resolve_source"]
 
 @dataclass
 class ConvertResult:
@@ -259,6 +146,25 @@ class ResolvedSource:
         """What identifies the input for resuming: the absolute path, or the repo id."""
         return self.hub.repo_id if self.hub is not None else str(self.path.resolve())
 
+    @property
+    def low_disk_shards(self) -> HubShards | None:
+        """A low-disk run's input shards (fetched one at a time into a staging folder), else None."""
+        return self.hub.shards if self.hub is not None and self.hub.staging is not None else None
+
+    def model_name(self, ckpt: Checkpoint) -> str:
+        """The model's name, as llama.cpp's ``general.name`` takes it: the repo id, or the folder's name."""
+        return self.hub.repo_id if self.hub is not None else ckpt.source.resolve().name
+
+    def notes(self) -> list[str]:
+        """What the user should know about where the input came from (a Hub repo: its commit, the bytes
+        downloaded, a cached snapshot used offline, a low-disk run)."""
+        if self.hub is None:
+            return []
+        note = f"source: Hub repo {self.hub.repo_id}@{self.hub.commit}"
+        if self.hub.downloaded_bytes:
+            note += f" ({self.hub.downloaded_bytes} bytes downloaded)"
+        return [note] + [n for n in (self.hub.fallback, self.hub.low_disk) if n is not None]
+
     def open(self) -> Checkpoint:
         """Open the checkpoint (a Hub repo's weights read in place through its shards, when they are)."""
         shards = self.hub.shards if self.hub is not None else None
@@ -274,14 +180,13 @@ def check_options(options: ConvertOptions) -> None:
     """Refuse option values and combinations that cannot be honoured, before anything is read.
 
     Raises:
-        UsageError: an unknown target; ``low_disk`` with a target other than auto/bf16/fp16/fp32;
+        UsageError: ``low_disk`` with a target other than auto/bf16/fp16/fp32;
             ``threads`` or ``max_shard_size`` below 1; ``max_memory``
             below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
             directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
             cannot be written (checked now: the report is written after the whole output).
     """
-    target_for(options.to)
     if options.threads is not None and options.threads < 1:
         raise UsageError("--threads must be at least 1", found=options.threads)
     if options.max_shard_size < 1:
@@ -295,7 +200,7 @@ def check_options(options: ConvertOptions) -> None:
     for p in options.merge_lora:
         if not Path(p).exists():
             raise UsageError("adapter does not exist", path=p, hint="give a PEFT adapter directory")
-    if options.to in ("nf4", "fp4"):
+    if options.to.family == "bnb4":
         if options.quant.torch_threads is not None and options.quant.torch_threads < 1:
             raise UsageError("--torch-threads must be at least 1", found=options.quant.torch_threads)
     elif options.quant.given():
@@ -304,7 +209,7 @@ def check_options(options: ConvertOptions) -> None:
     for flag, value in (("--report", options.report), ("--quant-report", options.quant.quant_report)):
         if value is not None:
             _check_report_path(flag, Path(value))
-    if options.low_disk and options.to not in FLOAT_TARGETS:
+    if options.low_disk and options.to.family != "float":
         raise UsageError("--low-disk works with --to auto, bf16, fp16 or fp32", found=f"--to {options.to}",
                          hint="convert without --low-disk (the whole repo is downloaded into the cache first)")
 
@@ -371,7 +276,7 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
     return json.loads(json.dumps({
         "source": source.label,
         "commit": source.hub.commit if source.hub is not None else None,
-        "to": options.to,
+        "to": options.to.name,
         "max_shard_size": options.max_shard_size,
         "merge_lora": [str(Path(p).resolve()) for p in options.merge_lora],
         "quant": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options.quant).items()
@@ -405,123 +310,134 @@ def convert(options: ConvertOptions) -> ConvertResult:
 def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
     """:func:`convert`; appends the output path to ``committed`` once it is renamed into place."""
     t0 = time.perf_counter()
-    options = replace(options, to=normalize_target(options.to))  # gguf:Q4_K_M -> gguf:q4_k_m
+    # 1. the options against each other, and the output path as far as it is known before reading
     check_options(options)
-    target = TARGETS[target_for(options.to)]
     repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         default = out = Path(options.output or options.src)
     else:
         default = default_output(None if repo else Path(options.src), options.to, repo, options.revision or rev)
         out = output_path(options.output, default, is_dir=True)  # -o checked now; a file output's name below
+    # 2. the source, local or fetched from the Hub (weights read as the target needs them)
     weights: WeightMode = ("headers" if options.dry_run else "low-disk" if options.low_disk
-                           else "auto" if options.to in FLOAT_TARGETS else "download")
-    source = resolve_source(options.src, options.revision, to=options.to, output=out, progress=options.progress,
+                           else "auto" if options.to.family == "float" else "download")
+    source = resolve_source(options.src, options.revision, to=options.to.name, output=out, progress=options.progress,
                             weights=weights)
     try:
-        return _convert_source(options, source, target, default, out, committed, t0)
+        return _convert_source(options, source, default, out, committed, t0)
     finally:
         source.close()
 
 
-def _convert_source(options: ConvertOptions, source: ResolvedSource, target: Target, default: Path, out: Path,
+def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Path, out: Path,
                     committed: list[Path], t0: float) -> ConvertResult:
-    """:func:`_convert` once the source is resolved (its staging folder, if any, is removed by the caller)."""
-    result = ConvertResult(source=source.ref, to=options.to, output=str(out),
+    """Steps 3-7 of :func:`convert`, once the source is resolved (the caller removes its staging folder)."""
+    result = ConvertResult(source=source.ref, to=options.to.name, output=str(out),
                            commit=source.hub.commit if source.hub else None)
-    timings = result.timings
-    extra_notes: list[str] = []
     with source.open() as ckpt:
-        plan = make_plan(ckpt, target.dequantize_to(options.to), max_shard_size=options.max_shard_size)
+        # 3. the dequantization plan; 4. the LoRA adapters merged into it
+        plan = make_plan(ckpt, options.to.dequantize_to, max_shard_size=options.max_shard_size)
         want_stats = options.merge_report or options.report is not None or options.original is not None
         lora = apply_lora(plan, options.merge_lora, options.original, want_stats) if options.merge_lora else None
         try:
-            if source.hub is not None:
-                note = f"source: Hub repo {source.hub.repo_id}@{source.hub.commit}"
-                if source.hub.downloaded_bytes:
-                    note += f" ({source.hub.downloaded_bytes} bytes downloaded)"
-                plan.notes.append(note)
-                if source.hub.fallback is not None:
-                    plan.notes.append(source.hub.fallback)
-                if source.hub.low_disk is not None:
-                    plan.notes.append(source.hub.low_disk)
-            model_name = source.hub.repo_id if source.hub is not None else ckpt.source.resolve().name
-            job = target.prepare(plan, options, model_name)
+            plan.notes += source.notes()
+            # 5. the target's job, from the static table; a dry run stops with its plan
+            job = TARGETS[options.to.family](plan, options, source.model_name(ckpt))
             out = output_path(options.output, default, is_dir=job.is_dir)
             result.output = str(out)
             if options.dry_run:
-                result.dry_run = job.plan_dict()
-                result.plan_text = job.describe()
-                result.output_exists = out.exists()
+                result.dry_run, result.plan_text, result.output_exists = job.plan_dict(), job.describe(), out.exists()
                 return result
-            threads = max(1, options.threads or os.cpu_count() or 1)
-            unit = max((t.source.unit for t in plan.tensors), default=1)
-            cap = max_threads(options.max_memory, unit)
-            if threads > cap:
-                extra_notes.append(f"--threads {threads} lowered to {cap}: more threads' chunks would not fit "
-                                   f"--max-memory {format_bytes(options.max_memory)}")
-                threads = cap
-            shards = source.hub.shards if source.hub is not None and source.hub.staging is not None else None
-            lifetime = ShardLifetime(plan, shards) if shards is not None else None
-            run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress,
-                              label=out.name, on_progress=options.on_progress, inputs=lifetime,
-                              processes=options.processes)
-            timings["plan"] = time.perf_counter() - t0
-            resume_key = None
-            if options.resume_key is not None:
-                resume_key = {**options.resume_key, "job": job_key(options, source)}
-            with OutputClaim(out, is_dir=job.is_dir, nbytes=job.out_nbytes, inputs=[ckpt.source],
-                             overwrite=options.overwrite, resume_key=resume_key,
-                             file_suffix=job.file_suffix) as claim:
-                try:
-                    t = time.perf_counter()
-                    written = job.write(claim.staging, run, claim.ledger)
-                    timings["write"] = time.perf_counter() - t
-                    if options.verify:
-                        t = time.perf_counter()
-                        job.verify(claim.staging)
-                        timings["verify"] = time.perf_counter() - t
-                        result.verified = True
-                except OSError as exc:
-                    raise _write_error(exc, out, job.out_nbytes) from None
-                t = time.perf_counter()
-                result.bytes_out = _size(claim.staging)
-                if options.manifest is not None or options.list_files:
-                    result.files = claim.manifest()
-                if options.manifest is not None:
-                    write_json(options.manifest, result.files)
-                claim.commit()
-                committed.append(claim.final)
-                timings["commit"] = time.perf_counter() - t
-            result.removed_stale = claim.recovered
-            result.shards_written, result.shards_reused = written
-            if shards is not None:
-                result.details["low_disk"] = {"peak_input_bytes": shards.peak_bytes,
-                                              "shards": [list(e) for e in shards.events]}
-                extra_notes.append(f"low-disk: {sum(e[0] == 'fetch' for e in shards.events)} input shards fetched "
-                                   f"one at a time, at most {shards.peak_bytes} bytes of them on disk at once")
+            # 6. claim the output, write it into staging, verify, commit
+            run, notes = _run_settings(options, plan, source, out.name)
+            result.timings["plan"] = time.perf_counter() - t0
+            _write_output(job, options, source, ckpt.source, out, run, result, committed)
+            notes += _low_disk_report(source, result)
             if lora is not None:
-                try:
-                    merge_report = lora.report(options.report)
-                    if merge_report is not None:
-                        result.details["lora_merge"] = merge_report
-                except OSError as exc:
-                    if options.report is None:
-                        raise
-                    raise _write_error(exc, Path(options.report), 0) from None
+                _merge_report(lora, options, result)
         finally:
             if lora is not None:
                 lora.close()
-    result.notes = extra_notes + job.notes()
+    # 7. what was done
+    result.notes = notes + job.notes()
     result.details.update(job.details())
-    result.tensors = job.tensors
-    result.elements = job.elements
-    result.bytes_in = job.in_nbytes
+    result.tensors, result.elements, result.bytes_in = job.tensors, job.elements, job.in_nbytes
     result.fp16_overflow, result.fp16_underflow = job.fp16_counts()
-    result.seconds = timings["total"] = time.perf_counter() - t0
+    result.seconds = result.timings["total"] = time.perf_counter() - t0
     result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
     result.peak_rss_bytes = peak_rss_bytes()
     return result
+
+
+def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, label: str
+                  ) -> tuple[RunSettings, list[str]]:
+    """How the job writes: threads (lowered, with a note, where their chunks would not fit ``max_memory``),
+    the cap, progress, and a low-disk run's shard lifetime."""
+    notes = []
+    threads = max(1, options.threads or os.cpu_count() or 1)
+    cap = max_threads(options.max_memory, max((t.source.unit for t in plan.tensors), default=1))
+    if threads > cap:
+        notes.append(f"--threads {threads} lowered to {cap}: more threads' chunks would not fit "
+                     f"--max-memory {format_bytes(options.max_memory)}")
+        threads = cap
+    shards = source.low_disk_shards
+    run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress, label=label,
+                      on_progress=options.on_progress, inputs=ShardLifetime(plan, shards) if shards else None,
+                      processes=options.processes)
+    return run, notes
+
+
+def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSource, input_path: Path, out: Path,
+                  run: RunSettings, result: ConvertResult, committed: list[Path]) -> None:
+    """Claim ``out``, write the job into its staging path, verify, list the files, commit; the figures go
+    into ``result`` (timings, bytes out, files, shards written and reused, what the claim recovered)."""
+    timings = result.timings
+    resume_key = None if options.resume_key is None else {**options.resume_key, "job": job_key(options, source)}
+    with OutputClaim(out, is_dir=job.is_dir, nbytes=job.out_nbytes, inputs=[input_path],
+                     overwrite=options.overwrite, resume_key=resume_key, file_suffix=job.file_suffix) as claim:
+        try:
+            t = time.perf_counter()
+            result.shards_written, result.shards_reused = job.write(claim.staging, run, claim.ledger)
+            timings["write"] = time.perf_counter() - t
+            if options.verify:
+                t = time.perf_counter()
+                job.verify(claim.staging)
+                timings["verify"] = time.perf_counter() - t
+                result.verified = True
+        except OSError as exc:
+            raise _write_error(exc, out, job.out_nbytes) from None
+        t = time.perf_counter()
+        result.bytes_out = _size(claim.staging)
+        if options.manifest is not None or options.list_files:
+            result.files = claim.manifest()
+        if options.manifest is not None:
+            write_json(options.manifest, result.files)
+        claim.commit()
+        committed.append(claim.final)
+        timings["commit"] = time.perf_counter() - t
+    result.removed_stale = claim.recovered
+
+
+def _low_disk_report(source: ResolvedSource, result: ConvertResult) -> list[str]:
+    """A low-disk run's shard events into ``result.details``, and its note."""
+    shards = source.low_disk_shards
+    if shards is None:
+        return []
+    result.details["low_disk"] = {"peak_input_bytes": shards.peak_bytes, "shards": [list(e) for e in shards.events]}
+    return [f"low-disk: {sum(e[0] == 'fetch' for e in shards.events)} input shards fetched one at a time, at most "
+            f"{shards.peak_bytes} bytes of them on disk at once"]
+
+
+def _merge_report(lora: LoraRun, options: ConvertOptions, result: ConvertResult) -> None:
+    """The merge report's figures into ``result.details["lora_merge"]`` (written to ``--report`` too)."""
+    try:
+        merge_report = lora.report(options.report)
+        if merge_report is not None:
+            result.details["lora_merge"] = merge_report
+    except OSError as exc:
+        if options.report is None:
+            raise
+        raise _write_error(exc, Path(options.report), 0) from None
 
 
 def _write_error(exc: OSError, out: Path, nbytes: int) -> OSError:

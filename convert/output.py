@@ -45,6 +45,7 @@ from types import TracebackType
 from typing import Any
 
 from convert import signals
+from convert.options import Target
 from formats.checkpoint import path_kind
 from formats.errors import (
     DiskSpaceError,
@@ -88,7 +89,7 @@ LEDGER_NAME = ".convert-bnb-shards.json"
 
 # ---------------------------------------------------------------------------------------- naming
 
-def output_name(stem: str, to: str, *, single_file: bool) -> str:
+def output_name(stem: str, to: Target, *, single_file: bool) -> str:
     """The default output name for an input named ``stem`` converted ``--to to``.
 
     ``model-bnb-4bit`` -> ``model-bnb-4bit-bf16`` (a directory), ``weights`` (a file input) ->
@@ -97,19 +98,19 @@ def output_name(stem: str, to: str, *, single_file: bool) -> str:
 
     Args:
         stem: a directory's or repo's name, or a file's name without its suffix.
-        to: the ``--to`` value.
+        to: the target.
         single_file: whether a safetensors output would be one file (a file input).
     """
-    suffix = "dequantized" if to == "auto" else to.replace(":", "-")
-    if to.startswith("gguf"):
+    suffix = "dequantized" if to.name == "auto" else to.name.replace(":", "-")
+    if to.family == "gguf":
         return with_target_suffix(f"{stem}-{suffix}", to)
     return f"{stem}-{suffix}" + (".safetensors" if single_file else "")
 
 
-def with_target_suffix(name: str, to: str) -> str:
+def with_target_suffix(name: str, to: Target) -> str:
     """``name`` as a ``--to`` output is named: ``NAME.gguf`` for GGUF (one file whatever the input), else
     unchanged (a safetensors output's suffix depends on the input: :func:`output_name`)."""
-    return name if not to.startswith("gguf") or name.lower().endswith(".gguf") else f"{name}.gguf"
+    return name if to.family != "gguf" or name.lower().endswith(".gguf") else f"{name}.gguf"
 
 
 def revision_label(revision: str) -> str:
@@ -120,7 +121,7 @@ def revision_label(revision: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", revision).strip("-.") or "rev"
 
 
-def default_output(src: Path | None, to: str, repo_id: str | None = None, revision: str | None = None) -> Path:
+def default_output(src: Path | None, to: Target, repo_id: str | None = None, revision: str | None = None) -> Path:
     """Where the output goes without ``-o``: next to a local SRC, or in the working directory for a
     Hub repo (``org/name`` -> ``./name-<suffix>``; with a revision, ``./name-<revision>-<suffix>``, so
     two revisions of one repo never share a default name; :func:`revision_label`). See :func:`output_name`."""

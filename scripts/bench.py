@@ -417,8 +417,8 @@ def make_many(n: int, path: Path, zero_size: bool, share_4bit: float) -> None:
 def many_tensors(n: int, out_dir: Path, zero_size: bool, share_4bit: float, threads: int,
                  do_convert: bool = True) -> None:
     """Time opening, planning and converting a file of ``n`` tiny tensors (in this process)."""
-    from convert.job import ConvertOptions
     from convert.job import convert as run
+    from convert.options import ConvertOptions
     from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
 

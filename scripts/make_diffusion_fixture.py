@@ -33,7 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from convert.job import ConvertOptions, QuantOptions, convert  # noqa: E402
+from convert.job import convert  # noqa: E402
+from convert.options import ConvertOptions, QuantOptions  # noqa: E402
 from formats.dtypes import BY_NAME  # noqa: E402
 from formats.safetensors import SafetensorsWriter  # noqa: E402
 

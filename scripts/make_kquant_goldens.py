@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Golden hashes of llama-quantize's output for the fixture models, for every ``--to gguf:MIX``.
 
-For each file type of :data:`convert.gguf.mix.FILE_TYPES`, runs ``llama_cpp.llama_model_quantize``
+For each file type of :data:`convert.gguf.types.FILE_TYPES`, runs ``llama_cpp.llama_model_quantize``
 (llama.cpp as vendored in llama-cpp-python 0.3.36; default parameters, one thread) on our
 ``--to gguf:f32`` of a fixture model and records every tensor's GGML type and the sha256 of its bytes:
 for ``tests/fixtures/models/llama_nf4_dq`` in ``tests/fixtures/gguf_mix_sha256.json``
@@ -29,8 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from convert.gguf.mix import FILE_TYPES  # noqa: E402
-from convert.gguf.plan import OUTPUT_TYPES  # noqa: E402
+from convert.gguf.types import FILE_TYPES, OUTPUT_TYPES  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "models" / "llama_nf4_dq"
 GOLDEN = ROOT / "tests" / "fixtures" / "gguf_mix_sha256.json"

@@ -262,7 +262,8 @@ def mut_adapter(data: st.DataObject, root: Path) -> None:
 def _judge_any(kind: str, src: Path, work: Path, to: str, merge_lora: tuple[Path, ...] = ()) -> str:
     """Without a value oracle: a finished output or one of our errors with nothing left behind; the
     inputs unchanged."""
-    from convert.job import ConvertOptions, convert
+    from convert.job import convert
+    from convert.options import ConvertOptions
 
     out = work / "outdir" / ("out.gguf" if to.startswith("gguf") else "out")
     before = {p: tree_hash(p) for p in (src, *merge_lora)}

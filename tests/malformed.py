@@ -159,8 +159,8 @@ def raw_file(data: bytes, name: str = "model.safetensors") -> Callable[[Path], P
 
 def convert(src: Path, out: Path, *, to: str = "auto", overwrite: bool = False) -> None:
     """The conversion as the CLI runs it, through the library."""
-    from convert.job import ConvertOptions
     from convert.job import convert as run
+    from convert.options import ConvertOptions
 
     run(ConvertOptions(str(src), to=to, output=out, threads=1, max_memory=64 << 20, overwrite=overwrite))
 
@@ -281,8 +281,8 @@ def _disk_full(src: Path, out: Path) -> None:
 
 
 def _verify_mismatch(src: Path, out: Path) -> None:
-    from convert.stream.pipeline import verify_plan
     from convert.stream.plan import make_plan
+    from convert.stream.safetensors_job import verify_plan
     from formats.checkpoint import open_checkpoint
 
     written = write(out, st_bytes({W: ("F32", [4, 32], f32(np.zeros(128)))}))
@@ -406,8 +406,8 @@ def _full_mid_run(src: Path, out: Path) -> None:
 
 
 def _report_in_missing_dir(src: Path, out: Path) -> None:
-    from convert.job import ConvertOptions
     from convert.job import convert as run
+    from convert.options import ConvertOptions
 
     run(ConvertOptions(str(BASE_MODEL), to="bf16", output=out, merge_lora=(src,),
                        report=out.parent / "no-such-dir" / "merge.json"))
@@ -568,12 +568,11 @@ BATCH_ARGV = ["batch", "{src}", "--out-dir", "{out}", "--dry-run"]
 def _batch_job(src: Path, out_dir: Path, to: str, overwrite: bool = False) -> None:
     """One batch job named ``job`` as a batch worker runs it (in this process)."""
     import os
-    from dataclasses import asdict
 
     from convert.batch.jobs import Job
     from convert.batch.run import run_job
 
-    spec = {"job": asdict(Job(str(src), None, to, 5 * 10**9, "job")), "out_dir": str(out_dir),
+    spec = {"job": Job(str(src), None, to, 5 * 10**9, "job").to_dict(), "out_dir": str(out_dir),
             "max_memory": 64 << 20, "threads": 1, "verify": True, "overwrite": overwrite, "parent_pid": os.getpid()}
     run_job(spec)
 
@@ -775,7 +774,7 @@ def _gguf_verify(src: Path, out: Path) -> None:
 
 
 def _gguf_type(src: Path, out: Path) -> None:
-    from convert.gguf.plan import parse_output_type
+    from convert.gguf.types import parse_output_type
 
     parse_output_type("iq4_nl")
 

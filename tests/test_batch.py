@@ -496,7 +496,7 @@ def test_parse_text_json_yaml(tmp_path: Path) -> None:
     t = tmp_path / "j.txt"
     t.write_text(JOBS)
     text = parse_jobs(t, _defaults())
-    assert [(j.src, j.revision, j.to, j.max_shard_size, j.name, j.where) for j in text] == [
+    assert [(j.src, j.revision, j.to.name, j.max_shard_size, j.name, j.where) for j in text] == [
         ("org/a", None, "bf16", 10**6, "a-bf16", "j.txt:2"),
         ("org/broken", None, "bf16", 5 * 10**9, "broken-bf16", "j.txt:3"),
         ("org/c", "main", "fp16", 10**6, "c-main-fp16", "j.txt:4"),

@@ -18,7 +18,8 @@ from safetensors.numpy import save_file
 from convert.gguf.arch import ARCHITECTURES
 from convert.gguf.codecs import CODECS
 from convert.gguf.encode import SourceTensor, write_gguf
-from convert.gguf.plan import OUTPUT_TYPES, parse_output_type, plan_gguf
+from convert.gguf.plan import plan_gguf
+from convert.gguf.types import OUTPUT_TYPES, parse_output_type
 from formats import sentencepiece
 from formats.errors import CheckpointError, UnsupportedError, VerificationError
 from formats.gguf import verify_gguf

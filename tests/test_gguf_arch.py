@@ -265,7 +265,7 @@ def _kquant_golden(arch: str) -> dict[str, dict[str, list[str]]]:
 def test_every_kquant_mix_equals_llama_quantizes_output(tmp_path, arch):
     """``--to gguf:MIX`` for each of llama-quantize's file types: every tensor's type and bytes as
     llama-quantize writes them from our ``gguf:f32`` file (golden hashes; no llama_cpp needed)."""
-    from convert.gguf.mix import FILE_TYPES
+    from convert.gguf.types import FILE_TYPES
 
     golden = _kquant_golden(arch)
     assert sorted(golden) == sorted(FILE_TYPES)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from convert.cli import main
-from convert.gguf.mix import FILE_TYPES
+from convert.gguf.types import FILE_TYPES
 
 from .test_gguf import REF, SafetensorsReader, _has_llama_cpp, _llama_logits
 from .test_gguf_mix import _llama_quantize

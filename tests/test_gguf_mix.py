@@ -35,8 +35,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from convert.gguf.codecs import CODECS, codec
-from convert.gguf.mix import FILE_TYPES, MixModel, mix_summary, mix_types, use_more_bits
-from convert.gguf.plan import OUTPUT_TYPES, parse_output_type
+from convert.gguf.mix import MixModel, mix_summary, mix_types, use_more_bits
+from convert.gguf.types import FILE_TYPES, OUTPUT_TYPES, parse_output_type
 from formats.errors import GgufTypeError
 
 from .test_gguf import _has_llama_cpp, _layers, make_gemma, make_qwen2
@@ -1088,11 +1088,14 @@ def test_llama_order_drives_the_attn_v_counter():
 
 
 def test_file_type_names_any_case_and_help():
-    from convert.targets import normalize_target, target_for, target_names
+    from convert.options import Target, target_for, target_names
 
     assert parse_output_type("Q4_K_M") == parse_output_type("q4_k_m") == "q4_k_m"
-    assert normalize_target("gguf:Q5_K_S") == "gguf:q5_k_s" and normalize_target("bf16") == "bf16"
-    assert target_for("gguf:Q6_K") == "gguf"
+    assert target_for("gguf:Q5_K_S").name == "gguf:q5_k_s" and target_for(" BF16").name == "bf16"
+    assert target_for("gguf:Q6_K") == Target("gguf:q6_k", "gguf", "fp32", gguf_type="q6_k")
+    assert target_for("gguf") == Target("gguf", "gguf", "auto", gguf_type="f16")
+    assert target_for("gguf:Q8_0") == Target("gguf:q8_0", "gguf", "auto", gguf_type="q8_0")
+    assert target_for("NF4") == Target("nf4", "bnb4", "auto", quant_type="nf4")
     assert all(f"gguf:{m}" in target_names() for m in MIXES)
     assert OUTPUT_TYPES["q4_k_m"] == (GT.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M)
     with pytest.raises(GgufTypeError):
@@ -1124,7 +1127,8 @@ def test_summary_shows_the_type_mix_and_json_carries_types(tmp_path, capsys):
 def test_any_case_reaches_the_library_and_the_default_name(capsys):
     """``gguf:Q4_K_M`` given to convert() (not only the CLI) is the q4_k_m mix, named in lower case."""
     from convert.cli import main
-    from convert.job import ConvertOptions, convert
+    from convert.job import convert
+    from convert.options import ConvertOptions
 
     result = convert(ConvertOptions(src=str(FIXTURE), to="gguf:Q4_K_M", dry_run=True))
     assert result.to == "gguf:q4_k_m" and result.output.endswith("llama_nf4_dq-gguf-q4_k_m.gguf")

@@ -996,7 +996,8 @@ def test_merge_figures_only_when_a_report_is_asked_for(tmp_path: Path, monkeypat
     """No --report/--original/--json: no sum of squares is computed and no lora_merge figures are returned
     (same bytes); with --report the figures match the float64 reference within REPORT_REL."""
     import convert.lora.delta as lora_mod
-    from convert.job import ConvertOptions, convert
+    from convert.job import convert
+    from convert.options import ConvertOptions
 
     from .conftest import load_all
 

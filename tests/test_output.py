@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from convert.cli import main
+from convert.options import target_for
 from convert.output import OutputClaim, ShardLedger, default_output, output_name
 from formats.errors import OutputBusyError, OutputExistsError
 
@@ -277,14 +278,14 @@ def test_default_output_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     d.mkdir()
     f = tmp_path / "weights.safetensors"
     f.write_bytes(b"")
-    assert default_output(d, "bf16") == tmp_path / "model-bnb-4bit-bf16"
-    assert default_output(d, "auto") == tmp_path / "model-bnb-4bit-dequantized"
-    assert default_output(d, "gguf:q8_0") == tmp_path / "model-bnb-4bit-gguf-q8_0.gguf"
-    assert default_output(f, "fp16") == tmp_path / "weights-fp16.safetensors"
-    assert default_output(f, "nf4") == tmp_path / "weights-nf4.safetensors"
+    assert default_output(d, target_for("bf16")) == tmp_path / "model-bnb-4bit-bf16"
+    assert default_output(d, target_for("auto")) == tmp_path / "model-bnb-4bit-dequantized"
+    assert default_output(d, target_for("gguf:q8_0")) == tmp_path / "model-bnb-4bit-gguf-q8_0.gguf"
+    assert default_output(f, target_for("fp16")) == tmp_path / "weights-fp16.safetensors"
+    assert default_output(f, target_for("nf4")) == tmp_path / "weights-nf4.safetensors"
     monkeypatch.chdir(tmp_path)
-    assert default_output(None, "bf16", "org/m") == tmp_path / "m-bf16"
-    assert output_name("m", "gguf", single_file=True) == "m-gguf.gguf"
+    assert default_output(None, target_for("bf16"), "org/m") == tmp_path / "m-bf16"
+    assert output_name("m", target_for("gguf"), single_file=True) == "m-gguf.gguf"
 
 
 def test_sigterm_while_claimed_releases_everything(tmp_path: Path) -> None:
@@ -425,7 +426,8 @@ def test_report_paths_are_checked_before_any_work(tmp_path: Path, monkeypatch: p
 
 
 def test_threads_are_capped_so_the_memory_cap_holds(tmp_path: Path) -> None:
-    from convert.job import ConvertOptions, convert
+    from convert.job import convert
+    from convert.options import ConvertOptions
     from convert.stream.pipeline import _BASELINE, _BYTES_PER_ELEMENT, MIN_CHUNK_ELEMENTS, chunk_elements, max_threads
 
     cap = max_threads(64 << 20)

@@ -13,8 +13,9 @@ from convert.bnb4.plan import make_quant_plan, safetensors_order_key
 from convert.bnb4.select import matches_module, should_quantize
 from convert.bnb4.settings import QuantSettings
 from convert.cli import main
-from convert.stream.pipeline import RunSettings, write_plan
+from convert.stream.pipeline import RunSettings
 from convert.stream.plan import make_plan
+from convert.stream.safetensors_job import write_plan
 from formats.checkpoint import open_checkpoint
 from formats.dtypes import BY_CODE, BY_NAME
 from formats.writeback import ALIGN, PlacedMemory

@@ -28,6 +28,7 @@ from convert import __version__
 from convert.batch.jobs import Job, job_options
 from convert.batch.state import load_state, save_state, state_path
 from convert.job import job_key
+from convert.options import Target
 from convert.output import recorded_shards
 from formats.errors import ConvertBnbError
 
@@ -60,12 +61,13 @@ def quant_summary(src: Path) -> list[str]:
 LOSSLESS_TARGETS = ("auto", "fp32")
 
 
-def card_claims(to: str) -> tuple[str, list[str]]:
+def card_claims(target: Target) -> tuple[str, list[str]]:
     """What a card may say about an output made ``--to to``: (one sentence on the values, the tags).
 
     Only ``auto`` and ``fp32`` are called bit-exact; bf16/fp16 round other tensors, nf4/fp4 and GGUF
     quantize or round again.
     """
+    to = target.name
     if to in LOSSLESS_TARGETS:
         what = "each tensor in its original dtype" if to == "auto" else "float32"
         return (f"Dequantized to {what}: every weight is bit-exact with bitsandbytes' own dequantization "
@@ -112,7 +114,7 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    is_gguf = job.to.lower().startswith("gguf")
+    is_gguf = job.to.family == "gguf"
     claim, tags = card_claims(job.to)
     # a local source is named by its folder only: a pushed card must not publish this machine's paths
     shown = job.src if job.is_repo else Path(job.src).name
@@ -214,7 +216,7 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
     """
     out: list[dict[str, Any]] = []
     for job in jobs:
-        entry: dict[str, Any] = {"name": job.name, "src": job.src, "revision": job.revision, "to": job.to,
+        entry: dict[str, Any] = {"name": job.name, "src": job.src, "revision": job.revision, "to": job.to.name,
                                  "max_shard_size": job.max_shard_size, "output": str(out_dir / job.name)}
         try:
             source = _resolve_without_download(job)
@@ -261,14 +263,14 @@ def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
     """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local."""
     if not src.exists():
         return None
-    from convert.stream.plan import TARGETS, make_plan
+    from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
 
-    if job.to not in TARGETS:
+    if job.to.family != "float":
         return None
     try:
         with open_checkpoint(src) as ckpt:
-            plan = make_plan(ckpt, job.to, max_shard_size=job.max_shard_size)
+            plan = make_plan(ckpt, job.to.dequantize_to, max_shard_size=job.max_shard_size)
             names = plan.shard_names() if ckpt.is_dir else [job.name]
             files = {n: {"bytes": sum(plan.tensors[i].nbytes for i in s), "sha256": "(after conversion)"}
                      for n, s in zip(names, plan.shards, strict=True)}

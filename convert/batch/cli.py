@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from convert.batch.card import plan_batch
-from convert.batch.jobs import parse_jobs, target_names
+from convert.batch.jobs import parse_jobs
 from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, JobResult, check_executor, run_batch
-from convert.targets import normalize_target
+from convert.options import target_arg
 from convert.units import format_bytes, parse_size
 from formats.errors import UsageError
 
@@ -72,7 +72,7 @@ Re-running the same command skips finished jobs and finished shards (state in OU
                    "# comments) or a JSON/YAML list")
     p.add_argument("--out-dir", type=Path, required=True, help="where the outputs and the state files go")
     p.add_argument("--jobs", type=int, default=1, help="conversions running at a time (default: 1)")
-    p.add_argument("--to", default="auto", choices=target_names(), metavar="TARGET", type=normalize_target,
+    p.add_argument("--to", default="auto", metavar="TARGET", type=target_arg,
                    help="default target of the jobs (default: auto)")
     p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
                    help="memory budget of the whole batch, split over --jobs (default: 1GiB)")

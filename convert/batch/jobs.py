@@ -31,17 +31,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from convert.batch.state import manifest_path, state_path
+from convert.options import ConvertOptions, Target, target_for, target_names
 from convert.units import parse_size
 from formats import jsonfile
-from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError
-
-if TYPE_CHECKING:
-    from convert.job import ConvertOptions
+from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError, ConvertBnbError
 
 __all__ = ["Job", "job_options", "parse_jobs", "target_names"]
 
@@ -63,10 +61,14 @@ class Job:
 
     src: str
     revision: str | None
-    to: str
+    to: Target
     max_shard_size: int
     name: str
     where: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.to, str):  # a --to string (a worker's spec file, a library caller): parsed here, once
+            self.to = target_for(self.to)
 
     @property
     def is_repo(self) -> bool:
@@ -74,6 +76,12 @@ class Job:
         from convert.hub.download import is_repo_id
 
         return is_repo_id(self.src)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as JSON data (a worker's spec file, the state file; ``Job(**data)`` reads it back):
+        ``to`` as its ``--to`` name."""
+        return {**asdict(self), "to": self.to.name}
+
 
 
 def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
@@ -88,21 +96,12 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
         revision: the resolved commit to convert (default: the job's revision).
         overwrite: replace an existing output.
     """
-    from convert.job import ConvertOptions
-
     out_dir = Path(spec["out_dir"])
     return ConvertOptions(src=job.src, to=job.to, output=out_dir / job.name,
                           revision=revision or job.revision, max_memory=spec["max_memory"], threads=spec["threads"],
                           max_shard_size=job.max_shard_size, verify=spec.get("verify", True), overwrite=overwrite,
                           resume_key={"batch": job.name},
                           manifest=manifest_path(state_path(out_dir, job.name)))
-
-
-def target_names() -> list[str]:
-    """The ``--to`` values a job may ask for."""
-    from convert.targets import target_names
-
-    return target_names()
 
 
 def _job_parser() -> argparse.ArgumentParser:
@@ -115,7 +114,7 @@ def _job_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_name(src: str, to: str, revision: str | None) -> str:
+def _default_name(src: str, to: Target, revision: str | None) -> str:
     from convert.hub.download import is_repo_id
     from convert.output import default_output
 
@@ -139,12 +138,13 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     revision = fields.get("revision") or rev_in_src
     if revision is not None and not isinstance(revision, str):
         raise bad("revision must be a string", found=revision)
-    to = fields.get("to") or defaults.to
+    to = fields.get("to") or defaults.to  # a str from the file, or the command line's parsed --to
     if isinstance(to, str):
-        from convert.targets import normalize_target
-
-        to = normalize_target(to)  # gguf:Q4_K_M -> gguf:q4_k_m, as on the command line
-    if to not in target_names():
+        try:
+            to = target_for(to)  # any letter case, as on the command line
+        except ConvertBnbError:
+            to = to.strip().lower()
+    if not isinstance(to, Target):
         raise bad(f"unknown --to value '{to}'", expected=target_names(), found=to)
     mss = fields.get("max_shard_size")
     if mss is None:

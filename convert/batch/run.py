@@ -222,7 +222,7 @@ def run_job(spec: dict[str, Any]) -> JobResult:
     state = load_state(state_file)
     result = JobResult(job.name, job.src, "failed", str(final))
     try:
-        source = resolve_source(job.src, job.revision, to=job.to, output=final)
+        source = resolve_source(job.src, job.revision, to=job.to.name, output=final)
         commit = source.hub.commit if source.hub is not None else None
         result.commit = commit
         options = job_options(job, spec, revision=commit)  # the commit the key names is the one converted
@@ -257,7 +257,7 @@ def run_job(spec: dict[str, Any]) -> JobResult:
                         hint="pass --overwrite to redo it with the new settings, or give the job another --name")
                 overwrite = True
             pushed = state.get("pushed") if state.get("key") == key else None
-            state = {"version": STATE_VERSION, "key": key, "job": asdict(job), "status": "running"}
+            state = {"version": STATE_VERSION, "key": key, "job": job.to_dict(), "status": "running"}
             if pushed:
                 state["pushed"] = pushed
             save_state(state_file, state)
@@ -644,7 +644,7 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
     finished = [0]
 
     def one(job: Job) -> JobResult:
-        spec = {"job": asdict(job), **settings}
+        spec = {"job": job.to_dict(), **settings}
         spec_path = work / f"{job.name}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
         progress_path(out_dir, job.name).unlink(missing_ok=True)

@@ -114,7 +114,7 @@ def make_quant_plan(
         requantize: re-quantize bnb layers even when they already have these settings.
         report: collect a :class:`~convert.bnb4.report.QuantReport` per quantized weight.
         report_sample: measure its error and zero share on one piece of the weight in this many (1:
-            exact; :data:`~convert.bnb4.report.SUMMARY_SAMPLE` for the summary's figures alone).
+            exact; :data:`~convert.options.SUMMARY_SAMPLE` for the summary's figures alone).
         outlier_factor: the report's outlier threshold, in layer medians of absmax.
         prepass: read each nested layer once now, so its QuantState JSON length is known (needed
             before writing; ``False`` for ``--dry-run``, which then shows an estimated length).

@@ -32,7 +32,7 @@ from convert.dequant.kernels import dequantize_4bit, dequantize_nested_absmax
 from convert.dequant.products import PIECE
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState
 
-__all__ = ["SUMMARY_SAMPLE", "QuantReport", "ReportAccumulator", "quantization_report", "stored_nbytes"]
+__all__ = ["QuantReport", "ReportAccumulator", "quantization_report", "stored_nbytes"]
 
 _F32 = np.float32
 
@@ -70,11 +70,6 @@ class QuantReport:
     def as_dict(self) -> dict[str, object]:
         """Plain values for JSON or a table."""
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-#: Without an exact report asked for, the error and zero share are measured on one piece of the flat
-#: weight in this many (:class:`ReportAccumulator` ``sample``).
-SUMMARY_SAMPLE = 8
 
 
 

@@ -15,7 +15,7 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
 4. the added error is measured by decoding the result again (the codec's ``dequantize``): zero for
    F32, one rounding for F16/BF16, a second quantization for Q types (:class:`TensorReport`); for
    the Q types on all of it, or on one piece in ``sample`` of a fixed grid over the tensor (the
-   summary's figures: the CLI asks for :data:`convert.bnb4.report.SUMMARY_SAMPLE` unless ``--json``
+   summary's figures: the CLI asks for :data:`convert.options.SUMMARY_SAMPLE` unless ``--json``
    wants the exact ones); the same pieces whatever the chunk size and thread count.
 
 Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do

@@ -52,49 +52,15 @@ from dataclasses import dataclass
 
 import gguf
 
-__all__ = ["FILE_TYPES", "FileType", "MixChoice", "MixModel", "mix_summary", "mix_types", "use_more_bits"]
+from convert.gguf.types import FILE_TYPES, FileType
+
+__all__ = ["MixChoice", "MixModel", "mix_summary", "mix_types", "use_more_bits"]
 
 GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
 
 #: Upstream pinned by this module: llama.cpp as vendored in llama-cpp-python 0.3.36.
 UPSTREAM = "llama.cpp vendored in llama-cpp-python 0.3.36 (ggml 0.25.3), src/llama-quant.cpp sha256 24305a44..."
-
-
-@dataclass(frozen=True)
-class FileType:
-    """One llama-quantize file type.
-
-    Attributes:
-        name: llama.cpp's name (``Q4_K_M``).
-        ftype: the ``llama_ftype`` (``general.file_type``).
-        default: ``llama_ftype_get_default_type``: the type of a tensor no rule changes.
-    """
-
-    name: str
-    ftype: gguf.LlamaFileType
-    default: gguf.GGMLQuantizationType
-
-
-#: ``--to gguf:TYPE`` name (lower case) -> file type, for the mixes :func:`mix_types` knows.
-FILE_TYPES: dict[str, FileType] = {
-    ft.name.lower(): ft
-    for ft in (
-        FileType("Q4_0", FT.MOSTLY_Q4_0, GT.Q4_0),
-        FileType("Q4_1", FT.MOSTLY_Q4_1, GT.Q4_1),
-        FileType("Q5_0", FT.MOSTLY_Q5_0, GT.Q5_0),
-        FileType("Q5_1", FT.MOSTLY_Q5_1, GT.Q5_1),
-        FileType("Q2_K", FT.MOSTLY_Q2_K, GT.Q2_K),
-        FileType("Q3_K_S", FT.MOSTLY_Q3_K_S, GT.Q3_K),
-        FileType("Q3_K_M", FT.MOSTLY_Q3_K_M, GT.Q3_K),
-        FileType("Q3_K_L", FT.MOSTLY_Q3_K_L, GT.Q3_K),
-        FileType("Q4_K_S", FT.MOSTLY_Q4_K_S, GT.Q4_K),
-        FileType("Q4_K_M", FT.MOSTLY_Q4_K_M, GT.Q4_K),
-        FileType("Q5_K_S", FT.MOSTLY_Q5_K_S, GT.Q5_K),
-        FileType("Q5_K_M", FT.MOSTLY_Q5_K_M, GT.Q5_K),
-        FileType("Q6_K", FT.MOSTLY_Q6_K, GT.Q6_K),
-    )
-}
 
 
 @dataclass(frozen=True)

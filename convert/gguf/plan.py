@@ -10,7 +10,7 @@ keeps its key/value table). The architecture rows are :mod:`convert.gguf.arch`'s
 and tensors :mod:`convert.gguf.rope`'s, the tokenizer keys :mod:`convert.gguf.tokenizer`'s;
 :mod:`convert.gguf.encode` writes the plan.
 
-Output types (``--to gguf:TYPE``, :data:`OUTPUT_TYPES`, any letter case):
+Output types (``--to gguf:TYPE``, :data:`convert.gguf.types.OUTPUT_TYPES`, any letter case):
 
 - ``f32``, ``f16`` (default), ``bf16``, ``q8_0``: ``convert_hf_to_gguf.py``'s ``--outtype``. As in
   its ``prepare_tensors`` (:func:`choose_type`), 1-D tensors, norms and biases stay F32, and a
@@ -29,7 +29,7 @@ transformers):
   version; llama.cpp also reads the model card (basename, finetune, license, ...).
 - ``f32`` holds the exact float32 dequantized weights (a 4-bit layer's fp32 products, before the
   rounding to the checkpoint's bf16/f16 that transformers' ``dequantize()`` does), and the
-  llama-quantize types are quantized from them (:data:`FLOAT32_INPUT`): never from a 16-bit
+  llama-quantize types are quantized from them (:data:`convert.gguf.types.FLOAT32_INPUT`): never from a 16-bit
   intermediate, so they are at least as close to the bnb weights as bnb -> bf16 -> F16 GGUF ->
   ``llama-quantize`` (scripts/kquant_routes.py measures both routes).
 - llama-quantize writes its tensors in its loader's order (outside-layer tensors first, then by
@@ -39,7 +39,8 @@ Rules raised here (see docs/errors.md), besides those of :mod:`convert.gguf.arch
 005, 006), :mod:`convert.gguf.rope` (GGUF-005, 006) and :mod:`convert.gguf.tokenizer` (GGUF-004):
 
 ========  ======================================================================================
-GGUF-002  the output type is one of :data:`OUTPUT_TYPES` (:class:`GgufTypeError`)
+GGUF-002  the output type is one of :data:`convert.gguf.types.OUTPUT_TYPES` (:class:`GgufTypeError`,
+          :func:`convert.gguf.types.parse_output_type`)
 GGUF-006  config.json holds every required hyperparameter of the architecture
           (:class:`GgufConfigError`)
 ========  ======================================================================================
@@ -76,63 +77,24 @@ from convert.gguf.arch import (
     permute_heads,
 )
 from convert.gguf.config import check_packable, check_param, check_shapes, check_special_ids, check_vocab, layer_count
-from convert.gguf.mix import FILE_TYPES, MixModel, mix_types
+from convert.gguf.mix import MixModel, mix_types
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
-from formats.errors import GgufConfigError, GgufTypeError
+from convert.gguf.types import FILE_TYPES, OUTPUT_TYPES, parse_output_type
+from formats.errors import GgufConfigError
 from formats.gguf import tensor_nbytes
 
 __all__ = [
-    "DEFAULT_OUTPUT_TYPE",
-    "FLOAT32_INPUT",
-    "OUTPUT_TYPES",
     "GGUFPlan",
     "GGUFTensor",
     "apply_mix",
     "choose_type",
     "mix_model",
-    "parse_output_type",
     "plan_gguf",
 ]
 
 GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
-
-#: ``--to gguf:TYPE`` names (lower case) -> (GGML type of the matrices, ``general.file_type``); for
-#: llama-quantize's file types (:data:`convert.gguf.mix.FILE_TYPES`) the mix's default type.
-OUTPUT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
-    "f32": (GT.F32, FT.ALL_F32),
-    "f16": (GT.F16, FT.MOSTLY_F16),
-    "bf16": (GT.BF16, FT.MOSTLY_BF16),
-    "q8_0": (GT.Q8_0, FT.MOSTLY_Q8_0),
-    # llama-quantize's file types: the default type of the mix (convert.gguf.mix decides per tensor)
-    **{name: (ft.default, ft.ftype) for name, ft in FILE_TYPES.items()},
-}
-DEFAULT_OUTPUT_TYPE = "f16"
-#: Output types whose writer gets every weight as exact float32 (a 4-bit layer's fp32 products
-#: ``quant_map[code] * absmax`` before any 16-bit rounding, so ``f32`` holds more than the bf16/f16
-#: checkpoint transformers would save): ``f32``, and llama-quantize's types, which llama.cpp makes
-#: from an ``f32`` file, so ours equal ``llama-quantize`` of our ``f32`` output byte for byte. The
-#: other types (``f16``, ``bf16``, ``q8_0``) take each tensor at its own dtype, as
-#: ``convert_hf_to_gguf.py`` does from the dequantized model.
-FLOAT32_INPUT = frozenset({"f32", *FILE_TYPES})
-
-
-def parse_output_type(spec: str | None) -> str:
-    """Normalize a ``TYPE`` of ``--to gguf:TYPE`` (None or "" -> the default, ``f16``).
-
-    Raises:
-        GgufTypeError: GGUF-002, listing the supported types.
-    """
-    name = (spec or DEFAULT_OUTPUT_TYPE).strip().lower()
-    if name not in OUTPUT_TYPES:
-        raise GgufTypeError(
-            "GGUF output type not supported",
-            expected=f"one of {', '.join(OUTPUT_TYPES)}",
-            found=spec,
-        )
-    return name
-
 
 @dataclass(frozen=True)
 class GGUFTensor:
@@ -236,7 +198,7 @@ def plan_gguf(
 
     Matches the metadata, tensor names, tensor types and tokenizer llama.cpp's
     ``convert_hf_to_gguf.py`` writes for the same model and ``--outtype``; for llama-quantize's file
-    types (:data:`convert.gguf.mix.FILE_TYPES`) each tensor's type is llama-quantize's
+    types (:data:`convert.gguf.types.FILE_TYPES`) each tensor's type is llama-quantize's
     (:func:`apply_mix`, from the planned metadata's block count, heads, kv heads and experts).
 
     Args:

@@ -20,10 +20,11 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.dequant import kernels_f16
-from convert.gguf.encode import SourceTensor, TensorReport, chunks_held
+from convert.gguf.encode import SourceTensor, TensorReport, check_encoders, chunks_held
 from convert.gguf.encode import write_gguf as _write_gguf
 from convert.gguf.mix import mix_summary
-from convert.gguf.plan import OUTPUT_TYPES, GGUFTensor, parse_output_type, plan_gguf
+from convert.gguf.plan import GGUFTensor, plan_gguf
+from convert.options import SUMMARY_SAMPLE, ConvertOptions
 from convert.output import ShardLedger
 from convert.stream.pipeline import RunSettings, chunk_elements, placed_memory
 from convert.stream.plan import Plan, PlannedTensor
@@ -33,7 +34,7 @@ from formats.writeback import PlacedMemory
 
 GT = gguf.GGMLQuantizationType
 
-__all__ = ["OUTPUT_TYPES", "GgufJob", "parse_output_type"]
+__all__ = ["GgufJob"]
 
 #: Bytes a GGUF chunk holds per element, at most: its rows as read (2-4), as float32 (4), permuted (4)
 #: and encoded (at most 4); the encoders' scratch is per piece of 8192 blocks, not per chunk.
@@ -147,21 +148,23 @@ class GgufJob:
     """The GGUF writer of one conversion (a :class:`convert.targets.TargetJob`).
 
     Args:
-        plan: the dequantization plan (``to="auto"``, merges applied).
-        to: ``gguf`` (F16) or ``gguf:TYPE``.
+        plan: the dequantization plan (:attr:`convert.options.Target.dequantize_to`, merges applied).
+        options: the conversion's options (``to`` of the gguf family; ``merge_report``: measure every
+            tensor's error exactly, else on one piece in :data:`convert.options.SUMMARY_SAMPLE`; ``dry_run``).
         model_name: ``general.name``: the directory's name, or the repo id for a Hub SRC (as
             llama.cpp names it).
-        sample: measure each tensor's error on one piece in this many (1: exact, for ``--json``).
 
     Raises:
         TokenizerError: the input is not a model directory with config.json (GGUF-004).
         UnsupportedError: GGUF-001..006 (from :func:`convert.gguf.plan.plan_gguf`).
+        GgufTypeError: GGUF-002, a planned type without an encoder in this build (not with ``dry_run``:
+            raised before any output is claimed).
     """
 
     is_dir = False
     file_suffix = ".gguf"
 
-    def __init__(self, plan: Plan, to: str, model_name: str, sample: int = 1) -> None:
+    def __init__(self, plan: Plan, options: ConvertOptions, model_name: str) -> None:
         ckpt = plan.checkpoint
         if not ckpt.is_dir or ckpt.config is None:
             raise TokenizerError(
@@ -169,10 +172,12 @@ class GgufJob:
                 expected="a model directory", found="a lone weight file" if not ckpt.is_dir else "no config.json",
                 hint="give the model directory (config.json, tokenizer files and weights)",
             )
+        assert options.to.gguf_type is not None
         self.plan = plan
-        self.sample = sample
-        self.out_type = parse_output_type(to.partition(":")[2] or None)
-        self.to = to
+        # exact error figures for --json; the summary's alone from one piece in SUMMARY_SAMPLE
+        self.sample = 1 if options.merge_report else SUMMARY_SAMPLE
+        self.out_type = options.to.gguf_type
+        self.to = options.to.name
         self.gplan = plan_gguf(
             plan.config or ckpt.config,  # a merge may edit it (a LoRA-resized vocab_size)
             [(t.name, t.shape) for t in plan.tensors],
@@ -187,6 +192,8 @@ class GgufJob:
         by_name = {t.name: t for t in plan.tensors}
         self.in_nbytes = sum(by_name[t.source].source.in_nbytes for t in self.gplan.tensors if t.source in by_name)
         self.reports: list[TensorReport] = []
+        if not options.dry_run:
+            check_encoders(self.gplan)  # GGUF-002 before any output is claimed (a mix needs K-quant codecs)
 
     def plan_dict(self) -> dict[str, Any]:
         return {

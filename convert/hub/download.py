@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from convert.options import FLOAT_TARGETS
 from formats import jsonfile
 from formats.checkpoint import is_extra_file
 from formats.errors import (
@@ -401,11 +402,12 @@ def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int
         count), or None for targets it cannot price (e.g. ``gguf``).
     """
     from formats.bnb import component_name, int8_scale_name, is_component
-    from formats.dtypes import BY_CODE
+    from formats.dtypes import BY_CODE, BY_NAME
 
-    item = {"auto": None, "bf16": 2, "fp16": 2, "fp32": 4}
-    if to not in item:
+    if to not in FLOAT_TARGETS:
         return None
+    dtype = FLOAT_TARGETS[to]
+    fixed = BY_NAME[dtype].itemsize if dtype is not None else None
     total = 0
     for name, (code, shape, nbytes) in headers.items():
         if is_component(name):
@@ -415,9 +417,9 @@ def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int
             numel *= int(d)
         if component_name(name, "absmax") in headers:
             numel = _CODES_PER_BYTE * int(nbytes)
-            size = item[to] or 2
+            size = fixed or 2
         elif name.endswith(".weight") and int8_scale_name(name) in headers:
-            size = item[to] or 2
+            size = fixed or 2
         else:
             dt = BY_CODE.get(code)
             if dt is None:
@@ -425,7 +427,7 @@ def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int
             elif not dt.is_float:
                 size = dt.itemsize
             else:
-                size = item[to] or dt.itemsize
+                size = fixed or dt.itemsize
         total += numel * size
     return total
 

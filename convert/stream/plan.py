@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.dequant import kernels, kernels_f16
+from convert.options import FLOAT_TARGETS
 from convert.units import format_bytes
 from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, TensorLike, is_int8_config
 from formats.bnb_layers import group_layers
@@ -31,7 +32,6 @@ from formats.errors import NonFiniteAbsmaxError, UnsupportedError, UsageError
 from formats.writeback import bytes_of
 
 __all__ = [
-    "TARGETS",
     "CastSource",
     "Codes4",
     "Dequant4Source",
@@ -44,8 +44,6 @@ __all__ = [
     "strip_quantization_config",
 ]
 
-#: ``--to`` values of the safetensors output and the dtype they mean (None = per tensor).
-TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class Codes4(NamedTuple):
@@ -449,7 +447,7 @@ def strip_quantization_config(config: dict[str, Any], dtype: str | None) -> dict
 
 
 def _output_dtype(to: str, natural: DType) -> DType:
-    want = TARGETS[to]
+    want = FLOAT_TARGETS[to]
     if want is None or not natural.is_float:
         return natural
     return BY_NAME[want]
@@ -500,8 +498,8 @@ def make_plan(
         BnbLayerError: a layer breaks a BNB rule.
         UnsupportedError: a layer kind without a kernel.
     """
-    if to not in TARGETS:
-        raise UsageError(f"unknown --to value '{to}'", expected=sorted(TARGETS), found=to)
+    if to not in FLOAT_TARGETS:
+        raise UsageError(f"unknown --to value '{to}'", expected=sorted(FLOAT_TARGETS), found=to)
     with gc_paused():
         return _make_plan(checkpoint, to, max_shard_size)
 
@@ -534,7 +532,7 @@ def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
     else:
         plan.shards = [list(range(len(tensors)))]
     if checkpoint.config is not None:
-        out_dtype = TARGETS[to] or (q_dtypes.pop() if len(q_dtypes) == 1 else None)
+        out_dtype = FLOAT_TARGETS[to] or (q_dtypes.pop() if len(q_dtypes) == 1 else None)
         plan.config = strip_quantization_config(checkpoint.config, out_dtype)
     return plan
 

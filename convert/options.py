@@ -1,0 +1,227 @@
+"""What a conversion is asked to do: plain records, no I/O.
+
+- :class:`Target`: a ``--to`` value, parsed once by :func:`target_for` where it enters (the command
+  line, a batch JOBS line, or :class:`ConvertOptions` given a string) and passed on as the record;
+  which job writes each :attr:`Target.family` is :data:`convert.targets.TARGETS`'.
+- :class:`ConvertOptions` (with :class:`QuantOptions`, the ``--to nf4|fp4`` settings): one
+  conversion, the argument of :func:`convert.job.convert`.
+
+The ``--to`` values (any letter case; llama.cpp's spelling ``gguf:Q4_K_M`` works too):
+
+=========================  ======  ===============================================  ====================
+``--to``                   family  dequantized to first (:attr:`Target.dequantize_to`)  written as
+=========================  ======  ===============================================  ====================
+auto, bf16, fp16, fp32     float   the same value                                   safetensors
+nf4, fp4                   bnb4    auto (each QuantState's dtype)                   safetensors, bnb's
+                                                                                    4-bit layout
+gguf (F16), gguf:TYPE      gguf    fp32 for the types made from exact float32       GGUF
+                                   (:data:`convert.gguf.types.FLOAT32_INPUT`), else
+                                   auto
+=========================  ======  ===============================================  ====================
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from convert.gguf.types import DEFAULT_OUTPUT_TYPE, FLOAT32_INPUT, OUTPUT_TYPES, parse_output_type
+from formats.errors import ConvertBnbError, UsageError
+
+__all__ = ["AUTO", "FLOAT_TARGETS", "MIN_MEMORY", "SUMMARY_SAMPLE", "ConvertOptions", "QuantOptions", "Target",
+           "target_arg", "target_for", "target_names"]
+
+#: ``--to`` values of the float output and the dtype each one casts to (None: each tensor's own).
+FLOAT_TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: ``--to`` values of the bitsandbytes 4-bit output (each is its quant type).
+BNB4_TARGETS = ("nf4", "fp4")
+
+#: Without exact figures asked for (``--json``, ``--quant-report``), a target's error figures are measured
+#: on one piece of each weight in this many (the summary's figures).
+SUMMARY_SAMPLE = 8
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed ``--to`` value.
+
+    Attributes:
+        name: the value in lower case, as outputs and reports name it (``bf16``, ``nf4``, ``gguf``,
+            ``gguf:q4_k_m``).
+        family: ``float``, ``bnb4`` or ``gguf``: the row of :data:`convert.targets.TARGETS` that writes it.
+        dequantize_to: the float target the input is dequantized to first (a key of :data:`FLOAT_TARGETS`).
+        gguf_type: the GGUF output type (a key of :data:`convert.gguf.types.OUTPUT_TYPES`; ``f16`` for a
+            bare ``gguf``), or None.
+        quant_type: ``nf4`` or ``fp4`` for the bnb4 family, else None.
+    """
+
+    name: str
+    family: Literal["float", "bnb4", "gguf"]
+    dequantize_to: str
+    gguf_type: str | None = None
+    quant_type: str | None = None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def target_names() -> list[str]:
+    """Every accepted ``--to`` value, for ``--help`` and error messages (lower case; :func:`target_for`
+    accepts any case, as llama.cpp spells its types: ``gguf:Q4_K_M``)."""
+    return [*FLOAT_TARGETS, *BNB4_TARGETS, "gguf", *(f"gguf:{t}" for t in OUTPUT_TYPES)]
+
+
+def target_for(text: str) -> Target:
+    """Parse a ``--to`` value (any letter case, surrounding blanks ignored).
+
+    Raises:
+        UsageError: an unknown value (USE-001), listing the accepted ones.
+        GgufTypeError: ``gguf:TYPE`` with a type that is not written (GGUF-002).
+    """
+    name = text.strip().lower()
+    if name in FLOAT_TARGETS:
+        return Target(name, "float", name)
+    if name in BNB4_TARGETS:
+        return Target(name, "bnb4", "auto", quant_type=name)
+    family, sep, spec = name.partition(":")
+    if family == "gguf" and (spec or not sep):
+        gguf_type = parse_output_type(spec) if sep else DEFAULT_OUTPUT_TYPE  # GGUF-002 for a type not written
+        return Target(name, "gguf", "fp32" if gguf_type in FLOAT32_INPUT else "auto", gguf_type=gguf_type)
+    raise UsageError(f"unknown --to value '{name}'", expected=target_names(), found=name)
+
+
+def target_arg(text: str) -> Target:
+    """:func:`target_for` as the ``--to`` type of an argparse command line.
+
+    Raises:
+        argparse.ArgumentTypeError: not a ``--to`` value (argparse makes it a usage error naming ``--to``
+            and listing the choices).
+    """
+    try:
+        return target_for(text)
+    except ConvertBnbError:
+        choices = ", ".join(map(repr, target_names()))
+        raise argparse.ArgumentTypeError(f"invalid choice: {text.strip().lower()!r} (choose from {choices})") from None
+
+
+#: ``--to auto``: each quantized tensor in its QuantState dtype, the others as they are.
+AUTO = target_for("auto")
+
+
+#: The smallest ``max_memory`` the pipeline can keep to.
+MIN_MEMORY = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """Settings of ``--to nf4|fp4`` (None: the default, as transformers' ``BitsAndBytesConfig``).
+
+    Attributes:
+        blocksize: elements per absmax block, 32..4096 (default 64).
+        double_quant: 8-bit quantize absmax (default on).
+        quant_storage: dtype the packed bytes are stored as (default uint8).
+        skip_modules: modules kept unquantized (transformers ``llm_int8_skip_modules`` matching).
+        include: tensors quantized whatever the selection rules say.
+        requantize: re-quantize bnb layers that already have the asked settings.
+        quant_report: where to write the per-tensor quantization report (JSON), or None.
+        torch_threads: reproduce ``torch.mean`` as with this many torch threads (nested absmax of
+            32768+ blocks).
+    """
+
+    blocksize: int | None = None
+    double_quant: bool | None = None
+    quant_storage: str | None = None
+    skip_modules: tuple[str, ...] = ()
+    include: tuple[str, ...] = ()
+    requantize: bool = False
+    quant_report: Path | None = None
+    torch_threads: int | None = None
+
+    def given(self) -> list[str]:
+        """The command-line flags of the settings that differ from the defaults."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value not in (None, (), False):
+                out.append("--no-double-quant" if value is False else "--" + f.name.replace("_", "-"))
+            elif f.name == "double_quant" and value is False:
+                out.append("--no-double-quant")
+        return out
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """One conversion, as asked.
+
+    Attributes:
+        src: a ``.safetensors`` / ``.bin`` / ``.pt`` file, a model directory, or a Hub repo id
+            ``org/name`` (``org/name@rev``).
+        to: the target (:class:`Target`); a ``--to`` string (``auto``, ``bf16``, ``fp16``, ``fp32``, ``nf4``,
+            ``fp4``, ``gguf``, ``gguf:TYPE``, any letter case) is parsed here, once, by :func:`target_for`.
+        output: the output path (None: :func:`convert.output.default_output`); a str ending in a path
+            separator names the directory a one-file output goes into (:func:`convert.output.output_path`).
+        revision: with a Hub repo id: branch, tag or commit sha.
+        max_memory: the working-memory cap in bytes (>= 64 MiB).
+        threads: worker threads (None: all cores).
+        max_shard_size: largest output shard in bytes (directory outputs).
+        merge_lora: PEFT LoRA adapter directories merged in, in order.
+        report: with ``merge_lora``: where to write the merge report (JSON), or None.
+        original: with ``merge_lora``: the 16-bit model before quantization (adds the quantization
+            error to the report), or None.
+        merge_report: with ``merge_lora``: compute the merge report's figures (``details["lora_merge"]``)
+            even without ``report`` or ``original`` (the CLI sets it for ``--json``); without any of the
+            three no figures are computed and ``lora_merge`` is absent. With ``--to nf4|fp4`` it also
+            makes the quantization report's error figures exact (else measured on a sample:
+            :data:`SUMMARY_SAMPLE`).
+        quant: the ``--to nf4|fp4`` settings.
+        dry_run: plan only; write nothing.
+        overwrite: replace an existing output.
+        verify: re-read the output before committing it.
+        progress: show progress bars on stderr.
+        resume_key: make the run resumable (finished shards of a killed run with the same key are kept;
+            batch jobs), or None.
+        manifest: list every output file with its size and sha256 in the result, and write that list
+            to this JSON file before the output is committed (so whoever asked can tell its own complete
+            output from someone else's files even when the run dies right after the commit), or None.
+        list_files: list every output file with its size and sha256 in the result (``--json``) without
+            writing a manifest file.
+        on_progress: called with (bytes written, bytes to write) while the output is written (batch
+            workers report progress through it), or None.
+        low_disk: with a Hub repo id: download one shard at a time into a staging folder beside the
+            output and delete each once converted, instead of the whole repo into the cache first (also
+            chosen by itself when only that fits the disk; ``--to auto|bf16|fp16|fp32`` only).
+        processes: GGUF K-quants may be encoded in spawned worker processes
+            (:func:`convert.gguf.encode.encoder_processes`). Spawned processes import the ``__main__``
+            module again, so a script that sets this must guard its entry point with
+            ``if __name__ == "__main__":``; the command line sets it.
+    """
+
+    src: str
+    to: Target = AUTO
+    output: str | Path | None = None
+    revision: str | None = None
+    max_memory: int = 1 << 30
+    threads: int | None = None
+    max_shard_size: int = 5 * 10**9
+    merge_lora: tuple[Path, ...] = ()
+    report: Path | None = None
+    original: Path | None = None
+    merge_report: bool = False
+    quant: QuantOptions = field(default_factory=QuantOptions)
+    dry_run: bool = False
+    overwrite: bool = False
+    verify: bool = True
+    progress: bool = False
+    resume_key: dict[str, Any] | None = None
+    manifest: Path | None = None
+    list_files: bool = False
+    on_progress: Callable[[int, int], None] | None = None
+    low_disk: bool = False
+    processes: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters
+            object.__setattr__(self, "to", target_for(self.to))
