@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from convert.options import AUTO, ConvertOptions, Target, target_for
-from convert.stream.plan import Dequant4Source, make_plan
+from convert.stream.plan import make_plan
+from convert.stream.sources import Dequant4Source
 from convert.targets import TARGETS
 from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
 from formats.bnb_layers import group_layers

@@ -237,7 +237,7 @@ def _absmax_of(layer: QuantizedLayer | Int8Layer) -> np.ndarray:
 
     if isinstance(layer, Int8Layer):
         return np.asarray(layer.scb.array(), dtype=np.float32).reshape(-1)
-    from convert.stream.plan import Dequant4Source
+    from convert.stream.sources import Dequant4Source
 
     return Dequant4Source(layer).absmax()
 

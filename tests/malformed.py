@@ -27,6 +27,7 @@ from unittest import mock
 import numpy as np
 
 from formats import errors as E
+from tests.helpers.sources import array_tensor, array_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 _CONST = json.loads((FIXTURES / "constants.json").read_text())
@@ -729,8 +730,8 @@ def _gguf_wrong_source(src: Path, out: Path) -> None:
 
     cfg, w = _gguf_inputs(src)
     plan = plan_gguf(cfg, [(n, a.shape) for n, a in w.items()], src, "f16")
-    sources = {n: (lambda a=a: a) for n, a in w.items()}
-    sources["model.norm.weight"] = lambda: np.zeros(255, dtype=np.float32)
+    sources = array_tensors(w)
+    sources["model.norm.weight"] = array_tensor("model.norm.weight", np.zeros(255, dtype=np.float32))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_gguf(plan, out.parent / "m.gguf", sources)
@@ -750,7 +751,7 @@ def _gguf_inf_weight(src: Path, out: Path) -> None:
     w["model.layers.0.self_attn.q_proj.weight"] = q
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        write_gguf(plan, out.parent / "m.gguf", {n: (lambda a=a: a) for n, a in w.items()})
+        write_gguf(plan, out.parent / "m.gguf", array_tensors(w))
     finally:
         for p in out.parent.iterdir():
             p.unlink()
@@ -767,7 +768,7 @@ def _gguf_verify(src: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / "m.gguf"
     try:
-        write_gguf(plan, path, {n: (lambda a=a: a) for n, a in w.items()})
+        write_gguf(plan, path, array_tensors(w))
         verify_gguf(path, plan_gguf(cfg, shapes, src, "f16"))
     finally:
         path.unlink()

@@ -17,13 +17,17 @@ from safetensors.numpy import save_file
 
 from convert.gguf.arch import ARCHITECTURES
 from convert.gguf.codecs import CODECS
-from convert.gguf.encode import SourceTensor, write_gguf
+from convert.gguf.encode import write_gguf
 from convert.gguf.plan import plan_gguf
 from convert.gguf.types import OUTPUT_TYPES, parse_output_type
+from convert.stream.plan import PlannedTensor
+from convert.stream.sources import ArraySource
 from formats import sentencepiece
+from formats.dtypes import BY_NAME
 from formats.errors import CheckpointError, UnsupportedError, VerificationError
 from formats.gguf import verify_gguf
 from formats.safetensors import SafetensorsReader
+from tests.helpers.sources import array_tensor, array_tensors
 
 FIXTURE = Path(__file__).parent / "fixtures" / "models" / "llama_nf4_dq"
 REF = FIXTURE / "reference"
@@ -47,15 +51,11 @@ def _shapes(weights: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]
     return [(n, a.shape) for n, a in weights.items()]
 
 
-def _sources(weights: dict[str, np.ndarray]) -> dict:
-    return {n: (lambda a=a: a) for n, a in weights.items()}
-
-
 def _write(tmp_path: Path, out_type: str, weights=REF_W, config=CONFIG, tok_dir=FIXTURE, **kw):
     plan = plan_gguf(config, _shapes(weights), tok_dir, out_type)
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"model-{out_type}.gguf"
-    reports = write_gguf(plan, path, _sources(weights), **kw)
+    reports = write_gguf(plan, path, array_tensors(weights), **kw)
     verify_gguf(path, plan)
     return plan, path, reports
 
@@ -241,14 +241,16 @@ def test_chunk_size_threads_and_row_sources_do_not_change_the_bytes(tmp_path):
     done: list[str] = []
     asked: list[tuple[str, int, int]] = []
 
-    def rows(name):
-        def read(r0, r1, place=None):
-            asked.append((name, r0, r1))
-            return REF_W[name][r0:r1]
+    class Recorded(ArraySource):
+        def produce(self, start, stop, dtype):
+            cols = self.numel // REF_W[self.name].shape[0]
+            asked.append((self.name, start // cols, -(-stop // cols)))
+            return super().produce(start, stop, dtype)
 
-        return read
+        def finish(self):
+            done.append(self.name)
 
-    records = [SourceTensor(n, a.shape, rows=rows(n), done=lambda n=n: done.append(n)) for n, a in REF_W.items()]
+    records = {n: PlannedTensor(n, BY_NAME[a.dtype.name], a.shape, Recorded(n, a)) for n, a in REF_W.items()}
     c = tmp_path / "c.gguf"
     write_gguf(plan, c, records, chunk_elements=4096, threads=3)
     assert c.read_bytes() == a.read_bytes()
@@ -262,18 +264,17 @@ def test_chunk_size_threads_and_row_sources_do_not_change_the_bytes(tmp_path):
     ]
 
 
-def test_each_source_is_called_once_and_in_plan_order(tmp_path):
+def test_each_source_is_read_once_and_in_plan_order(tmp_path):
     calls: list[str] = []
 
-    def source(name):
-        def produce():
-            calls.append(name)
-            return REF_W[name]
-
-        return produce
+    class Counted(ArraySource):
+        def produce(self, start, stop, dtype):
+            calls.append(self.name)
+            return super().produce(start, stop, dtype)
 
     plan = plan_gguf(CONFIG, _shapes(REF_W), FIXTURE, "f16")
-    write_gguf(plan, tmp_path / "m.gguf", {n: source(n) for n in REF_W})
+    tensors = {n: PlannedTensor(n, BY_NAME[a.dtype.name], a.shape, Counted(n, a)) for n, a in REF_W.items()}
+    write_gguf(plan, tmp_path / "m.gguf", tensors)
     assert calls == [t.source for t in plan.tensors]
 
 
@@ -361,8 +362,8 @@ def test_unsupported_rope_and_moe_are_refused():
 
 def test_source_with_the_wrong_shape_is_refused(tmp_path):
     plan = plan_gguf(CONFIG, _shapes(REF_W), FIXTURE, "f16")
-    src = _sources(REF_W)
-    src["model.norm.weight"] = lambda: np.zeros(255, dtype=np.float32)
+    src = array_tensors(REF_W)
+    src["model.norm.weight"] = array_tensor("model.norm.weight", np.zeros(255, dtype=np.float32))
     with pytest.raises(UnsupportedError) as e:
         write_gguf(plan, tmp_path / "m.gguf", src)
     assert e.value.rule == "GGUF-007" and e.value.tensor == "model.norm.weight"
@@ -848,14 +849,14 @@ def test_cli_gguf_dry_run_writes_nothing(tmp_path, capsys):
 
 
 def test_cli_gguf_unsupported_architecture_reads_no_weight(tmp_path, capsys, monkeypatch):
-    import convert.stream.plan
+    import convert.stream.sources
     from convert.cli import main
 
     def no_read(*a, **k):
         raise AssertionError("a weight was read")
 
-    monkeypatch.setattr(convert.stream.plan.Dequant4Source, "produce", no_read)
-    monkeypatch.setattr(convert.stream.plan.CastSource, "produce", no_read)
+    monkeypatch.setattr(convert.stream.sources.Dequant4Source, "produce", no_read)
+    monkeypatch.setattr(convert.stream.sources.CastSource, "produce", no_read)
     src = tmp_path / "falcon"
     shutil.copytree(MODELS / "llama_nf4_dq", src)
     cfg = json.loads((src / "config.json").read_text())
@@ -884,7 +885,8 @@ def test_cli_gguf_loads_in_llama_cpp(tmp_path):
 def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
     """A plan hook (as --merge-lora installs) changes a source; the GGUF carries the changed values."""
     from convert.cli import main
-    from convert.stream.plan import Source, make_plan
+    from convert.stream.plan import make_plan
+    from convert.stream.sources import Source
 
     class Shifted(Source):
         def __init__(self, base):
@@ -1092,7 +1094,7 @@ def test_gguf_f16_of_bf16_layers_from_the_tables_equals_rounding_their_bf16(tmp_
     cannot)."""
     from convert.cli import main
     from convert.dequant import kernels_f16
-    from convert.stream.plan import Dequant4Source
+    from convert.stream.sources import Dequant4Source
 
     calls = []
     real = kernels_f16.dequantize_4bit_f16_of_bf16

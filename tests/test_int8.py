@@ -10,7 +10,7 @@ import pytest
 
 from convert.cli import main
 from convert.dequant.kernels import INT8_SCALE, dequantize_int8
-from convert.stream.plan import Int8Source
+from convert.stream.sources import Int8Source
 from formats.bnb import BnbLayerError, ConstTensor, Int8Layer
 from formats.bnb_layers import group_layers
 from formats.checkpoint import open_checkpoint

@@ -555,7 +555,7 @@ def test_lora_source_merges_in_place_in_runs_for_any_chunking(out_dtype: str) ->
     from convert.lora.apply import LoraSource
     from convert.lora.delta import MergeOp, TensorMerge
     from convert.lora.report import MergeStats
-    from convert.stream.plan import Source
+    from convert.stream.sources import Source
     from formats.dtypes import BY_CODE
 
     rows, cols, r = 700, 4000, 8

@@ -63,7 +63,7 @@ class LayerInput:
 
     Attributes:
         name: the weight.
-        source: its planned :class:`~convert.stream.plan.Source`.
+        source: its planned :class:`~convert.stream.sources.Source`.
         dtype: its dtype in the plan (read as is, no conversion).
         shape: its shape in elements.
         n: elements.
@@ -134,7 +134,7 @@ class LayerInput:
         return out
 
     def finish(self) -> None:
-        """Drop the source's caches and pages (:meth:`convert.stream.plan.Source.finish`)."""
+        """Drop the source's caches and pages (:meth:`convert.stream.sources.Source.finish`)."""
         self.source.finish()
 
 

@@ -2,7 +2,7 @@
 
 The input is anything the dequantization plan reads (a float model or file, a bnb 4-bit or 8-bit
 checkpoint) after every plan hook (``--merge-lora``): each planned float tensor is a
-:class:`~convert.stream.plan.Source` of its values. :func:`make_quant_plan` replaces the tensors transformers
+:class:`~convert.stream.sources.Source` of its values. :func:`make_quant_plan` replaces the tensors transformers
 would quantize (the rules of :mod:`convert.bnb4.select`) with the tensors ``Linear4bit`` saves
 (:mod:`convert.bnb4.sources`; :func:`convert.bnb4.layer.layer_tensors` is the in-memory reference),
 and adds ``quantization_config`` to ``config.json`` as transformers writes it.
@@ -38,7 +38,8 @@ from convert.bnb4.select import (
 )
 from convert.bnb4.settings import QuantSettings
 from convert.bnb4.sources import job_tensors, passthrough_ok, passthrough_tensors
-from convert.stream.plan import Dequant4Source, Plan, PlannedTensor, shard_tensors
+from convert.stream.plan import Plan, PlannedTensor, shard_tensors
+from convert.stream.sources import Dequant4Source
 from formats.bnb import Int8Layer, QuantizedLayer
 from formats.dtypes import DType, float_dtype_name
 

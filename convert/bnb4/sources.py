@@ -1,4 +1,4 @@
-"""The planned tensors of one 4-bit weight, and the :class:`~convert.stream.plan.Source` of each.
+"""The planned tensors of one 4-bit weight, and the :class:`~convert.stream.sources.Source` of each.
 
 A quantized weight ``P.weight`` becomes the tensors ``Linear4bit`` saves, in this order
 (``_save_to_state_dict`` + ``QuantState.as_dict(packed=True)``; the in-memory reference is
@@ -23,7 +23,8 @@ import numpy.typing as npt
 from convert.bnb4.absmax8 import NESTED_BLOCKSIZE
 from convert.bnb4.passes import LayerJob
 from convert.bnb4.settings import QuantSettings
-from convert.stream.plan import Dequant4Source, PlannedTensor, Source
+from convert.stream.plan import PlannedTensor
+from convert.stream.sources import Dequant4Source, Source
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, component_name, state_key
 from formats.dtypes import BY_CODE, BY_NAME, DType
 

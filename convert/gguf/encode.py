@@ -1,8 +1,8 @@
 """Encoding a planned GGUF file's tensors: float weights -> GGML types, streamed in row chunks.
 
 :func:`write_gguf` writes a :class:`convert.gguf.plan.GGUFPlan` through the container writer
-(:class:`formats.gguf.GGUFFileWriter`), asking each source for its values only when its turn comes,
-by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per chunk of rows
+(:class:`formats.gguf.GGUFFileWriter`), reading each planned tensor's rows from its stream source
+(:class:`convert.stream.sources.Source`) only when its chunk's turn comes. Per chunk of rows
 (matching llama.cpp's ``convert_hf_to_gguf.py`` ``ModelBase.prepare_tensors`` + gguf-py
 ``gguf.quants.quantize``, which works row by row, so chunking changes no byte):
 
@@ -18,11 +18,11 @@ by row ranges when the source offers them (:class:`SourceTensor` ``rows``). Per 
    summary's figures: the CLI asks for :data:`convert.options.SUMMARY_SAMPLE` unless ``--json``
    wants the exact ones); the same pieces whatever the chunk size and thread count.
 
-Chunks are converted by ``threads`` workers of a thread pool and written in order, so the bytes do
-not depend on the thread count or the chunk size; at most ``2 * threads`` chunks are in flight (made,
-being made or queued: a worker finds the next chunk waiting while the oldest is still being made), the
-chunks of consecutive tensors in one stream (no worker idles at a tensor's end), plus the whole
-array of a source given whole (generated tensors: a few KiB). Steps 3-4 of the types whose encoder
+Chunks are converted by ``threads`` workers of a thread pool and written in order by the one chunk
+loop of every writer (:func:`convert.stream.pipeline.ordered_chunks`), so the bytes do not depend on
+the thread count or the chunk size; at most ``2 * threads`` chunks are in flight (made, being made or
+queued: a worker finds the next chunk waiting while the oldest is still being made), the chunks of
+consecutive tensors in one stream (no worker idles at a tensor's end). Steps 3-4 of the types whose encoder
 searches (the K-quants and IQ4_NL, tens of NumPy passes per value) run in ``processes`` worker processes when asked
 (:func:`encoder_processes`): NumPy releases the GIL only inside each call, and the searches make
 many small calls, so two threads give them 1.4x where two processes give them nearly 2x. A chunk is
@@ -47,9 +47,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -57,6 +56,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from convert.dequant import kernels_f16
 from convert.dequant.kernels_f16 import bf16_to_f16, count_f16_loss
 from convert.dequant.products import BF16, PIECE
 from convert.gguf import encoder_pool
@@ -65,43 +65,20 @@ from convert.gguf.codecs import CODECS, codec
 from convert.gguf.codecs.base import abs_max, sum_squares
 from convert.gguf.plan import GGUFPlan, GGUFTensor
 from convert.output import user_path
+from convert.stream import pipeline
+from convert.stream.pipeline import Chunk, ordered_chunks
+from convert.stream.plan import PlannedTensor
+from convert.stream.sources import ArraySource, Source
+from formats.dtypes import BY_CODE
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
 from formats.writeback import IN_PLACE_WRITES, PlacedMemory
 
-__all__ = ["SourceTensor", "TensorReport", "check_encoders", "chunks_held", "encode_chunk", "encoder_processes",
+__all__ = ["TensorReport", "check_encoders", "chunks_held", "encode_chunk", "encoder_processes",
            "write_gguf"]
 
 GT = gguf.GGMLQuantizationType
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    """One float tensor offered for writing.
-
-    Give ``produce`` (the whole array at once) or ``rows`` (a range of rows at a time, so the
-    tensor is never whole in memory); when both are given ``rows`` is used.
-
-    Attributes:
-        name: the Hugging Face tensor name (``model.layers.0.mlp.up_proj.weight``).
-        shape: its shape in elements (PyTorch order, rows first).
-        produce: returns the values, any float dtype (float32, float16, bfloat16), ``shape``.
-        rows: ``rows(r0, r1, place)`` returns rows [r0, r1) as a float array of ``(r1 - r0, *shape[1:])``
-            (a 1-D tensor is one row), memory of its own that nothing else changes (it may be written
-            to the file after the call returns); may be called from several threads at once. ``place``: the file
-            offset the rows' bytes would start at if written as they are (a tensor whose values are
-            already in the GGUF type: F16 made from 4-bit codes), for the array to lie at that offset
-            modulo 4096 (:func:`formats.writeback.aligned_empty`: written without a copy); None: anywhere.
-        done: called once the tensor is written (e.g. to drop its input pages).
-        row_align: chunks start on multiples of this many rows (the source's natural unit).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    produce: Callable[[], np.ndarray] | None = None
-    rows: Callable[[int, int, int | None], np.ndarray] | None = None
-    done: Callable[[], None] | None = None
-    row_align: int = 1
+_F32_DTYPE = BY_CODE["F32"]
 
 
 @dataclass(frozen=True)
@@ -373,38 +350,43 @@ def check_encoders(plan: GGUFPlan) -> None:
 def write_gguf(
     plan: GGUFPlan,
     path: str | os.PathLike[str],
-    sources: Mapping[str, Callable[[], np.ndarray]] | Iterable[SourceTensor],
+    tensors: Mapping[str, PlannedTensor],
     *,
     chunk_elements: int = 1 << 20,
     threads: int = 1,
+    max_memory: int = 1 << 30,
     processes: int | None = None,
     progress: Callable[[int], None] | None = None,
     sample: int = 1,
     memory: PlacedMemory | None = None,
 ) -> list[TensorReport]:
-    """Write the planned GGUF file, streaming one tensor at a time in row chunks.
+    """Write the planned GGUF file, streaming each tensor by row chunks from its stream source.
 
     Header, key/value pairs and tensor infos, then the tensor data chunk by chunk, go through
-    :class:`formats.gguf.GGUFFileWriter` (gguf-py's ``GGUFWriter`` with 32-byte padding). Chunks
-    are converted by ``threads`` workers and written in order, so the bytes do not depend on the
-    thread count or the chunk size; at most ``2 * threads`` chunks are in flight.
+    :class:`formats.gguf.GGUFFileWriter` (gguf-py's ``GGUFWriter`` with 32-byte padding). Each planned
+    tensor's rows are read from its :class:`~convert.stream.sources.Source` (:func:`_read_rows`) when its
+    chunk's turn comes, converted by ``threads`` workers and written in order
+    (:func:`convert.stream.pipeline.ordered_chunks`), so the bytes do not depend on the thread count or
+    the chunk size; at most ``2 * threads`` chunks are in flight.
 
     Args:
         plan: from :func:`convert.gguf.plan.plan_gguf`.
         path: the file to create or overwrite (the caller picks a temporary name and renames it
             after :func:`formats.gguf.verify_gguf`).
-        sources: Hugging Face name -> callable returning the whole float array, or
-            :class:`SourceTensor` records (whole arrays or row ranges); used in plan order.
+        tensors: Hugging Face name -> the planned tensor (its source gives the values); generated
+            tensors (``plan.generated``) are added here.
         chunk_elements: elements converted per chunk (rounded to whole rows, and to whole heads
             for permuted q/k).
         threads: worker threads converting chunks.
+        max_memory: the memory cap in bytes: a source is read in pieces of
+            :func:`convert.stream.pipeline.chunk_elements` for it.
         processes: worker processes encoding :data:`SEARCH_TYPES` chunks (0: the threads encode);
             None: :func:`encoder_processes`.
         progress: called with the bytes written after each chunk.
         sample: measure each tensor's error on one piece in this many (1: exact; the bytes written
             never depend on it): :meth:`convert.gguf.codecs.base.Codec.quantize_measured`.
-        memory: where chunks of memory their own are made (the sources' row readers may share it);
-            None: a :class:`formats.writeback.PlacedMemory` of this call.
+        memory: where chunks of memory their own are made (rows read and bytes encoded); None: a
+            :class:`formats.writeback.PlacedMemory` of this call.
 
     Returns:
         One :class:`TensorReport` per tensor, in file order.
@@ -417,56 +399,30 @@ def write_gguf(
     """
     check_encoders(plan)
     spath = os.fspath(path)
-    if isinstance(sources, Mapping):
-        records = {name: SourceTensor(name, (), produce=fn) for name, fn in sources.items()}
-    else:
-        records = {s.name: s for s in sources}
+    sources = {**tensors, **{name: PlannedTensor(name, _F32_DTYPE, tuple(a.shape), ArraySource(name, a))
+                             for name, a in plan.generated.items()}}
     reports: list[TensorReport] = []
     n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
     workers = max(threads, n_procs)
     if memory is None:
         memory = PlacedMemory(keep=chunks_held(workers))
+    reader = _RowReader(max_memory, threads, memory, _f16_only(plan))
     with GGUFFileWriter(spath, plan) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         procs = encoder_pool.start(n_procs) if n_procs else None
-        # chunks of every tensor flow through the pool as one stream (the workers never wait at a tensor's
-        # end), written in order; None marks a tensor's end: its report, end_tensor() and done() then
-        pending: deque[tuple[Future[_Chunk] | None, _Figures]] = deque()
-        in_flight = 0
-
-        def drain() -> None:
-            nonlocal in_flight
-            fut, fig = pending.popleft()
-            if fut is None:
-                out.end_tensor()
-                reports.append(fig.report())
-                if fig.rec is not None and fig.rec.done is not None:
-                    fig.rec.done()
-                return
-            in_flight -= 1
-            c = fut.result()
-            out.write(c.data, in_place=c.own)
-            fig.add(c)
-            if progress is not None:
-                progress(c.data.nbytes)
-
         try:
-            for i, t in enumerate(plan.tensors):
-                rec = records[t.source] if t.source is not None else None
-                fig = _Figures(t, rec)
-                for task in _chunk_tasks(t, rec, plan, chunk_elements, procs, spath, sample, out.offset(i), memory):
-                    if pool is None:
-                        fut: Future[_Chunk] = Future()
-                        fut.set_result(task())
-                    else:
-                        fut = pool.submit(task)
-                    pending.append((fut, fig))
-                    in_flight += 1
-                    while in_flight > 2 * workers:  # (against ``workers``: q8_0 0.90x the wall time, f16 0.87x)
-                        drain()
-                pending.append((None, fig))
-            while pending:
-                drain()
+            chunks = _file_chunks(plan, sources, reader, chunk_elements, procs, spath, sample, out)
+            # (against ``workers``: q8_0 0.90x the wall time, f16 0.87x)
+            for (src, fig), c in ordered_chunks(chunks, pool, 2 * workers):
+                if c is None:  # the tensor's end: its report, and its source's pages dropped
+                    out.end_tensor()
+                    reports.append(fig.report())
+                    src.finish()
+                    continue
+                out.write(c.data, in_place=c.own)
+                fig.add(c)
+                if progress is not None:
+                    progress(c.data.nbytes)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -475,11 +431,23 @@ def write_gguf(
     return reports
 
 
+def _file_chunks(plan: GGUFPlan, sources: Mapping[str, PlannedTensor], reader: _RowReader, chunk_elements: int,
+                 procs: ProcessPoolExecutor | None, path: str, sample: int, out: GGUFFileWriter) -> Iterator[Chunk]:
+    """Every tensor's row chunks in file order (:func:`_chunk_tasks`), each tensor followed by a marker of its
+    end; keyed ``(the planned tensor's source, the tensor's running figures)``."""
+    for i, t in enumerate(plan.tensors):
+        src = sources[t.source if t.source is not None else t.name]
+        fig = _Figures(t)
+        for task in _chunk_tasks(t, src, reader, chunk_elements, procs, path, sample, out.offset(i)):
+            yield Chunk((src.source, fig), task)
+        yield Chunk((src.source, fig))
+
+
 class _Figures:
     """The running error figures of one tensor being written (its chunks' :class:`_Chunk` sums)."""
 
-    def __init__(self, t: GGUFTensor, rec: SourceTensor | None) -> None:
-        self.t, self.rec = t, rec
+    def __init__(self, t: GGUFTensor) -> None:
+        self.t = t
         self.max_err = self.sq_err = self.sq_ref = 0.0
         self.measured = self.ref_measured = self.over = self.under = 0
 
@@ -501,44 +469,121 @@ class _Figures:
                             self.ref_measured)
 
 
+class _RowReader:
+    """Rows of a planned tensor, read from its stream source for the GGUF writer's chunks.
+
+    Args:
+        max_memory: the memory cap: sources are read in pieces of :func:`convert.stream.pipeline.chunk_elements`.
+        threads: the worker threads reading at once (sizes the pieces).
+        memory: where the rows are made.
+        as_f16: the tensors written as F16 alone (:func:`_f16_only`): their bfloat16 rows may be made as
+            float16 from the 4-bit codes directly.
+    """
+
+    def __init__(self, max_memory: int, threads: int, memory: PlacedMemory, as_f16: frozenset[str] = frozenset()
+                 ) -> None:
+        self.max_memory, self.threads, self.memory, self.as_f16 = max_memory, threads, memory, as_f16
+
+    def rows(self, t: PlannedTensor, r0: int, r1: int, place: int | None = None) -> np.ndarray:
+        """Rows [r0, r1) of ``t`` as ``(r1 - r0, *t.shape[1:])``: the source's flat elements, block-aligned,
+        read in pieces, input pages released as they are consumed (the rows returned are an array of their
+        own, never a view of released pages). Called by the writer's worker threads (the parallelism is
+        across row chunks, so this never waits on the pool).
+
+        A bfloat16 tensor written as F16 comes as float16 where the source's 4-bit codes give it exactly
+        (:func:`convert.dequant.kernels_f16.dequantize_4bit_f16_of_bf16`: the writer stores those bits,
+        whose error against the bf16 weight is 0), else as bfloat16 (the writer rounds and measures). Rows
+        are made in the reader's memory, placed so that element ``r0 * cols`` lies at file offset ``place``
+        modulo 4096 when given (rows already in the GGUF type, bf16 -> BF16, then go to the disk without a
+        copy).
+        """
+        src = t.source
+        cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
+        piece = pipeline.chunk_elements(src.unit, self.max_memory, self.threads)
+        start, stop = r0 * cols, r1 * cols
+        a0 = start // src.unit * src.unit
+        a1 = min(t.numel, -(-stop // src.unit) * src.unit)
+        bounds = list(range(a0, a1, piece)) + [a1]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        flat = None
+        if t.name in self.as_f16 and t.dtype.name == "bfloat16":
+            flat = self._f16(src, a0, spans, None if place is None else place - (start - a0) * 2)
+        if flat is None and src.writes_in_place:  # (not all exact: every span as bf16, one dtype for the rows)
+            at = 0 if place is None else place - (start - a0) * t.dtype.itemsize  # (the rows' bytes as they are)
+            flat = self.memory.empty((a1 - a0) * t.dtype.itemsize, at).view(t.dtype.numpy)
+            for s, e in spans:
+                src.produce_into(s, e, t.dtype, flat[s - a0 : e - a0])
+        elif flat is None:
+            parts = [src.produce(s, e, t.dtype) for s, e in spans]
+            flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if not flat.flags.writeable:
+            # a read-only view of the input file (a source that does not cast): the caller reads it after
+            # the release below, which would map those pages again, for good (RSS growing to the file size)
+            flat = flat.copy()
+        for s, e in spans:
+            src.release(s, e)
+        return flat[start - a0 : stop - a0].reshape(r1 - r0, *t.shape[1:])
+
+    def _f16(self, src: Source, a0: int, spans: list[tuple[int, int]], place: int | None
+             ) -> npt.NDArray[np.float16] | None:
+        """The float16 of elements [a0, a1), span by span, from the 4-bit codes, placed so element ``a0`` lies
+        at ``place``; None when a span is not a 4-bit layer or not exact in float16."""
+        flat = self.memory.empty((spans[-1][1] - a0) * 2, 0 if place is None else place).view(np.float16)
+        for s, e in spans:
+            c = src.codes_4bit(s, e)
+            if c is None or kernels_f16.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize,
+                                                                     e - s, out=flat[s - a0 : e - a0]) is None:
+                return None
+        return flat
+
+
+def _f16_only(plan: GGUFPlan) -> frozenset[str]:
+    """The sources written only as F16, without an offset (their rows may come as float16)."""
+    f16 = {g.source for g in plan.tensors if g.ggml_type == GT.F16 and not g.offset and g.source is not None}
+    return frozenset(f16 - {g.source for g in plan.tensors if g.ggml_type != GT.F16 or g.offset})
+
+
+def _rows_per_unit(t: PlannedTensor) -> int:
+    """Rows in one chunk unit of the tensor's source, when the unit is whole rows (a LoRA merge)."""
+    cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
+    unit = t.source.unit
+    return unit // cols if cols and unit >= cols and unit % cols == 0 else 1
+
+
 def _chunk_tasks(
     t: GGUFTensor,
-    rec: SourceTensor | None,
-    plan: GGUFPlan,
+    src: PlannedTensor,
+    reader: _RowReader,
     chunk_elements: int,
     procs: ProcessPoolExecutor | None,
     path: str,
     sample: int,
     at: int,
-    memory: PlacedMemory,
 ) -> Iterator[Callable[[], _Chunk]]:
-    """The row chunks of one tensor, in order, each a task a worker runs: read the rows, convert them
-    (:func:`_convert_chunk`), their bytes placed for the file offset they go to (``at``: the tensor's)
-    in ``memory``.
+    """The row chunks of one tensor, in order, each a task a worker runs: read the rows
+    (:meth:`_RowReader.rows`), convert them (:func:`_convert_chunk`), their bytes placed for the file
+    offset they go to (``at``: the tensor's) in the reader's memory.
 
     Raises:
-        GgufSourceError: GGUF-007, a whole source array of another shape (at once) or rows of another
-            shape (when the task runs).
+        GgufSourceError: GGUF-007, a source of another size (at once) or rows of another shape (when the
+            task runs).
     """
     rows = t.shape[0] if t.shape else 1
     cols = t.numel // rows if rows else 0
-    whole: np.ndarray | None = None
-    if rec is None or rec.rows is None:
-        whole = plan.generated[t.name] if rec is None else rec.produce() if rec.produce is not None else None
-        if whole is None or tuple(whole.shape) != t.shape:
-            raise GgufSourceError(
-                "source array does not match the plan",
-                path=path,
-                tensor=t.source,
-                expected=f"float {list(t.shape)}",
-                found=None if whole is None else f"{whole.dtype} {list(whole.shape)}",
-                action="write",
-            )
-        whole = whole.reshape(rows, cols)
+    if src.numel != t.numel:
+        raise GgufSourceError(
+            "source array does not match the plan",
+            path=path,
+            tensor=t.source,
+            expected=f"float {list(t.shape)}",
+            found=f"{src.dtype.numpy} {list(src.shape)}",
+            action="write",
+        )
     perm = permutation(rows, t.permute_heads) if t.permute_heads else None
     align = rows // t.permute_heads if t.permute_heads else 1
-    if rec is not None and rec.row_align > 1:
-        align = math.lcm(align, rec.row_align)
+    row_align = _rows_per_unit(src)
+    if row_align > 1:
+        align = math.lcm(align, row_align)
     step = max(1, chunk_elements // max(cols, 1))
     step = -(-step // align) * align
     exact = t.ggml_type == GT.F32
@@ -546,26 +591,21 @@ def _chunk_tasks(
     row_bytes = cols // block * type_size
 
     def task(r0: int, r1: int) -> _Chunk:
-        place = None  # where the chunk's bytes go, for chunks of memory their own (not of a caller's array)
-        if whole is not None:
-            x = whole[r0:r1]
-        else:
-            assert rec is not None and rec.rows is not None
-            place = at + r0 * row_bytes  # (rows are arrays of their own: SourceTensor.rows)
-            x = rec.rows(r0, r1, place if perm is None else None)
-            if tuple(x.shape) != (r1 - r0, *t.shape[1:]) and x.size != (r1 - r0) * cols:
-                raise GgufSourceError(
-                    "source rows do not match the plan",
-                    path=path,
-                    tensor=t.source,
-                    expected=f"{r1 - r0} x {cols} values",
-                    found=f"{x.dtype} {list(x.shape)}",
-                    action="write",
-                )
-            x = x.reshape(r1 - r0, cols)
+        place = at + r0 * row_bytes  # where the chunk's bytes go (the rows are an array of their own)
+        x = reader.rows(src, r0, r1, place if perm is None else None)
+        if tuple(x.shape) != (r1 - r0, *t.shape[1:]) and x.size != (r1 - r0) * cols:
+            raise GgufSourceError(
+                "source rows do not match the plan",
+                path=path,
+                tensor=t.source,
+                expected=f"{r1 - r0} x {cols} values",
+                found=f"{x.dtype} {list(x.shape)}",
+                action="write",
+            )
+        x = x.reshape(r1 - r0, cols)
         c = _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs, sample, place,
-                           memory)
-        return c if place is None else replace(c, own=True)
+                           reader.memory)
+        return replace(c, own=True)
 
     for r0 in range(0, rows, step):
         yield functools.partial(task, r0, min(rows, r0 + step))

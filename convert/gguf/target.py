@@ -11,26 +11,20 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
-import numpy.typing as npt
 
-from convert.dequant import kernels_f16
-from convert.gguf.encode import SourceTensor, TensorReport, check_encoders, chunks_held
-from convert.gguf.encode import write_gguf as _write_gguf
+from convert.gguf.encode import TensorReport, check_encoders, chunks_held, write_gguf
 from convert.gguf.mix import mix_summary
 from convert.gguf.plan import GGUFTensor, plan_gguf
 from convert.options import SUMMARY_SAMPLE, ConvertOptions
 from convert.output import ShardLedger
-from convert.stream.pipeline import RunSettings, chunk_elements, placed_memory
-from convert.stream.plan import Plan, PlannedTensor
+from convert.stream.pipeline import RunSettings, placed_memory
+from convert.stream.plan import Plan
 from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
-from formats.writeback import PlacedMemory
 
 GT = gguf.GGMLQuantizationType
 
@@ -39,67 +33,6 @@ __all__ = ["GgufJob"]
 #: Bytes a GGUF chunk holds per element, at most: its rows as read (2-4), as float32 (4), permuted (4)
 #: and encoded (at most 4); the encoders' scratch is per piece of 8192 blocks, not per chunk.
 _GGUF_BYTES_PER_ELEMENT = 16
-
-
-def _row_reader(
-    t: PlannedTensor, max_memory: int, threads: int, memory: PlacedMemory, f16_of_bf16: bool = False
-) -> Callable[[int, int], np.ndarray]:
-    """rows(r0, r1) for a pipeline tensor: its Source's flat elements, block-aligned, in pieces of the
-    pipeline's chunk size, input pages released as they are consumed (the rows returned are an array of
-    their own, never a view of released pages). Called by the GGUF writer's
-    worker threads (the parallelism is across row chunks, so this never waits on the pool).
-
-    ``f16_of_bf16`` (a bfloat16 tensor written as F16): the rows as float16 where the source's 4-bit
-    codes give them exactly (:func:`convert.dequant.kernels_f16.dequantize_4bit_f16_of_bf16`; the writer stores
-    those bits, whose error against the bf16 weight is 0), placed at ``place`` modulo 4096 when given
-    (:class:`convert.gguf.encode.SourceTensor`), else as bfloat16 (the writer rounds and measures).
-    Rows are made in ``memory``, placed for ``place`` either way (rows already in the GGUF type, bf16 ->
-    BF16, then go to the disk without a copy)."""
-    src = t.source
-    cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
-    piece = chunk_elements(src.unit, max_memory, threads)
-
-    def f16(a0: int, spans: list[tuple[int, int]], place: int | None) -> npt.NDArray[np.float16] | None:
-        # the float16 of elements [a0, a1), span by span, placed so element ``start`` lies at ``place``
-        flat = memory.empty((spans[-1][1] - a0) * 2, 0 if place is None else place).view(np.float16)
-        for s, e in spans:
-            c = src.codes_4bit(s, e)
-            if c is None or kernels_f16.dequantize_4bit_f16_of_bf16(c.packed, c.absmax, c.quant_map, c.blocksize,
-                                                                     e - s, out=flat[s - a0 : e - a0]) is None:
-                return None
-        return flat
-
-    def rows(r0: int, r1: int, place: int | None = None) -> np.ndarray:
-        start, stop = r0 * cols, r1 * cols
-        a0 = start // src.unit * src.unit
-        a1 = min(t.numel, -(-stop // src.unit) * src.unit)
-        bounds = list(range(a0, a1, piece)) + [a1]
-        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        flat = f16(a0, spans, None if place is None else place - (start - a0) * 2) if f16_of_bf16 else None
-        if flat is None and src.writes_in_place:  # (not all exact: every span as bf16, one dtype for the rows)
-            at = 0 if place is None else place - (start - a0) * t.dtype.itemsize  # (the rows' bytes as they are)
-            flat = memory.empty((a1 - a0) * t.dtype.itemsize, at).view(t.dtype.numpy)
-            for s, e in spans:
-                src.produce_into(s, e, t.dtype, flat[s - a0 : e - a0])
-        elif flat is None:
-            parts = [src.produce(s, e, t.dtype) for s, e in spans]
-            flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if not flat.flags.writeable:
-            # a read-only view of the input file (a source that does not cast): the caller reads it after
-            # the release below, which would map those pages again, for good (RSS growing to the file size)
-            flat = flat.copy()
-        for s, e in spans:
-            src.release(s, e)
-        return flat[start - a0 : stop - a0].reshape(r1 - r0, *t.shape[1:])
-
-    return rows
-
-
-def _rows_per_unit(t: PlannedTensor) -> int:
-    """Rows in one chunk unit of the tensor's source, when the unit is whole rows (a LoRA merge)."""
-    cols = t.numel // t.shape[0] if t.shape and t.shape[0] else 1
-    unit = t.source.unit
-    return unit // cols if cols and unit >= cols and unit % cols == 0 else 1
 
 
 def _type_notes(out_type: str, tensors: list[GGUFTensor]) -> list[str]:
@@ -219,23 +152,15 @@ class GgufJob:
         return "\n".join(lines)
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
-        as_f16 = {g.source for g in self.gplan.tensors if g.ggml_type == GT.F16 and not g.offset}
-        as_f16 -= {g.source for g in self.gplan.tensors if g.ggml_type != GT.F16 or g.offset}
-        memory = placed_memory(run.threads)
-        records = [
-            SourceTensor(t.name, t.shape, rows=_row_reader(t, run.max_memory, run.threads, memory,
-                                                           t.name in as_f16 and t.dtype.name == "bfloat16"),
-                         done=t.source.finish, row_align=_rows_per_unit(t))
-            for t in self.plan.tensors
-        ]
         budget = max(run.max_memory - 96 * 1024 * 1024, 16 * 1024 * 1024)
         gchunk = max(1 << 16, min(1 << 22, budget // (chunks_held(run.threads) * _GGUF_BYTES_PER_ELEMENT)))
         bar = run.bar(self.gplan.nbytes)
         try:
-            self.reports = _write_gguf(self.gplan, staging, records, chunk_elements=gchunk, threads=run.threads,
-                                       processes=None if run.processes else 0,
-                                       progress=bar.update if bar is not None else None, sample=self.sample,
-                                       memory=memory)
+            self.reports = write_gguf(self.gplan, staging, {t.name: t for t in self.plan.tensors},
+                                      chunk_elements=gchunk, threads=run.threads, max_memory=run.max_memory,
+                                      processes=None if run.processes else 0,
+                                      progress=bar.update if bar is not None else None, sample=self.sample,
+                                      memory=placed_memory(run.threads))
         finally:
             if bar is not None:
                 bar.close()

@@ -28,7 +28,8 @@ from convert.dequant.products import PIECE
 from convert.lora.delta import ROW_ALIGN, TensorMerge
 from convert.lora.plan import MergePlan, plan_merge
 from convert.lora.report import MergeStats
-from convert.stream.plan import Plan, PlannedTensor, Source
+from convert.stream.plan import Plan, PlannedTensor
+from convert.stream.sources import Source
 from formats.bnb import TensorLike
 from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.dtypes import DType

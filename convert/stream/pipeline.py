@@ -2,9 +2,11 @@
 
 A target writes its tensors in chunks made by ``threads`` workers and written in order, so the bytes are
 the same for every thread count, and holds at most ``2 * threads + 1`` chunks at once, so the resident
-set stays near ``max_memory`` whatever the model size. :func:`chunk_elements` and :func:`max_threads`
-size the chunks and the threads for a cap; :class:`RunSettings` carries the settings to a target's
-writer (:mod:`convert.stream.safetensors_job`, :mod:`convert.gguf.encode`).
+set stays near ``max_memory`` whatever the model size. :func:`ordered_chunks` is that loop, the one
+every writer runs (:mod:`convert.stream.safetensors_job`, :mod:`convert.gguf.encode`): a writer lists its
+chunks in file order (:class:`Chunk`, :data:`FENCE`) and writes what the loop hands back.
+:func:`chunk_elements` and :func:`max_threads` size the chunks and the threads for a cap;
+:class:`RunSettings` carries the settings to a target's writer.
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ from __future__ import annotations
 import resource
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from convert.stream.plan import PlannedTensor
 from formats.writeback import IN_PLACE_WRITES, PlacedMemory
 
-__all__ = ["InputLifetime", "RunSettings", "chunk_elements", "max_threads", "peak_rss_bytes", "placed_memory"]
+__all__ = ["FENCE", "Chunk", "InputLifetime", "RunSettings", "chunk_elements", "chunk_size", "max_threads",
+           "ordered_chunks", "peak_rss_bytes", "placed_memory", "ranges"]
 
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
@@ -190,4 +195,82 @@ def placed_memory(threads: int) -> PlacedMemory:
     writer's in-place writes)."""
     return PlacedMemory(keep=2 * threads + 1 + IN_PLACE_WRITES)
 
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of an output, in file order, for :func:`ordered_chunks`.
+
+    Attributes:
+        key: what the writer needs to know of the chunk (its tensor, its range, ...): handed back with it.
+        make: makes the chunk's data: in a worker, or with ``in_order`` in the writing thread once every
+            chunk before it is written (a barrier source, made from what the earlier chunks left); None
+            when ``data`` is given.
+        data: the data, made already (a tiny tensor made by the writing thread), or None with ``make``
+            None: a marker that holds nothing (e.g. a tensor's end), neither counted nor made.
+        in_order: run ``make`` in the writing thread when the chunk's turn to be written comes.
+    """
+
+    key: Any
+    make: Callable[[], Any] | None = None
+    data: Any = None
+    in_order: bool = False
+
+
+#: Given among the chunks: every chunk before it is handed back (written) before the next one is asked for.
+FENCE = Chunk(None)
+
+
+def ordered_chunks(chunks: Iterable[Chunk], pool: Executor | None, held: int) -> Iterator[tuple[Any, Any]]:
+    """Make ``chunks`` with ``pool``'s workers and hand them back in their order, ``(key, data)``.
+
+    The one chunk loop of every writer: the chunks of consecutive tensors flow through the workers as one
+    stream (no worker waits at a tensor's end), and are written in order, so the bytes do not depend on the
+    thread count. At most ``held`` chunks (markers aside) are made, being made or waiting to be written;
+    the next chunk is asked of ``chunks`` only when there is room, so a generator of chunks runs at most
+    ``held`` chunks ahead of the writer, and code after it yields :data:`FENCE` runs once every earlier
+    chunk has been handed back. A worker's exception is raised here when its chunk's turn comes.
+
+    Args:
+        chunks: the chunks in file order (a generator: made lazily).
+        pool: the workers; None: each chunk is made when it is taken (one thread).
+        held: the most chunks in flight (``2 * workers``).
+
+    Yields:
+        ``(chunk.key, data)`` in the order of ``chunks`` (``data`` None for a marker).
+    """
+    pending: deque[tuple[Chunk, Any]] = deque()  # (chunk, a worker's future or the data), in file order
+    counted = 0
+    for c in chunks:
+        if c is FENCE:
+            while pending:
+                yield _take(pending)
+            counted = 0
+            continue
+        if c.make is None or c.in_order:
+            pending.append((c, c.data))
+        elif pool is None:
+            pending.append((c, c.make()))
+        else:
+            pending.append((c, pool.submit(c.make)))
+        counted += _counted(c)
+        del c  # (the pending queue holds it; once taken, nothing here does)
+        while counted > held:
+            counted -= _counted(pending[0][0])
+            yield _take(pending)
+    while pending:
+        yield _take(pending)
+
+
+def _counted(c: Chunk) -> bool:
+    return c.make is not None or c.data is not None
+
+
+def _take(pending: deque[tuple[Chunk, Any]]) -> tuple[Any, Any]:
+    """The oldest chunk's ``(key, data)``, made now when it is made in order; nothing here keeps a
+    reference to the data once it is handed back (a zero-copy chunk is a view of an input file that
+    the writer may unmap right after writing it)."""
+    c, held = pending.popleft()
+    if c.in_order:
+        return c.key, c.make()  # type: ignore[misc]
+    return c.key, held.result() if isinstance(held, Future) else held
 

@@ -18,10 +18,11 @@ later commits; naming, pre-flight, claims and renames are not done here):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from convert.output import ShardLedger
-from convert.stream.pipeline import InputLifetime, RunSettings, chunk_size, placed_memory, ranges
-from convert.stream.plan import CastSource, Plan, PlannedTensor, Source, cast_run
+from convert.stream.pipeline import FENCE, Chunk, RunSettings, chunk_size, ordered_chunks, placed_memory, ranges
+from convert.stream.plan import Plan, PlannedTensor
+from convert.stream.sources import CastSource, Source, cast_run
 from formats.checkpoint import gc_paused
 from formats.dtypes import DType
 from formats.errors import VerificationError
@@ -105,64 +107,75 @@ def write_plan(plan: Plan, path: Path, run: RunSettings, ledger: ShardLedger | N
 
 def _write_shard(plan: Plan, shard: list[int], path: Path, pool: ThreadPoolExecutor, memory: PlacedMemory,
                  run: RunSettings, bar: Any) -> None:
-    """Write one output file: chunks of all its tensors flow through the pool as one stream (so the
-    workers never wait for a tensor boundary), up to ``2 * threads`` in flight, written in order; a
-    source that writes in place makes its chunks in ``memory``.
-    The file is closed without fsync; :func:`_fsync` runs in the background and is awaited before
+    """Write one output file: its chunks (:func:`_shard_chunks`) through :func:`convert.stream.pipeline.ordered_chunks`,
+    up to ``2 * threads`` in flight, written in order; the input pages of each chunk are released once it is
+    written. The file is closed without fsync; :func:`_fsync` runs in the background and is awaited before
     verifying."""
     tensors = [plan.tensors[i] for i in shard]
     with gc_paused():
         writer = SafetensorsWriter(path, *_shard_header(plan, shard))
     try:
-        # (tensor, start, stop, a worker's future or the data itself), in file order
-        pending: deque[tuple[PlannedTensor, int, int, Any]] = deque()
-        k = 0
-        while k < len(tensors):
-            t = tensors[k]
-            k += 1
-            if run.inputs is not None and not run.inputs.ready(t):
-                while pending:  # earlier tensors done first: the input files they alone read are deleted
-                    _drain_one(pending, writer, bar, run.inputs)
-                run.inputs.need(t)
-            if t.source.barrier and t.numel:
-                # made by this thread when its turn to be written comes (every earlier chunk is written then),
-                # so the workers go on with the next tensors meanwhile instead of waiting for a drain
-                for s, e in ranges(t, chunk_size(t, run)):
-                    pending.append((t, s, e, _InOrder(t.source, s, e, t.dtype)))
-                    while len(pending) > 2 * run.threads:
-                        _drain_one(pending, writer, bar, run.inputs)
-                continue
-            if t.numel <= _INLINE_ELEMENTS:
-                # a tiny tensor costs more to hand to a worker than to make: made here, still written in order
-                # (not with an InputLifetime: it is told of each tensor, and a run could cross input files)
-                end = _small_cast_run(tensors, k - 1) if run.inputs is None else k
-                if end > k:  # tiny plain tensors in a row: one cast, one write spanning them
-                    last = tensors[end - 1]
-                    data = cast_run([u.source for u in tensors[k - 1 : end]], t.dtype)  # type: ignore[misc]
-                    pending.append((last, last.numel, last.numel, data))  # (release of an empty range: none)
-                    k = end
-                elif t.numel:
-                    pending.append((t, 0, t.numel, t.source.produce(0, t.numel, t.dtype)))
-                else:
-                    pending.append((t, 0, 0, np.empty(0, dtype=t.dtype.numpy)))
-                while len(pending) > 2 * run.threads:
-                    _drain_one(pending, writer, bar, run.inputs)
-                continue
-            at = writer.offset(k - 1)
-            for s, e in ranges(t, chunk_size(t, run)):
-                if t.source.writes_in_place:  # made where the writer sends it from (no copy)
-                    task = pool.submit(_produce_placed, memory, t.source, s, e, t.dtype, at + s * t.dtype.itemsize)
-                else:  # (copied into the writer's buffers, reused: fresh memory would cost page faults)
-                    task = pool.submit(t.source.produce, s, e, t.dtype)
-                pending.append((t, s, e, task))
-                while len(pending) > 2 * run.threads:
-                    _drain_one(pending, writer, bar, run.inputs)
-        while pending:
-            _drain_one(pending, writer, bar, run.inputs)
+        for (t, s, e, in_place), data in ordered_chunks(_shard_chunks(tensors, writer, memory, run), pool,
+                                                        2 * run.threads):
+            writer.write(data, in_place=in_place)  # (placed in memory of its own: sent without a copy)
+            t.source.release(s, e)
+            if bar is not None:
+                bar.update(data.nbytes)
+            del data  # a zero-copy chunk is a view of its input file, which ``inputs.done`` may unmap
+            if e == t.numel:
+                t.source.finish()
+                if run.inputs is not None:
+                    run.inputs.done(t)
         writer.close(fsync=False)
     except BaseException:
         writer.abort()
         raise
+
+
+def _shard_chunks(tensors: list[PlannedTensor], writer: SafetensorsWriter, memory: PlacedMemory,
+                  run: RunSettings) -> Iterator[Chunk]:
+    """The chunks of one file's tensors in file order, keyed ``(tensor, start, stop, written in place)``.
+
+    A tensor's chunks are made by the workers: a source that writes in place makes them in ``memory``,
+    placed where the writer sends them from (no copy); others are copied into the writer's reused
+    buffers (fresh memory would cost page faults). A barrier source's chunks are made by the writing
+    thread when their turn comes, so the workers go on with the next tensors meanwhile. A tiny tensor
+    costs more to hand to a worker than to make: it is made here (a run of tiny plain casts: one cast, one
+    write spanning them). With an :class:`~convert.stream.pipeline.InputLifetime`, the tensors before one
+    whose input files are not on disk are written first (:data:`~convert.stream.pipeline.FENCE`): the files
+    they alone read are deleted before the next is fetched.
+    """
+    k = 0
+    while k < len(tensors):
+        t = tensors[k]
+        k += 1
+        if run.inputs is not None and not run.inputs.ready(t):
+            yield FENCE
+            run.inputs.need(t)
+        if t.source.barrier and t.numel:
+            for s, e in ranges(t, chunk_size(t, run)):
+                yield Chunk((t, s, e, False), functools.partial(t.source.produce, s, e, t.dtype), in_order=True)
+            continue
+        if t.numel <= _INLINE_ELEMENTS:
+            # (not a run with an InputLifetime: it is told of each tensor, and a run could cross input files)
+            end = _small_cast_run(tensors, k - 1) if run.inputs is None else k
+            # (no local name holds the data: a zero-copy view of an input file must die once it is written)
+            if end > k:
+                last = tensors[end - 1]
+                yield Chunk((last, last.numel, last.numel, False),  # (release of an empty range: none)
+                            data=cast_run([u.source for u in tensors[k - 1 : end]], t.dtype))  # type: ignore[misc]
+                k = end
+            else:
+                yield Chunk((t, 0, t.numel, False), data=t.source.produce(0, t.numel, t.dtype) if t.numel
+                            else np.empty(0, dtype=t.dtype.numpy))
+            continue
+        at = writer.offset(k - 1)
+        for s, e in ranges(t, chunk_size(t, run)):
+            if t.source.writes_in_place:
+                yield Chunk((t, s, e, True), functools.partial(_produce_placed, memory, t.source, s, e, t.dtype,
+                                                               at + s * t.dtype.itemsize))
+            else:
+                yield Chunk((t, s, e, False), functools.partial(t.source.produce, s, e, t.dtype))
 
 
 def _produce_placed(memory: PlacedMemory, source: Source, start: int, stop: int, dtype: DType,
@@ -172,17 +185,6 @@ def _produce_placed(memory: PlacedMemory, source: Source, start: int, stop: int,
     out = memory.empty((stop - start) * dtype.itemsize, offset).view(dtype.numpy)
     source.produce_into(start, stop, dtype, out)
     return out
-
-
-class _InOrder:
-    """A chunk of a barrier source (:attr:`convert.stream.plan.Source.barrier`), made by the writing thread once
-    every chunk before it is written (:func:`_drain_one` calls :meth:`result` when its turn comes)."""
-
-    def __init__(self, source: Any, start: int, stop: int, dtype: DType) -> None:
-        self.source, self.start, self.stop, self.dtype = source, start, stop, dtype
-
-    def result(self) -> np.ndarray:
-        return self.source.produce(self.start, self.stop, self.dtype)
 
 
 def _small_cast_run(tensors: list[PlannedTensor], k: int) -> int:
@@ -213,21 +215,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _drain_one(pending: deque[tuple[PlannedTensor, int, int, Any]], writer: SafetensorsWriter,
-               bar: Any, inputs: InputLifetime | None) -> None:
-    t, s, e, fut = pending.popleft()
-    data = fut.result() if isinstance(fut, (Future, _InOrder)) else fut
-    writer.write(data, in_place=isinstance(fut, Future) and t.source.writes_in_place)  # (placed, its own)
-    t.source.release(s, e)
-    if bar is not None:
-        bar.update(data.nbytes)
-    del data, fut  # a zero-copy chunk is a view of its input file, which ``inputs.done`` may unmap
-    if e == t.numel:
-        t.source.finish()
-        if inputs is not None:
-            inputs.done(t)
 
 
 def verify_plan(plan: Plan, path: Path) -> None:

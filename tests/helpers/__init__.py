@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules: fixture paths, readers, fakes and sources."""
