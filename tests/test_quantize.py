@@ -14,15 +14,7 @@ import numpy as np
 import pytest
 
 from convert.bnb4.absmax8 import double_quantize_absmax, dynamic_map_lut, quantize_blockwise_8bit
-from convert.bnb4.encode import (
-    ABSMAX_FLOOR,
-    FP4_ORDER,
-    blockwise_absmax,
-    encode_4bit,
-    iter_block_chunks,
-    quantize_4bit,
-    quantize_bounds,
-)
+from convert.bnb4.encode import ABSMAX_FLOOR, CODECS, FP4_ORDER, blockwise_absmax, codec, iter_block_chunks
 from convert.bnb4.layer import layer_tensors, quantize_layer
 from convert.bnb4.report import quantization_report
 from convert.bnb4.settings import QuantSettings
@@ -80,13 +72,12 @@ def test_requantized_equals_bnb_file(entry: dict) -> None:
 def test_block_aligned_chunks_give_the_same_bytes(entry: dict) -> None:
     x = _orig(entry).reshape(-1)
     bs = entry["blocksize"]
-    whole_packed, whole_absmax = quantize_4bit(x, bs, entry["quant_type"])
-    bounds = quantize_bounds(entry["quant_type"])
+    whole_packed, whole_absmax = codec(entry["quant_type"]).quantize(x, bs)
     packed, absmax = [], []
     for a, b in iter_block_chunks(x.size, bs, 3 * bs):
         am = blockwise_absmax(x[a:b], bs)
         absmax.append(am)
-        packed.append(encode_4bit(x[a:b], am, bs, entry["quant_type"], bounds))
+        packed.append(codec(entry["quant_type"]).encode(x[a:b], am, bs))
     assert np.concatenate(packed).tobytes() == whole_packed.tobytes()
     assert np.concatenate(absmax).tobytes() == whole_absmax.tobytes()
 
@@ -122,28 +113,28 @@ def test_fp4_order_sorts_the_table() -> None:
     srt = FP4_TABLE[FP4_ORDER]
     assert np.all(np.diff(srt) >= 0)
     assert sorted(FP4_ORDER.tolist()) == list(range(16))
-    mid, order = quantize_bounds("nf4")
+    mid, order = CODECS["nf4"].midpoints, CODECS["nf4"].order
     assert order.tolist() == list(range(16))
     assert mid.dtype == np.float32 and mid.size == 15
     assert mid[7] == np.float32(NF4_TABLE[8] / 2)
 
 
 def test_ties_go_to_the_lower_code() -> None:
-    mid, _ = quantize_bounds("nf4")
+    mid = CODECS["nf4"].midpoints
     # a block whose max is 1.0 so that s == x exactly; every midpoint is a tie
     x = np.concatenate([[1.0], mid, np.zeros(64 - 16)]).astype(np.float32)
-    codes = unpack_4bit(quantize_4bit(x, 64, "nf4")[0])
+    codes = unpack_4bit(codec("nf4").quantize(x, 64)[0])
     assert codes[1:16].tolist() == list(range(15))
     # one ulp above each midpoint goes to the upper code
     x[1:16] = np.nextafter(mid, np.float32(2))
-    codes = unpack_4bit(quantize_4bit(x, 64, "nf4")[0])
+    codes = unpack_4bit(codec("nf4").quantize(x, 64)[0])
     assert codes[1:16].tolist() == list(range(1, 16))
 
 
 def test_fp4_small_values_use_both_zero_codes() -> None:
     x = np.zeros(64, np.float32)
     x[0], x[1], x[2], x[3] = 1.0, 1e-4, -1e-4, 0.0
-    codes = unpack_4bit(quantize_4bit(x, 64, "fp4")[0])
+    codes = unpack_4bit(codec("fp4").quantize(x, 64)[0])
     assert codes[:4].tolist() == [3, 8, 0, 0]  # +1.0 is code 3; tiny positive -> 8, tiny negative -> 0
     assert FP4_TABLE[8] == 0 and FP4_TABLE[0] == 0
 
@@ -151,25 +142,25 @@ def test_fp4_small_values_use_both_zero_codes() -> None:
 def test_zero_blocks_and_tail() -> None:
     x = np.zeros(64 * 2 + 5, np.float32)
     x[70] = 0.5
-    packed, absmax = quantize_4bit(x, 64, "nf4")
+    packed, absmax = codec("nf4").quantize(x, 64)
     assert absmax.view(np.uint32).tolist() == [0, np.float32(0.5).view(np.uint32), 0x006CE3EE]
     assert absmax[2] == ABSMAX_FLOOR
     assert packed.size == 67
     assert packed[-1] == 0x77  # last real element and the pad are both code 7 (0.0)
-    fp4_packed, _ = quantize_4bit(x, 64, "fp4")
+    fp4_packed, _ = codec("fp4").quantize(x, 64)
     assert fp4_packed[-1] == 0x00
 
 
 def test_odd_count_padding() -> None:
     for qt, pad in (("nf4", 7), ("fp4", 0)):
-        packed, _ = quantize_4bit(np.array([0.5, -1.0, 0.25], np.float32), 64, qt)
+        packed, _ = codec(qt).quantize(np.array([0.5, -1.0, 0.25], np.float32), 64)
         assert packed.size == 2
         assert packed[1] & 0xF == pad
 
 
 def test_tail_uses_true_division_full_blocks_the_reciprocal() -> None:
     # find a value whose scaled value differs between x * fp32(1/a) and x / a at a code boundary
-    mid, _ = quantize_bounds("nf4")
+    mid = CODECS["nf4"].midpoints
     a = np.float32(0.3)
     recip = np.float32(1) / a
     cand = (mid[:, None] * a * (1 + np.arange(-200, 201)[None, :] * 2.0**-23)).astype(np.float32).ravel()
@@ -182,8 +173,8 @@ def test_tail_uses_true_division_full_blocks_the_reciprocal() -> None:
     full[0], full[1] = a, v
     tail = np.zeros(32, np.float32)
     tail[0], tail[1] = a, v
-    code_full = unpack_4bit(quantize_4bit(full, 64, "nf4")[0])[1]
-    code_tail = unpack_4bit(quantize_4bit(np.concatenate([full, tail]), 64, "nf4")[0])[65]
+    code_full = unpack_4bit(codec("nf4").quantize(full, 64)[0])[1]
+    code_tail = unpack_4bit(codec("nf4").quantize(np.concatenate([full, tail]), 64)[0])[65]
     assert code_full == np.searchsorted(mid, s_mul[differ][0])
     assert code_tail == np.searchsorted(mid, s_div[differ][0])
     assert code_full != code_tail
@@ -193,7 +184,7 @@ def test_non_finite_input_is_refused() -> None:
     x = np.zeros(200, np.float32)
     x[130] = np.nan
     with pytest.raises(UnsupportedError) as exc:
-        quantize_4bit(x, 64, "nf4")
+        codec("nf4").quantize(x, 64)
     assert exc.value.rule == "QNT-003"
     assert "found 'non-finite value in block 2'" in str(exc.value)
 
@@ -239,7 +230,7 @@ def test_torch_sum_thread_split(threads: int, bits: int) -> None:
 
 @pytest.mark.parametrize("entry", NESTED, ids=[e["name"] for e in NESTED])
 def test_nested_offset_is_torch_mean(entry: dict) -> None:
-    _, absmax = quantize_4bit(_orig(entry), entry["blocksize"], entry["quant_type"])
+    _, absmax = codec(entry["quant_type"]).quantize(_orig(entry), entry["blocksize"])
     want = json.loads(entry["quant_state_json"])["nested_offset"]
     assert float(torch_mean_float32(absmax)) == want
 
@@ -247,7 +238,7 @@ def test_nested_offset_is_torch_mean(entry: dict) -> None:
 def test_numpy_mean_would_differ_on_two_fixtures() -> None:
     differ = []
     for entry in NESTED:
-        _, absmax = quantize_4bit(_orig(entry), entry["blocksize"], entry["quant_type"])
+        _, absmax = codec(entry["quant_type"]).quantize(_orig(entry), entry["blocksize"])
         if np.float32(absmax.sum(dtype=np.float32) / np.float32(absmax.size)) != torch_mean_float32(absmax):
             differ.append(entry["name"])
     assert differ == ["nf4_bs128_dq_float32_64x256_zeroblocks", "fp4_bs256_dq_float32_3x40x72_normal"]
@@ -438,7 +429,7 @@ def test_bucket_tables_equal_the_search(quant_type: str) -> None:
     every midpoint and on random values (the buckets holding a midpoint, searched, are few)."""
     from convert.bnb4.encode import _BUCKET_BITS, _SEARCH, _code_table, _pack_codes
 
-    mid, order = quantize_bounds(quant_type)
+    mid, order = CODECS[quant_type].midpoints, CODECS[quant_type].order
     table = _code_table(mid.tobytes())
     finite = (np.arange(table.size, dtype=np.uint32) >> (_BUCKET_BITS - 9) & 0xFF) != 0xFF
     assert 0 < np.count_nonzero(table[finite] == _SEARCH) <= 2 * mid.size
@@ -450,7 +441,7 @@ def test_bucket_tables_equal_the_search(quant_type: str) -> None:
     s = np.concatenate([edges[np.isfinite(edges)], near, rand])
     s = np.clip(s, -1, 1).astype(np.float32)[: s.size // 2 * 2]
     got = np.empty(s.size // 2, np.uint8)
-    _pack_codes(s, mid, order, quant_type == "nf4", got)
+    _pack_codes(s, mid, None if quant_type == "nf4" else order, got)
     codes = order[np.searchsorted(mid, s, side="left")]
     assert got.tolist() == ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8).tolist()
 

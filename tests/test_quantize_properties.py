@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convert.bnb4.encode import blockwise_absmax, encode_4bit, iter_block_chunks, quantize_4bit
+from convert.bnb4.encode import blockwise_absmax, codec, iter_block_chunks
 from convert.bnb4.layer import quantize_layer
 from convert.bnb4.settings import QuantSettings
 from convert.dequant.kernels import dequantize_4bit
@@ -38,12 +38,12 @@ def _tensors(draw: st.DrawFn) -> tuple[np.ndarray, int, str]:
 @given(_tensors(), st.integers(1, 4))
 def test_property_chunks_equal_whole(case: tuple[np.ndarray, int, str], blocks_per_chunk: int) -> None:
     x, bs, qt = case
-    packed, absmax = quantize_4bit(x, bs, qt)
+    packed, absmax = codec(qt).quantize(x, bs)
     parts_p, parts_a = [], []
     for a, b in iter_block_chunks(x.size, bs, blocks_per_chunk * bs):
         am = blockwise_absmax(x[a:b], bs)
         parts_a.append(am)
-        parts_p.append(encode_4bit(x[a:b], am, bs, qt))
+        parts_p.append(codec(qt).encode(x[a:b], am, bs))
     assert np.concatenate(parts_p).tobytes() == packed.tobytes()
     assert np.concatenate(parts_a).tobytes() == absmax.tobytes()
 

@@ -619,18 +619,19 @@ def test_pieces_are_released_after_they_are_used(monkeypatch: pytest.MonkeyPatch
     released earlier, the encoder's reads mapped them again for good (peak RSS grew to the input's size,
     2.6 GiB for a 2.8 GB bf16 model at the 1 GiB cap)."""
     import convert.bnb4.passes as qp
+    from convert.bnb4.encode import Bnb4Codec
     from convert.bnb4.settings import QuantSettings
     from convert.stream.plan import PlannedTensor
     from formats.dtypes import BY_CODE
 
     log: list[tuple[str, int, int]] = []
-    real = qp.encode_4bit
+    real = Bnb4Codec.encode
 
-    def logged(x: np.ndarray, *args: object, **kw: object) -> np.ndarray:
+    def logged(self: Bnb4Codec, x: np.ndarray, *args: object, **kw: object) -> np.ndarray:
         log.append(("encode", 0, x.size))
-        return real(x, *args, **kw)  # type: ignore[arg-type]
+        return real(self, x, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(qp, "encode_4bit", logged)
+    monkeypatch.setattr(Bnb4Codec, "encode", logged)
     values = np.random.default_rng(3).standard_normal(64 * 40).astype(np.float32)
     t = PlannedTensor("w.weight", BY_CODE["F32"], (40, 64), _ZeroCopy(values, log))  # type: ignore[arg-type]
     job = qp.LayerJob(t, QuantSettings(nested=False), 64 * 8, qp.AbsmaxBudget(0), False, 10.0)

@@ -10,7 +10,8 @@ bitsandbytes 0.50.2 wrote, and against bitsandbytes and torch 2.13 themselves):
     block stores 0.0). The partial last block uses a true division ``x / max(absmax, 1e-38)`` and
     stores the clamped value (an all-zero tail stores 1e-38, fp32 bits 0x006ce3ee).
     ``code = searchsorted(midpoints, s, side="left")`` over the fp32 midpoints of the sorted table,
-    so a tie goes to the lower code; FP4 maps the sorted index through :data:`FP4_ORDER`. Byte k
+    so a tie goes to the lower code; FP4 maps the sorted index through :data:`FP4_ORDER`
+    (:class:`Bnb4Codec`: one class, an instance per type). Byte k
     holds code 2k in its high nibble and code 2k+1 in its low one; an odd count is padded with a
     scaled value of 0.0 (nibble 7 for NF4, 0 for FP4).
 
@@ -32,21 +33,13 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.dequant.block_reduce import block_max_bits
+from convert.dequant.kernels import dequantize_4bit
 from convert.dequant.products import PIECE
 from formats.bnb import BLOCKSIZES, QUANT_TABLES
 from formats.errors import BlocksizeOptionError, NonFiniteWeightError, QuantTypeOptionError
 
-__all__ = [
-    "ABSMAX_FLOOR",
-    "FP4_ORDER",
-    "blockwise_absmax",
-    "check_blocksize",
-    "check_quant_type",
-    "encode_4bit",
-    "iter_block_chunks",
-    "quantize_4bit",
-    "quantize_bounds",
-]
+__all__ = ["ABSMAX_FLOOR", "CODECS", "FP4_ORDER", "Bnb4Codec", "blockwise_absmax", "check_blocksize", "codec",
+           "iter_block_chunks"]
 
 #: The floor bnb clamps absmax to before dividing (``absmax.clamp(min=1e-38)``), fp32 bits 0x006ce3ee.
 ABSMAX_FLOOR = np.float32(1e-38)
@@ -55,17 +48,6 @@ ABSMAX_FLOOR = np.float32(1e-38)
 FP4_ORDER = np.array([11, 10, 13, 12, 15, 14, 9, 0, 8, 1, 6, 7, 4, 5, 2, 3], dtype=np.uint8)
 
 _F32 = np.float32
-
-
-def check_quant_type(quant_type: str) -> None:
-    """Check a 4-bit quant type (also :class:`~convert.bnb4.settings.QuantSettings`'s check).
-
-    Raises:
-        QuantTypeOptionError: QNT-001, quant_type is not ``"nf4"`` or ``"fp4"``.
-    """
-    if quant_type not in QUANT_TABLES:
-        raise QuantTypeOptionError("quant_type must be nf4 or fp4", expected="'nf4' or 'fp4'",
-                                   found=quant_type)
 
 
 def check_blocksize(blocksize: int) -> None:
@@ -77,29 +59,6 @@ def check_blocksize(blocksize: int) -> None:
     if blocksize not in BLOCKSIZES:
         raise BlocksizeOptionError("blocksize must be a power of two from 32 to 4096",
                                    expected=list(BLOCKSIZES), found=blocksize)
-
-
-def quantize_bounds(quant_type: str) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]]:
-    """The decision bounds of the 4-bit encoder.
-
-    Matches bitsandbytes ``backends/default/ops.py::_get_4bit_quantize_bounds``.
-
-    Args:
-        quant_type: ``"nf4"`` or ``"fp4"``.
-
-    Returns:
-        (``float32[15]`` midpoints of the sorted table, each ``fp32((a + b) / 2)``;
-        ``uint8[16]`` the code of each sorted position: identity for NF4, :data:`FP4_ORDER` for FP4).
-
-    Raises:
-        QuantTypeOptionError: QNT-001, unknown quant_type.
-    """
-    check_quant_type(quant_type)
-    table = QUANT_TABLES[quant_type]
-    order = np.arange(16, dtype=np.uint8) if quant_type == "nf4" else FP4_ORDER
-    srt = table[order]
-    mid = ((srt[:-1] + srt[1:]) / _F32(2)).astype(_F32)
-    return mid, order
 
 
 def _flat_f32(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
@@ -169,54 +128,6 @@ def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32
     return out
 
 
-def encode_4bit(
-    x: npt.ArrayLike,
-    absmax: npt.NDArray[np.float32],
-    blocksize: int,
-    quant_type: str,
-    bounds: tuple[npt.NDArray[np.float32], npt.NDArray[np.uint8]] | None = None,
-) -> npt.NDArray[np.uint8]:
-    """Packed 4-bit codes of a block-aligned slice, given its absmax (pass 2 of two).
-
-    Matches the codes of bitsandbytes ``quantize_4bit`` (generic kernel): fp32 reciprocal for full
-    blocks, true division for a partial last block, ties to the lower code, odd count padded.
-
-    Args:
-        x: ``float16|bfloat16|float32[m]`` (any shape; read flat), starting on a block boundary.
-        absmax: ``float32[ceil(m / blocksize)]`` from :func:`blockwise_absmax` of the same slice.
-        blocksize: elements per block (even).
-        quant_type: ``"nf4"`` or ``"fp4"``.
-        bounds: optional :func:`quantize_bounds` result (saves recomputing it per slice).
-
-    Returns:
-        ``uint8[ceil(m / 2)]``; byte k = code[2k] << 4 | code[2k+1].
-
-    Raises:
-        QuantTypeOptionError: QNT-001, unknown quant_type.
-    """
-    mid, order = bounds if bounds is not None else quantize_bounds(quant_type)
-    is_nf4 = quant_type == "nf4"
-    x = np.asarray(x).reshape(-1)
-    absmax = np.asarray(absmax, dtype=_F32).reshape(-1)
-    m = x.size
-    nb_full = m // blocksize
-    out = np.empty(-(-m // 2), dtype=np.uint8)
-    piece = max(1, PIECE // blocksize)
-    with np.errstate(over="ignore"):  # 1/1e-38 is finite; silence the huge-but-finite path
-        for b in range(0, nb_full, piece):
-            e = min(nb_full, b + piece)
-            blk = _flat_f32(x[b * blocksize : e * blocksize]).reshape(e - b, blocksize)
-            recip = _F32(1) / np.maximum(absmax[b:e], ABSMAX_FLOOR)
-            s: npt.NDArray[np.float32] = np.multiply(blk, recip[:, None], dtype=_F32)  # (no clip: _pack_codes)
-            _pack_codes(s.reshape(-1), mid, order, is_nf4, out[b * blocksize // 2 : e * blocksize // 2])
-        if m > nb_full * blocksize:
-            tail = _flat_f32(x[nb_full * blocksize :])
-            t = np.zeros(tail.size + tail.size % 2, dtype=_F32)  # an odd count pads with 0.0
-            np.clip(np.divide(tail, absmax[-1], dtype=_F32), -1, 1, out=t[: tail.size])
-            _pack_codes(t, mid, order, is_nf4, out[nb_full * blocksize // 2 :])
-    return out
-
-
 #: The byte order: the top 16 bits of a float32 are its second uint16 on little-endian machines.
 _LITTLE = sys.byteorder == "little"
 
@@ -259,11 +170,11 @@ def _code_table(mid: bytes) -> npt.NDArray[np.uint8]:
 def _pack_codes(
     s: npt.NDArray[np.float32],
     mid: npt.NDArray[np.float32],
-    order: npt.NDArray[np.uint8],
-    is_nf4: bool,
+    order: npt.NDArray[np.uint8] | None,
     out: npt.NDArray[np.uint8],
 ) -> None:
-    """Codes of scaled values ``s`` (float32, contiguous, even count) packed two to a byte into ``out``.
+    """Codes of scaled values ``s`` (float32, contiguous, even count) packed two to a byte into ``out``;
+    ``order``: the code of each sorted position (None: the identity, NF4's).
 
     Any finite ``s`` is fine: values beyond [-1, 1] get the end codes, as bnb's clamp to [-1, 1] gives
     (every midpoint is inside), so callers need not clip.
@@ -274,7 +185,7 @@ def _pack_codes(
     search = np.flatnonzero(idx == _SEARCH)
     if search.size:  # values in a bucket that holds a midpoint
         idx[search] = np.searchsorted(mid, s[search], side="left")
-    codes = idx if is_nf4 else np.take(order, idx, mode="wrap")  # NF4's order is the identity
+    codes = idx if order is None else np.take(order, idx, mode="wrap")
     if _LITTLE:  # a uint16 of two codes (< 16) is first | second << 8: byte = (v << 4 | v >> 8) & 0xFF
         v = codes.view(np.uint16)
         packed = np.left_shift(v, 4)
@@ -286,30 +197,107 @@ def _pack_codes(
         np.bitwise_or(out, pairs[:, 1], out=out)
 
 
-def quantize_4bit(
-    x: npt.ArrayLike, blocksize: int = 64, quant_type: str = "nf4"
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
-    """Quantize a tensor (or a block-aligned slice of it) to packed 4-bit codes and absmax.
+class Bnb4Codec:
+    """One bitsandbytes 4-bit type: ``quantize`` float values to packed codes and absmax, ``dequantize``
+    them back. NF4 and FP4 differ only in data (:data:`CODECS` holds the two instances): their 16-entry
+    table (:data:`formats.bnb.QUANT_TABLES`) and the code of each position of the sorted table (identity
+    for NF4; :data:`FP4_ORDER`, ``torch.argsort(code)`` in bnb, for FP4).
 
-    Matches bitsandbytes ``functional.quantize_4bit`` (generic kernel, ``compress_statistics=False``)
-    byte for byte.
-
-    Args:
-        x: ``float16|bfloat16|float32`` of n elements, any shape (quantized flat, row-major).
-        blocksize: 32, 64, ..., 4096.
+    Attributes:
         quant_type: ``"nf4"`` or ``"fp4"``.
+        table: ``float32[16]``, the value of each code.
+        order: ``uint8[16]``, the code of each sorted table position.
+        midpoints: ``float32[15]``, the decision bounds: each ``fp32((a + b) / 2)`` of neighbours in the
+            sorted table (bitsandbytes ``backends/default/ops.py::_get_4bit_quantize_bounds``).
+    """
 
-    Returns:
-        (``uint8[ceil(n/2)]`` packed codes, ``float32[ceil(n/blocksize)]`` absmax).
+    def __init__(self, quant_type: str, order: npt.NDArray[np.uint8]) -> None:
+        self.quant_type = quant_type
+        self.table = QUANT_TABLES[quant_type]
+        self.order = order
+        srt = self.table[order]
+        self.midpoints = ((srt[:-1] + srt[1:]) / _F32(2)).astype(_F32)
+        self._identity = bool((order == np.arange(16)).all())
+
+    def quantize(self, x: npt.ArrayLike, blocksize: int = 64) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
+        """Quantize a tensor (or a block-aligned slice of it) to packed 4-bit codes and absmax.
+
+        Matches bitsandbytes ``functional.quantize_4bit`` (generic kernel, ``compress_statistics=False``)
+        byte for byte.
+
+        Args:
+            x: ``float16|bfloat16|float32`` of n elements, any shape (quantized flat, row-major).
+            blocksize: 32, 64, ..., 4096.
+
+        Returns:
+            (``uint8[ceil(n/2)]`` packed codes, ``float32[ceil(n/blocksize)]`` absmax).
+
+        Raises:
+            BlocksizeOptionError: QNT-002, a bad blocksize.
+            NonFiniteWeightError: QNT-003, x holds NaN or infinity.
+        """
+        check_blocksize(blocksize)
+        absmax = blockwise_absmax(x, blocksize)
+        return self.encode(x, absmax, blocksize), absmax
+
+    def encode(self, x: npt.ArrayLike, absmax: npt.NDArray[np.float32], blocksize: int) -> npt.NDArray[np.uint8]:
+        """Packed 4-bit codes of a block-aligned slice, given its absmax (pass 2 of two; pass 1 is
+        :func:`blockwise_absmax`).
+
+        Matches the codes of bitsandbytes ``quantize_4bit`` (generic kernel): fp32 reciprocal for full
+        blocks, true division for a partial last block, ties to the lower code, odd count padded.
+
+        Args:
+            x: ``float16|bfloat16|float32[m]`` (any shape; read flat), starting on a block boundary.
+            absmax: ``float32[ceil(m / blocksize)]`` from :func:`blockwise_absmax` of the same slice.
+            blocksize: elements per block (even).
+
+        Returns:
+            ``uint8[ceil(m / 2)]``; byte k = code[2k] << 4 | code[2k+1].
+        """
+        order = None if self._identity else self.order
+        x = np.asarray(x).reshape(-1)
+        absmax = np.asarray(absmax, dtype=_F32).reshape(-1)
+        m = x.size
+        nb_full = m // blocksize
+        out = np.empty(-(-m // 2), dtype=np.uint8)
+        piece = max(1, PIECE // blocksize)
+        with np.errstate(over="ignore"):  # 1/1e-38 is finite; silence the huge-but-finite path
+            for b in range(0, nb_full, piece):
+                e = min(nb_full, b + piece)
+                blk = _flat_f32(x[b * blocksize : e * blocksize]).reshape(e - b, blocksize)
+                recip = _F32(1) / np.maximum(absmax[b:e], ABSMAX_FLOOR)
+                s: npt.NDArray[np.float32] = np.multiply(blk, recip[:, None], dtype=_F32)  # (no clip: _pack_codes)
+                _pack_codes(s.reshape(-1), self.midpoints, order, out[b * blocksize // 2 : e * blocksize // 2])
+            if m > nb_full * blocksize:
+                tail = _flat_f32(x[nb_full * blocksize :])
+                t = np.zeros(tail.size + tail.size % 2, dtype=_F32)  # an odd count pads with 0.0
+                np.clip(np.divide(tail, absmax[-1], dtype=_F32), -1, 1, out=t[: tail.size])
+                _pack_codes(t, self.midpoints, order, out[nb_full * blocksize // 2 :])
+        return out
+
+    def dequantize(self, packed: npt.NDArray[np.uint8], absmax: npt.NDArray[np.float32], blocksize: int, n: int,
+                   dtype: str = "float32") -> np.ndarray:
+        """The values of ``n`` packed codes: bnb's ``fp32(table[code]) * fp32(absmax)``, rounded once to
+        ``dtype`` (:func:`convert.dequant.kernels.dequantize_4bit`, with this type's table)."""
+        return dequantize_4bit(packed, absmax, self.table, blocksize, n, dtype)
+
+
+#: The 4-bit types: ``quant_type`` -> its codec.
+CODECS: dict[str, Bnb4Codec] = {"nf4": Bnb4Codec("nf4", np.arange(16, dtype=np.uint8)),
+                                "fp4": Bnb4Codec("fp4", FP4_ORDER)}
+
+
+def codec(quant_type: str) -> Bnb4Codec:
+    """The codec of a 4-bit quant type (also :class:`~convert.bnb4.settings.QuantSettings`'s check).
 
     Raises:
-        QuantTypeOptionError, BlocksizeOptionError: QNT-001/QNT-002, bad quant_type or blocksize.
-        NonFiniteWeightError: QNT-003, x holds NaN or infinity.
+        QuantTypeOptionError: QNT-001, quant_type is not ``"nf4"`` or ``"fp4"``.
     """
-    check_quant_type(quant_type)
-    check_blocksize(blocksize)
-    absmax = blockwise_absmax(x, blocksize)
-    return encode_4bit(x, absmax, blocksize, quant_type), absmax
+    if quant_type not in CODECS:
+        raise QuantTypeOptionError("quant_type must be nf4 or fp4", expected="'nf4' or 'fp4'",
+                                   found=quant_type)
+    return CODECS[quant_type]
 
 
 def iter_block_chunks(n: int, blocksize: int, max_elements: int) -> Iterator[tuple[int, int]]:

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.bnb4.absmax8 import double_quantize_absmax
-from convert.bnb4.encode import quantize_4bit
+from convert.bnb4.encode import codec
 from convert.bnb4.settings import QuantSettings, storage_dtype
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, QuantState, component_name, state_key
 
@@ -59,7 +59,7 @@ def quantize_layer(x: np.ndarray, dtype: str, settings: QuantSettings) -> Quanti
     Raises:
         UnsupportedError: QNT-003, x holds NaN or infinity.
     """
-    packed, absmax = quantize_4bit(x, settings.blocksize, settings.quant_type)
+    packed, absmax = codec(settings.quant_type).quantize(x, settings.blocksize)
     shape = tuple(int(d) for d in np.shape(x))
     if settings.nested:
         codes, nested, offset = double_quantize_absmax(absmax, num_threads=settings.num_threads)

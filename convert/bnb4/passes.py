@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.bnb4.absmax8 import NESTED_BLOCKSIZE, encode_8bit, nested_statistics, resolve_nested
-from convert.bnb4.encode import blockwise_absmax, encode_4bit, quantize_bounds
+from convert.bnb4.encode import blockwise_absmax, codec
 from convert.bnb4.report import QuantReport, ReportAccumulator, stored_nbytes
 from convert.bnb4.settings import QuantSettings
 from convert.stream.plan import PlannedTensor
@@ -371,7 +371,7 @@ class LayerJob:
         self._want_report = report
         self._outlier_factor = outlier_factor
         self._report_sample = report_sample
-        self._bounds = quantize_bounds(settings.quant_type)
+        self._codec = codec(settings.quant_type)
         self._acc: ReportAccumulator | None = None
         self._lock = threading.Lock()
 
@@ -394,7 +394,7 @@ class LayerJob:
             am = self.absmax.cached_blocks(s // bs, -(-e // bs))  # (from the pre-pass, checked finite there)
             if am is None:
                 am = self.input.absmax(x, s)
-            packed = encode_4bit(x, am, bs, self.settings.quant_type, self._bounds)
+            packed = self._codec.encode(x, am, bs)
             out.append(packed)
             resolved = am  # the absmax a loader sees
             if self.settings.nested:

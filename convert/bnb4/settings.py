@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from convert.bnb4.absmax8 import NESTED_BLOCKSIZE
-from convert.bnb4.encode import check_blocksize, check_quant_type
+from convert.bnb4.encode import check_blocksize, codec
 from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
 from formats.bnb import QuantState
 from formats.errors import QuantStorageOptionError, QuantStorageSizeError
@@ -45,7 +45,7 @@ class QuantSettings:
     num_threads: int = TORCH_NUM_THREADS
 
     def __post_init__(self) -> None:
-        check_quant_type(self.quant_type)
+        codec(self.quant_type)  # QNT-001
         check_blocksize(self.blocksize)
         if self.quant_storage not in QUANT_STORAGES:
             raise QuantStorageOptionError("quant storage must be uint8, bfloat16, float16 or float32",
