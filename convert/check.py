@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from convert.job import resolve_source
 from convert.options import AUTO, ConvertOptions, Target, target_for
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
@@ -216,7 +217,6 @@ def run_command(args: argparse.Namespace) -> int:
     ``--json`` prints the report as JSON; ``--quiet`` prints nothing when clean and only the problems,
     one line each on stderr, otherwise (no notes, no summary).
     """
-    from convert.job import resolve_source
 
     try:
         src = resolve_source(args.src, args.revision)  # a Hub repo id is fetched into the HF cache

@@ -1,7 +1,7 @@
-"""The ``convert-bnb`` command: arguments in, :class:`~convert.job.ConvertOptions` out; errors become
+"""The ``convert-bnb`` command: arguments in, :class:`~convert.options.ConvertOptions` out; errors become
 one line and an exit code here, and only here.
 
-``convert-bnb SRC --to ...`` parses into :class:`~convert.job.ConvertOptions` and calls
+``convert-bnb SRC --to ...`` parses into :class:`~convert.options.ConvertOptions` and calls
 :func:`convert.job.convert`; the other commands are the static table :data:`SUBCOMMANDS`.
 
 Exit codes: 0 success; 2 bad input or usage (one line on stderr naming file, tensor and rule), or
@@ -24,8 +24,10 @@ from convert import __version__, check, inspection, signals
 from convert.batch import cli as batch_cli
 from convert.bnb4.settings import QUANT_STORAGES
 from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
+from convert.job import convert
+from convert.lora.report import format_table
 from convert.options import ConvertOptions, QuantOptions, target_arg, target_names
-from convert.output import InterruptedAfterCommit
+from convert.output import InterruptedAfterCommit, user_path
 from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError
 
@@ -156,9 +158,6 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    with signals.deferred():  # (C extensions among its imports: see convert.signals)
-        from convert.job import convert
-
     result = convert(options_from_args(args))
     try:
         return _report(args, result)
@@ -185,7 +184,6 @@ def _report(args: argparse.Namespace, result: Any) -> int:
 
 def print_summary(result: Any) -> None:
     """The summary of a finished conversion on stderr (what was written, speed, memory, notes)."""
-    from convert.lora.report import format_table
 
     print(f"wrote {result.output}: {result.tensors} tensors, {format_bytes(result.bytes_in)} in, "
           f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
@@ -286,7 +284,6 @@ def _print_failure(as_json: bool, error: dict[str, Any]) -> None:
 
 def _os_message(exc: OSError) -> str:
     """An OS error as one line naming the path the user knows (an output, not its temporary)."""
-    from convert.output import user_path
 
     if exc.strerror is None:
         return str(exc)

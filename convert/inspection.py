@@ -30,8 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from convert.job import resolve_source
 from convert.options import FLOAT_TARGETS
+from convert.stream.plan import make_plan
+from convert.stream.sources import Dequant4Source
 from convert.units import format_bytes, parse_size
+from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
+from formats.bnb_layers import group_layers
 from formats.errors import ConvertBnbError, UsageError
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: this module loads at CLI start-up
@@ -87,9 +94,6 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     Raises:
         BnbLayerError: a layer breaks a BNB-xxx rule (as the conversion would report it).
     """
-    from convert.stream.plan import make_plan
-    from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
-    from formats.bnb_layers import group_layers
 
     opts = options or InspectOptions()
     layers, plain = group_layers(ckpt.tensors, int8_model=is_int8_config(ckpt.config))  # type: ignore[arg-type]
@@ -201,7 +205,6 @@ def _components(layers: dict[str, Any], plain: list[str], ckpt: Checkpoint) -> l
     4-bit / int8 layers and unquantized tensors by dtype, so a single file holding several models (a diffusion
     checkpoint: transformer, text encoders, VAE) shows what each part is stored as. A first name part is split
     by the second when that names two or more models (names, not block numbers, each with its own tree)."""
-    from formats.bnb import Int8Layer, QuantizedLayer
 
     seconds: dict[str, set[str]] = {}
     shallow: set[str] = set()  # first parts with a tensor directly under a second part (``final_layer.linear.weight``)
@@ -231,13 +234,10 @@ def _components(layers: dict[str, Any], plain: list[str], ckpt: Checkpoint) -> l
 
 
 def _absmax_of(layer: QuantizedLayer | Int8Layer) -> np.ndarray:
-    import numpy as np
 
-    from formats.bnb import Int8Layer
 
     if isinstance(layer, Int8Layer):
         return np.asarray(layer.scb.array(), dtype=np.float32).reshape(-1)
-    from convert.stream.sources import Dequant4Source
 
     return Dequant4Source(layer).absmax()
 
@@ -258,7 +258,6 @@ def absmax_stats(layers: Any, options: InspectOptions | None = None) -> dict[str
     Raises:
         BnbLayerError: BNB-012 when an absmax value is not finite.
     """
-    import numpy as np
 
     opts = options or InspectOptions()
     out: list[dict[str, Any]] = []
@@ -378,7 +377,6 @@ examples:
 
 def run_command(args: argparse.Namespace) -> int:
     """``convert-bnb inspect``: print the report (``--json``: as JSON)."""
-    from convert.job import resolve_source
 
     if args.outlier_factor <= 0 or args.flag_ratio <= 0:
         raise UsageError("--outlier-factor and --flag-ratio must be positive",

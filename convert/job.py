@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from convert import __version__
-from convert.hub.download import HubSource, WeightMode, is_repo_id, parse_repo_spec, resolve_repo
+from convert.hub.download import HubSource, WeightMode, resolve_repo
+from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
 from convert.options import MIN_MEMORY, ConvertOptions

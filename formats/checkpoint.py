@@ -77,8 +77,9 @@ from .torch_pickle import TorchPickleReader
 
 __all__ = [
     "READERS",
-    "RemoteOpener",
+    "WEIGHT_FILES",
     "WEIGHT_SUFFIXES",
+    "RemoteOpener",
     "Checkpoint",
     "ContainerReader",
     "TensorRecord",
@@ -86,6 +87,8 @@ __all__ = [
     "is_extra_file",
     "open_checkpoint",
     "path_kind",
+    "shard_suffix",
+    "weight_map",
 ]
 
 
@@ -122,13 +125,40 @@ READERS: dict[str, Callable[[Path], ContainerReader]] = {
 #: is read over HTTP and whose data is fetched when first needed): its reader, or None when it is not
 #: available there either (then the file is missing, as without an opener).
 RemoteOpener = Callable[[Path], "ContainerReader | None"]
-#: Index file names, per container, in order of preference.
-INDEX_NAMES: list[tuple[str, str]] = [
-    ("model.safetensors.index.json", ".safetensors"),
-    ("pytorch_model.bin.index.json", ".bin"),
+#: Where a model directory's (or Hub repo's) weights are, in order of preference: the first present is
+#: read. Per container (safetensors before torch pickles) its index, then its single file. ``(file name,
+#: whether it is an index)``; the one table of weight-file discovery (:func:`open_checkpoint`,
+#: ``convert.hub``).
+WEIGHT_FILES: list[tuple[str, bool]] = [
+    ("model.safetensors.index.json", True),
+    ("model.safetensors", False),
+    ("pytorch_model.bin.index.json", True),
+    ("pytorch_model.bin", False),
 ]
-#: Single-file weight names, in order of preference.
-SINGLE_NAMES: list[str] = ["model.safetensors", "pytorch_model.bin"]
+#: What a directory without weights is told it lacks (CKPT-005): the indexes, then the single files.
+WEIGHT_FILES_EXPECTED = " or ".join([n for n, index in WEIGHT_FILES if index] + [n for n, index in WEIGHT_FILES
+                                                                                 if not index])
+
+
+def shard_suffix(index_name: str) -> str:
+    """The suffix of the shards an index names (``model.safetensors.index.json`` -> ``.safetensors``)."""
+    return Path(index_name.removesuffix(".index.json")).suffix
+
+
+def weight_map(index: Any, path: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``weight_map`` of a parsed index (tensor name -> shard file name).
+
+    Raises:
+        IndexJsonError: CKPT-001, no ``weight_map`` object of strings.
+    """
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+        raise IndexJsonError(
+            "index must hold a 'weight_map' object mapping tensor names to shard files",
+            path=path, expected="{tensor name: shard file}",
+            found=type(wmap).__name__ if not isinstance(wmap, dict) else "non-string entries",
+        )
+    return wmap
 #: Suffixes that mark a weight file (never copied as an extra file).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
 
@@ -358,36 +388,35 @@ def _open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbErro
     extra = sorted(p for p in src.iterdir() if p.is_file() and is_extra_file(p.name))
     readers: list[ContainerReader] = []
     try:
-        # per container in order of preference (safetensors before torch pickles): index, then single
-        for index_name, suffix in INDEX_NAMES:
-            index_path = src / index_name
-            if index_path.is_file():
-                files, tensors = _open_index(src, index_path, suffix, readers, report, problems, remote)
-                return Checkpoint(src, True, files, tensors, config, extra, readers)
-            for single in (n for n in SINGLE_NAMES if n.endswith(suffix)):
-                single_path = src / single
-                single_kind = path_kind(single_path)
-                far = remote(single_path) if single_kind == "missing" and remote is not None else None
-                if single_kind == "missing" and far is None:
-                    continue
-                if single_kind not in ("file", "missing"):
-                    raise NotRegularFileError("weight file is not a regular file", path=single_path,
-                                              expected="a regular file", found=single_kind)
-                reader = far if far is not None else _open_file(single_path, problems)
-                readers.append(reader)
-                stray = _stray_shards(src, {single_path.name}, single_path.suffix.lower())
-                if stray:
-                    report(UnindexedShardError(
-                        "shard files present but no index names them", path=src,
-                        expected=f"{single_path.name}.index.json", found=stray,
-                        hint="remove the stray shards or fetch the index",
-                    ))
-                return Checkpoint(src, True, [single_path], _records(reader), config, extra, readers)
+        for name, is_index in WEIGHT_FILES:  # the first present, in order of preference
+            weight_path = src / name
+            if is_index:
+                if weight_path.is_file():
+                    files, tensors = _open_index(src, weight_path, shard_suffix(name), readers, report, problems,
+                                                 remote)
+                    return Checkpoint(src, True, files, tensors, config, extra, readers)
+                continue
+            single_kind = path_kind(weight_path)
+            far = remote(weight_path) if single_kind == "missing" and remote is not None else None
+            if single_kind == "missing" and far is None:
+                continue
+            if single_kind not in ("file", "missing"):
+                raise NotRegularFileError("weight file is not a regular file", path=weight_path,
+                                          expected="a regular file", found=single_kind)
+            reader = far if far is not None else _open_file(weight_path, problems)
+            readers.append(reader)
+            stray = _stray_shards(src, {weight_path.name}, weight_path.suffix.lower())
+            if stray:
+                report(UnindexedShardError(
+                    "shard files present but no index names them", path=src,
+                    expected=f"{weight_path.name}.index.json", found=stray,
+                    hint="remove the stray shards or fetch the index",
+                ))
+            return Checkpoint(src, True, [weight_path], _records(reader), config, extra, readers)
         candidates = sorted(p.name for p in src.iterdir() if p.suffix.lower() in READERS)
         raise NoWeightsError(
             "no weights found", path=src,
-            expected=" or ".join([n for n, _ in INDEX_NAMES] + SINGLE_NAMES),
-            found=candidates or "no weight files",
+            expected=WEIGHT_FILES_EXPECTED, found=candidates or "no weight files",
             hint="point at the model directory or at one weight file",
         )
     except BaseException:
@@ -412,14 +441,7 @@ def _open_index(
     problems: list[ConvertBnbError] | None,
     remote: RemoteOpener | None = None,
 ) -> tuple[list[Path], dict[str, TensorRecord]]:
-    index = jsonfile.load_json_file(index_path, jsonfile.INDEX, IndexJsonError, "the index")
-    wmap = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
-        raise IndexJsonError(
-            "index must hold a 'weight_map' object mapping tensor names to shard files",
-            path=index_path, expected="{tensor name: shard file}",
-            found=type(wmap).__name__ if not isinstance(wmap, dict) else "non-string entries",
-        )
+    wmap = weight_map(jsonfile.load_json_file(index_path, jsonfile.INDEX, IndexJsonError, "the index"), index_path)
     shard_names = list(dict.fromkeys(wmap.values()))  # in index order, once each (linear)
     # a name that leaves the directory first: it is the cause when the real shards then look stray (CKPT-004)
     outside = {s for s in shard_names if os.sep in s or (os.altsep and os.altsep in s) or s in ("", ".", "..")}

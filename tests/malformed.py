@@ -571,7 +571,7 @@ def _batch_job(src: Path, out_dir: Path, to: str, overwrite: bool = False) -> No
     import os
 
     from convert.batch.jobs import Job
-    from convert.batch.run import run_job
+    from convert.batch.worker import run_job
 
     spec = {"job": Job(str(src), None, to, 5 * 10**9, "job").to_dict(), "out_dir": str(out_dir),
             "max_memory": 64 << 20, "threads": 1, "verify": True, "overwrite": overwrite, "parent_pid": os.getpid()}

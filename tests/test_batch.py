@@ -600,7 +600,7 @@ def test_bad_jobs_files(tmp_path: Path, name: str, content: str, rule: str, part
 
 
 def test_summary_table_rows() -> None:
-    from convert.batch.run import JobResult
+    from convert.batch.worker import JobResult
 
     t = summary_table([JobResult("a", "org/a", "converted", bytes_out=2048, shards_written=2, commit="f" * 40),
                        JobResult("b", "org/b", "failed", error="boom")])

@@ -40,9 +40,9 @@ def test_console_script_gives_openblas_one_thread_unless_set(preset: str | None)
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     if preset is not None:
         env["OPENBLAS_NUM_THREADS"] = preset
-    probe = ("import sys, convert, convert.cli, numpy; sys.argv = ['convert-bnb', '--version']\n"
+    probe = ("import sys, convert.__main__, convert.cli, numpy; sys.argv = ['convert-bnb', '--version']\n"
              "convert.cli.main = lambda: print(__import__('os').environ['OPENBLAS_NUM_THREADS']) or 0\n"
-             "sys.exit(convert.main())")
+             "sys.exit(convert.__main__.main())")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == (preset or "1")
 
@@ -53,9 +53,9 @@ def test_a_signal_after_the_command_returned_does_not_kill_the_exit() -> None:
     import subprocess
     import sys
 
-    probe = ("import os, signal, sys, convert, convert.cli\n"
+    probe = ("import os, signal, sys, convert.__main__, convert.cli\n"
              "convert.cli.main = lambda: print('wrote it') or 0\n"
-             "code = convert.main()\n"
+             "code = convert.__main__.main()\n"
              "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGTERM)\n"
              "sys.exit(code)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)

@@ -13,10 +13,9 @@ from convert.hub.download import (
     check_disk,
     choose_weight_files,
     estimate_output_bytes,
-    is_repo_id,
-    parse_repo_spec,
     resolve_repo,
 )
+from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.options import target_for
 from convert.output import default_output
 from convert.stream.plan import make_plan

@@ -522,7 +522,8 @@ def test_linear_merge_in_pieces_equals_delta_then_add(out_dtype: str, scale: flo
     when the adapter's bound allows): the bits of ``round(W + lora_delta_rows(...))`` for every chunking,
     past WHOLE_PRODUCT_ELEMENTS, and with a scale large enough that the bound does not hold (1e37: fp16
     overflows to inf, the delta stays finite, nothing is refused)."""
-    from convert.lora.delta import MergeOp, TensorMerge, _delta_bounded
+    from convert.lora.delta import TensorMerge, _delta_bounded
+    from convert.lora.ops import MergeOp
 
     rows, cols, r = 300, 4000, 8
     assert rows * cols > WHOLE_PRODUCT_ELEMENTS
@@ -553,7 +554,8 @@ def test_lora_source_merges_in_place_in_runs_for_any_chunking(out_dtype: str) ->
     from types import SimpleNamespace
 
     from convert.lora.apply import LoraSource
-    from convert.lora.delta import MergeOp, TensorMerge
+    from convert.lora.delta import TensorMerge
+    from convert.lora.ops import MergeOp
     from convert.lora.report import MergeStats
     from convert.stream.sources import Source
     from formats.dtypes import BY_CODE
@@ -598,7 +600,8 @@ def test_power_of_two_scale_folded_into_lora_A_gives_the_same_bits(out_dtype: st
     """A scale of +-2^p is multiplied into lora_A once (``_fold_scale``) instead of into every delta value:
     the bits of PEFT's order, ``round(W + (B @ A) * scale)``, over several sgemm blocks and chunkings; refused
     where a value of either order would be subnormal."""
-    from convert.lora.delta import MergeOp, TensorMerge
+    from convert.lora.delta import TensorMerge
+    from convert.lora.ops import MergeOp
 
     rows, cols, r = 300, 4000, 16
     rng = np.random.default_rng(11)

@@ -27,10 +27,14 @@ from typing import Any
 from convert import __version__
 from convert.batch.jobs import Job, job_options
 from convert.batch.state import load_state, save_state, state_path
-from convert.job import job_key
+from convert.hub.download import resolve_repo
+from convert.inspection import InspectOptions, inspect_checkpoint
+from convert.job import ResolvedSource, job_key, resolve_source
 from convert.options import Target
 from convert.output import recorded_shards
-from formats.errors import ConvertBnbError
+from convert.stream.plan import make_plan
+from formats.checkpoint import open_checkpoint
+from formats.errors import ConvertBnbError, HubError
 
 __all__ = ["LOSSLESS_TARGETS", "build_upload_plan", "card_claims", "model_card", "plan_batch", "push_output",
            "quant_summary", "repo_name"]
@@ -38,8 +42,6 @@ __all__ = ["LOSSLESS_TARGETS", "build_upload_plan", "card_claims", "model_card",
 
 def quant_summary(src: Path) -> list[str]:
     """One line per group of quantized layers in the source (headers only)."""
-    from convert.inspection import InspectOptions, inspect_checkpoint
-    from formats.checkpoint import open_checkpoint
 
     try:
         with open_checkpoint(src) as ckpt:
@@ -112,6 +114,7 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
         and commit, what the values are (:func:`card_claims`: bit-exact only for lossless targets), the
         settings, the converter version and every file with its size and sha256.
     """
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import ModelCard, ModelCardData
 
     is_gguf = job.to.family == "gguf"
@@ -181,6 +184,7 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
     pushed = state.get("pushed")
     if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
         return target
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import CommitOperationAdd, HfApi
 
     files = state.get("files", {})
@@ -195,7 +199,6 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
         info = api.create_commit(target, ops, commit_message=plan["commit"]["commit_message"])
     except Exception as exc:
         if type(exc).__module__.startswith("huggingface_hub"):
-            from formats.errors import HubError
 
             raise HubError(f"cannot push to '{target}' ({type(exc).__name__}: {str(exc).splitlines()[0]})",
                            action="push", hint="check HF_TOKEN has write access to the organisation") from None
@@ -250,8 +253,6 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
 
 def _resolve_without_download(job: Job) -> Any:
     """The job's source as a :class:`~convert.job.ResolvedSource`; a Hub repo resolved to its commit only."""
-    from convert.hub.download import resolve_repo
-    from convert.job import ResolvedSource, resolve_source
 
     if not job.is_repo:
         return resolve_source(job.src, job.revision)
@@ -263,8 +264,6 @@ def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
     """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local."""
     if not src.exists():
         return None
-    from convert.stream.plan import make_plan
-    from formats.checkpoint import open_checkpoint
 
     if job.to.family != "float":
         return None

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from convert.batch.card import plan_batch
 from convert.batch.jobs import parse_jobs
-from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, JobResult, check_executor, run_batch
+from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, check_executor, run_batch
+from convert.batch.worker import JobResult
 from convert.options import target_arg
 from convert.units import format_bytes, parse_size
 from formats.errors import UsageError

@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from convert.batch.state import manifest_path, state_path
+from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.options import ConvertOptions, Target, target_for, target_names
+from convert.output import default_output, with_target_suffix
 from convert.units import parse_size
 from formats import jsonfile
 from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError, ConvertBnbError
@@ -73,7 +76,6 @@ class Job:
     @property
     def is_repo(self) -> bool:
         """Whether SRC is a Hub repo id (not an existing local path)."""
-        from convert.hub.download import is_repo_id
 
         return is_repo_id(self.src)
 
@@ -86,7 +88,7 @@ class Job:
 
 def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
                 overwrite: bool = False) -> ConvertOptions:
-    """The :class:`~convert.job.ConvertOptions` of one job: exactly what ``convert-bnb SRC --to ...
+    """The :class:`~convert.options.ConvertOptions` of one job: exactly what ``convert-bnb SRC --to ...
     -o DIR/NAME`` would use, made resumable (``resume_key``) and with a file manifest.
 
     Args:
@@ -115,16 +117,12 @@ def _job_parser() -> argparse.ArgumentParser:
 
 
 def _default_name(src: str, to: Target, revision: str | None) -> str:
-    from convert.hub.download import is_repo_id
-    from convert.output import default_output
 
     repo = is_repo_id(src)
     return default_output(Path(src), to, src if repo else None, revision if repo else None).name
 
 
 def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, path: Path) -> Job:
-    from convert.hub.download import parse_repo_spec
-    from convert.output import with_target_suffix
 
     def bad(msg: str, **kw: Any) -> BatchOptionError:
         return BatchOptionError(f"{where}: {msg}", path=path, **kw)
@@ -167,7 +165,6 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
 
 
 def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path) -> Job | None:
-    import shlex
 
     try:
         tokens = shlex.split(text, comments=True)

@@ -2,7 +2,7 @@
 
 The batch process (the Ray driver) does what it does with local workers (:func:`convert.batch.run.run_batch`:
 checks, the out-dir lock, ``SPEC.json`` and the log per job, the results); only the place a job runs
-changes. A job is one Ray task running :func:`run_task`, which runs :func:`convert.batch.run.execute_job` on
+changes. A job is one Ray task running :func:`run_task`, which runs :func:`convert.batch.worker.execute_job` on
 the job's ``SPEC.json``, exactly as a local worker process does: the outputs, state files and results
 are the same, and a batch started on one executor resumes on the other. Hence ``--out-dir`` must be a
 path every node sees (a shared file system, mounted at the same path).
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from convert import BLAS_THREADS, __version__
-from convert.batch.run import execute_job, failed_result
+from convert.batch.worker import execute_job, failed_result
 from convert.stream.pipeline import reset_peak_rss
 from convert.units import format_bytes
 from formats.errors import UsageError
@@ -61,7 +61,7 @@ def task_options(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_task(spec_path: str, log_path: str, version: str) -> tuple[dict[str, Any], int]:
-    """The Ray task of one job: :func:`convert.batch.run.execute_job` on ``SPEC.json``, its messages
+    """The Ray task of one job: :func:`convert.batch.worker.execute_job` on ``SPEC.json``, its messages
     appended to the job's log (as a local worker's stderr is).
 
     Args:
@@ -70,7 +70,7 @@ def run_task(spec_path: str, log_path: str, version: str) -> tuple[dict[str, Any
         version: the batch process's convert-bnb version.
 
     Returns:
-        the job's result and exit code, as :func:`convert.batch.run.execute_job`; a failed result with
+        the job's result and exit code, as :func:`convert.batch.worker.execute_job`; a failed result with
         USE-001 when this node runs another convert-bnb version (its outputs would carry another key).
     """
     reset_peak_rss()  # this worker process may have run other jobs before
@@ -115,6 +115,7 @@ def import_ray() -> Any:
         UsageError: Ray is not installed (the message names ``pip install 'convert-bnb[ray]'``).
     """
     try:
+        # (optional: the [ray] extra)
         import ray
     except ImportError:
         raise UsageError(f"--executor ray needs Ray: {INSTALL}", found="no module named 'ray'") from None

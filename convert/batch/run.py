@@ -1,6 +1,7 @@
 """``convert-bnb batch JOBS --out-dir DIR``: many conversions, resumable, failures isolated.
 
-This module runs a batch (parent process, workers); its command line and summary table are
+This module runs a batch (the parent process and its executors; one job in its worker is
+:mod:`convert.batch.worker`); its command line and summary table are
 :mod:`convert.batch.cli`; the JOBS file is read by
 :mod:`convert.batch.jobs`, the per-job state is kept by :mod:`convert.batch.state`, the model card,
 the push and the dry-run plan are in :mod:`convert.batch.card`.
@@ -34,14 +35,15 @@ Running
     each worker at least 64 MiB; DIR is a directory, not a job's input or inside it), takes
     ``DIR/.convert-bnb/lock``, and starts one worker process per job, ``--jobs N`` at a time, each with
     ``max_memory // N`` and its share of the threads; one job's crash cannot stop the others. A worker
-    (:func:`worker_main`) asks Linux to SIGTERM it when the parent dies (``PR_SET_PDEATHSIG``), so a
-    killed batch never leaves a worker writing on; SIGTERM stops it with exit code 130. It runs
-    :func:`run_job`: resolve SRC (Hub repos through :mod:`convert.hub.download`, honouring the HF cache and
-    offline mode) to a commit, compare the job's key with the state file, and run
-    :func:`convert.job.convert` with the job's :class:`~convert.job.ConvertOptions`
+    (:func:`convert.batch.worker.worker_main`) asks Linux to SIGTERM it when the parent dies (``PR_SET_PDEATHSIG``),
+    so a killed batch never leaves a worker writing on; SIGTERM stops it with exit code 130. It runs
+    :func:`convert.batch.worker.run_job`: resolve SRC (Hub repos through :mod:`convert.hub.download`, honouring the HF
+    cache and offline mode) to a commit, compare the job's key with the state file, and run
+    :func:`convert.job.convert` with the job's :class:`~convert.options.ConvertOptions`
     (:func:`convert.batch.jobs.job_options`: resumable, with a file manifest), which claims the output,
     writes and verifies each shard and commits the output atomically (:mod:`convert.output`). The
-    worker prints its :class:`JobResult` as one JSON line (:func:`execute_job` turns every failure into
+    worker prints its :class:`convert.batch.worker.JobResult` as one JSON line
+    (:func:`convert.batch.worker.execute_job` turns every failure into
     the result); the parent prints a summary table and exits with :data:`EXIT_JOBS_FAILED` when any job
     failed. Interrupting the parent terminates its workers.
 
@@ -49,8 +51,8 @@ Executors
     Where jobs run is a :class:`Workers`: ``--executor local`` (:class:`LocalWorkers`, the worker
     processes above) or ``--executor ray`` (:class:`convert.batch.ray_executor.RayWorkers`: each job a Ray task
     on a cluster, ``--ray-address``; DIR on a file system every node sees). Both run
-    :func:`execute_job` on the job's ``SPEC.json`` and write the same files, state and results, so a
-    batch started on one executor resumes on the other. See docs/many-machines.md.
+    :func:`convert.batch.worker.execute_job` on the job's ``SPEC.json`` and write the same files, state and results,
+    so a batch started on one executor resumes on the other. See docs/many-machines.md.
 
 Done
     A job is marked ``done`` in its state file only after :func:`convert.job.convert` has returned and
@@ -89,57 +91,39 @@ Pushing
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import subprocess
 import sys
-import time
+import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from convert.batch.card import push_output, quant_summary
-from convert.batch.jobs import Job, job_options
+from convert.batch.jobs import Job
+from convert.batch.ray_executor import RayWorkers
 from convert.batch.state import (
     STATE_DIR,
-    STATE_VERSION,
-    check_complete,
-    file_manifest_matches,
-    foreign_files,
-    installed_manifest,
-    key_text,
-    load_state,
-    save_state,
-    state_path,
 )
-from convert.job import job_key
+from convert.batch.worker import JobResult, interrupted_message, progress_path, read_progress
 from convert.units import format_bytes
 from formats.errors import (
-    ConvertBnbError,
-    ForeignFilesError,
-    JobSettingsChangedError,
     OutputInsideInputError,
     OutputKindError,
     UsageError,
 )
 
-if TYPE_CHECKING:  # the rest is imported where used: this module loads at CLI start-up
-    import subprocess
-    from concurrent.futures import Future
-
 __all__ = [
     "EXECUTORS",
     "EXIT_JOBS_FAILED",
     "BatchProgress",
-    "JobResult",
     "LocalWorkers",
     "Workers",
     "check_executor",
-    "execute_job",
-    "failed_result",
     "run_batch",
-    "run_job",
-    "worker_main",
 ]
 
 #: Exit code of ``convert-bnb batch`` when at least one job failed.
@@ -147,195 +131,6 @@ EXIT_JOBS_FAILED = 3
 
 
 # ---------------------------------------------------------------- one job (runs in the worker process)
-
-@dataclass
-class JobResult:
-    """What happened to one job.
-
-    Attributes:
-        name: the job's output name.
-        src: its source (repo id or path).
-        status: ``converted``, ``skipped`` (already done), ``failed``, or ``interrupted`` (the batch was
-            stopped while the job ran; ``error`` says what was kept for the next run).
-        output: the output path.
-        commit: the resolved source commit (Hub), or None.
-        shards_written: shards written by this run.
-        shards_reused: finished shards kept from an earlier run.
-        bytes_out: bytes of the output (all files).
-        verified: the conversion re-read its output before committing it (False with ``--no-verify``).
-        seconds: wall time of the job.
-        peak_rss_bytes: the worker's peak resident set.
-        error: the error line when failed.
-        error_class: the error's class name when failed (``OutputBusyError``, ...).
-        rule: the error's rule when failed (``OUT-004``, ...).
-        pushed: the Hub repo pushed to (this run or before), or None.
-        notes: the conversion's notes (first its float16 line, when it has one).
-    """
-
-    name: str
-    src: str
-    status: str
-    output: str = ""
-    commit: str | None = None
-    shards_written: int = 0
-    shards_reused: int = 0
-    bytes_out: int = 0
-    verified: bool = False
-    seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    error: str | None = None
-    error_class: str | None = None
-    rule: str | None = None
-    pushed: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return asdict(self)
-
-
-def run_job(spec: dict[str, Any]) -> JobResult:
-    """Run one job of a batch (in the worker process): resolve, :func:`convert.job.convert`, verify, push.
-
-    Args:
-        spec: the job (``job``: :class:`Job` fields) and the batch settings (``out_dir``,
-            ``max_memory`` and ``threads`` for this worker, ``verify``, ``overwrite``, ``push_to_hub``,
-            ``private``).
-
-    Returns:
-        the :class:`JobResult` (also recorded in the state file).
-
-    Raises:
-        ConvertBnbError: any failure of the job (recorded in the state file first): the conversion's
-            own errors, JobSettingsChangedError (BATCH-005), ForeignFilesError (BATCH-006).
-    """
-    from convert.job import convert, resolve_source
-    from convert.stream.pipeline import peak_rss_bytes
-
-    t0 = time.perf_counter()
-    job = Job(**spec["job"])
-    out_dir = Path(spec["out_dir"])
-    work = out_dir / STATE_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    state_file = state_path(out_dir, job.name)
-    final = out_dir / job.name
-    state = load_state(state_file)
-    result = JobResult(job.name, job.src, "failed", str(final))
-    try:
-        source = resolve_source(job.src, job.revision, to=job.to.name, output=final)
-        commit = source.hub.commit if source.hub is not None else None
-        result.commit = commit
-        options = job_options(job, spec, revision=commit)  # the commit the key names is the one converted
-        key = job_key(options, source)
-        recorded = (state.get("files") or {}) if state.get("status") == "done" else {}
-        installed = installed_manifest(state_file)  # what the last conversion committed, maybe unrecorded
-        if state.get("key") == key and final.exists() and file_manifest_matches(final, recorded):
-            result.status = "skipped"
-        elif (state.get("key") == key and state.get("status") != "done" and final.exists()
-              and file_manifest_matches(final, installed)):
-            # an earlier worker committed this output and died before recording it: record it now
-            check_complete(final, installed)
-            state.update(status="done", files=installed, error=None)
-            save_state(state_file, state)
-            result.status = "skipped"
-            result.notes = ["the output was committed by an earlier run that stopped before recording it"]
-        else:
-            overwrite = False
-            if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
-                overwrite = True  # an empty folder holds nothing to lose or to check
-            elif final.exists() or final.is_symlink():
-                foreign = foreign_files(final, {**installed, **recorded})
-                if foreign:
-                    raise ForeignFilesError(
-                        "the job's output holds files this batch did not write; redoing the job would remove them",
-                        path=final, action="write", found=foreign[:5],
-                        hint="move them out of the folder, or give the job another --name")
-                if state.get("key") != key and not spec.get("overwrite"):
-                    raise JobSettingsChangedError(
-                        "the job's output was made with other settings", path=final, action="write",
-                        expected=key_text(key), found=key_text(state.get("key")),
-                        hint="pass --overwrite to redo it with the new settings, or give the job another --name")
-                overwrite = True
-            pushed = state.get("pushed") if state.get("key") == key else None
-            state = {"version": STATE_VERSION, "key": key, "job": job.to_dict(), "status": "running"}
-            if pushed:
-                state["pushed"] = pushed
-            save_state(state_file, state)
-            done = convert(replace(options, overwrite=overwrite,
-                                   on_progress=_progress_writer(progress_path(out_dir, job.name))))
-            check_complete(final, done.files)
-            result.status = "converted"
-            result.shards_written, result.shards_reused = done.shards_written, done.shards_reused
-            result.verified = done.verified
-            result.notes = [line for line in [done.fp16_line()] if line] + done.notes
-            state.update(status="done", files=done.files, error=None)
-            if source.hub is not None:
-                state["source"] = {"repo": source.hub.repo_id, "revision": source.hub.revision,
-                                   "commit": source.hub.commit}
-            save_state(state_file, state)
-        result.bytes_out = sum(f["bytes"] for f in state.get("files", {}).values())
-        if spec.get("push_to_hub"):
-            result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
-    except BaseException as exc:
-        if state.get("status") != "done":  # a failed push leaves a finished conversion done
-            state["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        state["error"] = interrupted_message(out_dir, job.name) if isinstance(exc, KeyboardInterrupt) else (
-            str(exc) or type(exc).__name__)
-        if state.get("version"):
-            save_state(state_file, state)
-        raise
-    finally:
-        result.seconds = time.perf_counter() - t0
-        result.peak_rss_bytes = peak_rss_bytes()
-    return result
-
-
-def progress_path(out_dir: Path, name: str) -> Path:
-    """Where a job's worker records its progress: ``{"done": bytes written, "total": bytes to write}``."""
-    return out_dir / STATE_DIR / f"{name}.progress"
-
-
-def _progress_writer(path: Path, every: float = 0.5) -> Callable[[int, int], None]:
-    """A ``ConvertOptions.on_progress`` that writes the progress to ``path`` (atomically), at most every
-    ``every`` seconds, and always when the output is complete."""
-    from convert.output import write_json
-
-    last = [0.0]
-
-    def report(done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - last[0] < every:
-            return
-        last[0] = now
-        try:
-            write_json(path, {"done": done, "total": total})
-        except OSError:  # progress is a courtesy: never fail a conversion for it
-            pass
-
-    return report
-
-
-def _read_progress(path: Path) -> tuple[int, int] | None:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-        return int(d["done"]), int(d["total"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def interrupted_message(out_dir: Path, name: str) -> str:
-    """What an interrupted job leaves, truthfully: the finished shards kept for the next run (a directory
-    output's staging), or nothing (a one-file output is written again whole)."""
-    from convert.output import PARTIAL_MARK
-
-    partial = out_dir / f".{name}{PARTIAL_MARK}"
-    if (out_dir / name).exists() and not partial.exists():
-        return ("interrupted with an output in place; the next run checks it against the job's manifest and "
-                "records it as done if it is complete, else converts the job again")
-    if partial.is_dir():
-        return (f"interrupted; its finished shards are kept in {partial} and reused when the batch is run "
-                "again")
-    return "interrupted; nothing of it was kept (run the batch again to convert it)"
 
 
 @dataclass
@@ -365,73 +160,7 @@ class BatchProgress:
 
 # ---------------------------------------------------------------- the batch (parent process)
 
-_WORKER = "import sys; from convert.batch.run import worker_main; sys.exit(worker_main(sys.argv[1:]))"
-
-
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux to send this worker SIGTERM when the batch process dies (``PR_SET_PDEATHSIG``), so a
-    killed batch never leaves a worker writing on; exit at once when the parent is already gone."""
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux: the output claim still guards
-        return
-    if os.getppid() != parent:
-        os._exit(130)
-
-
-def worker_main(argv: list[str]) -> int:
-    """Entry point of a local worker process: ``SPEC.json``. Prints the result as one JSON line on stdout.
-
-    Exit codes: those of :func:`execute_job`; 130 also when the batch process died.
-    """
-    from convert import signals
-
-    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    signals.install()  # SIGTERM (the batch stopping it) ends the job as SIGINT does
-    _die_with_parent(int(spec["parent_pid"]))
-    data, code = execute_job(spec)
-    signals.settle()  # the job is over: a late signal no longer kills the worker while it reports
-    print(json.dumps(data))
-    return code
-
-
-def execute_job(spec: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """Run one job as a worker does (a local worker process, or a Ray task): :func:`run_job`, with every
-    failure turned into the job's result. Messages for the job's log go to ``sys.stderr``.
-
-    Args:
-        spec: what ``DIR/.convert-bnb/NAME.spec.json`` holds (see :func:`run_job`).
-
-    Returns:
-        the result (:class:`JobResult` fields, as JSON data) and the exit code: 0 done, 2 the job failed
-        on its input (error in the state file), 1 internal error, 130 interrupted (``KeyboardInterrupt``:
-        SIGTERM in a local worker, ``ray.cancel`` in a Ray task).
-    """
-    try:
-        result = run_job(spec)
-    except ConvertBnbError as exc:
-        return failed_result(exc), 2
-    except KeyboardInterrupt:
-        job = spec["job"]
-        message = interrupted_message(Path(spec["out_dir"]), job["name"])
-        print(f"convert-bnb batch: job {job['name']}: {message}", file=sys.stderr)  # the job's log says so too
-        return {"status": "interrupted", "error": message}, 130
-    except Exception as exc:  # noqa: BLE001 - reported as this job's failure; the batch goes on
-        import traceback
-
-        traceback.print_exc()
-        return {"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}",
-                "error_class": type(exc).__name__}, 1
-    return result.to_dict(), 0
-
-
-def failed_result(exc: ConvertBnbError) -> dict[str, Any]:
-    """A job's result for a named failure: ``status`` failed, the error line, its class and rule."""
-    return {"status": "failed", "error": str(exc), "error_class": type(exc).__name__, "rule": exc.rule}
+_WORKER = "import sys; from convert.batch.worker import worker_main; sys.exit(worker_main(sys.argv[1:]))"
 
 
 #: The executors of ``convert-bnb batch --executor``: worker processes on this machine, or Ray tasks.
@@ -440,7 +169,8 @@ EXECUTORS = ("local", "ray")
 
 class Workers(Protocol):
     """Where a batch's jobs run: :class:`LocalWorkers` (processes on this machine) or
-    :class:`convert.batch.ray_executor.RayWorkers` (Ray tasks on a cluster). Both run :func:`execute_job` on the
+    :class:`convert.batch.ray_executor.RayWorkers` (Ray tasks on a cluster). Both run
+    :func:`convert.batch.worker.execute_job` on the
     job's ``SPEC.json`` and give back its result: the outputs, state files and results are the same."""
 
     def job_threads(self, threads: int | None, n_jobs: int, job_memory: int) -> int:
@@ -453,7 +183,8 @@ class Workers(Protocol):
 
     def run(self, spec_path: Path, log_path: Path) -> tuple[dict[str, Any], int]:
         """Run the job ``spec_path`` describes, its messages appended to ``log_path``; blocks until it
-        ends. Returns its result (:class:`JobResult` fields, JSON data) and exit code (as :func:`execute_job`)."""
+        ends. Returns its result (:class:`convert.batch.worker.JobResult` fields, JSON data) and exit code
+        (as :func:`convert.batch.worker.execute_job`)."""
         ...
 
     def stop(self) -> None:
@@ -470,7 +201,6 @@ class LocalWorkers:
     docstring: it dies with the batch, SIGTERM interrupts it)."""
 
     def __init__(self) -> None:
-        import threading
 
         self._procs: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
@@ -481,7 +211,6 @@ class LocalWorkers:
 
     def run(self, spec_path: Path, log_path: Path) -> tuple[dict[str, Any], int]:
         """Start the worker process, wait for it, read its result line (its stderr goes to ``log_path``)."""
-        import subprocess
 
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(spec_path)], stdout=subprocess.PIPE,
@@ -563,7 +292,7 @@ def run_batch(
             None: ``RAY_ADDRESS``, a cluster started on this machine, or a new local one).
 
     Returns:
-        one :class:`JobResult` per job, in job order.
+        one :class:`convert.batch.worker.JobResult` per job, in job order.
 
     Raises:
         UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, ``n_jobs`` < 1,
@@ -589,7 +318,6 @@ def run_batch(
                                          action="write", hint=f"job {job.where} reads '{job.src}'")
     out_dir = out_dir.absolute()  # the same path for every worker, whatever its working directory
     if executor == "ray":
-        from convert.batch.ray_executor import RayWorkers
 
         workers: Workers = RayWorkers(ray_address)
     else:
@@ -617,10 +345,6 @@ def _lock_out_dir(work: Path) -> Any:
     Raises:
         UsageError: another batch holds the lock.
     """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no lock
-        return None
     f = open(work / "lock", "a+")  # noqa: SIM115 - held until the run ends
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -635,9 +359,6 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
               on_done: Callable[[JobResult], None] | None,
               on_progress: Callable[[BatchProgress], None] | None = None,
               progress_interval: float = 2.0) -> list[JobResult]:
-    import threading
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
     lock = threading.Lock()
     stopping = threading.Event()  # the batch is being interrupted: a worker's end is not its job's failure
     running: set[str] = set()
@@ -682,7 +403,7 @@ def _run_jobs(jobs: list[Job], out_dir: Path, work: Path, n_jobs: int, settings:
                 names, n_finished = sorted(running), finished[0]
             if names and on_progress is not None:
                 on_progress(BatchProgress(len(jobs), n_finished,
-                                          {n: _read_progress(progress_path(out_dir, n)) for n in names}))
+                                          {n: read_progress(progress_path(out_dir, n)) for n in names}))
 
     done_watching = threading.Event()
     watcher = threading.Thread(target=watch, daemon=True) if on_progress is not None else None

@@ -38,6 +38,7 @@ from convert.bnb4.select import (
 )
 from convert.bnb4.settings import QuantSettings
 from convert.bnb4.sources import job_tensors, passthrough_ok, passthrough_tensors
+from convert.stream.pipeline import chunk_elements
 from convert.stream.plan import Plan, PlannedTensor, shard_tensors
 from convert.stream.sources import Dequant4Source
 from formats.bnb import Int8Layer, QuantizedLayer
@@ -129,7 +130,6 @@ def make_quant_plan(
         UnsupportedError: QNT-005, a weight whose packed bytes do not fill ``quant_storage``
             elements; QNT-003, a weight with NaN or infinity (found in the pre-pass or while writing).
     """
-    from convert.stream.pipeline import chunk_elements
 
     info = QuantPlanInfo()
     for option, patterns, include_ in (("--skip-modules", skip, False), ("--include", include, True)):

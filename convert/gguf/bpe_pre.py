@@ -50,6 +50,7 @@ CHECK_TEXT = (
 
 def _tokenizers() -> Any:
     try:
+        # (optional: the [gguf-bpe] extra)
         import tokenizers
     except ImportError:
         return None

@@ -9,8 +9,8 @@ login) authenticates, ``HF_HUB_OFFLINE=1`` resolves repo ids and revisions from 
 
 Only what the conversion needs is fetched (top-level files only):
 
-- the weights: the first of :data:`formats.checkpoint.INDEX_NAMES` present plus exactly the shards
-  its ``weight_map`` names, else the first of :data:`formats.checkpoint.SINGLE_NAMES` present;
+- the weights: the first of :data:`formats.checkpoint.WEIGHT_FILES` present (an index plus exactly the
+  shards its ``weight_map`` names, or a single file), as a local directory is read;
 - every other top-level file a directory output keeps (:func:`formats.checkpoint.is_extra_file`: config,
   tokenizer, generation config, chat template, README, LICENSE, remote-code ``.py``, ...), the same
   online and offline.
@@ -38,17 +38,20 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from convert.hub.repo import is_hub_exception, is_repo_name
+from convert.hub.shards import HubShards, RemoteFile
 from convert.options import FLOAT_TARGETS
 from formats import jsonfile
-from formats.checkpoint import is_extra_file
+from formats.bnb import component_name, int8_scale_name, is_component
+from formats.checkpoint import WEIGHT_FILES, WEIGHT_FILES_EXPECTED, is_extra_file, weight_map
+from formats.dtypes import BY_CODE, BY_NAME
 from formats.errors import (
     ConvertBnbError,
     DiskSpaceError,
@@ -59,9 +62,6 @@ from formats.errors import (
     UsageError,
 )
 
-if TYPE_CHECKING:
-    from convert.hub.shards import HubShards, RemoteFile
-
 __all__ = [
     "DownloadPlan",
     "HubSource",
@@ -69,15 +69,12 @@ __all__ = [
     "check_disk",
     "choose_weight_files",
     "estimate_output_bytes",
-    "is_repo_id",
-    "parse_repo_spec",
     "plan_download",
     "resolve_repo",
 ]
 
 #: Suffixes of files that hold weights (any container).
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 #: Bytes of output per byte of packed 4-bit codes, per element byte of the output dtype (2 codes/byte).
 _CODES_PER_BYTE = 2
 #: How :func:`resolve_repo` makes a repo's weights readable:
@@ -91,27 +88,6 @@ WeightMode = Literal["download", "headers", "low-disk", "auto"]
 _LOW_DISK_SHARDS = 2
 #: The mark of a low-disk staging folder's name (``.<output name>.convert-bnb-shards-<pid>-<random>``).
 SHARDS_MARK = ".convert-bnb-shards-"
-
-
-def is_repo_id(text: str) -> bool:
-    """Whether SRC means a Hub repo: ``org/name`` that is not an existing local path.
-
-    Args:
-        text: the SRC argument (without ``@revision``).
-    """
-    if os.path.exists(text):
-        return False
-    if not _REPO_RE.match(text) or ".." in text or text.endswith((".safetensors", ".bin", ".pt")):
-        return False
-    return True
-
-
-def parse_repo_spec(spec: str) -> tuple[str, str | None]:
-    """Split ``org/name@revision`` into (``org/name``, ``revision`` or None)."""
-    if "@" in spec and not os.path.exists(spec):
-        repo, _, rev = spec.partition("@")
-        return repo, rev or None
-    return spec, None
 
 
 @dataclass(frozen=True)
@@ -243,11 +219,6 @@ def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubErr
     )
 
 
-def is_hub_exception(exc: BaseException) -> bool:
-    # huggingface_hub's own errors, and the HTTP client's when the network is down (httpx.ConnectError, ...)
-    return type(exc).__module__.startswith(("huggingface_hub", "httpx", "httpcore", "requests", "urllib3"))
-
-
 class _Unreachable(Exception):
     """The Hub could not be reached (raised by :func:`plan_download`; :func:`resolve_repo` then uses the cache)."""
 
@@ -270,6 +241,7 @@ def _network_failure(exc: BaseException) -> bool:
 
 
 def _offline() -> bool:
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import constants
 
     fn = getattr(constants, "is_offline_mode", None)
@@ -282,42 +254,28 @@ def _load_index(path: str | Path) -> Any:
 
 
 def choose_weight_files(names: list[str], read_index: Callable[[str], Any]) -> list[str]:
-    """Pick exactly the weight files a conversion reads, as :func:`formats.checkpoint.open_checkpoint` would.
+    """Pick exactly the weight files a conversion reads: the first of :data:`formats.checkpoint.WEIGHT_FILES`
+    present, as :func:`formats.checkpoint.open_checkpoint` takes it from a directory.
 
     Args:
         names: the repo's top-level file names.
         read_index: loads an index file by name (returns its parsed JSON).
 
     Returns:
-        the index (if any) followed by its shards, or the one single weight file.
+        the index followed by the shards its ``weight_map`` names, or the one single weight file.
 
     Raises:
-        IndexJsonError: CKPT-001, the repo's index has no ``weight_map`` object.
+        IndexJsonError: CKPT-001, the repo's index has no ``weight_map`` object of strings.
         NoWeightsError: CKPT-005, the repo has no weights convert-bnb can read (names the weight-like files
             found).
     """
-    from formats.checkpoint import INDEX_NAMES, READERS, SINGLE_NAMES
-
     present = set(names)
-    for index_name, suffix in INDEX_NAMES:
-        if index_name in present and suffix in READERS:
-            index = read_index(index_name)
-            wmap = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(wmap, dict):
-                raise IndexJsonError("the repo's index has no 'weight_map' object", path=index_name)
-            shards: list[str] = []
-            for v in wmap.values():
-                if isinstance(v, str) and v not in shards:
-                    shards.append(v)
-            return [index_name] + shards
-    for single in SINGLE_NAMES:
-        if single in present and Path(single).suffix in READERS:
-            return [single]
+    for name, is_index in WEIGHT_FILES:
+        if name in present:
+            return [name, *dict.fromkeys(weight_map(read_index(name), name).values())] if is_index else [name]
     weightish = sorted(n for n in names if any(fnmatch.fnmatch(n, g) for g in _WEIGHT_GLOBS))
-    raise NoWeightsError(
-        "the repo has no weights convert-bnb can read",
-        expected=" or ".join([n for n, _ in INDEX_NAMES] + SINGLE_NAMES), found=weightish or "no weight files",
-    )
+    raise NoWeightsError("the repo has no weights convert-bnb can read", expected=WEIGHT_FILES_EXPECTED,
+                         found=weightish or "no weight files")
 
 
 def plan_download(
@@ -346,6 +304,7 @@ def plan_download(
     """
     if _offline():
         return None
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
 
     try:
@@ -401,8 +360,6 @@ def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int
         the estimate in bytes (exact for bf16/fp16/fp32 when every packed layer has an even element
         count), or None for targets it cannot price (e.g. ``gguf``).
     """
-    from formats.bnb import component_name, int8_scale_name, is_component
-    from formats.dtypes import BY_CODE, BY_NAME
 
     if to not in FLOAT_TARGETS:
         return None
@@ -440,6 +397,7 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
     cache filled by hand, or an older huggingface_hub) it checks nothing, and
     :func:`formats.checkpoint.open_checkpoint` finds missing shards (CKPT-002).
     """
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     import huggingface_hub
 
     fallback = ["config.json"]
@@ -469,7 +427,6 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
 def remote_files(plan: DownloadPlan) -> dict[str, RemoteFile]:
     """The plan's weight files as :class:`~convert.hub.shards.RemoteFile` (none read yet), or {} when
     they cannot be read in place (:attr:`DownloadPlan.reads_in_place`)."""
-    from convert.hub.shards import RemoteFile
 
     if not plan.reads_in_place:
         return {}
@@ -574,11 +531,13 @@ def resolve_repo(
             output and the two largest shards do not fit.
         UsageError: ``low-disk`` without ``out``, or for a repo without safetensors weights.
     """
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import constants
 
-    if not _REPO_RE.match(repo_id):
+    if not is_repo_name(repo_id):
         raise UsageError("not a Hub repo id", found=repo_id, expected="'org/name'")
     if not progress:
+        # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
@@ -624,9 +583,9 @@ def _alive(pid: int) -> bool:
 def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, cache: Path, out: str | Path | None,
              to: str, download: bool, weights: WeightMode, staging: Path | None) -> HubSource:
     """:func:`resolve_repo` once the staging folder of an explicit low-disk run exists (or None)."""
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import snapshot_download
 
-    from convert.hub.shards import HubShards
 
     unreachable: BaseException | None = None
     try:
@@ -634,6 +593,7 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
     except _Unreachable as exc:  # as huggingface_hub does: use the cached snapshot, if there is one
         plan, unreachable = None, exc.cause
     if plan is not None and not download:
+        # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
         from huggingface_hub.file_download import repo_folder_name
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
@@ -725,6 +685,7 @@ def _choose_mode(plan: DownloadPlan, weights: WeightMode, cache: Path, out: str 
 
 def _fetch(repo_id: str, plan: DownloadPlan, patterns: list[str], *, local_dir: Path) -> None:
     """Download the files matching ``patterns`` into ``local_dir`` (not the cache)."""
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import snapshot_download
 
     try:

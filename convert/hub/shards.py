@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from convert.hub.repo import is_hub_exception
 from convert.stream.plan import Plan, PlannedTensor
 from formats.errors import HubShardError, UsageError
 from formats.safetensors import Header, SafetensorsReader, TensorInfo, byte_range, read_header
@@ -49,6 +50,7 @@ class RemoteFile:
     """
 
     def __init__(self, repo_id: str, commit: str, name: str, size: int) -> None:
+        # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
         from huggingface_hub import hf_hub_url
 
         self.url = hf_hub_url(repo_id, name, revision=commit)
@@ -79,9 +81,9 @@ class RemoteFile:
         return self._get(offset, stop)
 
     def _get(self, start: int, stop: int) -> bytes:
+        # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        from convert.hub.download import is_hub_exception
 
         try:
             response = get_session().get(self.url, headers={**build_hf_headers(), "Range": f"bytes={start}-{stop - 1}"})
@@ -235,9 +237,9 @@ class HubShards:
         Raises:
             HubShardError: HUB-002.
         """
+        # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
         from huggingface_hub import hf_hub_download
 
-        from convert.hub.download import is_hub_exception
 
         try:
             got = Path(hf_hub_download(self.repo_id, shard.name, revision=self.commit, local_dir=self.folder))

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from convert.lora.delta import MergeOp, TensorMerge
+from convert.lora.delta import TensorMerge
+from convert.lora.ops import MergeOp
 from convert.lora.report import MergeStats
 from formats.errors import LoraShapeError
 from formats.peft import Adapter

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from convert.lora.delta import MergeOp
+from convert.lora.ops import MergeOp
 
 __all__ = ["MergeStats", "format_table", "sum_sq"]
 

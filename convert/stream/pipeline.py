@@ -77,6 +77,7 @@ class RunSettings:
         (``progress``), :attr:`on_progress`, both, or None when neither is asked for."""
         tq = None
         if self.progress:
+            # (heavy: ~40 ms to import; only a progress bar needs it)
             from tqdm import tqdm
 
             tq = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.label, file=sys.stderr,

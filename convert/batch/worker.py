@@ -1,0 +1,294 @@
+"""One job of ``convert-bnb batch``, in its worker: :func:`execute_job` on a job's ``SPEC.json``.
+
+Where it runs is the executor's choice (:mod:`convert.batch.run`: a local worker process started as
+``python -c worker_main SPEC.json``; :mod:`convert.batch.ray_executor`: a Ray task). :func:`run_job`
+resolves the source, compares the job's key with its state file, runs :func:`convert.job.convert` with
+the job's options and records what was done (:class:`JobResult`); :func:`execute_job` turns every
+failure into the result. The job's progress goes to a small file the batch process reads
+(:func:`progress_path`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from convert import signals
+from convert.batch.card import push_output, quant_summary
+from convert.batch.jobs import Job, job_options
+from convert.batch.state import (
+    STATE_DIR,
+    STATE_VERSION,
+    check_complete,
+    file_manifest_matches,
+    foreign_files,
+    installed_manifest,
+    key_text,
+    load_state,
+    save_state,
+    state_path,
+)
+from convert.job import convert, job_key, resolve_source
+from convert.output import PARTIAL_MARK, write_json
+from convert.stream.pipeline import peak_rss_bytes
+from formats.errors import ConvertBnbError, ForeignFilesError, JobSettingsChangedError
+
+__all__ = ["JobResult", "execute_job", "failed_result", "interrupted_message", "progress_path", "read_progress",
+           "run_job", "worker_main"]
+
+
+@dataclass
+class JobResult:
+    """What happened to one job.
+
+    Attributes:
+        name: the job's output name.
+        src: its source (repo id or path).
+        status: ``converted``, ``skipped`` (already done), ``failed``, or ``interrupted`` (the batch was
+            stopped while the job ran; ``error`` says what was kept for the next run).
+        output: the output path.
+        commit: the resolved source commit (Hub), or None.
+        shards_written: shards written by this run.
+        shards_reused: finished shards kept from an earlier run.
+        bytes_out: bytes of the output (all files).
+        verified: the conversion re-read its output before committing it (False with ``--no-verify``).
+        seconds: wall time of the job.
+        peak_rss_bytes: the worker's peak resident set.
+        error: the error line when failed.
+        error_class: the error's class name when failed (``OutputBusyError``, ...).
+        rule: the error's rule when failed (``OUT-004``, ...).
+        pushed: the Hub repo pushed to (this run or before), or None.
+        notes: the conversion's notes (first its float16 line, when it has one).
+    """
+
+    name: str
+    src: str
+    status: str
+    output: str = ""
+    commit: str | None = None
+    shards_written: int = 0
+    shards_reused: int = 0
+    bytes_out: int = 0
+    verified: bool = False
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    error: str | None = None
+    error_class: str | None = None
+    rule: str | None = None
+    pushed: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+def run_job(spec: dict[str, Any]) -> JobResult:
+    """Run one job of a batch (in the worker process): resolve, :func:`convert.job.convert`, verify, push.
+
+    Args:
+        spec: the job (``job``: :class:`Job` fields) and the batch settings (``out_dir``,
+            ``max_memory`` and ``threads`` for this worker, ``verify``, ``overwrite``, ``push_to_hub``,
+            ``private``).
+
+    Returns:
+        the :class:`JobResult` (also recorded in the state file).
+
+    Raises:
+        ConvertBnbError: any failure of the job (recorded in the state file first): the conversion's
+            own errors, JobSettingsChangedError (BATCH-005), ForeignFilesError (BATCH-006).
+    """
+
+    t0 = time.perf_counter()
+    job = Job(**spec["job"])
+    out_dir = Path(spec["out_dir"])
+    work = out_dir / STATE_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    state_file = state_path(out_dir, job.name)
+    final = out_dir / job.name
+    state = load_state(state_file)
+    result = JobResult(job.name, job.src, "failed", str(final))
+    try:
+        source = resolve_source(job.src, job.revision, to=job.to.name, output=final)
+        commit = source.hub.commit if source.hub is not None else None
+        result.commit = commit
+        options = job_options(job, spec, revision=commit)  # the commit the key names is the one converted
+        key = job_key(options, source)
+        recorded = (state.get("files") or {}) if state.get("status") == "done" else {}
+        installed = installed_manifest(state_file)  # what the last conversion committed, maybe unrecorded
+        if state.get("key") == key and final.exists() and file_manifest_matches(final, recorded):
+            result.status = "skipped"
+        elif (state.get("key") == key and state.get("status") != "done" and final.exists()
+              and file_manifest_matches(final, installed)):
+            # an earlier worker committed this output and died before recording it: record it now
+            check_complete(final, installed)
+            state.update(status="done", files=installed, error=None)
+            save_state(state_file, state)
+            result.status = "skipped"
+            result.notes = ["the output was committed by an earlier run that stopped before recording it"]
+        else:
+            overwrite = False
+            if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
+                overwrite = True  # an empty folder holds nothing to lose or to check
+            elif final.exists() or final.is_symlink():
+                foreign = foreign_files(final, {**installed, **recorded})
+                if foreign:
+                    raise ForeignFilesError(
+                        "the job's output holds files this batch did not write; redoing the job would remove them",
+                        path=final, action="write", found=foreign[:5],
+                        hint="move them out of the folder, or give the job another --name")
+                if state.get("key") != key and not spec.get("overwrite"):
+                    raise JobSettingsChangedError(
+                        "the job's output was made with other settings", path=final, action="write",
+                        expected=key_text(key), found=key_text(state.get("key")),
+                        hint="pass --overwrite to redo it with the new settings, or give the job another --name")
+                overwrite = True
+            pushed = state.get("pushed") if state.get("key") == key else None
+            state = {"version": STATE_VERSION, "key": key, "job": job.to_dict(), "status": "running"}
+            if pushed:
+                state["pushed"] = pushed
+            save_state(state_file, state)
+            done = convert(replace(options, overwrite=overwrite,
+                                   on_progress=_progress_writer(progress_path(out_dir, job.name))))
+            check_complete(final, done.files)
+            result.status = "converted"
+            result.shards_written, result.shards_reused = done.shards_written, done.shards_reused
+            result.verified = done.verified
+            result.notes = [line for line in [done.fp16_line()] if line] + done.notes
+            state.update(status="done", files=done.files, error=None)
+            if source.hub is not None:
+                state["source"] = {"repo": source.hub.repo_id, "revision": source.hub.revision,
+                                   "commit": source.hub.commit}
+            save_state(state_file, state)
+        result.bytes_out = sum(f["bytes"] for f in state.get("files", {}).values())
+        if spec.get("push_to_hub"):
+            result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
+    except BaseException as exc:
+        if state.get("status") != "done":  # a failed push leaves a finished conversion done
+            state["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        state["error"] = interrupted_message(out_dir, job.name) if isinstance(exc, KeyboardInterrupt) else (
+            str(exc) or type(exc).__name__)
+        if state.get("version"):
+            save_state(state_file, state)
+        raise
+    finally:
+        result.seconds = time.perf_counter() - t0
+        result.peak_rss_bytes = peak_rss_bytes()
+    return result
+
+
+def progress_path(out_dir: Path, name: str) -> Path:
+    """Where a job's worker records its progress: ``{"done": bytes written, "total": bytes to write}``."""
+    return out_dir / STATE_DIR / f"{name}.progress"
+
+
+def _progress_writer(path: Path, every: float = 0.5) -> Callable[[int, int], None]:
+    """A ``ConvertOptions.on_progress`` that writes the progress to ``path`` (atomically), at most every
+    ``every`` seconds, and always when the output is complete."""
+
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < every:
+            return
+        last[0] = now
+        try:
+            write_json(path, {"done": done, "total": total})
+        except OSError:  # progress is a courtesy: never fail a conversion for it
+            pass
+
+    return report
+
+
+def read_progress(path: Path) -> tuple[int, int] | None:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+        return int(d["done"]), int(d["total"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def interrupted_message(out_dir: Path, name: str) -> str:
+    """What an interrupted job leaves, truthfully: the finished shards kept for the next run (a directory
+    output's staging), or nothing (a one-file output is written again whole)."""
+
+    partial = out_dir / f".{name}{PARTIAL_MARK}"
+    if (out_dir / name).exists() and not partial.exists():
+        return ("interrupted with an output in place; the next run checks it against the job's manifest and "
+                "records it as done if it is complete, else converts the job again")
+    if partial.is_dir():
+        return (f"interrupted; its finished shards are kept in {partial} and reused when the batch is run "
+                "again")
+    return "interrupted; nothing of it was kept (run the batch again to convert it)"
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to send this worker SIGTERM when the batch process dies (``PR_SET_PDEATHSIG``), so a
+    killed batch never leaves a worker writing on; exit at once when the parent is already gone."""
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux: the output claim still guards
+        return
+    if os.getppid() != parent:
+        os._exit(130)
+
+
+def worker_main(argv: list[str]) -> int:
+    """Entry point of a local worker process: ``SPEC.json``. Prints the result as one JSON line on stdout.
+
+    Exit codes: those of :func:`execute_job`; 130 also when the batch process died.
+    """
+
+    spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    signals.install()  # SIGTERM (the batch stopping it) ends the job as SIGINT does
+    _die_with_parent(int(spec["parent_pid"]))
+    data, code = execute_job(spec)
+    signals.settle()  # the job is over: a late signal no longer kills the worker while it reports
+    print(json.dumps(data))
+    return code
+
+
+def execute_job(spec: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Run one job as a worker does (a local worker process, or a Ray task): :func:`run_job`, with every
+    failure turned into the job's result. Messages for the job's log go to ``sys.stderr``.
+
+    Args:
+        spec: what ``DIR/.convert-bnb/NAME.spec.json`` holds (see :func:`run_job`).
+
+    Returns:
+        the result (:class:`JobResult` fields, as JSON data) and the exit code: 0 done, 2 the job failed
+        on its input (error in the state file), 1 internal error, 130 interrupted (``KeyboardInterrupt``:
+        SIGTERM in a local worker, ``ray.cancel`` in a Ray task).
+    """
+    try:
+        result = run_job(spec)
+    except ConvertBnbError as exc:
+        return failed_result(exc), 2
+    except KeyboardInterrupt:
+        job = spec["job"]
+        message = interrupted_message(Path(spec["out_dir"]), job["name"])
+        print(f"convert-bnb batch: job {job['name']}: {message}", file=sys.stderr)  # the job's log says so too
+        return {"status": "interrupted", "error": message}, 130
+    except Exception as exc:  # noqa: BLE001 - reported as this job's failure; the batch goes on
+
+        traceback.print_exc()
+        return {"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}",
+                "error_class": type(exc).__name__}, 1
+    return result.to_dict(), 0
+
+
+def failed_result(exc: ConvertBnbError) -> dict[str, Any]:
+    """A job's result for a named failure: ``status`` failed, the error line, its class and rule."""
+    return {"status": "failed", "error": str(exc), "error_class": type(exc).__name__, "rule": exc.rule}
