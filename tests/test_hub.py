@@ -190,6 +190,10 @@ def test_choose_weight_files_reads_the_index() -> None:
     assert choose_weight_files(["pytorch_model.bin", "config.json"], lambda n: {}) == ["pytorch_model.bin"]
     both = ["pytorch_model.bin", "model.safetensors", "config.json"]
     assert choose_weight_files(both, lambda n: {}) == ["model.safetensors"]  # never both
+    # the order a local directory is read in: model.safetensors before a pickle index
+    mixed = ["pytorch_model.bin.index.json", "model.safetensors", "config.json"]
+    assert choose_weight_files(mixed, lambda n: {"weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}) == [
+        "model.safetensors"]
     with pytest.raises(NoWeightsError) as ei:
         choose_weight_files(["config.json", "model.gguf"], lambda n: {})
     assert type(ei.value) is NoWeightsError and ei.value.rule == "CKPT-005"

@@ -1,15 +1,27 @@
-"""The layering rule: ``formats/`` (containers: readers, writers, rules) never imports ``convert``; and
-inside it, the generic pickle machine never imports the torch reader that runs on it.
+"""The layering rules, read from the source (every file is parsed, never imported):
 
-Every ``.py`` file under formats/ is parsed (not imported) and every import in it is collected: module
-level and inside functions or classes, ``import x``, ``from x import y``, relative imports resolved
-against the file's package, and ``importlib.import_module("x")`` / ``__import__("x")`` with a literal
-name. None may be ``convert`` or ``convert.*``.
+- ``formats/`` (containers: readers, writers, rules) never imports ``convert``; inside it, the generic
+  pickle machine never imports the torch reader that runs on it (and the other one-way pairs of
+  :data:`ONE_WAY`);
+- inside ``convert/``, each folder (and each top-level module) imports only the parts of ``convert`` that
+  :data:`LAYERS` allows it, e.g. ``dequant`` nothing, ``gguf/codecs`` and ``bnb4/encode`` only ``dequant``,
+  ``stream`` no target folder, ``gguf`` and ``bnb4`` never each other;
+- no import circle anywhere in ``convert/`` (imports inside functions count; ``TYPE_CHECKING`` blocks
+  aside);
+- an import inside a function is of a heavy or optional package (:data:`LATE_IMPORTS`) and says why in
+  a comment;
+- only the command-line modules (:data:`PRINTERS`) print;
+- ``convert/`` keeps at most 12 modules at its top: every other module sits in the folder of its job.
+
+Every import is collected: module level and inside functions or classes, ``import x``, ``from x import
+y``, relative imports resolved against the file's package, and ``importlib.import_module("x")`` /
+``__import__("x")`` with a literal name.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -166,3 +178,192 @@ def test_relative_imports_resolve_against_the_package() -> None:
     assert _violations("from .. import convert\n", "formats.gguf") == [(1, "convert")]
     assert _violations("from ..convert import plan\n", "formats.sub", is_package=True) == []  # formats.convert
     assert _violations("from ... import convert\n", "formats.sub.deep") == [(1, "convert")]
+
+
+# --- convert/ -------------------------------------------------------------------------------------
+
+CONVERT_FILES = sorted((ROOT / "convert").rglob("*.py"))
+CONVERT_MODULES = {_module_name(p)[0]: p for p in CONVERT_FILES}
+
+#: What each part of ``convert`` may import of ``convert`` (besides itself): the most specific entry of a
+#: module wins. Parts are folders (a reason to change each) and the top-level modules of the spine.
+LAYERS: dict[str, set[str]] = {
+    # pure numerics: NumPy, ml_dtypes, gguf and formats only
+    "convert.dequant": set(),
+    "convert.gguf.codecs": {"convert.dequant"},
+    "convert.bnb4.encode": {"convert.dequant"},
+    # records and small helpers every part may use
+    "convert": set(),
+    "convert.units": set(),
+    "convert.signals": set(),
+    "convert.gguf.types": set(),
+    "convert.options": {"convert.gguf.types"},
+    "convert.output": {"convert", "convert.options", "convert.signals"},
+    # the float plan and the one chunk loop: no target folder
+    "convert.stream": {"convert.dequant", "convert.options", "convert.output", "convert.units"},
+    "convert.lora": {"convert.dequant", "convert.stream"},
+    "convert.hub": {"convert.options", "convert.stream"},
+    # the targets: built on stream, never on each other
+    "convert.bnb4": {"convert.dequant", "convert.options", "convert.stream"},
+    "convert.gguf": {"convert", "convert.dequant", "convert.options", "convert.output", "convert.signals",
+                     "convert.stream"},
+    "convert.targets": {"convert.bnb4", "convert.gguf", "convert.options", "convert.output", "convert.stream"},
+    # one conversion, and the commands around it
+    "convert.job": {"convert", "convert.hub", "convert.lora", "convert.options", "convert.output", "convert.stream",
+                    "convert.targets", "convert.units"},
+    "convert.check": {"convert.job", "convert.options", "convert.stream", "convert.targets"},
+    "convert.inspection": {"convert.job", "convert.options", "convert.stream", "convert.units"},
+    "convert.batch": {"convert", "convert.hub", "convert.inspection", "convert.job", "convert.options",
+                      "convert.output", "convert.signals", "convert.stream", "convert.units"},
+    "convert.cli": {"convert", "convert.batch", "convert.bnb4", "convert.check", "convert.inspection", "convert.job",
+                    "convert.lora", "convert.options", "convert.output", "convert.signals", "convert.units"},
+    "convert.__main__": {"convert", "convert.cli", "convert.signals"},
+}
+
+#: Packages a function may import (heavy to import, or optional), each line saying why in a comment.
+LATE_IMPORTS = ("huggingface_hub", "tqdm", "ray", "yaml", "tokenizers", "convert.cli")
+
+#: The command-line modules: the only ones that print (the library raises and returns).
+PRINTERS = {"convert.__main__", "convert.cli", "convert.check", "convert.inspection", "convert.batch.cli",
+            "convert.batch.worker"}
+
+
+def _part(module: str) -> str:
+    """The most specific :data:`LAYERS` entry a module belongs to."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module} is in no part of LAYERS: add its folder")
+
+
+def _imports(module: str, *, type_checking: bool = False) -> Iterator[tuple[int, str, bool, ast.AST]]:
+    """(line, imported module, inside a function, node) of each import of ``convert`` by ``module``,
+    ``TYPE_CHECKING`` blocks left out unless asked for."""
+    path = CONVERT_MODULES[module]
+    is_package = path.name == "__init__.py"
+
+    def walk(node: ast.AST, in_function: bool) -> Iterator[tuple[int, str, bool, ast.AST]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not type_checking:
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield child.lineno, alias.name, inner, child
+            elif isinstance(child, ast.ImportFrom):
+                base = _resolve(module, is_package, child.level, child.module)
+                names = [f"{base}.{a.name}" for a in child.names if f"{base}.{a.name}" in CONVERT_MODULES]
+                for name in names or [base]:
+                    yield child.lineno, name, inner, child
+            yield from walk(child, inner)
+
+    yield from walk(ast.parse(path.read_text(encoding="utf-8")), False)
+
+
+def _convert_imports(module: str) -> set[str]:
+    return {name for _, name, _, _ in _imports(module) if name in CONVERT_MODULES}
+
+
+def test_every_convert_module_belongs_to_a_part() -> None:
+    assert {_part(m) for m in CONVERT_MODULES} == set(LAYERS)
+
+
+@pytest.mark.parametrize("module", sorted(CONVERT_MODULES))
+def test_convert_imports_follow_the_layer_table(module: str) -> None:
+    own = _part(module)
+    # (its own part, a part inside its folder: gguf may import gguf.codecs, never the other way round)
+    bad = sorted(n for n in _convert_imports(module)
+                 if _part(n) != own and not _part(n).startswith(own + ".") and _part(n) not in LAYERS[own])
+    assert not bad, f"{module} ({own}) imports {bad}; {own} may import {sorted(LAYERS[own])}"
+
+
+def test_the_targets_stand_apart() -> None:
+    """gguf and bnb4 never import each other; stream, dequant and lora import no target folder."""
+    for module in CONVERT_MODULES:
+        parts = {_part(n).split(".")[1] if "." in _part(n) else "" for n in _convert_imports(module)}
+        if module.startswith("convert.gguf"):
+            assert "bnb4" not in parts, module
+        if module.startswith("convert.bnb4"):
+            assert "gguf" not in parts, module
+        if module.startswith(("convert.stream", "convert.dequant", "convert.lora")):
+            assert not parts & {"bnb4", "gguf", "targets", "job"}, module
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_the_cycle_finder_finds_circles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_convert() -> None:
+    """Imports inside functions count (a circle through a late import is a circle all the same)."""
+    edges = {m: _convert_imports(m) - {m} for m in CONVERT_MODULES}
+    assert _cycles(edges) == []
+
+
+@pytest.mark.parametrize("module", sorted(CONVERT_MODULES))
+def test_late_imports_are_heavy_or_optional_and_say_why(module: str) -> None:
+    lines = CONVERT_MODULES[module].read_text(encoding="utf-8").splitlines()
+    for line, name, in_function, _ in _imports(module, type_checking=True):
+        if not in_function:
+            continue
+        assert name.startswith(LATE_IMPORTS), f"{module}:{line} imports {name} inside a function"
+        said = "#" in lines[line - 1] or lines[line - 2].strip().startswith("#")
+        assert said, f"{module}:{line}: say why {name} is imported inside a function (a comment)"
+
+
+@pytest.mark.parametrize("module", sorted(CONVERT_MODULES))
+def test_only_the_command_line_modules_print(module: str) -> None:
+    tree = ast.parse(CONVERT_MODULES[module].read_text(encoding="utf-8"))
+    prints = [n.lineno for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"]
+    assert module in PRINTERS or not prints, f"{module} prints (lines {prints}); return or raise instead"
+
+
+def test_convert_keeps_a_handful_of_modules_at_its_top() -> None:
+    top = sorted(p.stem for p in (ROOT / "convert").glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= 12, top
+    folders = sorted(p.name for p in (ROOT / "convert").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert folders == ["batch", "bnb4", "dequant", "gguf", "hub", "lora", "stream"]
