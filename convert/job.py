@@ -1,6 +1,6 @@
 """``convert(ConvertOptions) -> ConvertResult``: one conversion, readable top to bottom.
 
-The command line (:mod:`convert.cli`), batch workers (:mod:`convert.batch.run`) and library users all
+The command line (:mod:`convert.cli`), batch workers (:mod:`convert.batch.worker`) and library users all
 call :func:`convert`; there is no other path to an output. The steps:
 
 1. check the options against each other (:func:`check_options`; usage errors before any I/O);

@@ -643,14 +643,14 @@ def test_pieces_are_released_after_they_are_used(monkeypatch: pytest.MonkeyPatch
 
 def test_gguf_rows_are_not_views_of_released_pages() -> None:
     """The GGUF writer's rows of a zero-copy source are copied before their input pages are released."""
-    from convert.gguf.encode import _RowReader
+    from convert.gguf.rows import RowReader
     from convert.stream.plan import PlannedTensor
     from formats.dtypes import BY_CODE
 
     log: list[tuple[str, int, int]] = []
     values = np.arange(64 * 8, dtype=np.float32)
     t = PlannedTensor("w.weight", BY_CODE["F32"], (8, 64), _ZeroCopy(values, log))  # type: ignore[arg-type]
-    rows = _RowReader(1 << 30, 2, PlacedMemory(keep=2)).rows(t, 2, 5)
+    rows = RowReader(1 << 30, 2, PlacedMemory(keep=2)).rows(t, 2, 5)
     assert rows.flags.writeable and not np.shares_memory(rows, values)
     assert np.array_equal(rows, values.reshape(8, 64)[2:5])
     assert [k for k, _, _ in log] == ["produce", "release"]
@@ -661,14 +661,14 @@ def test_gguf_rows_of_a_4bit_layer_are_made_placed_in_the_run_memory(place: int 
     """A 4-bit layer's rows are dequantized into the run's PlacedMemory, lying at the file offset asked for
     (bf16 -> BF16 writes them without a copy), equal to the source's own values; the memory is used again
     once the rows are gone."""
-    from convert.gguf.encode import _RowReader
+    from convert.gguf.rows import RowReader
 
     with open_checkpoint(MODELS / "llama_nf4_dq") as ck:
         plan = make_plan(ck, "bf16")
         t = next(u for u in plan.tensors if u.source.writes_in_place and u.shape[0] >= 8)
         cols = t.numel // t.shape[0]
         memory = PlacedMemory(keep=2)
-        rows = _RowReader(1 << 30, 2, memory).rows(t, 2, 7, place)
+        rows = RowReader(1 << 30, 2, memory).rows(t, 2, 7, place)
         assert rows.dtype == t.dtype.numpy and rows.shape == (5, *t.shape[1:])
         want = t.source.produce(0, t.numel, t.dtype).reshape(-1)[2 * cols : 7 * cols]
         assert rows.reshape(-1).view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
