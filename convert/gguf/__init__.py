@@ -1,1 +1,15 @@
-"""``--to gguf[:TYPE]``: GGUF files for llama.cpp."""
+"""``--to gguf[:TYPE]``: GGUF files for llama.cpp and Ollama, as llama.cpp's converter and
+``llama-quantize`` write them.
+
+- :mod:`~convert.gguf.target`: :class:`~convert.gguf.target.GgufJob`, the target's job;
+- :mod:`~convert.gguf.types`: the output type names (light: the command line imports only this);
+- :mod:`~convert.gguf.plan`: every tensor's GGUF name, type and bytes, and the metadata, from headers;
+- :mod:`~convert.gguf.arch`, :mod:`~convert.gguf.rope`, :mod:`~convert.gguf.config`: architectures as
+  data, RoPE scaling, config.json checked against its GGUF types and the tensors;
+- :mod:`~convert.gguf.mix`: llama-quantize's per-tensor type mixes;
+- :mod:`~convert.gguf.tokenizer`, :mod:`~convert.gguf.bpe_pre`, :mod:`~convert.gguf.bpe_table`: the
+  tokenizer keys;
+- :mod:`~convert.gguf.encode`, :mod:`~convert.gguf.rows`, :mod:`~convert.gguf.encoder_pool`: writing the
+  file in row chunks (rows read from the stream sources; search types in worker processes);
+- :mod:`convert.gguf.codecs`: one codec class per GGML type, in one table.
+"""
