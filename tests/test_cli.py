@@ -10,10 +10,8 @@ import pytest
 
 import convert
 from convert.cli import main
+from tests.helpers.fixtures import MODELS, ROOT
 
-from .conftest import MODELS
-
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = MODELS / "llama_nf4_dq"
 
 
@@ -161,5 +159,5 @@ def test_peak_rss_is_the_processes_own() -> None:
     big = np.ones(400 << 20, np.uint8)  # this process's peak: at least 400 MiB when the child starts
     code = "from convert.stream.pipeline import peak_rss_bytes; print(peak_rss_bytes())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                               cwd=Path(__file__).resolve().parent.parent).stdout)
+                               cwd=ROOT).stdout)
     assert 5 << 20 < child < 200 << 20 and big.sum() == 400 << 20

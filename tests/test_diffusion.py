@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 
 from convert.cli import main
+from tests.helpers.fixtures import FIXTURES, ROOT, bits, read_safetensors
 
-from .conftest import FIXTURES, bits, read_safetensors
-
-ROOT = Path(__file__).resolve().parent.parent
 DIFF = FIXTURES / "diffusion"
 NF4 = DIFF / "flux_tiny_nf4.safetensors"
 BASE = DIFF / "flux_tiny_bf16.safetensors"

@@ -13,18 +13,26 @@ import pytest
 from convert.check import check_source
 from convert.cli import main
 from formats import errors as E
-
-from .conftest import MODELS, SINGLE
-from .malformed import CASES, VN, Case, W, f32, layer, model_dir, one_file, st_bytes, with_state, write
+from tests.helpers.fixtures import MODELS, ROOT, SINGLE
+from tests.helpers.malformed import (
+    CASES,
+    VN,
+    Case,
+    W,
+    f32,
+    layer,
+    model_dir,
+    one_file,
+    out_for,
+    st_bytes,
+    with_state,
+    write,
+)
 
 
 def tree_hash(root: Path) -> dict[str, str]:
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
-def out_for(src: Path, tmp: Path) -> Path:
-    return tmp / "outdir" / ("out" if src.is_dir() else "out.safetensors")
 
 
 def assert_nothing_left(out: Path) -> None:
@@ -180,7 +188,7 @@ def test_check_reports_every_bad_entry_of_one_file(tmp_path: Path, capsys: pytes
               "b": {"dtype": "F32", "shape": [-1], "data_offsets": [16, 20]},
               "c": {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]},
               "d": {"dtype": "F32", "shape": [2], "data_offsets": [24, 28]}}
-    from .malformed import header_bytes
+    from tests.helpers.malformed import header_bytes
 
     src = write(tmp_path / "x.safetensors", header_bytes(header) + b"\0" * 28)
     assert main(["check", str(src), "--json"]) == 2
@@ -194,7 +202,7 @@ def test_check_overlapping_entry_is_one_problem(tmp_path: Path, capsys: pytest.C
     """An entry whose span overlaps its neighbour and runs on is ST-009; the bytes it claims are no 'gap'
     before the next tensor (that was a second problem, ST-012, against an undamaged tensor). A real gap
     after it is still one."""
-    from .malformed import header_bytes
+    from tests.helpers.malformed import header_bytes
 
     def check(header: dict) -> list[tuple[str, str]]:
         src = write(tmp_path / "x.safetensors", header_bytes(header) + b"\0" * 24)
@@ -281,7 +289,7 @@ def test_check_int8_scb_not_finite_and_layer_notes(tmp_path: Path, capsys: pytes
 
 
 def test_check_on_a_truncated_file_names_the_cause_not_its_follow_ons(tmp_path: Path) -> None:
-    whole = (Path(__file__).parent / "fixtures/models/llama_nf4_dq/model.safetensors").read_bytes()
+    whole = (MODELS / "llama_nf4_dq/model.safetensors").read_bytes()
     src = write(tmp_path / "model.safetensors", whole[:500_000])
     rep = check_source(src)
     assert [p.rule for p in rep.problems] == ["ST-010"]
@@ -300,7 +308,7 @@ def test_cli_in_a_subprocess_prints_exactly_one_line(case_id: str, tmp_path: Pat
     out = out_for(src, tmp_path)
     argv = [a.replace("{src}", str(src)).replace("{out}", str(out)) for a in (case.argv or ["{src}", "-o", "{out}"])]
     r = subprocess.run([sys.executable, "-m", "convert", *argv], capture_output=True, text=True,
-                       cwd=Path(__file__).parent.parent)
+                       cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("convert-bnb: error: "), r.stderr
     assert_nothing_left(out)
@@ -319,7 +327,6 @@ def test_os_errors_are_one_line_naming_the_users_path() -> None:
 
 # --- every rule is raised by naming its class (issue 11, item 5) -------------------------------------
 
-ROOT = Path(__file__).resolve().parent.parent
 ERROR_CLASSES = {name for name, obj in vars(E).items() if isinstance(obj, type) and issubclass(obj, E.ConvertBnbError)}
 
 

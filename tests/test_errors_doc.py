@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 from formats.errors import all_rules
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.fixtures import ROOT
 
 
 def _generator():  # noqa: ANN202

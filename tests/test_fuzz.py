@@ -1,6 +1,6 @@
 """Hypothesis mutates real fixture files; every outcome is a correct conversion or one of our errors.
 
-CI runs :data:`tests.fuzzing.CI_CASES` cases (2,160 byte-level and field-level, 2,000 structure-aware),
+CI runs :data:`tests.helpers.fuzzing.CI_CASES` cases (2,160 byte-level and field-level, 2,000 structure-aware),
 derandomized so CI is reproducible;
 ``python scripts/fuzz.py --cases N`` runs as many as asked with a fresh seed.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .fuzzing import CI_CASES, KINDS, OUTCOMES, STRUCT_KINDS, property_test
+from tests.helpers.fuzzing import CI_CASES, KINDS, OUTCOMES, STRUCT_KINDS, property_test
 
 
 def test_ci_runs_at_least_2000_cases() -> None:

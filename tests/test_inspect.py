@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +13,8 @@ import pytest
 from convert.cli import main
 from convert.inspection import InspectOptions, format_report, inspect_checkpoint
 from formats.checkpoint import READERS, open_checkpoint
-
-from .conftest import MODELS, REFERENCES, SINGLE, manifest, read_safetensors
-from .hubcache import add_model_dir, commit_sha, offline_env, run_cli
+from tests.helpers.fixtures import MODELS, REFERENCES, SINGLE, manifest, read_safetensors, rewrite_data
+from tests.helpers.hubcache import add_model_dir, commit_sha, offline_env, run_cli
 
 _ITEM = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
 
@@ -143,17 +141,6 @@ def test_model_report_matches_manifest(model: str) -> None:
         assert g["elements"] == sum(_numel(tensors[s[: -len(".SCB")] + ".weight"][1]) for s in scbs)
 
 
-def _rewrite_data(path: Path, names: list[str], fill: int) -> None:
-    """Overwrite the data bytes of the named tensors in place, keeping the header."""
-    raw = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    for name in names:
-        b, e = header[name]["data_offsets"]
-        raw[8 + n + b : 8 + n + e] = bytes([fill]) * (e - b)
-    path.write_bytes(bytes(raw))
-
-
 def test_report_does_not_depend_on_weight_data(tmp_path: Path) -> None:
     src = MODELS / "llama_nf4_dq"
     dst = tmp_path / "m"
@@ -164,7 +151,7 @@ def test_report_does_not_depend_on_weight_data(tmp_path: Path) -> None:
     tensors = manifest()["models"]["llama_nf4_dq"]["tensors"]
     garbage = [n for n in tensors if n.endswith((".absmax", ".nested_absmax")) or
                (n + ".absmax" in tensors) or tensors[n][0] == "BF16"]
-    _rewrite_data(dst / "model.safetensors", garbage, 0xFF)  # NaN bf16, 0xFF codes, NaN absmax
+    rewrite_data(dst / "model.safetensors", garbage, 0xFF)  # NaN bf16, 0xFF codes, NaN absmax
     a, b = _inspect(src), _inspect(dst)
     a.pop("source")
     b.pop("source")

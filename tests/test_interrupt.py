@@ -22,12 +22,10 @@ import pytest
 from convert.output import TMP_MARK
 from formats.errors import TruncatedFileError
 from formats.safetensors import SafetensorsReader
+from tests.helpers.fixtures import HARNESS, MODELS, ROOT
+from tests.helpers.fuzzing import check_output
+from tests.helpers.malformed import layer, model_dir, st_bytes, write
 
-from .fuzzing import check_output
-from .malformed import layer, model_dir, st_bytes, write
-
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "tests" / "fixtures" / "models"
 SHAPE = (2048, 4096)
 SLOW = """
 import sys, time
@@ -147,8 +145,7 @@ def test_a_signal_during_start_up_imports_is_one_line_and_exit_130(sig: int, poi
     once it has (convert.signals.deferred). It used to print a KeyboardInterrupt traceback (SIGINT) or
     end with 143 (SIGTERM)."""
     marker = tmp_path / "pid"
-    harness = ROOT / "tests" / "harness"
-    env = {**os.environ, "PYTHONPATH": f"{harness}{os.pathsep}{ROOT}",
+    env = {**os.environ, "PYTHONPATH": f"{HARNESS}{os.pathsep}{ROOT}",
            "CONVERT_BNB_TEST_PAUSE": f"import:{point}:{marker}"}
     out = tmp_path / "out.safetensors"
     proc = subprocess.Popen([sys.executable, "-m", "convert", str(tmp_path / "in.safetensors"), "-o", str(out)],
@@ -174,7 +171,7 @@ def test_a_signal_after_the_commit_says_the_output_is_complete(sig: int, tmp_pat
     write(src, st_bytes(layer()))
     out = tmp_path / "out" / "o.safetensors"
     marker = tmp_path / "pid"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'harness'}{os.pathsep}{ROOT}",
+    env = {**os.environ, "PYTHONPATH": f"{HARNESS}{os.pathsep}{ROOT}",
            "CONVERT_BNB_TEST_PAUSE": f"{out.name}:commit:{marker}"}
     proc = subprocess.Popen([sys.executable, "-m", "convert", str(src), "-o", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -199,7 +196,7 @@ def start_gguf_with_a_held_worker(tmp_path: Path) -> tuple[subprocess.Popen[str]
     worker's pid (the test touches ``pid.go`` to let it go on)."""
     marker = tmp_path / "pid"
     out = tmp_path / "out" / "m.gguf"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'harness'}{os.pathsep}{ROOT}",
+    env = {**os.environ, "PYTHONPATH": f"{HARNESS}{os.pathsep}{ROOT}",
            "CONVERT_BNB_TEST_PAUSE": f"worker-import:numpy:{marker}"}
     proc = subprocess.Popen([sys.executable, "-c", ENCODER_WRAPPER, str(MODELS / "llama_nf4_dq"), "--to", "gguf:q4_k_m",
                              "--threads", "2", "-o", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,

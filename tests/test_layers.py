@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.fixtures import ROOT
+
 FORMATS = ROOT / "formats"
 FORBIDDEN = "convert"
 

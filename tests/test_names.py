@@ -10,8 +10,7 @@ import pytest
 from convert.units import format_bytes, parse_size
 from formats.bnb import component_name, int8_scale_name, is_component, split_component, state_key
 from formats.dtypes import float_dtype_name
-
-from .conftest import MODELS, read_safetensors
+from tests.helpers.fixtures import MODELS, read_safetensors
 
 
 def test_bnb_names_match_a_real_transformers_checkpoint() -> None:

@@ -17,10 +17,8 @@ from convert.cli import main
 from convert.options import target_for
 from convert.output import OutputClaim, ShardLedger, default_output, output_name
 from formats.errors import OutputBusyError, OutputExistsError
+from tests.helpers.fixtures import MODELS, REFERENCES, ROOT, assert_same_tensors, load_all, read_safetensors
 
-from .conftest import MODELS, REFERENCES, assert_same_tensors, load_all, read_safetensors
-
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = MODELS / "llama_nf4_dq"
 #: The CLI whose first dequantized chunk waits until the file argv[1] exists, so a second process meets it
 #: mid-write whatever the machine's load.

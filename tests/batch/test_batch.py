@@ -1,0 +1,684 @@
+"""``convert-bnb batch``: three Hub repos (one broken) from an offline cache; kill, resume, push plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from convert.batch.card import model_card
+from convert.batch.cli import summary_table
+from convert.batch.jobs import Job, parse_jobs
+from convert.cli import main
+from convert.output import sha256_file
+from formats.errors import UsageError
+from tests.helpers.batch import broken_model, kill_batch_at_pause, paused_env
+from tests.helpers.fixtures import MODELS, REFERENCES, ROOT, assert_same_tensors, load_all, read_safetensors
+from tests.helpers.hubcache import add_model_dir, commit_sha, offline_env, run_cli
+
+JOBS = """\
+# three repos; the middle one is broken
+org/a --max-shard-size 1MB          # 4-bit nf4 + double quant, 5 shards
+org/broken
+org/c@main --to fp16 --max-shard-size 1MB   # the sharded input, fp16
+"""
+A, C = commit_sha("a"), commit_sha("c")
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    cache = tmp_path / "hub"
+    add_model_dir(cache, "org/a", MODELS / "llama_nf4_dq", A)
+    add_model_dir(cache, "org/c", MODELS / "llama_nf4_dq_sharded", C)
+    broken = broken_model(tmp_path / "broken_src")
+    add_model_dir(cache, "org/broken", broken, commit_sha("broken"))
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(JOBS)
+    return jobs, cache, offline_env(tmp_path, cache)
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _stat(d: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
+
+
+def _straight(tmp_path: Path) -> dict[str, dict[str, bytes]]:
+    """The same conversions with the main job, from the fixture directories."""
+    ref = tmp_path / "straight"
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "--max-shard-size", "1MB", "-o",
+                 str(ref / "a-bf16"), "--quiet"]) == 0
+    assert main([str(MODELS / "llama_nf4_dq_sharded"), "--to", "fp16", "--max-shard-size", "1MB", "-o",
+                 str(ref / "c-main-fp16"), "--quiet"]) == 0
+    return {"a-bf16": _files(ref / "a-bf16"), "c-main-fp16": _files(ref / "c-main-fp16")}
+
+
+def _ledger(out: Path, name: str) -> dict:
+    return json.loads((out / f".{name}.convert-bnb-partial" / ".convert-bnb-shards.json").read_text())
+
+
+def _batch(jobs: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(["batch", str(jobs), "--out-dir", str(out), "--to", "bf16", "--max-memory", "256MiB", *extra],
+                   env)
+
+
+def test_straight_parallel_run(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    out = tmp_path / "out"
+    r = _batch(jobs, out, env, "--jobs", "2", "--json")
+    assert r.returncode == 3, r.stderr
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-main-fp16")] == ["converted", "failed", "converted"]
+    assert "BNB-009 quant_state is not valid JSON" in res["broken-bf16"]["error"]
+    assert "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4" in res["broken-bf16"]["error"]
+    assert (res["a-bf16"]["commit"], res["c-main-fp16"]["commit"]) == (A, C)
+    assert (res["a-bf16"]["shards_written"], res["a-bf16"]["shards_reused"]) == (5, 0)
+    assert res["a-bf16"]["bytes_out"] == sum(p.stat().st_size for p in (out / "a-bf16").iterdir())
+    straight = _straight(tmp_path)
+    assert _files(out / "a-bf16") == straight["a-bf16"]
+    assert _files(out / "c-main-fp16") == straight["c-main-fp16"]
+    assert_same_tensors(load_all(out / "a-bf16"), read_safetensors(REFERENCES["llama_nf4_dq"]))
+    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "a-bf16", "c-main-fp16"]
+    state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+    assert state["status"] == "done" and state["key"]["commit"] == A and state["key"]["to"] == "bf16"
+    assert state["source"] == {"repo": "org/a", "revision": None, "commit": A}
+    for rel, rec in state["files"].items():
+        assert rec == {"bytes": (out / "a-bf16" / rel).stat().st_size, "sha256": sha256_file(out / "a-bf16" / rel)}
+    bad = json.loads((out / ".convert-bnb" / "broken-bf16.json").read_text())
+    assert bad["status"] == "failed" and "BNB-009" in bad["error"]
+
+
+def test_killed_halfway_then_resumed(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    """kill -9 of the batch process alone: its worker dies with it, nothing is marked done that is not
+    complete, and an immediate re-run finishes byte-identical to an uninterrupted run."""
+    jobs, _cache, env = setup
+    out = tmp_path / "out"
+    work = out / ".convert-bnb"
+    kill_batch_at_pause(jobs, out, env, "c-main-fp16", 2, tmp_path / "c-main-fp16.paused")
+    # what the kill left: a done, broken failed, c stopped by its batch's death (PR_SET_PDEATHSIG -> SIGTERM)
+    # with 2 recorded shards in its resumable staging
+    assert json.loads((work / "a-bf16.json").read_text())["status"] == "done"
+    assert json.loads((work / "broken-bf16.json").read_text())["status"] == "failed"
+    c_state = json.loads((work / "c-main-fp16.json").read_text())
+    assert c_state["status"] == "interrupted"
+    partial = out / ".c-main-fp16.convert-bnb-partial"
+    assert c_state["error"] == (f"interrupted; its finished shards are kept in {partial} and reused when the batch "
+                                "is run again")
+    ledger = _ledger(out, "c-main-fp16")
+    assert len(ledger["shards"]) == 2
+    assert not (out / "c-main-fp16").exists()
+    partial = out / ".c-main-fp16.convert-bnb-partial"
+    first, second = sorted(ledger["shards"])
+    # damage the second finished shard without changing its size: the sha256 check must catch it
+    raw = bytearray((partial / second).read_bytes())
+    raw[-1] ^= 0xFF
+    (partial / second).write_bytes(bytes(raw))
+    a_before = _stat(out / "a-bf16")
+    first_before = (partial / first).stat()
+
+    r = _batch(jobs, out, env, "--json")  # at once: the dead worker's claim on c-main-fp16 is free
+    assert r.returncode == 3, r.stderr
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert res["a-bf16"]["status"] == "skipped"
+    assert (res["a-bf16"]["shards_written"], res["a-bf16"]["shards_reused"]) == (0, 0)
+    assert res["broken-bf16"]["status"] == "failed"
+    assert res["c-main-fp16"]["status"] == "converted", res["c-main-fp16"]["error"]
+    assert res["c-main-fp16"]["shards_reused"] == 1  # the intact one; the damaged one is rewritten
+    index = json.loads((out / "c-main-fp16" / "model.safetensors.index.json").read_text())
+    n_shards = len(set(index["weight_map"].values()))
+    assert res["c-main-fp16"]["shards_written"] == n_shards - 1
+    # finished work was not redone: same inodes and mtimes
+    assert _stat(out / "a-bf16") == a_before
+    after = (out / "c-main-fp16" / first).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (first_before.st_ino, first_before.st_mtime_ns)
+    # and the outputs equal a straight run's, byte for byte
+    straight = _straight(tmp_path)
+    assert _files(out / "a-bf16") == straight["a-bf16"]
+    assert _files(out / "c-main-fp16") == straight["c-main-fp16"]
+    assert not partial.exists()
+    c_state = json.loads((work / "c-main-fp16.json").read_text())
+    assert c_state["status"] == "done" and set(c_state["files"]) == set(straight["c-main-fp16"])
+    # a third run redoes nothing
+    c_before = _stat(out / "c-main-fp16")
+    r = _batch(jobs, out, env, "--json")
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert [res[n]["status"] for n in ("a-bf16", "broken-bf16", "c-main-fp16")] == ["skipped", "failed", "skipped"]
+    assert _stat(out / "c-main-fp16") == c_before and _stat(out / "a-bf16") == a_before
+
+
+def test_killed_between_commit_and_record(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    """kill -9 of the batch after a worker committed its output but before the state said done: the
+    next run recognises the complete output by the manifest written before the commit and records it
+    as done (not BATCH-006 'foreign files', not converted again)."""
+    jobs, _cache, env = setup
+    jobs.write_text("org/a --max-shard-size 1MB\n")
+    out = tmp_path / "out"
+    work = out / ".convert-bnb"
+    kill_batch_at_pause(jobs, out, env, "a-bf16", "commit", tmp_path / "a-bf16.paused")
+    state = json.loads((work / "a-bf16.json").read_text())
+    assert state["status"] in ("running", "interrupted") and "files" not in state  # not recorded as done
+    if state["status"] == "interrupted":
+        assert state["error"].startswith("interrupted with an output in place; the next run checks it")
+    straight = _straight(tmp_path)
+    assert _files(out / "a-bf16") == straight["a-bf16"]  # committed complete, but not recorded
+    before = _stat(out / "a-bf16")
+
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)
+    assert res["status"] == "skipped" and res["shards_written"] == 0
+    assert res["notes"] == ["the output was committed by an earlier run that stopped before recording it"]
+    assert _stat(out / "a-bf16") == before and _files(out / "a-bf16") == straight["a-bf16"]
+    state = json.loads((work / "a-bf16.json").read_text())
+    assert state["status"] == "done" and set(state["files"]) == set(straight["a-bf16"])
+    # a file the user adds afterwards is still theirs: a changed setting is refused, nothing removed
+    (out / "a-bf16" / "mine.txt").write_text("keep")
+    jobs.write_text("org/a --max-shard-size 2MB\n")
+    r = _batch(jobs, out, env, "--json", "--overwrite")
+    (res,) = json.loads(r.stdout)
+    assert (res["status"], res["rule"]) == ("failed", "BATCH-006")
+    assert (out / "a-bf16" / "mine.txt").read_text() == "keep"
+
+
+def test_a_live_worker_of_a_dead_batch_keeps_its_claim(setup: tuple[Path, Path, dict[str, str]],
+                                                       tmp_path: Path) -> None:
+    """Were a worker to outlive its batch, a re-run's job fails on the output claim (OUT-004) instead of
+    writing beside it, and is never marked done; once the worker is gone the job completes."""
+    jobs, _cache, env = setup
+    jobs.write_text("org/c@main --to fp16 --max-shard-size 1MB\n")
+    out = tmp_path / "out"
+    from convert.output import OutputClaim
+
+    claim = OutputClaim(out / "c-main-fp16", is_dir=True, nbytes=0, inputs=[], resume_key={"other": "run"})
+    with claim:  # held by this process, as a live worker of another batch would hold it
+        r = _batch(jobs, out, env, "--json")
+        (res,) = json.loads(r.stdout)
+        assert (r.returncode, res["status"], res["rule"], res["error_class"]) == (3, "failed", "OUT-004",
+                                                                                  "OutputBusyError")
+        assert json.loads((out / ".convert-bnb" / "c-main-fp16.json").read_text())["status"] == "failed"
+        assert not (out / "c-main-fp16").exists()
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "converted", r.stderr
+    assert _files(out / "c-main-fp16") == _straight(tmp_path)["c-main-fp16"]
+
+
+def test_changed_output_or_settings(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    jobs.write_text("org/a --max-shard-size 1MB\n")
+    out = tmp_path / "out"
+    assert _batch(jobs, out, env).returncode == 0
+    victim = out / "a-bf16" / "model-00002-of-00005.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[100] ^= 1
+    victim.write_bytes(bytes(raw))
+    r = _batch(jobs, out, env, "--json")  # a damaged file of ours: redone
+    assert json.loads(r.stdout)[0]["status"] == "converted"
+    assert _files(out / "a-bf16") == _straight(tmp_path)["a-bf16"]
+    before = _files(out / "a-bf16")
+    jobs.write_text("org/a --max-shard-size 2MB --name a-bf16\n")  # other settings: refused without --overwrite
+    r = _batch(jobs, out, env, "--json")
+    (res,) = json.loads(r.stdout)
+    assert (r.returncode, res["status"], res["rule"]) == (3, "failed", "BATCH-005")
+    assert "max_shard_size=2000000" in res["error"] and "max_shard_size=1000000" in res["error"]
+    assert _files(out / "a-bf16") == before
+    (out / "a-bf16" / "notes.txt").write_text("mine")  # a file the batch did not write
+    r = _batch(jobs, out, env, "--json", "--overwrite")
+    (res,) = json.loads(r.stdout)
+    assert (res["status"], res["rule"]) == ("failed", "BATCH-006") and "notes.txt" in res["error"]
+    assert _files(out / "a-bf16") == {**before, "notes.txt": b"mine"}
+    (out / "a-bf16" / "notes.txt").unlink()
+    r = _batch(jobs, out, env, "--json", "--overwrite")
+    (res,) = json.loads(r.stdout)
+    assert (res["status"], res["shards_reused"], res["shards_written"]) == ("converted", 0, 3)
+    assert len(list((out / "a-bf16").glob("model-*.safetensors"))) == 3
+
+
+def test_user_files_beside_a_finished_output_and_an_empty_folder(setup: tuple[Path, Path, dict[str, str]],
+                                                                  tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    jobs.write_text("org/a\n")
+    out = tmp_path / "out"
+    (out / "a-bf16").mkdir(parents=True)  # an empty folder where the output goes: nothing to lose
+    r = _batch(jobs, out, env, "--json")
+    assert (r.returncode, json.loads(r.stdout)[0]["status"]) == (0, "converted"), r.stderr
+    (out / "a-bf16" / "mine.txt").write_text("mine")  # the user's file beside a finished output
+    r = _batch(jobs, out, env, "--json")
+    assert (r.returncode, json.loads(r.stdout)[0]["status"]) == (0, "skipped"), r.stdout
+    assert (out / "a-bf16" / "mine.txt").read_text() == "mine"
+
+
+def test_summary_table_text(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    r = _batch(jobs, tmp_path / "out", env)
+    assert r.returncode == 3
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["job", "status", "shards", "new/kept", "output", "time", "detail"]
+    assert lines[1].split()[:3] == ["a-bf16", "converted", "5/0"]
+    assert lines[2].split()[:3] == ["broken-bf16", "failed", "0/0"]
+    assert lines[3].split()[:3] == ["c-main-fp16", "converted", "5/0"]
+    assert lines[-1] == "2 converted, 1 failed of 3 jobs"
+    assert "[failed] broken-bf16: " in r.stderr
+
+
+def test_memory_budget_is_split_between_jobs(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o"), "--jobs", "4", "--max-memory", "200MiB"], env)
+    assert r.returncode == 2
+    assert "--max-memory split over --jobs leaves a worker less than 64MiB" in r.stderr
+    assert "found '52428800 bytes per job'" in r.stderr
+
+
+# ---------------------------------------------------------------- push (as far as it goes offline)
+
+
+def test_push_dry_run_prints_card_and_upload_plan(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    out = tmp_path / "out"
+    jobs.write_text("org/a --max-shard-size 1MB\n")
+    assert _batch(jobs, out, env).returncode == 0  # a is converted, c is not
+    jobs.write_text("org/a --max-shard-size 1MB\norg/c --to fp16 --max-shard-size 3MB\n")
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    a, c = json.loads(r.stdout)
+    assert a["action"] == "skip (already converted)" and a["commit"] == A
+    assert c["action"] == "convert" and c["commit"] == C
+    state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+    card = a["card"]
+    assert card.startswith("---\nbase_model: org/a\nlibrary_name: transformers\ntags:\n- convert-bnb\n"
+                           "- bitsandbytes-dequantized\n---\n")
+    # bf16 rounds the other tensors: only auto/fp32 cards say bit-exact
+    assert "bit-exact" not in card and "rounded once to bfloat16" in card
+    assert f"- commit: {A}" in card and "- revision: main (default branch)" in card
+    assert "| --to | bf16 |" in card and "| --max-shard-size | 1000000 bytes |" in card
+    assert "| converter | convert-bnb 0.1.0 |" in card
+    assert "- quantization: nf4, blocksize 64, nested (blocksize 256, float32), dtype bfloat16, storage U8: 14 layers" \
+        in card
+    for rel, rec in state["files"].items():
+        assert f"| {rel} | {rec['bytes']} | {rec['sha256']} |" in card
+    assert f"convert-bnb org/a --revision {A} --to bf16 --max-shard-size 1000000" in card
+    up = a["upload"]
+    assert up["create_repo"] == {"repo_id": "me/a-bf16", "repo_type": "model", "private": False, "exist_ok": True}
+    ops = {o["path_in_repo"]: o for o in up["commit"]["operations"]}
+    assert set(ops) == set(state["files"]) | {"README.md"}
+    assert ops["README.md"]["bytes"] == len(card.encode())
+    assert ops["config.json"]["from"] == str(out / "a-bf16" / "config.json")
+    # c is planned from the cached snapshot: 2 shards of fp16 tensors, hashes after conversion
+    cops = {o["path_in_repo"]: o for o in c["upload"]["commit"]["operations"]}
+    assert "model-00001-of-00002.safetensors" in cops and "model.safetensors.index.json" in cops
+    assert "| model-00001-of-00002.safetensors |" in c["card"] and "(after conversion)" in c["card"]
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run")
+    assert "upload: create me/a-bf16 (private=False, exist_ok), one commit 'convert-bnb 0.1.0: org/a --to bf16':" \
+        in r.stdout
+    assert "  model card:\n    ---\n    base_model: org/a" in r.stdout
+    assert not (out / "c-main-fp16").exists()  # a dry run writes nothing
+
+
+def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
+    jobs, _cache, env = setup
+    jobs.write_text("org/a\n")
+    out = tmp_path / "out"
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--json")
+    assert r.returncode == 3
+    (res,) = json.loads(r.stdout)
+    assert res["status"] == "failed" and "cannot push to 'me/a-bf16' (OfflineModeIsEnabled" in res["error"]
+    state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+    assert state["status"] == "done" and "pushed" not in state  # the conversion stays done
+    before = _stat(out / "a-bf16")
+    r = _batch(jobs, out, env, "--json")  # without --push-to-hub: nothing left to do
+    assert r.returncode == 0 and json.loads(r.stdout)[0]["status"] == "skipped"
+    assert _stat(out / "a-bf16") == before
+
+
+@pytest.mark.parametrize(("to", "library", "tags", "exact"), [
+    ("auto", "transformers", ["convert-bnb", "bitsandbytes-dequantized"], True),
+    ("fp32", "transformers", ["convert-bnb", "bitsandbytes-dequantized"], True),
+    ("fp16", "transformers", ["convert-bnb", "bitsandbytes-dequantized"], False),
+    ("nf4", "transformers", ["convert-bnb", "bitsandbytes", "4-bit", "nf4"], False),
+    ("gguf:q4_0", "gguf", ["convert-bnb", "gguf"], False),
+    ("gguf", "gguf", ["convert-bnb", "gguf"], False),
+])
+def test_model_card_metadata_and_claims_fit_the_target(to: str, library: str, tags: list[str], exact: bool) -> None:
+    from huggingface_hub import ModelCard
+
+    name = f"m-{to.replace(':', '-')}" + (".gguf" if to.startswith("gguf") else "")
+    card = ModelCard(model_card(Job("org/m", "v2", to, 10**9, name), "f" * 40, {}))
+    assert card.data.library_name == library and card.data.base_model == "org/m" and card.data.tags == tags
+    assert ("bit-exact with bitsandbytes' own dequantization" in card.text) is exact
+    assert card.text.lstrip().startswith(f"# m-{to.replace(':', '-')}\n")  # the repo's name: no file extension
+    if to.startswith("gguf"):
+        assert "not bit-exact" in card.text
+
+
+def test_single_file_outputs_push_to_a_repo_named_without_the_extension() -> None:
+    from convert.batch.card import build_upload_plan
+
+    job = Job("org/m", None, "gguf:q8_0", 10**9, "m-gguf-q8_0.gguf")
+    up = build_upload_plan("me", job, Path("/o/m-gguf-q8_0.gguf"), {"m-gguf-q8_0.gguf": {"bytes": 4, "sha256": "x"}},
+                           "card", False)
+    assert up["create_repo"]["repo_id"] == up["commit"]["repo_id"] == "me/m-gguf-q8_0"
+    assert [o["path_in_repo"] for o in up["commit"]["operations"]] == ["m-gguf-q8_0.gguf", "README.md"]
+
+
+def test_gguf_jobs_are_named_with_their_extension(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(f"org/m --to gguf:q8_0\norg/m@v2 --to gguf\n{MODELS / 'llama_nf4_dq'} --to gguf:q8_0\n"
+                 "org/a --to gguf:q4_k_m --name mine\norg/b --to gguf:q4_k_m --name theirs.gguf\n"
+                 "org/c --to bf16 --name plain\n")
+    assert [j.name for j in parse_jobs(t, _defaults())] == ["m-gguf-q8_0.gguf", "m-v2-gguf.gguf",
+                                                           "llama_nf4_dq-gguf-q8_0.gguf", "mine.gguf",
+                                                           "theirs.gguf", "plain"]
+
+
+def test_progress_per_job_and_overall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a job runs, the batch reports each running job's bytes written of its total and the jobs done."""
+    import threading
+
+    from convert.batch.run import BatchProgress, run_batch
+
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_fp4_nodq'} --name a\n{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name c\n")
+    marker = tmp_path / "c.paused"
+    for k, v in paused_env(offline_env(tmp_path), "c", 2, marker).items():
+        monkeypatch.setenv(k, v)
+    seen: list[BatchProgress] = []
+    done: list[str] = []
+    results: list = []
+    t = threading.Thread(target=lambda: results.extend(run_batch(
+        parse_jobs(jobs, _defaults()), tmp_path / "out", max_memory=256 << 20,
+        on_done=lambda r: done.append(r.name), on_progress=seen.append, progress_interval=0.02)))
+    t.start()
+    deadline = time.monotonic() + 240
+    while not (marker.exists() and marker.read_text() and any(p.running.get("c") for p in seen)):
+        assert t.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(int(marker.read_text()), signal.SIGKILL)  # the paused worker: its job fails, the batch ends
+    t.join(120)
+    assert done == ["a", "c"] and [r.status for r in results] == ["converted", "failed"]
+    assert results[1].error == "worker exited with code -9"  # nothing in its log: no "see <log>"
+    c_seen = [p for p in seen if p.running.get("c")]
+    assert all(p.jobs == 2 and p.finished == 1 and set(p.running) == {"c"} for p in c_seen)  # a finished first
+    written, total = c_seen[-1].running["c"]
+    assert total == 3975680 and 0 <= written <= total  # the bf16 bytes of the model
+    assert c_seen[-1].line().startswith(f"[1/2 jobs done] c {100 * written // total}% (")
+
+
+def test_model_card_for_a_local_source() -> None:
+    job = Job("/data/m", None, "fp32", 5 * 10**9, "m-fp32")
+    card = model_card(job, None, {"model.safetensors": {"bytes": 10, "sha256": "ab"}})
+    assert "base_model" not in card and "- path: m" in card and "| model.safetensors | 10 | ab |" in card
+    assert "/data" not in card  # a pushed card does not publish the local path
+
+
+# ---------------------------------------------------------------- JOBS files
+
+
+def _defaults() -> argparse.Namespace:
+    return argparse.Namespace(to="bf16", max_shard_size=5 * 10**9)
+
+
+def test_parse_text_json_yaml(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(JOBS)
+    text = parse_jobs(t, _defaults())
+    assert [(j.src, j.revision, j.to.name, j.max_shard_size, j.name, j.where) for j in text] == [
+        ("org/a", None, "bf16", 10**6, "a-bf16", "j.txt:2"),
+        ("org/broken", None, "bf16", 5 * 10**9, "broken-bf16", "j.txt:3"),
+        ("org/c", "main", "fp16", 10**6, "c-main-fp16", "j.txt:4"),
+    ]
+    j = tmp_path / "j.json"
+    j.write_text(json.dumps(["org/a --max-shard-size 1MB", "org/broken",
+                             {"repo": "org/c", "revision": "main", "to": "fp16", "max_shard_size": "1MB"}]))
+    as_json = parse_jobs(j, _defaults())
+    assert [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in as_json] == \
+        [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in text]
+    pytest.importorskip("yaml")
+    y = tmp_path / "j.yaml"
+    y.write_text("- org/a --max-shard-size 1MB\n- org/broken\n- {src: org/c@main, to: fp16, max_shard_size: 1MB}\n")
+    as_yaml = parse_jobs(y, _defaults())
+    assert [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in as_yaml] == \
+        [(x.src, x.revision, x.to, x.max_shard_size, x.name) for x in text]
+
+
+def test_local_file_job_writes_one_file(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_fp4_nodq' / 'model.safetensors'} --to fp32\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)
+    assert (res["name"], res["status"], res["shards_written"]) == ("model-fp32.safetensors", "converted", 1)
+    assert main([str(MODELS / "llama_fp4_nodq" / "model.safetensors"), "--to", "fp32", "-o",
+                 str(tmp_path / "direct.safetensors"), "--quiet"]) == 0
+    assert (out / "model-fp32.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+    before = (out / "model-fp32.safetensors").stat()
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "skipped"
+    after = (out / "model-fp32.safetensors").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_batch_jobs_behave_as_the_cli(tmp_path: Path) -> None:
+    """Every target goes through convert() in the worker: --no-verify reaches nf4 and GGUF jobs, and an
+    input error of any target is the CLI's error (class, rule, message), not a usage error."""
+    broken = broken_model(tmp_path / "broken")
+    good = MODELS / "llama_nf4_dq"
+    targets = ("bf16", "nf4", "gguf:q8_0")
+    lines = [f"{src} --to {t} --name {kind}-{t.replace(':', '-')}" for kind, src in (("good", good), ("bad", broken))
+             for t in targets]
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("\n".join(lines) + "\n")
+    env = offline_env(tmp_path)
+    results = {}
+    for verify in (True, False):
+        out = tmp_path / f"out-{verify}"
+        r = run_cli(["batch", str(jobs), "--out-dir", str(out), "--json", *([] if verify else ["--no-verify"])], env)
+        assert r.returncode == 3, r.stderr
+        results[verify] = {x["name"]: x for x in json.loads(r.stdout)}
+    for t in targets:
+        name = t.replace(":", "-") + (".gguf" if t.startswith("gguf") else "")  # --name X of a GGUF job: X.gguf
+        assert [results[v][f"good-{name}"]["verified"] for v in (True, False)] == [True, False]
+        assert results[True][f"good-{name}"]["status"] == "converted"
+        cli = run_cli([str(broken), "--to", t, "-o", str(tmp_path / f"cli-{name}")], env)
+        assert cli.returncode == 2 and cli.stderr.count("\n") == 1
+        bad = results[True][f"bad-{name}"]
+        assert (bad["status"], bad["rule"], bad["error_class"]) == ("failed", "BNB-009", "QuantStateJsonError")
+        assert bad["error"] in cli.stderr  # the same message, naming file, tensor and rule
+    out = tmp_path / "out-True"
+    assert sorted(p.name for p in out.iterdir()) == [".convert-bnb", "good-bf16", "good-gguf-q8_0.gguf", "good-nf4"]
+    assert (out / "good-gguf-q8_0.gguf").read_bytes()[:4] == b"GGUF"
+
+
+def test_local_paths_become_absolute(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(f"{MODELS / 'llama_nf4_dq'} --name x\n{MODELS / 'llama_fp4_nodq' / 'model.safetensors'}\n")
+    a, b = parse_jobs(t, _defaults())
+    assert (a.src, a.name, a.is_repo) == (str(MODELS / "llama_nf4_dq"), "x", False)
+    assert b.name == "model-bf16.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "rule", "part"),
+    [
+        ("j.json", "[1, 2", "BATCH-001", "not valid JSON"),
+        ("j.json", '{"a": 1}', "BATCH-001", "must hold a list"),
+        ("j.json", "[3]", "BATCH-002", "j.json[0]: a job must be a string or an object"),
+        ("j.json", '[{"to": "bf16"}]', "BATCH-002", "a job needs a source"),
+        ("j.txt", "org/a --bogus 1\n", "BATCH-003", "j.txt:1: unknown job options"),
+        ("j.txt", "\norg/a --to int4\n", "BATCH-003", "j.txt:2: unknown --to value 'int4'"),
+        ("j.txt", "org/a --max-shard-size lots\n", "BATCH-003", "not a size: 'lots'"),
+        ("j.json", '[{"src": "org/a", "colour": "red"}]', "BATCH-003", "unknown job fields"),
+        ("j.txt", "org/a --name ../x\n", "BATCH-003", "name must be a plain directory name"),
+        ("j.txt", "x/a\ny/a\n", "BATCH-004", "j.txt:2: output name 'a-bf16' is also written by j.txt:1"),
+        ("j.txt", "'unclosed\n", "BATCH-001", "No closing quotation"),
+    ],
+)
+def test_bad_jobs_files(tmp_path: Path, name: str, content: str, rule: str, part: str) -> None:
+    p = tmp_path / name
+    p.write_text(content)
+    with pytest.raises(UsageError) as ei:
+        parse_jobs(p, _defaults())
+    assert ei.value.rule == rule
+    assert part in str(ei.value)
+    assert ei.value.path == str(p)
+
+
+def test_summary_table_rows() -> None:
+    from convert.batch.worker import JobResult
+
+    t = summary_table([JobResult("a", "org/a", "converted", bytes_out=2048, shards_written=2, commit="f" * 40),
+                       JobResult("b", "org/b", "failed", error="boom")])
+    lines = t.splitlines()
+    assert lines[1].split() == ["a", "converted", "2/0", "2.00", "KiB", "0.0s", "@ffffffffff"]
+    assert lines[2].split() == ["b", "failed", "0/0", "-", "0.0s", "boom"]
+    assert lines[3] == "1 converted, 1 failed of 2 jobs"
+
+
+# ---------------------------------------------------------------- online: fetch and push through a local fake Hub
+
+
+def test_online_batch_fetches_converts_and_pushes(tmp_path: Path) -> None:
+    from tests.helpers.fakehub import FakeHub
+
+    hub = FakeHub()
+    hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
+    url = hub.start()
+    try:
+        env = offline_env(tmp_path, tmp_path / "hub")
+        del env["HF_HUB_OFFLINE"]
+        env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        jobs = tmp_path / "jobs.txt"
+        jobs.write_text("org/a --max-shard-size 1MB\n")
+        out = tmp_path / "out"
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--private", "--json")
+        assert r.returncode == 0, r.stderr + (out / ".convert-bnb" / "a-bf16.log").read_text()
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"], res["commit"]) == ("converted", "me/a-bf16", A)
+        assert hub.created == [{"repo_id": "me/a-bf16", "private": True, "type": "model"}]
+        assert hub.auth == {"Bearer hf_fake_token_for_the_local_server"}  # HF_TOKEN on every request
+        assert len(hub.commits) == 1
+        assert hub.commits[0]["summary"] == "convert-bnb 0.1.0: org/a --to bf16"
+        repo = hub.repos["me/a-bf16"]
+        pushed = repo["commits"][repo["refs"]["main"]]
+        assert {k: v for k, v in pushed.items() if k != "README.md"} == _files(out / "a-bf16")
+        state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
+        assert state["pushed"] == {"repo": "me/a-bf16", "key": state["key"], "commit": hub.commits[0]["commit"]}
+        card = pushed["README.md"].decode()
+        assert card == _dry_run_card(jobs, out, env)  # what --dry-run showed is what was pushed
+        assert card.startswith("---\nbase_model: org/a\n") and f"- commit: {A}" in card
+        # a re-run neither converts nor pushes again
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--private", "--json")
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"]) == ("skipped", "me/a-bf16")
+        assert len(hub.commits) == 1 and len(hub.created) == 1
+    finally:
+        hub.stop()
+
+
+def _dry_run_card(jobs: Path, out: Path, env: dict[str, str]) -> str:
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)[0]["card"]
+
+
+def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name a\n"
+                    f"{MODELS / 'llama_fp4_nodq'} --max-shard-size 1MB --name c\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    marker = tmp_path / "c.paused"
+    cmd = [sys.executable, "-m", "convert", "batch", str(jobs), "--out-dir", str(out), "--max-memory", "256MiB",
+           "--to", "bf16", "--jobs", "2"]
+    proc = subprocess.Popen(cmd, env=paused_env(env, "c", 2, marker), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() or not marker.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # the batch only: it must stop its workers itself
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    partial = out / ".c.convert-bnb-partial"
+    kept = f"interrupted; its finished shards are kept in {partial} and reused when the batch is run again"
+    # the truth, where the user looks: the job's line, the batch's last line, the job's state and its log
+    assert f"[interrupted] c: {kept}" in err
+    assert err.rstrip().endswith("convert-bnb: interrupted; finished jobs are kept, and so are the finished shards "
+                                 "of unfinished directory outputs (OUT/.NAME.convert-bnb-partial); run the same "
+                                 "command again to resume")
+    assert "no output was left behind" not in err and "see " not in err
+    state = json.loads((out / ".convert-bnb" / "c.json").read_text())
+    assert (state["status"], state["error"]) == ("interrupted", kept)
+    assert f"convert-bnb batch: job c: {kept}" in (out / ".convert-bnb" / "c.log").read_text()
+    assert len(_ledger(out, "c")["shards"]) == 2
+    assert sorted(p.name for p in partial.iterdir() if p.name.startswith(".")) == [".convert-bnb-shards.json"]
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    assert (res["c"]["status"], res["c"]["shards_reused"], res["c"]["shards_written"]) == ("converted", 2, 3)
+    straight = tmp_path / "straight"
+    assert main([str(MODELS / "llama_fp4_nodq"), "--to", "bf16", "--max-shard-size", "1MB", "-o", str(straight),
+                 "--quiet"]) == 0
+    assert _files(out / "c") == _files(straight)
+
+
+def test_one_batch_per_out_dir(tmp_path: Path) -> None:
+    import fcntl
+
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'}\n")
+    out = tmp_path / "out"
+    (out / ".convert-bnb").mkdir(parents=True)
+    with open(out / ".convert-bnb" / "lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        r = _batch(jobs, out, offline_env(tmp_path))
+    assert r.returncode == 2
+    assert "another convert-bnb batch is running with this --out-dir" in r.stderr
+    r = _batch(jobs, out, offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+
+
+def test_out_dir_inside_a_job_input_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    import shutil
+
+    from convert.cli import main as cli_main
+
+    model = tmp_path / "model"
+    shutil.copytree(MODELS / "llama_nf4_dq", model,
+                    ignore=shutil.ignore_patterns("reference"))
+    before = sorted(p.relative_to(model) for p in model.rglob("*"))
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{model} --to bf16\n")
+    assert cli_main(["batch", str(jobs), "--out-dir", str(model / "out"), "-q"]) == 2
+    assert sorted(p.relative_to(model) for p in model.rglob("*")) == before
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli_main(["batch", str(jobs), "--out-dir", str(afile), "-q"]) == 2
+
+
+def test_job_notes_are_printed_and_recorded(tmp_path: Path) -> None:
+    """A batch prints each job's notes under its status line, its float16 line first, as a single conversion
+    prints them under its summary (they were in --json only, without the float16 counts: nowhere)."""
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --to fp16\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    single = run_cli([str(MODELS / "llama_nf4_dq"), "--to", "fp16", "-o", str(tmp_path / "one")], env)
+    line = "float16: 0 values overflowed to inf, 1 non-zero values flushed to zero"
+    assert single.returncode == 0 and line in single.stderr.splitlines()
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "out")], env)
+    assert r.returncode == 0 and f"  note: {line}" in r.stderr.splitlines()
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "out2"), "--json"], env)
+    assert json.loads(r.stdout)[0]["notes"][0] == line

@@ -1,0 +1,1 @@
+"""Tests of convert/dequant/: 4-bit and int8 dequantization."""

@@ -1,0 +1,1 @@
+"""Tests of formats/: the readers and writers of each file format."""

@@ -1,0 +1,1 @@
+"""Tests of convert/gguf/: GGUF output."""

@@ -1,0 +1,1 @@
+"""Tests of convert/gguf/codecs/: the GGML block encoders."""
