@@ -5,7 +5,7 @@ from the mutated input) or in one of convert-bnb's own errors, with no output or
 behind and the input unchanged, and ``convert-bnb check`` must agree (clean exactly when the
 conversion succeeds, naming the rule it failed on); anything else stops the run with hypothesis's
 falsifying example.
-See tests/fuzzing.py for the byte-level mutations and the oracle, tests/fuzzing_struct.py for the
+See tests/helpers/fuzzing.py for the byte-level mutations and the oracle, tests/helpers/fuzzing_struct.py for the
 structure-aware kinds (``struct-*``: fields of the QuantState / header / config / index JSON set to
 extreme values and wrong types, companion tensors swapped between layers, absmax dtypes, GGUF
 config and tokenizer fields, adapter configs, patterns and non-finite adapter tensors).
@@ -45,7 +45,7 @@ def main() -> int:
         cap = int(args.max_address_space * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     sys.path.insert(0, str(ROOT))
-    from tests.fuzzing import CI_CASES, KINDS, OUTCOMES, property_test
+    from tests.helpers.fuzzing import CI_CASES, KINDS, OUTCOMES, property_test
 
     kinds = args.kind or KINDS
     unknown = set(kinds) - set(KINDS)

@@ -23,7 +23,7 @@ of :data:`ARCHS` it:
    ``q8_0`` and stores what it wrote as ``reference/gguf_<type>.json``: every tensor's GGML type, shape
    and the sha256 of its data, and every metadata key with its value (long arrays as length + sha256).
 
-The tests (tests/test_gguf_arch.py) compare ``convert-bnb <fixture> --to gguf:<type>`` against that JSON.
+The tests (tests/gguf/test_arch.py) compare ``convert-bnb <fixture> --to gguf:<type>`` against that JSON.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ in bf16, and a ``BOOL`` mask.
 
 How it is made: a float checkpoint of that shape (seeded N(0, 0.02) values, written with
 :mod:`formats.safetensors`) is re-quantized by convert-bnb's own ``--to nf4`` writer, whose layers are
-byte-identical to ``bitsandbytes.functional.quantize_4bit`` + transformers' serialization (tests/test_requant.py
+byte-identical to ``bitsandbytes.functional.quantize_4bit`` + transformers' serialization (tests/bnb4/test_requant.py
 checks that against files bitsandbytes wrote), with the text encoders and the VAE kept as they are
 (``--skip-modules``). Writes:
 

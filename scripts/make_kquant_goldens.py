@@ -5,8 +5,8 @@ For each file type of :data:`convert.gguf.types.FILE_TYPES`, runs ``llama_cpp.ll
 (llama.cpp as vendored in llama-cpp-python 0.3.36; default parameters, one thread) on our
 ``--to gguf:f32`` of a fixture model and records every tensor's GGML type and the sha256 of its bytes:
 for ``tests/fixtures/models/llama_nf4_dq`` in ``tests/fixtures/gguf_mix_sha256.json``
-(tests/test_gguf_kquant.py), for each architecture fixture ``<arch>_nf4_dq`` of
-tests/test_gguf_arch.py in its ``reference/gguf_kquant_sha256.json``. The tests compare our own
+(tests/gguf/test_kquant.py), for each architecture fixture ``<arch>_nf4_dq`` of
+tests/gguf/test_arch.py in its ``reference/gguf_kquant_sha256.json``. The tests compare our own
 ``--to gguf:MIX`` files with them where llama_cpp is not installed (and, where it is, with what
 llama.cpp makes).
 
@@ -52,7 +52,7 @@ def tensor_hashes(path: Path) -> dict[str, list[str]]:
             for t in sorted(gguf.GGUFReader(path).tensors, key=lambda t: t.name)}
 
 
-#: The architecture fixtures of tests/test_gguf_arch.py (``tests/fixtures/models/<arch>_nf4_dq``).
+#: The architecture fixtures of tests/gguf/test_arch.py (``tests/fixtures/models/<arch>_nf4_dq``).
 ARCHS = ("qwen3", "gemma2", "gemma3", "mistral_hd", "phi3")
 
 

@@ -335,7 +335,7 @@ def bf16_to_f16(
     bits, and ``E - 112 == E + 16 mod 64`` in the five bits that remain); so is +-0. The others (float16
     subnormals, overflow to inf, inf, NaN; about 0.2% of a normal(0, 0.02) weight) go through NumPy's
     cast, and are returned by index: they are the only values rounding may change (every one of the
-    2^16 patterns is checked in ``tests/test_dequant.py``).
+    2^16 patterns is checked in ``tests/dequant/test_dequant.py``).
 
     Args:
         x: ``bfloat16[...]``.

@@ -427,7 +427,7 @@ def round_half_away_into(v: F32, out: F32) -> F32:
     at ``k = 0``, which rounds to the even 1.0) and truncates to ``k + 1``; otherwise ``a`` is at
     least one ulp (``>= 2**-24``) from ``k + 0.5`` and ``a + c`` rounds within ``[k, k + 1)`` or
     ``[k + 1, k + 2)`` as ``a`` is below or above ``k + 0.5``; for ``a >= 2**23`` (integers) ``c``
-    is under half an ulp and the sum is ``a``. ``tests/test_ggml_codecs.py`` checks every float32
+    is under half an ulp and the sum is ``a``. ``tests/gguf/codecs/test_legacy.py`` checks every float32
     in ``[0, 4)`` and the neighbours of every ``k + 0.5`` up to ``2**24``. The copysign is two
     integer passes (sign bit of ``v`` OR the bits of ``c``), NumPy's ``copysign`` being ~1 ns an
     element. ``v`` and ``out`` must not overlap.
