@@ -15,8 +15,8 @@ job finishes first varies, and with it the order of the per-job lines on stderr.
 Use it around a restructuring of the package::
 
     # on the old tree (e.g. a worktree of the commit before the change)
-    git worktree add /work/base HEAD
-    python scripts/behaviour_snapshot.py record before.json --tree /work/base
+    git worktree add ../base HEAD
+    python scripts/behaviour_snapshot.py record before.json --tree ../base
     # on the new tree (default: the repository this script lives in)
     python scripts/behaviour_snapshot.py record after.json
     # every difference, by command and field; exit 1 if any, 0 if none
@@ -25,8 +25,8 @@ Use it around a restructuring of the package::
 How the runs are kept comparable:
 
 - the fixtures are copied from ``TREE/tests/fixtures`` into the fixed scratch directory
-  ``/tmp/convert-bnb-snapshot/in`` (wiped at the start of each record), and every output goes under
-  ``/tmp/convert-bnb-snapshot/runs/NAME`` (the command's working directory), so absolute paths in
+  ``$TMPDIR/convert-bnb-snapshot/in`` (wiped at the start of each record), and every output goes under
+  ``$TMPDIR/convert-bnb-snapshot/runs/NAME`` (the command's working directory), so absolute paths in
   messages are the same on both runs; two records cannot run at once (a lock beside that directory);
 - the subprocess gets ``PYTHONPATH=TREE`` and the script asserts once, before any command, that
   ``convert`` and ``formats`` are imported from TREE (an editable install of another checkout must not
@@ -51,6 +51,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,15 +59,15 @@ from pathlib import Path
 from typing import Any
 
 #: The fixed scratch directory: inputs, outputs, HF_HOME. Wiped at the start of every record.
-ROOT = Path("/tmp/convert-bnb-snapshot")
+ROOT = Path(tempfile.gettempdir()) / "convert-bnb-snapshot"
 IN = ROOT / "in"
 RUNS = ROOT / "runs"
 HF_HOME = ROOT / "hf"
 WORK = ROOT / "work"
 #: Held while a record runs: two records would wipe each other's scratch directory.
-LOCK = Path("/tmp/convert-bnb-snapshot.lock")
+LOCK = Path(tempfile.gettempdir()) / "convert-bnb-snapshot.lock"
 #: Bytecode cache, outside ROOT (kept between records) and outside the tree (never written into).
-PYCACHE = Path("/tmp/convert-bnb-snapshot-pycache")
+PYCACHE = Path(tempfile.gettempdir()) / "convert-bnb-snapshot-pycache"
 
 M = IN / "models"
 LLAMA = M / "llama_nf4_dq"
