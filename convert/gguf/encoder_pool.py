@@ -24,6 +24,7 @@ import concurrent.futures
 import multiprocessing.connection
 import multiprocessing.context
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +37,9 @@ from formats.errors import EncoderProcessError
 __all__ = ["call", "start", "stop"]
 
 T = TypeVar("T")
+
+# CPython's fix of gh-94777 (``terminate_broken`` closes the call queue's read end), in 3.11.5 and 3.12.
+_TERMINATE_BROKEN_CLOSES_READER = sys.version_info >= (3, 11, 5)
 
 
 class _EncoderProcess(multiprocessing.context.SpawnProcess):
@@ -103,13 +107,15 @@ def call(procs: ProcessPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
 def stop(procs: ProcessPoolExecutor) -> None:
     """Shut the pool down, waiting for its workers (each finishes its call; queued calls are cancelled).
 
-    A broken pool (a worker killed) on Pythons without CPython's fix of gh-94777 (Debian 12's 3.11.2):
-    its manager thread waits for the call queue's feeder thread, which waits for ever to write a chunk
-    into the pipe to the dead workers, whose read end this process still holds. That end is closed first
-    (what ``terminate_broken`` does itself since the fix; closing twice is harmless), so the write fails
-    and the shutdown finishes.
+    A broken pool (a worker killed) on Pythons without CPython's fix of gh-94777 (3.10, and 3.11 before
+    3.11.5, e.g. Debian 12's 3.11.2): its manager thread waits for the call queue's feeder thread, which
+    waits for ever to write a chunk into the pipe to the dead workers, whose read end this process still
+    holds. There that end is closed first, so the write fails and the shutdown finishes. Where the fix is
+    in, ``terminate_broken`` closes it on the manager thread, and a second close from here would race it:
+    both threads close the same descriptor, one of them gets EBADF (a traceback from the manager thread)
+    or closes whatever file reused the number in between.
     """
-    if getattr(procs, "_broken", False):
+    if not _TERMINATE_BROKEN_CLOSES_READER and getattr(procs, "_broken", False):
         reader = getattr(getattr(procs, "_call_queue", None), "_reader", None)
         if reader is not None:
             reader.close()
