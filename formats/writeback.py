@@ -6,8 +6,8 @@ go to the disk from a ring of :data:`BUFFERS` page-aligned buffers of :data:`BUF
 written by ``pwrite`` from a background thread while the next one fills (up to ``BUFFERS - 1``
 writes in flight): no copy into the page cache, no dirty pages for the kernel to write back later.
 On a 2-core machine with a virtual disk, a buffered write of 2.7 GB cost 6.7 s of system CPU and an
-``O_DIRECT`` one 0.3 s (``dd`` and the same ``pwrite`` loop; docs/performance.md, fifth round): CPU
-the converter's workers need. ``O_DIRECT`` wants the file offset, the length and the buffer's
+``O_DIRECT`` one 0.3 s (``dd`` and the same ``pwrite`` loop; docs/performance.md, "Figures behind the
+design"): CPU the converter's workers need. ``O_DIRECT`` wants the file offset, the length and the buffer's
 address to be multiples of the device's block size: the stream keeps the file's bytes in
 :data:`ALIGN`-byte blocks (the block holding the header's end is read back and rewritten whole), the
 last block is written padded with zeros and the file is then cut to its length (``ftruncate``).
@@ -15,7 +15,7 @@ An array the caller gives up (``write(data, in_place=True)``: a chunk made for t
 the file's offset modulo :data:`ALIGN` (:func:`aligned_empty`: the converter's workers make their
 chunks there) skips the ring: the blocks it fills whole are written from its own memory, only its
 partial first and last blocks go through the ring (the copy into the ring cost the writing thread
-0.3 ns a byte, 8% of a bf16 run's wall time; docs/performance.md, eighth round).
+0.3 ns a byte, 8% of a bf16 run's wall time; docs/performance.md, "Figures behind the design").
 
 Where ``O_DIRECT`` does not exist (macOS, Windows) or the file system refuses it (``EINVAL`` at
 ``open``, or at the first write: tmpfs before Linux 6.6, some FUSE and network file systems), the
@@ -136,7 +136,7 @@ class PlacedMemory:
     machine writing 32 MiB into fresh memory took 0.05-0.26 ns a byte more than into memory written
     before, by the hour (``scripts/bench.py pages``; the bf16 kernel itself takes about 0.5 ns a byte
     of output), and unmapping a freed chunk interrupts the other core to flush its TLB. Two-thread runs
-    took 5-14% less CPU with it (docs/performance.md, tenth round).
+    took less CPU with it: bf16 0.94x, gguf:f16 0.86x (docs/performance.md, "Figures behind the design").
 
     Each slab is an anonymous ``mmap`` (page-aligned) seen through one NumPy array that does not own its
     memory; every array sliced or viewed from it refers to that array (NumPy makes a view's base the
