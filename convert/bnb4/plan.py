@@ -32,6 +32,7 @@ from convert.bnb4.select import (
     input_quantization_config,
     is_head,
     module_name,
+    moe_kept,
     quantization_config,
     selects,
     should_quantize,
@@ -145,9 +146,11 @@ def make_quant_plan(
     budget = AbsmaxBudget(max(0, max_memory // 8 if cache_bytes is None else cache_bytes))
     grouped: list[list[PlannedTensor] | LayerJob] = []  # per input tensor: its output tensors, or its job
     heads_kept: list[str] = []
+    moe = moe_kept(plan.checkpoint.config)
     for t in plan.tensors:
         was_q = isinstance(getattr(t.source, "layer", None), (QuantizedLayer, Int8Layer))
-        ok, why = should_quantize(t.name, t.shape, t.dtype, was_quantized=was_q, skip=skip, include=include)
+        ok, why = should_quantize(t.name, t.shape, t.dtype, was_quantized=was_q, skip=skip, include=include,
+                                   moe=moe)
         if not ok:
             info.kept[t.name] = why
             if why == "output head" and t.name.endswith(".weight"):

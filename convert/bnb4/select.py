@@ -11,6 +11,12 @@ model class is built (:func:`should_quantize`):
 - not modules matching ``--skip-modules`` (transformers' ``should_convert_module`` matching:
   :func:`matches_module`); these and the head go into ``llm_int8_skip_modules`` (null when nothing
   was asked, as transformers writes it);
+- not a Mixture-of-Experts model's experts and router (:func:`moe_kept`): transformers 5 holds them as
+  bare parameters (fused 3-D experts, a top-k router module) where ``replace_with_bnb_linear`` converts
+  only modules whose type is exactly ``nn.Linear``; it saves them under the per-expert names of the
+  original checkpoint, 16-bit, and refuses 4-bit ones ("size mismatch"). 4-bit experts of an input
+  (transformers 4.x quantized them) are dequantized. Shared experts and Qwen2-MoE's
+  ``shared_expert_gate`` are ``nn.Linear`` and quantized;
 - ``--include`` forces a tensor (e.g. the 1-D or 3-D tensor of a single-tensor file).
 
 ``config.json`` gets the ``quantization_config`` block transformers 5 writes
@@ -32,12 +38,30 @@ __all__ = [
     "is_head",
     "matches_module",
     "module_name",
+    "moe_kept",
     "quantization_config",
     "should_quantize",
 ]
 
 _HEADS = ("lm_head", "embed_out", "score", "classifier", "qa_outputs")
 _EMBED_EXACT = ("wte", "wpe", "shared")
+
+#: config.json ``model_type`` of a transformers 5 MoE model -> its router module below a layer (a
+#: ``*TopKRouter`` holding a bare ``weight``), as the saved checkpoint names it (modeling_<type>.py).
+_MOE_ROUTERS: dict[str, str] = {
+    "mixtral": r"(?:block_sparse_moe|mlp)\.gate",
+    "phimoe": r"(?:block_sparse_moe|mlp)\.gate",
+    "qwen2_moe": r"mlp\.gate",
+    "qwen3_moe": r"mlp\.gate",
+    "olmoe": r"mlp\.gate",
+    "deepseek_v2": r"mlp\.gate",
+    "deepseek_v3": r"mlp\.gate",
+    "granitemoe": r"block_sparse_moe\.router\.layer",
+    "granitemoeshared": r"block_sparse_moe\.router\.layer",
+}
+#: The experts below a layer: per-expert modules (``experts.3.w1``, ``experts.3.gate_proj``), the fused
+#: parameters (``experts.gate_up_proj``), Granite's ``input_linear``/``output_linear``.
+_MOE_EXPERTS = r"(?:block_sparse_moe|mlp)\.(?:experts\..+|input_linear|output_linear)"
 
 
 def matches_module(full_name: str, pattern: str) -> bool:
@@ -76,9 +100,28 @@ def is_head(module: str) -> bool:
     return parts[-1] in _HEADS and not any(p.isdigit() for p in parts)
 
 
+def moe_kept(config: Any) -> re.Pattern[str] | None:
+    """The modules of a Mixture-of-Experts model that transformers 5 + bnb keep 16-bit (experts and
+    router), matched against a module name by ``search``; None for other models.
+
+    Args:
+        config: the checkpoint's ``config.json`` (any JSON value); a multimodal model's ``text_config``
+            names the text model's type.
+    """
+    if not isinstance(config, dict):
+        return None
+    types = [config.get("model_type")]
+    if isinstance(config.get("text_config"), dict):
+        types.append(config["text_config"].get("model_type"))
+    for t in types:
+        if isinstance(t, str) and t in _MOE_ROUTERS:
+            return re.compile(rf"(?:^|\.)layers\.\d+\.(?:{_MOE_EXPERTS}|{_MOE_ROUTERS[t]})$")
+    return None
+
+
 def should_quantize(
     name: str, shape: Sequence[int], dtype: DType, *, was_quantized: bool = False,
-    skip: Sequence[str] = (), include: Sequence[str] = (),
+    skip: Sequence[str] = (), include: Sequence[str] = (), moe: re.Pattern[str] | None = None,
 ) -> tuple[bool, str]:
     """Whether a planned tensor becomes a 4-bit layer, and why (for the plan listing).
 
@@ -89,6 +132,7 @@ def should_quantize(
         was_quantized: the input holds it as a bnb 4-bit or 8-bit layer.
         skip: ``--skip-modules`` patterns.
         include: ``--include`` patterns (win over every other rule).
+        moe: :func:`moe_kept` of the model's config (its experts and router stay 16-bit).
 
     Returns:
         (quantize?, reason).
@@ -106,6 +150,8 @@ def should_quantize(
         return True, "--include"
     if any(selects(name, p, include=False) for p in skip):
         return False, "--skip-modules"
+    if moe is not None and moe.search(module):
+        return False, "MoE expert or router (transformers keeps it 16-bit)"
     if was_quantized:
         if is_head(module):
             return False, "output head"

@@ -1,0 +1,146 @@
+"""``--to nf4`` of Mixture-of-Experts models: modules selected as transformers 5 + bitsandbytes select them.
+
+transformers 5 keeps experts as fused parameters and routers as ``*TopKRouter`` modules, neither an
+``nn.Linear``, so bnb leaves both 16-bit and saves them under the original per-expert names; a file
+with 4-bit experts does not load ("size mismatch"). The parity tests build tiny models of each class
+on CPU, quantize and save them with transformers + bnb, and compare our file byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convert.bnb4.select import moe_kept, should_quantize
+from convert.cli import main
+from formats.dtypes import BY_NAME
+from tests.helpers.fixtures import load_all
+
+COMMON = {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False}
+#: fixture name -> (config class, model class, config values)
+CLASSES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+                   "head_dim": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"intermediate_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256,
+                   "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   {"intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+
+# --- the rule, header only --------------------------------------------------------------------------
+
+
+BF16 = BY_NAME["bfloat16"]
+
+
+@pytest.mark.parametrize(("model_type", "name", "quantized"), [
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.3.w1.weight", False),
+    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight", False),
+    ("mixtral", "model.layers.0.mlp.gate.weight", False),  # the names transformers uses in memory
+    ("mixtral", "model.layers.0.self_attn.q_proj.weight", True),
+    ("qwen3_moe", "model.layers.1.mlp.experts.0.gate_proj.weight", False),
+    ("qwen3_moe", "model.layers.1.mlp.gate.weight", False),
+    ("qwen2_moe", "model.layers.1.mlp.shared_expert.gate_proj.weight", True),  # nn.Linear: quantized
+    ("qwen2_moe", "model.layers.1.mlp.shared_expert_gate.weight", True),
+    ("granitemoe", "model.layers.0.block_sparse_moe.router.layer.weight", False),
+    ("granitemoe", "model.layers.0.block_sparse_moe.input_linear.weight", False),
+    ("llama", "model.layers.0.mlp.gate_proj.weight", True),
+])
+def test_experts_and_router_stay_16_bit(model_type: str, name: str, quantized: bool) -> None:
+    moe = moe_kept({"model_type": model_type})
+    assert (moe is None) == (model_type == "llama")
+    ok, why = should_quantize(name, (256, 128), BF16, moe=moe)
+    assert ok is quantized, why
+    if not quantized:
+        assert why == "MoE expert or router (transformers keeps it 16-bit)"
+    # a 4-bit expert of the input (transformers 4.x quantized them) is dequantized, not kept 4-bit
+    assert should_quantize(name, (256, 128), BF16, was_quantized=True, moe=moe)[0] is quantized
+
+
+def test_moe_kept_reads_a_multimodal_text_config_and_ignores_bad_values() -> None:
+    assert moe_kept({"model_type": "x", "text_config": {"model_type": "qwen3_moe"}}) is not None
+    for config in (None, [], {"model_type": 3}, {"model_type": "llama", "text_config": "qwen3_moe"}):
+        assert moe_kept(config) is None
+
+
+# --- against transformers + bitsandbytes ------------------------------------------------------------
+
+
+def _build(name: str, root: Path):  # noqa: ANN202
+    """A seeded tiny bf16 model of the class, saved to ``root/bf16``; quantized + saved by transformers +
+    bnb to ``root/bnb``."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    cfg_cls, model_cls, extra = CLASSES[name]
+    cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for n, p in sorted(model.named_parameters()):
+            p.copy_((1.0 if "norm" in n else 0.0) + (0.1 if "norm" in n else 0.05) * torch.randn(p.shape, generator=g))
+    model.save_pretrained(root / "bf16")
+    bnb_cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    q = transformers.AutoModelForCausalLM.from_pretrained(root / "bf16", quantization_config=bnb_cfg,
+                                                          device_map="cpu", dtype=torch.bfloat16)
+    q.save_pretrained(root / "bnb")
+    return torch, transformers
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_nf4_of_a_moe_model_equals_transformers_and_bnb(name: str, tmp_path: Path) -> None:
+    """Optional (torch, transformers, bitsandbytes): our ``--to nf4`` of the bf16 model is the file
+    transformers + bnb write, byte for byte (experts and router bf16, attention 4-bit)."""
+    torch, _ = _build(name, tmp_path)
+    assert main([str(tmp_path / "bf16"), "--to", "nf4", "--torch-threads", str(torch.get_num_threads()),
+                 "-o", str(tmp_path / "ours"), "-q"]) == 0
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "bnb" / f).read_bytes(), f
+    ours = load_all(tmp_path / "ours" / "model.safetensors")
+    experts = [k for k in ours if ".experts." in k or "input_linear" in k]
+    assert experts and all(ours[k].dtype.name == "bfloat16" for k in experts)
+    assert ours["model.layers.0.self_attn.q_proj.weight"].dtype == np.uint8
+
+
+def test_4_bit_experts_of_the_input_are_dequantized_and_the_output_loads(tmp_path: Path) -> None:
+    """Optional: a checkpoint whose per-expert weights are 4-bit (as transformers 4.x saved MoE models)
+    becomes a file transformers 5 loads: experts bf16, equal to bnb's dequantization of them."""
+    torch, transformers = _build("mixtral", tmp_path)
+    import bitsandbytes as bnb  # (optional dependency of this test)
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "bnb4x"
+    src.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        (src / f).write_bytes((tmp_path / "bnb" / f).read_bytes())
+    tensors, want = {}, {}
+    for k, v in load_file(tmp_path / "bnb" / "model.safetensors").items():
+        if ".experts." in k:
+            q, state = bnb.functional.quantize_4bit(v, blocksize=64, compress_statistics=True, quant_type="nf4")
+            tensors[k] = q
+            tensors.update({f"{k}.{s}": t for s, t in state.as_dict(packed=True).items()})
+            want[k] = bnb.functional.dequantize_4bit(q, state).to(torch.bfloat16)
+        else:
+            tensors[k] = v
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert main([str(src), "--to", "nf4", "-o", str(tmp_path / "ours"), "-q"]) == 0
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    assert len(want) == 24
+    for k, w in want.items():
+        assert ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], w), k
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] \
+        == "nf4"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", device_map="cpu")
+    fused = dict(model.named_parameters())["model.layers.0.mlp.experts.down_proj"]
+    assert torch.equal(fused[1], want["model.layers.0.block_sparse_moe.experts.1.w2.weight"])
