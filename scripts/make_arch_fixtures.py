@@ -78,6 +78,13 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral_hd": ("MistralConfig", "MistralForCausalLM", {
         "head_dim": 96, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
     }),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "tie_word_embeddings": False, "attention_multiplier": 0.015625, "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0,
+    }),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {
+        "rope_theta": 2000000.0, "no_rope_layer_interval": 2,
+    }),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {
         "num_key_value_heads": 4, "max_position_embeddings": 1024, "original_max_position_embeddings": 256,
         "sliding_window": 128, "partial_rotary_factor": 0.75, "tie_word_embeddings": False,

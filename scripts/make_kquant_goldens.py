@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from convert.gguf.types import FILE_TYPES, OUTPUT_TYPES  # noqa: E402
+from tests.helpers.fixtures import arch_fixtures  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "models" / "llama_nf4_dq"
 GOLDEN = ROOT / "tests" / "fixtures" / "gguf_mix_sha256.json"
@@ -52,8 +53,6 @@ def tensor_hashes(path: Path) -> dict[str, list[str]]:
             for t in sorted(gguf.GGUFReader(path).tensors, key=lambda t: t.name)}
 
 
-#: The architecture fixtures of tests/gguf/test_arch.py (``tests/fixtures/models/<arch>_nf4_dq``).
-ARCHS = ("qwen3", "gemma2", "gemma3", "mistral_hd", "phi3")
 
 
 def mix_hashes(fixture: Path, tmp: Path) -> dict[str, dict[str, list[str]]]:
@@ -73,7 +72,7 @@ def mix_hashes(fixture: Path, tmp: Path) -> dict[str, dict[str, list[str]]]:
 def main() -> None:
     import llama_cpp
 
-    for arch in ARCHS:
+    for arch in arch_fixtures():
         fixture = FIXTURE.parent / f"{arch}_nf4_dq"
         with tempfile.TemporaryDirectory() as d:
             golden = mix_hashes(fixture, Path(d))

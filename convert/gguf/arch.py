@@ -1,9 +1,9 @@
 """Architectures as data: how a Hugging Face text model's config.json and tensor names become GGUF.
 
-Follows llama.cpp's ``convert_hf_to_gguf.py`` (classes ``TextModel``, ``LlamaModel``,
-``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``, ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``) and
-gguf-py's name tables, one :class:`Architecture` row per model class instead of one class with methods
-(docs/gguf.md lists them and what each does specially):
+Follows llama.cpp's ``convert_hf_to_gguf.py`` (classes ``TextModel``, ``LlamaModel``, ``GraniteModel``,
+``SmolLM3Model``, ``Qwen2Model``, ``Qwen3Model``, ``GemmaModel``, ``Gemma2Model``, ``Gemma3Model``,
+``Phi3MiniModel``) and gguf-py's name tables, one :class:`Architecture` row per model class instead of
+one class with methods (docs/gguf.md lists them and what each does specially):
 
 - :data:`ARCHITECTURES` and :func:`find_architecture`: ``config.json`` ``architectures[0]`` -> the
   row (``general.architecture``, the ``gguf.MODEL_ARCH`` that selects the ``TensorNameMap``);
@@ -196,6 +196,8 @@ class Architecture:
         phi3_vocab: the SentencePiece vocabulary as Phi3MiniModel.set_vocab builds it (added tokens from
             tokenizer_config.json and tokenizer.json, typed by their ``special`` flag alone; a
             ``GPT2Tokenizer`` tokenizer class takes the byte-level BPE path).
+        ignored_keys: config.json keys the converter drops before reading any (Granite's ``head_dim``:
+            its key and value lengths are not written and the rotary dimensions are hidden / heads).
     """
 
     name: str
@@ -216,6 +218,7 @@ class Architecture:
     rope_scaling_keys: bool = True
     longrope_factors: bool = False
     phi3_vocab: bool = False
+    ignored_keys: tuple[str, ...] = ()
 
 
 _LLAMA_DEFAULTS = {
@@ -225,6 +228,67 @@ _LLAMA_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
 }
+
+# LlamaModel.set_gguf_parameters' own entries after TextModel's
+_LLAMA_EXTRA = (
+    Param("add_vocab_size", ("vocab_size",), required=True),
+    Param("add_rope_dimension_count", ("@head_dim",)),
+)
+
+# LlamaModel.set_vocab, shared by its subclasses
+_LLAMA_VOCAB = {
+    "tokenizers": ("sentencepiece", "bpe"),
+    "vocab_quirks": {32016: {"prefix": 32007, "suffix": 32008, "middle": 32009, "eot": 32010}},
+    "rope_types": ("default", "linear", "yarn", "llama3"),
+}
+
+# GraniteModel.set_gguf_parameters: Llama's entries (head_dim dropped first), then the four multipliers,
+# each only when set and non-zero
+_GRANITE = Architecture(
+    name="granite",
+    model_arch=gguf.MODEL_ARCH.GRANITE,
+    hf_architectures=("GraniteForCausalLM",),
+    params=_TEXT_PARAMS,
+    extra_params=(
+        *_LLAMA_EXTRA,
+        Param("add_attention_scale", ("@attention_multiplier",)),
+        Param("add_embedding_scale", ("@embedding_multiplier",)),
+        Param("add_residual_scale", ("@residual_multiplier",)),
+        Param("add_logit_scale", ("@logits_scaling",)),
+    ),
+    # GraniteConfig's defaults
+    config_defaults={
+        "max_position_embeddings": 2048,
+        "num_key_value_heads": "=num_attention_heads",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attention_multiplier": 1.0,
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "logits_scaling": 1.0,
+    },
+    permute_qk=True,
+    ignored_keys=("head_dim",),
+    **_LLAMA_VOCAB,
+)
+
+# SmolLM3Model: LlamaModel under its own architecture name (its no-RoPE layers are not written)
+_SMOLLM3 = Architecture(
+    name="smollm3",
+    model_arch=gguf.MODEL_ARCH.SMOLLM3,
+    hf_architectures=("SmolLM3ForCausalLM",),
+    params=_TEXT_PARAMS,
+    extra_params=_LLAMA_EXTRA,
+    # SmolLM3Config's defaults
+    config_defaults={
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 2000000.0,
+    },
+    permute_qk=True,
+    **_LLAMA_VOCAB,
+)
 
 _GEMMA2 = Architecture(
     name="gemma2",
@@ -298,16 +362,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         model_arch=gguf.MODEL_ARCH.LLAMA,
         hf_architectures=("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
         params=_TEXT_PARAMS,
-        extra_params=(
-            Param("add_vocab_size", ("vocab_size",), required=True),
-            Param("add_rope_dimension_count", ("@head_dim",)),
-        ),
+        extra_params=_LLAMA_EXTRA,
         config_defaults=_LLAMA_DEFAULTS,
         permute_qk=True,
-        tokenizers=("sentencepiece", "bpe"),
-        vocab_quirks={32016: {"prefix": 32007, "suffix": 32008, "middle": 32009, "eot": 32010}},
-        rope_types=("default", "linear", "yarn", "llama3"),
+        **_LLAMA_VOCAB,
     ),
+    _GRANITE,
+    _SMOLLM3,
     Architecture(
         name="qwen2",
         model_arch=gguf.MODEL_ARCH.QWEN2,
@@ -364,7 +425,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 
 
 def _supported() -> str:
-    return ", ".join(f"{a} ({arch.name})" for arch in ARCHITECTURES for a in arch.hf_architectures)
+    """Every supported class name (the GGUF architecture each becomes: docs/gguf.md)."""
+    return ", ".join(a for arch in ARCHITECTURES for a in arch.hf_architectures)
 
 
 def _is_qwen3_reranker(config: Mapping[str, Any], model_dir: Path) -> bool:
@@ -458,6 +520,8 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
             found=f"{type(text).__name__} {str(text)[:40]}",
             action="convert",
         )
+    for key in arch.ignored_keys:
+        hp.pop(key, None)
     for key in ("rope_parameters", "rope_scaling"):
         if hp.get(key) is not None and not isinstance(hp[key], dict):
             raise RopeScalingError(
@@ -509,6 +573,9 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     # Gemma3Model: the final softcapping only when set, the window unless every layer is global
     hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
     hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
+    # GraniteModel: each multiplier only when set and non-zero
+    for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        hp[f"@{key}"] = hp.get(key) or None
     for key in ("num_local_experts", "num_experts"):
         if hp.get(key):
             raise GgufConfigError(

@@ -100,6 +100,10 @@ PARAM_RULES: dict[str, tuple[Any, ...]] = {
     "add_rope_scaling_attn_factors": ("float", 0.0, False),
     "add_layer_norm_rms_eps": ("float", 0.0, True),
     "add_layer_norm_eps": ("float", 0.0, True),
+    "add_attention_scale": ("float", 0.0, False),
+    "add_embedding_scale": ("float", 0.0, False),
+    "add_residual_scale": ("float", 0.0, False),
+    "add_logit_scale": ("float", 0.0, False),
 }
 
 #: The special token types gguf-py's SpecialVocab reads from config.json (``{type}_token_id``).

@@ -31,6 +31,12 @@ REFERENCES = {
 }
 
 
+def arch_fixtures() -> list[str]:
+    """The architecture fixtures (``MODELS/<arch>_nf4_dq`` with llama.cpp's converter output in
+    ``reference/``, made by scripts/make_arch_fixtures.py), by name."""
+    return sorted(p.parent.parent.name.removesuffix("_nf4_dq") for p in MODELS.glob("*_nf4_dq/reference/gguf_f16.json"))
+
+
 def manifest() -> dict:
     return json.loads((FIXTURES / "manifest.json").read_text())
 
