@@ -242,8 +242,9 @@ _LLAMA_VOCAB = {
     "rope_types": ("default", "linear", "yarn", "llama3"),
 }
 
-# GraniteModel.set_gguf_parameters: Llama's entries (head_dim dropped first), then the four multipliers,
-# each only when set and non-zero
+# GraniteModel.set_gguf_parameters: Llama's entries (head_dim dropped first), then the four multipliers
+# (llama.cpp leaves out a zero one, and its loader then refuses a file without logit_scale: a zero is
+# GGUF-006 here)
 _GRANITE = Architecture(
     name="granite",
     model_arch=gguf.MODEL_ARCH.GRANITE,
@@ -251,10 +252,10 @@ _GRANITE = Architecture(
     params=_TEXT_PARAMS,
     extra_params=(
         *_LLAMA_EXTRA,
-        Param("add_attention_scale", ("@attention_multiplier",)),
-        Param("add_embedding_scale", ("@embedding_multiplier",)),
-        Param("add_residual_scale", ("@residual_multiplier",)),
-        Param("add_logit_scale", ("@logits_scaling",)),
+        Param("add_attention_scale", ("attention_multiplier",)),
+        Param("add_embedding_scale", ("embedding_multiplier",)),
+        Param("add_residual_scale", ("residual_multiplier",)),
+        Param("add_logit_scale", ("logits_scaling",)),
     ),
     # GraniteConfig's defaults
     config_defaults={
@@ -573,9 +574,6 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     # Gemma3Model: the final softcapping only when set, the window unless every layer is global
     hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
     hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
-    # GraniteModel: each multiplier only when set and non-zero
-    for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
-        hp[f"@{key}"] = hp.get(key) or None
     for key in ("num_local_experts", "num_experts"):
         if hp.get(key):
             raise GgufConfigError(

@@ -552,6 +552,8 @@ _PHI3 = {
 #: error is the one llama.cpp would name.
 LOADER_SHAPES: dict[str, dict[str, tuple[str, ...]]] = {
     "llama": {**_GLOBAL, **_LLAMA},
+    "granite": {**_GLOBAL, **_LLAMA},
+    "smollm3": {**_GLOBAL, **_LLAMA},
     "qwen2": {**_GLOBAL, **_QWEN2},
     "qwen3": {**_GLOBAL, **_QWEN3},
     "gemma": {**_GLOBAL, **_LLAMA},

@@ -123,6 +123,11 @@ def test_llama_cpp_logits_match_transformers(tmp_path, arch, out_type):
 
 #: id -> (fixture, config.json keys set (None deletes), error class, message parts)
 BAD: dict[str, tuple[str, dict[str, Any], type[Exception], list[str]]] = {
+    # llama.cpp's converter leaves a zero logit_scale out, and its loader then refuses the file
+    "granite-zero-logits-scaling": ("granite", {"logits_scaling": 0}, E.GgufConfigError,
+                                    ["'logits_scaling' is out of range", "> 0"]),
+    "granite-string-attention-multiplier": ("granite", {"attention_multiplier": "0.25"}, E.GgufConfigError,
+                                            ["'attention_multiplier' is not a number"]),
     "gemma2-null-attn-softcap": ("gemma2", {"attn_logit_softcapping": None}, E.GgufConfigError,
                                  ["lacks a hyperparameter llama.cpp needs", "attn_logit_softcapping"]),
     "gemma2-final-softcap-string": ("gemma2", {"final_logit_softcapping": "30"}, E.GgufConfigError,
