@@ -54,8 +54,6 @@ _MOE_ROUTERS: dict[str, str] = {
     "qwen2_moe": r"mlp\.gate",
     "qwen3_moe": r"mlp\.gate",
     "olmoe": r"mlp\.gate",
-    "deepseek_v2": r"mlp\.gate",
-    "deepseek_v3": r"mlp\.gate",
     "granitemoe": r"block_sparse_moe\.router\.layer",
     "granitemoeshared": r"block_sparse_moe\.router\.layer",
 }
