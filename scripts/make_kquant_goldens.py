@@ -53,8 +53,6 @@ def tensor_hashes(path: Path) -> dict[str, list[str]]:
             for t in sorted(gguf.GGUFReader(path).tensors, key=lambda t: t.name)}
 
 
-
-
 def mix_hashes(fixture: Path, tmp: Path) -> dict[str, dict[str, list[str]]]:
     """mix -> :func:`tensor_hashes` of llama-quantize's output from our ``--to gguf:f32`` of ``fixture``."""
     f32 = tmp / "f32.gguf"

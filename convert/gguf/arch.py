@@ -235,8 +235,9 @@ _LLAMA_EXTRA = (
     Param("add_rope_dimension_count", ("@head_dim",)),
 )
 
-# LlamaModel.set_vocab, shared by its subclasses
-_LLAMA_VOCAB = {
+# What LlamaModel's subclasses inherit besides its entries: set_vocab (tokenizers, CodeLlama's infill
+# ids) and the RoPE scaling types it reads
+_LLAMA_FAMILY = {
     "tokenizers": ("sentencepiece", "bpe"),
     "vocab_quirks": {32016: {"prefix": 32007, "suffix": 32008, "middle": 32009, "eot": 32010}},
     "rope_types": ("default", "linear", "yarn", "llama3"),
@@ -270,7 +271,7 @@ _GRANITE = Architecture(
     },
     permute_qk=True,
     ignored_keys=("head_dim",),
-    **_LLAMA_VOCAB,
+    **_LLAMA_FAMILY,
 )
 
 # SmolLM3Model: LlamaModel under its own architecture name (its no-RoPE layers are not written)
@@ -288,7 +289,7 @@ _SMOLLM3 = Architecture(
         "rope_theta": 2000000.0,
     },
     permute_qk=True,
-    **_LLAMA_VOCAB,
+    **_LLAMA_FAMILY,
 )
 
 _GEMMA2 = Architecture(
@@ -366,7 +367,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         extra_params=_LLAMA_EXTRA,
         config_defaults=_LLAMA_DEFAULTS,
         permute_qk=True,
-        **_LLAMA_VOCAB,
+        **_LLAMA_FAMILY,
     ),
     _GRANITE,
     _SMOLLM3,
