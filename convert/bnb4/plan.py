@@ -29,10 +29,14 @@ from typing import Any
 
 from convert.bnb4.passes import AbsmaxBudget, LayerJob
 from convert.bnb4.select import (
+    MOE_TYPES,
     input_quantization_config,
+    is_expert,
     is_head,
     module_name,
     moe_kept,
+    moe_unknown,
+    multihead_out_projs,
     quantization_config,
     selects,
     should_quantize,
@@ -44,6 +48,7 @@ from convert.stream.plan import Plan, PlannedTensor, shard_tensors
 from convert.stream.sources import Dequant4Source
 from formats.bnb import Int8Layer, QuantizedLayer
 from formats.dtypes import DType, float_dtype_name
+from formats.errors import UnknownMoeLayoutError
 
 __all__ = [
     "SAFETENSORS_DTYPE_ORDER",
@@ -128,6 +133,8 @@ def make_quant_plan(
         (the new plan, a :class:`QuantPlanInfo`).
 
     Raises:
+        UnknownMoeLayoutError: QNT-007, a Mixture-of-Experts model of a type :mod:`convert.bnb4.select` does
+            not know, whose experts would be quantized (unless ``--skip-modules`` / ``--include`` name them).
         UnsupportedError: QNT-005, a weight whose packed bytes do not fill ``quant_storage``
             elements; QNT-003, a weight with NaN or infinity (found in the pre-pass or while writing).
     """
@@ -147,10 +154,24 @@ def make_quant_plan(
     grouped: list[list[PlannedTensor] | LayerJob] = []  # per input tensor: its output tensors, or its job
     heads_kept: list[str] = []
     moe = moe_kept(plan.checkpoint.config)
+    unknown = moe_unknown(plan.checkpoint.config)
+    mha = multihead_out_projs(t.name for t in plan.tensors)
     for t in plan.tensors:
         was_q = isinstance(getattr(t.source, "layer", None), (QuantizedLayer, Int8Layer))
         ok, why = should_quantize(t.name, t.shape, t.dtype, was_quantized=was_q, skip=skip, include=include,
-                                   moe=moe)
+                                   moe=moe, mha=mha)
+        if ok and unknown is not None and is_expert(t.name) and why != "--include":
+            raise UnknownMoeLayoutError(
+                "the experts of this Mixture-of-Experts model would be quantized, and transformers + bnb "
+                "may keep them 16-bit (a file it cannot load)",
+                path=plan.checkpoint.source,
+                tensor=t.name,
+                expected=f"a MoE model of a known layout (model_type {', '.join(MOE_TYPES)})",
+                found=unknown,
+                hint="convert to bf16 instead, or, when you know transformers keeps this class's experts 16-bit, "
+                     "name them: --skip-modules '.*\\.experts' (and its router module)",
+                action="quantize",
+            )
         if not ok:
             info.kept[t.name] = why
             if why == "output head" and t.name.endswith(".weight"):
@@ -180,7 +201,7 @@ def make_quant_plan(
         cfg = dict(new.config)
         compute = old_qc.get("bnb_4bit_compute_dtype") or _compute_dtype(cfg, info.jobs, plan)
         cfg["quantization_config"] = quantization_config(settings, compute, info.skip_modules)
-        new.config = cfg
+        new.config = _sub_config_dtypes(cfg)
     return new, info
 
 
@@ -215,6 +236,16 @@ def _skip_modules(plan: Plan, kept: dict[str, str], skip: list[str], heads_kept:
     if user_skip or included_heads:
         return sorted(set(user_skip) | set(heads_kept))
     return None
+
+
+def _sub_config_dtypes(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config with the model's ``dtype`` in each sub-config (``text_config``, ``vision_config`` ...: an
+    object with a ``model_type``), as transformers writes a model loaded with a dtype and saved."""
+    top = cfg.get("dtype", cfg.get("torch_dtype"))
+    if not isinstance(top, str):
+        return cfg
+    return {k: {**v, "dtype": top} if isinstance(v, dict) and "model_type" in v and k != "quantization_config" else v
+            for k, v in cfg.items()}
 
 
 def _compute_dtype(cfg: dict[str, Any], jobs: list[LayerJob], plan: Plan) -> str:

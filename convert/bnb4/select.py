@@ -17,6 +17,8 @@ model class is built (:func:`should_quantize`):
   original checkpoint, 16-bit, and refuses 4-bit ones ("size mismatch"). 4-bit experts of an input
   (transformers 4.x quantized them) are dequantized. Shared experts and Qwen2-MoE's
   ``shared_expert_gate`` are ``nn.Linear`` and quantized;
+- not the ``out_proj`` of an ``nn.MultiheadAttention`` (:func:`multihead_out_projs`: a
+  ``NonDynamicallyQuantizableLinear``, which ``replace_with_bnb_linear`` skips as it is not exactly ``nn.Linear``);
 - ``--include`` forces a tensor (e.g. the 1-D or 3-D tensor of a single-tensor file).
 
 ``config.json`` gets the ``quantization_config`` block transformers 5 writes
@@ -27,18 +29,22 @@ model class is built (:func:`should_quantize`):
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from convert.bnb4.settings import QuantSettings
 from formats.dtypes import FLOAT_OUTPUTS, DType, float_dtype_name
 
 __all__ = [
+    "MOE_TYPES",
     "input_quantization_config",
+    "is_expert",
     "is_head",
     "matches_module",
     "module_name",
     "moe_kept",
+    "moe_unknown",
+    "multihead_out_projs",
     "quantization_config",
     "should_quantize",
 ]
@@ -57,6 +63,8 @@ _MOE_ROUTERS: dict[str, str] = {
     "granitemoe": r"block_sparse_moe\.router\.layer",
     "granitemoeshared": r"block_sparse_moe\.router\.layer",
 }
+#: The MoE model types whose layout transformers + bnb save is known (:data:`_MOE_ROUTERS`' keys).
+MOE_TYPES = tuple(_MOE_ROUTERS)
 #: The experts below a layer: per-expert modules (``experts.3.w1``, ``experts.3.gate_proj``), the fused
 #: parameters (``experts.gate_up_proj``), Granite's ``input_linear``/``output_linear``.
 _MOE_EXPERTS = r"(?:block_sparse_moe|mlp)\.(?:experts\..+|input_linear|output_linear)"
@@ -117,9 +125,45 @@ def moe_kept(config: Any) -> re.Pattern[str] | None:
     return None
 
 
+#: config.json keys giving a Mixture-of-Experts model's expert count (transformers' config classes).
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def moe_unknown(config: Any) -> str | None:
+    """A Mixture-of-Experts model whose type :data:`_MOE_ROUTERS` does not hold (transformers' layout of
+    its experts and router unknown here), described as ``model_type 'x' with N experts``; None otherwise.
+
+    Args:
+        config: the checkpoint's ``config.json`` (any JSON value); ``text_config`` is read too.
+    """
+    if not isinstance(config, dict) or moe_kept(config) is not None:
+        return None
+    for cfg in (config, config.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        for key in _EXPERT_COUNTS:
+            n = cfg.get(key)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+                return f"model_type {cfg.get('model_type', config.get('model_type'))!r} with {key} = {n}"
+    return None
+
+
+def is_expert(name: str) -> bool:
+    """Whether a tensor belongs to a layer's experts (per-expert modules or fused expert parameters)."""
+    return re.search(rf"(?:^|\.)layers\.\d+\.{_MOE_EXPERTS}$", module_name(name)) is not None
+
+
+def multihead_out_projs(names: Iterable[str]) -> frozenset[str]:
+    """The ``out_proj`` modules of ``nn.MultiheadAttention`` layers (a SigLIP vision tower's pooling head):
+    a module holding a bare ``in_proj_weight``. Their ``out_proj`` is a ``NonDynamicallyQuantizableLinear``,
+    not exactly ``nn.Linear``, so transformers + bnb leave it 16-bit."""
+    return frozenset(n.removesuffix("in_proj_weight") + "out_proj" for n in names if n.endswith(".in_proj_weight"))
+
+
 def should_quantize(
     name: str, shape: Sequence[int], dtype: DType, *, was_quantized: bool = False,
     skip: Sequence[str] = (), include: Sequence[str] = (), moe: re.Pattern[str] | None = None,
+    mha: frozenset[str] = frozenset(),
 ) -> tuple[bool, str]:
     """Whether a planned tensor becomes a 4-bit layer, and why (for the plan listing).
 
@@ -131,6 +175,7 @@ def should_quantize(
         skip: ``--skip-modules`` patterns.
         include: ``--include`` patterns (win over every other rule).
         moe: :func:`moe_kept` of the model's config (its experts and router stay 16-bit).
+        mha: :func:`multihead_out_projs` of the model's tensors (they stay 16-bit).
 
     Returns:
         (quantize?, reason).
@@ -150,6 +195,8 @@ def should_quantize(
         return False, "--skip-modules"
     if moe is not None and moe.search(module):
         return False, "MoE expert or router (transformers keeps it 16-bit)"
+    if module in mha:
+        return False, "nn.MultiheadAttention's out_proj (transformers keeps it 16-bit)"
     if was_quantized:
         if is_head(module):
             return False, "output head"

@@ -14,27 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from convert.bnb4.select import moe_kept, should_quantize
+from convert.bnb4.select import moe_kept, moe_unknown, should_quantize
 from convert.cli import main
 from formats.dtypes import BY_NAME
 from tests.helpers.fixtures import load_all
-
-COMMON = {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False}
-#: fixture name -> (config class, model class, config values)
-CLASSES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                {"intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {"intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
-                   "head_dim": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  {"intermediate_size": 256, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256,
-                   "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": []}),
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
-                   {"intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2}),
-}
-
+from tests.helpers.tiny_models import MOE_CLASSES, build
 
 # --- the rule, header only --------------------------------------------------------------------------
 
@@ -72,37 +56,60 @@ def test_moe_kept_reads_a_multimodal_text_config_and_ignores_bad_values() -> Non
         assert moe_kept(config) is None
 
 
+def _moe_dir(root: Path, model_type: str, count_key: str) -> Path:
+    """A tiny per-expert-layout checkpoint of ``model_type`` (bf16, 2 experts, random values)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight",
+             *(f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in (0, 1) for p in ("gate_proj", "up_proj"))]
+    d = root / model_type
+    d.mkdir()
+    tensors = {n: rng.standard_normal((64, 64), dtype=np.float32).astype(BF16.numpy) for n in names}
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, count_key: 2, "architectures": ["X"]}))
+    return d
+
+
+@pytest.mark.parametrize(("model_type", "count_key"), [("deepseek_v3", "n_routed_experts"),
+                                                       ("gpt_oss", "num_local_experts"),
+                                                       ("ernie4_5_moe", "moe_num_experts")])
+def test_a_moe_model_of_an_unknown_layout_is_refused_before_writing(
+        model_type: str, count_key: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """QNT-007: the experts would be quantized where transformers + bnb may keep them 16-bit; nothing is
+    written. --skip-modules naming the experts (the user knows the layout) lets it through, as the error says."""
+    src = _moe_dir(tmp_path, model_type, count_key)
+    assert main([str(src), "--to", "nf4", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tensor 'model.layers.0.mlp.experts.0.gate_proj.weight': QNT-007 the experts of this " \
+           "Mixture-of-Experts model would be quantized" in err
+    assert f"found \"model_type '{model_type}' with {count_key} = 2\"" in err
+    assert "mixtral, phimoe, qwen2_moe, qwen3_moe, olmoe, granitemoe, granitemoeshared" in err
+    assert "--skip-modules '.*\\.experts'" in err
+    assert not (tmp_path / "out").exists()
+    assert main([str(src), "--to", "nf4", "--skip-modules", r".*\.experts", "-o", str(tmp_path / "out"), "-q"]) == 0
+    out = load_all(tmp_path / "out" / "model.safetensors")
+    assert out["model.layers.0.mlp.experts.1.up_proj.weight"].dtype.name == "bfloat16"
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == np.uint8
+
+
+def test_a_dense_model_or_a_single_expert_count_is_not_a_moe_model() -> None:
+    assert moe_unknown({"model_type": "llama"}) is None
+    assert moe_unknown({"model_type": "x", "num_experts": 1}) is None
+    assert moe_unknown({"model_type": "x", "num_experts": True}) is None
+    assert moe_unknown({"model_type": "qwen3_moe", "num_experts": 8}) is None  # known layout
+    assert moe_unknown({"model_type": "x", "text_config": {"model_type": "glm4_moe", "n_routed_experts": 8}}) \
+        == "model_type 'glm4_moe' with n_routed_experts = 8"
+
+
 # --- against transformers + bitsandbytes ------------------------------------------------------------
 
 
-def _build(name: str, root: Path):  # noqa: ANN202
-    """A seeded tiny bf16 model of the class, saved to ``root/bf16``; quantized + saved by transformers +
-    bnb to ``root/bnb``."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("bitsandbytes")
-    cfg_cls, model_cls, extra = CLASSES[name]
-    cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for n, p in sorted(model.named_parameters()):
-            p.copy_((1.0 if "norm" in n else 0.0) + (0.1 if "norm" in n else 0.05) * torch.randn(p.shape, generator=g))
-    model.save_pretrained(root / "bf16")
-    bnb_cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
-    q = transformers.AutoModelForCausalLM.from_pretrained(root / "bf16", quantization_config=bnb_cfg,
-                                                          device_map="cpu", dtype=torch.bfloat16)
-    q.save_pretrained(root / "bnb")
-    return torch, transformers
-
-
-@pytest.mark.parametrize("name", sorted(CLASSES))
+@pytest.mark.parametrize("name", sorted(MOE_CLASSES))
 def test_nf4_of_a_moe_model_equals_transformers_and_bnb(name: str, tmp_path: Path) -> None:
     """Optional (torch, transformers, bitsandbytes): our ``--to nf4`` of the bf16 model is the file
     transformers + bnb write, byte for byte (experts and router bf16, attention 4-bit)."""
-    torch, _ = _build(name, tmp_path)
+    torch, _ = build(name, tmp_path)
     assert main([str(tmp_path / "bf16"), "--to", "nf4", "--torch-threads", str(torch.get_num_threads()),
                  "-o", str(tmp_path / "ours"), "-q"]) == 0
     for f in ("model.safetensors", "config.json"):
@@ -116,7 +123,7 @@ def test_nf4_of_a_moe_model_equals_transformers_and_bnb(name: str, tmp_path: Pat
 def test_4_bit_experts_of_the_input_are_dequantized_and_the_output_loads(tmp_path: Path) -> None:
     """Optional: a checkpoint whose per-expert weights are 4-bit (as transformers 4.x saved MoE models)
     becomes a file transformers 5 loads: experts bf16, equal to bnb's dequantization of them."""
-    torch, transformers = _build("mixtral", tmp_path)
+    torch, transformers = build("mixtral", tmp_path)
     import bitsandbytes as bnb  # (optional dependency of this test)
     from safetensors.torch import load_file, save_file
 
