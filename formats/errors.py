@@ -124,6 +124,7 @@ __all__ = [
     "UnindexedTensorError",
     "UnknownBpePreTokenizerError",
     "UnknownDtypeError",
+    "UnknownMoeLayoutError",
     "UnmappedTensorError",
     "UnsafePickleError",
     "UnsupportedAdapterConfigError",
@@ -1119,6 +1120,14 @@ class NestedOffsetOverflowError(UnsupportedError):
     default_rule = "QNT-006"
     advice = ("The weights are finite but so large that their blocks' absmax sum past float32's range: "
               "quantize with --no-double-quant, or scale the weights down first.")
+
+
+class UnknownMoeLayoutError(UnsupportedError):
+    """A Mixture-of-Experts model whose experts and router transformers + bnb save in a layout not known here."""
+
+    default_rule = "QNT-007"
+    advice = ("Convert to bf16 instead (--to bf16), or, when you know transformers keeps this class's experts "
+              "16-bit, name them: --skip-modules '.*\\.experts' (and its router module).")
 
 
 class QuantStorageOptionError(UsageError):

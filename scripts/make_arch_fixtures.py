@@ -85,6 +85,47 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {
         "rope_theta": 2000000.0, "no_rope_layer_interval": 2,
     }),
+    # multimodal: COMMON goes into text_config; a one-layer vision tower (bnb-quantized too, not written)
+    "gemma3cg": ("Gemma3Config", "Gemma3ForConditionalGeneration", {
+        "text_config": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 64},
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+        "mm_tokens_per_image": 4,
+    }),
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {
+        "text_config": {"model_type": "mistral", "head_dim": 64, "rope_theta": 1000000.0, "sliding_window": None,
+                        "tie_word_embeddings": False},
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "head_dim": 32, "image_size": 56, "patch_size": 14},
+        "image_token_index": 10,
+    }),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
+        "text_config": {"tie_word_embeddings": False,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                            "mrope_section": [8, 12, 12]}},
+        "vision_config": {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                          "out_hidden_size": 256, "fullatt_block_indexes": [0], "window_size": 56,
+                          "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    }),
+    # Mixture of experts: 4 experts, 2 used, per-expert weights as transformers saves them
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    }),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "head_dim": 64,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
+    }),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+    }),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"tie_word_embeddings": False, "initializer_range": 0.3}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {
+        "logit_scale": 0.25, "use_qk_norm": False, "layer_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "model_max_length": 512,
+    }),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {
         "num_key_value_heads": 4, "max_position_embeddings": 1024, "original_max_position_embeddings": 256,
         "sliding_window": 128, "partial_rotary_factor": 0.75, "tie_word_embeddings": False,
@@ -93,6 +134,15 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                          "short_factor": [1.0 + 0.01 * i for i in range(24)]},
     }),
 }
+
+
+#: fixture -> (converter module, class) that takes Qwen2Model's set_vocab for the reference: llama.cpp's Qwen
+#: MoE, Olmo2 and Command-R classes read only a byte-level BPE vocabulary (found by the hash of a real
+#: tokenizer's output, which a 1000-token fixture cannot have); the reference reads the fixture's
+#: SentencePiece vocabulary as Qwen2Model does (the BPE path is tests/gguf/test_bpe_pre.py's). Tensors
+#: and every other key are the class's own.
+REFERENCE_VOCAB = {"qwen3_moe": ("qwen", "Qwen3MoeModel"), "qwen2_moe": ("qwen", "Qwen2MoeModel"),
+                   "olmo2": ("olmo", "Olmo2Model"), "cohere": ("command_r", "CommandR2Model")}
 
 
 def _summary_value(value: Any) -> Any:
@@ -126,7 +176,10 @@ def build(name: str, llama_cpp: Path, scratch: Path, convert_python: str) -> Non
     from safetensors.torch import save_file
 
     cfg_cls, model_cls, extra = ARCHS[name]
-    values = {**COMMON, **extra}
+    if "text_config" in extra:  # a multimodal model: the text model's values in text_config
+        values = {**extra, "text_config": {**COMMON, **extra["text_config"]}}
+    else:
+        values = {**COMMON, **extra}
     config = getattr(transformers, cfg_cls)(**values)
     config.architectures = [model_cls]
     torch.manual_seed(1234)
@@ -171,8 +224,14 @@ def build(name: str, llama_cpp: Path, scratch: Path, convert_python: str) -> Non
 
     for out_type in OUT_TYPES:
         out = scratch / f"{name}-{out_type}.gguf"
-        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(dq), "--outtype", out_type,
-                        "--outfile", str(out)], check=True, cwd=llama_cpp)
+        argv = [str(llama_cpp / "convert_hf_to_gguf.py"), str(dq), "--outtype", out_type, "--outfile", str(out)]
+        if name in REFERENCE_VOCAB:
+            module, cls = REFERENCE_VOCAB[name]
+            code = (f"import runpy, sys; sys.argv = {argv!r}; import conversion.{module} as m, conversion.qwen as q; "
+                    f"m.{cls}.set_vocab = q.Qwen2Model.set_vocab; runpy.run_path(sys.argv[0], run_name='__main__')")
+            subprocess.run([sys.executable, "-c", code], check=True, cwd=llama_cpp)
+        else:
+            subprocess.run([sys.executable, *argv], check=True, cwd=llama_cpp)
         summary = gguf_summary(out, gguf)
         summary["converter"] = "llama.cpp convert_hf_to_gguf.py"
         (fixture / "reference" / f"gguf_{out_type}.json").write_text(

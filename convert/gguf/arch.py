@@ -65,6 +65,7 @@ from formats.errors import (
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
+    "Experts",
     "Param",
     "block_count",
     "find_architecture",
@@ -74,10 +75,20 @@ __all__ = [
     "norm_offset",
     "permutation",
     "permute_heads",
+    "text_name",
 ]
 
 #: Source tensors llama.cpp never writes.
 _ALWAYS_SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+
+#: The other towers of a multimodal checkpoint (vision, audio, projector), never in the text model's
+#: file: names starting with one of these (TextModel.filter_tensors) ...
+_TOWER_PREFIXES = ("mlp", "vit.", "vpm.", "siglip2.", "conformer.", "merger.", "resampler.", "sound_encoder.",
+                   "sound_projection.", "speech_embeddings.")
+#: ... or holding one of these
+_TOWER_PARTS = ("visual.", "vision.", "audio.", "talker.", "vision_", "audio_", "token2wav.", "code2wav.",
+                "projector.", "pre_mm_projector_norm", "image_newline", "view_seperator", "patch_embed",
+                "patch_embedding", "patch_merger.", "patch_merge_mlp.", "model.connector.")
 
 
 @dataclass(frozen=True)
@@ -117,8 +128,16 @@ _TEXT_PARAMS = (
     Param("add_rope_freq_base_swa", ("@rope_theta_swa",)),
     Param("add_layer_norm_rms_eps", ("rms_norm_eps", "norm_eps")),
     Param("add_layer_norm_eps", ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")),
+    Param("add_expert_count", ("num_local_experts", "num_experts", "n_routed_experts")),
+    Param("add_expert_used_count", ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")),
     Param("add_key_length", ("head_dim",)),
     Param("add_value_length", ("head_dim",)),
+)
+
+# Qwen2MoeModel.set_gguf_parameters' own entries after TextModel's (Qwen3MoeModel inherits them)
+_QWEN_MOE_EXTRA = (
+    Param("add_expert_feed_forward_length", ("moe_intermediate_size",)),
+    Param("add_expert_shared_feed_forward_length", ("shared_expert_intermediate_size",)),
 )
 
 # GemmaModel.set_gguf_parameters writes its own list (no rope keys).
@@ -168,6 +187,35 @@ _PHI3_PARAMS = (
 
 
 @dataclass(frozen=True)
+class Experts:
+    """How a Mixture-of-Experts layer's per-expert weights become GGUF's stacked ``ffn_*_exps`` tensors
+    (``LlamaModel.modify_tensors`` for Mixtral, ``Qwen2MoeModel.modify_tensors``).
+
+    Attributes:
+        pattern: regular expression over a tensor's text-model name with the groups ``bid`` (layer),
+            ``xid`` (expert) and ``w`` (which weight).
+        weights: the ``w`` values, in the order the converter writes their stacks.
+        merged: the stacked tensor's name before mapping, a format of ``bid`` and ``w``.
+    """
+
+    pattern: str
+    weights: tuple[str, ...]
+    merged: str
+
+
+_MIXTRAL_EXPERTS = Experts(
+    r"^model\.layers\.(?P<bid>\d+)\.block_sparse_moe\.experts\.(?P<xid>\d+)\.(?P<w>w[123])\.weight$",
+    ("w1", "w2", "w3"),
+    "layers.{bid}.feed_forward.experts.{w}.weight",
+)
+_QWEN_MOE_EXPERTS = Experts(
+    r"^model\.layers\.(?P<bid>\d+)\.mlp\.experts\.(?P<xid>\d+)\.(?P<w>down_proj|gate_proj|up_proj)\.weight$",
+    ("down_proj", "gate_proj", "up_proj"),
+    "model.layers.{bid}.mlp.experts.{w}.weight",
+)
+
+
+@dataclass(frozen=True)
 class Architecture:
     """How one Hugging Face architecture becomes GGUF (the data behind llama.cpp's model class).
 
@@ -198,6 +246,11 @@ class Architecture:
             ``GPT2Tokenizer`` tokenizer class takes the byte-level BPE path).
         ignored_keys: config.json keys the converter drops before reading any (Granite's ``head_dim``:
             its key and value lengths are not written and the rotary dimensions are hidden / heads).
+        strip: name parts removed before a tensor is named (a multimodal checkpoint's
+            ``language_model.``, every architecture: ModelBase.filter_tensors; LlamaModel's ``text_model.``).
+        experts: a Mixture-of-Experts model's per-expert weights and how they are stacked (None: a
+            model with experts is GGUF-006).
+        rope_scaling_none: write ``rope.scaling.type`` none after the entries (CommandR2Model).
     """
 
     name: str
@@ -219,6 +272,9 @@ class Architecture:
     longrope_factors: bool = False
     phi3_vocab: bool = False
     ignored_keys: tuple[str, ...] = ()
+    strip: tuple[str, ...] = ("language_model.",)
+    experts: Experts | None = None
+    rope_scaling_none: bool = False
 
 
 _LLAMA_DEFAULTS = {
@@ -238,6 +294,7 @@ _LLAMA_EXTRA = (
 # What LlamaModel's subclasses inherit besides its entries: set_vocab (tokenizers, CodeLlama's infill
 # ids) and the RoPE scaling types it reads
 _LLAMA_FAMILY = {
+    "strip": ("text_model.", "language_model."),
     "tokenizers": ("sentencepiece", "bpe"),
     "vocab_quirks": {32016: {"prefix": 32007, "suffix": 32008, "middle": 32009, "eot": 32010}},
     "rope_types": ("default", "linear", "yarn", "llama3"),
@@ -292,6 +349,148 @@ _SMOLLM3 = Architecture(
     **_LLAMA_FAMILY,
 )
 
+# Mistral3Model (Mistral3ForConditionalGeneration, Mistral Small 3.x): its text model is Ministral3Model,
+# LlamaModel under the mistral3 architecture (the yarn keys of a ``ministral3`` text model: GGUF-006)
+_MISTRAL3 = Architecture(
+    name="mistral3",
+    model_arch=gguf.MODEL_ARCH.MISTRAL3,
+    hf_architectures=("Mistral3ForConditionalGeneration",),
+    params=_TEXT_PARAMS,
+    extra_params=_LLAMA_EXTRA,
+    # MistralConfig's defaults (the text_config of Mistral3Config)
+    config_defaults={
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": "@head_dim",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    },
+    permute_qk=True,
+    **_LLAMA_FAMILY,
+)
+
+# Qwen2VLModel (Qwen2-VL, Qwen2.5-VL): TextModel's entries under qwen2vl, the M-RoPE sections from
+# rope_parameters (convert.gguf.rope.rope_metadata)
+_QWEN2VL = Architecture(
+    name="qwen2vl",
+    model_arch=gguf.MODEL_ARCH.QWEN2VL,
+    hf_architectures=("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
+    params=_TEXT_PARAMS,
+    # Qwen2_5_VLTextConfig's / Qwen2VLTextConfig's defaults
+    config_defaults={
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+    },
+    tokenizers=("sentencepiece", "bpe"),
+    rope_types=("default", "mrope"),
+)
+
+# LlamaModel for MixtralForCausalLM: the llama architecture, experts stacked (MixtralConfig's defaults)
+_MIXTRAL = Architecture(
+    name="llama",
+    model_arch=gguf.MODEL_ARCH.LLAMA,
+    hf_architectures=("MixtralForCausalLM",),
+    params=_TEXT_PARAMS,
+    extra_params=_LLAMA_EXTRA,
+    config_defaults={
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    permute_qk=True,
+    experts=_MIXTRAL_EXPERTS,
+    **_LLAMA_FAMILY,
+)
+
+# Qwen2MoeModel and Qwen3MoeModel (TextModel.set_vocab: a byte-level BPE vocabulary in llama.cpp; a
+# SentencePiece one is read too, as Qwen2Model reads it)
+_QWEN2MOE = Architecture(
+    name="qwen2moe",
+    model_arch=gguf.MODEL_ARCH.QWEN2MOE,
+    hf_architectures=("Qwen2MoeForCausalLM",),
+    params=_TEXT_PARAMS,
+    extra_params=_QWEN_MOE_EXTRA,
+    # Qwen2MoeConfig's defaults
+    config_defaults={
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+    },
+    tokenizers=("sentencepiece", "bpe"),
+    experts=_QWEN_MOE_EXPERTS,
+)
+
+_QWEN3MOE = Architecture(
+    name="qwen3moe",
+    model_arch=gguf.MODEL_ARCH.QWEN3MOE,
+    hf_architectures=("Qwen3MoeForCausalLM",),
+    params=_TEXT_PARAMS,
+    extra_params=_QWEN_MOE_EXTRA,
+    # Qwen3MoeConfig's defaults
+    config_defaults={
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
+    tokenizers=("sentencepiece", "bpe"),
+    experts=_QWEN_MOE_EXPERTS,
+)
+
+# Olmo2Model: TextModel's entries (Olmo 3's sliding-window layers are another class)
+_OLMO2 = Architecture(
+    name="olmo2",
+    model_arch=gguf.MODEL_ARCH.OLMO2,
+    hf_architectures=("Olmo2ForCausalLM",),
+    params=_TEXT_PARAMS,
+    # Olmo2Config's defaults
+    config_defaults={
+        "max_position_embeddings": 2048,
+        "num_key_value_heads": "=num_attention_heads",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    },
+    tokenizers=("sentencepiece", "bpe"),
+    rope_types=("default", "linear", "yarn"),
+)
+
+# CommandR2Model (Command-R): the context length from model_max_length first (the trained context), the
+# logit scale, RoPE scaling none; the embedding serves as the output
+_COMMAND_R = Architecture(
+    name="command-r",
+    model_arch=gguf.MODEL_ARCH.COMMAND_R,
+    hf_architectures=("CohereForCausalLM",),
+    params=(
+        Param("add_context_length", ("model_max_length", *_TEXT_PARAMS[0].keys)),
+        *_TEXT_PARAMS[1:],
+    ),
+    extra_params=(Param("add_logit_scale", ("logit_scale",), required=True),),
+    # CohereConfig's defaults
+    config_defaults={
+        "max_position_embeddings": 8192,
+        "num_key_value_heads": "=num_attention_heads",
+        "layer_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "logit_scale": 0.0625,
+    },
+    tokenizers=("sentencepiece", "bpe"),
+    rope_types=("default",),
+    rope_scaling_none=True,
+)
+
 _GEMMA2 = Architecture(
     name="gemma2",
     model_arch=gguf.MODEL_ARCH.GEMMA2,
@@ -318,7 +517,7 @@ _GEMMA2 = Architecture(
 _GEMMA3 = Architecture(
     name="gemma3",
     model_arch=gguf.MODEL_ARCH.GEMMA3,
-    hf_architectures=("Gemma3ForCausalLM",),
+    hf_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     params=_TEXT_PARAMS,
     extra_params=_GEMMA3_EXTRA,
     # Gemma3TextConfig's defaults (the same as Gemma3Model.set_gguf_parameters' own)
@@ -371,6 +570,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     _GRANITE,
     _SMOLLM3,
+    _MISTRAL3,
+    _MIXTRAL,
     Architecture(
         name="qwen2",
         model_arch=gguf.MODEL_ARCH.QWEN2,
@@ -420,6 +621,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ),
         rope_types=("default",),
     ),
+    _QWEN2VL,
+    _QWEN2MOE,
+    _QWEN3MOE,
+    _OLMO2,
+    _COMMAND_R,
     _GEMMA2,
     _GEMMA3,
     _PHI3,
@@ -486,9 +692,10 @@ def find_architecture(config: Mapping[str, Any], *, path: str | None = None) -> 
     raise UnsupportedArchitectureError(
         "architecture not supported for GGUF output",
         path=path,
-        expected=f"one of {_supported()}",
+        expected="a class of the GGUF table (docs/gguf.md)",
         found=hf if hf is not None else f"model_type {config.get('model_type')!r}",
-        hint="convert to safetensors (--to bf16) instead, and use llama.cpp's converter on the result",
+        hint=f"the supported classes are {_supported()}; for another, convert to safetensors (--to bf16) "
+             "instead, and use llama.cpp's converter on the result",
         action="convert",
     )
 
@@ -575,8 +782,16 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     # Gemma3Model: the final softcapping only when set, the window unless every layer is global
     hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
     hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
-    for key in ("num_local_experts", "num_experts"):
-        if hp.get(key):
+    if arch.name == "mistral3" and hp.get("model_type") == "ministral3":
+        raise GgufConfigError(
+            "a Ministral 3 text model (its YaRN temperature keys) is not supported for GGUF output",
+            path=path,
+            expected="text_config model_type 'mistral' (Mistral Small 3.x)",
+            found="model_type 'ministral3'",
+            action="convert",
+        )
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if hp.get(key) and arch.experts is None:
             raise GgufConfigError(
                 "mixture-of-experts models are not supported for GGUF output",
                 path=path,
@@ -604,6 +819,21 @@ def block_count(hp: Mapping[str, Any], path: str | None) -> int:
         found=None,
         action="convert",
     )
+
+
+def text_name(arch: Architecture, hf_name: str) -> str | None:
+    """The name llama.cpp's converter gives a tensor before mapping it, None for a tensor of a
+    multimodal checkpoint's other towers (vision, audio, projector: TextModel.filter_tensors).
+
+    ``language_model.model.layers.0.mlp.up_proj.weight`` (transformers 4.x) and
+    ``model.language_model.layers.0.mlp.up_proj.weight`` (5.x) -> ``model.layers.0.mlp.up_proj.weight``;
+    ``vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight`` -> None.
+    """
+    if hf_name.startswith(_TOWER_PREFIXES) or any(part in hf_name for part in _TOWER_PARTS):
+        return None
+    for part in arch.strip:
+        hf_name = hf_name.replace(part, "")
+    return hf_name
 
 
 def is_skipped(arch: Architecture, hf_name: str) -> bool:

@@ -104,6 +104,10 @@ PARAM_RULES: dict[str, tuple[Any, ...]] = {
     "add_embedding_scale": ("float", 0.0, False),
     "add_residual_scale": ("float", 0.0, False),
     "add_logit_scale": ("float", 0.0, False),
+    "add_expert_count": ("count", 1),
+    "add_expert_used_count": ("count", 1),
+    "add_expert_feed_forward_length": ("count", 1),
+    "add_expert_shared_feed_forward_length": ("count", 1),
 }
 
 #: The special token types gguf-py's SpecialVocab reads from config.json (``{type}_token_id``).
@@ -473,6 +477,9 @@ _SYMBOL_OF = {
     "add_key_length": "n_embd_head_k",
     "add_value_length": "n_embd_head_v",
     "add_feed_forward_length": "n_ff",
+    "add_expert_count": "n_expert",
+    "add_expert_feed_forward_length": "n_ff_exp",
+    "add_expert_shared_feed_forward_length": "n_ff_shexp",
 }
 
 _E, _V = "n_embd", "n_vocab"
@@ -544,6 +551,50 @@ _PHI3 = {
     "ffn_up.weight": (_E, "2*n_ff"),
 }
 
+#: The MoE layer of ``llama_model_llama::load_arch_tensors`` (n_expert > 0): a router and stacked experts
+#: of ``n_ff`` rows.
+_LLAMA_MOE = {
+    "ffn_gate_inp.weight": (_E, "n_expert"),
+    "ffn_gate_exps.weight": (_E, "n_ff", "n_expert"),
+    "ffn_down_exps.weight": ("n_ff", _E, "n_expert"),
+    "ffn_up_exps.weight": (_E, "n_ff", "n_expert"),
+}
+
+#: ``llama_model_qwen3moe::load_arch_tensors``' MoE layer: experts of ``expert_feed_forward_length`` rows.
+_QWEN_MOE = {
+    "ffn_gate_inp.weight": (_E, "n_expert"),
+    "ffn_gate_exps.weight": (_E, "n_ff_exp", "n_expert"),
+    "ffn_down_exps.weight": ("n_ff_exp", _E, "n_expert"),
+    "ffn_up_exps.weight": (_E, "n_ff_exp", "n_expert"),
+}
+
+#: ``llama_model_qwen2moe::load_arch_tensors``: Qwen3-MoE's experts plus a shared expert and its gate.
+_QWEN2_MOE = {
+    **_QWEN_MOE,
+    "ffn_gate_inp_shexp.weight": (_E,),
+    "ffn_gate_shexp.weight": (_E, "n_ff_shexp"),
+    "ffn_down_shexp.weight": ("n_ff_shexp", _E),
+    "ffn_up_shexp.weight": (_E, "n_ff_shexp"),
+}
+
+#: ``llama_model_olmo2::load_arch_tensors``: Qwen2's attention widths, q/k norms over all heads, post-attention
+#: and post-FFN norms (no pre-norms).
+_OLMO2 = {
+    **{k: v for k, v in _QWEN2.items() if k not in ("attn_norm.weight", "ffn_norm.weight")},
+    "attn_q_norm.weight": (_E,),
+    "attn_k_norm.weight": (_K_GQA,),
+    "post_attention_norm.weight": (_E,),
+    "post_ffw_norm.weight": (_E,),
+}
+
+#: ``llama_model_command_r::load_arch_tensors``: Qwen2's widths, no output (the embedding is reused), per-head
+#: q/k norms (``use_qk_norm``).
+_COMMAND_R = {
+    **_QWEN2,
+    "attn_q_norm.weight": ("n_embd_head_k", "n_head"),
+    "attn_k_norm.weight": ("n_embd_head_k", "n_head_kv"),
+}
+
 #: ``general.architecture`` -> (GGUF tensor name, ``blk.N.`` stripped) -> the dimensions llama.cpp's
 #: ``load_arch_tensors`` passes to ``create_tensor``, written as there: GGUF order (ne0, the row
 #: length, first; reversed against our PyTorch-order shapes), products and sums of its
@@ -551,11 +602,17 @@ _PHI3 = {
 #: Entries are in the loader's order (global tensors, then per layer), so the tensor named in the
 #: error is the one llama.cpp would name.
 LOADER_SHAPES: dict[str, dict[str, tuple[str, ...]]] = {
-    "llama": {**_GLOBAL, **_LLAMA},
+    "llama": {**_GLOBAL, **_LLAMA, **_LLAMA_MOE},
     "granite": {**_GLOBAL, **_LLAMA},
     "smollm3": {**_GLOBAL, **_LLAMA},
+    "mistral3": {**_GLOBAL, **_LLAMA},
     "qwen2": {**_GLOBAL, **_QWEN2},
+    "qwen2vl": {**_GLOBAL, **_QWEN2},
+    "olmo2": {**_GLOBAL, **_OLMO2},
+    "command-r": {**_GLOBAL, **_COMMAND_R},
     "qwen3": {**_GLOBAL, **_QWEN3},
+    "qwen2moe": {**_GLOBAL, **_QWEN2, **_QWEN2_MOE},
+    "qwen3moe": {**_GLOBAL, **_QWEN3, **_QWEN_MOE},
     "gemma": {**_GLOBAL, **_LLAMA},
     "gemma2": {**_GLOBAL, **_GEMMA2},
     "gemma3": {**_GLOBAL, **_GEMMA2, **{k: _QWEN3[k] for k in ("attn_q_norm.weight", "attn_k_norm.weight")}},
@@ -682,6 +739,8 @@ def _shape_error(
 ) -> GgufConfigError | None:
     """The error for a tensor whose shape differs from ``dims`` (GGUF order), None when it fits."""
     shape = tuple(t.shape)
+    while len(shape) > len(dims) and shape[0] == 1:  # ggml's trailing dimensions of 1 (a router of one row)
+        shape = shape[1:]
     if len(shape) != len(dims):
         return GgufConfigError(
             f"config.json disagrees with the weights: {t.name} has {len(shape)} dimensions; llama.cpp "
@@ -692,7 +751,7 @@ def _shape_error(
         want = _dimension(expr, sym)
         if want is None or want[0] == shape[axis]:
             continue
-        what = "elements" if len(shape) == 1 else ("rows" if axis == 0 else "columns")
+        what = "elements" if len(shape) == 1 else ("experts", "rows", "columns")[axis + 3 - len(shape)]
         return GgufConfigError(
             f"config.json disagrees with the weights: {t.name} has {shape[axis]} {what}; {want[1]} "
             f"(llama.cpp would refuse the file)",

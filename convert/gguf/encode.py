@@ -67,7 +67,7 @@ from convert.gguf.rows import RowReader, f16_only, rows_per_unit
 from convert.output import user_path
 from convert.stream.pipeline import Chunk, ordered_chunks
 from convert.stream.plan import PlannedTensor
-from convert.stream.sources import ArraySource
+from convert.stream.sources import ArraySource, StackSource
 from formats.dtypes import BY_CODE
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
 from formats.gguf import GGUFFileWriter
@@ -399,7 +399,8 @@ def write_gguf(
     check_encoders(plan)
     spath = os.fspath(path)
     sources = {**tensors, **{name: PlannedTensor(name, _F32_DTYPE, tuple(a.shape), ArraySource(name, a))
-                             for name, a in plan.generated.items()}}
+                             for name, a in plan.generated.items()},
+               **{t.source: _stacked(t, tensors, spath) for t in plan.tensors if t.parts and t.source is not None}}
     reports: list[TensorReport] = []
     n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
     workers = max(threads, n_procs)
@@ -428,6 +429,30 @@ def write_gguf(
             if procs is not None:
                 encoder_pool.stop(procs)
     return reports
+
+
+def _stacked(t: GGUFTensor, tensors: Mapping[str, PlannedTensor], path: str) -> PlannedTensor:
+    """The planned tensor of a stacked MoE tensor: its experts' sources one after the other
+    (:class:`convert.stream.sources.StackSource`), shape ``[experts * rows, cols]``, read expert by expert.
+
+    Raises:
+        GgufSourceError: GGUF-007, experts of different dtypes or sizes.
+    """
+    parts = [tensors[p] for p in t.parts]
+    odd = next((p for p in parts if p.dtype != parts[0].dtype or p.numel != parts[0].numel), None)
+    if odd is not None:
+        raise GgufSourceError(
+            "the experts stacked into one tensor differ in dtype or size",
+            path=path,
+            tensor=odd.name,
+            expected=f"{parts[0].dtype.numpy} {list(parts[0].shape)} (as {parts[0].name})",
+            found=f"{odd.dtype.numpy} {list(odd.shape)}",
+            action="write",
+        )
+    assert t.source is not None
+    cols = t.shape[-1]
+    return PlannedTensor(t.source, parts[0].dtype, (t.numel // cols, cols),
+                         StackSource(t.source, [p.source for p in parts]))
 
 
 def _file_chunks(plan: GGUFPlan, sources: Mapping[str, PlannedTensor], reader: RowReader, chunk_elements: int,
@@ -487,6 +512,8 @@ def _chunk_tasks(
             task runs).
     """
     rows = t.shape[0] if t.shape else 1
+    if len(t.shape) > 2:  # a stacked tensor: chunks of rows across its experts (never permuted)
+        rows = t.numel // t.shape[-1]
     cols = t.numel // rows if rows else 0
     if src.numel != t.numel:
         raise GgufSourceError(

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -75,8 +76,17 @@ from convert.gguf.arch import (
     is_skipped,
     norm_offset,
     permute_heads,
+    text_name,
 )
-from convert.gguf.config import check_packable, check_param, check_shapes, check_special_ids, check_vocab, layer_count
+from convert.gguf.config import (
+    check_packable,
+    check_param,
+    check_shapes,
+    check_special_ids,
+    check_vocab,
+    layer_count,
+    whole,
+)
 from convert.gguf.mix import MixModel, mix_types
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
@@ -110,6 +120,8 @@ class GGUFTensor:
         offset: value added in float32 before rounding (Gemma norms: 1.0).
         fallback: why the type differs from the requested one ("" when it does not): a fallback for
             the row length, or llama-quantize's rule in a mix (``attn_v on a use_more_bits layer: Q6_K``).
+        parts: a stacked MoE tensor's sources (Hugging Face names, one per expert, in order; ``source``
+            then names them all, ``model.layers.0.mlp.experts.[0-7].up_proj.weight``); () otherwise.
     """
 
     source: str | None
@@ -120,6 +132,7 @@ class GGUFTensor:
     permute_heads: int = 0
     offset: float = 0.0
     fallback: str = ""
+    parts: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -142,6 +155,8 @@ class GGUFPlan:
             ``general.architecture`` (the writer adds it).
         tensors: the tensors in file order.
         generated: GGUF name -> values of tensors made from the config (``rope_freqs.weight``).
+        towers: source tensors of a multimodal checkpoint's other towers (vision, audio, projector), not
+            written (:func:`convert.gguf.arch.text_name`).
     """
 
     arch: Architecture
@@ -150,6 +165,7 @@ class GGUFPlan:
     metadata: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]
     tensors: list[GGUFTensor]
     generated: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+    towers: list[str] = field(default_factory=list)
 
     @property
     def arch_name(self) -> str:
@@ -173,12 +189,24 @@ class GGUFPlan:
         return lines
 
 
+#: Tensors ModelBase.prepare_tensors always writes F32, by GGUF name without ``blk.N.`` and the suffix
+#: (of its list, those of the architectures here: MoE routers, position and token type embeddings).
+_ALWAYS_F32 = frozenset(
+    gguf.TENSOR_NAMES[k].removeprefix("blk.{bid}.")
+    for k in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.POS_EMBD,
+              gguf.MODEL_TENSOR.TOKEN_TYPES)
+)
+_BLOCK_PREFIX = re.compile(r"^blk\.\d+\.")
+
+
 def choose_type(
     gguf_name: str, shape: tuple[int, ...], wanted: gguf.GGMLQuantizationType
 ) -> tuple[gguf.GGMLQuantizationType, str]:
-    """llama.cpp's prepare_tensors: 1-D, norms and non-``.weight`` tensors are F32; odd rows -> F16."""
+    """llama.cpp's prepare_tensors: 1-D, norms, MoE routers and non-``.weight`` tensors are F32; odd rows -> F16."""
     if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
         return GT.F32, "" if wanted == GT.F32 else "kept F32 (1-D, norm or bias)"
+    if _BLOCK_PREFIX.sub("", gguf_name).removesuffix(".weight") in _ALWAYS_F32:
+        return GT.F32, "" if wanted == GT.F32 else "kept F32 (an expert router)"
     block, _ = gguf.GGML_QUANT_SIZES[wanted]
     if shape[-1] % block:
         return GT.F16, f"row of {shape[-1]} is not a multiple of the {wanted.name} block of {block}: F16"
@@ -230,8 +258,15 @@ def plan_gguf(
     # the name map (built per layer), the parameters before the writer, the vocabulary below
     check_special_ids(config, config_path)
     n_blocks = block_count(hp, config_path)
-    shapes = [(hf_name, tuple(int(d) for d in shape_seq)) for hf_name, shape_seq in tensors]
-    layer_count(n_blocks, (n for n, _ in shapes), config_path)
+    shapes: list[tuple[str, str, tuple[int, ...]]] = []  # (source name, text model name, shape)
+    towers: list[str] = []
+    for hf_name, shape_seq in tensors:
+        name = text_name(arch, hf_name)
+        if name is None:
+            towers.append(hf_name)
+        else:
+            shapes.append((hf_name, name, tuple(int(d) for d in shape_seq)))
+    layer_count(n_blocks, (n for _, n, _ in shapes), config_path)
     values: list[tuple[Param, Any]] = []
     for param in arch.params + arch.extra_params:
         key = next((k for k in param.keys if hp.get(k) is not None), None)
@@ -258,24 +293,29 @@ def plan_gguf(
     for rf_name, factors in extra + longrope_factors(hp, arch, config_path):
         generated[rf_name] = factors
         planned.append(GGUFTensor(None, rf_name, factors.shape, GT.F32, factors.nbytes))
-    total_params = 0
     embedding: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for hf_name, shape in shapes:
-        if is_skipped(arch, hf_name):
+    stacks = _ExpertStacks(arch, hp, config_path)
+    for hf_name, name, shape in shapes:
+        if is_skipped(arch, name):
             continue
-        gguf_name = gguf_tensor_name(name_map, arch, hf_name, config_path)
+        if stacks.takes(hf_name, name, shape):
+            for merged, parts, stacked in stacks.ready():
+                gguf_name = gguf_tensor_name(name_map, arch, merged, config_path)
+                qtype, why = choose_type(gguf_name, stacked, wanted)
+                planned.append(GGUFTensor(stacks.source_name(parts), gguf_name, stacked, qtype,
+                                          tensor_nbytes(stacked, qtype), fallback=why, parts=parts))
+            continue
+        gguf_name = gguf_tensor_name(name_map, arch, name, config_path)
         if gguf_name in ("token_embd.weight", "output.weight"):
             embedding[gguf_name] = (hf_name, shape)
         qtype, why = choose_type(gguf_name, shape, wanted)
-        heads = permute_heads(arch, hf_name, shape, hp, config_path)
-        offset = norm_offset(arch, hf_name)
+        heads = permute_heads(arch, name, shape, hp, config_path)
+        offset = norm_offset(arch, name)
         planned.append(
             GGUFTensor(hf_name, gguf_name, shape, qtype, tensor_nbytes(shape, qtype), heads, offset, why)
         )
-        n = 1
-        for d in shape:
-            n *= d
-        total_params += n
+    stacks.check_complete()
+    _check_qk_norms(arch, n_blocks, planned, config_path)
     n_vocab = check_vocab(
         hp,
         embedding.get("token_embd.weight", embedding.get("output.weight")),
@@ -288,8 +328,9 @@ def plan_gguf(
     scratch.add_type(gguf.GGUFType.MODEL)
     name = model_name if model_name is not None else Path(tokenizer_dir).resolve().name
     scratch.add_name(name)
-    if total_params > 0:
-        scratch.add_size_label(gguf.size_label(total_params, total_params, 0, 0))
+    counts = _parameter_counts(t for t in planned if t.source is not None)
+    if counts[0] > 0:
+        scratch.add_size_label(gguf.size_label(*counts))
     scratch.add_block_count(n_blocks)
     by_method = dict((p.method, v) for p, v in values)
     for param in arch.params + arch.extra_params:
@@ -299,6 +340,8 @@ def plan_gguf(
                 getattr(scratch, method)(v)
         if param.method in by_method:
             getattr(scratch, param.method)(by_method[param.method])
+    if arch.rope_scaling_none:
+        scratch.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     if hp.get("is_causal") is False:
         scratch.add_causal_attention(False)
     scratch.add_file_type(file_type)
@@ -311,7 +354,120 @@ def plan_gguf(
     }
     if out_name in FILE_TYPES:
         planned = apply_mix(out_name, planned, mix_model(arch.name, metadata))
-    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated)
+    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers)
+
+
+def _check_qk_norms(arch: Architecture, n_blocks: int, planned: Sequence[GGUFTensor], path: str | None) -> None:
+    """Command-R: llama.cpp's loader takes q/k norms exactly when there are 64 layers or more (Command R+);
+    any other combination is a file it refuses ("wrong number of tensors").
+
+    Raises:
+        GgufConfigError: GGUF-006.
+    """
+    if arch.name != "command-r":
+        return
+    norm = next((t for t in planned if t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight"))), None)
+    if (norm is not None) != (n_blocks >= 64):
+        raise GgufConfigError(
+            "llama.cpp loads a Command-R model's q/k norms exactly when it has 64 layers or more",
+            path=path,
+            tensor=norm.source if norm is not None else None,
+            expected="q/k norms (use_qk_norm) with >= 64 layers, none with fewer",
+            found=f"{n_blocks} layers {'with' if norm is not None else 'without'} q/k norms",
+            action="convert",
+        )
+
+
+def _parameter_counts(tensors: Iterable[GGUFTensor]) -> tuple[int, int, int, int]:
+    """(total, shared, per-expert, experts) parameters as gguf-py's ``GGUFWriter.get_total_parameter_count``
+    counts them for ``general.size_label``: a stacked ``*_exps.*`` tensor counts one expert's share."""
+    total = shared = expert = expert_sum = n_stacks = 0
+    for t in tensors:
+        size = t.numel
+        if "_exps." in t.name and len(t.shape) >= 3:
+            count = t.shape[-2 if ".bias" in t.name else -3]
+            expert += size // count
+            expert_sum += count
+            n_stacks += 1
+        else:
+            shared += size
+        total += size
+    return total, shared, expert, expert_sum // n_stacks if n_stacks else 0
+
+
+class _ExpertStacks:
+    """A MoE model's per-expert weights gathered per layer into the stacks GGUF writes
+    (``LlamaModel`` / ``Qwen2MoeModel.modify_tensors``): when a layer's last expert weight has been seen, its
+    stacks, in the architecture's order, come from :meth:`ready`.
+
+    Raises:
+        GgufConfigError: GGUF-006 (an expert index past the expert count, experts of one weight with
+            different shapes, or experts missing at the end: :meth:`check_complete`).
+    """
+
+    def __init__(self, arch: Architecture, hp: Mapping[str, Any], path: str | None) -> None:
+        self.experts = arch.experts
+        self.path = path
+        self.pattern = re.compile(self.experts.pattern) if self.experts is not None else None
+        self.count = 0
+        if self.experts is not None:
+            key = next((k for k in ("num_local_experts", "num_experts", "n_routed_experts") if hp.get(k) is not None),
+                       "num_local_experts")
+            self.count = whole(hp.get(key), key, path)
+        self.pending: dict[int, dict[tuple[str, int], tuple[str, tuple[int, ...]]]] = {}
+        self._ready: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = []
+
+    def takes(self, hf_name: str, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the tensor is an expert's weight (then held for its stack)."""
+        m = self.pattern.match(name) if self.pattern is not None else None
+        if m is None:
+            return False
+        assert self.experts is not None
+        bid, xid = int(m["bid"]), int(m["xid"])
+        if xid >= self.count:
+            raise GgufConfigError(
+                "tensor belongs to an expert past config.json's expert count",
+                path=self.path, tensor=hf_name, expected=f"an expert index < {self.count}", found=xid,
+                action="convert",
+            )
+        group = self.pending.setdefault(bid, {})
+        group[(m["w"], xid)] = (hf_name, shape)
+        if len(group) == self.count * len(self.experts.weights):
+            for w in self.experts.weights:
+                parts = [group[(w, x)] for x in range(self.count)]
+                first = parts[0]
+                odd = next((p for p in parts if p[1] != first[1]), None)
+                if odd is not None:
+                    raise GgufConfigError(
+                        "experts of one layer's weight have different shapes (they are stacked into one tensor)",
+                        path=self.path, tensor=odd[0], expected=list(first[1]), found=list(odd[1]), action="convert",
+                    )
+                self._ready.append((self.experts.merged.format(bid=bid, w=w), tuple(p[0] for p in parts),
+                                    (self.count, *first[1])))
+            del self.pending[bid]
+        return True
+
+    def ready(self) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
+        """The stacks completed by the last tensor taken: (name before mapping, sources, stacked shape)."""
+        out, self._ready = self._ready, []
+        return out
+
+    @staticmethod
+    def source_name(parts: tuple[str, ...]) -> str:
+        """``model.layers.0.mlp.experts.[0-7].up_proj.weight`` for the stack of ``parts``."""
+        head, _, tail = parts[0].rpartition(".experts.0.")
+        return f"{head}.experts.[0-{len(parts) - 1}].{tail}"
+
+    def check_complete(self) -> None:
+        """Every layer's experts were all there (GGUF-006 otherwise)."""
+        if self.pending and self.experts is not None:
+            bid, group = next(iter(self.pending.items()))
+            raise GgufConfigError(
+                "a layer's experts are incomplete (every expert's weights are stacked into one tensor)",
+                path=self.path, tensor=next(iter(group.values()))[0],
+                expected=f"{self.count} experts x {', '.join(self.experts.weights)} in layer {bid}",
+                found=f"{len(group)} tensors", action="convert",
+            )
 
 
 def mix_model(arch_name: str, metadata: Mapping[str, tuple[Any, Any, Any]]) -> MixModel:

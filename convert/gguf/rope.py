@@ -202,7 +202,8 @@ def rope_metadata(hp: Mapping[str, Any], arch: _ArchitectureLike, path: str | No
     rope = rope_object(hp)
     kind = _rope_kind(rope, path)
     if kind is None:
-        return []
+        sections = _mrope_sections(hp, path) if arch.rope_scaling_keys else None
+        return [] if sections is None else [("add_rope_dimension_sections", sections)]
     if kind not in arch.rope_types:
         raise RopeScalingError(
             "RoPE scaling type not supported for GGUF output",
@@ -233,7 +234,33 @@ def rope_metadata(hp: Mapping[str, Any], arch: _ArchitectureLike, path: str | No
             value = next((rope[k] for k in keys if rope.get(k) is not None), None)
             if value is not None:
                 out.append((method, value))
+    sections = _mrope_sections(hp, path)
+    if sections is not None:
+        out.append(("add_rope_dimension_sections", sections))
     return out
+
+
+def _mrope_sections(hp: Mapping[str, Any], path: str | None) -> list[int] | None:
+    """Qwen2-VL's M-RoPE sections (``mrope_section`` of the top-level RoPE object, not of a per-attention
+    kind) padded with 0 to 4 (time, height, width, extra), as TextModel.set_gguf_parameters writes them.
+
+    Raises:
+        RopeScalingError: GGUF-005 (not a list of at most 4 non-negative integers).
+    """
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or "mrope_section" not in rope:
+        return None
+    sections = rope["mrope_section"]
+    if (not isinstance(sections, list) or len(sections) > 4
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 for v in sections)):
+        raise RopeScalingError(
+            "config.json RoPE 'mrope_section' is not a list of up to 4 section sizes",
+            path=path,
+            expected="a list such as [16, 24, 24]",
+            found=str(sections)[:60],
+            action="convert",
+        )
+    return [*sections, *[0] * (4 - len(sections))]
 
 
 def llama3_rope_freqs(hp: Mapping[str, Any], path: str | None = None) -> npt.NDArray[np.float32] | None:

@@ -49,6 +49,14 @@ def _type_notes(out_type: str, tensors: list[GGUFTensor]) -> list[str]:
     return notes
 
 
+def _tower_notes(towers: list[str]) -> list[str]:
+    """The note on a multimodal checkpoint's other towers, which the text model's GGUF does not hold."""
+    if not towers:
+        return []
+    return [f"{len(towers)} tensors of the vision/audio towers and projector not written (the GGUF is the "
+            f"text model, as llama.cpp's converter writes it; first: {towers[0]})"]
+
+
 def _error_notes(out_type: str, reports: list[TensorReport], sample: int) -> list[str]:
     # (a sampled tensor, of a block type, may differ outside its sample where it did not inside)
     changed = [r for r in reports if r.max_abs_error > 0 or r.sampled]
@@ -123,7 +131,8 @@ class GgufJob:
         self.tensors = len(self.gplan.tensors)
         self.elements = sum(t.numel for t in self.gplan.tensors)
         by_name = {t.name: t for t in plan.tensors}
-        self.in_nbytes = sum(by_name[t.source].source.in_nbytes for t in self.gplan.tensors if t.source in by_name)
+        self.in_nbytes = sum(by_name[name].source.in_nbytes for t in self.gplan.tensors
+                             for name in (t.parts or (t.source,)) if name in by_name)
         self.reports: list[TensorReport] = []
         if not options.dry_run:
             check_encoders(self.gplan)  # GGUF-002 before any output is claimed (a mix needs K-quant codecs)
@@ -139,7 +148,7 @@ class GgufJob:
                  "bytes": t.nbytes, "note": t.fallback}
                 for t in self.gplan.tensors
             ],
-            "notes": list(self.plan.notes),
+            "notes": list(self.plan.notes) + _tower_notes(self.gplan.towers),
         }
 
     def describe(self) -> str:
@@ -148,7 +157,7 @@ class GgufJob:
                  f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys; "
                  f"{mix_summary([t.ggml_type for t in g.tensors])}"]
         lines += ["  " + line for line in g.describe()]
-        lines += [f"  note: {n}" for n in self.plan.notes]
+        lines += [f"  note: {n}" for n in self.plan.notes + _tower_notes(g.towers)]
         return "\n".join(lines)
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
@@ -170,7 +179,8 @@ class GgufJob:
         _verify_gguf(staging, self.gplan)
 
     def notes(self) -> list[str]:
-        return list(self.plan.notes) + _type_notes(self.out_type, self.gplan.tensors) + _error_notes(
+        return list(self.plan.notes) + _tower_notes(self.gplan.towers) + _type_notes(
+            self.out_type, self.gplan.tensors) + _error_notes(
             self.out_type, self.reports, self.sample
         )
 

@@ -16,6 +16,7 @@ its writers read them (:mod:`convert.stream.safetensors_job`, :mod:`convert.gguf
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import NamedTuple
 
@@ -29,7 +30,7 @@ from formats.dtypes import DType
 from formats.errors import NonFiniteAbsmaxError
 from formats.writeback import bytes_of
 
-__all__ = ["ArraySource", "CastSource", "Codes4", "Dequant4Source", "Int8Source", "Source", "cast_run"]
+__all__ = ["ArraySource", "CastSource", "Codes4", "Dequant4Source", "Int8Source", "Source", "StackSource", "cast_run"]
 
 
 class Codes4(NamedTuple):
@@ -269,6 +270,75 @@ class ArraySource(Source):
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         part = self.array[start:stop]
         return part if part.dtype == dtype.numpy else part.astype(dtype.numpy)
+
+
+class StackSource(Source):
+    """Tensors of one shape, one after the other: a stacked tensor ``[len(parts), *shape]`` made from its
+    parts' sources (a MoE layer's per-expert weights as GGUF's ``ffn_*_exps``), read part by part, so no
+    more than a chunk of it is ever in memory.
+
+    Args:
+        name: the stacked tensor's name.
+        parts: the sources, in stacking order, each of the same number of elements.
+
+    Raises:
+        ValueError: no parts, or parts of different sizes (the planner checks both first).
+    """
+
+    def __init__(self, name: str, parts: list[Source]) -> None:
+        super().__init__()
+        if not parts or len({p.numel for p in parts}) != 1:
+            raise ValueError(f"{name}: parts of one size needed, got {[p.numel for p in parts]}")
+        self.name = name
+        self.parts = parts
+        self.per = parts[0].numel
+        self.numel = self.per * len(parts)
+        unit = math.lcm(*(p.unit for p in parts))
+        self.unit = unit if self.per % unit == 0 else self.per  # chunks split at part boundaries on a unit
+        self.in_nbytes = sum(p.in_nbytes for p in parts)
+        self.kind = f"stack of {len(parts)} x {parts[0].kind}"
+        self.barrier = any(p.barrier for p in parts)
+        self.max_chunk = max(p.max_chunk for p in parts)
+        self.writes_in_place = all(p.writes_in_place for p in parts)
+
+    def _pieces(self, start: int, stop: int) -> list[tuple[Source, int, int, int]]:
+        """(part, its start, its stop, offset in [start, stop)) covering elements [start, stop)."""
+        out = []
+        at = start
+        while at < stop:
+            k, off = divmod(at, self.per)
+            end = min(stop, (k + 1) * self.per)
+            out.append((self.parts[k], off, off + end - at, at - start))
+            at = end
+        return out
+
+    def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
+        got = [part.produce(a, b, dtype) for part, a, b, _ in self._pieces(start, stop)]
+        return got[0] if len(got) == 1 else np.concatenate(got)
+
+    def produce_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
+        flat = out.reshape(-1)
+        for part, a, b, at in self._pieces(start, stop):
+            part.produce_into(a, b, dtype, flat[at : at + b - a])
+
+    def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
+        pieces = self._pieces(start, stop)
+        if len(pieces) != 1:
+            return None
+        part, a, b, _ = pieces[0]
+        return part.codes_4bit(a, b)
+
+    def release(self, start: int, stop: int) -> None:
+        for part, a, b, _ in self._pieces(start, stop):
+            part.release(a, b)
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def inputs(self) -> list[TensorLike] | None:
+        got = [p.inputs() for p in self.parts]
+        return None if any(g is None for g in got) else [t for g in got if g is not None for t in g]
 
 
 def cast_run(sources: list[CastSource], dtype: DType) -> np.ndarray:

@@ -20,7 +20,7 @@ import pytest
 
 from formats import errors as E
 from formats.safetensors import SafetensorsReader
-from tests.helpers.fixtures import MODELS, arch_fixtures
+from tests.helpers.fixtures import MODELS, arch_fixtures, plan_inputs
 from tests.helpers.gguf import llama_logits, tensor_hashes
 
 ARCHS = arch_fixtures()
@@ -194,9 +194,12 @@ def test_unsupported_architecture_lists_the_new_ones():
     from convert.gguf.arch import find_architecture
 
     with pytest.raises(E.UnsupportedArchitectureError) as e:
-        find_architecture({"architectures": ["Qwen3MoeForCausalLM"]})
+        find_architecture({"architectures": ["FalconForCausalLM"]})
     for name in ("Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-                 "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM"):
+                 "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Gemma3ForConditionalGeneration",
+                 "Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                 "Qwen2_5_VLForConditionalGeneration", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                 "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "CohereForCausalLM"):
         assert name in str(e.value)
     assert "..." not in str(e.value)  # the whole list, not cut at 300 characters
 
@@ -278,3 +281,26 @@ def test_kquant_golden_is_what_llama_quantize_makes_now(tmp_path, arch):
     f32 = _convert(tmp_path, arch, "f32")
     llama_quantize(f32, tmp_path / "q4_k_m.gguf", "q4_k_m")
     assert tensor_hashes(tmp_path / "q4_k_m.gguf") == golden["q4_k_m"]
+
+
+@pytest.mark.parametrize(("layers", "qk_norm", "found"), [(2, True, "2 layers with q/k norms"),
+                                                         (64, False, "64 layers without q/k norms")])
+def test_command_r_q_k_norms_only_with_64_layers(layers: int, qk_norm: bool, found: str) -> None:
+    """llama.cpp's command-r loader takes attn_q/k_norm exactly when n_layer >= 64 (Command R+): any other
+    file is "wrong number of tensors" there, so it is refused while planning."""
+    root = MODELS / "cohere_nf4_dq"
+    config, shapes = plan_inputs(root)
+    per_layer = [(n, s) for n, s in shapes if n.startswith("model.layers.0.")]
+    shapes = [(n, s) for n, s in shapes if not n.startswith("model.layers.")]
+    for i in range(layers):
+        shapes += [(n.replace("layers.0.", f"layers.{i}."), s) for n, s in per_layer]
+        if qk_norm:
+            shapes += [(f"model.layers.{i}.self_attn.q_norm.weight", (4, 64)),
+                       (f"model.layers.{i}.self_attn.k_norm.weight", (2, 64))]
+    from convert.gguf.plan import plan_gguf
+
+    with pytest.raises(E.GgufConfigError) as info:
+        plan_gguf(dict(config, num_hidden_layers=layers, use_qk_norm=qk_norm), shapes, root, "f16")
+    assert "GGUF-006 llama.cpp loads a Command-R model's q/k norms exactly when it has 64 layers or more" \
+        in str(info.value)
+    assert found in str(info.value)

@@ -24,7 +24,7 @@ from gguf.vocab import bytes_to_unicode
 
 from convert.cli import main
 from formats import errors as E
-from tests.helpers.fixtures import MODELS, ROOT
+from tests.helpers.fixtures import MODELS, ROOT, plan_inputs
 from tests.helpers.malformed import convert
 from tests.helpers.rss import run_measured
 
@@ -392,12 +392,7 @@ def test_config_that_does_not_fit_the_weights_is_refused_while_planning(case: st
 
 
 def _fixture_plan_inputs(name: str) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...]]], Path]:
-    from convert.stream.plan import make_plan
-    from formats.checkpoint import open_checkpoint
-
-    root = MODELS / name
-    shapes = [(t.name, tuple(t.shape)) for t in make_plan(open_checkpoint(root)).tensors]
-    return json.loads((root / "config.json").read_text()), shapes, root
+    return (*plan_inputs(MODELS / name), MODELS / name)
 
 
 @pytest.mark.parametrize(("fixture", "source", "shape", "parts"), [

@@ -341,10 +341,29 @@ def test_unknown_output_type_is_refused():
 
 
 def test_unmappable_tensor_is_refused():
-    shapes = _shapes(REF_W) + [("vision_tower.patch_embed.weight", (8, 8))]
+    shapes = _shapes(REF_W) + [("model.extra_head.weight", (8, 8))]
     with pytest.raises(UnsupportedError) as e:
         plan_gguf(CONFIG, shapes, FIXTURE, "f16")
-    assert e.value.rule == "GGUF-003" and e.value.tensor == "vision_tower.patch_embed.weight"
+    assert e.value.rule == "GGUF-003" and e.value.tensor == "model.extra_head.weight"
+
+
+def test_other_towers_are_left_out_and_language_model_prefixes_stripped():
+    """llama.cpp's TextModel.filter_tensors: vision/audio/projector tensors are not the text model's; a
+    multimodal checkpoint's ``language_model.`` (transformers 4.x) or ``model.language_model.`` (5.x)
+    level is dropped before naming."""
+    towers = [("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", (8, 8)),
+              ("multi_modal_projector.linear_1.weight", (8, 8)), ("visual.blocks.0.attn.qkv.weight", (24, 8)),
+              ("model.visual.patch_embed.proj.weight", (8, 8))]
+    plain = plan_gguf(CONFIG, _shapes(REF_W), FIXTURE, "f16")
+    legacy = plan_gguf(CONFIG, [("language_model." + n, s) for n, s in _shapes(REF_W)] + towers, FIXTURE, "f16")
+    v5 = plan_gguf(CONFIG, [(n.replace("model.", "model.language_model.", 1), s) for n, s in _shapes(REF_W)]
+                   + towers, FIXTURE, "f16")
+    assert plain.towers == [] and legacy.towers == v5.towers == [n for n, _ in towers]
+    for p in (legacy, v5):
+        assert [(t.name, t.shape, t.ggml_type) for t in p.tensors] == [(t.name, t.shape, t.ggml_type)
+                                                                        for t in plain.tensors]
+        assert p.metadata == plain.metadata
+    assert legacy.tensors[1].source.startswith("language_model.model.")
 
 
 def test_missing_tokenizer_is_refused(tmp_path):

@@ -37,6 +37,16 @@ def arch_fixtures() -> list[str]:
     return sorted(p.parent.parent.name.removesuffix("_nf4_dq") for p in MODELS.glob("*_nf4_dq/reference/gguf_f16.json"))
 
 
+def plan_inputs(root: Path) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+    """A model directory's config.json and the (name, shape) of every tensor its dequantization plan writes
+    (what :func:`convert.gguf.plan.plan_gguf` is given)."""
+    from convert.stream.plan import make_plan
+    from formats.checkpoint import open_checkpoint
+
+    shapes = [(t.name, tuple(t.shape)) for t in make_plan(open_checkpoint(root)).tensors]
+    return json.loads((root / "config.json").read_text()), shapes
+
+
 def manifest() -> dict:
     return json.loads((FIXTURES / "manifest.json").read_text())
 

@@ -681,6 +681,18 @@ def model_copy(config: dict[str, Any] | None = None, drop: tuple[str, ...] = ())
     return build
 
 
+def _moe_of_unknown_layout(d: Path) -> Path:
+    """The Mixtral fixture under a MoE model_type whose saved layout is not known (``deepseek_v3``)."""
+    import shutil
+
+    root = d / "moe"
+    shutil.copytree(BASE_MODEL.parent / "mixtral_nf4_dq", root, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["model_type"] = "deepseek_v3"
+    (root / "config.json").write_text(json.dumps(cfg))
+    return root
+
+
 def _with_file(build: Callable[[Path], Path], name: str, data: bytes) -> Callable[[Path], Path]:
     def run(d: Path) -> Path:
         root = build(d)
@@ -712,7 +724,7 @@ def _gguf_unmapped(src: Path, out: Path) -> None:
     from convert.gguf.plan import plan_gguf
 
     cfg, w = _gguf_inputs(src)
-    plan_gguf(cfg, [(n, a.shape) for n, a in w.items()] + [("vision_tower.patch_embed.weight", (8, 8))], src)
+    plan_gguf(cfg, [(n, a.shape) for n, a in w.items()] + [("model.extra_head.weight", (8, 8))], src)
 
 
 def _gguf_moe(src: Path, out: Path) -> None:
@@ -1216,7 +1228,7 @@ CASES: list[Case] = [
          model_copy({"architectures": ["FalconForCausalLM"]}), run=GGUF_F16[0], argv=GGUF_F16[1]),
     Case("gguf-iq4-nl", E.GgufTypeError, ["GGUF-002", "q8_0"], lambda d: d.mkdir(parents=True) or d,
          run=_gguf_type, argv=None),  # the CLI's --to choices refuse it first (argparse, exit 2)
-    Case("gguf-vision-tower", E.UnmappedTensorError, ["GGUF-003", "tensor 'vision_tower.patch_embed.weight'"],
+    Case("gguf-extra-head", E.UnmappedTensorError, ["GGUF-003", "tensor 'model.extra_head.weight'"],
          model_copy(), run=_gguf_unmapped, argv=None),
     Case("gguf-no-tokenizer", E.TokenizerError, ["GGUF-004", "tokenizer.model or tokenizer.json"],
          model_copy(drop=("tokenizer.model", "tokenizer.json", "tokenizer_config.json")),
@@ -1299,6 +1311,11 @@ CASES: list[Case] = [
     Case("qnt-nested-offset-overflow", E.NestedOffsetOverflowError, ["QNT-006", "found 'inf (largest absmax 3e+38)'"],
          _empty, run=_qnt("convert.bnb4.absmax8", lambda q: q.double_quantize_absmax(np.full(8, 3e38, np.float32))),
          argv=None),
+    Case("qnt-moe-unknown-layout", E.UnknownMoeLayoutError,
+         ["QNT-007", "tensor 'model.layers.0.block_sparse_moe.experts.0.w1.weight'",
+          "found \"model_type 'deepseek_v3' with num_local_experts = 4\"", "--skip-modules"],
+         _moe_of_unknown_layout, run=lambda src, out: convert(src, out, to="nf4"),
+         argv=["{src}", "--to", "nf4", "-o", "{out}", "-q"]),
     # ---- output
     Case("output-exists", E.OutputExistsError, ["Failed to write", "OUT-001", "--overwrite"], one_file(V),
          run=_existing_output, argv=None),
