@@ -4,8 +4,10 @@
 - :mod:`~convert.gguf.target`: :class:`~convert.gguf.target.GgufJob`, the target's job;
 - :mod:`~convert.gguf.types`: the output type names (light: the command line imports only this);
 - :mod:`~convert.gguf.plan`: every tensor's GGUF name, type and bytes, and the metadata, from headers;
-- :mod:`~convert.gguf.arch`, :mod:`~convert.gguf.rope`, :mod:`~convert.gguf.config`: architectures as
-  data, RoPE scaling, config.json checked against its GGUF types and the tensors;
+- :mod:`~convert.gguf.families`: the architecture table (one row of data per llama.cpp model class);
+- :mod:`~convert.gguf.arch`, :mod:`~convert.gguf.rope`, :mod:`~convert.gguf.config`: what a row does to
+  names, hyperparameters and weights, RoPE scaling, config.json checked against its GGUF types and the
+  tensors;
 - :mod:`~convert.gguf.mix`: llama-quantize's per-tensor type mixes;
 - :mod:`~convert.gguf.tokenizer`, :mod:`~convert.gguf.bpe_pre`, :mod:`~convert.gguf.bpe_table`: the
   tokenizer keys;

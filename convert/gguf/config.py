@@ -6,7 +6,7 @@ length past uint32, a string ``rope_theta``, a yarn ``rope_scaling`` without
 a ``KeyError`` or an allocation of that size. Here every value is checked before it is used, and
 every size that allocates is taken from the tensors, not from the config:
 
-- :func:`check_param`: each :class:`convert.gguf.arch.Param` value has the type and range of the
+- :func:`check_param`: each :class:`convert.gguf.families.Param` value has the type and range of the
   GGUF value it is written as (:data:`PARAM_RULES`: uint32 counts and lengths >= 1, float32 values
   finite, ``rope_theta`` > 0, epsilons >= 0); a ``bool`` or ``4.0`` is not an integer;
 - :func:`check_heads`: ``num_attention_heads`` is a multiple of ``num_key_value_heads``, and
@@ -205,7 +205,7 @@ def real(
 
 
 def check_param(method: str, key: str, value: Any, path: str | None) -> Any:
-    """A :class:`convert.gguf.arch.Param` value, checked by :data:`PARAM_RULES` (others pass as they are).
+    """A :class:`convert.gguf.families.Param` value, checked by :data:`PARAM_RULES` (others pass as they are).
 
     Returns:
         The value as the writer takes it (int or float).
@@ -705,7 +705,7 @@ def check_shapes(
 
     Args:
         arch_name: ``general.architecture``.
-        values: (:class:`convert.gguf.arch.Param`, checked value) of every metadata entry written.
+        values: (:class:`convert.gguf.families.Param`, checked value) of every metadata entry written.
         hp: the hyperparameters (which config.json key gave each value, for the message).
         tensors: the planned tensors (GGUF name, PyTorch-order shape, Hugging Face source).
         path: the config file.

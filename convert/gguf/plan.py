@@ -67,8 +67,6 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.gguf.arch import (
-    Architecture,
-    Param,
     block_count,
     find_architecture,
     gguf_tensor_name,
@@ -87,6 +85,7 @@ from convert.gguf.config import (
     layer_count,
     whole,
 )
+from convert.gguf.families import Architecture, Param
 from convert.gguf.mix import MixModel, mix_types
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer

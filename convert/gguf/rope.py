@@ -4,7 +4,7 @@ Follows llama.cpp's ``convert_hf_to_gguf.py``. The RoPE object is config.json's 
 (transformers >= 5), else ``rope_scaling``; for a model with per-attention-kind parameters, that of the
 full-attention layers (:func:`rope_object`, ``TextModel``). Its type is ``rope_type``, else ``type``,
 in lower case; none means no scaling. Which types an architecture takes is its row's ``rope_types``
-(:class:`convert.gguf.arch.Architecture`):
+(:class:`convert.gguf.families.Architecture`):
 
 - :func:`rope_metadata` (``TextModel.set_gguf_parameters``): ``linear`` with a ``factor`` writes
   ``rope.scaling.type`` (linear) and ``rope.scaling.factor``; ``yarn`` with a ``factor`` writes the
@@ -71,7 +71,7 @@ __all__ = [
 
 
 class _ArchitectureLike(Protocol):
-    """The fields of :class:`convert.gguf.arch.Architecture` read here."""
+    """The fields of :class:`convert.gguf.families.Architecture` read here."""
 
     @property
     def rope_types(self) -> tuple[str, ...]: ...

@@ -17,7 +17,7 @@ transformers or torch:
   ``SpecialVocab``; the architecture's extra special ids (CodeGemma, CodeLlama's infill tokens).
 
 Which tokenizer kinds an architecture takes and its ``add_space_prefix`` are columns of
-:data:`convert.gguf.arch.ARCHITECTURES`.
+:data:`convert.gguf.families.ARCHITECTURES`.
 
 Where the output knowingly differs from ``convert_hf_to_gguf.py``:
 
@@ -59,9 +59,9 @@ from typing import Any
 
 import gguf
 
-from convert.gguf.arch import Architecture
 from convert.gguf.bpe_pre import bpe_pre
 from convert.gguf.config import SPECIAL_TOKEN_TYPES
+from convert.gguf.families import Architecture
 from formats import jsonfile, sentencepiece
 from formats.errors import TokenizerError
 

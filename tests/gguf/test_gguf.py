@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert.gguf.arch import ARCHITECTURES
 from convert.gguf.codecs import CODECS
 from convert.gguf.encode import write_gguf
+from convert.gguf.families import ARCHITECTURES
 from convert.gguf.plan import plan_gguf
 from convert.gguf.types import OUTPUT_TYPES, parse_output_type
 from convert.stream.plan import PlannedTensor
