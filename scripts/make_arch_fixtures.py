@@ -121,6 +121,16 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "tie_word_embeddings": False,
     }),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128, "tie_word_embeddings": False,
+        "attention_multiplier": 0.015625, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "logits_scaling": 8.0,
+    }),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128, "shared_intermediate_size": 256,
+        "tie_word_embeddings": False, "attention_multiplier": 0.015625, "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0,
+    }),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"tie_word_embeddings": False, "initializer_range": 0.3}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {
         "logit_scale": 0.25, "use_qk_norm": False, "layer_norm_eps": 1e-5, "rope_theta": 10000.0,

@@ -239,6 +239,8 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     # Gemma3Model: the final softcapping only when set, the window unless every layer is global
     hp["@final_logit_softcapping"] = hp.get("final_logit_softcapping") or None
     hp["@sliding_window"] = hp.get("sliding_window") if hp.get("sliding_window_pattern") != 1 else None
+    # GraniteMoeModel: the shared expert's size only when set and not 0
+    hp["@shared_intermediate_size"] = hp.get("shared_intermediate_size") or None
     if arch.name == "mistral3" and hp.get("model_type") == "ministral3":
         raise GgufConfigError(
             "a Ministral 3 text model (its YaRN temperature keys) is not supported for GGUF output",

@@ -613,6 +613,8 @@ LOADER_SHAPES: dict[str, dict[str, tuple[str, ...]]] = {
     "qwen3": {**_GLOBAL, **_QWEN3},
     "qwen2moe": {**_GLOBAL, **_QWEN2, **_QWEN2_MOE},
     "qwen3moe": {**_GLOBAL, **_QWEN3, **_QWEN_MOE},
+    "granitemoe": {**_GLOBAL, **_LLAMA, **_LLAMA_MOE, **{k: v for k, v in _QWEN2_MOE.items() if "shexp" in k and
+                                                         k != "ffn_gate_inp_shexp.weight"}},
     "gemma": {**_GLOBAL, **_LLAMA},
     "gemma2": {**_GLOBAL, **_GEMMA2},
     "gemma3": {**_GLOBAL, **_GEMMA2, **{k: _QWEN3[k] for k in ("attn_q_norm.weight", "attn_k_norm.weight")}},

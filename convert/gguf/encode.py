@@ -400,7 +400,9 @@ def write_gguf(
     spath = os.fspath(path)
     sources = {**tensors, **{name: PlannedTensor(name, _F32_DTYPE, tuple(a.shape), ArraySource(name, a))
                              for name, a in plan.generated.items()},
-               **{t.source: _stacked(t, tensors, spath) for t in plan.tensors if t.parts and t.source is not None}}
+               **{t.source: _stacked(t, tensors, spath) for t in plan.tensors if t.parts and t.source is not None},
+               **{t.source: _as_rows(tensors[t.source], t) for t in plan.tensors
+                  if len(t.shape) > 2 and not t.parts and t.source in tensors}}
     reports: list[TensorReport] = []
     n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
     workers = max(threads, n_procs)
@@ -432,27 +434,37 @@ def write_gguf(
 
 
 def _stacked(t: GGUFTensor, tensors: Mapping[str, PlannedTensor], path: str) -> PlannedTensor:
-    """The planned tensor of a stacked MoE tensor: its experts' sources one after the other
-    (:class:`convert.stream.sources.StackSource`), shape ``[experts * rows, cols]``, read expert by expert.
+    """The planned tensor of a MoE tensor made of slices of its sources (experts stacked, or rows of a fused
+    parameter): :class:`convert.stream.sources.StackSource`, shape ``[numel / cols, cols]``, read slice by
+    slice.
 
     Raises:
-        GgufSourceError: GGUF-007, experts of different dtypes or sizes.
+        GgufSourceError: GGUF-007, sources of different dtypes, or a slice that does not start on its
+            source's chunk unit (a 4-bit block).
     """
-    parts = [tensors[p] for p in t.parts]
-    odd = next((p for p in parts if p.dtype != parts[0].dtype or p.numel != parts[0].numel), None)
-    if odd is not None:
-        raise GgufSourceError(
-            "the experts stacked into one tensor differ in dtype or size",
-            path=path,
-            tensor=odd.name,
-            expected=f"{parts[0].dtype.numpy} {list(parts[0].shape)} (as {parts[0].name})",
-            found=f"{odd.dtype.numpy} {list(odd.shape)}",
-            action="write",
-        )
+    parts = [(tensors[name], start, stop) for name, start, stop in t.parts]
+    first = parts[0][0]
+    for p, start, _ in parts:
+        if p.dtype != first.dtype or start % p.source.unit:
+            raise GgufSourceError(
+                "the slices stacked into one tensor differ in dtype or do not start on a block of their source",
+                path=path,
+                tensor=p.name,
+                expected=f"{first.dtype.numpy} (as {first.name}), slices starting on a multiple of {p.source.unit}",
+                found=f"{p.dtype.numpy}, a slice from element {start}",
+                action="write",
+            )
     assert t.source is not None
     cols = t.shape[-1]
-    return PlannedTensor(t.source, parts[0].dtype, (t.numel // cols, cols),
-                         StackSource(t.source, [p.source for p in parts]))
+    return PlannedTensor(t.source, first.dtype, (t.numel // cols, cols),
+                         StackSource(t.source, [(p.source, start, stop) for p, start, stop in parts]))
+
+
+def _as_rows(src: PlannedTensor, t: GGUFTensor) -> PlannedTensor:
+    """A tensor of more than two dimensions (a fused 3-D expert parameter written as it is) as the 2-D rows
+    the writer chunks: ``[numel / cols, cols]`` of the same source."""
+    cols = t.shape[-1]
+    return PlannedTensor(src.name, src.dtype, (src.numel // cols, cols), src.source, src.parameters)
 
 
 def _file_chunks(plan: GGUFPlan, sources: Mapping[str, PlannedTensor], reader: RowReader, chunk_elements: int,

@@ -13,12 +13,12 @@ the rows and what each does specially. A new family that differs only in data is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import gguf
 
-__all__ = ["ARCHITECTURES", "Architecture", "Experts", "Param"]
+__all__ = ["ARCHITECTURES", "Architecture", "Experts", "Fused", "Param"]
 
 
 @dataclass(frozen=True)
@@ -117,20 +117,38 @@ _PHI3_PARAMS = (
 
 
 @dataclass(frozen=True)
-class Experts:
-    """How a Mixture-of-Experts layer's per-expert weights become GGUF's stacked ``ffn_*_exps`` tensors
-    (``LlamaModel.modify_tensors`` for Mixtral, ``Qwen2MoeModel.modify_tensors``).
+class Fused:
+    """A parameter holding several GGUF tensors along its rows (the second-to-last axis), split in equal
+    parts: a 3-D ``[experts, 2 * rows, cols]`` gate/up of every expert, or a 2-D one of a shared expert
+    (``Qwen2MoeModel`` / ``GraniteMoeModel.modify_tensors``).
 
     Attributes:
-        pattern: regular expression over a tensor's text-model name with the groups ``bid`` (layer),
-            ``xid`` (expert) and ``w`` (which weight).
-        weights: the ``w`` values, in the order the converter writes their stacks.
-        merged: the stacked tensor's name before mapping, a format of ``bid`` and ``w``.
+        pattern: regular expression over a tensor's text-model name with the group ``bid`` (layer).
+        outputs: the GGUF tensors' names before mapping, one per part in row order, formats of ``bid``.
     """
 
     pattern: str
-    weights: tuple[str, ...]
-    merged: str
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a Mixture-of-Experts layer's weights become GGUF's stacked ``ffn_*_exps`` tensors
+    (``LlamaModel.modify_tensors`` for Mixtral, ``Qwen2MoeModel`` and ``GraniteMoeModel.modify_tensors``).
+
+    Attributes:
+        pattern: regular expression over a tensor's text-model name with the groups ``bid`` (layer),
+            ``xid`` (expert) and ``w`` (which weight) for per-expert weights; None when there are none.
+        weights: the ``w`` values, in the order the converter writes their stacks.
+        merged: the stacked tensor's name before mapping, a format of ``bid`` and ``w``.
+        fused: parameters that hold every expert already (split along their rows when they hold more
+            than one GGUF tensor).
+    """
+
+    pattern: str | None
+    weights: tuple[str, ...] = ()
+    merged: str = ""
+    fused: tuple[Fused, ...] = ()
 
 
 _MIXTRAL_EXPERTS = Experts(
@@ -138,10 +156,27 @@ _MIXTRAL_EXPERTS = Experts(
     ("w1", "w2", "w3"),
     "layers.{bid}.feed_forward.experts.{w}.weight",
 )
+# per-expert weights, or (transformers 5's in-memory layout) a fused gate/up and a 3-D down
 _QWEN_MOE_EXPERTS = Experts(
     r"^model\.layers\.(?P<bid>\d+)\.mlp\.experts\.(?P<xid>\d+)\.(?P<w>down_proj|gate_proj|up_proj)\.weight$",
     ("down_proj", "gate_proj", "up_proj"),
     "model.layers.{bid}.mlp.experts.{w}.weight",
+    fused=(
+        Fused(r"^model\.layers\.(?P<bid>\d+)\.mlp\.experts\.gate_up_proj(?:\.weight)?$",
+              ("model.layers.{bid}.mlp.experts.gate_proj.weight", "model.layers.{bid}.mlp.experts.up_proj.weight")),
+        Fused(r"^model\.layers\.(?P<bid>\d+)\.mlp\.experts\.down_proj(?:\.weight)?$",
+              ("model.layers.{bid}.mlp.experts.down_proj.weight",)),
+    ),
+)
+# GraniteMoe's experts are fused parameters (JetMoe's parallel experts): input_linear = gate and up
+_GRANITE_MOE_EXPERTS = Experts(
+    None,
+    fused=(
+        Fused(r"^model\.layers\.(?P<bid>\d+)\.block_sparse_moe\.input_linear\.weight$",
+              ("blk.{bid}.ffn_gate_exps.weight", "blk.{bid}.ffn_up_exps.weight")),
+        Fused(r"^model\.layers\.(?P<bid>\d+)\.shared_mlp\.input_linear\.weight$",
+              ("blk.{bid}.ffn_gate_shexp.weight", "blk.{bid}.ffn_up_shexp.weight")),
+    ),
 )
 
 
@@ -259,6 +294,18 @@ _GRANITE = Architecture(
     permute_qk=True,
     ignored_keys=("head_dim",),
     **_LLAMA_FAMILY,
+)
+
+# GraniteMoeModel: Granite's entries and multipliers, the shared expert's size, fused experts split
+_GRANITE_MOE = replace(
+    _GRANITE,
+    name="granitemoe",
+    model_arch=gguf.MODEL_ARCH.GRANITE_MOE,
+    hf_architectures=("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"),
+    extra_params=(*_GRANITE.extra_params,
+                  Param("add_expert_shared_feed_forward_length", ("@shared_intermediate_size",))),
+    config_defaults={**_GRANITE.config_defaults, "num_local_experts": 8, "num_experts_per_tok": 2},
+    experts=_GRANITE_MOE_EXPERTS,
 )
 
 # SmolLM3Model: LlamaModel under its own architecture name (its no-RoPE layers are not written)
@@ -499,6 +546,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         **_LLAMA_FAMILY,
     ),
     _GRANITE,
+    _GRANITE_MOE,
     _SMOLLM3,
     _MISTRAL3,
     _MIXTRAL,

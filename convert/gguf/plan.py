@@ -119,8 +119,10 @@ class GGUFTensor:
         offset: value added in float32 before rounding (Gemma norms: 1.0).
         fallback: why the type differs from the requested one ("" when it does not): a fallback for
             the row length, or llama-quantize's rule in a mix (``attn_v on a use_more_bits layer: Q6_K``).
-        parts: a stacked MoE tensor's sources (Hugging Face names, one per expert, in order; ``source``
-            then names them all, ``model.layers.0.mlp.experts.[0-7].up_proj.weight``); () otherwise.
+        parts: a MoE tensor made of slices of its sources, in order: (Hugging Face name, first element,
+            element past the last), one per expert (``source`` then labels them all,
+            ``model.layers.0.mlp.experts.[0-7].up_proj.weight``, or ``...input_linear.weight[rows 0:512]``);
+            () otherwise.
     """
 
     source: str | None
@@ -131,7 +133,7 @@ class GGUFTensor:
     permute_heads: int = 0
     offset: float = 0.0
     fallback: str = ""
-    parts: tuple[str, ...] = ()
+    parts: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -298,11 +300,11 @@ def plan_gguf(
         if is_skipped(arch, name):
             continue
         if stacks.takes(hf_name, name, shape):
-            for merged, parts, stacked in stacks.ready():
+            for merged, label, parts, stacked in stacks.ready():
                 gguf_name = gguf_tensor_name(name_map, arch, merged, config_path)
                 qtype, why = choose_type(gguf_name, stacked, wanted)
-                planned.append(GGUFTensor(stacks.source_name(parts), gguf_name, stacked, qtype,
-                                          tensor_nbytes(stacked, qtype), fallback=why, parts=parts))
+                planned.append(GGUFTensor(label, gguf_name, stacked, qtype, tensor_nbytes(stacked, qtype),
+                                          fallback=why, parts=parts))
             continue
         gguf_name = gguf_tensor_name(name_map, arch, name, config_path)
         if gguf_name in ("token_embd.weight", "output.weight"):
@@ -394,30 +396,43 @@ def _parameter_counts(tensors: Iterable[GGUFTensor]) -> tuple[int, int, int, int
     return total, shared, expert, expert_sum // n_stacks if n_stacks else 0
 
 
+#: A slice of a source tensor: (Hugging Face name, first element, element past the last).
+Part = tuple[str, int, int]
+
+
 class _ExpertStacks:
-    """A MoE model's per-expert weights gathered per layer into the stacks GGUF writes
-    (``LlamaModel`` / ``Qwen2MoeModel.modify_tensors``): when a layer's last expert weight has been seen, its
-    stacks, in the architecture's order, come from :meth:`ready`.
+    """A MoE model's expert weights as the tensors GGUF writes (``LlamaModel`` / ``Qwen2MoeModel`` /
+    ``GraniteMoeModel.modify_tensors``): per-expert weights gathered per layer into stacks (when a layer's
+    last expert weight has been seen, its stacks come from :meth:`ready`, in the architecture's order), and
+    fused parameters split along their rows. A tensor is then element slices of its sources (:data:`Part`).
 
     Raises:
         GgufConfigError: GGUF-006 (an expert index past the expert count, experts of one weight with
-            different shapes, or experts missing at the end: :meth:`check_complete`).
+            different shapes, experts missing at the end (:meth:`check_complete`), a fused parameter whose
+            rows do not split).
     """
 
     def __init__(self, arch: Architecture, hp: Mapping[str, Any], path: str | None) -> None:
         self.experts = arch.experts
         self.path = path
-        self.pattern = re.compile(self.experts.pattern) if self.experts is not None else None
+        self.pattern = (re.compile(self.experts.pattern) if self.experts is not None and self.experts.pattern
+                        else None)
+        self.fused = [(re.compile(f.pattern), f.outputs) for f in (self.experts.fused if self.experts else ())]
         self.count = 0
-        if self.experts is not None:
+        if self.experts is not None and self.experts.pattern:
             key = next((k for k in ("num_local_experts", "num_experts", "n_routed_experts") if hp.get(k) is not None),
                        "num_local_experts")
             self.count = whole(hp.get(key), key, path)
         self.pending: dict[int, dict[tuple[str, int], tuple[str, tuple[int, ...]]]] = {}
-        self._ready: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = []
+        self._ready: list[tuple[str, str, tuple[Part, ...], tuple[int, ...]]] = []
 
     def takes(self, hf_name: str, name: str, shape: tuple[int, ...]) -> bool:
-        """Whether the tensor is an expert's weight (then held for its stack)."""
+        """Whether the tensor is an expert's weight or a fused parameter (then held for :meth:`ready`)."""
+        for pattern, outputs in self.fused:
+            m = pattern.match(name)
+            if m is not None:
+                self._split(hf_name, int(m["bid"]), outputs, shape)
+                return True
         m = self.pattern.match(name) if self.pattern is not None else None
         if m is None:
             return False
@@ -441,21 +456,37 @@ class _ExpertStacks:
                         "experts of one layer's weight have different shapes (they are stacked into one tensor)",
                         path=self.path, tensor=odd[0], expected=list(first[1]), found=list(odd[1]), action="convert",
                     )
-                self._ready.append((self.experts.merged.format(bid=bid, w=w), tuple(p[0] for p in parts),
-                                    (self.count, *first[1])))
+                n = math.prod(first[1])
+                head, _, tail = first[0].rpartition(".experts.0.")
+                label = f"{head}.experts.[0-{self.count - 1}].{tail}"
+                self._ready.append((self.experts.merged.format(bid=bid, w=w), label,
+                                    tuple((p[0], 0, n) for p in parts), (self.count, *first[1])))
             del self.pending[bid]
         return True
 
-    def ready(self) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
-        """The stacks completed by the last tensor taken: (name before mapping, sources, stacked shape)."""
+    def _split(self, hf_name: str, bid: int, outputs: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        """A fused parameter ``[experts, k * rows, cols]`` (or ``[k * rows, cols]``) as ``k`` tensors
+        ``[experts, rows, cols]``: each expert's k-th block of rows."""
+        k = len(outputs)
+        if len(shape) < 2 or shape[-2] % k:
+            raise GgufConfigError(
+                "a fused expert parameter does not split into its parts along its rows",
+                path=self.path, tensor=hf_name, expected=f"a 2-D or 3-D tensor whose rows are a multiple of {k}",
+                found=list(shape), action="convert",
+            )
+        rows, cols = shape[-2] // k, shape[-1]
+        experts = shape[0] if len(shape) == 3 else 1
+        block = rows * cols
+        for i, out in enumerate(outputs):
+            parts = tuple((hf_name, (e * k + i) * block, (e * k + i + 1) * block) for e in range(experts))
+            label = hf_name if k == 1 else f"{hf_name}[rows {i * rows}:{(i + 1) * rows}]"
+            self._ready.append((out.format(bid=bid), label, parts, (*shape[:-2], rows, cols)))
+
+    def ready(self) -> list[tuple[str, str, tuple[Part, ...], tuple[int, ...]]]:
+        """The tensors completed by the last tensor taken: (name before mapping, the source's label for
+        messages and listings, parts, shape)."""
         out, self._ready = self._ready, []
         return out
-
-    @staticmethod
-    def source_name(parts: tuple[str, ...]) -> str:
-        """``model.layers.0.mlp.experts.[0-7].up_proj.weight`` for the stack of ``parts``."""
-        head, _, tail = parts[0].rpartition(".experts.0.")
-        return f"{head}.experts.[0-{len(parts) - 1}].{tail}"
 
     def check_complete(self) -> None:
         """Every layer's experts were all there (GGUF-006 otherwise)."""

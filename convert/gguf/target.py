@@ -131,8 +131,8 @@ class GgufJob:
         self.tensors = len(self.gplan.tensors)
         self.elements = sum(t.numel for t in self.gplan.tensors)
         by_name = {t.name: t for t in plan.tensors}
-        self.in_nbytes = sum(by_name[name].source.in_nbytes for t in self.gplan.tensors
-                             for name in (t.parts or (t.source,)) if name in by_name)
+        read = {name for t in self.gplan.tensors for name in ([p[0] for p in t.parts] or [t.source])}
+        self.in_nbytes = sum(by_name[name].source.in_nbytes for name in read if name in by_name)
         self.reports: list[TensorReport] = []
         if not options.dry_run:
             check_encoders(self.gplan)  # GGUF-002 before any output is claimed (a mix needs K-quant codecs)

@@ -273,71 +273,74 @@ class ArraySource(Source):
 
 
 class StackSource(Source):
-    """Tensors of one shape, one after the other: a stacked tensor ``[len(parts), *shape]`` made from its
-    parts' sources (a MoE layer's per-expert weights as GGUF's ``ffn_*_exps``), read part by part, so no
+    """Slices of other sources, one after the other: a MoE tensor ``[experts, rows, cols]`` made from its
+    experts' weights (GGUF's ``ffn_*_exps``) or from rows of a fused parameter, read slice by slice, so no
     more than a chunk of it is ever in memory.
 
     Args:
-        name: the stacked tensor's name.
-        parts: the sources, in stacking order, each of the same number of elements.
+        name: the tensor's name.
+        parts: (source, first element, element past the last), in order, each of the same length and
+            starting on a multiple of its source's ``unit``.
 
     Raises:
-        ValueError: no parts, or parts of different sizes (the planner checks both first).
+        ValueError: no parts, or parts of different lengths (the planner checks both first).
     """
 
-    def __init__(self, name: str, parts: list[Source]) -> None:
+    def __init__(self, name: str, parts: list[tuple[Source, int, int]]) -> None:
         super().__init__()
-        if not parts or len({p.numel for p in parts}) != 1:
-            raise ValueError(f"{name}: parts of one size needed, got {[p.numel for p in parts]}")
+        if not parts or len({stop - start for _, start, stop in parts}) != 1:
+            raise ValueError(f"{name}: parts of one length needed, got {[b - a for _, a, b in parts]}")
         self.name = name
         self.parts = parts
-        self.per = parts[0].numel
+        self.per = parts[0][2] - parts[0][1]
         self.numel = self.per * len(parts)
-        unit = math.lcm(*(p.unit for p in parts))
+        unit = math.lcm(*(p.unit for p, _, _ in parts))
         self.unit = unit if self.per % unit == 0 else self.per  # chunks split at part boundaries on a unit
-        self.in_nbytes = sum(p.in_nbytes for p in parts)
-        self.kind = f"stack of {len(parts)} x {parts[0].kind}"
-        self.barrier = any(p.barrier for p in parts)
-        self.max_chunk = max(p.max_chunk for p in parts)
-        self.writes_in_place = all(p.writes_in_place for p in parts)
+        sources = list({id(p): p for p, _, _ in parts}.values())
+        self.in_nbytes = sum(p.in_nbytes for p in sources)
+        self.kind = f"{len(parts)} slices of {parts[0][0].kind}"
+        self.barrier = any(p.barrier for p in sources)
+        self.max_chunk = max(p.max_chunk for p in sources)
+        self.writes_in_place = all(p.writes_in_place for p in sources)
 
     def _pieces(self, start: int, stop: int) -> list[tuple[Source, int, int, int]]:
-        """(part, its start, its stop, offset in [start, stop)) covering elements [start, stop)."""
+        """(source, its start, its stop, offset in [start, stop)) covering elements [start, stop)."""
         out = []
         at = start
         while at < stop:
             k, off = divmod(at, self.per)
             end = min(stop, (k + 1) * self.per)
-            out.append((self.parts[k], off, off + end - at, at - start))
+            src, first, _ = self.parts[k]
+            out.append((src, first + off, first + off + end - at, at - start))
             at = end
         return out
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
-        got = [part.produce(a, b, dtype) for part, a, b, _ in self._pieces(start, stop)]
+        got = [src.produce(a, b, dtype) for src, a, b, _ in self._pieces(start, stop)]
         return got[0] if len(got) == 1 else np.concatenate(got)
 
     def produce_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
         flat = out.reshape(-1)
-        for part, a, b, at in self._pieces(start, stop):
-            part.produce_into(a, b, dtype, flat[at : at + b - a])
+        for src, a, b, at in self._pieces(start, stop):
+            src.produce_into(a, b, dtype, flat[at : at + b - a])
 
     def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
         pieces = self._pieces(start, stop)
         if len(pieces) != 1:
             return None
-        part, a, b, _ = pieces[0]
-        return part.codes_4bit(a, b)
+        src, a, b, _ = pieces[0]
+        return src.codes_4bit(a, b)
 
     def release(self, start: int, stop: int) -> None:
-        for part, a, b, _ in self._pieces(start, stop):
-            part.release(a, b)
+        for src, a, b, _ in self._pieces(start, stop):
+            src.release(a, b)
 
     def finish(self) -> None:
-        for part in self.parts:
-            part.finish()
+        for src in {id(p): p for p, _, _ in self.parts}.values():
+            src.finish()
 
     def inputs(self) -> list[TensorLike] | None:
-        got = [p.inputs() for p in self.parts]
+        got = [p.inputs() for p in {id(p): p for p, _, _ in self.parts}.values()]
         return None if any(g is None for g in got) else [t for g in got if g is not None for t in g]
 
 

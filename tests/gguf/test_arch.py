@@ -199,7 +199,8 @@ def test_unsupported_architecture_lists_the_new_ones():
                  "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Gemma3ForConditionalGeneration",
                  "Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                  "Qwen2_5_VLForConditionalGeneration", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                 "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "CohereForCausalLM"):
+                 "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "CohereForCausalLM", "GraniteMoeForCausalLM",
+                 "GraniteMoeSharedForCausalLM"):
         assert name in str(e.value)
     assert "..." not in str(e.value)  # the whole list, not cut at 300 characters
 

@@ -50,7 +50,7 @@ def test_4_bit_experts_stack_as_their_dequantized_values(tmp_path: Path, out_typ
 
 
 def test_stack_source_reads_across_parts() -> None:
-    parts = [ArraySource(f"e{i}", np.arange(i * 10, i * 10 + 10, dtype=np.float32)) for i in range(3)]
+    parts = [(ArraySource(f"e{i}", np.arange(i * 10, i * 10 + 10, dtype=np.float32)), 0, 10) for i in range(3)]
     s = StackSource("stack", parts)
     f32 = BY_NAME["float32"]
     assert s.numel == 30
@@ -59,8 +59,12 @@ def test_stack_source_reads_across_parts() -> None:
     s.produce_into(7, 23, f32, out)
     np.testing.assert_array_equal(out, np.arange(7, 23, dtype=np.float32))
     assert s.codes_4bit(0, 10) is None and s.codes_4bit(5, 15) is None
-    with pytest.raises(ValueError, match="parts of one size"):
-        StackSource("x", [parts[0], ArraySource("y", np.zeros(3, np.float32))])
+    with pytest.raises(ValueError, match="parts of one length"):
+        StackSource("x", [parts[0], (parts[1][0], 0, 3)])
+    # rows of a fused [2 experts, 2 x 2 rows, 3 cols] parameter: the second block of each expert's rows
+    fused = ArraySource("f", np.arange(24, dtype=np.float32))
+    up = StackSource("up", [(fused, 6, 12), (fused, 18, 24)])
+    np.testing.assert_array_equal(up.produce(0, 12, f32), np.r_[6:12, 18:24].astype(np.float32))
 
 
 def test_a_layer_s_experts_become_three_stacks_with_the_router_kept_f32() -> None:
@@ -69,7 +73,7 @@ def test_a_layer_s_experts_become_three_stacks_with_the_router_kept_f32() -> Non
     by_name = {t.name: t for t in plan.tensors}
     down = by_name["blk.1.ffn_down_exps.weight"]
     assert down.shape == (4, 256, 128)
-    assert down.parts == tuple(f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4))
+    assert down.parts == tuple((f"model.layers.1.mlp.experts.{e}.down_proj.weight", 0, 256 * 128) for e in range(4))
     assert down.source == "model.layers.1.mlp.experts.[0-3].down_proj.weight"
     assert by_name["blk.0.ffn_gate_inp.weight"].ggml_type == gguf.GGMLQuantizationType.F32
     assert plan.metadata["qwen2moe.expert_count"][0] == 4
@@ -114,3 +118,31 @@ def test_a_moe_class_without_a_stacking_rule_is_still_refused() -> None:
         plan_gguf(dict(config, architectures=["MistralForCausalLM"]), shapes, MIXTRAL, "f16")
     assert "mixture-of-experts models are not supported" in str(info.value)
 
+
+
+def test_fused_expert_parameters_give_the_per_expert_layout_s_file(tmp_path: Path) -> None:
+    """Qwen3-MoE experts saved fused (transformers 5's in-memory layout: ``mlp.experts.gate_up_proj``
+    ``[experts, 2 x rows, cols]`` and ``mlp.experts.down_proj`` ``[experts, cols, rows]``) give the file of
+    the per-expert layout, whose tensors equal llama.cpp's converter (reference/gguf_f16.json): the gate and
+    up stacks are each expert's first and second block of rows."""
+    from safetensors.numpy import load_file, save_file
+
+    root = MODELS / "qwen3_moe_nf4_dq"
+    src = shutil.copytree(root, tmp_path / "fused", ignore=shutil.ignore_patterns("reference", "*.safetensors"))
+    dq = tmp_path / "dq"
+    assert main([str(root), "--to", "bf16", "-o", str(dq), "-q"]) == 0
+    w = load_file(str(dq / "model.safetensors"))
+    out = {k: v for k, v in w.items() if ".experts." not in k}
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate_up = [np.concatenate([w[f"{p}.{e}.gate_proj.weight"], w[f"{p}.{e}.up_proj.weight"]]) for e in range(4)]
+        out[f"{p}.gate_up_proj"] = np.stack(gate_up)
+        out[f"{p}.down_proj"] = np.stack([w[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    save_file(out, str(src / "model.safetensors"), metadata={"format": "pt"})
+    got = tmp_path / "fused.gguf"
+    assert main([str(src), "--to", "gguf:f16", "-o", str(got), "-q"]) == 0
+    want = json.loads((root / "reference" / "gguf_f16.json").read_text())["tensors"]
+    hashes = _hashes(got)
+    assert sorted(hashes) == sorted(want)
+    for name, t in want.items():
+        assert hashes[name] == (t["type"], t["shape"], t["sha256"]), name
