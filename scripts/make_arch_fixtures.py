@@ -99,6 +99,16 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                           "num_attention_heads": 2, "head_dim": 32, "image_size": 56, "patch_size": 14},
         "image_token_index": 10,
     }),
+    "ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {
+        "text_config": {"model_type": "ministral3", "head_dim": 64, "tie_word_embeddings": False,
+                        "rope_parameters": {"rope_type": "yarn", "type": "yarn", "rope_theta": 1000000.0,
+                                            "factor": 4.0, "original_max_position_embeddings": 64,
+                                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0,
+                                            "mscale": 1.0, "llama_4_scaling_beta": 0.1}},
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "head_dim": 32, "image_size": 56, "patch_size": 14},
+        "image_token_index": 10,
+    }),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
         "text_config": {"tie_word_embeddings": False,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,

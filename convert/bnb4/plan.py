@@ -197,6 +197,7 @@ def make_quant_plan(
                shards=_shards(tensors, plan.checkpoint.is_dir, max_shard_size), config=plan.config,
                notes=list(plan.notes))
     info.skip_modules = _skip_modules(plan, info.kept, skip, heads_kept)
+    new.notes += _kept_notes(info.kept)
     if new.config is not None:
         cfg = dict(new.config)
         compute = old_qc.get("bnb_4bit_compute_dtype") or _compute_dtype(cfg, info.jobs, plan)
@@ -236,6 +237,17 @@ def _skip_modules(plan: Plan, kept: dict[str, str], skip: list[str], heads_kept:
     if user_skip or included_heads:
         return sorted(set(user_skip) | set(heads_kept))
     return None
+
+
+def _kept_notes(kept: dict[str, str]) -> list[str]:
+    """One note per reason a weight stays 16-bit (MoE experts and routers, heads, embeddings, ...), with a
+    count and the first tensor; 1-D tensors and biases (never quantized) are not counted."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in kept.items():
+        if why not in ("not a 2-D weight", "not a float tensor"):
+            by_reason.setdefault(why, []).append(name)
+    return [f"{len(names)} weight{'s' if len(names) > 1 else ''} not quantized: {why} (first: {names[0]})"
+            for why, names in by_reason.items()]
 
 
 def _sub_config_dtypes(cfg: dict[str, Any]) -> dict[str, Any]:

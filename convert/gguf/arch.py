@@ -242,13 +242,7 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
     # GraniteMoeModel: the shared expert's size only when set and not 0
     hp["@shared_intermediate_size"] = hp.get("shared_intermediate_size") or None
     if arch.name == "mistral3" and hp.get("model_type") == "ministral3":
-        raise GgufConfigError(
-            "a Ministral 3 text model (its YaRN temperature keys) is not supported for GGUF output",
-            path=path,
-            expected="text_config model_type 'mistral' (Mistral Small 3.x)",
-            found="model_type 'ministral3'",
-            action="convert",
-        )
+        _ministral3_keys(hp, path)
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if hp.get(key) and arch.experts is None:
             raise GgufConfigError(
@@ -259,6 +253,29 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
                 action="convert",
             )
     return hp
+
+
+def _ministral3_keys(hp: dict[str, Any], path: str | None) -> None:
+    """Ministral3Model's own keys for a ``ministral3`` text model: ``rope.scaling.yarn_log_multiplier`` and
+    ``attention.temperature_scale`` from its YaRN RoPE object (``mscale_all_dim``, ``llama_4_scaling_beta``).
+
+    Raises:
+        RopeScalingError: GGUF-005 (not YaRN, or either value missing or not a number).
+    """
+    rope = rope_object(hp)
+    kind = rope.get("rope_type", rope.get("type"))
+    for key in ("mscale_all_dim", "llama_4_scaling_beta"):
+        value = rope.get(key)
+        if kind != "yarn" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RopeScalingError(
+                "a Ministral 3 text model needs YaRN RoPE with its mscale_all_dim and llama_4_scaling_beta",
+                path=path,
+                expected=f"rope_parameters of type yarn with a number {key}",
+                found=f"type {kind!r}, {key} {value!r}",
+                action="convert",
+            )
+    hp["@yarn_log_mul"] = float(rope["mscale_all_dim"])
+    hp["@attn_temperature_scale"] = float(rope["llama_4_scaling_beta"])
 
 
 def block_count(hp: Mapping[str, Any], path: str | None) -> int:

@@ -326,14 +326,18 @@ _SMOLLM3 = Architecture(
     **_LLAMA_FAMILY,
 )
 
-# Mistral3Model (Mistral3ForConditionalGeneration, Mistral Small 3.x): its text model is Ministral3Model,
-# LlamaModel under the mistral3 architecture (the yarn keys of a ``ministral3`` text model: GGUF-006)
+# Mistral3Model (Mistral3ForConditionalGeneration: Mistral Small 3.x, Ministral 3): its text model is
+# Ministral3Model, LlamaModel under the mistral3 architecture, with two YaRN keys for a ``ministral3`` text model
 _MISTRAL3 = Architecture(
     name="mistral3",
     model_arch=gguf.MODEL_ARCH.MISTRAL3,
     hf_architectures=("Mistral3ForConditionalGeneration",),
     params=_TEXT_PARAMS,
-    extra_params=_LLAMA_EXTRA,
+    extra_params=(
+        *_LLAMA_EXTRA,
+        Param("add_rope_scaling_yarn_log_mul", ("@yarn_log_mul",)),
+        Param("add_attn_temperature_scale", ("@attn_temperature_scale",)),
+    ),
     # MistralConfig's defaults (the text_config of Mistral3Config)
     config_defaults={
         "max_position_embeddings": 131072,

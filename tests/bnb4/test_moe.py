@@ -151,3 +151,13 @@ def test_4_bit_experts_of_the_input_are_dequantized_and_the_output_loads(tmp_pat
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", device_map="cpu")
     fused = dict(model.named_parameters())["model.layers.0.mlp.experts.down_proj"]
     assert torch.equal(fused[1], want["model.layers.0.block_sparse_moe.experts.1.w2.weight"])
+
+
+def test_the_plan_says_which_weights_stay_16_bit_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.helpers.fixtures import MODELS
+
+    assert main([str(MODELS / "mixtral_nf4_dq"), "--to", "nf4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: 26 weights not quantized: MoE expert or router (transformers keeps it 16-bit) (first: "
+            "model.layers.0.block_sparse_moe.experts.0.w1.weight)") in out
+    assert "note: 1 weight not quantized: output head (first: lm_head.weight)" in out

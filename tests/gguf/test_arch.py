@@ -305,3 +305,20 @@ def test_command_r_q_k_norms_only_with_64_layers(layers: int, qk_norm: bool, fou
     assert "GGUF-006 llama.cpp loads a Command-R model's q/k norms exactly when it has 64 layers or more" \
         in str(info.value)
     assert found in str(info.value)
+
+
+@pytest.mark.parametrize(("rope", "found"), [
+    ({"rope_type": "default", "rope_theta": 1e6}, "found \"type 'default', mscale_all_dim None\""),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale_all_dim": 1.0},
+     "found \"type 'yarn', llama_4_scaling_beta None\""),
+])
+def test_a_ministral3_text_model_without_its_yarn_keys_is_refused(rope, found):  # noqa: ANN001
+    from convert.gguf.plan import plan_gguf
+
+    root = MODELS / "ministral3_nf4_dq"
+    config, shapes = plan_inputs(root)
+    config = dict(config, text_config=dict(config["text_config"], rope_parameters=rope))
+    with pytest.raises(E.RopeScalingError) as info:
+        plan_gguf(config, shapes, root, "f16")
+    assert "GGUF-005 a Ministral 3 text model needs YaRN RoPE" in str(info.value)
+    assert found in str(info.value)
