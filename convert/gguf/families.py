@@ -292,6 +292,9 @@ _GRANITE = Architecture(
         "logits_scaling": 1.0,
     },
     permute_qk=True,
+    # an explicit null attention_multiplier is transformers' 1/sqrt(head_dim) scaling, which llama.cpp applies
+    # when the key is absent: kept null (not the default 1.0) and left out
+    keep_null=("attention_multiplier",),
     ignored_keys=("head_dim",),
     **_LLAMA_FAMILY,
 )

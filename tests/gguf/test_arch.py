@@ -322,3 +322,15 @@ def test_a_ministral3_text_model_without_its_yarn_keys_is_refused(rope, found): 
         plan_gguf(config, shapes, root, "f16")
     assert "GGUF-005 a Ministral 3 text model needs YaRN RoPE" in str(info.value)
     assert found in str(info.value)
+
+
+def test_a_null_granite_attention_multiplier_is_left_out():
+    """transformers scales attention by 1/sqrt(head_dim) when attention_multiplier is null; llama.cpp does the
+    same when granite.attention.scale is absent (f_attention_scale 0). An absent key takes GraniteConfig's 1.0."""
+    from convert.gguf.plan import plan_gguf
+
+    root = MODELS / "granite_nf4_dq"
+    config, shapes = plan_inputs(root)
+    assert "granite.attention.scale" not in plan_gguf(dict(config, attention_multiplier=None), shapes, root).metadata
+    absent = {k: v for k, v in config.items() if k != "attention_multiplier"}
+    assert plan_gguf(absent, shapes, root).metadata["granite.attention.scale"][0] == 1.0
