@@ -155,6 +155,9 @@ def make_quant_plan(
     heads_kept: list[str] = []
     moe = moe_kept(plan.checkpoint.config)
     unknown = moe_unknown(plan.checkpoint.config)
+    if unknown is None and moe is None and any(is_expert(t.name) for t in plan.tensors):
+        config = plan.checkpoint.config if isinstance(plan.checkpoint.config, dict) else {}
+        unknown = f"model_type {config.get('model_type')!r} with expert tensors"
     mha = multihead_out_projs(t.name for t in plan.tensors)
     for t in plan.tensors:
         was_q = isinstance(getattr(t.source, "layer", None), (QuantizedLayer, Int8Layer))

@@ -5,7 +5,8 @@ model class is built (:func:`should_quantize`):
 
 - 2-D float ``<module>.weight`` tensors (Linear / Conv1D weights), and every layer that is already
   4-bit or 8-bit in the input;
-- not embeddings (a name part containing ``embed``, or ``wte``, ``wpe``, ``shared``), not the
+- not norms (a module named ``*norm``: Command R+'s 2-D per-head ``q_norm``/``k_norm``), not embeddings
+  (a name part containing ``embed``, or ``wte``, ``wpe``, ``shared``), not the
   output head (``lm_head``, ``embed_out``, ``score``, ``classifier``, ``qa_outputs`` outside the
   blocks: transformers' ``get_keys_to_not_convert``), never norms (1-D) or biases;
 - not modules matching ``--skip-modules`` (transformers' ``should_convert_module`` matching:
@@ -203,6 +204,8 @@ def should_quantize(
         return True, "4-bit/8-bit in the input"
     if not name.endswith(".weight") or len(shape) != 2:
         return False, "not a 2-D weight"
+    if module.rsplit(".", 1)[-1].endswith("norm"):  # per-head q/k norms (Command R+): a norm module, never Linear
+        return False, "a norm (not an nn.Linear)"
     if _is_embedding(module):
         return False, "embedding"
     if is_head(module):

@@ -245,14 +245,43 @@ def hparams(config: Mapping[str, Any], arch: Architecture, path: str | None) -> 
         _ministral3_keys(hp, path)
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if hp.get(key) and arch.experts is None:
+            moe = ", ".join(a for row in ARCHITECTURES if row.experts is not None for a in row.hf_architectures)
             raise GgufConfigError(
-                "mixture-of-experts models are not supported for GGUF output",
+                f"config.json gives experts, and this architecture has no mixture-of-experts layout (those "
+                f"that do: {moe})",
                 path=path,
                 expected="no experts",
                 found=f"{key} = {hp[key]}",
                 action="convert",
             )
+    _check_experts_used(hp, arch, path)
     return hp
+
+
+def _check_experts_used(hp: Mapping[str, Any], arch: Architecture, path: str | None) -> None:
+    """llama.cpp asserts ``expert_used_count <= expert_count`` when it builds the graph (an abort, not an
+    error): checked here.
+
+    Raises:
+        GgufConfigError: GGUF-006.
+    """
+    if arch.experts is None:
+        return
+    count = next((hp[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if hp.get(k) is not None),
+                 None)
+    used_key = next((k for k in ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")
+                     if hp.get(k) is not None), None)
+    if used_key is None or not isinstance(count, int) or isinstance(count, bool):
+        return
+    used = hp[used_key]
+    if isinstance(used, int) and not isinstance(used, bool) and used > count:
+        raise GgufConfigError(
+            "config.json routes each token to more experts than the model has",
+            path=path,
+            expected=f"{used_key} <= {count} (the expert count)",
+            found=used,
+            action="convert",
+        )
 
 
 def _ministral3_keys(hp: dict[str, Any], path: str | None) -> None:

@@ -66,6 +66,7 @@ __all__ = [
     "check_heads",
     "check_packable",
     "check_param",
+    "check_required",
     "check_rope",
     "check_shapes",
     "check_special_ids",
@@ -622,6 +623,92 @@ LOADER_SHAPES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 _BLOCK = re.compile(r"^blk\.\d+\.")
+
+_ATTN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+_DENSE_FFN = ("ffn_gate.weight", "ffn_down.weight", "ffn_up.weight")
+_POST = ("post_attention_norm.weight", "post_ffw_norm.weight")
+_QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
+
+#: ``general.architecture`` -> the per-layer tensors llama.cpp's ``load_arch_tensors`` creates without
+#: ``TENSOR_NOT_REQUIRED`` (its loader refuses a file that lacks one), for a dense model; besides these, every
+#: file needs ``token_embd`` and ``output_norm``. A MoE layer (``expert_count`` > 0) needs :data:`_MOE_REQUIRED`
+#: instead of the dense FFN.
+REQUIRED_PER_LAYER: dict[str, tuple[str, ...]] = {
+    "llama": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "granite": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "granitemoe": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "smollm3": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "mistral3": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "qwen2": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "qwen2vl": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "qwen3": ("attn_norm.weight", *_ATTN, *_QK_NORM, "ffn_norm.weight", *_DENSE_FFN),
+    "qwen2moe": ("attn_norm.weight", *_ATTN, "ffn_norm.weight"),
+    "qwen3moe": ("attn_norm.weight", *_ATTN, *_QK_NORM, "ffn_norm.weight"),
+    "olmo2": (*_ATTN, *_QK_NORM, *_POST, *_DENSE_FFN),
+    "command-r": ("attn_norm.weight", *_ATTN, *_DENSE_FFN),
+    "gemma": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN),
+    "gemma2": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN, *_POST),
+    "gemma3": ("attn_norm.weight", *_ATTN, "ffn_norm.weight", *_DENSE_FFN, *_POST),
+    "phi3": ("attn_norm.weight", "attn_output.weight", "ffn_norm.weight", "ffn_down.weight", "ffn_up.weight"),
+}
+
+#: A MoE layer's required tensors (the router, the down and up stacks; llama's gate stack is optional), by
+#: architecture; the shared expert's where its size is set (Qwen2-MoE always, GraniteMoe when not 0).
+_MOE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "llama": ("ffn_gate_inp.weight", "ffn_down_exps.weight", "ffn_up_exps.weight"),
+    "granitemoe": ("ffn_gate_inp.weight", "ffn_down_exps.weight", "ffn_up_exps.weight"),
+    "qwen2moe": ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight", "ffn_up_exps.weight",
+                 "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_down_shexp.weight", "ffn_up_shexp.weight"),
+    "qwen3moe": ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight", "ffn_up_exps.weight"),
+}
+_SHARED_EXPERT = ("ffn_gate_shexp.weight", "ffn_down_shexp.weight", "ffn_up_shexp.weight")
+
+
+def check_required(arch_name: str, n_blocks: int, names: Iterable[str], experts: int, shared_ff: int,
+                   path: str | None) -> None:
+    """Every tensor llama.cpp's loader requires is planned, and no shared expert it would not load is.
+
+    Args:
+        arch_name: ``general.architecture``.
+        n_blocks: the layer count.
+        names: the planned GGUF tensor names.
+        experts: ``{arch}.expert_count`` (0 for a dense model).
+        shared_ff: ``{arch}.expert_shared_feed_forward_length`` (0 when not written).
+        path: the config file.
+
+    Raises:
+        GgufConfigError: GGUF-006, naming the first missing tensor (in the loader's order) or an unexpected
+            shared expert (llama.cpp: "tensor ... not found" / "wrong number of tensors").
+    """
+    per_layer = REQUIRED_PER_LAYER.get(arch_name)
+    if per_layer is None:
+        return
+    if experts > 0:
+        per_layer = (*(n for n in per_layer if n not in _DENSE_FFN), *_MOE_REQUIRED.get(arch_name, ()))
+        if arch_name == "granitemoe" and shared_ff > 0:
+            per_layer = (*per_layer, *_SHARED_EXPERT)
+    have = set(names)
+    wanted = ["token_embd.weight", "output_norm.weight",
+              *(f"blk.{i}.{n}" for i in range(n_blocks) for n in per_layer)]
+    missing = next((n for n in wanted if n not in have), None)
+    if missing is not None:
+        raise GgufConfigError(
+            f"the weights lack a tensor llama.cpp's loader requires: {missing} (no tensor of the input becomes it)",
+            path=path,
+            expected=f"every layer's {', '.join(n.removesuffix('.weight') for n in per_layer)}",
+            found=f"no {missing}",
+            action="convert",
+        )
+    extra = next((n for n in sorted(have) if arch_name == "granitemoe" and shared_ff <= 0
+                  and _BLOCK.sub("", n) in _SHARED_EXPERT), None)
+    if extra is not None:
+        raise GgufConfigError(
+            "the weights hold a shared expert, and config.json gives it no size (llama.cpp would not load it)",
+            path=path,
+            expected="shared_intermediate_size > 0",
+            found=f"{extra} and shared_intermediate_size {shared_ff or 'unset'}",
+            action="convert",
+        )
 
 
 class _ParamLike(Protocol):

@@ -436,27 +436,28 @@ def write_gguf(
 def _stacked(t: GGUFTensor, tensors: Mapping[str, PlannedTensor], path: str) -> PlannedTensor:
     """The planned tensor of a MoE tensor made of slices of its sources (experts stacked, or rows of a fused
     parameter): :class:`convert.stream.sources.StackSource`, shape ``[numel / cols, cols]``, read slice by
-    slice.
+    slice, in the sources' dtype, or float32 (exact) when they differ (an expert stored F16 among BF16 ones).
 
     Raises:
-        GgufSourceError: GGUF-007, sources of different dtypes, or a slice that does not start on its
-            source's chunk unit (a 4-bit block).
+        GgufSourceError: GGUF-007, a source that is not a float tensor, or a slice that does not start on
+            its source's chunk unit (a 4-bit block).
     """
     parts = [(tensors[name], start, stop) for name, start, stop in t.parts]
-    first = parts[0][0]
     for p, start, _ in parts:
-        if p.dtype != first.dtype or start % p.source.unit:
+        if not p.dtype.is_float or start % p.source.unit:
             raise GgufSourceError(
-                "the slices stacked into one tensor differ in dtype or do not start on a block of their source",
+                "an expert weight is not a float tensor, or its slice does not start on a block of its source",
                 path=path,
                 tensor=p.name,
-                expected=f"{first.dtype.numpy} (as {first.name}), slices starting on a multiple of {p.source.unit}",
+                expected=f"a float tensor, slices starting on a multiple of {p.source.unit}",
                 found=f"{p.dtype.numpy}, a slice from element {start}",
                 action="write",
             )
+    dtypes = {p.dtype.code for p, _, _ in parts}
+    dtype = parts[0][0].dtype if len(dtypes) == 1 else _F32_DTYPE
     assert t.source is not None
     cols = t.shape[-1]
-    return PlannedTensor(t.source, first.dtype, (t.numel // cols, cols),
+    return PlannedTensor(t.source, dtype, (t.numel // cols, cols),
                          StackSource(t.source, [(p.source, start, stop) for p, start, stop in parts]))
 
 

@@ -216,6 +216,7 @@ class Architecture:
         experts: a Mixture-of-Experts model's per-expert weights and how they are stacked (None: a
             model with experts is GGUF-006).
         rope_scaling_none: write ``rope.scaling.type`` none after the entries (CommandR2Model).
+        mrope: ``rope.dimension_sections`` is required (llama.cpp's loader refuses a file without it).
     """
 
     name: str
@@ -240,6 +241,7 @@ class Architecture:
     strip: tuple[str, ...] = ("language_model.",)
     experts: Experts | None = None
     rope_scaling_none: bool = False
+    mrope: bool = False
 
 
 _LLAMA_DEFAULTS = {
@@ -369,6 +371,7 @@ _QWEN2VL = Architecture(
     },
     tokenizers=("sentencepiece", "bpe"),
     rope_types=("default", "mrope"),
+    mrope=True,
 )
 
 # LlamaModel for MixtralForCausalLM: the llama architecture, experts stacked (MixtralConfig's defaults)

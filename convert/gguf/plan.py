@@ -79,6 +79,7 @@ from convert.gguf.arch import (
 from convert.gguf.config import (
     check_packable,
     check_param,
+    check_required,
     check_shapes,
     check_special_ids,
     check_vocab,
@@ -90,7 +91,7 @@ from convert.gguf.mix import MixModel, mix_types
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
 from convert.gguf.types import FILE_TYPES, OUTPUT_TYPES, parse_output_type
-from formats.errors import GgufConfigError
+from formats.errors import GgufConfigError, RopeScalingError
 from formats.gguf import tensor_nbytes
 
 __all__ = [
@@ -284,6 +285,14 @@ def plan_gguf(
         name = key.lstrip("@")  # a derived key is named by the config key it comes from
         values.append((param, check_param(param.method, name, hp[key], config_path)))
     rope_keys = rope_metadata(hp, arch, config_path)
+    if arch.mrope and not any(method == "add_rope_dimension_sections" for method, _ in rope_keys):
+        raise RopeScalingError(
+            f"a {arch.name} model needs its M-RoPE sections (llama.cpp's loader requires them)",
+            path=config_path,
+            expected="rope_parameters (or rope_scaling) with mrope_section, such as [16, 24, 24]",
+            found="no mrope_section",
+            action="convert",
+        )
     name_map = gguf.get_tensor_name_map(arch.model_arch, n_blocks)
 
     planned: list[GGUFTensor] = []
@@ -324,6 +333,9 @@ def plan_gguf(
         needs_vocab_size=any(p.method == "add_vocab_size" for p in arch.extra_params),
     )
     check_shapes(arch.name, values, hp, planned, config_path)  # llama.cpp's load_arch_tensors
+    by_method_value = {p.method: v for p, v in values}
+    check_required(arch.name, n_blocks, (t.name for t in planned), int(by_method_value.get("add_expert_count", 0)),
+                   int(by_method_value.get("add_expert_shared_feed_forward_length", 0)), config_path)
 
     scratch = gguf.GGUFWriter(path=None, arch=arch.name)
     scratch.add_type(gguf.GGUFType.MODEL)

@@ -252,9 +252,11 @@ def _mrope_sections(hp: Mapping[str, Any], path: str | None) -> list[int] | None
         return None
     sections = rope["mrope_section"]
     if (not isinstance(sections, list) or len(sections) > 4
-            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 for v in sections)):
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 for v in sections)
+            or not any(sections[:3])):
         raise RopeScalingError(
-            "config.json RoPE 'mrope_section' is not a list of up to 4 section sizes",
+            "config.json RoPE 'mrope_section' is not a list of up to 4 section sizes (uint32), one of the first "
+            "three above 0 (llama.cpp aborts on others)",
             path=path,
             expected="a list such as [16, 24, 24]",
             found=str(sections)[:60],

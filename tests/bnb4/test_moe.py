@@ -93,6 +93,20 @@ def test_a_moe_model_of_an_unknown_layout_is_refused_before_writing(
     assert out["model.layers.0.self_attn.q_proj.weight"].dtype == np.uint8
 
 
+@pytest.mark.parametrize("count", [None, 0, "4"])
+def test_expert_tensors_of_an_unknown_type_are_refused_whatever_the_count_says(
+        count: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """QNT-007 also when config.json has no usable expert count: the tensor names show the experts."""
+    src = _moe_dir(tmp_path, "deepseek_v3", "n_routed_experts")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["n_routed_experts"] = count
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main([str(src), "--to", "nf4", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "QNT-007" in err and "found \"model_type 'deepseek_v3' with expert tensors\"" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_dense_model_or_a_single_expert_count_is_not_a_moe_model() -> None:
     assert moe_unknown({"model_type": "llama"}) is None
     assert moe_unknown({"model_type": "x", "num_experts": 1}) is None

@@ -41,3 +41,9 @@ def test_a_multihead_attention_out_proj_stays_16_bit() -> None:
     assert should_quantize(names[1], (64, 64), bf16, mha=mha) == (
         False, "nn.MultiheadAttention's out_proj (transformers keeps it 16-bit)")
     assert should_quantize(names[2], (64, 64), bf16, mha=mha) == (True, "Linear weight")
+
+
+def test_a_2_d_norm_stays_16_bit() -> None:
+    bf16 = BY_NAME["bfloat16"]
+    assert should_quantize("model.layers.0.self_attn.q_norm.weight", (4, 64), bf16) == (
+        False, "a norm (not an nn.Linear)")

@@ -334,3 +334,49 @@ def test_a_null_granite_attention_multiplier_is_left_out():
     assert "granite.attention.scale" not in plan_gguf(dict(config, attention_multiplier=None), shapes, root).metadata
     absent = {k: v for k, v in config.items() if k != "attention_multiplier"}
     assert plan_gguf(absent, shapes, root).metadata["granite.attention.scale"][0] == 1.0
+
+
+@pytest.mark.parametrize(("fixture", "drop", "missing"), [
+    ("mixtral_nf4_dq", "model.layers.1.block_sparse_moe.gate.weight", "blk.1.ffn_gate_inp.weight"),
+    ("granitemoe_nf4_dq", "model.layers.0.block_sparse_moe.output_linear.weight", "blk.0.ffn_down_exps.weight"),
+    ("granitemoeshared_nf4_dq", "model.layers.1.shared_mlp.output_linear.weight", "blk.1.ffn_down_shexp.weight"),
+    ("olmo2_nf4_dq", "model.layers.0.self_attn.q_norm.weight", "blk.0.attn_q_norm.weight"),
+    ("cohere_nf4_dq", "model.layers.1.input_layernorm.weight", "blk.1.attn_norm.weight"),
+    ("gemma3cg_nf4_dq", "language_model.model.layers.0.post_feedforward_layernorm.weight",
+     "blk.0.post_ffw_norm.weight"),
+    ("llama_nf4_dq", "model.layers.0.mlp.up_proj.weight", "blk.0.ffn_up.weight"),
+    ("qwen2_moe_nf4_dq", "model.layers.0.mlp.shared_expert_gate.weight", "blk.0.ffn_gate_inp_shexp.weight"),
+])
+def test_a_tensor_llama_cpp_requires_is_missing(fixture, drop, missing):
+    """llama.cpp refuses a file without a required tensor ("tensor ... not found"): refused while planning."""
+    from convert.gguf.plan import plan_gguf
+
+    config, shapes = plan_inputs(MODELS / fixture)
+    assert drop in dict(shapes)
+    with pytest.raises(E.GgufConfigError) as info:
+        plan_gguf(config, [(n, s) for n, s in shapes if n != drop], MODELS / fixture, "q8_0")
+    assert f"GGUF-006 the weights lack a tensor llama.cpp's loader requires: {missing}" in str(info.value)
+
+
+@pytest.mark.parametrize(("fixture", "edit", "error", "part"), [
+    ("mixtral_nf4_dq", {"num_experts_per_tok": 9}, E.GgufConfigError,
+     "routes each token to more experts than the model has (expected 'num_experts_per_tok <= 4 (the expert count)', "
+     "found 9)"),
+    ("granitemoeshared_nf4_dq", {"shared_intermediate_size": 0}, E.GgufConfigError,
+     "the weights hold a shared expert, and config.json gives it no size"),
+    ("qwen2_5_vl_nf4_dq", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [0, 0, 0]}},
+     E.RopeScalingError, "one of the first three above 0"),
+    ("qwen2_5_vl_nf4_dq", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, E.RopeScalingError,
+     "a qwen2vl model needs its M-RoPE sections"),
+])
+def test_a_config_llama_cpp_would_abort_on_is_refused(fixture, edit, error, part):
+    from convert.gguf.plan import plan_gguf
+
+    config, shapes = plan_inputs(MODELS / fixture)
+    if "text_config" in config:
+        config = dict(config, text_config={**config["text_config"], **edit})
+    else:
+        config = {**config, **edit}
+    with pytest.raises(error) as info:
+        plan_gguf(config, shapes, MODELS / fixture, "f16")
+    assert part in str(info.value)

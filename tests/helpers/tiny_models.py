@@ -47,6 +47,8 @@ DENSE_CLASSES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", {**COMMON, "intermediate_size": 256}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**COMMON, "intermediate_size": 256}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {**COMMON, "intermediate_size": 256, "tie_word_embeddings": True}),
+    "cohere_qk_norm": ("CohereConfig", "CohereForCausalLM",  # Command R+: 2-D per-head q/k norms
+                       {**COMMON, "intermediate_size": 256, "tie_word_embeddings": True, "use_qk_norm": True}),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {**COMMON, "intermediate_size": 256, "pad_token_id": 0}),
 }
 
