@@ -109,6 +109,13 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                           "num_attention_heads": 2, "head_dim": 32, "image_size": 56, "patch_size": 14},
         "image_token_index": 10,
     }),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {
+        "text_config": {"tie_word_embeddings": False,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                            "mrope_section": [8, 12, 12]}},
+        "vision_config": {"depth": 1, "embed_dim": 64, "hidden_size": 256, "num_heads": 2, "mlp_ratio": 2,
+                          "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    }),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
         "text_config": {"tie_word_embeddings": False,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,

@@ -504,11 +504,13 @@ class _ExpertStacks:
         """Every layer's experts were all there (GGUF-006 otherwise)."""
         if self.pending and self.experts is not None:
             bid, group = next(iter(self.pending.items()))
+            w, x = next((w, x) for x in range(self.count) for w in self.experts.weights if (w, x) not in group)
             raise GgufConfigError(
                 "a layer's experts are incomplete (every expert's weights are stacked into one tensor)",
                 path=self.path, tensor=next(iter(group.values()))[0],
                 expected=f"{self.count} experts x {', '.join(self.experts.weights)} in layer {bid}",
-                found=f"{len(group)} tensors", action="convert",
+                found=f"no {w} of expert {x} ({len(group)} of {self.count * len(self.experts.weights)} tensors)",
+                action="convert",
             )
 
 

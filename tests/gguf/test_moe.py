@@ -86,7 +86,7 @@ def test_a_layer_s_experts_become_three_stacks_with_the_router_kept_f32() -> Non
 @pytest.mark.parametrize(("edit", "parts"), [
     (lambda s: [x for x in s if x[0] != "model.layers.1.mlp.experts.2.up_proj.weight"],
      ["a layer's experts are incomplete", "expected '4 experts x down_proj, gate_proj, up_proj in layer 1'",
-      "found '11 tensors'"]),
+      "found 'no up_proj of expert 2 (11 of 12 tensors)'"]),
     (lambda s: s + [("model.layers.0.mlp.experts.4.up_proj.weight", (128, 256))],
      ["an expert past config.json's expert count", "tensor 'model.layers.0.mlp.experts.4.up_proj.weight'",
       "expected 'an expert index < 4', found 4"]),
