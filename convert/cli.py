@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="largest output shard for directory outputs (default: 5GB)")
+    p.add_argument("--mmproj", type=Path, default=None, metavar="PATH",
+                   help="with --to gguf[:TYPE] of a multimodal checkpoint: also write its vision projector GGUF "
+                   "(llama.cpp's mmproj file; Gemma 3 so far; F16 unless TYPE is f32, bf16 or q8_0)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -153,7 +156,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
                            tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
-        processes=True,
+        processes=True, mmproj=args.mmproj,
     )
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from convert import __version__
+from convert.gguf.target import MmprojJob
 from convert.hub.download import HubSource, WeightMode, resolve_repo
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
@@ -42,7 +43,7 @@ from convert.stream.plan import Plan, make_plan
 from convert.targets import TARGETS, TargetJob
 from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
-from formats.errors import ConvertBnbError, DiskSpaceError, SourceNotFoundError, UsageError
+from formats.errors import ConvertBnbError, DiskSpaceError, OutputExistsError, SourceNotFoundError, UsageError
 
 __all__ = ["ConvertResult", "ResolvedSource", "check_options", "convert", "job_key", "resolve_source"]
 
@@ -188,6 +189,8 @@ def check_options(options: ConvertOptions) -> None:
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
             cannot be written (checked now: the report is written after the whole output).
     """
+    if options.mmproj is not None and options.to.family != "gguf":
+        raise UsageError("--mmproj needs --to gguf[:TYPE]", expected="--to gguf...", found=f"--to {options.to.name}")
     if options.threads is not None and options.threads < 1:
         raise UsageError("--threads must be at least 1", found=options.threads)
     if options.max_shard_size < 1:
@@ -346,13 +349,20 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             job = TARGETS[options.to.family](plan, options, source.model_name(ckpt))
             out = output_path(options.output, default, is_dir=job.is_dir)
             result.output = str(out)
+            mmproj = MmprojJob(plan, options, source.model_name(ckpt)) if options.mmproj is not None else None
+            mm_out = _mmproj_output(options, out)
             if options.dry_run:
                 result.dry_run, result.plan_text, result.output_exists = job.plan_dict(), job.describe(), out.exists()
+                if mmproj is not None:
+                    result.dry_run["mmproj"] = {**mmproj.plan_dict(), "output": str(mm_out)}
+                    result.plan_text += f"\n{mmproj.describe()}\n  mmproj output: {mm_out}"
                 return result
             # 6. claim the output, write it into staging, verify, commit
             run, notes = _run_settings(options, plan, source, out.name)
             result.timings["plan"] = time.perf_counter() - t0
             _write_output(job, options, source, ckpt.source, out, run, result, committed)
+            if mmproj is not None:
+                notes += _write_mmproj(mmproj, options, source, ckpt.source, mm_out, run, result, committed)
             notes += _low_disk_report(source, result)
             if lora is not None:
                 _merge_report(lora, options, result)
@@ -417,6 +427,36 @@ def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSourc
         committed.append(claim.final)
         timings["commit"] = time.perf_counter() - t
     result.removed_stale = claim.recovered
+
+
+def _mmproj_output(options: ConvertOptions, out: Path) -> Path:
+    """The ``--mmproj`` path, checked against the text model's output before anything is written.
+
+    Raises:
+        UsageError: USE-001, the same path as the text model's output.
+        OutputExistsError: OUT-001, it exists and ``--overwrite`` was not given.
+    """
+    if options.mmproj is None:
+        return out
+    mm_out = Path(options.mmproj)
+    if mm_out.absolute() == out.absolute():
+        raise UsageError("--mmproj names the text model's output", path=mm_out,
+                         expected="another file than -o", found=str(mm_out))
+    if os.path.lexists(mm_out) and not options.overwrite and not options.dry_run:
+        raise OutputExistsError("output exists", path=mm_out, action="write",
+                                hint="pass --overwrite to replace it, or choose another --mmproj path")
+    return mm_out
+
+
+def _write_mmproj(job: TargetJob, options: ConvertOptions, source: ResolvedSource, input_path: Path, out: Path,
+                  run: RunSettings, result: ConvertResult, committed: list[Path]) -> list[str]:
+    """Write, verify and commit the vision projector after the text model (its own all-or-nothing output);
+    its figures go into ``result.details["mmproj"]``; returns its note."""
+    mm = ConvertResult(source=result.source, to=result.to, output=str(out), commit=result.commit)
+    _write_output(job, options, source, input_path, out, run, mm, committed)
+    result.details["mmproj"] = {"output": str(out), "bytes_out": mm.bytes_out, "tensors": job.tensors,
+                                "verified": mm.verified}
+    return [f"mmproj: {out} ({job.tensors} tensors, {format_bytes(mm.bytes_out)})"]
 
 
 def _low_disk_report(source: ResolvedSource, result: ConvertResult) -> list[str]:

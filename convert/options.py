@@ -186,6 +186,8 @@ class ConvertOptions:
         manifest: list every output file with its size and sha256 in the result, and write that list
             to this JSON file before the output is committed (so whoever asked can tell its own complete
             output from someone else's files even when the run dies right after the commit), or None.
+        mmproj: with ``--to gguf*``: also write the vision projector GGUF (llama.cpp's ``--mmproj`` file,
+            :mod:`convert.gguf.mmproj`) to this path, committed on its own after the text model.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
@@ -221,6 +223,7 @@ class ConvertOptions:
     on_progress: Callable[[int, int], None] | None = None
     low_disk: bool = False
     processes: bool = False
+    mmproj: Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters

@@ -163,6 +163,13 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+#: multimodal fixture -> its preprocessor_config.json (image mean/std and tokens per image, which the mmproj
+#: holds); llama.cpp's converter --mmproj output is stored for these (reference/mmproj_f16.json)
+MMPROJ = {"gemma3cg": {"image_processor_type": "Gemma3ImageProcessor", "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "image_seq_length": 4, "size": {"height": 56, "width": 56},
+                       "do_normalize": True, "do_rescale": True, "do_resize": True, "resample": 2,
+                       "rescale_factor": 0.00392156862745098}}
+
 #: fixture -> (converter module, class) that takes Qwen2Model's set_vocab for the reference: llama.cpp's Qwen
 #: MoE, Olmo2 and Command-R classes read only a byte-level BPE vocabulary (found by the hash of a real
 #: tokenizer's output, which a 1000-token fixture cannot have); the reference reads the fixture's
@@ -263,7 +270,33 @@ def build(name: str, llama_cpp: Path, scratch: Path, convert_python: str) -> Non
         summary["converter"] = "llama.cpp convert_hf_to_gguf.py"
         (fixture / "reference" / f"gguf_{out_type}.json").write_text(
             json.dumps(summary, indent=1, ensure_ascii=False, sort_keys=False) + "\n")
+    if name in MMPROJ:
+        _mmproj_reference(name, fixture, dq, scratch, llama_cpp, gguf)
     print(name, "->", fixture, sum(p.stat().st_size for p in fixture.rglob("*") if p.is_file()), "bytes")
+
+
+def _mmproj_reference(name: str, fixture: Path, dq: Path, scratch: Path, llama_cpp: Path, gguf: Any) -> None:
+    """``reference/mmproj_f16.json``: llama.cpp's converter ``--mmproj`` on the dequantized model, whose
+    vision tower is renamed to transformers 4.x's ``vision_tower.vision_model.*`` first (the pinned
+    converter cannot map 5.x's ``vision_tower.*``); the fixture gets the preprocessor config too."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors.numpy)
+    from safetensors.numpy import load_file, save_file
+
+    pre = json.dumps(MMPROJ[name], indent=2) + "\n"
+    (fixture / "preprocessor_config.json").write_text(pre)
+    legacy = scratch / "legacy" / dq.name
+    shutil.copytree(dq, legacy, dirs_exist_ok=True)
+    (legacy / "preprocessor_config.json").write_text(pre)
+    w = load_file(str(legacy / "model.safetensors"))
+    save_file({("vision_tower.vision_model." + k.removeprefix("vision_tower.")
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+               for k, v in w.items()}, str(legacy / "model.safetensors"), metadata={"format": "pt"})
+    out = scratch / f"{name}-mmproj-f16.gguf"
+    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(legacy), "--mmproj", "--outtype",
+                    "f16", "--outfile", str(out)], check=True, cwd=llama_cpp)
+    summary = gguf_summary(out, gguf)
+    summary["converter"] = "llama.cpp convert_hf_to_gguf.py --mmproj"
+    (fixture / "reference" / "mmproj_f16.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def main() -> None:

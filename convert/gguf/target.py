@@ -18,11 +18,12 @@ import gguf
 
 from convert.gguf.encode import TensorReport, check_encoders, chunks_held, write_gguf
 from convert.gguf.mix import mix_summary
+from convert.gguf.mmproj import mmproj_type, plan_mmproj
 from convert.gguf.plan import GGUFTensor, plan_gguf
 from convert.options import SUMMARY_SAMPLE, ConvertOptions
 from convert.output import ShardLedger
 from convert.stream.pipeline import RunSettings, placed_memory
-from convert.stream.plan import Plan
+from convert.stream.plan import Plan, make_plan
 from formats.errors import TokenizerError
 from formats.gguf import verify_gguf as _verify_gguf
 
@@ -199,3 +200,43 @@ class GgufJob:
 
     def fp16_counts(self) -> tuple[int, int]:
         return sum(r.fp16_overflow for r in self.reports), sum(r.fp16_underflow for r in self.reports)
+
+
+class MmprojJob(GgufJob):
+    """``--mmproj PATH``: the vision projector GGUF of a multimodal checkpoint
+    (:func:`convert.gguf.mmproj.plan_mmproj`), written, verified and committed like the text model's GGUF,
+    in the type :func:`convert.gguf.mmproj.mmproj_type` gives for ``--to gguf:TYPE``.
+
+    Raises:
+        GgufConfigError: GGUF-006 (not a supported multimodal checkpoint, no image mean/std, ...).
+        UnmappedTensorError: GGUF-003.
+    """
+
+    def __init__(self, plan: Plan, options: ConvertOptions, model_name: str) -> None:
+        ckpt = plan.checkpoint
+        if not ckpt.is_dir or ckpt.config is None:
+            raise TokenizerError(
+                "the vision projector needs the model's config.json and preprocessor_config.json",
+                path=ckpt.source, expected="a model directory",
+                found="a lone weight file" if not ckpt.is_dir else "no config.json",
+            )
+        assert options.to.gguf_type is not None
+        self.out_type = mmproj_type(options.to.gguf_type)
+        if self.out_type != "f32" and options.to.dequantize_to != "auto":
+            # a mix's text model is made from exact float32 products; the projector's F16/BF16/Q8_0, as the
+            # converter's from the dequantized model, from the checkpoint's dtype (header-only plan)
+            plan = make_plan(ckpt, "auto", max_shard_size=options.max_shard_size)
+        self.plan = plan
+        self.sample = 1 if options.merge_report else SUMMARY_SAMPLE
+        self.to = f"gguf:{self.out_type} (mmproj)"
+        self.gplan = plan_mmproj(plan.config or ckpt.config, [(t.name, t.shape) for t in plan.tensors], ckpt.source,
+                                 options.to.gguf_type, model_name=model_name,
+                                 config_path=str(ckpt.source / "config.json"))
+        self.out_nbytes = self.gplan.nbytes
+        self.tensors = len(self.gplan.tensors)
+        self.elements = sum(t.numel for t in self.gplan.tensors)
+        by_name = {t.name: t for t in plan.tensors}
+        self.in_nbytes = sum(by_name[t.source].source.in_nbytes for t in self.gplan.tensors if t.source in by_name)
+        self.reports = []
+        if not options.dry_run:
+            check_encoders(self.gplan)
