@@ -113,15 +113,16 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "text_config": {"tie_word_embeddings": False,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                             "mrope_section": [8, 12, 12]}},
-        "vision_config": {"depth": 1, "embed_dim": 64, "hidden_size": 256, "num_heads": 2, "mlp_ratio": 2,
+        # (depth 3: llama.cpp's mmproj name map is sized by the vision depth and names the merger's mlp.2)
+        "vision_config": {"depth": 3, "embed_dim": 64, "hidden_size": 256, "num_heads": 2, "mlp_ratio": 2,
                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
     }),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
         "text_config": {"tie_word_embeddings": False,
                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                             "mrope_section": [8, 12, 12]}},
-        "vision_config": {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
-                          "out_hidden_size": 256, "fullatt_block_indexes": [0], "window_size": 56,
+        "vision_config": {"depth": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                          "out_hidden_size": 256, "fullatt_block_indexes": [2], "window_size": 56,
                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
     }),
     # Mixture of experts: 4 experts, 2 used, per-expert weights as transformers saves them
@@ -168,7 +169,15 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 MMPROJ = {"gemma3cg": {"image_processor_type": "Gemma3ImageProcessor", "image_mean": [0.5, 0.5, 0.5],
                        "image_std": [0.5, 0.5, 0.5], "image_seq_length": 4, "size": {"height": 56, "width": 56},
                        "do_normalize": True, "do_rescale": True, "do_resize": True, "resample": 2,
-                       "rescale_factor": 0.00392156862745098}}
+                       "rescale_factor": 0.00392156862745098},
+          "qwen2_5_vl": {"image_processor_type": "Qwen2VLImageProcessor",
+                         "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                         "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14, "merge_size": 2,
+                         "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 12845056},
+          "qwen2_vl": {"image_processor_type": "Qwen2VLImageProcessor",
+                       "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                       "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14, "merge_size": 2,
+                       "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 12845056}}
 
 #: fixture -> (converter module, class) that takes Qwen2Model's set_vocab for the reference: llama.cpp's Qwen
 #: MoE, Olmo2 and Command-R classes read only a byte-level BPE vocabulary (found by the hash of a real

@@ -434,9 +434,10 @@ def write_gguf(
 
 
 def _stacked(t: GGUFTensor, tensors: Mapping[str, PlannedTensor], path: str) -> PlannedTensor:
-    """The planned tensor of a MoE tensor made of slices of its sources (experts stacked, or rows of a fused
-    parameter): :class:`convert.stream.sources.StackSource`, shape ``[numel / cols, cols]``, read slice by
-    slice, in the sources' dtype, or float32 (exact) when they differ (an expert stored F16 among BF16 ones).
+    """The planned tensor of a tensor made of slices of its sources (MoE experts stacked, rows of a fused
+    parameter, a qkv's third, a patch embedding's temporal slice): :class:`convert.stream.sources.StackSource`,
+    in the writer's rows (``[numel / cols, cols]`` for more than two dimensions), read slice by slice, in the
+    sources' dtype, or float32 (exact) when they differ (an expert stored F16 among BF16 ones).
 
     Raises:
         GgufSourceError: GGUF-007, a source that is not a float tensor, or a slice that does not start on
@@ -456,8 +457,8 @@ def _stacked(t: GGUFTensor, tensors: Mapping[str, PlannedTensor], path: str) -> 
     dtypes = {p.dtype.code for p, _, _ in parts}
     dtype = parts[0][0].dtype if len(dtypes) == 1 else _F32_DTYPE
     assert t.source is not None
-    cols = t.shape[-1]
-    return PlannedTensor(t.source, dtype, (t.numel // cols, cols),
+    shape = t.shape if len(t.shape) <= 2 else (t.numel // t.shape[-1], t.shape[-1])  # the writer's rows
+    return PlannedTensor(t.source, dtype, shape,
                          StackSource(t.source, [(p.source, start, stop) for p, start, stop in parts]))
 
 

@@ -1,5 +1,5 @@
 """The vision projector GGUF (``mmproj``) of a multimodal checkpoint, as llama.cpp's converter writes it with
-``--mmproj``: Gemma 3 (``Gemma3VisionModel``) so far.
+``--mmproj``: Gemma 3 (``Gemma3VisionModel``), Qwen2-VL and Qwen2.5-VL (``Qwen2VLVisionModel``).
 
 :func:`plan_mmproj` turns config.json, the (name, shape) list of the float tensors and the model directory
 (``preprocessor_config.json``: image mean and std) into a :class:`convert.gguf.plan.GGUFPlan` of
@@ -9,10 +9,13 @@ tower's and projector's tensors named by gguf-py's ``MODEL_ARCH.MMPROJ`` map, th
 converter's ``tensor_force_quant`` chooses them (embeddings F32, the input projection F16), and the
 projector's ``soft_emb_norm`` + 1 (Gemma's RMSNorm).
 
-Both layouts transformers saves are read: ``vision_tower.vision_model.*`` (4.x) and ``vision_tower.*``
-(5.x, which the pinned converter cannot map); SigLIP's pooling head (``head.*``) is not written.
+Gemma 3: both layouts transformers saves are read, ``vision_tower.vision_model.*`` (4.x) and
+``vision_tower.*`` (5.x, which the pinned converter cannot map); SigLIP's pooling head (``head.*``) is not
+written. Qwen2/2.5-VL: ``visual.*`` (or 5.x's ``model.visual.*``); the fused ``qkv`` is split into q, k, v
+and the Conv3D patch embedding into its two temporal slices (``v.patch_embd.weight``, ``.weight.1``), both as
+element slices of the source (:class:`convert.stream.sources.StackSource`), never copied whole.
 
-Not yet: the command line (``--mmproj PATH``) and batch JOBS files, and Mistral 3 / Qwen2-VL projectors.
+Not yet: Mistral 3's (Pixtral) projector, and ``--mmproj`` in batch JOBS files.
 
 Rules raised here (see docs/errors.md): GGUF-006 (:class:`GgufConfigError`: no ``vision_config``, a
 vision hyperparameter missing or not a positive integer, no image mean/std in preprocessor_config.json),
@@ -75,7 +78,7 @@ def _choose(hf_name: str, gguf_name: str, shape: tuple[int, ...], wanted: gguf.G
     """``Gemma3VisionModel.tensor_force_quant``, then ``MmprojModel``'s, then ``prepare_tensors``' rules."""
     if "input_projection" in hf_name:
         return GT.F16
-    if ".embeddings." in hf_name:
+    if ".embeddings." in hf_name or ".position_embd." in gguf_name:
         return GT.F32
     if ".patch_embd.weight" in gguf_name:
         return GT.F16 if wanted == GT.F16 else GT.F32
@@ -94,7 +97,7 @@ def plan_mmproj(
     model_name: str | None = None,
     config_path: str | None = None,
 ) -> GGUFPlan:
-    """Plan the mmproj GGUF of a Gemma3ForConditionalGeneration checkpoint from headers alone.
+    """Plan the mmproj GGUF of a multimodal checkpoint from headers alone.
 
     Args:
         config: config.json (``vision_config``, ``text_config``).
@@ -109,21 +112,28 @@ def plan_mmproj(
         The plan (architecture ``clip``); no weight has been read.
 
     Raises:
-        GgufConfigError: GGUF-006 (not a Gemma 3 multimodal checkpoint, a vision value missing or out of
-            range, no image mean/std).
+        GgufConfigError: GGUF-006 (not a supported multimodal class, a vision value missing or out of
+            range, no image mean/std, a qkv or patch embedding that does not split).
         UnmappedTensorError: GGUF-003.
     """
     archs = config.get("architectures")
-    if not isinstance(archs, list) or archs[:1] != ["Gemma3ForConditionalGeneration"]:
+    hf = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if hf not in _PROJECTORS:
         raise GgufConfigError(
-            "a vision projector (mmproj) is written for Gemma3ForConditionalGeneration only so far",
-            path=config_path, expected="Gemma3ForConditionalGeneration", found=str(archs)[:80], action="convert",
+            "a vision projector (mmproj) is written for " + ", ".join(_PROJECTORS) + " only so far",
+            path=config_path, expected=" or ".join(_PROJECTORS), found=str(archs)[:80], action="convert",
         )
     vision = config.get("vision_config")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     if not isinstance(vision, dict):
         raise GgufConfigError("config.json has no vision_config object", path=config_path,
                               expected="an object", found=type(vision).__name__, action="convert")
+    qwen = hf != "Gemma3ForConditionalGeneration"
+    if qwen:  # Qwen2VLVisionModel.__init__ renames its vision keys
+        vision = {**vision, "num_attention_heads": vision.get("num_heads"), "num_hidden_layers": vision.get("depth"),
+                  "image_size": vision.get("image_size", 560)}
+        if "embed_dim" in vision:
+            vision = {**vision, "intermediate_size": vision.get("hidden_size"), "hidden_size": vision["embed_dim"]}
     out_name = mmproj_type(output_type)
     wanted, file_type = OUTPUT_TYPES[out_name]
     pre = _preprocessor(Path(model_dir))
@@ -137,18 +147,21 @@ def plan_mmproj(
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, n_blocks)
     planned: list[GGUFTensor] = []
     for hf_name, shape_seq in tensors:
-        name = _vision_name(hf_name)
+        shape = tuple(int(d) for d in shape_seq)
+        name = _qwen_name(hf_name) if qwen else _vision_name(hf_name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in shape_seq)
-        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise UnmappedTensorError(
-                "vision tensor has no GGUF name in the mmproj", path=config_path, tensor=hf_name,
-                expected="a tensor of a SigLIP vision tower or Gemma 3 projector", found=name, action="convert")
-        qtype = _choose(name, gguf_name, shape, wanted)
-        offset = 1.0 if "soft_emb_norm.weight" in name else 0.0
-        planned.append(GGUFTensor(hf_name, gguf_name, shape, qtype, tensor_nbytes(shape, qtype), offset=offset))
+        for part_name, part_shape, parts, label in (_qwen_parts(hf_name, name, shape, config_path) if qwen
+                                                    else [(name, shape, (), hf_name)]):
+            gguf_name = _patch_name(part_name) or name_map.get_name(part_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise UnmappedTensorError(
+                    "vision tensor has no GGUF name in the mmproj", path=config_path, tensor=hf_name,
+                    expected=f"a tensor of {hf}'s vision tower or projector", found=part_name, action="convert")
+            qtype = _choose(part_name, gguf_name, part_shape, wanted)
+            offset = 1.0 if "soft_emb_norm.weight" in part_name else 0.0
+            planned.append(GGUFTensor(label, gguf_name, part_shape, qtype,
+                                      tensor_nbytes(part_shape, qtype), offset=offset, parts=parts))
 
     w = gguf.GGUFWriter(path=None, arch=_CLIP.name)
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -167,20 +180,104 @@ def plan_mmproj(
     w.add_vision_head_count(count("num_attention_heads"))
     w.add_vision_image_mean(pre["image_mean"])
     w.add_vision_image_std(pre["image_std"])
-    w.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
-    eps = vision.get("layer_norm_eps", 1e-6)
-    w.add_vision_attention_layernorm_eps(real(eps, "vision_config.layer_norm_eps", config_path, inclusive=True))
-    w.add_vision_use_gelu(True)
-    seq = pre.get("image_seq_length", 256)
-    per_side = int(whole(seq, "preprocessor_config.json image_seq_length", config_path) ** 0.5)
-    scale = (image_size // patch_size) // per_side if per_side else 0
-    if scale > 0 and scale != 4:
-        w.add_vision_projector_scale_factor(scale)
+    if qwen:
+        _qwen_keys(w, config, vision, config_path)
+    else:
+        _gemma3_keys(w, vision, pre, image_size, patch_size, config_path)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     check_packable(w, Path(model_dir), config_path)
     metadata = {k: (v.value, v.type, v.sub_type) for k, v in w.kv_data[0].items()
                 if k != gguf.Keys.General.ARCHITECTURE}
     return GGUFPlan(_CLIP, out_name, file_type, metadata, planned)
+
+
+#: The classes with a projector here (``Gemma3VisionModel``, ``Qwen2VLVisionModel``).
+_PROJECTORS = ("Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+               "Qwen2_5_VLForConditionalGeneration")
+
+#: The Conv3D patch embedding's two temporal slices, named as ``Qwen2VLVisionModel.modify_tensors`` names them.
+_PATCH = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
+
+
+def _patch_name(part_name: str) -> str | None:
+    return part_name if part_name.startswith(_PATCH) else None
+
+
+def _gemma3_keys(w: gguf.GGUFWriter, vision: Mapping[str, Any], pre: Mapping[str, Any], image_size: int,
+                 patch_size: int, path: str | None) -> None:
+    """``Gemma3VisionModel.set_gguf_parameters``' keys."""
+    w.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    eps = vision.get("layer_norm_eps", 1e-6)
+    w.add_vision_attention_layernorm_eps(real(eps, "vision_config.layer_norm_eps", path, inclusive=True))
+    w.add_vision_use_gelu(True)
+    seq = pre.get("image_seq_length", 256)
+    per_side = int(whole(seq, "preprocessor_config.json image_seq_length", path) ** 0.5)
+    scale = (image_size // patch_size) // per_side if per_side else 0
+    if scale > 0 and scale != 4:
+        w.add_vision_projector_scale_factor(scale)
+
+
+def _qwen_keys(w: gguf.GGUFWriter, config: Mapping[str, Any], vision: Mapping[str, Any], path: str | None) -> None:
+    """``Qwen2VLVisionModel.set_gguf_parameters``' keys: the projector type by ``model_type``, Qwen2.5-VL's
+    SiLU and window-attention pattern (``fullatt_block_indexes`` evenly spaced).
+
+    Raises:
+        GgufConfigError: GGUF-006 (another model_type, fullatt_block_indexes missing or uneven).
+    """
+    model_type = config.get("model_type")
+    if model_type == "qwen2_vl":
+        w.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
+    elif model_type == "qwen2_5_vl":
+        w.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+        w.add_vision_use_silu(True)
+        full = vision.get("fullatt_block_indexes")
+        ok = isinstance(full, list) and full and all(isinstance(i, int) and not isinstance(i, bool) for i in full)
+        step = full[0] + 1 if ok else 0
+        if not ok or step < 1 or any(b - a != step for a, b in zip(full, full[1:], strict=False)):
+            raise GgufConfigError(
+                "vision_config.fullatt_block_indexes must be evenly spaced layer indexes (the window pattern)",
+                path=path, expected="a list such as [7, 15, 23, 31]", found=str(full)[:60], action="convert")
+        w.add_vision_n_wa_pattern(step)
+    else:
+        raise GgufConfigError("a Qwen2-VL projector needs model_type qwen2_vl or qwen2_5_vl", path=path,
+                              expected="qwen2_vl or qwen2_5_vl", found=str(model_type)[:40], action="convert")
+    eps = config.get("rms_norm_eps", 1e-6)
+    w.add_vision_attention_layernorm_eps(real(eps, "rms_norm_eps", path, inclusive=True))
+
+
+def _qwen_name(hf_name: str) -> str | None:
+    """``Qwen2VLVisionModel.filter_tensors``: the ``visual.*`` tensors (5.x's ``model.visual.*`` too)."""
+    name = hf_name.removeprefix("model.")
+    return name if name.startswith("visual.") else None
+
+
+def _qwen_parts(hf_name: str, name: str, shape: tuple[int, ...], path: str | None
+                ) -> list[tuple[str, tuple[int, ...], tuple[tuple[str, int, int], ...], str]]:
+    """``Qwen2VLVisionModel.modify_tensors``: (name to map, shape, element slices of ``hf_name`` (() for the
+    tensor as it is), the source's label) of each tensor one source becomes.
+
+    Raises:
+        GgufConfigError: GGUF-006 (a qkv whose rows are not 3 equal parts, a patch embedding that is not a
+            Conv3D of temporal size 2).
+    """
+    if ".qkv." in name:
+        if shape[0] % 3:
+            raise GgufConfigError("a vision qkv tensor does not split into q, k and v", path=path, tensor=hf_name,
+                                  expected="rows a multiple of 3", found=list(shape), action="convert")
+        c = shape[0] // 3
+        per = c * math.prod(shape[1:])
+        return [(name.replace("qkv", x), (c, *shape[1:]), ((hf_name, i * per, (i + 1) * per),), f"{hf_name}[{x}]")
+                for i, x in enumerate("qkv")]
+    if "patch_embed.proj.weight" in name:
+        if len(shape) != 5 or shape[2] != 2:
+            raise GgufConfigError("the vision patch embedding is not a Conv3D of temporal size 2", path=path,
+                                  tensor=hf_name, expected="[out, in, 2, h, w]", found=list(shape), action="convert")
+        c1, c2, kt, kh, kw = shape
+        hw = kh * kw
+        return [(_PATCH + ("" if t == 0 else f".{t}"), (c1, c2, kh, kw),
+                 tuple((hf_name, ((i * kt) + t) * hw, ((i * kt) + t + 1) * hw) for i in range(c1 * c2)),
+                 f"{hf_name}[:, :, {t}]") for t in range(kt)]
+    return [(name, shape, (), hf_name)]
 
 
 def _preprocessor(model_dir: Path) -> dict[str, Any]:
