@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest output shard for directory outputs (default: 5GB)")
     p.add_argument("--mmproj", type=Path, default=None, metavar="PATH",
                    help="with --to gguf[:TYPE] of a multimodal checkpoint: also write its vision projector GGUF "
-                   "(llama.cpp's mmproj file; Gemma 3, Qwen2-VL, Qwen2.5-VL; F16 unless TYPE is f32, bf16 or q8_0)")
+                   "(llama.cpp's mmproj file: Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL; F16 unless TYPE is f32, "
+                   "bf16 or q8_0)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",

@@ -94,8 +94,9 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     }),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {
         "text_config": {"model_type": "mistral", "head_dim": 64, "rope_theta": 1000000.0, "sliding_window": None,
-                        "tie_word_embeddings": False},
-        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                        "tie_word_embeddings": False, "initializer_range": 0.2},
+        # (3 vision layers: llama.cpp's mmproj name map is sized by the vision depth and names linear_2)
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
                           "num_attention_heads": 2, "head_dim": 32, "image_size": 56, "patch_size": 14},
         "image_token_index": 10,
     }),
@@ -169,6 +170,11 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 MMPROJ = {"gemma3cg": {"image_processor_type": "Gemma3ImageProcessor", "image_mean": [0.5, 0.5, 0.5],
                        "image_std": [0.5, 0.5, 0.5], "image_seq_length": 4, "size": {"height": 56, "width": 56},
                        "do_normalize": True, "do_rescale": True, "do_resize": True, "resample": 2,
+                       "rescale_factor": 0.00392156862745098},
+          "mistral3": {"image_processor_type": "PixtralImageProcessor",
+                       "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                       "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14,
+                       "size": {"longest_edge": 56}, "do_normalize": True, "do_rescale": True, "do_resize": True,
                        "rescale_factor": 0.00392156862745098},
           "qwen2_5_vl": {"image_processor_type": "Qwen2VLImageProcessor",
                          "image_mean": [0.48145466, 0.4578275, 0.40821073],
@@ -247,6 +253,11 @@ def build(name: str, llama_cpp: Path, scratch: Path, convert_python: str) -> Non
     q.save_pretrained(fixture)
     for f in TOKENIZER_FILES:
         shutil.copy(TOKENIZER_FROM / f, fixture / f)
+    if name == "mistral3":  # Pixtral's projector holds the [IMG_BREAK] token's embedding row (id 12, as Mistral's)
+        tc = json.loads((fixture / "tokenizer_config.json").read_text())
+        tc["added_tokens_decoder"] = {"12": {"content": "[IMG_BREAK]", "lstrip": False, "normalized": False,
+                                             "rstrip": False, "single_word": False, "special": True}}
+        (fixture / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
     (fixture / "generation_config.json").unlink(missing_ok=True)
 
     # the correctly dequantized reference: this project's --to bf16 (bit-exact with bitsandbytes)
@@ -285,9 +296,9 @@ def build(name: str, llama_cpp: Path, scratch: Path, convert_python: str) -> Non
 
 
 def _mmproj_reference(name: str, fixture: Path, dq: Path, scratch: Path, llama_cpp: Path, gguf: Any) -> None:
-    """``reference/mmproj_f16.json``: llama.cpp's converter ``--mmproj`` on the dequantized model, whose
-    vision tower is renamed to transformers 4.x's ``vision_tower.vision_model.*`` first (the pinned
-    converter cannot map 5.x's ``vision_tower.*``); the fixture gets the preprocessor config too."""
+    """``reference/mmproj_f16.json``: llama.cpp's converter ``--mmproj`` on the dequantized model (Gemma 3's
+    vision tower renamed to transformers 4.x's ``vision_tower.vision_model.*`` first: the pinned converter
+    cannot map 5.x's ``vision_tower.*``); the fixture gets the preprocessor config too."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors.numpy)
     from safetensors.numpy import load_file, save_file
 
@@ -296,10 +307,11 @@ def _mmproj_reference(name: str, fixture: Path, dq: Path, scratch: Path, llama_c
     legacy = scratch / "legacy" / dq.name
     shutil.copytree(dq, legacy, dirs_exist_ok=True)
     (legacy / "preprocessor_config.json").write_text(pre)
-    w = load_file(str(legacy / "model.safetensors"))
-    save_file({("vision_tower.vision_model." + k.removeprefix("vision_tower.")
-                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
-               for k, v in w.items()}, str(legacy / "model.safetensors"), metadata={"format": "pt"})
+    if name == "gemma3cg":  # SigLIP under transformers 4.x's name level
+        w = load_file(str(legacy / "model.safetensors"))
+        save_file({("vision_tower.vision_model." + k.removeprefix("vision_tower.")
+                    if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+                   for k, v in w.items()}, str(legacy / "model.safetensors"), metadata={"format": "pt"})
     out = scratch / f"{name}-mmproj-f16.gguf"
     subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(legacy), "--mmproj", "--outtype",
                     "f16", "--outfile", str(out)], check=True, cwd=llama_cpp)

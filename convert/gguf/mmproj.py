@@ -1,5 +1,6 @@
 """The vision projector GGUF (``mmproj``) of a multimodal checkpoint, as llama.cpp's converter writes it with
-``--mmproj``: Gemma 3 (``Gemma3VisionModel``), Qwen2-VL and Qwen2.5-VL (``Qwen2VLVisionModel``).
+``--mmproj``: Gemma 3 (``Gemma3VisionModel``), Mistral 3's Pixtral tower (``LlavaVisionModel``: q/k rows
+permuted as LlamaModel does), Qwen2-VL and Qwen2.5-VL (``Qwen2VLVisionModel``).
 
 :func:`plan_mmproj` turns config.json, the (name, shape) list of the float tensors and the model directory
 (``preprocessor_config.json``: image mean and std) into a :class:`convert.gguf.plan.GGUFPlan` of
@@ -15,7 +16,7 @@ written. Qwen2/2.5-VL: ``visual.*`` (or 5.x's ``model.visual.*``); the fused ``q
 and the Conv3D patch embedding into its two temporal slices (``v.patch_embd.weight``, ``.weight.1``), both as
 element slices of the source (:class:`convert.stream.sources.StackSource`), never copied whole.
 
-Not yet: Mistral 3's (Pixtral) projector, and ``--mmproj`` in batch JOBS files.
+Not yet: ``--mmproj`` in batch JOBS files.
 
 Rules raised here (see docs/errors.md): GGUF-006 (:class:`GgufConfigError`: no ``vision_config``, a
 vision hyperparameter missing or not a positive integer, no image mean/std in preprocessor_config.json),
@@ -128,7 +129,8 @@ def plan_mmproj(
     if not isinstance(vision, dict):
         raise GgufConfigError("config.json has no vision_config object", path=config_path,
                               expected="an object", found=type(vision).__name__, action="convert")
-    qwen = hf != "Gemma3ForConditionalGeneration"
+    qwen = hf in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+    pixtral = hf == "Mistral3ForConditionalGeneration"
     if qwen:  # Qwen2VLVisionModel.__init__ renames its vision keys
         vision = {**vision, "num_attention_heads": vision.get("num_heads"), "num_hidden_layers": vision.get("depth"),
                   "image_size": vision.get("image_size", 560)}
@@ -148,7 +150,7 @@ def plan_mmproj(
     planned: list[GGUFTensor] = []
     for hf_name, shape_seq in tensors:
         shape = tuple(int(d) for d in shape_seq)
-        name = _qwen_name(hf_name) if qwen else _vision_name(hf_name)
+        name = _qwen_name(hf_name) if qwen else _pixtral_name(hf_name) if pixtral else _vision_name(hf_name)
         if name is None:
             continue
         for part_name, part_shape, parts, label in (_qwen_parts(hf_name, name, shape, config_path) if qwen
@@ -160,8 +162,13 @@ def plan_mmproj(
                     expected=f"a tensor of {hf}'s vision tower or projector", found=part_name, action="convert")
             qtype = _choose(part_name, gguf_name, part_shape, wanted)
             offset = 1.0 if "soft_emb_norm.weight" in part_name else 0.0
-            planned.append(GGUFTensor(label, gguf_name, part_shape, qtype,
-                                      tensor_nbytes(part_shape, qtype), offset=offset, parts=parts))
+            # LlavaVisionModel: Pixtral's q/k rows permuted as LlamaModel.permute, with the vision heads
+            heads = count("num_attention_heads") if pixtral and part_name.endswith(_QK) else 0
+            if heads and part_shape[0] % (2 * heads):
+                raise GgufConfigError("vision q/k rows do not split into heads", path=config_path, tensor=hf_name,
+                                      expected=f"a multiple of 2 x {heads}", found=part_shape[0], action="convert")
+            planned.append(GGUFTensor(label, gguf_name, part_shape, qtype, tensor_nbytes(part_shape, qtype),
+                                      permute_heads=heads, offset=offset, parts=parts))
 
     w = gguf.GGUFWriter(path=None, arch=_CLIP.name)
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -182,6 +189,8 @@ def plan_mmproj(
     w.add_vision_image_std(pre["image_std"])
     if qwen:
         _qwen_keys(w, config, vision, config_path)
+    elif pixtral:
+        _pixtral_keys(w, config, vision, config_path)
     else:
         _gemma3_keys(w, vision, pre, image_size, patch_size, config_path)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -191,9 +200,48 @@ def plan_mmproj(
     return GGUFPlan(_CLIP, out_name, file_type, metadata, planned)
 
 
-#: The classes with a projector here (``Gemma3VisionModel``, ``Qwen2VLVisionModel``).
-_PROJECTORS = ("Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+#: The classes with a projector here (``Gemma3VisionModel``, ``LlavaVisionModel``, ``Qwen2VLVisionModel``).
+_PROJECTORS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                "Qwen2_5_VLForConditionalGeneration")
+
+_QK = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+_PIXTRAL_PREFIXES = ("multi_modal_projector.", "vision_tower.", "vision_encoder.", "vision_language_adapter.",
+                     "patch_merger.", "pre_mm_projector_norm")
+
+
+def _pixtral_name(hf_name: str) -> str | None:
+    """``LlavaVisionModel.modify_tensors``' vision tensors (the text model's are not the mmproj's: its
+    [IMG_BREAK] row is taken from ``embed_tokens``, which ``MmprojModel.filter_tensors`` has already left out
+    of a ``language_model.`` checkpoint, so the converter writes none)."""
+    if "language_model." in hf_name or not hf_name.startswith(_PIXTRAL_PREFIXES):
+        return None
+    return hf_name
+
+
+def _pixtral_keys(w: gguf.GGUFWriter, config: Mapping[str, Any], vision: Mapping[str, Any], path: str | None
+                  ) -> None:
+    """``LlavaVisionModel.set_gguf_parameters``' keys for a Pixtral tower.
+
+    Raises:
+        GgufConfigError: GGUF-006 (a vision model_type other than pixtral, a hidden_act other than gelu/silu).
+    """
+    if vision.get("model_type") != "pixtral":
+        raise GgufConfigError("a Mistral 3 projector needs a Pixtral vision tower", path=path,
+                              expected="vision_config model_type pixtral", found=str(vision.get("model_type"))[:40],
+                              action="convert")
+    w.add_clip_projector_type(gguf.VisionProjectorType.PIXTRAL)
+    eps = vision.get("layer_norm_eps", 1e-5)  # modeling_pixtral's own value when config.json has none
+    w.add_vision_attention_layernorm_eps(real(eps, "vision_config.layer_norm_eps", path, inclusive=True))
+    act = vision.get("hidden_act", "gelu")
+    if act == "silu":
+        w.add_vision_use_silu(True)
+    elif act == "gelu":
+        w.add_vision_use_gelu(True)
+    else:
+        raise GgufConfigError("a Pixtral tower's hidden_act is gelu or silu in llama.cpp", path=path,
+                              expected="gelu or silu", found=str(act)[:40], action="convert")
+    if "spatial_merge_size" in config:
+        w.add_vision_spatial_merge_size(whole(config["spatial_merge_size"], "spatial_merge_size", path))
 
 #: The Conv3D patch embedding's two temporal slices, named as ``Qwen2VLVisionModel.modify_tensors`` names them.
 _PATCH = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"

@@ -29,7 +29,7 @@ def _write(root: Path, out: Path, output_type: str = "f16") -> Path:
     return out
 
 
-@pytest.mark.parametrize("fixture", ["gemma3cg_nf4_dq", "qwen2_5_vl_nf4_dq", "qwen2_vl_nf4_dq"])
+@pytest.mark.parametrize("fixture", ["gemma3cg_nf4_dq", "mistral3_nf4_dq", "qwen2_5_vl_nf4_dq", "qwen2_vl_nf4_dq"])
 def test_mmproj_equals_llama_cpp_converter(fixture: str, tmp_path: Path) -> None:
     root = MODELS / fixture
     want = json.loads((root / "reference" / "mmproj_f16.json").read_text())
@@ -52,9 +52,9 @@ def test_no_image_mean_or_another_class_is_refused(tmp_path: Path) -> None:
         _write(src, tmp_path / "x.gguf")
     assert "GGUF-006 the vision projector needs image_mean from preprocessor_config.json" in str(info.value)
     with pytest.raises(E.GgufConfigError) as info:
-        plan_mmproj({"architectures": ["Mistral3ForConditionalGeneration"]}, [], ROOT)
-    assert ("written for Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration, "
-            "Qwen2_5_VLForConditionalGeneration only so far") in str(info.value)
+        plan_mmproj({"architectures": ["LlavaForConditionalGeneration"]}, [], ROOT)
+    assert ("written for Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, "
+            "Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration only so far") in str(info.value)
 
 
 def test_mmproj_option_writes_both_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +97,7 @@ def test_mmproj_of_another_multimodal_class_is_refused_before_writing(tmp_path: 
     from convert.cli import main
 
     text = tmp_path / "t.gguf"
-    assert main([str(MODELS / "mistral3_nf4_dq"), "--to", "gguf", "-o", str(text), "--mmproj",
+    assert main([str(MODELS / "granite_nf4_dq"), "--to", "gguf", "-o", str(text), "--mmproj",
                  str(tmp_path / "mm.gguf"), "-q"]) == 2
     assert "GGUF-006 a vision projector (mmproj) is written for Gemma3ForConditionalGeneration, " in \
         capsys.readouterr().err
