@@ -433,15 +433,18 @@ def _mmproj_output(options: ConvertOptions, out: Path) -> Path:
     """The ``--mmproj`` path, checked against the text model's output before anything is written.
 
     Raises:
-        UsageError: USE-001, the same path as the text model's output.
+        UsageError: USE-001, the same path as the text model's output, a directory or an empty path.
         OutputExistsError: OUT-001, it exists and ``--overwrite`` was not given.
     """
     if options.mmproj is None:
         return out
     mm_out = Path(options.mmproj)
-    if mm_out.absolute() == out.absolute():
-        raise UsageError("--mmproj names the text model's output", path=mm_out,
-                         expected="another file than -o", found=str(mm_out))
+    if not str(options.mmproj).strip() or mm_out.is_dir():
+        raise UsageError("--mmproj names a directory; give a file name such as mmproj.gguf",
+                         expected="a file path", found=str(options.mmproj) or "an empty path")
+    if os.path.abspath(mm_out) == os.path.abspath(out):
+        raise UsageError("--mmproj names the text model's output", expected="another file than -o",
+                         found=str(mm_out))
     if os.path.lexists(mm_out) and not options.overwrite and not options.dry_run:
         raise OutputExistsError("output exists", path=mm_out, action="write",
                                 hint="pass --overwrite to replace it, or choose another --mmproj path")

@@ -140,8 +140,12 @@ def plan_mmproj(
     wanted, file_type = OUTPUT_TYPES[out_name]
     pre = _preprocessor(Path(model_dir))
 
+    given = {"num_hidden_layers": "depth", "num_attention_heads": "num_heads"} if qwen else {}
+    if qwen and "embed_dim" in config["vision_config"]:
+        given = {**given, "hidden_size": "embed_dim", "intermediate_size": "hidden_size"}
+
     def count(key: str) -> int:
-        return whole(vision.get(key), f"vision_config.{key}", config_path)
+        return whole(vision.get(key), f"vision_config.{given.get(key, key)}", config_path)
 
     n_blocks = count("num_hidden_layers")
     image_size, patch_size = count("image_size"), count("patch_size")
@@ -170,6 +174,7 @@ def plan_mmproj(
             planned.append(GGUFTensor(label, gguf_name, part_shape, qtype, tensor_nbytes(part_shape, qtype),
                                       permute_heads=heads, offset=offset, parts=parts))
 
+    _check_required(planned, n_blocks, hf, config_path)
     w = gguf.GGUFWriter(path=None, arch=_CLIP.name)
     w.add_type(gguf.GGUFType.MMPROJ)
     w.add_name(model_name if model_name is not None else Path(model_dir).resolve().name)
@@ -245,6 +250,40 @@ def _pixtral_keys(w: gguf.GGUFWriter, config: Mapping[str, Any], vision: Mapping
 
 #: The Conv3D patch embedding's two temporal slices, named as ``Qwen2VLVisionModel.modify_tensors`` names them.
 _PATCH = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
+
+
+#: Per vision layer, the weights every projector here has (llama.cpp's clip loader needs them).
+_VISION_LAYER = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_out.weight", "ln1.weight", "ln2.weight",
+                 "ffn_up.weight", "ffn_down.weight")
+#: Per class, the tensors outside the layers: the patch embedding and the projector's own.
+_PROJECTOR_TENSORS = {
+    "Gemma3ForConditionalGeneration": ("v.patch_embd.weight", "v.position_embd.weight", "v.post_ln.weight",
+                                       "mm.input_projection.weight", "mm.soft_emb_norm.weight"),
+    "Mistral3ForConditionalGeneration": ("v.patch_embd.weight", "v.pre_ln.weight", "mm.1.weight", "mm.2.weight",
+                                         "mm.input_norm.weight", "mm.patch_merger.weight"),
+    "Qwen2VLForConditionalGeneration": ("v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight",
+                                        "mm.2.weight"),
+    "Qwen2_5_VLForConditionalGeneration": ("v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight",
+                                           "mm.2.weight"),
+}
+
+
+def _check_required(planned: Sequence[GGUFTensor], n_blocks: int, hf: str, path: str | None) -> None:
+    """Every vision layer's attention, norms and FFN and the class's patch embedding and projector weights
+    come from some input tensor (a checkpoint with one missing gives no mmproj rather than an incomplete one).
+
+    Raises:
+        GgufConfigError: GGUF-006, naming the first missing tensor.
+    """
+    have = {t.name for t in planned}
+    wanted = [*_PROJECTOR_TENSORS[hf], *(f"v.blk.{i}.{n}" for i in range(n_blocks) for n in _VISION_LAYER)]
+    missing = next((n for n in wanted if n not in have), None)
+    if missing is not None:
+        raise GgufConfigError(
+            f"the weights lack a tensor of the vision projector: {missing} (no tensor of the input becomes it)",
+            path=path, expected=f"{n_blocks} vision layers and the {hf} projector's weights", found=f"no {missing}",
+            action="convert",
+        )
 
 
 def _patch_name(part_name: str) -> str | None:
@@ -344,6 +383,12 @@ def _preprocessor(model_dir: Path) -> dict[str, Any]:
                 merged.update(cfg)
                 if isinstance(cfg.get(nested), dict):
                     merged.update(cfg[nested])
+    if not merged:
+        raise GgufConfigError(
+            "the vision projector needs the image mean and std of preprocessor_config.json, and there is none",
+            path=str(model_dir), expected="preprocessor_config.json (or processor_config.json)", found="neither file",
+            action="convert",
+        )
     for key in ("image_mean", "image_std"):
         value = merged.get(key)
         if (not isinstance(value, list) or not value

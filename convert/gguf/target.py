@@ -50,12 +50,14 @@ def _type_notes(out_type: str, tensors: list[GGUFTensor]) -> list[str]:
     return notes
 
 
-def _tower_notes(towers: list[str]) -> list[str]:
+def _tower_notes(towers: list[str], mmproj: Path | None = None) -> list[str]:
     """The note on a multimodal checkpoint's other towers, which the text model's GGUF does not hold."""
     if not towers:
         return []
-    return [f"{len(towers)} tensors of the vision/audio towers and projector not written (the GGUF is the "
-            f"text model, as llama.cpp's converter writes it; first: {towers[0]})"]
+    where = (f"the vision projector goes to --mmproj {mmproj}" if mmproj is not None
+             else "as llama.cpp's converter writes it; --mmproj PATH writes the vision projector")
+    return [f"{len(towers)} tensors of the vision/audio towers and projector not in the text model's GGUF ({where}; "
+            f"first: {towers[0]})"]
 
 
 def _error_notes(out_type: str, reports: list[TensorReport], sample: int) -> list[str]:
@@ -120,6 +122,7 @@ class GgufJob:
         self.sample = 1 if options.merge_report else SUMMARY_SAMPLE
         self.out_type = options.to.gguf_type
         self.to = options.to.name
+        self.mmproj = options.mmproj
         self.gplan = plan_gguf(
             plan.config or ckpt.config,  # a merge may edit it (a LoRA-resized vocab_size)
             [(t.name, t.shape) for t in plan.tensors],
@@ -149,7 +152,7 @@ class GgufJob:
                  "bytes": t.nbytes, "note": t.fallback}
                 for t in self.gplan.tensors
             ],
-            "notes": list(self.plan.notes) + _tower_notes(self.gplan.towers),
+            "notes": list(self.plan.notes) + _tower_notes(self.gplan.towers, self.mmproj),
         }
 
     def describe(self) -> str:
@@ -158,7 +161,7 @@ class GgufJob:
                  f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys; "
                  f"{mix_summary([t.ggml_type for t in g.tensors])}"]
         lines += ["  " + line for line in g.describe()]
-        lines += [f"  note: {n}" for n in self.plan.notes + _tower_notes(g.towers)]
+        lines += [f"  note: {n}" for n in self.plan.notes + _tower_notes(g.towers, self.mmproj)]
         return "\n".join(lines)
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
@@ -180,7 +183,7 @@ class GgufJob:
         _verify_gguf(staging, self.gplan)
 
     def notes(self) -> list[str]:
-        return list(self.plan.notes) + _tower_notes(self.gplan.towers) + _type_notes(
+        return list(self.plan.notes) + _tower_notes(self.gplan.towers, self.mmproj) + _type_notes(
             self.out_type, self.gplan.tensors) + _error_notes(
             self.out_type, self.reports, self.sample
         )
@@ -227,6 +230,7 @@ class MmprojJob(GgufJob):
             # converter's from the dequantized model, from the checkpoint's dtype (header-only plan)
             plan = make_plan(ckpt, "auto", max_shard_size=options.max_shard_size)
         self.plan = plan
+        self.mmproj = None
         self.sample = 1 if options.merge_report else SUMMARY_SAMPLE
         self.to = f"gguf:{self.out_type} (mmproj)"
         self.gplan = plan_mmproj(plan.config or ckpt.config, [(t.name, t.shape) for t in plan.tensors], ckpt.source,

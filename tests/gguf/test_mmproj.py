@@ -50,6 +50,11 @@ def test_no_image_mean_or_another_class_is_refused(tmp_path: Path) -> None:
     src = shutil.copytree(ROOT, tmp_path / "m", ignore=shutil.ignore_patterns("reference", "preprocessor_config.json"))
     with pytest.raises(E.GgufConfigError) as info:
         _write(src, tmp_path / "x.gguf")
+    assert "GGUF-006 the vision projector needs the image mean and std of preprocessor_config.json, and there is " \
+        "none" in str(info.value)
+    (src / "preprocessor_config.json").write_text('{"image_mean": "0.5", "image_std": [0.5, 0.5, 0.5]}')
+    with pytest.raises(E.GgufConfigError) as info:
+        _write(src, tmp_path / "x.gguf")
     assert "GGUF-006 the vision projector needs image_mean from preprocessor_config.json" in str(info.value)
     with pytest.raises(E.GgufConfigError) as info:
         plan_mmproj({"architectures": ["LlavaForConditionalGeneration"]}, [], ROOT)
@@ -74,6 +79,7 @@ def test_mmproj_option_writes_both_files(tmp_path: Path, capsys: pytest.CaptureF
     (["--to", "bf16"], ["USE-001 --mmproj needs --to gguf[:TYPE]", "found '--to bf16'"], 2),
     (["--to", "gguf", "--mmproj-same"], ["USE-001 --mmproj names the text model's output"], 2),
     (["--to", "gguf", "--mmproj-exists"], ["OUT-001 output exists", "choose another --mmproj path"], 2),
+    (["--to", "gguf", "--overwrite", "--mmproj-dir"], ["USE-001 --mmproj names a directory"], 2),
 ])
 def test_mmproj_refusals_write_nothing(argv, parts, rc, tmp_path: Path,  # noqa: ANN001
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,6 +88,8 @@ def test_mmproj_refusals_write_nothing(argv, parts, rc, tmp_path: Path,  # noqa:
     text, mm = tmp_path / "t.gguf", tmp_path / "mm.gguf"
     if "--mmproj-exists" in argv:
         mm.write_bytes(b"keep")
+    if "--mmproj-dir" in argv:
+        mm.mkdir()
     target = text if "--mmproj-same" in argv else mm
     args = [a for a in argv if not a.startswith("--mmproj-")]
     assert main([str(ROOT), *args, "-o", str(text), "--mmproj", str(target), "-q"]) == rc
@@ -89,7 +97,7 @@ def test_mmproj_refusals_write_nothing(argv, parts, rc, tmp_path: Path,  # noqa:
     for part in parts:
         assert part in err, (part, err)
     assert not text.exists()
-    assert not mm.exists() or mm.read_bytes() == b"keep"
+    assert not mm.exists() or mm.is_dir() or mm.read_bytes() == b"keep"
 
 
 def test_mmproj_of_another_multimodal_class_is_refused_before_writing(tmp_path: Path,
@@ -102,3 +110,19 @@ def test_mmproj_of_another_multimodal_class_is_refused_before_writing(tmp_path: 
     assert "GGUF-006 a vision projector (mmproj) is written for Gemma3ForConditionalGeneration, " in \
         capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("fixture", "drop", "missing"), [
+    ("qwen2_vl_nf4_dq", "visual.blocks.0.attn.qkv.weight", "v.blk.0.attn_q.weight"),
+    ("gemma3cg_nf4_dq", "vision_tower.encoder.layers.0.self_attn.q_proj.weight", "v.blk.0.attn_q.weight"),
+    ("mistral3_nf4_dq", "multi_modal_projector.linear_2.weight", "mm.2.weight"),
+])
+def test_a_missing_vision_tensor_is_refused(fixture: str, drop: str, missing: str) -> None:
+    from tests.helpers.fixtures import plan_inputs
+
+    root = MODELS / fixture
+    config, shapes = plan_inputs(root)
+    assert drop in dict(shapes)
+    with pytest.raises(E.GgufConfigError) as info:
+        plan_mmproj(config, [(n, sh) for n, sh in shapes if n != drop], root)
+    assert f"GGUF-006 the weights lack a tensor of the vision projector: {missing}" in str(info.value)
