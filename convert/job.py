@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from convert import __version__
-from convert.gguf.target import MmprojJob
 from convert.hub.download import HubSource, WeightMode, resolve_repo
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
@@ -40,7 +39,7 @@ from convert.options import MIN_MEMORY, ConvertOptions
 from convert.output import InterruptedAfterCommit, OutputClaim, default_output, output_path, write_json
 from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
 from convert.stream.plan import Plan, make_plan
-from convert.targets import TARGETS, TargetJob
+from convert.targets import TARGETS, MmprojJob, TargetJob
 from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
 from formats.errors import ConvertBnbError, DiskSpaceError, OutputExistsError, SourceNotFoundError, UsageError

@@ -7,7 +7,8 @@ float       auto, bf16, fp16, fp32       :class:`convert.stream.safetensors_job.
                                          (a safetensors file or a sharded model directory)
 bnb4        nf4, fp4                     :class:`convert.bnb4.target.Bnb4Job`: re-quantized in
                                          bnb's layout, written as safetensors
-gguf        gguf, gguf:TYPE              :class:`convert.gguf.target.GgufJob`
+gguf        gguf, gguf:TYPE              :class:`convert.gguf.target.GgufJob` (and with ``--mmproj``
+                                         :class:`convert.gguf.target.MmprojJob`, the second file)
 ==========  ===========================  ====================================================
 
 The ``--to`` value itself is parsed once, where it enters, into a :class:`convert.options.Target`
@@ -24,14 +25,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convert.bnb4.target import Bnb4Job
-from convert.gguf.target import GgufJob
+from convert.gguf.target import GgufJob, MmprojJob
 from convert.options import ConvertOptions
 from convert.output import ShardLedger
 from convert.stream.pipeline import RunSettings
 from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
 
-__all__ = ["TARGETS", "TargetJob"]
+__all__ = ["TARGETS", "MmprojJob", "TargetJob"]
 
 
 class TargetJob(Protocol):
