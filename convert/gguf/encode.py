@@ -436,7 +436,7 @@ def write_gguf(
 def _stacked(t: GGUFTensor, tensors: Mapping[str, PlannedTensor], path: str) -> PlannedTensor:
     """The planned tensor of a tensor made of slices of its sources (MoE experts stacked, rows of a fused
     parameter, a qkv's third, a patch embedding's temporal slice): :class:`convert.stream.sources.StackSource`,
-    in the writer's rows (``[numel / cols, cols]`` for more than two dimensions), read slice by slice, in the
+    in the writer's rows (:func:`_row_shape`), read slice by slice, in the
     sources' dtype, or float32 (exact) when they differ (an expert stored F16 among BF16 ones).
 
     Raises:
@@ -457,16 +457,20 @@ def _stacked(t: GGUFTensor, tensors: Mapping[str, PlannedTensor], path: str) -> 
     dtypes = {p.dtype.code for p, _, _ in parts}
     dtype = parts[0][0].dtype if len(dtypes) == 1 else _F32_DTYPE
     assert t.source is not None
-    shape = t.shape if len(t.shape) <= 2 else (t.numel // t.shape[-1], t.shape[-1])  # the writer's rows
-    return PlannedTensor(t.source, dtype, shape,
+    return PlannedTensor(t.source, dtype, _row_shape(t.shape),
                          StackSource(t.source, [(p.source, start, stop) for p, start, stop in parts]))
 
 
+def _row_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape the writer chunks a tensor by: as it is up to two dimensions, else ``[numel / cols, cols]``
+    (rows across a 3-D expert stack or a 4-D patch embedding; never permuted)."""
+    return shape if len(shape) <= 2 else (math.prod(shape) // shape[-1], shape[-1])
+
+
 def _as_rows(src: PlannedTensor, t: GGUFTensor) -> PlannedTensor:
-    """A tensor of more than two dimensions (a fused 3-D expert parameter written as it is) as the 2-D rows
-    the writer chunks: ``[numel / cols, cols]`` of the same source."""
-    cols = t.shape[-1]
-    return PlannedTensor(src.name, src.dtype, (src.numel // cols, cols), src.source, src.parameters)
+    """A tensor of more than two dimensions (a fused 3-D expert parameter written as it is) as the rows the
+    writer chunks (:func:`_row_shape`), of the same source."""
+    return PlannedTensor(src.name, src.dtype, _row_shape(t.shape), src.source, src.parameters)
 
 
 def _file_chunks(plan: GGUFPlan, sources: Mapping[str, PlannedTensor], reader: RowReader, chunk_elements: int,
@@ -525,9 +529,7 @@ def _chunk_tasks(
         GgufSourceError: GGUF-007, a source of another size (at once) or rows of another shape (when the
             task runs).
     """
-    rows = t.shape[0] if t.shape else 1
-    if len(t.shape) > 2:  # a stacked tensor: chunks of rows across its experts (never permuted)
-        rows = t.numel // t.shape[-1]
+    rows = _row_shape(t.shape)[0] if t.shape else 1
     cols = t.numel // rows if rows else 0
     if src.numel != t.numel:
         raise GgufSourceError(

@@ -333,9 +333,9 @@ def plan_gguf(
         needs_vocab_size=any(p.method == "add_vocab_size" for p in arch.extra_params),
     )
     check_shapes(arch.name, values, hp, planned, config_path)  # llama.cpp's load_arch_tensors
-    by_method_value = {p.method: v for p, v in values}
-    check_required(arch.name, n_blocks, (t.name for t in planned), int(by_method_value.get("add_expert_count", 0)),
-                   int(by_method_value.get("add_expert_shared_feed_forward_length", 0)), config_path)
+    by_method = {p.method: v for p, v in values}
+    check_required(arch.name, n_blocks, (t.name for t in planned), int(by_method.get("add_expert_count", 0)),
+                   int(by_method.get("add_expert_shared_feed_forward_length", 0)), config_path)
 
     scratch = gguf.GGUFWriter(path=None, arch=arch.name)
     scratch.add_type(gguf.GGUFType.MODEL)
@@ -345,7 +345,6 @@ def plan_gguf(
     if counts[0] > 0:
         scratch.add_size_label(gguf.size_label(*counts))
     scratch.add_block_count(n_blocks)
-    by_method = dict((p.method, v) for p, v in values)
     for param in arch.params + arch.extra_params:
         if param.method == "add_rope_freq_base":
             # TextModel writes the scaling keys just before the frequency base

@@ -131,15 +131,21 @@ class GgufJob:
             model_name=model_name,
             config_path=str(ckpt.source / "config.json"),
         )
+        self._sizes(options.dry_run)
+
+    def _sizes(self, dry_run: bool) -> None:
+        """The planned figures of ``self.gplan`` (bytes out, tensors, values, input bytes read: each source
+        once, a stack's every slice source); GGUF-002 (:func:`check_encoders`) unless ``dry_run``, before any
+        output is claimed (a mix needs the K-quant codecs)."""
         self.out_nbytes = self.gplan.nbytes
         self.tensors = len(self.gplan.tensors)
         self.elements = sum(t.numel for t in self.gplan.tensors)
-        by_name = {t.name: t for t in plan.tensors}
+        by_name = {t.name: t for t in self.plan.tensors}
         read = {name for t in self.gplan.tensors for name in ([p[0] for p in t.parts] or [t.source])}
         self.in_nbytes = sum(by_name[name].source.in_nbytes for name in read if name in by_name)
         self.reports: list[TensorReport] = []
-        if not options.dry_run:
-            check_encoders(self.gplan)  # GGUF-002 before any output is claimed (a mix needs K-quant codecs)
+        if not dry_run:
+            check_encoders(self.gplan)
 
     def plan_dict(self) -> dict[str, Any]:
         return {
@@ -236,11 +242,4 @@ class MmprojJob(GgufJob):
         self.gplan = plan_mmproj(plan.config or ckpt.config, [(t.name, t.shape) for t in plan.tensors], ckpt.source,
                                  options.to.gguf_type, model_name=model_name,
                                  config_path=str(ckpt.source / "config.json"))
-        self.out_nbytes = self.gplan.nbytes
-        self.tensors = len(self.gplan.tensors)
-        self.elements = sum(t.numel for t in self.gplan.tensors)
-        by_name = {t.name: t for t in plan.tensors}
-        self.in_nbytes = sum(by_name[t.source].source.in_nbytes for t in self.gplan.tensors if t.source in by_name)
-        self.reports = []
-        if not options.dry_run:
-            check_encoders(self.gplan)
+        self._sizes(options.dry_run)

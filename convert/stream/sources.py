@@ -296,7 +296,8 @@ class StackSource(Source):
         self.numel = self.per * len(parts)
         unit = math.lcm(*(p.unit for p, _, _ in parts))
         self.unit = unit if self.per % unit == 0 else self.per  # chunks split at part boundaries on a unit
-        sources = list({id(p): p for p, _, _ in parts}.values())
+        self.sources = list({id(p): p for p, _, _ in parts}.values())  # each source once
+        sources = self.sources
         self.in_nbytes = sum(p.in_nbytes for p in sources)
         self.kind = f"{len(parts)} slices of {parts[0][0].kind}"
         self.barrier = any(p.barrier for p in sources)
@@ -336,11 +337,11 @@ class StackSource(Source):
             src.release(a, b)
 
     def finish(self) -> None:
-        for src in {id(p): p for p, _, _ in self.parts}.values():
+        for src in self.sources:
             src.finish()
 
     def inputs(self) -> list[TensorLike] | None:
-        got = [p.inputs() for p in {id(p): p for p, _, _ in self.parts}.values()]
+        got = [p.inputs() for p in self.sources]
         return None if any(g is None for g in got) else [t for g in got if g is not None for t in g]
 
 

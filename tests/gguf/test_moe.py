@@ -4,7 +4,6 @@ stacking itself: 4-bit experts, chunks across experts, and the named errors of a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +18,7 @@ from convert.stream.sources import ArraySource, StackSource
 from formats import errors as E
 from formats.dtypes import BY_NAME
 from formats.safetensors import SafetensorsReader
+from tests.gguf.test_arch import summary
 from tests.helpers.fixtures import MODELS, plan_inputs
 
 MIXTRAL = MODELS / "mixtral_nf4_dq"
@@ -26,9 +26,8 @@ QWEN2_MOE = MODELS / "qwen2_moe_nf4_dq"
 
 
 def _hashes(path: Path) -> dict[str, tuple[str, list[int], str]]:
-    r = gguf.GGUFReader(path)
-    return {t.name: (t.tensor_type.name, [int(d) for d in t.shape], hashlib.sha256(bytes(t.data)).hexdigest())
-            for t in r.tensors}
+    """(type, shape, sha256) per tensor, from test_arch's summary (the golden files' format)."""
+    return {n: (t["type"], t["shape"], t["sha256"]) for n, t in summary(path)["tensors"].items()}
 
 
 @pytest.mark.parametrize("out_type", ["f16", "q8_0"])
