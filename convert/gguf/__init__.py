@@ -7,7 +7,8 @@
 - :mod:`~convert.gguf.families`: the architecture table (one row of data per llama.cpp model class);
 - :mod:`~convert.gguf.arch`, :mod:`~convert.gguf.rope`, :mod:`~convert.gguf.config`: what a row does to
   names, hyperparameters and weights, RoPE scaling, config.json checked against its GGUF types and the
-  tensors;
+  tensors; :mod:`~convert.gguf.loader`: the planned tensors against llama.cpp's loader (shapes, required);
+- :mod:`~convert.gguf.mmproj`: the vision projector file (``--mmproj``);
 - :mod:`~convert.gguf.mix`: llama-quantize's per-tensor type mixes;
 - :mod:`~convert.gguf.tokenizer`, :mod:`~convert.gguf.bpe_pre`, :mod:`~convert.gguf.bpe_table`: the
   tokenizer keys;

@@ -79,14 +79,13 @@ from convert.gguf.arch import (
 from convert.gguf.config import (
     check_packable,
     check_param,
-    check_required,
-    check_shapes,
     check_special_ids,
     check_vocab,
     layer_count,
     whole,
 )
 from convert.gguf.families import Architecture, Param
+from convert.gguf.loader import check_required, check_shapes
 from convert.gguf.mix import MixModel, mix_types
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer

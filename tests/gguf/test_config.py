@@ -425,7 +425,7 @@ def test_weights_that_do_not_fit_the_config_are_refused_by_the_plan(fixture, sou
 
 @pytest.mark.parametrize("fixture", sorted(p.name for p in MODELS.iterdir()))
 def test_every_shipped_fixture_fits_the_loader_shapes(fixture: str) -> None:
-    from convert.gguf.config import LOADER_SHAPES
+    from convert.gguf.loader import LOADER_SHAPES
     from convert.gguf.plan import plan_gguf
 
     config, shapes, root = _fixture_plan_inputs(fixture)
