@@ -26,7 +26,7 @@ import errno
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +285,7 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
         "quant": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options.quant).items()
                   if k != "quant_report"},
         "converter": f"convert-bnb {__version__}",
+        **({"mmproj": Path(options.mmproj).name} if options.mmproj is not None else {}),
     }))
 
 
@@ -453,11 +454,13 @@ def _mmproj_output(options: ConvertOptions, out: Path) -> Path:
 def _write_mmproj(job: TargetJob, options: ConvertOptions, source: ResolvedSource, input_path: Path, out: Path,
                   run: RunSettings, result: ConvertResult, committed: list[Path]) -> list[str]:
     """Write, verify and commit the vision projector after the text model (its own all-or-nothing output);
-    its figures go into ``result.details["mmproj"]``; returns its note."""
+    its figures (and with ``mmproj_manifest`` or ``list_files`` its files) go into
+    ``result.details["mmproj"]``; returns its note."""
     mm = ConvertResult(source=result.source, to=result.to, output=str(out), commit=result.commit)
-    _write_output(job, options, source, input_path, out, run, mm, committed)
+    _write_output(job, replace(options, manifest=options.mmproj_manifest), source, input_path, out, run, mm,
+                  committed)
     result.details["mmproj"] = {"output": str(out), "bytes_out": mm.bytes_out, "tensors": job.tensors,
-                                "verified": mm.verified}
+                                "verified": mm.verified, **({"files": mm.files} if mm.files else {})}
     return [f"mmproj: {out} ({job.tensors} tensors, {format_bytes(mm.bytes_out)})"]
 
 

@@ -188,6 +188,8 @@ class ConvertOptions:
             output from someone else's files even when the run dies right after the commit), or None.
         mmproj: with ``--to gguf*``: also write the vision projector GGUF (llama.cpp's ``--mmproj`` file,
             :mod:`convert.gguf.mmproj`) to this path, committed on its own after the text model.
+        mmproj_manifest: with ``mmproj``: write the vision projector's file list to this JSON file before
+            it is committed, as ``manifest`` for the text model, or None.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
@@ -224,6 +226,7 @@ class ConvertOptions:
     low_disk: bool = False
     processes: bool = False
     mmproj: Path | None = None
+    mmproj_manifest: Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters

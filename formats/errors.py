@@ -311,14 +311,15 @@ class BatchOptionError(UsageError):
     """A per-job option in the JOBS file is unknown or invalid."""
 
     default_rule = "BATCH-003"
-    advice = "Use only the per-job options --to, --revision, --max-shard-size and --name, with valid values."
+    advice = ("Use only the per-job options --to, --revision, --max-shard-size, --name and --mmproj (GGUF targets), "
+              "with valid values.")
 
 
 class BatchNameClashError(UsageError):
-    """Two batch jobs would write the same output name."""
+    """Two outputs of a batch (job outputs or their --mmproj files) would have the same name."""
 
     default_rule = "BATCH-004"
-    advice = "Give one of the jobs its own --name."
+    advice = "Give one of the jobs its own --name (or its projector its own --mmproj MMNAME)."
 
 
 class JobSettingsChangedError(UsageError):

@@ -2,14 +2,14 @@
 
 Pushing
     After a job is done (its output verified complete), :func:`push_output` creates ``ORG/NAME``
-    (``exist_ok``; ``--private`` makes it private) and uploads every file of the output and a model
-    card (``README.md``, :func:`model_card`) in one commit. The card records the source repo (or a
-    local source's folder name only: no paths of this machine are published), revision and commit,
-    the source's quantization, the settings, the converter version, the command that reproduces the
-    output and every file with its size and sha256. The push is recorded in the job's state file
-    (``pushed``: repo, job key, Hub commit); a re-run does not push a job again that was pushed to the
-    same repo with the same key. A push the Hub refuses raises :class:`~formats.errors.HubError`;
-    the conversion stays done.
+    (``exist_ok``; ``--private`` makes it private) and uploads every file of the output (and its
+    ``--mmproj`` file) and a model card (``README.md``, :func:`model_card`) in one commit. The card
+    records the source repo (or a local source's folder name only: no paths of this machine are
+    published), revision and commit, the source's quantization, the settings, the converter version,
+    the command that reproduces the output and every file with its size and sha256. The push is
+    recorded in the job's state file (``pushed``: repo, job key, Hub commit); a re-run does not push a
+    job again that was pushed to the same repo with the same key. A push the Hub refuses raises
+    :class:`~formats.errors.HubError`; the conversion stays done.
 
 Dry run
     :func:`plan_batch` converts, downloads and writes nothing: for each job it resolves the source
@@ -105,7 +105,8 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     Args:
         job: the job (source, revision, target, shard size).
         commit: the source commit the output was made from (None for a local source).
-        files: the output's manifest ``{path: {"bytes", "sha256"}}``.
+        files: the manifest of the output (and its ``--mmproj`` file) as the repo holds them,
+            ``{path: {"bytes", "sha256"}}``.
         quantization: lines describing the source's quantized layers.
 
     Returns:
@@ -132,9 +133,11 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     for q in quantization:
         lines.append(f"- quantization: {q}")
     lines += ["", "## Settings", "", "| setting | value |", "|---|---|", f"| --to | {job.to} |",
-              f"| --max-shard-size | {job.max_shard_size} bytes |", f"| converter | convert-bnb {__version__} |", ""]
+              f"| --max-shard-size | {job.max_shard_size} bytes |"]
+    lines += [f"| --mmproj | {job.mmproj} |"] * bool(job.mmproj)
+    lines += [f"| converter | convert-bnb {__version__} |", ""]
     cmd = f"convert-bnb {shown}" + (f" --revision {commit}" if commit else "")
-    cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}"
+    cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}" + (f" --mmproj {job.mmproj}" if job.mmproj else "")
     lines += ["Reproduce with:", "", "```", cmd, "```", ""]
     lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---:|---|"]
     for rel, rec in sorted(files.items()):
@@ -144,12 +147,20 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     return str(card)
 
 
-def build_upload_plan(org: str, job: Job, out: Path, files: dict[str, dict[str, Any]] | None,
+def build_upload_plan(org: str, job: Job, outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]],
                       card: str, private: bool) -> dict[str, Any]:
-    """What ``--push-to-hub`` does for one job: the repo to create and the files of the one commit."""
+    """What ``--push-to-hub`` does for one job: the repo to create and the files of the one commit.
+
+    Args:
+        outputs: each output of the job (the text model, then its ``--mmproj`` file) with its manifest
+            ``{path relative to the output: {"bytes", "sha256"}}`` (a file output: its own name), or None
+            when not known yet.
+    """
     ops: list[dict[str, Any]] = []
-    for rel, rec in sorted((files or {}).items()):
-        ops.append({"path_in_repo": rel, "bytes": rec["bytes"], "from": str(out / rel) if out.is_dir() else str(out)})
+    for out, files in outputs:
+        for rel, rec in sorted((files or {}).items()):
+            ops.append({"path_in_repo": rel, "bytes": rec["bytes"],
+                        "from": str(out / rel) if out.is_dir() else str(out)})
     ops.append({"path_in_repo": "README.md", "bytes": len(card.encode("utf-8")), "from": "model card"})
     return {
         "create_repo": {"repo_id": f"{org}/{repo_name(job)}", "repo_type": "model", "private": private,
@@ -187,9 +198,9 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
     # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    files = state.get("files", {})
-    card = model_card(job, commit, files, quantization)
-    plan = build_upload_plan(org, job, final, files, card, bool(spec.get("private")))
+    outputs = [(final.parent / name, state.get(f, {})) for name, f in job.outputs()]
+    card = model_card(job, commit, _card_files(outputs), quantization)
+    plan = build_upload_plan(org, job, outputs, card, bool(spec.get("private")))
     ops = [CommitOperationAdd(path_in_repo=o["path_in_repo"], path_or_fileobj=o["from"])
            for o in plan["commit"]["operations"] if o["from"] != "model card"]
     ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
@@ -234,21 +245,32 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
         final = out_dir / job.name
         options = job_options(job, {"out_dir": str(out_dir), "max_memory": 1 << 30, "threads": 1}, revision=commit)
         key = job_key(options, source)
-        files: dict[str, dict[str, Any]] | None = None
-        if state.get("key") == key and state.get("status") == "done" and final.exists():
+        if job.mmproj:
+            entry["mmproj"] = str(out_dir / job.mmproj)
+        outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]
+        if (state.get("key") == key and state.get("status") == "done"
+                and all((out_dir / name).exists() for name, _ in job.outputs())):
             entry["action"] = "skip (already converted)"
-            files = state.get("files")
+            outputs = [(out_dir / name, state.get(f)) for name, f in job.outputs()]
         else:
             done = len(recorded_shards(final, {**(options.resume_key or {}), "job": key}))
             entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
-            files = _planned_files(src, job)
+            outputs = [(final, _planned_files(src, job))]
+            if job.mmproj:
+                outputs.append((out_dir / job.mmproj, None))
         if push_to_hub:
             quant = quant_summary(src) if src.exists() else []
-            card = model_card(job, commit, files or {}, quant)
+            card = model_card(job, commit, _card_files(outputs), quant)
             entry["card"] = card
-            entry["upload"] = build_upload_plan(push_to_hub, job, final, files, card, private)
+            entry["upload"] = build_upload_plan(push_to_hub, job, outputs, card, private)
         out.append(entry)
     return out
+
+
+def _card_files(outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]) -> dict[str, dict[str, Any]]:
+    """The files of a job's outputs as the pushed repo holds them (a file output by its name, a
+    directory's files by their path in it: both at the repo's root)."""
+    return {rel: rec for _, files in outputs for rel, rec in (files or {}).items()}
 
 
 def _resolve_without_download(job: Job) -> Any:

@@ -65,12 +65,13 @@ jobs.txt:
   unsloth/llama-3-8b-bnb-4bit
   unsloth/mistral-7b-bnb-4bit@main --to fp16 --max-shard-size 2GB
   ./local-model-bnb-4bit --name local-bf16
+  unsloth/gemma-3-4b-it-bnb-4bit --to gguf:q4_k_m --mmproj     also its vision projector, mmproj-NAME
 
 Re-running the same command skips finished jobs and finished shards (state in OUT/.convert-bnb/).
 """
     p.add_argument("jobs_file", metavar="JOBS",
-                   help="text file (one 'SRC[@REVISION] [--to T] [--max-shard-size S] [--name N]' per line, "
-                   "# comments) or a JSON/YAML list")
+                   help="text file (one 'SRC[@REVISION] [--to T] [--max-shard-size S] [--name N] [--mmproj [MMNAME]]' "
+                   "per line, # comments) or a JSON/YAML list")
     p.add_argument("--out-dir", type=Path, required=True, help="where the outputs and the state files go")
     p.add_argument("--jobs", type=int, default=1, help="conversions running at a time (default: 1)")
     p.add_argument("--to", default="auto", metavar="TARGET", type=target_arg,
@@ -111,7 +112,8 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             for e in plan:
                 print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
-                      + f" --to {e['to']} -> {e['output']}: {e['action']}"
+                      + f" --to {e['to']} -> {e['output']}" + (f" + {e['mmproj']}" if "mmproj" in e else "")
+                      + f": {e['action']}"
                       + (f" ({e['error']})" if "error" in e else ""))
                 if "upload" in e:
                     up = e["upload"]

@@ -2,16 +2,20 @@
 
 Format
     A text file with one job per line: ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S]
-    [--name NAME]``, where SRC is a Hub repo id (``org/name``) or a local path (made absolute, so every
-    worker reads the same one); ``#`` starts a comment; blank lines are skipped. Or a JSON list
-    (``.json``, or text starting with ``[``), or a YAML list (``.yaml``/``.yml``, when PyYAML is
-    installed), whose items are such lines or objects ``{"src", "revision", "to", "max_shard_size",
-    "name"}`` (``repo`` is accepted for ``src``; ``max_shard_size`` is bytes or a size such as
-    ``"2GB"``). Options a job leaves out come from the command line (``--to``, ``--max-shard-size``).
+    [--name NAME] [--mmproj [MMNAME]]``, where SRC is a Hub repo id (``org/name``) or a local path
+    (made absolute, so every worker reads the same one); ``#`` starts a comment; blank lines are
+    skipped. Or a JSON list (``.json``, or text starting with ``[``), or a YAML list
+    (``.yaml``/``.yml``, when PyYAML is installed), whose items are such lines or objects ``{"src",
+    "revision", "to", "max_shard_size", "name", "mmproj"}`` (``repo`` is accepted for ``src``;
+    ``max_shard_size`` is bytes or a size such as ``"2GB"``; ``mmproj`` is ``true`` or a name).
+    Options a job leaves out come from the command line (``--to``, ``--max-shard-size``).
     ``NAME`` defaults to the name a single conversion would give its output
     (:func:`convert.output.default_output`: the repo's, folder's or file's name with the target's
     suffix, and a file's extension for a single-file source); it is a plain name under the batch's DIR
     and the name of the pushed repo.
+    ``--mmproj`` (GGUF jobs of a multimodal model) also writes the vision projector GGUF, as
+    ``convert-bnb SRC --to gguf:T --mmproj DIR/MMNAME`` does; MMNAME defaults to ``mmproj-NAME`` (the
+    prefix llama.cpp's converter gives it) and is pushed into the same repo as NAME.
 
 Rules, checked before any job runs (each a :class:`~formats.errors.UsageError` subclass naming the
 file and the line ``FILE:LINE`` or item ``FILE[i]``):
@@ -22,9 +26,10 @@ file and the line ``FILE:LINE`` or item ``FILE[i]``):
 - BATCH-002 :class:`~formats.errors.BatchJobError`: every item is a job line or an object with
   ``src`` (or ``repo``).
 - BATCH-003 :class:`~formats.errors.BatchOptionError`: per-job options are known and valid (``--to``
-  a known target, a positive shard size, a plain directory name).
-- BATCH-004 :class:`~formats.errors.BatchNameClashError`: no two jobs write the same output name
-  (give one of them ``--name``).
+  a known target, a positive shard size, a plain directory name; ``--mmproj`` only with a GGUF
+  target, its name a plain file name).
+- BATCH-004 :class:`~formats.errors.BatchNameClashError`: no two outputs of the batch (NAME or MMNAME)
+  have the same name (give one of them ``--name`` or ``--mmproj MMNAME``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +52,7 @@ from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, B
 
 __all__ = ["Job", "job_options", "parse_jobs", "target_names"]
 
-_FIELDS = ["src", "revision", "to", "max_shard_size", "name"]
+_FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj"]
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Job:
         max_shard_size: largest output shard in bytes.
         name: the output name under the batch's out dir (also the pushed repo's name).
         where: ``FILE:LINE`` (or ``FILE[i]``) the job came from, for messages.
+        mmproj: the vision projector GGUF's file name under the out dir (``--mmproj``), or None.
     """
 
     src: str
@@ -68,6 +75,7 @@ class Job:
     max_shard_size: int
     name: str
     where: str = ""
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a --to string (a worker's spec file, a library caller): parsed here, once
@@ -84,6 +92,11 @@ class Job:
         ``to`` as its ``--to`` name."""
         return {**asdict(self), "to": self.to.name}
 
+    def outputs(self) -> list[tuple[str, str]]:
+        """The job's outputs under the out dir, each with the state field that records its files:
+        ``(NAME, "files")``, then ``(MMNAME, "mmproj_files")`` with ``--mmproj``."""
+        return [(self.name, "files")] + ([(self.mmproj, "mmproj_files")] if self.mmproj else [])
+
 
 
 def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
@@ -99,11 +112,13 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
         overwrite: replace an existing output.
     """
     out_dir = Path(spec["out_dir"])
+    state = state_path(out_dir, job.name)
     return ConvertOptions(src=job.src, to=job.to, output=out_dir / job.name,
                           revision=revision or job.revision, max_memory=spec["max_memory"], threads=spec["threads"],
                           max_shard_size=job.max_shard_size, verify=spec.get("verify", True), overwrite=overwrite,
-                          resume_key={"batch": job.name},
-                          manifest=manifest_path(state_path(out_dir, job.name)))
+                          resume_key={"batch": job.name}, manifest=manifest_path(state),
+                          mmproj=out_dir / job.mmproj if job.mmproj else None,
+                          mmproj_manifest=manifest_path(state, "mmproj_files") if job.mmproj else None)
 
 
 def _job_parser() -> argparse.ArgumentParser:
@@ -113,6 +128,7 @@ def _job_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision")
     p.add_argument("--max-shard-size", type=parse_size)
     p.add_argument("--name")
+    p.add_argument("--mmproj", nargs="?", const=True)
     return p
 
 
@@ -161,7 +177,21 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
         raise bad("unknown job fields", expected=_FIELDS, found=unknown)
-    return Job(src, revision, to, int(mss), name, where)
+    return Job(src, revision, to, int(mss), name, where, _mmproj_name(fields.get("mmproj"), name, to, bad))
+
+
+def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOptionError]) -> str | None:
+    """A job's ``--mmproj``: None (absent or false), ``mmproj-NAME`` (true), or the given plain file name
+    (``.gguf`` added as to NAME)."""
+    if value is None or value is False:
+        return None
+    if to.family != "gguf":
+        raise bad("--mmproj needs a GGUF target", expected="--to gguf[:TYPE]", found=f"--to {to.name}")
+    if value is True:
+        return f"mmproj-{name}"
+    if not isinstance(value, str) or "/" in value or value.startswith(".") or not value.strip():
+        raise bad("mmproj must be true or a plain file name", found=value)
+    return with_target_suffix(value, to)
 
 
 def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path) -> Job | None:
@@ -178,7 +208,7 @@ def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path)
         raise BatchOptionError(f"{where}: {exc}", path=path) from None
     if rest:
         raise BatchOptionError(f"{where}: unknown job options", path=path,
-                               expected="--to, --revision, --max-shard-size, --name", found=rest)
+                               expected="--to, --revision, --max-shard-size, --name, --mmproj", found=rest)
     fields = {k: v for k, v in vars(ns).items() if v is not None}
     return _make_job(fields, defaults, where, path)
 
@@ -261,10 +291,11 @@ def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> li
                 jobs.append(job)
     seen: dict[str, str] = {}
     for job in jobs:
-        if job.name in seen:
-            raise BatchNameClashError(f"{job.where}: output name '{job.name}' is also written by {seen[job.name]}",
-                                      path=p, hint="give one of them --name")
-        seen[job.name] = job.where
+        for name, _ in job.outputs():
+            if name in seen:
+                raise BatchNameClashError(f"{job.where}: output name '{name}' is also written by {seen[name]}",
+                                          path=p, hint="give one of them --name (or --mmproj MMNAME)")
+            seen[name] = job.where
     if not jobs:
         raise BatchFileError("the JOBS file lists no jobs", path=p,
                              expected="one job per line, or a non-empty list", found="none")

@@ -5,12 +5,14 @@ new one) holds::
 
     {"version": 1, "key": {...}, "job": {...}, "status": "running" | "done" | "failed",
      "files": {"<relative path>": {"bytes": N, "sha256": "..."}},     # once done
+     "mmproj_files": {"<MMNAME>": {"bytes": N, "sha256": "..."}},     # once done, with --mmproj
      "source": {"repo", "revision", "commit"},                        # a Hub source, once done
      "pushed": {"repo", "key", "commit"},                             # once pushed
      "error": "..." | null}
 
 Beside it, ``DIR/.convert-bnb/NAME.files.json`` is the manifest of the job's last conversion, written
-by :func:`convert.job.convert` just before it commits the output. A worker killed between that commit
+by :func:`convert.job.convert` just before it commits the output (``NAME.mmproj_files.json`` that of
+its ``--mmproj`` file, committed after it). A worker killed between that commit
 and saving the state as done leaves an installed, complete output that the state does not record
 yet; the next run recognises it by this manifest (same key, files match) and records it as done
 instead of refusing the files as foreign.
@@ -69,15 +71,18 @@ def state_path(out_dir: Path, name: str) -> Path:
     return out_dir / STATE_DIR / f"{name}.json"
 
 
-def manifest_path(state_path: Path) -> Path:
-    """Where the job's conversion writes its manifest before the commit: ``NAME.files.json`` beside the state."""
-    return state_path.with_name(state_path.stem + ".files.json")
+def manifest_path(state_path: Path, field: str = "files") -> Path:
+    """Where the job's conversion writes an output's manifest before its commit, beside the state:
+    ``NAME.files.json`` for the output the state's ``files`` records, ``NAME.mmproj_files.json`` for the
+    ``--mmproj`` file (``mmproj_files``)."""
+    return state_path.with_name(f"{state_path.stem}.{field}.json")
 
 
-def installed_manifest(state_path: Path) -> dict[str, dict[str, Any]]:
-    """The manifest the job's last conversion wrote before its commit, or ``{}`` (none, or unreadable)."""
+def installed_manifest(state_path: Path, field: str = "files") -> dict[str, dict[str, Any]]:
+    """The manifest of the output that the state's ``field`` records, as the job's last conversion wrote it
+    before its commit, or ``{}`` (none, or unreadable)."""
     try:
-        files = json.loads(manifest_path(state_path).read_text(encoding="utf-8"))
+        files = json.loads(manifest_path(state_path, field).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return {}
     ok = isinstance(files, dict) and all(isinstance(r, dict) and isinstance(r.get("bytes"), int)

@@ -56,10 +56,11 @@ class JobResult:
         status: ``converted``, ``skipped`` (already done), ``failed``, or ``interrupted`` (the batch was
             stopped while the job ran; ``error`` says what was kept for the next run).
         output: the output path.
+        mmproj: the ``--mmproj`` output path, or None.
         commit: the resolved source commit (Hub), or None.
         shards_written: shards written by this run.
         shards_reused: finished shards kept from an earlier run.
-        bytes_out: bytes of the output (all files).
+        bytes_out: bytes of the output (all files, the ``--mmproj`` file too).
         verified: the conversion re-read its output before committing it (False with ``--no-verify``).
         seconds: wall time of the job.
         peak_rss_bytes: the worker's peak resident set.
@@ -86,6 +87,7 @@ class JobResult:
     rule: str | None = None
     pushed: str | None = None
     notes: list[str] = field(default_factory=list)
+    mmproj: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -116,42 +118,52 @@ def run_job(spec: dict[str, Any]) -> JobResult:
     state_file = state_path(out_dir, job.name)
     final = out_dir / job.name
     state = load_state(state_file)
-    result = JobResult(job.name, job.src, "failed", str(final))
+    outputs = [(out_dir / name, field) for name, field in job.outputs()]  # the text model's first
+    result = JobResult(job.name, job.src, "failed", str(final),
+                       mmproj=str(out_dir / job.mmproj) if job.mmproj else None)
     try:
         source = resolve_source(job.src, job.revision, to=job.to.name, output=final)
         commit = source.hub.commit if source.hub is not None else None
         result.commit = commit
         options = job_options(job, spec, revision=commit)  # the commit the key names is the one converted
         key = job_key(options, source)
-        recorded = (state.get("files") or {}) if state.get("status") == "done" else {}
-        installed = installed_manifest(state_file)  # what the last conversion committed, maybe unrecorded
-        if state.get("key") == key and final.exists() and file_manifest_matches(final, recorded):
+        done_state = state.get("status") == "done"
+        recorded = {f: (state.get(f) or {}) if done_state else {} for _, f in outputs}
+        # what the last conversion committed, maybe unrecorded
+        installed = {f: installed_manifest(state_file, f) for _, f in outputs}
+
+        def in_place(manifests: dict[str, dict[str, Any]]) -> bool:
+            return all(path.exists() and file_manifest_matches(path, manifests[f]) for path, f in outputs)
+
+        if state.get("key") == key and in_place(recorded):
             result.status = "skipped"
-        elif (state.get("key") == key and state.get("status") != "done" and final.exists()
-              and file_manifest_matches(final, installed)):
+        elif state.get("key") == key and not done_state and in_place(installed):
             # an earlier worker committed this output and died before recording it: record it now
-            check_complete(final, installed)
-            state.update(status="done", files=installed, error=None)
+            for path, f in outputs:
+                check_complete(path, installed[f])
+            state.update(status="done", error=None, **installed)
             save_state(state_file, state)
             result.status = "skipped"
             result.notes = ["the output was committed by an earlier run that stopped before recording it"]
         else:
-            overwrite = False
-            if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
-                overwrite = True  # an empty folder holds nothing to lose or to check
-            elif final.exists() or final.is_symlink():
-                foreign = foreign_files(final, {**installed, **recorded})
-                if foreign:
-                    raise ForeignFilesError(
-                        "the job's output holds files this batch did not write; redoing the job would remove them",
-                        path=final, action="write", found=foreign[:5],
-                        hint="move them out of the folder, or give the job another --name")
-                if state.get("key") != key and not spec.get("overwrite"):
-                    raise JobSettingsChangedError(
-                        "the job's output was made with other settings", path=final, action="write",
-                        expected=key_text(key), found=key_text(state.get("key")),
-                        hint="pass --overwrite to redo it with the new settings, or give the job another --name")
-                overwrite = True
+            overwrite, kept = False, []
+            for path, f in outputs:
+                if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+                    overwrite = True  # an empty folder holds nothing to lose or to check
+                elif path.exists() or path.is_symlink():
+                    foreign = foreign_files(path, {**installed[f], **recorded[f]})
+                    if foreign:
+                        raise ForeignFilesError(
+                            "the job's output holds files this batch did not write; redoing the job would remove "
+                            "them", path=path, action="write", found=foreign[:5],
+                            hint="move them out of the folder, or give the job another --name")
+                    kept.append(path)
+            if kept and state.get("key") != key and not spec.get("overwrite"):
+                raise JobSettingsChangedError(
+                    "the job's output was made with other settings", path=kept[0], action="write",
+                    expected=key_text(key), found=key_text(state.get("key")),
+                    hint="pass --overwrite to redo it with the new settings, or give the job another --name")
+            overwrite = overwrite or bool(kept)
             pushed = state.get("pushed") if state.get("key") == key else None
             state = {"version": STATE_VERSION, "key": key, "job": job.to_dict(), "status": "running"}
             if pushed:
@@ -159,17 +171,20 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             save_state(state_file, state)
             done = convert(replace(options, overwrite=overwrite,
                                    on_progress=_progress_writer(progress_path(out_dir, job.name))))
-            check_complete(final, done.files)
+            written = {"files": done.files, "mmproj_files": done.details.get("mmproj", {}).get("files", {})}
+            for path, f in outputs:
+                check_complete(path, written[f])
+                state[f] = written[f]
             result.status = "converted"
             result.shards_written, result.shards_reused = done.shards_written, done.shards_reused
             result.verified = done.verified
             result.notes = [line for line in [done.fp16_line()] if line] + done.notes
-            state.update(status="done", files=done.files, error=None)
+            state.update(status="done", error=None)
             if source.hub is not None:
                 state["source"] = {"repo": source.hub.repo_id, "revision": source.hub.revision,
                                    "commit": source.hub.commit}
             save_state(state_file, state)
-        result.bytes_out = sum(f["bytes"] for f in state.get("files", {}).values())
+        result.bytes_out = sum(r["bytes"] for _, f in outputs for r in state.get(f, {}).values())
         if spec.get("push_to_hub"):
             result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
     except BaseException as exc:

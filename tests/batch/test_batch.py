@@ -362,8 +362,8 @@ def test_single_file_outputs_push_to_a_repo_named_without_the_extension() -> Non
     from convert.batch.card import build_upload_plan
 
     job = Job("org/m", None, "gguf:q8_0", 10**9, "m-gguf-q8_0.gguf")
-    up = build_upload_plan("me", job, Path("/o/m-gguf-q8_0.gguf"), {"m-gguf-q8_0.gguf": {"bytes": 4, "sha256": "x"}},
-                           "card", False)
+    files = {"m-gguf-q8_0.gguf": {"bytes": 4, "sha256": "x"}}
+    up = build_upload_plan("me", job, [(Path("/o/m-gguf-q8_0.gguf"), files)], "card", False)
     assert up["create_repo"]["repo_id"] == up["commit"]["repo_id"] == "me/m-gguf-q8_0"
     assert [o["path_in_repo"] for o in up["commit"]["operations"]] == ["m-gguf-q8_0.gguf", "README.md"]
 
@@ -682,3 +682,125 @@ def test_job_notes_are_printed_and_recorded(tmp_path: Path) -> None:
     assert r.returncode == 0 and f"  note: {line}" in r.stderr.splitlines()
     r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "out2"), "--json"], env)
     assert json.loads(r.stdout)[0]["notes"][0] == line
+
+
+# ---------------------------------------------------------------- --mmproj in JOBS files
+
+MM_SRC = MODELS / "gemma3cg_nf4_dq"
+
+
+def test_mmproj_in_jobs_files(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(f"{MM_SRC} --to gguf:q8_0 --mmproj\n{MM_SRC} --to gguf:f16 --name g --mmproj proj\n"
+                 f"{MM_SRC} --to gguf:q4_k_m --name h\n")
+    a, b, c = parse_jobs(t, _defaults())
+    assert (a.name, a.mmproj) == ("gemma3cg_nf4_dq-gguf-q8_0.gguf", "mmproj-gemma3cg_nf4_dq-gguf-q8_0.gguf")
+    assert (b.name, b.mmproj) == ("g.gguf", "proj.gguf")
+    assert (c.name, c.mmproj) == ("h.gguf", None)
+    assert a.outputs() == [(a.name, "files"), (a.mmproj, "mmproj_files")] and c.outputs() == [("h.gguf", "files")]
+    j = tmp_path / "j.json"
+    j.write_text(json.dumps([{"src": str(MM_SRC), "to": "gguf:f16", "name": "g", "mmproj": True},
+                             {"src": str(MM_SRC), "to": "gguf", "name": "k", "mmproj": "p2"},
+                             {"src": str(MM_SRC), "to": "gguf", "name": "l", "mmproj": False}]))
+    assert [x.mmproj for x in parse_jobs(j, _defaults())] == ["mmproj-g.gguf", "p2.gguf", None]
+    assert Job(**a.to_dict()) == a  # a worker's spec file reads it back
+
+
+@pytest.mark.parametrize(("content", "rule", "part"), [
+    (f"{MM_SRC} --to bf16 --mmproj\n", "BATCH-003", "j.txt:1: --mmproj needs a GGUF target"),
+    (f"{MM_SRC} --to gguf --mmproj ../p\n", "BATCH-003", "mmproj must be true or a plain file name"),
+    (f"{MM_SRC} --to gguf --name a --mmproj b\n{MM_SRC} --to gguf --name b\n", "BATCH-004",
+     "j.txt:2: output name 'b.gguf' is also written by j.txt:1"),
+    (f"{MM_SRC} --to gguf --name a --mmproj a\n", "BATCH-004", "j.txt:1: output name 'a.gguf' is also written by "
+     "j.txt:1"),
+])
+def test_bad_mmproj_jobs(tmp_path: Path, content: str, rule: str, part: str) -> None:
+    p = tmp_path / "j.txt"
+    p.write_text(content)
+    with pytest.raises(UsageError) as ei:
+        parse_jobs(p, _defaults())
+    assert (ei.value.rule, ei.value.path) == (rule, str(p))
+    assert part in str(ei.value)
+
+
+def test_batch_mmproj_job_writes_records_skips_and_redoes_both_files(tmp_path: Path) -> None:
+    """A JOBS line with --mmproj writes the text GGUF and the projector, each byte-identical to the single
+    run's; the state records both; a re-run skips; a missing or damaged projector is redone; a file of the
+    user's where the projector goes is never replaced (BATCH-006)."""
+    env = offline_env(tmp_path)
+    direct = tmp_path / "direct"
+    assert main([str(MM_SRC), "--to", "gguf:q4_k_m", "-o", str(direct / "g.gguf"), "--mmproj",
+                 str(direct / "mmproj-g.gguf"), "--quiet"]) == 0
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MM_SRC} --to gguf:q4_k_m --name g --mmproj\n")
+    out = tmp_path / "out"
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)
+    assert (res["status"], res["mmproj"]) == ("converted", str(out / "mmproj-g.gguf"))
+    assert _files(direct) == {n: (out / n).read_bytes() for n in ("g.gguf", "mmproj-g.gguf")}
+    assert res["bytes_out"] == sum(len(b) for b in _files(direct).values())
+    state = json.loads((out / ".convert-bnb" / "g.gguf.json").read_text())
+    assert state["status"] == "done" and state["key"]["mmproj"] == "mmproj-g.gguf"
+    assert state["files"] == {"g.gguf": {"bytes": len(_files(direct)["g.gguf"]),
+                                         "sha256": sha256_file(direct / "g.gguf")}}
+    assert state["mmproj_files"] == {"mmproj-g.gguf": {"bytes": len(_files(direct)["mmproj-g.gguf"]),
+                                                       "sha256": sha256_file(direct / "mmproj-g.gguf")}}
+    before = _stat(out)
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "skipped" and _stat(out) == before
+    # the projector removed: the job is done again, both files as before
+    (out / "mmproj-g.gguf").unlink()
+    r = _batch(jobs, out, env, "--json")
+    assert json.loads(r.stdout)[0]["status"] == "converted", r.stderr
+    assert _files(direct) == {n: (out / n).read_bytes() for n in ("g.gguf", "mmproj-g.gguf")}
+    # a projector of the user's under a new job's MMNAME: refused, kept
+    jobs.write_text(f"{MM_SRC} --to gguf:q4_k_m --name g --mmproj\n{MM_SRC} --to gguf:q8_0 --name h --mmproj\n")
+    (out / "mmproj-h.gguf").write_bytes(b"mine")
+    r = _batch(jobs, out, env, "--json")
+    g, h = json.loads(r.stdout)
+    assert g["status"] == "skipped" and (h["status"], h["rule"]) == ("failed", "BATCH-006")
+    assert "mmproj-h.gguf" in h["error"] and (out / "mmproj-h.gguf").read_bytes() == b"mine"
+    assert not (out / "h.gguf").exists()
+
+
+def test_batch_mmproj_killed_between_the_two_commits(tmp_path: Path) -> None:
+    """kill -9 after the text GGUF is committed, before the projector is: the next run does not take the
+    text file alone for the job, converts again and records both; killed after the projector's commit,
+    the next run records both as the earlier run committed them."""
+    env = offline_env(tmp_path)
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MM_SRC} --to gguf:q8_0 --name g --mmproj\n")
+    for point, status in (("g.gguf", "converted"), ("mmproj-g.gguf", "skipped")):
+        out = tmp_path / f"out-{point}"
+        kill_batch_at_pause(jobs, out, env, point, "commit", tmp_path / f"{point}.paused")
+        assert json.loads((out / ".convert-bnb" / "g.gguf.json").read_text())["status"] != "done"
+        assert (out / "mmproj-g.gguf").exists() is (status == "skipped")
+        r = _batch(jobs, out, env, "--json")
+        (res,) = json.loads(r.stdout)
+        assert (r.returncode, res["status"]) == (0, status), r.stderr
+        state = json.loads((out / ".convert-bnb" / "g.gguf.json").read_text())
+        assert state["status"] == "done" and set(state["files"]) == {"g.gguf"}
+        assert set(state["mmproj_files"]) == {"mmproj-g.gguf"}
+        assert state["mmproj_files"]["mmproj-g.gguf"]["sha256"] == sha256_file(out / "mmproj-g.gguf")
+
+
+def test_batch_mmproj_push_plan_holds_both_files(tmp_path: Path) -> None:
+    env = offline_env(tmp_path)
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MM_SRC} --to gguf:q8_0 --name g --mmproj\n")
+    out = tmp_path / "out"
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    (plan,) = json.loads(r.stdout)
+    assert (plan["action"], plan["mmproj"]) == ("convert", str(out / "mmproj-g.gguf"))
+    assert "| --mmproj | mmproj-g.gguf |" in plan["card"] and "--mmproj mmproj-g.gguf" in plan["card"]
+    assert _batch(jobs, out, env).returncode == 0
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    (plan,) = json.loads(r.stdout)
+    state = json.loads((out / ".convert-bnb" / "g.gguf.json").read_text())
+    assert plan["action"] == "skip (already converted)"
+    ops = {o["path_in_repo"]: o["from"] for o in plan["upload"]["commit"]["operations"]}
+    assert ops == {"g.gguf": str(out / "g.gguf"), "mmproj-g.gguf": str(out / "mmproj-g.gguf"),
+                   "README.md": "model card"}
+    for rel, rec in {**state["files"], **state["mmproj_files"]}.items():
+        assert f"| {rel} | {rec['bytes']} | {rec['sha256']} |" in plan["card"]
