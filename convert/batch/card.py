@@ -141,7 +141,8 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     lines += ["Reproduce with:", "", "```", cmd, "```", ""]
     lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---:|---|"]
     for rel, rec in sorted(files.items()):
-        lines.append(f"| {rel} | {rec['bytes']} | {rec['sha256']} |")
+        size = rec["bytes"] if rec["bytes"] is not None else "(after conversion)"
+        lines.append(f"| {rel} | {size} | {rec['sha256']} |")
     lines.append("")
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
     return str(card)
@@ -257,7 +258,7 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
             outputs = [(final, _planned_files(src, job))]
             if job.mmproj:
-                outputs.append((out_dir / job.mmproj, None))
+                outputs.append((out_dir / job.mmproj, {job.mmproj: {"bytes": None, "sha256": "(after conversion)"}}))
         if push_to_hub:
             quant = quant_summary(src) if src.exists() else []
             card = model_card(job, commit, _card_files(outputs), quant)
@@ -283,7 +284,10 @@ def _resolve_without_download(job: Job) -> Any:
 
 
 def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
-    """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local."""
+    """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local;
+    a GGUF job's one file by name (its size is known after conversion)."""
+    if job.to.family == "gguf":
+        return {job.name: {"bytes": None, "sha256": "(after conversion)"}}
     if not src.exists():
         return None
 

@@ -120,7 +120,8 @@ def run_command(args: argparse.Namespace) -> int:
                     print(f"  upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
                           f"exist_ok), one commit '{up['commit']['commit_message']}':")
                     for op in up["commit"]["operations"]:
-                        print(f"    {op['path_in_repo']:<40} {op['bytes']:>14,d} B  <- {op['from']}")
+                        size = f"{op['bytes']:>14,d} B" if op["bytes"] is not None else "(after conversion)"
+                        print(f"    {op['path_in_repo']:<40} {size:>16}  <- {op['from']}")
                     print("  model card:")
                     print("    " + e["card"].replace("\n", "\n    ").rstrip())
         return 0

@@ -53,6 +53,9 @@ from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, B
 __all__ = ["Job", "job_options", "parse_jobs", "target_names"]
 
 _FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj"]
+#: The longest NAME (UTF-8 bytes): 255, the file name limit, less what the longest file beside the output
+#: adds (``.NAME.gguf.convert-bnb-old-PID``, ``NAME.mmproj_files.json``).
+MAX_NAME_BYTES = 200
 
 
 @dataclass
@@ -171,8 +174,8 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     if not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0:
         raise bad("max_shard_size must be a positive size", found=mss)
     name = fields.get("name") or _default_name(src, to, revision)
-    if not isinstance(name, str) or "/" in name or name.startswith(".") or name in ("", ".."):
-        raise bad("name must be a plain directory name", found=name)
+    if not _plain_name(name):
+        raise bad("name must be a plain directory name", expected=_PLAIN_NAME, found=name)
     name = with_target_suffix(name, to)  # --name model -> model.gguf for a GGUF job, as default names
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
@@ -189,9 +192,24 @@ def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOpti
         raise bad("--mmproj needs a GGUF target", expected="--to gguf[:TYPE]", found=f"--to {to.name}")
     if value is True:
         return f"mmproj-{name}"
-    if not isinstance(value, str) or "/" in value or value.startswith(".") or not value.strip():
-        raise bad("mmproj must be true or a plain file name", found=value)
+    if not _plain_name(value):
+        raise bad("mmproj must be true or a plain file name", expected=_PLAIN_NAME, found=value)
     return with_target_suffix(value, to)
+
+
+#: What a job's NAME or MMNAME may be.
+_PLAIN_NAME = f"a name without '/' or NUL, not starting with '.', of at most {MAX_NAME_BYTES} UTF-8 bytes"
+
+
+def _plain_name(value: Any) -> bool:
+    """Whether ``value`` can name an output under the batch's DIR (with its ``.gguf`` suffix, staging,
+    lock and state files beside it: each at most 255 bytes, the file systems' limit)."""
+    if not isinstance(value, str) or not value.strip() or "/" in value or "\0" in value or value.startswith("."):
+        return False
+    try:
+        return len(value.encode("utf-8")) <= MAX_NAME_BYTES
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+        return False
 
 
 def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path) -> Job | None:

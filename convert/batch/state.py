@@ -99,7 +99,8 @@ def key_text(key: Any) -> str:
     """A job key in one line for messages: the settings that differ from run to run."""
     if not isinstance(key, dict):
         return "no record"
-    parts = [f"{k}={key[k]}" for k in ("commit", "to", "max_shard_size", "converter") if key.get(k) is not None]
+    parts = [f"{k}={key[k]}" for k in ("commit", "to", "max_shard_size", "mmproj", "converter")
+             if key.get(k) is not None]
     return ", ".join(parts)
 
 

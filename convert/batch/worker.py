@@ -156,7 +156,8 @@ def run_job(spec: dict[str, Any]) -> JobResult:
                         raise ForeignFilesError(
                             "the job's output holds files this batch did not write; redoing the job would remove "
                             "them", path=path, action="write", found=foreign[:5],
-                            hint="move them out of the folder, or give the job another --name")
+                            hint="move them out of the folder, or give the job another --name" if f == "files"
+                            else "move it away, or give the job another --mmproj MMNAME")
                     kept.append(path)
             if kept and state.get("key") != key and not spec.get("overwrite"):
                 raise JobSettingsChangedError(

@@ -713,6 +713,12 @@ def test_mmproj_in_jobs_files(tmp_path: Path) -> None:
      "j.txt:2: output name 'b.gguf' is also written by j.txt:1"),
     (f"{MM_SRC} --to gguf --name a --mmproj a\n", "BATCH-004", "j.txt:1: output name 'a.gguf' is also written by "
      "j.txt:1"),
+    (f"{MM_SRC} --to gguf --mmproj {'m' * 201}\n", "BATCH-003", "mmproj must be true or a plain file name "
+     "(expected \"a name without '/' or NUL, not starting with '.', of at most 200 UTF-8 bytes\""),
+    (f"{MM_SRC} --to gguf --name {'n' * 201}\n", "BATCH-003", "name must be a plain directory name"),
+    (json.dumps([{"src": str(MM_SRC), "to": "gguf", "mmproj": "x\u0000y"}]), "BATCH-003", "j.txt[0]: mmproj must "),
+    (json.dumps([{"src": str(MM_SRC), "to": "gguf", "name": "x\u0000y"}]), "BATCH-003", "j.txt[0]: name must "),
+    (json.dumps([{"src": str(MM_SRC), "to": "gguf", "mmproj": "\ud800"}]), "BATCH-001", "lone UTF-16 surrogate"),
 ])
 def test_bad_mmproj_jobs(tmp_path: Path, content: str, rule: str, part: str) -> None:
     p = tmp_path / "j.txt"
@@ -761,7 +767,15 @@ def test_batch_mmproj_job_writes_records_skips_and_redoes_both_files(tmp_path: P
     g, h = json.loads(r.stdout)
     assert g["status"] == "skipped" and (h["status"], h["rule"]) == ("failed", "BATCH-006")
     assert "mmproj-h.gguf" in h["error"] and (out / "mmproj-h.gguf").read_bytes() == b"mine"
+    assert "give the job another --mmproj MMNAME" in h["error"]
     assert not (out / "h.gguf").exists()
+    # the projector dropped from a done job: other settings, named (BATCH-005), nothing replaced
+    jobs.write_text(f"{MM_SRC} --to gguf:q4_k_m --name g\n")
+    r = _batch(jobs, out, env, "--json")
+    (g,) = json.loads(r.stdout)
+    assert (g["status"], g["rule"]) == ("failed", "BATCH-005")
+    assert "expected 'to=gguf:q4_k_m, max_shard_size=5000000000, converter=" in g["error"]
+    assert "found 'to=gguf:q4_k_m, max_shard_size=5000000000, mmproj=mmproj-g.gguf, converter=" in g["error"]
 
 
 def test_batch_mmproj_killed_between_the_two_commits(tmp_path: Path) -> None:
@@ -794,6 +808,12 @@ def test_batch_mmproj_push_plan_holds_both_files(tmp_path: Path) -> None:
     (plan,) = json.loads(r.stdout)
     assert (plan["action"], plan["mmproj"]) == ("convert", str(out / "mmproj-g.gguf"))
     assert "| --mmproj | mmproj-g.gguf |" in plan["card"] and "--mmproj mmproj-g.gguf" in plan["card"]
+    ops = {o["path_in_repo"]: (o["bytes"], o["from"]) for o in plan["upload"]["commit"]["operations"]}
+    assert ops == {"g.gguf": (None, str(out / "g.gguf")), "mmproj-g.gguf": (None, str(out / "mmproj-g.gguf")),
+                   "README.md": (len(plan["card"].encode()), "model card")}
+    assert "| mmproj-g.gguf | (after conversion) | (after conversion) |" in plan["card"]
+    text = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run").stdout
+    assert f"    mmproj-g.gguf{' ' * 28}(after conversion)  <- {out / 'mmproj-g.gguf'}" in text
     assert _batch(jobs, out, env).returncode == 0
     r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
     (plan,) = json.loads(r.stdout)
