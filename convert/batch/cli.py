@@ -148,4 +148,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in results], indent=2))
     elif not args.quiet:
         print(summary_table(results))
+    else:  # -q: still one line per failed job, with its rule, as `check -q` prints problems
+        for r in results:
+            if r.status == "failed":
+                print(f"convert-bnb batch: job {r.name} failed: {r.error}", file=sys.stderr)
     return EXIT_JOBS_FAILED if any(r.status == "failed" for r in results) else 0

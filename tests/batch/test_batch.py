@@ -824,3 +824,15 @@ def test_batch_mmproj_push_plan_holds_both_files(tmp_path: Path) -> None:
                    "README.md": "model card"}
     for rel, rec in {**state["files"], **state["mmproj_files"]}.items():
         assert f"| {rel} | {rec['bytes']} | {rec['sha256']} |" in plan["card"]
+
+
+def test_quiet_batch_still_names_each_failed_job(tmp_path: Path) -> None:
+    """``batch -q``: no table and no progress, but one line per failed job with its rule (a CI log names it)."""
+    broken = broken_model(tmp_path / "broken")
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --name good\n{broken} --name bad\n")
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "out"), "-q"], offline_env(tmp_path))
+    assert (r.returncode, r.stdout) == (3, "")
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("convert-bnb batch: job bad failed: ") and "BNB-009" in line
+    assert (tmp_path / "out" / "good").is_dir()
