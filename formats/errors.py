@@ -970,6 +970,15 @@ class HubShardError(HubError):
               "without --low-disk the whole repo is downloaded into the cache before anything is read.")
 
 
+class HubUploadError(HubError):
+    """A batch job's finished output could not be uploaded with ``--push-to-hub`` (network, permissions,
+    the Hub refusing the commit); the conversion is kept and recorded as done."""
+
+    default_rule = "HUB-003"
+    advice = ("Check the network and that HF_TOKEN may write to the organisation, then run the same batch again: "
+              "it uploads the kept output without converting it again.")
+
+
 # ------------------------------------------------------------------------------------------- GGUF
 
 

@@ -34,7 +34,7 @@ from convert.options import Target
 from convert.output import recorded_shards
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError, HubError
+from formats.errors import ConvertBnbError, HubUploadError
 
 __all__ = ["LOSSLESS_TARGETS", "build_upload_plan", "card_claims", "model_card", "plan_batch", "push_output",
            "quant_summary", "repo_name"]
@@ -189,7 +189,7 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
         the repo id pushed to (now or before).
 
     Raises:
-        HubError: the Hub refused (no write access, network).
+        HubUploadError: HUB-003, the upload failed (network, no write access, the Hub refused).
     """
     org = spec["push_to_hub"]
     target = f"{org}/{repo_name(job)}"
@@ -209,12 +209,11 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
     try:
         api.create_repo(**plan["create_repo"])
         info = api.create_commit(target, ops, commit_message=plan["commit"]["commit_message"])
-    except Exception as exc:
-        if type(exc).__module__.startswith("huggingface_hub"):
-
-            raise HubError(f"cannot push to '{target}' ({type(exc).__name__}: {str(exc).splitlines()[0]})",
-                           action="push", hint="check HF_TOKEN has write access to the organisation") from None
-        raise
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors, and its HTTP and socket libraries'
+        first = (str(exc).splitlines() or [""])[0]
+        raise HubUploadError(f"cannot push to '{target}' ({type(exc).__name__}: {first})", action="push",
+                             hint="the conversion is kept; check the network and HF_TOKEN's write access, then "
+                                  "run the batch again to retry the upload") from None
     state["pushed"] = {"repo": target, "key": state.get("key"), "commit": getattr(info, "oid", None)}
     save_state(state_path, state)
     return target

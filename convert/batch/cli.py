@@ -150,6 +150,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(summary_table(results))
     else:  # -q: still one line per failed job, with its rule, as `check -q` prints problems
         for r in results:
-            if r.status == "failed":
-                print(f"convert-bnb batch: job {r.name} failed: {r.error}", file=sys.stderr)
-    return EXIT_JOBS_FAILED if any(r.status == "failed" for r in results) else 0
+            if r.status in FAILED:
+                print(f"convert-bnb batch: job {r.name} {r.status}: {r.error}", file=sys.stderr)
+    return EXIT_JOBS_FAILED if any(r.status in FAILED for r in results) else 0
+
+
+#: The job statuses that make the batch exit with EXIT_JOBS_FAILED.
+FAILED = ("failed", "upload-failed")

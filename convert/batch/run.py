@@ -89,8 +89,9 @@ Pushing
     ``--push-to-hub ORG`` creates ``ORG/NAME`` (``exist_ok``, ``--private``) after a job is done and
     uploads the output in one commit with a model card (``README.md``) recording the source repo and
     commit, the settings and the converter version. The push is recorded in the state file; a re-run
-    does not push a job again once pushed to the same repo with the same key. A failed push fails the
-    job but leaves its conversion done. ``--dry-run`` converts nothing and prints each job's plan,
+    does not push a job again once pushed to the same repo with the same key. A failed push is the job's
+    own outcome, ``upload-failed`` (HUB-003, exit 3): the conversion stays done and kept, and a re-run
+    uploads it without converting again. ``--dry-run`` converts nothing and prints each job's plan,
     the card and the upload plan. See :mod:`convert.batch.card`.
 """
 

@@ -40,7 +40,7 @@ from convert.batch.state import (
 from convert.job import convert, job_key, resolve_source
 from convert.output import PARTIAL_MARK, write_json
 from convert.stream.pipeline import peak_rss_bytes
-from formats.errors import ConvertBnbError, ForeignFilesError, JobSettingsChangedError
+from formats.errors import ConvertBnbError, ForeignFilesError, HubUploadError, JobSettingsChangedError
 
 __all__ = ["JobResult", "execute_job", "failed_result", "interrupted_message", "progress_path", "read_progress",
            "run_job", "worker_main"]
@@ -53,8 +53,9 @@ class JobResult:
     Attributes:
         name: the job's output name.
         src: its source (repo id or path).
-        status: ``converted``, ``skipped`` (already done), ``failed``, or ``interrupted`` (the batch was
-            stopped while the job ran; ``error`` says what was kept for the next run).
+        status: ``converted``, ``skipped`` (already done), ``upload-failed`` (converted or done before, kept,
+            but ``--push-to-hub`` failed: HUB-003; a re-run uploads it), ``failed``, or ``interrupted`` (the
+            batch was stopped while the job ran; ``error`` says what was kept for the next run).
         output: the output path.
         mmproj: the ``--mmproj`` output path, or None.
         commit: the resolved source commit (Hub), or None.
@@ -187,7 +188,11 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             save_state(state_file, state)
         result.bytes_out = sum(r["bytes"] for _, f in outputs for r in state.get(f, {}).values())
         if spec.get("push_to_hub"):
-            result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
+            try:
+                result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
+            except HubUploadError as exc:  # the conversion is done and kept: its own outcome, not a failed job
+                result.status, result.error_class, result.rule = "upload-failed", type(exc).__name__, exc.rule
+                result.error = f"converted, upload failed: {exc}"
     except BaseException as exc:
         if state.get("status") != "done":  # a failed push leaves a finished conversion done
             state["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"

@@ -329,7 +329,13 @@ def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str
     r = _batch(jobs, out, env, "--push-to-hub", "me", "--json")
     assert r.returncode == 3
     (res,) = json.loads(r.stdout)
-    assert res["status"] == "failed" and "cannot push to 'me/a-bf16' (OfflineModeIsEnabled" in res["error"]
+    assert (res["status"], res["rule"], res["error_class"]) == ("upload-failed", "HUB-003", "HubUploadError")
+    assert res["error"].startswith("converted, upload failed: ")
+    assert "cannot push to 'me/a-bf16' (OfflineModeIsEnabled" in res["error"] and res["bytes_out"] > 0
+    r = _batch(jobs, out, env, "--push-to-hub", "me")  # the table and -q say so too; nothing converted again
+    assert "a-bf16  upload-failed  0/0" in r.stdout and "run the batch again to retry the upload" in r.stdout
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "-q")
+    assert r.stderr.startswith("convert-bnb batch: job a-bf16 upload-failed: converted, upload failed: ")
     state = json.loads((out / ".convert-bnb" / "a-bf16.json").read_text())
     assert state["status"] == "done" and "pushed" not in state  # the conversion stays done
     before = _stat(out / "a-bf16")

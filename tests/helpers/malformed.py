@@ -617,6 +617,20 @@ def _hub_offline(src: Path, out: Path) -> None:
         resolve_repo("org/not-in-the-cache", cache_dir=src)
 
 
+def _hub_upload_offline(src: Path, out: Path) -> None:
+    """``--push-to-hub`` of a finished batch output with the Hub unreachable (offline mode)."""
+    from huggingface_hub import constants
+
+    from convert.batch.card import push_output
+    from convert.batch.jobs import Job
+
+    final = src / "model.safetensors"
+    state = {"key": {"to": "bf16"}, "files": {"model.safetensors": {"bytes": final.stat().st_size, "sha256": "0"}}}
+    with mock.patch.object(constants, "HF_HUB_OFFLINE", True):
+        push_output(Job(str(src), None, "bf16", 10**9, "model.safetensors"), final, state, out.parent / "state.json",
+                    {"push_to_hub": "org"}, None, [])
+
+
 def _hub_shard_withheld(src: Path, out: Path) -> None:
     """A low-disk run fetches a shard whose header the Hub served but whose file it no longer serves."""
     from huggingface_hub import constants
@@ -1005,6 +1019,9 @@ CASES: list[Case] = [
     Case("hub-shard-withheld", E.HubShardError,
          ["HUB-002", "cannot download a shard of the low-disk run", "EntryNotFoundError (HTTP 404)"],
          lambda d: one_file(layer())(d).parent, run=_hub_shard_withheld, argv=None),
+    Case("hub-upload-offline", E.HubUploadError,
+         ["HUB-003", "cannot push to 'org/model' (OfflineModeIsEnabled", "the conversion is kept"],
+         lambda d: one_file(layer())(d).parent, run=_hub_upload_offline, argv=None),
     # ---- model directory
     Case("index-not-json", E.IndexJsonError, ["CKPT-001", "model.safetensors.index.json'", "not valid JSON"],
          lambda d: _two_shards(d, index='{"weight_map": ')),
