@@ -4,9 +4,9 @@
 every planned tensor an adapter touches gets its source wrapped in a
 :class:`LoraSource`, which produces whole rows: it asks the wrapped source for the dequantized base
 rows (in the output dtype), merges them with :meth:`convert.lora.delta.TensorMerge.merge_rows` and hands the
-merged rows on. The chunk unit becomes a multiple of both the layer's blocksize and whole rows (the
-product's ``ROW_ALIGN``-row blocks are fixed whatever the chunking: :func:`convert.lora.delta.lora_delta_rows`),
-so the pipeline's memory cap and threading apply to the merge unchanged.
+merged rows on. The chunk unit becomes a multiple of both the layer's blocksize and whole rows (any row
+range of the product has the same bits: :func:`convert.lora.delta.exact_product`), so the pipeline's
+memory cap and threading apply to the merge unchanged.
 
 A tensor whose rows the adapter resizes (a resized vocabulary) is taken from the adapter, its new
 shape goes into the plan, and ``vocab_size`` in the output ``config.json`` is updated.
@@ -61,8 +61,8 @@ class LoraSource(Source):
         self.original = original
         self.cols = math.prod(merge.shape[1:]) if len(merge.shape) > 1 else 1
         self.numel = math.prod(merge.shape)
-        # whole rows; any row range gives the same bits (lora_delta_rows computes fixed ROW_ALIGN-row
-        # blocks, re-doing a block cut by a chunk edge), so a small cap still leaves room for two workers
+        # whole rows; any row range gives the same bits (exact_product), so a small cap still leaves room
+        # for two workers
         self.unit = self.numel if merge.whole_tensor else math.lcm(inner.unit, self.cols)
         adapter_bytes = sum(
             r.nbytes for op in merge.ops for r in (op.lora_A, op.lora_B, op.magnitude, op.replacement) if r is not None
@@ -113,7 +113,7 @@ class LoraSource(Source):
 
     def _run_rows(self) -> int:
         """Rows merged at once when the base is dequantized in place: whole chunk units and whole
-        :data:`~convert.lora.delta.ROW_ALIGN`-row sgemm blocks, at least ``8 * PIECE`` elements (4 MiB of bf16:
+        :data:`~convert.lora.delta.ROW_ALIGN`-row product blocks, at least ``8 * PIECE`` elements (4 MiB of bf16:
         in L3 when the merge reads it; runs of one ``PIECE`` paid more in per-call overhead than they
         saved: 1.17x the CPU in a paired run); all rows for a merge that needs them at once."""
         if self.merge.whole_tensor:

@@ -22,15 +22,12 @@ full tensor     ``W' = round(T)``: modules_to_save, an embedding layer PEFT save
 as torch does for a Python scalar. Several adapters are applied in order, each rounding to the
 output dtype, as merging one adapter and then loading the next onto the merged model does.
 
-Bit-exactness of ``B @ A`` versus PEFT: both torch and NumPy call an optimised BLAS sgemm, and PEFT
-computes the whole product at once. An sgemm's bits for one output element depend on the shape of
-the call on some BLAS builds (OpenBLAS 0.3.31 on AMD EPYC gives different bits for the same row of
-``B[a:b] @ A`` and ``B @ A``), so the product is always computed in the same pieces whatever the
-chunking, threads or memory cap: the whole matrix in one sgemm when it has at most
-:data:`WHOLE_PRODUCT_ELEMENTS` elements (as PEFT; every fixture-sized layer), else fixed blocks of
-:data:`ROW_ALIGN` rows from row 0. Where the BLAS's bits do not depend on the call's shape (the
-machines tested before: OpenBLAS 0.3.31 on Intel, torch 2.13 CPU) both agree with PEFT bit for bit.
-The DoRA norm follows torch's fp32 summation order (:func:`dora_norm`).
+``B @ A`` is :func:`exact_product`: exact float64 products summed over the rank in a fixed order and
+rounded once to fp32 (computed with a float64 matmul and an error bound that certifies the rounding),
+the same bits on every CPU, BLAS kernel, thread count and chunking. PEFT's
+sgemm accumulates in fp32 and differs from it by one fp32 ulp in many delta values, which moves 2 to 5
+merged bf16 values per million by one ulp (docs/lora.md). The DoRA norm follows torch's fp32 summation
+order (:func:`dora_norm`).
 """
 
 from __future__ import annotations
@@ -51,17 +48,17 @@ from formats.errors import LoraShapeError, NonFiniteAdapterError
 
 __all__ = [
     "ROW_ALIGN",
-    "WHOLE_PRODUCT_ELEMENTS",
     "MergeOp",
     "TensorMerge",
     "dora_norm",
+    "exact_product",
     "lora_delta_rows",
 ]
 
-#: Rows of ``B @ A`` per sgemm for products larger than :data:`WHOLE_PRODUCT_ELEMENTS` (module docstring).
+#: float64 elements of :func:`exact_product`'s blocks (512 KiB).
+_BLOCK_ELEMENTS = 1 << 16
+#: Rows of ``B @ A`` per :func:`exact_product` call (its float64 blocks stay in cache; any value gives the same bits).
 ROW_ALIGN = 64
-#: Products of at most this many elements are computed whole, in one sgemm, as PEFT does.
-WHOLE_PRODUCT_ELEMENTS = 1 << 20
 
 
 def _dtype(name: np.dtype | str) -> np.dtype:
@@ -82,9 +79,9 @@ def lora_delta_rows(
 ) -> npt.NDArray[np.float32]:
     """Rows [start, stop) of the LoRA delta ``(B @ A) * scale`` (or of ``(B @ A).T * scale``).
 
-    Matches PEFT ``lora.Linear.get_delta_weight`` / ``lora.Embedding.get_delta_weight`` for fp32 adapter
-    weights: fp32 sgemm, then one fp32 multiply by ``fp32(scale)``. The product is computed in fixed
-    pieces (:func:`product_blocks`), so the bits do not depend on ``start``/``stop``.
+    PEFT ``lora.Linear.get_delta_weight`` / ``lora.Embedding.get_delta_weight`` for fp32 adapter weights
+    with the product exact (:func:`exact_product`), then one fp32 multiply by ``fp32(scale)``; the bits
+    do not depend on ``start``/``stop``.
 
     Args:
         lora_A: ``float32[r, in]``.
@@ -102,6 +99,78 @@ def lora_delta_rows(
     return out
 
 
+def exact_product(lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float32], rows: slice,
+                  transposed: bool = False, out: npt.NDArray[np.float32] | None = None,
+                  right64: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None,
+                  ) -> npt.NDArray[np.float32]:
+    """Rows ``rows`` of ``B @ A`` (or of ``(B @ A).T``) with the same bits on every CPU.
+
+    Each element is defined as ``fp32(S)``, ``S = sum_k fp64(B[i, k]) * fp64(A[k, j])`` added in the order
+    ``k = 0, 1, ...`` in float64 (each product of two float32 values is exact there) and rounded once to
+    float32. It is computed without depending on that order: ``D``, a float64 matmul (any BLAS, any
+    summation order), and ``S`` are both within ``r * 2^-53 * M`` of the exact sum, ``M = |B| @ |A|``, and
+    ``M <= M_i = |B[i]| @ max_j |A[:, j]|`` per row; so where ``D - r * 2^-50 * M_i`` and
+    ``D + r * 2^-50 * M_i`` round to the same float32 (rounding is monotonic), that is ``fp32(S)``, and the
+    few elements where they do not (cancelling sums, float32 ties) are summed in the fixed order
+    (:func:`_ordered_sums`). The result differs from an sgemm's (PEFT's ``B @ A``, float32 accumulation)
+    by one float32 ulp in many elements, and moves 2 to 5 merged bf16 values per million by one ulp
+    (docs/lora.md).
+
+    Args:
+        lora_A: ``float32[r, in]``.
+        lora_B: ``float32[out, r]``.
+        rows: the rows wanted (of ``B @ A``; of its transpose when ``transposed``), step 1.
+        transposed: rows of ``(B @ A).T``, ``float32[in, out]``.
+        out: optional C-contiguous float32 array of the result's shape to write it into.
+        right64: the right operand (``A``, or ``B.T`` when ``transposed``) in float64 and the largest
+            absolute value of each of its rows, when the caller has them (:func:`product_blocks`).
+
+    Returns:
+        ``float32[len(rows), cols]``, C-contiguous.
+    """
+    if transposed:  # row j of the transpose: sum_k A[k, j] * B[:, k]
+        left = lora_A.T[rows]
+        right = lora_B.T
+    else:
+        left, right = lora_B[rows], lora_A
+    r64, r_max = right64 if right64 is not None else _float64_with_max(right)
+    l64 = left.astype(np.float64)  # exact
+    n, cols = l64.shape[0], r64.shape[1]
+    out = np.empty((n, cols), dtype=np.float32) if out is None else out
+    step = max(1, _BLOCK_ELEMENTS // max(cols, 1))
+    d_buf, t_buf = np.empty((2, min(step, n), cols), dtype=np.float64)
+    lo, hi = np.empty((2, min(step, n), cols), dtype=np.float32)
+    # a bound of |D - S| per row: 4x (2 r 2^-53) sum_k |left[i, k]| max_j |right[k, j]| >= 4x (2 r 2^-53) M[i, j]
+    width = (np.abs(l64) @ r_max) * (right.shape[0] * 2.0**-50)
+    for i in range(0, n, step):  # float64 blocks of at most 512 KiB: in cache, and small beside the memory cap
+        m = min(step, n - i)
+        rows64, d, t, lo_m, hi_m, w = l64[i : i + m], d_buf[:m], t_buf[:m], lo[:m], hi[:m], width[i : i + m, None]
+        np.matmul(rows64, r64, out=d)
+        np.copyto(hi_m, np.add(d, w, out=t), casting="same_kind")
+        np.copyto(lo_m, np.subtract(d, w, out=t), casting="same_kind")
+        o = out[i : i + m]
+        np.copyto(o, lo_m)
+        near = np.nonzero(lo_m.view(np.uint32) != hi_m.view(np.uint32))  # bits: -0.0 and +0.0 differ too
+        if near[0].size:
+            o[near] = _ordered_sums(rows64[near[0]], r64[:, near[1]])
+    return out
+
+
+def _float64_with_max(a: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """``a`` (``[r, cols]``) in float64 and the largest ``|a|`` of each of its rows (``[r]``)."""
+    a64 = np.asarray(a, dtype=np.float64)
+    return a64, np.abs(a64).max(axis=1, initial=0.0)
+
+
+def _ordered_sums(left: npt.NDArray[np.float64], right: npt.NDArray[np.float64]) -> npt.NDArray[np.float32]:
+    """``fp32(sum_k left[e, k] * right[k, e])`` for each element ``e``, the terms added in the order
+    ``k = 0, 1, ...`` in float64 (element-wise NumPy operations: no BLAS, no fused multiply-add)."""
+    acc = np.zeros(left.shape[0], dtype=np.float64)
+    for k in range(left.shape[1]):
+        acc += left[:, k] * right[k]
+    return acc.astype(np.float32)
+
+
 def product_blocks(
     lora_A: npt.NDArray[np.float32],
     lora_B: npt.NDArray[np.float32],
@@ -110,36 +179,22 @@ def product_blocks(
     transposed: bool = False,
     scratch: npt.NDArray[np.float32] | None = None,
 ) -> Iterator[tuple[int, npt.NDArray[np.float32]]]:
-    """Rows [start, stop) of ``B @ A`` (or of ``(B @ A).T``), unscaled, in the fixed sgemm pieces: the
-    whole matrix when it has at most :data:`WHOLE_PRODUCT_ELEMENTS` elements (as PEFT), else blocks of
-    :data:`ROW_ALIGN` rows from row 0 (a block cut by ``start`` or ``stop`` is computed whole and sliced).
+    """Rows [start, stop) of ``B @ A`` (or of ``(B @ A).T``), unscaled, by :func:`exact_product` in blocks
+    of at most :data:`ROW_ALIGN` rows (cache-sized float64 sums; the bits do not depend on the blocks).
 
     Args:
-        scratch: optional C-contiguous ``float32[ROW_ALIGN, cols]`` the :data:`ROW_ALIGN`-row blocks of
-            ``B @ A`` are computed into (each block overwrites the one before; no page faults of a fresh
-            megabyte per block). Not used for the whole product or when ``transposed``.
+        scratch: optional C-contiguous ``float32[ROW_ALIGN, cols]`` the blocks are computed into (each
+            block overwrites the one before; no page faults of a fresh megabyte per block).
 
     Yields:
         ``(row, block)``: ``block`` is ``float32[k, cols]`` holding rows ``[row, row + k)``, the blocks in
         order and covering [start, stop) once (the caller may overwrite it).
     """
-    rows = lora_A.shape[1] if transposed else lora_B.shape[0]
-    cols = lora_B.shape[0] if transposed else lora_A.shape[1]
-    if rows * cols <= WHOLE_PRODUCT_ELEMENTS:
-        blocks = [(0, rows)]
-    else:
-        first = start - start % ROW_ALIGN
-        blocks = [(a, min(rows, a + ROW_ALIGN)) for a in range(first, stop, ROW_ALIGN)]
-    for a, b in blocks:
-        if transposed:
-            # PEFT transposes B @ A; A.T @ B.T can round differently in a BLAS's edge tiles
-            block = np.matmul(lora_B, lora_A[:, a:b]).T
-        elif scratch is not None and len(blocks) > 1:
-            block = np.matmul(lora_B[a:b], lora_A, out=scratch[: b - a])  # the same sgemm call: the same bits
-        else:
-            block = np.matmul(lora_B[a:b], lora_A)
-        lo, hi = max(start, a), min(stop, b)
-        yield lo, block[lo - a : hi - a]
+    right64 = _float64_with_max(lora_B.T if transposed else lora_A)
+    for a in range(start, stop, ROW_ALIGN):
+        b = min(stop, a + ROW_ALIGN)
+        out = None if scratch is None else scratch[: b - a]
+        yield a, exact_product(lora_A, lora_B, slice(a, b), transposed, out=out, right64=right64)
 
 
 def _all_finite(a: npt.NDArray[np.float32]) -> bool:

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert.lora.delta import ROW_ALIGN, WHOLE_PRODUCT_ELEMENTS, lora_delta_rows
+from convert.lora.delta import ROW_ALIGN, lora_delta_rows
 from convert.lora.plan import plan_merge
 from formats.errors import AdapterError, NonFiniteAdapterError, PatternTimeoutError, UnsupportedError
 from formats.peft import open_adapter, parse_adapter_key
@@ -105,8 +105,18 @@ def merge_all(adapter_dirs: list[Path], base: dict[str, np.ndarray], out_dtype: 
             ad.close()
 
 
+def exact_ba(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``B @ A`` as the merge defines it (independent of any BLAS): the float64 products summed over the
+    rank in order k = 0, 1, ..., rounded once to float32."""
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    acc = np.zeros((b64.shape[0], a64.shape[1]))
+    for k in range(a64.shape[0]):
+        acc = acc + np.outer(b64[:, k], a64[k])
+    return acc.astype(np.float32)
+
+
 def expected_linear(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float, fifo: bool = False) -> np.ndarray:
-    d = b @ a
+    d = exact_ba(a, b)
     if fifo:
         d = d.T
     d = d * np.float32(scale)
@@ -121,11 +131,36 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray) -> None:
 # ------------------------------------------------------------------------------------------ fixture
 
 
+def assert_within_an_ulp(got: np.ndarray, want: np.ndarray, max_differing: int) -> None:
+    """``got`` and PEFT's ``want`` differ by at most one ulp, in at most ``max_differing`` values."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    diff = np.abs(bits(got).astype(np.int32) - bits(want).astype(np.int32))
+    assert int(diff.max(initial=0)) <= 1
+    assert int(np.count_nonzero(diff)) <= max_differing
+
+
+def fixture_merge_reference() -> dict[str, np.ndarray]:
+    """The fixture adapter merged into the fixture base by the formula (:func:`expected_linear`, scale 2)."""
+    base = base_tensors()
+    ad = read_safetensors(LORA / "adapter/adapter_model.safetensors")
+    return {k: expected_linear(w, ad[f"{P}{k[:-7]}.lora_A.weight"], ad[f"{P}{k[:-7]}.lora_B.weight"], 2.0)
+            if k[: -len(".weight")] in ATTN else w for k, w in base.items()}
+
+
+def test_fixture_merge_is_within_an_ulp_of_peft() -> None:
+    """PEFT's merge (merged_reference, made by scripts/ with torch's sgemm) and the merge's exact product
+    differ in 4 of 1,987,840 bf16 values, each by one ulp (docs/lora.md)."""
+    ours, peft = fixture_merge_reference(), read_safetensors(LORA / "merged_reference/model.safetensors")
+    diffs = [np.abs(bits(ours[k]).astype(np.int32) - bits(peft[k]).astype(np.int32)) for k in peft]
+    assert max(int(d.max()) for d in diffs) == 1
+    assert (sum(int(np.count_nonzero(d)) for d in diffs), sum(d.size for d in diffs)) == (4, 1987840)
+
+
 @pytest.mark.parametrize("rows_per_chunk", [None, 1, 7, 64, 100])
 def test_fixture_adapter_merge_is_bit_exact(rows_per_chunk: int | None) -> None:
     base = base_tensors()
     got = merge_all([LORA / "adapter"], base, rows_per_chunk=rows_per_chunk)
-    want = read_safetensors(LORA / "merged_reference/model.safetensors")
+    want = fixture_merge_reference()
     assert sorted(got) == sorted(want)
     for k in want:
         assert_bits_equal(np.asarray(got[k]), want[k])
@@ -158,7 +193,7 @@ def test_report_figures() -> None:
     rows = stats.rows()
     assert [r["tensor"] for r in rows] == [f"{m}.weight" for m in ATTN]  # plan order
     (row,) = [r for r in rows if r["tensor"] == name]
-    delta = (b @ a) * np.float32(2.0)
+    delta = exact_ba(a, b) * np.float32(2.0)
     w = base[name].astype(np.float64)
     assert row["delta_norm"] == pytest.approx(np.linalg.norm(delta.astype(np.float64)), rel=REPORT_REL)
     assert row["base_norm"] == pytest.approx(np.linalg.norm(w), rel=REPORT_REL)
@@ -314,7 +349,7 @@ def torch_row_norm(v: np.ndarray) -> np.ndarray:
 
 def dora_expected(w: np.ndarray, a: np.ndarray, b: np.ndarray, m: np.ndarray, scale: float) -> np.ndarray:
     """PEFT DoraLinearVariant.merge_unsafe: (m / ||W + delta||_row) * (W + delta), in fp32, one rounding."""
-    v = w.astype(np.float32) + (b @ a) * np.float32(scale)
+    v = w.astype(np.float32) + exact_ba(a, b) * np.float32(scale)
     return ((m / torch_row_norm(v))[:, None] * v).astype(w.dtype)
 
 
@@ -428,7 +463,7 @@ def test_dora_fan_in_fan_out_normalises_columns(tmp_path: Path) -> None:
                                        "fan_in_fan_out": True, "use_dora": True}, t)
     got = merge_all([d], base, rows_per_chunk=5)  # whole-tensor merges ignore the chunking
     w = base["transformer.h.0.attn.c_attn.weight"]  # [in, out]
-    v = w.astype(np.float32) + (b @ a).T * np.float32(2.0)
+    v = w.astype(np.float32) + exact_ba(a, b).T * np.float32(2.0)
     norm = np.zeros(v.shape[1], np.float32)
     for row in v:  # torch reduces a transposed view down the stored rows, one by one
         norm = norm + row * row
@@ -486,10 +521,10 @@ def test_delta_rows_do_not_depend_on_chunking(shape: tuple[int, int, int], trans
     rng = np.random.default_rng(rows * cols + r)
     if transposed:
         a, b = lora_pair(rng, r, cols, rows, std=1.0)
-        full = (b @ a).T * np.float32(1.5)
+        full = exact_ba(a, b).T * np.float32(1.5)
     else:
         a, b = lora_pair(rng, r, rows, cols, std=1.0)
-        full = (b @ a) * np.float32(1.5)
+        full = exact_ba(a, b) * np.float32(1.5)
     for step in (1, 3, ROW_ALIGN, 100, rows):
         parts = [lora_delta_rows(a, b, 1.5, s, min(rows, s + step), transposed) for s in range(0, rows, step)]
         assert_bits_equal(np.concatenate(parts), np.ascontiguousarray(full))
@@ -497,17 +532,16 @@ def test_delta_rows_do_not_depend_on_chunking(shape: tuple[int, int, int], trans
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_large_delta_rows_do_not_depend_on_chunking(transposed: bool) -> None:
-    """Past WHOLE_PRODUCT_ELEMENTS the product is computed in fixed ROW_ALIGN-row blocks: every chunking
-    gives the bits of those blocks (a BLAS may round a row differently in calls of other shapes)."""
+    """Any row range of a large delta gives the bits of the exact product (no BLAS call whose rounding
+    could depend on the call's shape)."""
     rows, cols, r = 2304, 520, 8
-    assert rows * cols > WHOLE_PRODUCT_ELEMENTS
     rng = np.random.default_rng(5)
     if transposed:
         a, b = lora_pair(rng, r, rows, cols, std=1.0)
-        want = np.concatenate([(b @ a[:, s : s + ROW_ALIGN]).T for s in range(0, rows, ROW_ALIGN)])
+        want = exact_ba(a, b).T
     else:
         a, b = lora_pair(rng, r, cols, rows, std=1.0)
-        want = np.concatenate([b[s : s + ROW_ALIGN] @ a for s in range(0, rows, ROW_ALIGN)])
+        want = exact_ba(a, b)
     want = want * np.float32(0.75)
     for step in (1, 37, ROW_ALIGN, 1000, rows):
         parts = [lora_delta_rows(a, b, 0.75, s, min(rows, s + step), transposed) for s in range(0, rows, step)]
@@ -525,7 +559,6 @@ def test_linear_merge_in_pieces_equals_delta_then_add(out_dtype: str, scale: flo
     from convert.lora.ops import MergeOp
 
     rows, cols, r = 300, 4000, 8
-    assert rows * cols > WHOLE_PRODUCT_ELEMENTS
     rng = np.random.default_rng(9)
     a, b = lora_pair(rng, r, rows, cols, std=1.0)
     assert _delta_bounded(a, b, scale) == (scale < 1e30)
@@ -816,8 +849,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("variant", ["fixture", "rslora", "patterns", "dora", "modules_to_save", "resized",
                                      "embedding"])
-def test_matches_peft(peft_env, llama_dir: Path, tmp_path: Path, variant: str,
-                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matches_peft(peft_env, llama_dir: Path, tmp_path: Path, variant: str) -> None:
     torch = peft_env
     rng = np.random.default_rng(20)
     base = base_tensors()
@@ -854,56 +886,23 @@ def test_matches_peft(peft_env, llama_dir: Path, tmp_path: Path, variant: str,
     got = merge_all([d], base, rows_per_chunk=64)
     want = _peft_merge(torch, llama_dir, d, resize)
     assert sorted(got) == sorted(want)
-    # B @ A through torch's sgemm instead of NumPy's: every other step is ours, so this is bit-exact on any CPU
-    import convert.lora.delta as lora_mod
-
-    with monkeypatch.context() as m:
-        m.setattr(lora_mod, "np", _WithMatmul(_torch_matmul(torch)))
-        same_sgemm = merge_all([d], base, rows_per_chunk=64)
-    blas_agree = _sgemm_agree(torch, d)
+    # B @ A is exact in float64 and rounded once (the same bits on any CPU); PEFT's sgemm accumulates in
+    # float32 and rounds the delta to the other neighbour now and then: a bf16 value one ulp away, rarely (two
+    # where W + delta cancels or an embedding's delta is rounded to bf16 before the add)
+    mismatches = 0
     for k in want:
-        g, w, t = bits(np.asarray(got[k])), bits(want[k]), bits(np.asarray(same_sgemm[k]))
+        g, w = bits(np.asarray(got[k])), bits(want[k])
         assert g.shape == w.shape, k
-        assert int(np.count_nonzero(t != w)) == 0, f"{k}: mismatches with torch's sgemm"
-        mism = int(np.count_nonzero(g != w))
-        if blas_agree:
-            assert mism == 0, f"{k}: {mism} mismatches"
-        else:  # NumPy's sgemm rounds a few products differently on this CPU: a few bf16 values, by one ulp
-            assert mism <= g.size // 10_000 + 2, f"{k}: {mism} mismatches"
-            diff = np.abs(g.astype(np.int32) - w.astype(np.int32))
-            assert int(diff.max(initial=0)) <= 1, k
+        diff = np.abs(g.astype(np.int32) - w.astype(np.int32))
+        assert int(diff.max(initial=0)) <= 2, k
+        mismatches += int(np.count_nonzero(diff))
+    assert mismatches <= PEFT_MISMATCHES[variant], mismatches
 
 
-class _WithMatmul:
-    """NumPy with ``matmul`` replaced (for ``convert.lora.delta``'s products only)."""
-
-    def __init__(self, matmul) -> None:
-        self.matmul = matmul
-
-    def __getattr__(self, name: str):
-        return getattr(np, name)
-
-
-def _torch_matmul(torch):
-    def matmul(a, b, out=None):
-        r = (torch.from_numpy(np.array(a, dtype=np.float32)) @ torch.from_numpy(np.array(b, dtype=np.float32))).numpy()
-        if out is None:
-            return r
-        out[...] = r
-        return out
-    return matmul
-
-
-def _sgemm_agree(torch, adapter_dir: Path) -> bool:
-    """Whether NumPy's and torch's sgemm give the same bits for every B @ A of the adapter on this CPU."""
-    t = read_safetensors(adapter_dir / "adapter_model.safetensors")
-    for k, a in t.items():
-        if k.endswith("lora_A.weight"):
-            b = np.asarray(t[k.replace("lora_A", "lora_B")], dtype=np.float32)
-            a32 = np.asarray(a, dtype=np.float32)
-            if not np.array_equal(bits(b @ a32), bits(_torch_matmul(torch)(b, a32))):
-                return False
-    return True
+#: bf16 values (of about 1.99 million) of each test_matches_peft variant away from PEFT's, times 4: the
+#: counts measured here (docs/lora.md); a CPU whose sgemm rounds otherwise gives PEFT other bits.
+PEFT_MISMATCHES = {k: 4 * v for k, v in {"fixture": 4, "rslora": 6, "patterns": 3, "dora": 3, "modules_to_save": 7,
+                                         "resized": 7, "embedding": 10}.items()}
 
 
 def test_fan_in_fan_out_matches_peft_gpt2(peft_env, tmp_path: Path) -> None:
@@ -922,7 +921,8 @@ def test_fan_in_fan_out_matches_peft_gpt2(peft_env, tmp_path: Path) -> None:
     got = merge_all([d], base, rows_per_chunk=10)
     want = _peft_merge(torch, tmp_path / "gpt2", d, cls="GPT2LMHeadModel")
     name = "transformer.h.0.attn.c_attn.weight"
-    assert_bits_equal(got[name], want[name])
+    assert_within_an_ulp(got[name], want[name], max_differing=4)  # measured here: 1 of 12,288
+    assert_bits_equal(got[name], expected_linear(base[name], a, b, 2.0, fifo=True))
     assert not np.array_equal(bits(got[name]), bits(base[name]))
 
 
@@ -947,7 +947,7 @@ def test_cli_merge_is_bit_exact(tmp_path: Path, model: str, threads: int) -> Non
     assert rc == 0
     from tests.helpers.fixtures import assert_same_tensors, load_all
 
-    assert_same_tensors(load_all(out), read_safetensors(LORA / "merged_reference/model.safetensors"))
+    assert_same_tensors(load_all(out), fixture_merge_reference())
     assert json.loads((out / "config.json").read_text()) == json.loads(
         (LORA / "merged_reference/config.json").read_text())
 
@@ -1196,7 +1196,7 @@ def test_cli_adapters_apply_in_order(tmp_path: Path) -> None:
     from tests.helpers.fixtures import load_all
 
     got = load_all(out)
-    ref = read_safetensors(LORA / "merged_reference/model.safetensors")
+    ref = fixture_merge_reference()
     for m in ATTN:
         want = expected_linear(ref[f"{m}.weight"], t2[f"{P}{m}.lora_A.weight"], t2[f"{P}{m}.lora_B.weight"], 0.5)
         assert_bits_equal(got[f"{m}.weight"], want)
@@ -1238,7 +1238,7 @@ def test_adapter_model_bin(peft_env, tmp_path: Path) -> None:
     torch.save({k: torch.from_numpy(v.copy()) for k, v in tensors.items()}, d / "adapter_model.bin")
     base = base_tensors()
     got = merge_all([d], base)
-    want = read_safetensors(LORA / "merged_reference/model.safetensors")
+    want = fixture_merge_reference()
     for k in want:
         assert_bits_equal(np.asarray(got[k]), want[k])
 
@@ -1261,7 +1261,7 @@ def test_fan_in_fan_out_dora_matches_peft_gpt2(peft_env, tmp_path: Path) -> None
     got = merge_all([d], base)
     want = _peft_merge(torch, tmp_path / "gpt2", d, cls="GPT2LMHeadModel")
     name = "transformer.h.0.attn.c_attn.weight"
-    assert_bits_equal(got[name], want[name])
+    assert_within_an_ulp(got[name], want[name], max_differing=4)  # measured here: 1 of 12,288
 
 
 @pytest.mark.parametrize("n", [8, 256, 704, 4096, 4099, 9, 3])
@@ -1356,7 +1356,6 @@ def test_cli_merge_of_wide_rows_keeps_two_workers_under_a_small_cap(
     memory a chunk, left room for one worker); the bytes are B @ A in ROW_ALIGN-row blocks as always."""
     rng = np.random.default_rng(31)
     rows, cols, r = 256, 8192, 4
-    assert rows * cols > WHOLE_PRODUCT_ELEMENTS  # the product goes by ROW_ALIGN-row blocks
     w = (rng.standard_normal((rows, cols)) * 0.02).astype(BF)
     src = tmp_path / "m.safetensors"
     write_safetensors(src, {"model.layers.0.mlp.down_proj.weight": w})
@@ -1372,5 +1371,27 @@ def test_cli_merge_of_wide_rows_keeps_two_workers_under_a_small_cap(
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert not [n for n in notes if "lowered" in n], notes
     got = read_safetensors(out)["model.layers.0.mlp.down_proj.weight"]
-    delta = np.concatenate([b[s : s + ROW_ALIGN] @ a for s in range(0, rows, ROW_ALIGN)]) * np.float32(2.0)
+    delta = exact_ba(a, b) * np.float32(2.0)
     assert_bits_equal(got, (w.astype(np.float32) + delta).astype(BF))
+
+
+def test_exact_product_is_the_ordered_sum() -> None:
+    """exact_product's matmul-and-bound path gives the ordered float64 sum rounded once, also where the sum
+    sits on a float32 rounding boundary (there it sums in order: 1 + 2^-24 is a tie, rounded to even)."""
+    from convert.lora.delta import exact_product
+
+    rng = np.random.default_rng(33)
+    a = (rng.standard_normal((16, 300)) * 0.05).astype(np.float32)
+    b = (rng.standard_normal((200, 16)) * 0.05).astype(np.float32)
+    a[:, :40] = np.float32(2.0**-25)  # columns whose sums are ties or near-ties of float32
+    b[:50] = 1.0
+    b[50:60, 0], a[0, 40:60] = 1.0, 1.0  # the first term 1, then small ones: cancellations and ties
+    b[60, :] = 0.0  # a zero row: +0.0 whatever the order
+    b[61, 1::2] *= -1
+    a[:, 40], b[50, :2] = 0.0, 1.0
+    a[0, 40], a[1, 40] = 1.0, 2.0**-24  # S = 1 + 2^-24: a tie of float32, rounded to even
+    want = exact_ba(a, b)
+    assert want[50, 40] == 1.0 and want[60, 0] == 0.0
+    for rows in (slice(0, 200), slice(37, 91)):
+        assert_bits_equal(exact_product(a, b, rows), want[rows])
+    assert_bits_equal(exact_product(a, b, slice(0, 300), transposed=True), np.ascontiguousarray(want.T))
