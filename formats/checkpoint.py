@@ -448,6 +448,11 @@ def _open_index(
     for shard in (s for s in shard_names if s in outside):
         report(ShardPathError("index names a shard outside the directory", path=index_path,
                               expected="a plain file name", found=shard))
+    unnamable = {s for s in shard_names if "\0" in s and s not in outside}  # no file system takes a NUL byte
+    for shard in (s for s in shard_names if s in unnamable):
+        report(ShardPathError("index names a shard with a NUL byte in its name", path=index_path,
+                              expected="a plain file name", found=shard))
+    outside |= unnamable
     stray = _stray_shards(root, set(shard_names), suffix)
     if stray:
         report(UnindexedShardError(

@@ -676,6 +676,10 @@ class TorchPickleReader:
                 self.values[name] = self._value(v, name)
 
     def _add_name(self, name: str) -> None:
+        if "\0" in name or not _utf8(name):  # a pickle string may hold anything; a safetensors name may not
+            raise self._fail(NotStateDictError, "a name is not writable as a tensor name",
+                             expected="UTF-8 text without NUL bytes (no lone surrogates), as safetensors requires",
+                             found=ascii(clip(name)))
         if name in self.tensors or name in self.values:
             raise self._fail(NotStateDictError, "a name appears twice after flattening nested dicts", tensor=name)
 
@@ -843,3 +847,13 @@ class TorchPickleReader:
 
     def __repr__(self) -> str:
         return f"TorchPickleReader('{self.path}', {self.layout}, {len(self.tensors)} tensors)"
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a pickle's strings are decoded with ``surrogatepass``: a lone
+    surrogate survives into the name)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -1007,6 +1007,12 @@ CASES: list[Case] = [
          argv=None),
     Case("pt-big-endian", E.ByteOrderError, ["PT-008", "little-endian", "found 'big'"],
          _pt({"w": _tensor(ARR)}, byteorder=b"big")),
+    # issue 39: a lone surrogate in a name was exit 0 with a safetensors file nothing can read (exit 1 in check)
+    Case("pt-name-lone-surrogate", E.NotStateDictError,
+         ["PT-009", "a name is not writable as a tensor name", "no lone surrogates", "found \"'w\\\\ud800'\""],
+         _pt({"w\ud800": _tensor(ARR)})),
+    Case("pt-name-nul", E.NotStateDictError, ["PT-009", "a name is not writable as a tensor name", "x\\\\x00y"],
+         _pt({"x\0y": _tensor(ARR)})),
     Case("pt-list-not-dict", E.NotStateDictError, ["PT-009", "not a state dict", "found 'list'"],
          _pt([_tensor(ARR)])),
     # issue 12: a dict key shared 2**60 ways (exponential to hash) stops at a limit of the pickle machine
@@ -1071,6 +1077,11 @@ CASES: list[Case] = [
          _unindexed_tensor),
     Case("shard-outside-directory", E.ShardPathError, ["CKPT-009", "found '../evil.safetensors'"],
          lambda d: _two_shards(d, index=_full_index({"model.norm.weight": "../evil.safetensors"}))),
+    # issue 39: a NUL byte in a shard name was "internal error: ValueError: embedded null byte" (exit 1)
+    Case("shard-name-with-nul", E.ShardPathError,
+         ["CKPT-009", "index names a shard with a NUL byte in its name",
+          "found 'model-00002\\x00-of-00002.safetensors'"],
+         lambda d: _two_shards(d, index=_full_index({"model.norm.weight": "model-00002\0-of-00002.safetensors"}))),
     # the index's only shard leaves the directory: that is the cause, not the real shards it leaves unnamed
     Case("shard-outside-directory-before-stray", E.ShardPathError, ["CKPT-009", "found '../../../../etc/passwd'"],
          lambda d: _two_shards(d, index=_full_index(dict.fromkeys(_full_index()["weight_map"],

@@ -89,7 +89,7 @@ class Emitter:
         elif isinstance(obj, float):
             w(b"G" + struct.pack(">d", obj))
         elif isinstance(obj, str):
-            data = obj.encode("utf-8")
+            data = obj.encode("utf-8", "surrogatepass")  # as pickle writes a lone surrogate
             w(b"X" + struct.pack("<I", len(data)) + data)
         elif isinstance(obj, tuple):
             w(b"(")
