@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "each once converted (peak disk: the output + the two largest shards; chosen by itself when only "
                    "that fits; --to auto|bf16|fp16|fp32)")
     p.add_argument("--max-memory", type=parse_size, default=parse_size("1GiB"),
-                   help="working-memory cap, e.g. 512MiB (default: 1GiB)")
+                   help="working-memory cap, e.g. 512MiB; at least 64MiB (default: 1GiB)")
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="largest output shard for directory outputs (default: 5GB)")

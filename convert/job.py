@@ -195,7 +195,8 @@ def check_options(options: ConvertOptions) -> None:
     if options.max_shard_size < 1:
         raise UsageError("--max-shard-size must be at least 1 byte", found=options.max_shard_size)
     if options.max_memory < MIN_MEMORY:
-        raise UsageError("--max-memory is too small", expected=">= 64MiB", found=options.max_memory)
+        raise UsageError("--max-memory is too small", expected=f">= {format_bytes(MIN_MEMORY)}",
+                         found=format_bytes(options.max_memory))
     if not options.merge_lora:
         for flag, value in (("--report", options.report), ("--original", options.original)):
             if value is not None:

@@ -23,6 +23,7 @@ gguf (F16), gguf:TYPE      gguf    fp32 for the types made from exact float32   
 from __future__ import annotations
 
 import argparse
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -90,7 +91,9 @@ def target_for(text: str) -> Target:
     if family == "gguf" and (spec or not sep):
         gguf_type = parse_output_type(spec) if sep else DEFAULT_OUTPUT_TYPE  # GGUF-002 for a type not written
         return Target(name, "gguf", "fp32" if gguf_type in FLOAT32_INPUT else "auto", gguf_type=gguf_type)
-    raise UsageError(f"unknown --to value '{name}'", expected=target_names(), found=name)
+    close = difflib.get_close_matches(name, target_names(), n=1, cutoff=0.6)
+    raise UsageError(f"unknown --to value '{name}'", expected=target_names(), found=name,
+                     hint=f"did you mean '{close[0]}'?" if close else None)
 
 
 def target_arg(text: str) -> Target:
@@ -102,9 +105,11 @@ def target_arg(text: str) -> Target:
     """
     try:
         return target_for(text)
-    except ConvertBnbError:
+    except ConvertBnbError as exc:
         choices = ", ".join(map(repr, target_names()))
-        raise argparse.ArgumentTypeError(f"invalid choice: {text.strip().lower()!r} (choose from {choices})") from None
+        close = f"; {exc.hint}" if exc.hint else ""
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text.strip().lower()!r}{close} (choose from {choices})") from None
 
 
 #: ``--to auto``: each quantized tensor in its QuantState dtype, the others as they are.

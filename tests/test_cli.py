@@ -161,3 +161,26 @@ def test_peak_rss_is_the_processes_own() -> None:
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                cwd=ROOT).stdout)
     assert 5 << 20 < child < 200 << 20 and big.sum() == 400 << 20
+
+
+@pytest.mark.parametrize(("spelled", "suggestion"), [
+    ("bf61", "; did you mean 'bf16'?"), ("gguf:q4km", "; did you mean 'gguf:q4_k_m'?"),
+    ("nf5", "; did you mean 'nf4'?"), ("zzz", " (choose from"),
+])
+def test_a_to_typo_suggests_the_closest_target(spelled: str, suggestion: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([str(MODELS / "llama_nf4_dq"), "--to", spelled, "-o", str(tmp_path / "x")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --to: invalid choice: '{spelled}'{suggestion}" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_max_memory_floor_is_stated_in_units(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(MODELS / "llama_nf4_dq"), "--max-memory", "5MiB", "-o", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == ("convert-bnb: error: USE-001 --max-memory is too small "
+                                       "(expected '>= 64.00 MiB', found '5.00 MiB')\n")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "at least 64MiB" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")

@@ -14,6 +14,7 @@ Rule raised here (see docs/errors.md): GGUF-002, the output type is one of :data
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import gguf
@@ -90,9 +91,11 @@ def parse_output_type(spec: str | None) -> str:
     """
     name = (spec or DEFAULT_OUTPUT_TYPE).strip().lower()
     if name not in OUTPUT_TYPES:
+        close = difflib.get_close_matches(name, list(OUTPUT_TYPES), n=1, cutoff=0.6)
         raise GgufTypeError(
             "GGUF output type not supported",
             expected=f"one of {', '.join(OUTPUT_TYPES)}",
             found=spec,
+            hint=f"did you mean 'gguf:{close[0]}'?" if close else None,
         )
     return name
