@@ -488,8 +488,13 @@ class OutputClaim:
             except FileNotFoundError:
                 same = False
             if same:
-                os.ftruncate(fd, 0)
-                os.write(fd, str(os.getpid()).encode())
+                try:
+                    os.ftruncate(fd, 0)
+                    os.write(fd, str(os.getpid()).encode())
+                except OSError:  # (a full disk): no lock file is left behind, empty or not
+                    os.unlink(path)
+                    os.close(fd)
+                    raise
                 self._lock_fd = fd
                 return
             os.close(fd)

@@ -461,3 +461,26 @@ def test_copied_files_take_the_umask_not_the_source_mode(tmp_path):
         out = tmp_path / "out" / name
         assert out.read_bytes() == (src / name).read_bytes()
         assert out.stat().st_mode & 0o777 == 0o640, name
+
+
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A disk too full for the lock's pid: the run ends with the disk error (exit 2) and no lock file, empty
+    or not, is left beside the output."""
+    import errno
+    import os
+
+    from convert.cli import main
+
+    real = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        if data == str(os.getpid()).encode():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == ("convert-bnb: error: No space left on device (errno 28). Hint: free some "
+                                       "disk space or write elsewhere with -o\n")
+    assert list(tmp_path.iterdir()) == []
