@@ -184,3 +184,13 @@ def test_max_memory_floor_is_stated_in_units(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "at least 64MiB" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")
+
+
+def test_nothing_quantized_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 16-bit model given by mistake converts (a copy), and the run says that nothing was dequantized."""
+    from convert.stream.plan import NOTHING_QUANTIZED
+
+    assert main([str(MODELS / "llama_orig_bf16"), "--to", "bf16", "-o", str(tmp_path / "o"), "--json"]) == 0
+    assert NOTHING_QUANTIZED in json.loads(capsys.readouterr().out)["notes"]
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(tmp_path / "q"), "--json"]) == 0
+    assert NOTHING_QUANTIZED not in json.loads(capsys.readouterr().out)["notes"]

@@ -252,7 +252,8 @@ def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
         elif name in plain_names:
             out = _output_dtype(to, rec.dtype)
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
-    plan = Plan(checkpoint, to, tensors, notes=_layer_notes(layers) + _cast_notes(checkpoint, tensors))
+    nothing = [] if layers else [NOTHING_QUANTIZED]
+    plan = Plan(checkpoint, to, tensors, notes=nothing + _layer_notes(layers) + _cast_notes(checkpoint, tensors))
     if checkpoint.is_dir:
         plan.shards = shard_tensors(tensors, max_shard_size)
     else:
@@ -261,6 +262,11 @@ def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
         out_dtype = FLOAT_TARGETS[to] or (q_dtypes.pop() if len(q_dtypes) == 1 else None)
         plan.config = strip_quantization_config(checkpoint.config, out_dtype)
     return plan
+
+
+#: The note of a checkpoint without a bitsandbytes layer (a 16-bit model given by mistake, say).
+NOTHING_QUANTIZED = ("no bitsandbytes-quantized layer in the input (no 4-bit QuantState, no int8 SCB): nothing is "
+                     "dequantized, every tensor is copied or cast to the target's dtype")
 
 
 def _layer_notes(layers: dict[str, QuantizedLayer | Int8Layer]) -> list[str]:
