@@ -115,6 +115,7 @@ from convert.batch.state import (
     STATE_DIR,
 )
 from convert.batch.worker import JobResult, interrupted_message, progress_path, read_progress
+from convert.options import MIN_MEMORY
 from convert.units import format_bytes
 from formats.errors import (
     OutputInsideInputError,
@@ -309,13 +310,14 @@ def run_batch(
     if n_jobs < 1:
         raise UsageError("--jobs must be at least 1", found=n_jobs)
     per_memory = max_memory // n_jobs
-    if per_memory < 64 * 1024 * 1024:
-        raise UsageError("--max-memory split over --jobs leaves a worker less than 64MiB",
-                         expected=">= 64MiB per job", found=f"{per_memory} bytes per job",
+    if per_memory < MIN_MEMORY:
+        raise UsageError(f"--max-memory split over --jobs leaves a worker less than {format_bytes(MIN_MEMORY)}",
+                         expected=f">= {format_bytes(MIN_MEMORY)} per job", found=f"{format_bytes(per_memory)} per job",
                          hint="raise --max-memory or lower --jobs")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OutputKindError("--out-dir must be a directory", path=out_dir, action="write",
-                              expected="a directory", found="a file")
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():  # the out dir, or the nearest of its parents that exists, is a file
+        raise OutputKindError("--out-dir must be a directory" + ("" if existing == out_dir else " (or go under one)"),
+                              path=existing, action="write", expected="a directory", found="a file")
     resolved = out_dir.resolve()
     for job in jobs:
         local = Path(job.src)

@@ -273,8 +273,20 @@ def test_memory_budget_is_split_between_jobs(setup: tuple[Path, Path, dict[str, 
     jobs, _cache, env = setup
     r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o"), "--jobs", "4", "--max-memory", "200MiB"], env)
     assert r.returncode == 2
-    assert "--max-memory split over --jobs leaves a worker less than 64MiB" in r.stderr
-    assert "found '52428800 bytes per job'" in r.stderr
+    assert "--max-memory split over --jobs leaves a worker less than 64.00 MiB" in r.stderr
+    assert "found '50.00 MiB per job'" in r.stderr
+
+
+def test_out_dir_under_a_file_is_a_named_error(tmp_path: Path) -> None:
+    """--out-dir FILE/x was 'Not a directory (errno 20)' with no rule: the file in the way is named."""
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'}\n")
+    (tmp_path / "afile").write_text("mine")
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "afile" / "x" / "y")], offline_env(tmp_path))
+    assert (r.returncode, r.stderr) == (2, f"convert-bnb: error: Failed to write '{tmp_path / 'afile'}': USE-003 "
+                                           "--out-dir must be a directory (or go under one) (expected 'a directory', "
+                                           "found 'a file')\n")
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 # ---------------------------------------------------------------- push (as far as it goes offline)
