@@ -203,9 +203,26 @@ def print_summary(result: Any) -> None:
 
 
 
+#: The options whose value is a size (:func:`convert.units.parse_size`).
+_SIZE_OPTIONS = ("--max-memory", "--max-shard-size")
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--max-memory -5GB`` as ``--max-memory=-5GB``: argparse takes a value starting with ``-`` and a digit
+    but not a plain number for an option and says "expected one argument"; attached, the option's own type
+    refuses it with its message ("not a size")."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _SIZE_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line. Returns the exit code (the console script exits with it)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
         if argv and argv[0] in SUBCOMMANDS:
             name = argv.pop(0)

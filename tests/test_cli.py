@@ -194,3 +194,14 @@ def test_nothing_quantized_is_said(tmp_path: Path, capsys: pytest.CaptureFixture
     assert NOTHING_QUANTIZED in json.loads(capsys.readouterr().out)["notes"]
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(tmp_path / "q"), "--json"]) == 0
     assert NOTHING_QUANTIZED not in json.loads(capsys.readouterr().out)["notes"]
+
+
+@pytest.mark.parametrize("argv", [["--max-memory", "-5GB"], ["--max-shard-size", "-1"], ["--max-memory=-5GB"]])
+def test_a_negative_size_is_refused_as_a_size(argv: list[str], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``--max-memory -5GB`` was argparse's "expected one argument": the value reaches parse_size."""
+    with pytest.raises(SystemExit) as info:
+        main([str(MODELS / "llama_nf4_dq"), *argv, "-o", str(tmp_path / "x")])
+    assert info.value.code == 2
+    value = argv[-1].split("=")[-1]
+    assert f"not a size: '{value}' (examples: 1GiB, 512MiB, 5GB)" in capsys.readouterr().err
