@@ -257,7 +257,7 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
             outputs = [(final, _planned_files(src, job))]
             if job.mmproj:
-                outputs.append((out_dir / job.mmproj, {job.mmproj: {"bytes": None, "sha256": "(after conversion)"}}))
+                outputs.append((out_dir / job.mmproj, _not_written_yet(job.mmproj)))
         if push_to_hub:
             quant = quant_summary(src) if src.exists() else []
             card = model_card(job, commit, _card_files(outputs), quant)
@@ -273,6 +273,11 @@ def _card_files(outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]) ->
     return {rel: rec for _, files in outputs for rel, rec in (files or {}).items()}
 
 
+def _not_written_yet(name: str) -> dict[str, dict[str, Any]]:
+    """The planned manifest of a one-file output whose size and sha256 are known only once it is written."""
+    return {name: {"bytes": None, "sha256": "(after conversion)"}}
+
+
 def _resolve_without_download(job: Job) -> Any:
     """The job's source as a :class:`~convert.job.ResolvedSource`; a Hub repo resolved to its commit only."""
 
@@ -286,7 +291,7 @@ def _planned_files(src: Path, job: Job) -> dict[str, dict[str, Any]] | None:
     """Output files a conversion would write, with tensor-data bytes (sha256 unknown yet), when SRC is local;
     a GGUF job's one file by name (its size is known after conversion)."""
     if job.to.family == "gguf":
-        return {job.name: {"bytes": None, "sha256": "(after conversion)"}}
+        return _not_written_yet(job.name)
     if not src.exists():
         return None
 

@@ -76,6 +76,7 @@ def lora_delta_rows(
     start: int,
     stop: int,
     transposed: bool = False,
+    right64: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None,
 ) -> npt.NDArray[np.float32]:
     """Rows [start, stop) of the LoRA delta ``(B @ A) * scale`` (or of ``(B @ A).T * scale``).
 
@@ -93,7 +94,7 @@ def lora_delta_rows(
     Returns:
         ``float32[stop - start, in]`` (``[stop - start, out]`` when transposed), C-contiguous.
     """
-    parts = [block for _, block in product_blocks(lora_A, lora_B, start, stop, transposed)]
+    parts = [block for _, block in product_blocks(lora_A, lora_B, start, stop, transposed, right64=right64)]
     out = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
     out *= np.float32(scale)
     return out
@@ -133,7 +134,7 @@ def exact_product(lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float3
         right = lora_B.T
     else:
         left, right = lora_B[rows], lora_A
-    r64, r_max = right64 if right64 is not None else _float64_with_max(right)
+    r64, r_max = right64 if right64 is not None else right_operand(lora_A, lora_B, transposed)
     l64 = left.astype(np.float64)  # exact
     n, cols = l64.shape[0], r64.shape[1]
     out = np.empty((n, cols), dtype=np.float32) if out is None else out
@@ -156,9 +157,11 @@ def exact_product(lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float3
     return out
 
 
-def _float64_with_max(a: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """``a`` (``[r, cols]``) in float64 and the largest ``|a|`` of each of its rows (``[r]``)."""
-    a64 = np.asarray(a, dtype=np.float64)
+def right_operand(lora_A: npt.NDArray[np.float32], lora_B: npt.NDArray[np.float32], transposed: bool = False,
+                  ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """:func:`exact_product`'s right operand (``A``, or ``B.T`` when ``transposed``: ``[r, cols]``) in
+    float64, and the largest ``|value|`` of each of its rows (``[r]``): made once per adapter tensor."""
+    a64 = np.asarray(lora_B.T if transposed else lora_A, dtype=np.float64)
     return a64, np.abs(a64).max(axis=1, initial=0.0)
 
 
@@ -178,6 +181,7 @@ def product_blocks(
     stop: int,
     transposed: bool = False,
     scratch: npt.NDArray[np.float32] | None = None,
+    right64: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None,
 ) -> Iterator[tuple[int, npt.NDArray[np.float32]]]:
     """Rows [start, stop) of ``B @ A`` (or of ``(B @ A).T``), unscaled, by :func:`exact_product` in blocks
     of at most :data:`ROW_ALIGN` rows (cache-sized float64 sums; the bits do not depend on the blocks).
@@ -190,7 +194,8 @@ def product_blocks(
         ``(row, block)``: ``block`` is ``float32[k, cols]`` holding rows ``[row, row + k)``, the blocks in
         order and covering [start, stop) once (the caller may overwrite it).
     """
-    right64 = _float64_with_max(lora_B.T if transposed else lora_A)
+    if right64 is None:
+        right64 = right_operand(lora_A, lora_B, transposed)
     for a in range(start, stop, ROW_ALIGN):
         b = min(stop, a + ROW_ALIGN)
         out = None if scratch is None else scratch[: b - a]
@@ -343,6 +348,8 @@ class TensorMerge:
         self._cache: dict[tuple[int, str], npt.NDArray[np.float32]] = {}
         # op index -> (_delta_bounded of its adapter, _fold_scale's A or None), found once
         self._bounded: dict[int, tuple[bool, npt.NDArray[np.float32] | None]] = {}
+        # op index -> exact_product's float64 right operand (right_operand), made once per merge
+        self._right: dict[int, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]] = {}
 
     def __repr__(self) -> str:
         return f"TensorMerge('{self.name}', {[(op.kind, op.source) for op in self.ops]})"
@@ -351,6 +358,7 @@ class TensorMerge:
         """Drop the cached fp32 copies of the adapter tensors and their pages of the adapter file."""
         self._cache.clear()
         self._bounded.clear()
+        self._right.clear()
         for op in self.ops:
             for rec in (op.lora_A, op.lora_B, op.magnitude, op.replacement):
                 if rec is not None:
@@ -445,13 +453,19 @@ class TensorMerge:
                         bounded = _delta_bounded(a, b, scale32)
                         self._bounded[i] = (bounded, _fold_scale(a, b, scale32) if bounded else None)
                 bounded, folded = self._bounded[i]
+                if i not in self._right:
+                    self._right[i] = right_operand(a if folded is None else folded, b)
                 last = i == len(self.ops) - 1
                 x = self._merge_linear(x, a, b, op, start, stop, dt, st, original_rows if i == 0 else None, count,
-                                       check=not bounded, folded_A=folded, out=out if last else None)
+                                       check=not bounded, folded_A=folded, out=out if last else None,
+                                       right64=self._right[i])
                 continue
             w = np.asarray(x, dtype=np.float32)
             with np.errstate(over="ignore", invalid="ignore"):
-                delta = lora_delta_rows(a, b, op.scale, start, stop, transposed=op.transposed)
+                if i not in self._right:
+                    self._right[i] = right_operand(a, b, op.transposed)
+                delta = lora_delta_rows(a, b, op.scale, start, stop, transposed=op.transposed,
+                                        right64=self._right[i])
             if not _all_finite(delta):  # finite A, B and scale whose product overflows float32
                 raise NonFiniteAdapterError(
                     "the LoRA delta (B @ A) * scale overflows float32 (merging it would write inf into the model)",
@@ -489,7 +503,8 @@ class TensorMerge:
                       op: MergeOp, start: int, stop: int, dt: np.dtype, st: _OpStats | None,
                       original_rows: np.ndarray | None, f16_loss: npt.NDArray[np.int64] | None,
                       check: bool, folded_A: npt.NDArray[np.float32] | None = None,
-                      out: np.ndarray | None = None) -> np.ndarray:
+                      out: np.ndarray | None = None,
+                      right64: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None) -> np.ndarray:
         """Rows [start, stop) of ``round(fp32(W) + fp32(B @ A) * fp32(scale))`` for a Linear weight ``x``
         (``[stop - start, in]``, any float dtype): PEFT's ``lora.Linear`` merge, each sgemm block of
         :func:`product_blocks` scaled, checked, added and rounded in cache-sized pieces (the operations of
@@ -499,6 +514,7 @@ class TensorMerge:
         delta for overflow (False when :func:`_delta_bounded` holds for this adapter). ``folded_A``:
         :func:`_fold_scale`'s ``lora_A * scale``, multiplied by ``lora_B`` in place of scaling each product.
         ``out``: optional C-contiguous ``dt`` array of ``x``'s size the rows are written into (returned).
+        ``right64``: :func:`right_operand` of the product's ``A`` (``folded_A`` when given), made once.
 
         Raises:
             NonFiniteAdapterError: the scaled product overflows float32 (LORA-014).
@@ -515,7 +531,7 @@ class TensorMerge:
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is LORA-014; inf from fp16 rounding is IEEE's
             scale = np.float32(op.scale)
             a = lora_A if folded_A is None else folded_A
-            for row, block in product_blocks(a, lora_B, start, stop, scratch=scratch):
+            for row, block in product_blocks(a, lora_B, start, stop, scratch=scratch, right64=right64):
                 for i in range(0, block.shape[0], step):
                     d = block[i : i + step]
                     r0 = row - start + i
