@@ -30,6 +30,7 @@ from convert.options import ConvertOptions, QuantOptions, target_arg, target_nam
 from convert.output import InterruptedAfterCommit, user_path
 from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError
+from formats.mapping import changed_input
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args"]
 
@@ -243,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = args.debug
     old = signals.install()
     as_json = bool(getattr(args, "json", False))
+    signals.on_bus_error(lambda: _report_failure(as_json, changed_input()))
     # a batch keeps finished jobs and the finished shards of the others for a re-run; one conversion
     # removes its temporary (check and inspect write nothing)
     tail = batch_cli.INTERRUPTED_TAIL if run is batch_cli.run_command else "no output was left behind"
@@ -251,8 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConvertBnbError as exc:
         if debug:
             raise
-        print(f"convert-bnb: error: {exc}", file=sys.stderr)
-        _print_failure(as_json, {**exc.to_dict()})
+        _report_failure(as_json, exc)
         return 2
     except InterruptedAfterCommit as exc:  # the output was already complete and in place
         signals.settle()  # (a second signal would cut this report)
@@ -294,6 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         signals.restore(old)
+
+
+def _report_failure(as_json: bool, exc: ConvertBnbError) -> None:
+    """A named failure: its one line on stderr (and with ``--json`` the object on stdout)."""
+    print(f"convert-bnb: error: {exc}", file=sys.stderr, flush=True)
+    _print_failure(as_json, {**exc.to_dict()})
+    sys.stdout.flush()
 
 
 def _print_failure(as_json: bool, error: dict[str, Any]) -> None:

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["STOP_SIGNALS", "blocked", "deferred", "install", "restore", "settle", "stop_signals"]
+__all__ = ["STOP_SIGNALS", "blocked", "deferred", "install", "on_bus_error", "restore", "settle", "stop_signals"]
 
 #: Signals that stop a run as SIGINT does (exit 130, the temporary removed): SIGTERM, and SIGHUP where it
 #: exists (the terminal closed), by name (Windows has no SIGHUP).
@@ -145,3 +145,45 @@ def blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+#: The C-callable SIGBUS handler :func:`on_bus_error` installed (kept alive for as long as it is installed).
+_BUS_HANDLER: Any = None
+
+
+def on_bus_error(report: Callable[[], None]) -> None:
+    """On ``SIGBUS`` (a page of a memory-mapped input vanished: the file was cut shorter while it was
+    read), call ``report`` and end the process with exit code 2, instead of dying without a word.
+
+    Python's own handlers cannot do this: they run between bytecodes, and the faulting read would fault
+    again for ever on return. The handler is a C function (a ``ctypes`` callback installed with libc's
+    ``signal``) that runs in the faulting thread, reports, and leaves with ``os._exit(2)``; it never
+    returns to the read. ``report`` should only format and write a message (it runs inside a signal
+    handler; the fault is synchronous, in a read of mapped data, so the interpreter is in a consistent
+    state). The output's temporary is left for the next run to remove, as after a kill. Installed from
+    the main thread on platforms with SIGBUS and a C library ctypes can load; a no-op elsewhere.
+    """
+    global _BUS_HANDLER
+    if not hasattr(signal, "SIGBUS") or threading.current_thread() is not threading.main_thread():
+        return
+    import ctypes  # (here only: the command line installs it once it runs, after the cheap handlers)
+    import os
+
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+    def handler(signum: int) -> None:
+        try:
+            report()
+        finally:
+            os._exit(2)
+
+    try:
+        libc = ctypes.CDLL(None)
+        set_handler = libc.signal
+    except (OSError, AttributeError):  # pragma: no cover - no C library to install it with
+        return
+    set_handler.restype = ctypes.c_void_p
+    set_handler.argtypes = [ctypes.c_int, proto]
+    callback = proto(handler)
+    set_handler(int(signal.SIGBUS), callback)
+    _BUS_HANDLER = callback

@@ -60,6 +60,7 @@ __all__ = [
     "HubShardError",
     "IncompleteLoraModuleError",
     "IndexJsonError",
+    "InputChangedError",
     "IndexTensorMissingError",
     "Int8LayoutError",
     "Int8ScaleMissingError",
@@ -644,6 +645,15 @@ class NotRegularFileError(CheckpointError):
     default_rule = "CKPT-011"
     advice = ("Point SRC at the model directory or a weight file; a named pipe, a device or a symlink loop is not "
               "read (it could block or never end). Fix the link or copy the real file into place.")
+
+
+class InputChangedError(CheckpointError):
+    """An input file changed size while it was read: another program rewrote, truncated or is still
+    writing it (a download in progress, a save into the same path)."""
+
+    default_rule = "CKPT-012"
+    advice = ("Let the other program finish (or stop it), check the file is complete, then run again; a "
+              "temporary left by the stopped run is removed by the next one.")
 
 
 # --------------------------------------------------------------------------------------- bnb layers

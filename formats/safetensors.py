@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -77,6 +76,7 @@ from .errors import (
     UnknownDtypeError,
 )
 from .jsonfile import load_json_bytes
+from .mapping import InputMap
 from .writeback import FileStream, bytes_of
 
 __all__ = [
@@ -101,7 +101,6 @@ MAX_TENSORS = 200_000
 #: Every tensor entry has exactly one ``"data_offsets"`` key; a name or value holding the text has its
 #: quotes escaped (``\"``), so counting this in the raw header counts the entries, in C, before parsing.
 _ENTRY_KEY = b'"data_offsets"'
-_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -434,7 +433,7 @@ class SafetensorsReader:
         self.file_size = size
         self.metadata = header.metadata
         self.tensors: dict[str, TensorInfo] = header.tensors
-        self._mmap: mmap.mmap | None = None
+        self._mmap: InputMap | None = None
 
     def __enter__(self) -> SafetensorsReader:
         return self
@@ -445,10 +444,9 @@ class SafetensorsReader:
     def __repr__(self) -> str:
         return f"SafetensorsReader('{self.path}', {len(self.tensors)} tensors)"
 
-    def _map(self) -> mmap.mmap:
+    def _map(self) -> InputMap:
         if self._mmap is None:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._mmap = InputMap(self.path, self.file_size)
         return self._mmap
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> npt.NDArray[np.uint8]:
@@ -465,16 +463,14 @@ class SafetensorsReader:
         stop = byte_range(name, start, stop, info.nbytes)
         if stop == start:
             return np.empty(0, dtype=np.uint8)
-        return np.frombuffer(self._map(), dtype=np.uint8, count=stop - start, offset=info.start + start)
+        return self._map().view(info.start + start, stop - start)
 
     def array(self, name: str) -> np.ndarray:
         """Zero-copy read-only view of a tensor with its dtype and shape (``BF16`` -> ml_dtypes.bfloat16)."""
         info = self.tensors[name]
         if info.nbytes == 0:
             return np.empty(info.shape, dtype=info.dtype.numpy)
-        return np.frombuffer(
-            self._map(), dtype=info.dtype.numpy, count=info.numel, offset=info.start
-        ).reshape(info.shape)
+        return self._map().view(info.start, info.numel, info.dtype.numpy).reshape(info.shape)
 
     def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
         """Drop the pages of a consumed byte range of a tensor from this process's resident set.
@@ -486,18 +482,12 @@ class SafetensorsReader:
             return
         info = self.tensors[name]
         stop = info.nbytes if stop is None else stop
-        lo = -(-(info.start + start) // _PAGE) * _PAGE
-        hi = ((info.start + stop) // _PAGE) * _PAGE
-        if hi > lo:
-            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        self._mmap.release(info.start + start, info.start + stop)
 
     def close(self) -> None:
         """Unmap the file. Views handed out before must no longer be used."""
         if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes when it does
+            self._mmap.close()
             self._mmap = None
 
 

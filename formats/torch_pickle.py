@@ -85,7 +85,6 @@ PT-010   the pickle stays within the machine's limits (formats.pickle_machine)
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import struct
 import zipfile
@@ -112,6 +111,7 @@ from .errors import (
     TorchPickleError,
     UnsafePickleError,
 )
+from .mapping import InputMap
 from .pickle_machine import (
     PLAIN_GLOBALS,
     Limit,
@@ -149,7 +149,6 @@ MAX_DIMS = 64
 MAX_ZIP_MEMBERS = 200_000
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
-_PAGE = mmap.PAGESIZE
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature .. name length, extra length (30 bytes)
 
 
@@ -391,7 +390,7 @@ class TorchPickleReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._spath = os.fspath(path)
-        self._mmap: mmap.mmap | None = None
+        self._mmap: InputMap | None = None
         self._copies: dict[str, npt.NDArray[np.uint8]] = {}
         self.tensors: dict[str, PickledTensor] = {}
         self.values: dict[str, Any] = {}
@@ -589,7 +588,7 @@ class TorchPickleReader:
         def no_storage(pid: Any) -> Any:
             raise Refused("persistent id in a legacy header pickle")
 
-        buf = self._map()  # the pickles are parsed in place; each may span at most MAX_PICKLE_BYTES
+        buf = self._map().buffer  # the pickles are parsed in place; each may span at most MAX_PICKLE_BYTES
         magic, pos = self._unpickle(buf, 0, no_storage)
         if type(magic) is not int or magic != LEGACY_MAGIC:
             raise self._fail(NotTorchCheckpointError, "a pickle, but not a torch checkpoint (no torch magic number)",
@@ -771,10 +770,9 @@ class TorchPickleReader:
 
     # ---------------------------------------------------------------------------------- access
 
-    def _map(self) -> mmap.mmap:
+    def _map(self) -> InputMap:
         if self._mmap is None:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._mmap = InputMap(self.path, self.file_size)
         return self._mmap
 
     def _abs_start(self, info: PickledTensor) -> int:
@@ -784,8 +782,8 @@ class TorchPickleReader:
         buf = self._copies.get(info.name)
         if buf is None:
             isz = info.dtype.itemsize
-            base = np.frombuffer(self._map(), dtype=np.uint8, count=self._storage_bytes[info.storage],
-                                 offset=self._storage_start[info.storage]).view(info.dtype.numpy)
+            base = self._map().view(self._storage_start[info.storage],
+                                    self._storage_bytes[info.storage]).view(info.dtype.numpy)
             view = np.lib.stride_tricks.as_strided(
                 base[info.start // isz:], shape=info.shape, strides=tuple(s * isz for s in info.stride),
                 writeable=False,
@@ -808,7 +806,7 @@ class TorchPickleReader:
         if not info.contiguous:
             return self._copy(info)[start:stop]
         offset = self._abs_start(info) + start
-        return np.frombuffer(self._map(), dtype=np.uint8, count=stop - start, offset=offset)
+        return self._map().view(offset, stop - start)
 
     def array(self, name: str) -> np.ndarray:
         """Read-only view with the tensor's dtype and shape (``bfloat16`` -> ml_dtypes.bfloat16)."""
@@ -824,19 +822,13 @@ class TorchPickleReader:
             return
         stop = info.nbytes if stop is None else stop
         base = self._abs_start(info)
-        lo = -(-(base + start) // _PAGE) * _PAGE
-        hi = ((base + stop) // _PAGE) * _PAGE
-        if hi > lo:
-            self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        self._mmap.release(base + start, base + stop)
 
     def close(self) -> None:
         """Unmap the file. Views handed out before must no longer be used."""
         self._copies.clear()
         if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes when it does
+            self._mmap.close()
             self._mmap = None
 
     def __enter__(self) -> TorchPickleReader:

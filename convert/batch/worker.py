@@ -41,6 +41,7 @@ from convert.job import convert, job_key, resolve_source
 from convert.output import PARTIAL_MARK, write_json
 from convert.stream.pipeline import peak_rss_bytes
 from formats.errors import ConvertBnbError, ForeignFilesError, HubUploadError, JobSettingsChangedError
+from formats.mapping import changed_input
 
 __all__ = ["JobResult", "execute_job", "failed_result", "interrupted_message", "progress_path", "read_progress",
            "run_job", "worker_main"]
@@ -274,11 +275,20 @@ def worker_main(argv: list[str]) -> int:
 
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     signals.install()  # SIGTERM (the batch stopping it) ends the job as SIGINT does
+    signals.on_bus_error(lambda: _report_bus_error(spec))
     _die_with_parent(int(spec["parent_pid"]))
     data, code = execute_job(spec)
     signals.settle()  # the job is over: a late signal no longer kills the worker while it reports
     print(json.dumps(data))
     return code
+
+
+def _report_bus_error(spec: dict[str, Any]) -> None:
+    """SIGBUS in a worker (an input cut shorter while it was read): the job's result line, as a named
+    failure (CKPT-012), before the worker exits with code 2."""
+    exc = changed_input()
+    print(f"convert-bnb batch: job {spec['job']['name']}: {exc}", file=sys.stderr, flush=True)
+    print(json.dumps(failed_result(exc)), flush=True)
 
 
 def execute_job(spec: dict[str, Any]) -> tuple[dict[str, Any], int]:

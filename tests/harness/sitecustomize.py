@@ -1,5 +1,9 @@
 """Test harness for batch workers (subprocesses): on PYTHONPATH only in tests, active only when
-``CONVERT_BNB_TEST_PAUSE=NAME:POINT:MARKER`` is set.
+``CONVERT_BNB_TEST_PAUSE=NAME:POINT:MARKER`` or ``CONVERT_BNB_TEST_CUT=WHERE:PATH`` is set.
+
+``CONVERT_BNB_TEST_CUT=WHERE:PATH`` truncates the input file PATH to 4096 bytes at the third chunk a
+4-bit layer dequantizes: with WHERE ``before``, before the chunk's view of the packed bytes is taken
+(the readers' size check sees it), with ``during``, after (the read touches a vanished page: SIGBUS).
 
 With NAME ``import``, the process stops while POINT (a module name, e.g. ``convert.cli``, or
 ``datetime``, which NumPy's C extension imports) is being imported: it writes its pid to MARKER and
@@ -20,6 +24,37 @@ from __future__ import annotations
 import os
 
 _SPEC = os.environ.get("CONVERT_BNB_TEST_PAUSE")
+_CUT = os.environ.get("CONVERT_BNB_TEST_CUT")
+
+if _CUT:
+    _where, _path = _CUT.split(":", 1)
+    _calls = [0]
+
+    def _cut() -> None:
+        _calls[0] += 1
+        if _calls[0] == 3:
+            os.truncate(_path, 4096)
+
+    if _where == "before":
+        from convert.stream import sources
+
+        _produce = sources.Dequant4Source.produce_into
+
+        def _cut_then_produce(self: sources.Dequant4Source, *a: object, **k: object) -> None:
+            _cut()
+            _produce(self, *a, **k)  # type: ignore[arg-type]
+
+        sources.Dequant4Source.produce_into = _cut_then_produce  # type: ignore[method-assign]
+    else:
+        from convert.dequant import kernels
+
+        _kernel = kernels.dequantize_4bit
+
+        def _cut_then_dequantize(*a: object, **k: object) -> object:
+            _cut()
+            return _kernel(*a, **k)  # type: ignore[arg-type]
+
+        kernels.dequantize_4bit = _cut_then_dequantize  # type: ignore[assignment]
 
 if _SPEC:
     import time

@@ -617,6 +617,20 @@ def _hub_offline(src: Path, out: Path) -> None:
         resolve_repo("org/not-in-the-cache", cache_dir=src)
 
 
+def _cut_by_4096(src: Path, out: Path) -> None:
+    """convert() of SRC as if SRC had been 4096 bytes longer when its header was read (cut while read),
+    without changing it: every map is made with the size it had plus 4096."""
+    from formats import mapping
+
+    init = mapping.InputMap.__init__
+
+    def grown(self: mapping.InputMap, path: Any, size: int) -> None:
+        init(self, path, size + 4096)
+
+    with mock.patch.object(mapping.InputMap, "__init__", grown):
+        convert(src, out)
+
+
 def _hub_upload_offline(src: Path, out: Path) -> None:
     """``--push-to-hub`` of a finished batch output with the Hub unreachable (offline mode)."""
     from huggingface_hub import constants
@@ -1098,6 +1112,9 @@ CASES: list[Case] = [
          lambda d: Path("/dev/zero")),
     Case("model-safetensors-is-a-fifo", E.NotRegularFileError,
          ["model/model.safetensors'", "CKPT-011", "weight file is not a regular file"], _fifo_single),
+    Case("input-cut-while-read", E.InputChangedError,
+         ["model.safetensors'", "CKPT-012", "the file changed while it was read", "its size in bytes (expected "],
+         one_file(layer()), run=_cut_by_4096, argv=None),
     Case("source-missing", E.SourceNotFoundError, ["CKPT-010", "no-such-model'", "does not exist"], _missing_src,
          same_message=False),  # the CLI's hint also offers a Hub repo id
     # ---- bnb 4-bit layer
