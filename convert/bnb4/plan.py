@@ -42,7 +42,7 @@ from convert.bnb4.select import (
     should_quantize,
 )
 from convert.bnb4.settings import QuantSettings
-from convert.bnb4.sources import job_tensors, passthrough_ok, passthrough_tensors
+from convert.bnb4.sources import job_tensors, passthrough_tensors, requantize_reason
 from convert.stream.pipeline import chunk_elements
 from convert.stream.plan import Plan, PlannedTensor, shard_tensors
 from convert.stream.sources import Dequant4Source
@@ -79,6 +79,8 @@ class QuantPlanInfo:
     Attributes:
         jobs: the layers to quantize (their reports fill in as they are written).
         passthrough: weights copied unchanged from a bnb input.
+        requantized: bnb 4-bit weights re-quantized although ``--requantize`` was not given, by reason
+            (other settings than asked; absmax stored as a bnb CPU forward leaves it).
         kept: tensors left as they are, with the reason.
         skip_modules: the ``llm_int8_skip_modules`` written to config.json (None = null).
         unmatched: the ``--skip-modules`` and ``--include`` patterns given that name no tensor of the
@@ -87,6 +89,7 @@ class QuantPlanInfo:
 
     jobs: list[LayerJob] = field(default_factory=list)
     passthrough: list[str] = field(default_factory=list)
+    requantized: dict[str, list[str]] = field(default_factory=dict)
     kept: dict[str, str] = field(default_factory=dict)
     skip_modules: list[str] | None = None
     unmatched: dict[str, list[str]] = field(default_factory=dict)
@@ -181,11 +184,14 @@ def make_quant_plan(
                 heads_kept.append(module_name(t.name))
             grouped.append([t])
             continue
-        if not requantize and passthrough_ok(t.source, settings):
+        reason = None if requantize else requantize_reason(t.source, settings)
+        if reason is None and not requantize:
             assert isinstance(t.source, Dequant4Source)
             info.passthrough.append(t.name)
             grouped.append(passthrough_tensors(t, t.source, settings))
             continue
+        if reason is not None and reason != "not a bnb 4-bit layer":
+            info.requantized.setdefault(reason, []).append(t.name)
         settings.storage_shape(math.prod(t.shape), t.name)  # QNT-005 before any work
         job = LayerJob(t, settings, piece, budget, report, outlier_factor, report_sample)
         info.jobs.append(job)
@@ -201,6 +207,10 @@ def make_quant_plan(
                notes=list(plan.notes))
     info.skip_modules = _skip_modules(plan, info.kept, skip, heads_kept)
     new.notes += _kept_notes(info.kept)
+    new.notes += [f"{len(names)} bnb 4-bit layer{'s' if len(names) > 1 else ''} re-quantized, not copied unchanged: "
+                  f"{why} (first: {names[0]})" + ("; re-quantizing nested absmax moves values by ~0.2%, see the "
+                                                  "error figures" if settings.nested else "")
+                  for why, names in info.requantized.items()]
     if new.config is not None:
         cfg = dict(new.config)
         compute = old_qc.get("bnb_4bit_compute_dtype") or _compute_dtype(cfg, info.jobs, plan)

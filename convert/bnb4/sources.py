@@ -10,7 +10,7 @@ codes when nested), ``P.weight.quant_map`` (``float32[16]``), when nested ``P.we
 
 :func:`job_tensors` plans them from a :class:`~convert.bnb4.passes.LayerJob` (each source produces
 from the job's passes and tells it when its tensor is written). A bnb input layer that already has the
-asked settings is copied unchanged instead (:func:`passthrough_ok`, :func:`passthrough_tensors`).
+asked settings is copied unchanged instead (:func:`requantize_reason`, :func:`passthrough_tensors`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from convert.stream.sources import Dequant4Source, Source
 from formats.bnb import DYNAMIC_MAP_SIGNED, QUANT_TABLES, component_name, state_key
 from formats.dtypes import BY_CODE, BY_NAME, DType
 
-__all__ = ["job_tensors", "passthrough_ok", "passthrough_tensors"]
+__all__ = ["job_tensors", "passthrough_tensors", "requantize_reason"]
 
 _U8 = BY_CODE["U8"]
 _F32 = BY_CODE["F32"]
@@ -184,20 +184,34 @@ class _ArraySource(Source):
         return np.array(self.values[start:stop])
 
 
-def passthrough_ok(src: Source, settings: QuantSettings) -> bool:
-    """Whether a planned source is a bnb 4-bit layer stored exactly as these settings would store it."""
+def requantize_reason(src: Source, settings: QuantSettings) -> str | None:
+    """Why a planned bnb 4-bit layer cannot be copied unchanged and is re-quantized, or None when it is stored
+    exactly as these settings would store it (bnb's own layout: F32 absmax, or U8 codes with an F32
+    ``nested_absmax`` in blocks of 256 and float32 nested steps).
+
+    A source that is not a bnb 4-bit layer has no reason (it is quantized, not re-quantized): ``"not a bnb
+    4-bit layer"``. The reasons are phrased for the run's note ("N layers re-quantized: REASON").
+    """
     if not isinstance(src, Dequant4Source):
-        return False
+        return "not a bnb 4-bit layer"
     layer, st = src.layer, src.layer.state
-    if (st.quant_type, st.blocksize, st.nested) != (settings.quant_type, settings.blocksize, settings.nested):
-        return False
-    if st.nested and (st.nested_blocksize != NESTED_BLOCKSIZE or (st.nested_dtype or "float32") != "float32"):
-        return False
+    have = (st.quant_type, st.blocksize, st.nested)
+    want = (settings.quant_type, settings.blocksize, settings.nested)
+    if have != want:
+        def spell(q: tuple[str, int, bool]) -> str:
+            return f"{q[0]} blocksize {q[1]}{' nested' if q[2] else ''}"
+        return f"stored as {spell(have)}, asked {spell(want)}"
     if layer.absmax.dtype.code != ("U8" if st.nested else "F32") or len(layer.absmax.shape) != 1:
-        return False
-    if st.nested and (layer.nested_absmax is None or layer.nested_absmax.dtype.code != "F32"):
-        return False
-    return True
+        form = layer.absmax.dtype.code + (" 2-D" if len(layer.absmax.shape) != 1 else "")
+        return (f"absmax stored as {form}, as a file saved after a bnb CPU forward holds it (bnb writes it 1-D "
+                + ("U8" if st.nested else "F32") + ")")
+    if st.nested and ((st.nested_dtype or "float32") != "float32"
+                      or (layer.nested_absmax is not None and layer.nested_absmax.dtype.code != "F32")):
+        return ("nested absmax in bfloat16/float16 (nested_dtype), as a file saved after a bnb CPU forward holds "
+                "it (bnb writes float32)")
+    if st.nested and st.nested_blocksize != NESTED_BLOCKSIZE:
+        return f"nested blocksize {st.nested_blocksize} (bnb writes {NESTED_BLOCKSIZE})"
+    return None
 
 
 def passthrough_tensors(t: PlannedTensor, src: Dequant4Source, settings: QuantSettings) -> list[PlannedTensor]:

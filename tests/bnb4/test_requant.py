@@ -718,3 +718,45 @@ def test_elements_are_the_models_values(tmp_path: Path, capsys: pytest.CaptureFi
     with safe_open(str(MODELS / "llama_nf4_dq" / "reference" / "dequantized.safetensors"), "np") as ref:
         values = sum(int(np.prod(ref.get_slice(k).get_shape())) for k in ref.keys())
     assert nf4["elements"] == bf16["elements"] == values
+
+
+def _cpu_forward_copy(model: Path, root: Path) -> Path:
+    """``model`` as bitsandbytes saves it after a CPU forward: each layer's absmax BF16 and 2-D
+    ``(K/blocksize, N)``, the transpose of the flat order (bnb-format.md section 1)."""
+    import ml_dtypes
+
+    from tests.helpers.malformed import st_bytes
+
+    root.mkdir()
+    for p in model.iterdir():
+        if p.is_file() and p.name != "model.safetensors":
+            (root / p.name).write_bytes(p.read_bytes())
+    codes = {"uint8": "U8", "float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+    tensors = {}
+    everything = load_all(model / "model.safetensors")
+    for name, arr in everything.items():
+        if name.endswith(".absmax"):
+            state = json.loads(bytes(everything[name[: -len(".absmax")] + ".quant_state.bitsandbytes__fp4"]))
+            arr = arr.astype(ml_dtypes.bfloat16).reshape(state["shape"][0], -1).T.copy()  # (N, K/bs) -> (K/bs, N)
+        tensors[name] = (codes[str(arr.dtype)], list(arr.shape), arr.tobytes())
+    (root / "model.safetensors").write_bytes(st_bytes(tensors, {"format": "pt"}))
+    return root
+
+
+def test_layers_saved_after_a_cpu_forward_are_requantized_with_a_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Same settings as asked, but absmax as a bnb CPU forward leaves it: re-quantized (not copied), and said."""
+    src = _cpu_forward_copy(MODELS / "llama_fp4_nodq", tmp_path / "cpu")
+    assert main([str(src), "--to", "fp4", "--no-double-quant", "-o", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert ("note: 14 bnb 4-bit layers re-quantized, not copied unchanged: absmax stored as BF16 2-D, as a file "
+            "saved after a bnb CPU forward holds it (bnb writes it 1-D F32) (first: "
+            "model.layers.0.mlp.down_proj.weight)") in err
+    # the canonical file: no such note, every layer copied
+    assert main([str(MODELS / "llama_fp4_nodq"), "--to", "fp4", "--no-double-quant", "-o",
+                 str(tmp_path / "out2")]) == 0
+    assert "re-quantized" not in capsys.readouterr().err
+    # other settings asked than stored: said too
+    assert main([str(MODELS / "llama_fp4_nodq"), "--to", "nf4", "-o", str(tmp_path / "out3")]) == 0
+    assert ("bnb 4-bit layers re-quantized, not copied unchanged: stored as fp4 blocksize 64, asked nf4 blocksize "
+            "64 nested (first: ") in capsys.readouterr().err
