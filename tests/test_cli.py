@@ -196,6 +196,35 @@ def test_nothing_quantized_is_said(tmp_path: Path, capsys: pytest.CaptureFixture
     assert NOTHING_QUANTIZED not in json.loads(capsys.readouterr().out)["notes"]
 
 
+def test_layers_bnb_cpu_gets_wrong_are_noted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every single-layer fixture: the note exactly when the weight has several rows whose length is not a
+    multiple of the blocksize, for a dequantized and a re-quantized output; it covers every fixture where
+    bnb's CPU dispatch was recorded disagreeing with its generic kernel."""
+    from tests.helpers.fixtures import SINGLE, manifest
+
+    noted = set()
+    for e in manifest()["single"]:
+        src = SINGLE / f"{e['name']}.q.safetensors"
+        assert main([str(src), "--to", "bf16", "-o", str(tmp_path / f"{e['name']}.safetensors"), "--json"]) == 0
+        notes = [n for n in json.loads(capsys.readouterr().out)["notes"] if "bitsandbytes' CPU kernel" in n]
+        rows, length = (1, e["shape"][0]) if len(e["shape"]) == 1 else (e["shape"][0], e["shape"][-1])
+        for d in e["shape"][1:-1]:
+            rows *= d
+        if rows > 1 and length % e["blocksize"]:
+            noted.add(e["name"])
+            assert notes == [f"1 4-bit layer with rows not a multiple of the blocksize (e.g. layer.weight: rows of "
+                             f"{length}, blocksize {e['blocksize']}): bitsandbytes' CPU kernel on AVX512 machines "
+                             "(and transformers' model.dequantize() there) computes them wrongly, so it will disagree "
+                             "with this output, which equals bnb's generic and CUDA kernels"], e["name"]
+        else:
+            assert notes == [], e["name"]
+    assert {e["name"] for e in manifest()["single"] if e["bnb_cpu_dispatch_value_mismatches_vs_generic"]} <= noted
+    assert len(noted) == 20
+    src = SINGLE / "fp4_bs64_dq_bfloat16_48x48_zeroblocks.q.safetensors"
+    assert main([str(src), "--to", "nf4", "--include", "layer.weight", "-o", str(tmp_path / "n.safetensors")]) == 0
+    assert "rows of 48, blocksize 64): bitsandbytes' CPU kernel" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--max-memory", "-5GB"], ["--max-shard-size", "-1"], ["--max-memory=-5GB"]])
 def test_a_negative_size_is_refused_as_a_size(argv: list[str], tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:

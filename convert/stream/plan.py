@@ -253,7 +253,8 @@ def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
             out = _output_dtype(to, rec.dtype)
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
     nothing = [] if layers else [NOTHING_QUANTIZED]
-    plan = Plan(checkpoint, to, tensors, notes=nothing + _layer_notes(layers) + _cast_notes(checkpoint, tensors))
+    notes = nothing + _layer_notes(layers) + _bnb_cpu_notes(layers) + _cast_notes(checkpoint, tensors)
+    plan = Plan(checkpoint, to, tensors, notes=notes)
     if checkpoint.is_dir:
         plan.shards = shard_tensors(tensors, max_shard_size)
     else:
@@ -276,6 +277,28 @@ def _layer_notes(layers: dict[str, QuantizedLayer | Int8Layer]) -> list[str]:
         for w in getattr(layer, "warnings", ()):
             seen.setdefault(w, []).append(name)
     return [f"{w} ({len(names)} layer{'s' * (len(names) > 1)}, e.g. {names[0]})" for w, names in seen.items()]
+
+
+def _bnb_cpu_notes(layers: dict[str, QuantizedLayer | Int8Layer]) -> list[str]:
+    """One note when 4-bit layers have rows whose length is not a multiple of their blocksize: bnb's own CPU
+    kernel (AVX512 machines; transformers' ``model.dequantize()`` there) indexes absmax per row and gets
+    them wrong (bnb-format.md section 2), so bnb on such a CPU disagrees with this output, which is what
+    bnb's generic and CUDA kernels compute."""
+    odd = [(name, layer) for name, layer in layers.items()
+           if isinstance(layer, QuantizedLayer) and _rows_straddle_blocks(layer.state.shape, layer.state.blocksize)]
+    if not odd:
+        return []
+    name, layer = odd[0]
+    return [f"{len(odd)} 4-bit layer{'s' * (len(odd) > 1)} with rows not a multiple of the blocksize (e.g. {name}: "
+            f"rows of {layer.state.shape[-1]}, blocksize {layer.state.blocksize}): bitsandbytes' CPU kernel on "
+            "AVX512 machines (and transformers' model.dequantize() there) computes them wrongly, so it will "
+            "disagree with this output, which equals bnb's generic and CUDA kernels"]
+
+
+def _rows_straddle_blocks(shape: tuple[int, ...], blocksize: int) -> bool:
+    """Whether a weight has more than one row and rows whose length is not a multiple of ``blocksize`` (a
+    block then spans two rows, which per-row absmax indexing gets wrong; one row is one flat run)."""
+    return len(shape) >= 2 and math.prod(shape[:-1]) > 1 and shape[-1] % blocksize != 0
 
 
 def _int8_natural(checkpoint: Checkpoint, plain: list[str]) -> DType:
