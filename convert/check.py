@@ -131,6 +131,8 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
         if not problems:
             try:
                 ckpt.require_tensors()
+                if not (isinstance(target, Target) and target.family == "gguf"):  # (GGUF-006 checks it for GGUF)
+                    ckpt.check_config()
             except ConvertBnbError as exc:
                 problems.append(exc)
         try:

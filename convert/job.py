@@ -340,7 +340,10 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
     result = ConvertResult(source=source.ref, to=options.to.name, output=str(out),
                            commit=source.hub.commit if source.hub else None)
     with source.open() as ckpt:
-        # 3. the dequantization plan; 4. the LoRA adapters merged into it
+        # 3. the dequantization plan (config.json against the weights first: a GGUF target checks it by its
+        # own rules, GGUF-006); 4. the LoRA adapters merged into it
+        if options.to.family != "gguf":
+            ckpt.check_config()
         plan = make_plan(ckpt, options.to.dequantize_to, max_shard_size=options.max_shard_size)
         want_stats = options.merge_report or options.report is not None or options.original is not None
         lora = apply_lora(plan, options.merge_lora, options.original, want_stats) if options.merge_lora else None

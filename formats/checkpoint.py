@@ -31,6 +31,9 @@ CKPT-009  ShardPathError              shard names are plain file names inside th
 CKPT-010  SourceNotFoundError         SRC exists
 CKPT-011  NotRegularFileError         SRC and the weight files are regular files or directories (not a FIFO,
                                       a device, a socket, or a symlink loop)
+CKPT-012  InputChangedError           a weight file keeps its size while it is read (:mod:`formats.mapping`)
+CKPT-013  ConfigWeightsError          config.json's ``vocab_size``, ``hidden_size`` and ``num_hidden_layers``
+                                      describe the weights (:meth:`Checkpoint.check_config`)
 ========  ==========================  ==========================================================
 
 :func:`open_checkpoint` raises the first problem; given a ``problems`` list it appends the
@@ -59,6 +62,7 @@ from . import jsonfile
 from .dtypes import DType
 from .errors import (
     ConfigJsonError,
+    ConfigWeightsError,
     ConvertBnbError,
     IndexJsonError,
     IndexTensorMissingError,
@@ -90,6 +94,12 @@ __all__ = [
     "shard_suffix",
     "weight_map",
 ]
+
+
+#: A vision or audio tower's name part: its embeddings and layers are not the text model's.
+_VISION = re.compile(r"(?:^|\.)(?:vision\w*|visual|audio\w*|image\w*|mm_projector|multi_modal_projector)\.")
+#: The layer index after ``PREFIX.layers.`` (digits, then a dot).
+_LAYER_INDEX = re.compile(r"(\d{1,9})\.")
 
 
 class _Info(Protocol):
@@ -261,6 +271,59 @@ class Checkpoint:
                 "the weight files hold no tensors", path=self.source, expected="at least one tensor",
                 found=f"0 tensors and {len(self.values)} other values" if self.values else "0 tensors",
                 hint="give the model's checkpoint: this one was saved empty, or is not a model")
+
+    def check_config(self) -> None:
+        """Check that config.json describes these weights, as transformers needs to load what is written
+        from them (it refuses an embedding of another size, and drops or re-initialises the layers the
+        config does not count).
+
+        The text model's values (``text_config``'s where it has them, else the top level's) against its
+        token embedding (the one unquantized tensor ``PREFIX.embed_tokens.weight`` outside a vision or
+        audio tower) and its layers (the indices N of ``PREFIX.layers.N.``): ``vocab_size`` = the
+        embedding's rows, ``hidden_size`` = its width, ``num_hidden_layers`` = the layers held, 0 .. N-1.
+        A value that is absent or not an integer, or a model without such an embedding, is not checked.
+
+        Raises:
+            ConfigWeightsError: CKPT-013, naming config.json, the key, the tensor, and both values.
+        """
+        cfg = self.config
+        if not isinstance(cfg, dict):
+            return
+        text = cfg.get("text_config")
+        hp = {**cfg, **text} if isinstance(text, dict) else cfg
+        embeds = [n for n in self.tensors if n.endswith("embed_tokens.weight") and not _VISION.search(n)]
+        if len(embeds) != 1:
+            return
+        emb = embeds[0]
+        record = self.tensors[emb]
+        if len(record.shape) != 2 or not record.dtype.is_float:
+            return
+        config_path = self.source / "config.json" if self.is_dir else self.source
+        rows, cols = record.shape
+
+        def agree(key: str, want: int, what: str, tensor: str) -> None:
+            value = hp.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value != want:
+                raise ConfigWeightsError(
+                    f"config.json '{key}' differs from {what}", path=config_path, tensor=tensor,
+                    expected=want, found=value,
+                    hint="use the config.json saved with these weights: transformers would refuse, drop or "
+                         "re-initialise what is written from them")
+
+        agree("vocab_size", rows, "the token embedding's rows", emb)
+        agree("hidden_size", cols, "the token embedding's width", emb)
+        prefix = emb[: -len("embed_tokens.weight")] + "layers."
+        seen = {int(m.group(1)) for n in self.tensors if n.startswith(prefix)
+                for m in [_LAYER_INDEX.match(n, len(prefix))] if m}
+        if not seen:
+            return
+        gaps = sorted(set(range(max(seen) + 1)) - seen)
+        if gaps:
+            raise ConfigWeightsError(
+                "the weights lack a layer below their last one", path=config_path, tensor=f"{prefix}{gaps[0]}.*",
+                expected=f"layers 0 to {max(seen)}", found=f"no tensor of layer {gaps[0]} ({len(gaps)} missing)",
+                hint="the checkpoint is incomplete: download it again")
+        agree("num_hidden_layers", len(seen), f"the layers the tensors hold (0 to {max(seen)})", f"{prefix}*")
 
     def close(self) -> None:
         """Close every reader."""

@@ -39,6 +39,7 @@ __all__ = [
     "ByteSpanError",
     "CheckpointError",
     "ConfigJsonError",
+    "ConfigWeightsError",
     "ConflictingQuantStateError",
     "ConvertBnbError",
     "DataGapError",
@@ -654,6 +655,15 @@ class InputChangedError(CheckpointError):
     default_rule = "CKPT-012"
     advice = ("Let the other program finish (or stop it), check the file is complete, then run again; a "
               "temporary left by the stopped run is removed by the next one.")
+
+
+class ConfigWeightsError(CheckpointError):
+    """config.json disagrees with the weights: ``vocab_size`` or ``hidden_size`` with the token embedding, or
+    ``num_hidden_layers`` with the layers the tensors hold (transformers refuses such a model, or drops or
+    re-initialises layers)."""
+
+    default_rule = "CKPT-013"
+    advice = "Use the config.json saved with these weights (download it again with the model)."
 
 
 # --------------------------------------------------------------------------------------- bnb layers

@@ -234,3 +234,23 @@ def test_a_negative_size_is_refused_as_a_size(argv: list[str], tmp_path: Path,
     assert info.value.code == 2
     value = argv[-1].split("=")[-1]
     assert f"not a size: '{value}' (examples: 1GiB, 512MiB, 5GB)" in capsys.readouterr().err
+
+
+def test_config_that_disagrees_with_the_weights_fails_check_and_every_target(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vocab_size past the embedding: transformers would refuse the bf16 folder; check, --dry-run and every
+    target say so before writing (CKPT-013; a GGUF target by its own rule, GGUF-006)."""
+    import shutil
+
+    src = tmp_path / "m"
+    shutil.copytree(MODELS / "llama_nf4_dq", src, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1024}))
+    assert main(["check", str(src), "-q"]) == 2  # check's exit code for a problem found
+    assert "CKPT-013 config.json 'vocab_size' differs from the token embedding's rows" in capsys.readouterr().err
+    for to in ("bf16", "fp32", "nf4", "auto"):
+        assert main([str(src), "--to", to, "-o", str(tmp_path / to), "--dry-run"]) == 2
+        assert "CKPT-013" in capsys.readouterr().err
+        assert not (tmp_path / to).exists()
+    assert main([str(src), "--to", "gguf:q8_0", "-o", str(tmp_path / "g.gguf")]) == 2
+    assert "GGUF-006 config.json 'vocab_size' differs from the token embedding's rows" in capsys.readouterr().err

@@ -1112,6 +1112,16 @@ CASES: list[Case] = [
          lambda d: Path("/dev/zero")),
     Case("model-safetensors-is-a-fifo", E.NotRegularFileError,
          ["model/model.safetensors'", "CKPT-011", "weight file is not a regular file"], _fifo_single),
+    Case("config-vocab-size-differs", E.ConfigWeightsError,
+         ["config.json'", "tensor 'model.embed_tokens.weight'", "CKPT-013", "'vocab_size' differs from the token "
+          "embedding's rows", "expected 1000, found 1024"], model_copy({"vocab_size": 1024}),
+         argv=["{src}", "--to", "bf16", "-o", "{out}", "-q"]),
+    Case("config-hidden-size-differs", E.ConfigWeightsError,
+         ["CKPT-013", "'hidden_size' differs from the token embedding's width", "expected 256, found 512"],
+         model_copy({"hidden_size": 512}), run=lambda s, o: convert(s, o, to="nf4")),
+    Case("config-layer-count-differs", E.ConfigWeightsError,
+         ["config.json'", "tensor 'model.layers.*'", "CKPT-013", "'num_hidden_layers' differs from the layers the "
+          "tensors hold (0 to 1)", "expected 2, found 3"], model_copy({"num_hidden_layers": 3})),
     Case("input-cut-while-read", E.InputChangedError,
          ["model.safetensors'", "CKPT-012", "the file changed while it was read", "its size in bytes (expected "],
          one_file(layer()), run=_cut_by_4096, argv=None),
