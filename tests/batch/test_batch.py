@@ -934,6 +934,8 @@ def test_dry_run_runs_check_on_each_job_input(tmp_path: Path) -> None:
     r = _batch(jobs, tmp_path / "clean", env, "--dry-run")
     assert (r.returncode, r.stdout) == (0, f"good: {MODELS / 'llama_nf4_dq'} --to bf16 -> {tmp_path / 'clean' / 'good'}"
                                            ": convert\n")
+    r = _batch(jobs, jobs / "x", env, "--dry-run")  # the run's checks before any job, too
+    assert (r.returncode, r.stdout) == (2, "") and f"'{jobs}': USE-003 --out-dir must be a directory" in r.stderr
 
 
 def test_dry_run_checks_a_cached_hub_snapshot_and_not_an_uncached_repo(setup: tuple[Path, Path, dict[str, str]],
