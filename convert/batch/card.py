@@ -14,8 +14,11 @@ Pushing
 Dry run
     :func:`plan_batch` converts, downloads and writes nothing: for each job it resolves the source
     (a Hub repo to its commit only, from the cache when offline), says whether a run would skip it
-    (done with the same key, output in place), convert it or resume it (with the number of finished shards kept), and
-    with ``--push-to-hub`` gives the card and the upload plan (:func:`build_upload_plan`).
+    (done with the same key, output in place), convert it or resume it (with the number of finished shards kept), or
+    fail it: a job it would convert is checked as the run checks it (BATCH-005 and BATCH-006 by the worker's
+    own :func:`convert.batch.state.check_replaceable`), and its input as ``convert-bnb check SRC --to TARGET``
+    checks it, when its files are here (a Hub repo not in the cache is planned ``convert (not checked: not
+    downloaded)``). With ``--push-to-hub`` it gives the card and the upload plan (:func:`build_upload_plan`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any
 
 from convert import __version__
 from convert.batch.jobs import Job, job_options
-from convert.batch.state import load_state, save_state, state_path
+from convert.batch.state import check_replaceable, load_state, save_state, state_path
+from convert.check import check_source
 from convert.hub.download import resolve_repo
 from convert.inspection import InspectOptions, inspect_checkpoint
 from convert.job import ResolvedSource, job_key, resolve_source
@@ -219,11 +223,30 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
     return target
 
 
-def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private: bool) -> list[dict[str, Any]]:
+def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private: bool,
+               overwrite: bool = False) -> list[dict[str, Any]]:
     """``--dry-run``: for each job, its source and commit, what a run would do, and the card and upload plan.
 
     Nothing is downloaded or written: a Hub repo is resolved to its commit (from the cache when
     offline), its files are listed from the snapshot when it is cached, else from a finished output.
+    A job a run would convert is checked as the run checks it before converting, so a job certain to
+    fail is planned ``fail`` with the rule: the output against its state
+    (:func:`convert.batch.state.check_replaceable`: BATCH-005, BATCH-006), then the input as
+    ``convert-bnb check SRC --to TARGET`` checks it (:func:`convert.check.check_source`) when its files
+    are here (a local source, or a Hub snapshot in the cache; else the action says it was not checked).
+
+    Args:
+        jobs: from :func:`convert.batch.jobs.parse_jobs`.
+        out_dir: the batch's ``--out-dir``.
+        push_to_hub: ``--push-to-hub`` ORG, or None.
+        private: ``--private``.
+        overwrite: ``--overwrite`` (a job whose output was made with other settings is redone, not BATCH-005).
+
+    Returns:
+        one entry per job: ``name``, ``src``, ``revision``, ``to``, ``max_shard_size``, ``output``, ``commit``,
+        ``action`` (``skip (already converted)``, ``convert`` with what it resumes or what was not checked,
+        or ``fail``); a failing job's ``error`` (the message), ``rule`` and, from the input check, every
+        ``problems`` line; with ``push_to_hub`` the ``card`` and the ``upload`` plan of a job that would not fail.
 
     Raises:
         HubError: a repo cannot be resolved.
@@ -232,16 +255,17 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
     for job in jobs:
         entry: dict[str, Any] = {"name": job.name, "src": job.src, "revision": job.revision, "to": job.to.name,
                                  "max_shard_size": job.max_shard_size, "output": str(out_dir / job.name)}
+        out.append(entry)
         try:
             source = _resolve_without_download(job)
         except ConvertBnbError as exc:
-            entry.update(action="fail", error=str(exc))
-            out.append(entry)
+            _fail(entry, [exc])
             continue
         src = source.path
         commit = source.hub.commit if source.hub is not None else None
         entry["commit"] = commit
-        state = load_state(state_path(out_dir, job.name))
+        state_file = state_path(out_dir, job.name)
+        state = load_state(state_file)
         final = out_dir / job.name
         options = job_options(job, {"out_dir": str(out_dir), "max_memory": 1 << 30, "threads": 1}, revision=commit)
         key = job_key(options, source)
@@ -253,8 +277,14 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             entry["action"] = "skip (already converted)"
             outputs = [(out_dir / name, state.get(f)) for name, f in job.outputs()]
         else:
+            problems = _convert_problems(job, source, out_dir, state, state_file, key, overwrite)
+            if problems:
+                _fail(entry, problems)
+                continue
             done = len(recorded_shards(final, {**(options.resume_key or {}), "job": key}))
             entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
+            if source.hub is not None and source.hub.missing:
+                entry["action"] += " (not checked: not downloaded)"
             outputs = [(final, _planned_files(src, job))]
             if job.mmproj:
                 outputs.append((out_dir / job.mmproj, _not_written_yet(job.mmproj)))
@@ -263,8 +293,31 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             card = model_card(job, commit, _card_files(outputs), quant)
             entry["card"] = card
             entry["upload"] = build_upload_plan(push_to_hub, job, outputs, card, private)
-        out.append(entry)
     return out
+
+
+def _convert_problems(job: Job, source: ResolvedSource, out_dir: Path, state: dict[str, Any], state_file: Path,
+                      key: dict[str, Any], overwrite: bool) -> list[ConvertBnbError]:
+    """Why a run would fail to convert the job, as far as known without converting: BATCH-006 or BATCH-005
+    (the worker's own check), else every problem ``check SRC --to TARGET`` finds in the input (none when
+    its files are not here: a Hub repo not in the cache)."""
+    outputs = [(out_dir / name, f) for name, f in job.outputs()]
+    try:
+        check_replaceable(outputs, state, state_file, key, overwrite)
+    except ConvertBnbError as exc:
+        return [exc]
+    if source.hub is not None and (source.hub.missing or not source.path.is_dir()):
+        return []  # not downloaded: a dry run fetches nothing to check
+    name = source.hub.repo_id if source.hub is not None else None  # as the conversion names the model
+    return check_source(source.path, job.to, name).problems
+
+
+def _fail(entry: dict[str, Any], problems: list[ConvertBnbError]) -> None:
+    """Plan a job as failing: the first problem's message and rule (as the run would report it), and
+    every problem's line when there are more."""
+    entry.update(action="fail", error=str(problems[0]), rule=problems[0].rule)
+    if len(problems) > 1:
+        entry["problems"] = [str(p) for p in problems]
 
 
 def _card_files(outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]) -> dict[str, dict[str, Any]]:

@@ -8,10 +8,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from convert.batch.card import plan_batch
 from convert.batch.jobs import parse_jobs
-from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, check_executor, run_batch
+from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, check_batch, check_executor, run_batch
 from convert.batch.worker import JobResult
 from convert.options import target_arg
 from convert.units import format_bytes, parse_size
@@ -85,7 +86,9 @@ Re-running the same command skips finished jobs and finished shards (state in OU
                    help="create ORG/NAME repos and upload each output with a model card")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create private repos")
     p.add_argument("--dry-run", action="store_true",
-                   help="convert nothing: print each job's plan (and with --push-to-hub the card and upload plan)")
+                   help="convert nothing: print each job's plan (and with --push-to-hub the card and upload plan); "
+                   "a job a run would fail (its input as `check --to TARGET` finds it, or BATCH-005/006 on its "
+                   f"output) is planned 'fail' with the rule, and the exit code is {EXIT_JOBS_FAILED}")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip re-reading written shards")
     p.add_argument("--overwrite", action="store_true",
                    help="redo jobs whose output was made with other settings (files the batch did not write are "
@@ -98,33 +101,47 @@ Re-running the same command skips finished jobs and finished shards (state in OU
                    "RAY_ADDRESS, a cluster started on this machine, or a new local one)")
 
 
+def _print_plan(plan: list[dict[str, Any]]) -> None:
+    """Print a ``--dry-run`` plan (:func:`convert.batch.card.plan_batch`): a line per job with its action (a
+    failing job's error names its rule), then any further problem of its input, its upload plan and card."""
+    for e in plan:
+        print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
+              + f" --to {e['to']} -> {e['output']}" + (f" + {e['mmproj']}" if "mmproj" in e else "")
+              + f": {e['action']}"
+              + (f" ({e['error']})" if "error" in e else ""))
+        for line in e.get("problems", [])[1:]:
+            print(f"  also: {line}")
+        if "upload" in e:
+            up = e["upload"]
+            print(f"  upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
+                  f"exist_ok), one commit '{up['commit']['commit_message']}':")
+            for op in up["commit"]["operations"]:
+                size = f"{op['bytes']:>14,d} B" if op["bytes"] is not None else "(after conversion)"
+                print(f"    {op['path_in_repo']:<40} {size:>16}  <- {op['from']}")
+            print("  model card:")
+            print("    " + e["card"].replace("\n", "\n    ").rstrip())
+
+
 def run_command(args: argparse.Namespace) -> int:
-    """``convert-bnb batch``: run (or ``--dry-run``: plan) the jobs; exit 3 if any failed."""
+    """``convert-bnb batch``: run (or ``--dry-run``: plan) the jobs; exit 3 if any failed (or, planned, would
+    fail)."""
     check_executor(args.executor, args.ray_address)
     jobs = parse_jobs(args.jobs_file, args)
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
     out_dir: Path = args.out_dir
     if args.dry_run:
-        plan = plan_batch(jobs, out_dir, args.push_to_hub, args.private)
+        check_batch(jobs, out_dir, args.jobs, args.max_memory)
+        plan = plan_batch(jobs, out_dir, args.push_to_hub, args.private, overwrite=args.overwrite)
+        failing = [e for e in plan if e["action"] == "fail"]
         if args.json:
             print(json.dumps(plan, indent=2))
+        elif args.quiet:  # only what would fail, one line each, as -q prints a run's failed jobs
+            for e in failing:
+                print(f"convert-bnb batch: job {e['name']} would fail: {e['error']}", file=sys.stderr)
         else:
-            for e in plan:
-                print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
-                      + f" --to {e['to']} -> {e['output']}" + (f" + {e['mmproj']}" if "mmproj" in e else "")
-                      + f": {e['action']}"
-                      + (f" ({e['error']})" if "error" in e else ""))
-                if "upload" in e:
-                    up = e["upload"]
-                    print(f"  upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
-                          f"exist_ok), one commit '{up['commit']['commit_message']}':")
-                    for op in up["commit"]["operations"]:
-                        size = f"{op['bytes']:>14,d} B" if op["bytes"] is not None else "(after conversion)"
-                        print(f"    {op['path_in_repo']:<40} {size:>16}  <- {op['from']}")
-                    print("  model card:")
-                    print("    " + e["card"].replace("\n", "\n    ").rstrip())
-        return 0
+            _print_plan(plan)
+        return EXIT_JOBS_FAILED if failing else 0
     show = not args.quiet and not args.json
     finished = [0]
 

@@ -92,7 +92,9 @@ Pushing
     does not push a job again once pushed to the same repo with the same key. A failed push is the job's
     own outcome, ``upload-failed`` (HUB-003, exit 3): the conversion stays done and kept, and a re-run
     uploads it without converting again. ``--dry-run`` converts nothing and prints each job's plan,
-    the card and the upload plan. See :mod:`convert.batch.card`.
+    the card and the upload plan; it makes :func:`check_batch` and, for each job it would convert, the
+    worker's BATCH-005/006 check and ``check``'s rules on the input, and exits with
+    :data:`EXIT_JOBS_FAILED` when a job would fail. See :mod:`convert.batch.card`.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ __all__ = [
     "BatchProgress",
     "LocalWorkers",
     "Workers",
+    "check_batch",
     "check_executor",
     "run_batch",
 ]
@@ -258,6 +261,39 @@ def check_executor(executor: str, ray_address: str | None) -> None:
                          hint="add --executor ray, or drop --ray-address")
 
 
+def check_batch(jobs: list[Job], out_dir: Path, n_jobs: int, max_memory: int) -> None:
+    """The checks :func:`run_batch` makes before any job runs (``--dry-run`` makes them too).
+
+    Args:
+        jobs: from :func:`parse_jobs`.
+        out_dir: the batch's ``--out-dir``.
+        n_jobs: ``--jobs``.
+        max_memory: ``--max-memory`` in bytes.
+
+    Raises:
+        UsageError: ``n_jobs`` < 1, or ``max_memory // n_jobs`` below the pipeline's minimum.
+        OutputKindError: USE-003, ``out_dir`` (or the nearest of its parents that exists) is a file.
+        OutputInsideInputError: ``out_dir`` is a job's input or inside it.
+    """
+    if n_jobs < 1:
+        raise UsageError("--jobs must be at least 1", found=n_jobs)
+    per_memory = max_memory // n_jobs
+    if per_memory < MIN_MEMORY:
+        raise UsageError(f"--max-memory split over --jobs leaves a worker less than {format_bytes(MIN_MEMORY)}",
+                         expected=f">= {format_bytes(MIN_MEMORY)} per job", found=f"{format_bytes(per_memory)} per job",
+                         hint="raise --max-memory or lower --jobs")
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():  # the out dir, or the nearest of its parents that exists, is a file
+        raise OutputKindError("--out-dir must be a directory" + ("" if existing == out_dir else " (or go under one)"),
+                              path=existing, action="write", expected="a directory", found="a file")
+    resolved = out_dir.resolve()
+    for job in jobs:
+        local = Path(job.src)
+        if local.exists() and (resolved == local.resolve() or local.resolve() in resolved.parents):
+            raise OutputInsideInputError("--out-dir must not be a job's input or inside it", path=out_dir,
+                                         action="write", hint=f"job {job.where} reads '{job.src}'")
+
+
 def run_batch(
     jobs: list[Job],
     out_dir: Path,
@@ -302,28 +338,13 @@ def run_batch(
         one :class:`convert.batch.worker.JobResult` per job, in job order.
 
     Raises:
-        UsageError: ``max_memory // n_jobs`` is below the pipeline's 64 MiB minimum, ``n_jobs`` < 1,
+        UsageError: :func:`check_batch` (``--jobs``, ``--max-memory``, ``--out-dir``) refuses the settings,
             another batch is running with the same ``out_dir``, a bad executor or Ray address
             (:func:`check_executor`), Ray is not installed, or a job fits no node of the Ray cluster.
     """
     check_executor(executor, ray_address)
-    if n_jobs < 1:
-        raise UsageError("--jobs must be at least 1", found=n_jobs)
+    check_batch(jobs, out_dir, n_jobs, max_memory)
     per_memory = max_memory // n_jobs
-    if per_memory < MIN_MEMORY:
-        raise UsageError(f"--max-memory split over --jobs leaves a worker less than {format_bytes(MIN_MEMORY)}",
-                         expected=f">= {format_bytes(MIN_MEMORY)} per job", found=f"{format_bytes(per_memory)} per job",
-                         hint="raise --max-memory or lower --jobs")
-    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists() or p.is_symlink())
-    if not existing.is_dir():  # the out dir, or the nearest of its parents that exists, is a file
-        raise OutputKindError("--out-dir must be a directory" + ("" if existing == out_dir else " (or go under one)"),
-                              path=existing, action="write", expected="a directory", found="a file")
-    resolved = out_dir.resolve()
-    for job in jobs:
-        local = Path(job.src)
-        if local.exists() and (resolved == local.resolve() or local.resolve() in resolved.parents):
-            raise OutputInsideInputError("--out-dir must not be a job's input or inside it", path=out_dir,
-                                         action="write", hint=f"job {job.where} reads '{job.src}'")
     out_dir = out_dir.absolute()  # the same path for every worker, whatever its working directory
     if executor == "ray":
 

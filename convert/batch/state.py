@@ -25,7 +25,8 @@ The checks: :func:`file_manifest_matches` (a done job is skipped only when its o
 recorded file with its recorded size and sha256), :func:`check_complete` (a job is marked
 done only when the installed output is complete), :func:`foreign_files` (files in an output the
 state does not record are the user's: BATCH-006 refuses to redo such an output rather than delete
-them).
+them), :func:`check_replaceable` (BATCH-006, and BATCH-005: an output made with other settings is not
+replaced without ``--overwrite``; the worker runs it before converting, ``--dry-run`` runs the same).
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from convert.output import sha256_file, write_json
-from formats.errors import VerificationError
+from formats.errors import ForeignFilesError, JobSettingsChangedError, VerificationError
 
 __all__ = [
     "STATE_DIR",
     "STATE_VERSION",
     "check_complete",
+    "check_replaceable",
     "file_manifest_matches",
     "foreign_files",
     "installed_manifest",
@@ -165,3 +167,49 @@ def foreign_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
     if root.is_symlink():
         return [root.name]
     return sorted(_present(root) - set(files))
+
+
+def check_replaceable(outputs: list[tuple[Path, str]], state: dict[str, Any], state_file: Path, key: dict[str, Any],
+                      overwrite: bool) -> bool:
+    """Whether a job that is not skipped may write its outputs, as the worker decides it before converting
+    (and ``--dry-run`` the same way, without converting).
+
+    Args:
+        outputs: each output path of the job with the state field recording its files (``files``, then
+            ``mmproj_files``), as :meth:`convert.batch.jobs.Job.outputs` names them under the out dir.
+        state: the job's state (:func:`load_state`; ``{}`` for none).
+        state_file: its path (the manifests of the last conversion lie beside it).
+        key: the job's key now (:func:`convert.job.job_key`).
+        overwrite: ``--overwrite`` was given.
+
+    Returns:
+        True when the conversion replaces something in place (an output this batch wrote, or an empty
+        folder), False when no output exists.
+
+    Raises:
+        ForeignFilesError: BATCH-006, an existing output holds files the batch did not write (even with
+            ``overwrite``).
+        JobSettingsChangedError: BATCH-005, an output this batch wrote exists with another key, and not
+            ``overwrite``.
+    """
+    done_state = state.get("status") == "done"
+    replace, kept = False, []
+    for path, f in outputs:
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            replace = True  # an empty folder holds nothing to lose or to check
+        elif path.exists() or path.is_symlink():
+            ours = {**installed_manifest(state_file, f), **((state.get(f) or {}) if done_state else {})}
+            foreign = foreign_files(path, ours)
+            if foreign:
+                raise ForeignFilesError(
+                    "the job's output holds files this batch did not write; redoing the job would remove them",
+                    path=path, action="write", found=foreign[:5],
+                    hint="move them out of the folder, or give the job another --name" if f == "files"
+                    else "move it away, or give the job another --mmproj MMNAME")
+            kept.append(path)
+    if kept and state.get("key") != key and not overwrite:
+        raise JobSettingsChangedError(
+            "the job's output was made with other settings", path=kept[0], action="write",
+            expected=key_text(key), found=key_text(state.get("key")),
+            hint="pass --overwrite to redo it with the new settings, or give the job another --name")
+    return replace or bool(kept)

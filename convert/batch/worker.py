@@ -29,10 +29,9 @@ from convert.batch.state import (
     STATE_DIR,
     STATE_VERSION,
     check_complete,
+    check_replaceable,
     file_manifest_matches,
-    foreign_files,
     installed_manifest,
-    key_text,
     load_state,
     save_state,
     state_path,
@@ -40,7 +39,7 @@ from convert.batch.state import (
 from convert.job import convert, job_key, resolve_source
 from convert.output import PARTIAL_MARK, write_json
 from convert.stream.pipeline import peak_rss_bytes
-from formats.errors import ConvertBnbError, ForeignFilesError, HubUploadError, JobSettingsChangedError
+from formats.errors import ConvertBnbError, HubUploadError
 from formats.mapping import changed_input
 
 __all__ = ["JobResult", "execute_job", "failed_result", "interrupted_message", "progress_path", "read_progress",
@@ -148,25 +147,7 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             result.status = "skipped"
             result.notes = ["the output was committed by an earlier run that stopped before recording it"]
         else:
-            overwrite, kept = False, []
-            for path, f in outputs:
-                if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-                    overwrite = True  # an empty folder holds nothing to lose or to check
-                elif path.exists() or path.is_symlink():
-                    foreign = foreign_files(path, {**installed[f], **recorded[f]})
-                    if foreign:
-                        raise ForeignFilesError(
-                            "the job's output holds files this batch did not write; redoing the job would remove "
-                            "them", path=path, action="write", found=foreign[:5],
-                            hint="move them out of the folder, or give the job another --name" if f == "files"
-                            else "move it away, or give the job another --mmproj MMNAME")
-                    kept.append(path)
-            if kept and state.get("key") != key and not spec.get("overwrite"):
-                raise JobSettingsChangedError(
-                    "the job's output was made with other settings", path=kept[0], action="write",
-                    expected=key_text(key), found=key_text(state.get("key")),
-                    hint="pass --overwrite to redo it with the new settings, or give the job another --name")
-            overwrite = overwrite or bool(kept)
+            overwrite = check_replaceable(outputs, state, state_file, key, bool(spec.get("overwrite")))
             pushed = state.get("pushed") if state.get("key") == key else None
             state = {"version": STATE_VERSION, "key": key, "job": job.to_dict(), "status": "running"}
             if pushed:

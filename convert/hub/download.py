@@ -179,6 +179,8 @@ class HubSource:
             ``remote=shards.open``), or None when they are all on disk.
         staging: the low-disk run's private folder (``path``), removed by :meth:`close`, or None.
         low_disk: why the run is low-disk (a note), or None.
+        missing: with ``download=False`` online, the files a conversion needs that are not in the cache
+            yet (a conversion would download them); empty otherwise.
     """
 
     repo_id: str
@@ -190,6 +192,7 @@ class HubSource:
     shards: HubShards | None = None
     staging: Path | None = None
     low_disk: str | None = None
+    missing: tuple[str, ...] = ()
 
     def close(self) -> None:
         """Remove the low-disk staging folder and all in it (nothing otherwise)."""
@@ -515,7 +518,8 @@ def resolve_repo(
         out: the output path, for the disk pre-flight (and the low-disk staging folder, beside it).
         to: the ``--to`` value, for the output estimate.
         download: False resolves the commit only (from the cache, or the Hub when online) and
-            returns the snapshot path without fetching (it may not exist yet).
+            returns the snapshot path without fetching (it may not exist yet: online, the source's
+            ``missing`` names the files not cached).
         progress: show huggingface_hub's progress bars (False disables them for this process).
         weights: how the weights are made readable (:data:`WeightMode`). ``headers`` and ``low-disk``
             need safetensors weights (``headers`` downloads other weights as ``download`` does);
@@ -597,7 +601,8 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
         from huggingface_hub.file_download import repo_folder_name
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
-        return HubSource(repo_id, revision, plan.commit, snap, 0)
+        return HubSource(repo_id, revision, plan.commit, snap, 0,
+                         missing=tuple(f.name for f in plan.files if not f.cached))
     mode: WeightMode = "download"
     note = None
     if plan is not None:

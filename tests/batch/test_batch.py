@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -854,3 +855,112 @@ def test_quiet_batch_still_names_each_failed_job(tmp_path: Path) -> None:
     (line,) = r.stderr.splitlines()
     assert line.startswith("convert-bnb batch: job bad failed: ") and "BNB-009" in line
     assert (tmp_path / "out" / "good").is_dir()
+
+
+# ---------------------------------------------------------------- --dry-run: the run's own checks, exit 3
+
+
+def test_dry_run_fails_a_job_whose_settings_changed_as_the_run_does(setup: tuple[Path, Path, dict[str, str]],
+                                                                     tmp_path: Path) -> None:
+    """BATCH-005 planned from the same comparison the worker makes; --overwrite plans it 'convert' again;
+    BATCH-006 (a file the batch did not write) is planned 'fail' even with --overwrite, as the run fails it."""
+    jobs, _cache, env = setup
+    jobs.write_text("org/a --max-shard-size 1MB\n")
+    out = tmp_path / "out"
+    assert _batch(jobs, out, env).returncode == 0
+    jobs.write_text("org/a --max-shard-size 2MB --name a-bf16\n")
+    r = _batch(jobs, out, env, "--dry-run", "--json")
+    (plan,) = json.loads(r.stdout)
+    assert (r.returncode, plan["action"], plan["rule"]) == (3, "fail", "BATCH-005"), r.stderr
+    assert plan["error"].startswith(f"Failed to write '{out / 'a-bf16'}': BATCH-005 the job's output was made with "
+                                    "other settings (expected 'commit=")
+    assert "max_shard_size=2000000" in plan["error"] and "max_shard_size=1000000" in plan["error"]
+    assert "Hint: pass --overwrite" in plan["error"] and "card" not in plan
+    r = _batch(jobs, out, env, "--dry-run")
+    assert r.returncode == 3
+    assert r.stdout == f"a-bf16: org/a@{A} --to bf16 -> {out / 'a-bf16'}: fail ({plan['error']})\n"
+    r = _batch(jobs, out, env, "--dry-run", "-q")
+    assert (r.returncode, r.stdout, r.stderr) == (3, "", f"convert-bnb batch: job a-bf16 would fail: {plan['error']}\n")
+    r = _batch(jobs, out, env, "--json")  # the run: the same rule and message
+    (res,) = json.loads(r.stdout)
+    assert (r.returncode, res["status"], res["rule"], res["error"]) == (3, "failed", "BATCH-005", plan["error"])
+    r = _batch(jobs, out, env, "--dry-run", "--overwrite", "--json")
+    assert (r.returncode, json.loads(r.stdout)[0]["action"]) == (0, "convert"), r.stdout
+    (out / "a-bf16" / "notes.txt").write_text("mine")
+    r = _batch(jobs, out, env, "--dry-run", "--overwrite", "--json")
+    (plan,) = json.loads(r.stdout)
+    assert (r.returncode, plan["action"], plan["rule"]) == (3, "fail", "BATCH-006")
+    assert "did not write" in plan["error"] and "found ['notes.txt']" in plan["error"]
+    r = _batch(jobs, out, env, "--overwrite", "--json")
+    (res,) = json.loads(r.stdout)
+    assert (r.returncode, res["rule"], res["error"]) == (3, "BATCH-006", plan["error"])
+
+
+def test_dry_run_runs_check_on_each_job_input(tmp_path: Path) -> None:
+    """An architecture `check --to gguf:q8_0` refuses (GGUF-001) and a broken layer (BNB-009) are planned
+    'fail' with check's own message, which is the run's; a clean job is planned 'convert'."""
+    falcon = tmp_path / "falcon"
+    shutil.copytree(MODELS / "llama_nf4_dq", falcon)
+    cfg = json.loads((falcon / "config.json").read_text())
+    (falcon / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
+    broken = broken_model(tmp_path / "broken")
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{falcon} --to gguf:q8_0 --name falcon\n{MODELS / 'llama_nf4_dq'} --to gguf:q8_0 --name good\n"
+                    f"{broken} --name bad\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    r = _batch(jobs, out, env, "--dry-run", "--json")
+    assert r.returncode == 3, r.stderr
+    plan = {e["name"]: e for e in json.loads(r.stdout)}
+    assert [(e["action"], e.get("rule")) for e in plan.values()] == [("fail", "GGUF-001"), ("convert", None),
+                                                                     ("fail", "BNB-009")]
+    gguf = plan["falcon.gguf"]
+    assert "GGUF-001" in gguf["error"] and "found 'FalconForCausalLM'" in gguf["error"]
+    check = run_cli(["check", str(falcon), "--to", "gguf:q8_0", "-q"], env)
+    assert (check.returncode, check.stderr) == (2, gguf["error"] + "\n")  # as check prints it
+    assert "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4" in plan["bad"]["error"]
+    text = _batch(jobs, out, env, "--dry-run").stdout.splitlines()
+    assert text[0].startswith(f"falcon.gguf: {falcon} --to gguf:q8_0 -> {out / 'falcon.gguf'}: fail (")
+    assert text[0].endswith(f"({gguf['error']})")
+    assert text[1] == f"good.gguf: {MODELS / 'llama_nf4_dq'} --to gguf:q8_0 -> {out / 'good.gguf'}: convert"
+    assert not out.exists()  # a dry run writes nothing
+    jobs.write_text(f"{falcon} --to gguf:q8_0 --name falcon\n{broken} --name bad\n")
+    r = _batch(jobs, out, env, "--json")  # the run fails both with the same rule and message
+    res = {x["name"]: x for x in json.loads(r.stdout)}
+    for name in ("falcon.gguf", "bad"):
+        assert (res[name]["status"], res[name]["rule"], res[name]["error"]) == \
+            ("failed", plan[name]["rule"], plan[name]["error"])
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --name good\n")
+    r = _batch(jobs, tmp_path / "clean", env, "--dry-run")
+    assert (r.returncode, r.stdout) == (0, f"good: {MODELS / 'llama_nf4_dq'} --to bf16 -> {tmp_path / 'clean' / 'good'}"
+                                           ": convert\n")
+    r = _batch(jobs, jobs / "x", env, "--dry-run")  # the run's checks before any job, too
+    assert (r.returncode, r.stdout) == (2, "") and f"'{jobs}': USE-003 --out-dir must be a directory" in r.stderr
+
+
+def test_dry_run_checks_a_cached_hub_snapshot_and_not_an_uncached_repo(setup: tuple[Path, Path, dict[str, str]],
+                                                                       tmp_path: Path) -> None:
+    """A Hub repo in the cache is checked (offline: org/broken is BNB-009); online, a repo whose files are not
+    in the cache is planned 'convert (not checked: not downloaded)' without downloading its weights."""
+    jobs, _cache, env = setup
+    r = _batch(jobs, tmp_path / "out", env, "--dry-run", "--json")
+    assert r.returncode == 3, r.stderr
+    assert [(e["action"], e.get("rule")) for e in json.loads(r.stdout)] == [
+        ("convert", None), ("fail", "BNB-009"), ("convert", None)]
+    from tests.helpers.fakehub import FakeHub
+
+    hub = FakeHub()
+    hub.add("org/new", commit_sha("new"), {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
+    url = hub.start()
+    try:
+        online = offline_env(tmp_path, tmp_path / "empty-hub")
+        del online["HF_HUB_OFFLINE"]
+        online.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        jobs.write_text("org/new\n")
+        r = _batch(jobs, tmp_path / "out", online, "--dry-run", "--json")
+        assert r.returncode == 0, r.stderr
+        (plan,) = json.loads(r.stdout)
+        assert (plan["action"], plan["commit"]) == ("convert (not checked: not downloaded)", commit_sha("new"))
+        assert "org/new/model.safetensors" not in hub.downloads
+    finally:
+        hub.stop()
