@@ -87,7 +87,7 @@ from convert.gguf.config import (
 from convert.gguf.families import Architecture, Param
 from convert.gguf.loader import check_required, check_shapes
 from convert.gguf.mix import MixModel, mix_types
-from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_metadata
+from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_choice_note, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
 from convert.gguf.types import FILE_TYPES, OUTPUT_TYPES, parse_output_type
 from formats.errors import GgufConfigError, RopeScalingError
@@ -158,6 +158,7 @@ class GGUFPlan:
         generated: GGUF name -> values of tensors made from the config (``rope_freqs.weight``).
         towers: source tensors of a multimodal checkpoint's other towers (vision, audio, projector), not
             written (:func:`convert.gguf.arch.text_name`).
+        notes: what the user should know about how config.json was read (e.g. which RoPE object).
     """
 
     arch: Architecture
@@ -167,6 +168,7 @@ class GGUFPlan:
     tensors: list[GGUFTensor]
     generated: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
     towers: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def arch_name(self) -> str:
@@ -365,7 +367,8 @@ def plan_gguf(
     }
     if out_name in FILE_TYPES:
         planned = apply_mix(out_name, planned, mix_model(arch.name, metadata))
-    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers)
+    notes = [n for n in (rope_choice_note(hp),) if n]
+    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers, notes)
 
 
 def _check_qk_norms(arch: Architecture, n_blocks: int, planned: Sequence[GGUFTensor], path: str | None) -> None:

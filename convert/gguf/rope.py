@@ -48,6 +48,7 @@ through the fields used here (:class:`_ArchitectureLike`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -87,10 +88,27 @@ class _ArchitectureLike(Protocol):
 LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
 
 
+def _rope_root(hp: Mapping[str, Any]) -> Any:
+    """config.json's RoPE value as llama.cpp's converter picks it: ``rope_parameters`` (transformers >= 5),
+    else ``rope_scaling`` (either may be any JSON value; {} when neither is set)."""
+    return hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+
+
+def rope_choice_note(hp: Mapping[str, Any]) -> str | None:
+    """A note when config.json holds both ``rope_parameters`` and ``rope_scaling`` and they differ: the GGUF
+    takes ``rope_parameters`` (as transformers >= 5 and llama.cpp's converter do) and ignores the other."""
+    new, old = hp.get("rope_parameters"), hp.get("rope_scaling")
+    if not new or not old or new == old:
+        return None
+    return ("config.json has both 'rope_parameters' and 'rope_scaling', and they differ: the GGUF takes "
+            "'rope_parameters' (as transformers >= 5 and llama.cpp's converter do); 'rope_scaling' "
+            f"{json.dumps(old, sort_keys=True)[:120]} is ignored")
+
+
 def rope_object(hp: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE object (``rope_parameters``, else ``rope_scaling``; {} when neither is an object); for a
-    model with per-attention-kind parameters, those of the full-attention layers (TextModel)."""
-    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    """The RoPE object (:func:`_rope_root`; {} when it is not an object); for a model with
+    per-attention-kind parameters, those of the full-attention layers (TextModel)."""
+    rope = _rope_root(hp)
     if not isinstance(rope, dict):
         return {}
     full = rope.get("full_attention")
@@ -247,7 +265,7 @@ def _mrope_sections(hp: Mapping[str, Any], path: str | None) -> list[int] | None
     Raises:
         RopeScalingError: GGUF-005 (not a list of at most 4 non-negative integers).
     """
-    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    rope = _rope_root(hp)
     if not isinstance(rope, dict) or "mrope_section" not in rope:
         return None
     sections = rope["mrope_section"]

@@ -158,7 +158,7 @@ class GgufJob:
                  "bytes": t.nbytes, "note": t.fallback}
                 for t in self.gplan.tensors
             ],
-            "notes": list(self.plan.notes) + _tower_notes(self.gplan.towers, self.mmproj),
+            "notes": self._plan_notes(),
         }
 
     def describe(self) -> str:
@@ -167,7 +167,7 @@ class GgufJob:
                  f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys; "
                  f"{mix_summary([t.ggml_type for t in g.tensors])}"]
         lines += ["  " + line for line in g.describe()]
-        lines += [f"  note: {n}" for n in self.plan.notes + _tower_notes(g.towers, self.mmproj)]
+        lines += [f"  note: {n}" for n in self._plan_notes()]
         return "\n".join(lines)
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
@@ -188,8 +188,12 @@ class GgufJob:
     def verify(self, staging: Path) -> None:
         _verify_gguf(staging, self.gplan)
 
+    def _plan_notes(self) -> list[str]:
+        """The notes known before writing: the dequantization plan's, the GGUF plan's, the other towers'."""
+        return list(self.plan.notes) + self.gplan.notes + _tower_notes(self.gplan.towers, self.mmproj)
+
     def notes(self) -> list[str]:
-        return list(self.plan.notes) + _tower_notes(self.gplan.towers, self.mmproj) + _type_notes(
+        return self._plan_notes() + _type_notes(
             self.out_type, self.gplan.tensors) + _error_notes(
             self.out_type, self.reports, self.sample
         )

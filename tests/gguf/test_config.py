@@ -432,3 +432,25 @@ def test_every_shipped_fixture_fits_the_loader_shapes(fixture: str) -> None:
     plan = plan_gguf(config, shapes, root, "q4_k_m")
     checked = [t for t in plan.tensors if re.sub(r"^blk\.\d+\.", "", t.name) in LOADER_SHAPES[plan.arch_name]]
     assert len(checked) == len([t for t in plan.tensors if t.source is not None])
+
+
+def test_both_rope_objects_are_noted_and_rope_parameters_wins(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """config.json with rope_parameters (default) and a stale rope_scaling (linear x2): the GGUF has no
+    scaling keys, and the run says which object it took; a config with one of them has no such note."""
+    import gguf
+
+    src = tmp_path / "m"
+    shutil.copytree(MODELS / "llama_nf4_dq", src, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    out = tmp_path / "m.gguf"
+    assert main([str(src), "--to", "gguf:f16", "-o", str(out), "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert ("config.json has both 'rope_parameters' and 'rope_scaling', and they differ: the GGUF takes "
+            "'rope_parameters' (as transformers >= 5 and llama.cpp's converter do); 'rope_scaling' "
+            '{"factor": 2.0, "type": "linear"} is ignored') in notes
+    keys = gguf.GGUFReader(out).fields
+    assert not [k for k in keys if "rope.scaling" in k]
+    assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(tmp_path / "o.gguf"), "--json"]) == 0
+    assert not [n for n in json.loads(capsys.readouterr().out)["notes"] if "rope_scaling" in n]
