@@ -408,7 +408,7 @@ def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSourc
     into ``result`` (timings, bytes out, files, shards written and reused, what the claim recovered)."""
     timings = result.timings
     resume_key = None if options.resume_key is None else {**options.resume_key, "job": job_key(options, source)}
-    with OutputClaim(out, is_dir=job.is_dir, nbytes=job.out_nbytes, inputs=[input_path],
+    with OutputClaim(out, is_dir=job.is_dir, nbytes=job.disk_nbytes, inputs=[input_path],
                      overwrite=options.overwrite, resume_key=resume_key, file_suffix=job.file_suffix) as claim:
         try:
             t = time.perf_counter()
@@ -420,7 +420,7 @@ def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSourc
                 timings["verify"] = time.perf_counter() - t
                 result.verified = True
         except OSError as exc:
-            raise _write_error(exc, out, job.out_nbytes) from None
+            raise _write_error(exc, out, job.disk_nbytes) from None
         t = time.perf_counter()
         result.bytes_out = _size(claim.staging)
         if options.manifest is not None or options.list_files:

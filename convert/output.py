@@ -6,7 +6,7 @@ its final path only complete, and an existing output is replaced only when asked
 
 1. Pre-flight: the output is of the right kind (a model directory gives a directory, USE-003), is
    not the input or inside it (USE-002), does not exist unless ``overwrite`` (OUT-001), and the disk
-   has room for the planned bytes plus :data:`DISK_HEADROOM` (OUT-002).
+   has room for the planned bytes of the output's files plus :data:`DISK_HEADROOM` (OUT-002).
 2. Claim: ``.<name>.convert-bnb-lock`` beside the output, held with ``flock(LOCK_EX | LOCK_NB)`` for
    the whole run. A second run for the same path is refused at once (OUT-004); a run that dies
    (even by SIGKILL) drops its lock with its file descriptors.
@@ -81,8 +81,10 @@ TMP_MARK = ".convert-bnb-tmp-"
 OLD_MARK = ".convert-bnb-old-"
 LOCK_MARK = ".convert-bnb-lock"
 PARTIAL_MARK = ".convert-bnb-partial"
-#: Free space required beyond the planned output bytes (headers, index, config, tokenizer, metadata).
-DISK_HEADROOM = 64 * 1024 * 1024
+#: Free space required beyond the planned bytes of the output's files (which count their headers, index,
+#: config and copied files): the file system's rounding up of each file's last block (4 KiB blocks: 256
+#: files), the claim's lock and the resume ledger.
+DISK_HEADROOM = 1024 * 1024
 #: The record of finished shards inside a resumable staging directory.
 LEDGER_NAME = ".convert-bnb-shards.json"
 
@@ -328,7 +330,8 @@ class OutputClaim:
     Args:
         final: the output path.
         is_dir: whether the output is a directory.
-        nbytes: the planned output bytes, for the disk pre-flight.
+        nbytes: the planned bytes of the output's files (:attr:`convert.targets.TargetJob.disk_nbytes`), for
+            the disk pre-flight.
         inputs: the input paths (the output must not be one of them or inside one).
         overwrite: replace an existing output.
         resume_key: make the staging resumable (``.NAME.convert-bnb-partial`` with a

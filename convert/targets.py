@@ -44,6 +44,9 @@ class TargetJob(Protocol):
     #: planned bytes of the output, tensors written, values converted (the model's, in its dequantized
     #: shapes), tensor bytes read
     out_nbytes: int
+    #: bytes of every file the output will hold (tensor data, headers, index, config, copied files): what
+    #: the disk pre-flight asks for
+    disk_nbytes: int
     tensors: int
     elements: int
     in_nbytes: int

@@ -57,6 +57,7 @@ __all__ = [
     "FileLayout",
     "GGUFFileWriter",
     "TensorLayout",
+    "file_nbytes",
     "tensor_nbytes",
     "verify_gguf",
 ]
@@ -121,6 +122,42 @@ def tensor_nbytes(shape: Sequence[int], qtype: gguf.GGMLQuantizationType) -> int
     for d in shape:
         n *= int(d)
     return n // block * size
+
+
+#: Bytes of a GGUF scalar of each value type (strings and arrays are sized by :func:`file_nbytes`).
+_SCALAR_BYTES = {
+    gguf.GGUFValueType.UINT8: 1, gguf.GGUFValueType.INT8: 1, gguf.GGUFValueType.BOOL: 1,
+    gguf.GGUFValueType.UINT16: 2, gguf.GGUFValueType.INT16: 2,
+    gguf.GGUFValueType.UINT32: 4, gguf.GGUFValueType.INT32: 4, gguf.GGUFValueType.FLOAT32: 4,
+    gguf.GGUFValueType.UINT64: 8, gguf.GGUFValueType.INT64: 8, gguf.GGUFValueType.FLOAT64: 8,
+}
+
+
+def file_nbytes(layout: FileLayout, alignment: int = 32) -> int:
+    """The size in bytes of the GGUF file :class:`GGUFFileWriter` writes for ``layout`` (GGUF v3: the header,
+    the keys and values, the tensor infos, padding to ``alignment``, each tensor's data padded to it), for
+    the disk pre-flight; computed from the layout, nothing is written."""
+
+    def value_bytes(value: Any, vtype: gguf.GGUFValueType, sub_type: gguf.GGUFValueType | None) -> int:
+        if vtype == gguf.GGUFValueType.STRING:
+            return 8 + len(value.encode("utf-8") if isinstance(value, str) else bytes(value))
+        if vtype == gguf.GGUFValueType.ARRAY:  # the element type as gguf-py's _pack_val picks it
+            if sub_type is None:
+                sub_type = (gguf.GGUFValueType.UINT8 if isinstance(value, bytes)
+                            else gguf.GGUFValueType.get_type(value[0]))
+            if sub_type in _SCALAR_BYTES:
+                return 4 + 8 + _SCALAR_BYTES[sub_type] * len(value)
+            return 4 + 8 + sum(value_bytes(v, sub_type, None) for v in value)
+        return _SCALAR_BYTES[vtype]
+
+    n = 4 + 4 + 8 + 8  # magic, version, tensor count, key count
+    kv = {"general.architecture": (layout.arch_name, gguf.GGUFValueType.STRING, None), **layout.metadata}
+    for key, (value, vtype, sub_type) in kv.items():
+        n += 8 + len(key.encode("utf-8")) + 4 + value_bytes(value, vtype, sub_type)
+    for t in layout.tensors:
+        n += 8 + len(t.name.encode("utf-8")) + 4 + 8 * len(t.shape) + 4 + 8
+    return gguf.GGUFWriter.ggml_pad(n, alignment) + sum(gguf.GGUFWriter.ggml_pad(t.nbytes, alignment)
+                                                        for t in layout.tensors)
 
 
 class GGUFFileWriter:

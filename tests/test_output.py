@@ -484,3 +484,35 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path: Path, monkey
     assert capsys.readouterr().err == ("convert-bnb: error: No space left on device (errno 28). Hint: free some "
                                        "disk space or write elsewhere with -o\n")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("src", "to", "name", "extra"), [
+    ("llama_nf4_dq", "bf16", "out", []),
+    ("llama_nf4_dq_sharded", "nf4", "out", ["--max-shard-size", "1MB"]),
+    ("llama_nf4_dq", "gguf:q4_k_m", "out.gguf", []),
+    ("qwen3_moe_nf4_dq", "gguf:q8_0", "out.gguf", []),
+])
+def test_disk_preflight_asks_for_the_output_files_bytes_and_1mib(src: str, to: str, name: str, extra: list[str],
+                                                                 tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The pre-flight needs the bytes of every file the output will hold (headers, index, config, copied
+    files and, for a GGUF, its metadata: computed, not guessed) plus DISK_HEADROOM (1 MiB): it passes with
+    exactly that much free and refuses one byte less (a 3.8 MiB output with 60 MB free used to be refused)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from convert.output import DISK_HEADROOM
+
+    first = tmp_path / "first" / name
+    assert main([str(MODELS / src), "--to", to, "-o", str(first), "-q", *extra]) == 0
+    size = sum(f.stat().st_size for f in first.rglob("*") if f.is_file()) if first.is_dir() else first.stat().st_size
+    assert DISK_HEADROOM == 1 << 20
+    for free, code in ((size + DISK_HEADROOM, 0), (size + DISK_HEADROOM - 1, 2)):
+        out = tmp_path / str(free) / name
+        with mock.patch("convert.output.shutil.disk_usage", return_value=SimpleNamespace(free=free)):
+            assert main([str(MODELS / src), "--to", to, "-o", str(out), "-q", *extra]) == code
+        err = capsys.readouterr().err
+        if code:
+            assert f"OUT-002 not enough free disk space for the output (expected '>= {size + DISK_HEADROOM} bytes " \
+                   f"free', found '{free} bytes free')" in err
+            assert not out.exists()

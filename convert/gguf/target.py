@@ -25,6 +25,7 @@ from convert.output import ShardLedger
 from convert.stream.pipeline import RunSettings, placed_memory
 from convert.stream.plan import Plan, make_plan
 from formats.errors import TokenizerError
+from formats.gguf import file_nbytes
 from formats.gguf import verify_gguf as _verify_gguf
 
 GT = gguf.GGMLQuantizationType
@@ -138,6 +139,7 @@ class GgufJob:
         once, a stack's every slice source); GGUF-002 (:func:`check_encoders`) unless ``dry_run``, before any
         output is claimed (a mix needs the K-quant codecs)."""
         self.out_nbytes = self.gplan.nbytes
+        self.disk_nbytes = file_nbytes(self.gplan)
         self.tensors = len(self.gplan.tensors)
         self.elements = sum(t.numel for t in self.gplan.tensors)
         by_name = {t.name: t for t in self.plan.tensors}

@@ -266,21 +266,49 @@ def _verify_file(plan: Plan, shard: list[int], path: Path) -> None:
                                 expected=f"{len(header)} header bytes as planned", found="other bytes")
 
 
-def write_directory_files(plan: Plan, tmp: Path) -> None:
-    """Write a directory output's index (when sharded), edited config.json and copied small files into ``tmp``."""
+def _directory_texts(plan: Plan) -> dict[str, str]:
+    """The JSON files a directory output gets written (not copied): the index when sharded, and the edited
+    config.json, by name, as transformers' ``save_pretrained`` writes them (sort_keys, indent 2)."""
+    out: dict[str, str] = {}
     names = plan.shard_names()
     if len(names) > 1:
         weight_map = {plan.tensors[i].name: names[k] for k, shard in enumerate(plan.shards) for i in shard}
-        # as transformers' save_pretrained writes it (sort_keys, indent 2)
         index = {"metadata": {"total_parameters": plan.total_parameters, "total_size": plan.out_nbytes},
                  "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    for extra in plan.checkpoint.extra_files:
-        if extra.name == "config.json" and plan.config is not None:
-            continue
-        shutil.copyfile(extra, tmp / extra.name)  # (the bytes only: the output's mode follows the umask)
+        out["model.safetensors.index.json"] = json.dumps(index, indent=2, sort_keys=True) + "\n"
     if plan.config is not None:
-        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+        out["config.json"] = json.dumps(plan.config, indent=2, sort_keys=True) + "\n"
+    return out
+
+
+def _copied_files(plan: Plan) -> list[Path]:
+    """The input's small files a directory output gets a copy of (config.json is written, when edited)."""
+    return [f for f in plan.checkpoint.extra_files if not (f.name == "config.json" and plan.config is not None)]
+
+
+def disk_nbytes(plan: Plan) -> int:
+    """Bytes of every file the plan's output holds: each weight file's header and data, and for a directory
+    the index, config.json and the copied files.
+
+    Raises:
+        OSError: a file to copy cannot be stat'ed.
+    """
+    n = 0
+    for shard in plan.shards:
+        entries, metadata = _shard_header(plan, shard)
+        n += len(build_header(entries, metadata)[0]) + sum(plan.tensors[i].nbytes for i in shard)
+    if plan.checkpoint.is_dir:
+        n += sum(len(text.encode("utf-8")) for text in _directory_texts(plan).values())
+        n += sum(f.stat().st_size for f in _copied_files(plan))
+    return n
+
+
+def write_directory_files(plan: Plan, tmp: Path) -> None:
+    """Write a directory output's index (when sharded), edited config.json and copied small files into ``tmp``."""
+    for extra in _copied_files(plan):
+        shutil.copyfile(extra, tmp / extra.name)  # (the bytes only: the output's mode follows the umask)
+    for name, text in _directory_texts(plan).items():
+        (tmp / name).write_text(text)
 
 
 class SafetensorsJob:
@@ -298,6 +326,7 @@ class SafetensorsJob:
         self.plan = plan
         self.is_dir = plan.checkpoint.is_dir
         self.out_nbytes = plan.out_nbytes
+        self.disk_nbytes = disk_nbytes(plan)
         self.tensors = len(plan.tensors)
         self.elements = sum(t.numel for t in plan.tensors)
         self.in_nbytes = plan.in_nbytes
