@@ -362,7 +362,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
                     result.plan_text += f"\n{mmproj.describe()}\n  mmproj output: {mm_out}"
                 return result
             # 6. claim the output, write it into staging, verify, commit
-            run, notes = _run_settings(options, plan, source, out.name)
+            run, notes = _run_settings(options, plan, source, out.name, lora)
             result.timings["plan"] = time.perf_counter() - t0
             _write_output(job, options, source, ckpt.source, out, run, result, committed)
             if mmproj is not None:
@@ -384,19 +384,39 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
     return result
 
 
-def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, label: str
+def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, label: str, lora: LoraRun | None
                   ) -> tuple[RunSettings, list[str]]:
     """How the job writes: threads (lowered, with a note, where their chunks would not fit ``max_memory``),
-    the cap, progress, and a low-disk run's shard lifetime."""
+    the cap for the chunks (``max_memory`` less what the merges of the tensors in flight hold beside them:
+    :meth:`convert.lora.apply.LoraRun.held_nbytes`), progress, and a low-disk run's shard lifetime.
+
+    Raises:
+        UsageError: USE-001, the merges' working copies would take more than half of ``max_memory``.
+    """
     notes = []
     threads = max(1, options.threads or os.cpu_count() or 1)
-    cap = max_threads(options.max_memory, max((t.source.unit for t in plan.tensors), default=1))
+    unit = max((t.source.unit for t in plan.tensors), default=1)
+
+    def held(n_threads: int) -> int:  # tensors in flight: at most one per chunk in flight
+        return lora.held_nbytes(2 * n_threads + 1) if lora is not None else 0
+
+    cap = max_threads(options.max_memory - held(threads), unit)
     if threads > cap:
         notes.append(f"--threads {threads} lowered to {cap}: more threads' chunks would not fit "
                      f"--max-memory {format_bytes(options.max_memory)}")
         threads = cap
+    reserved = held(threads)
+    max_memory = options.max_memory - reserved
+    if 2 * reserved > options.max_memory:
+        raise UsageError("--max-memory is too small for this merge: the adapters' working copies of the tensors "
+                         "in flight, held beside the chunks, would take more than half of it",
+                         expected=f">= {format_bytes(2 * reserved)}", found=format_bytes(options.max_memory),
+                         hint="raise --max-memory, or use fewer --threads")
+    if reserved * 10 > options.max_memory:
+        notes.append(f"the merges hold {format_bytes(reserved)} of adapter copies (the exact product's float64 "
+                     f"operands) beside the chunks: chunks sized for the remaining {format_bytes(max_memory)}")
     shards = source.low_disk_shards
-    run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress, label=label,
+    run = RunSettings(threads=threads, max_memory=max_memory, progress=options.progress, label=label,
                       on_progress=options.on_progress, inputs=ShardLifetime(plan, shards) if shards else None,
                       processes=options.processes)
     return run, notes

@@ -217,6 +217,12 @@ class LoraRun:
             path.write_text(json.dumps(data, indent=2) + "\n")
         return data
 
+    def held_nbytes(self, in_flight: int) -> int:
+        """Bytes the merges of ``in_flight`` tensors written at once can hold (the largest ones:
+        :meth:`convert.lora.delta.TensorMerge.held_nbytes`), which the memory cap keeps free of chunks."""
+        sizes = sorted((tm.held_nbytes() for tm in self.merge.tensors.values()), reverse=True)
+        return sum(sizes[:in_flight])
+
     def close(self) -> None:
         """Close the adapters and the original model."""
         self.merge.close()

@@ -354,6 +354,20 @@ class TensorMerge:
     def __repr__(self) -> str:
         return f"TensorMerge('{self.name}', {[(op.kind, op.source) for op in self.ops]})"
 
+    def held_nbytes(self) -> int:
+        """Bytes this merge holds while its tensor is written, beside the chunks: per adapter op, the fp32
+        copies of ``A`` and ``B`` and of the scale-folded ``A``, and :func:`right_operand`'s float64 copy
+        (``r x cols``) with its row maxima. The memory cap reserves them
+        (:meth:`convert.lora.apply.LoraRun.held_nbytes`)."""
+        n = 0
+        for op in self.ops:
+            if op.lora_A is None or op.lora_B is None:
+                continue
+            a, b = math.prod(op.lora_A.shape), math.prod(op.lora_B.shape)
+            right = b if op.transposed else a
+            n += 4 * a + 4 * b + 4 * a + 8 * right + 8 * op.lora_A.shape[0]
+        return n
+
     def release(self) -> None:
         """Drop the cached fp32 copies of the adapter tensors and their pages of the adapter file."""
         self._cache.clear()

@@ -1395,3 +1395,49 @@ def test_exact_product_is_the_ordered_sum() -> None:
     for rows in (slice(0, 200), slice(37, 91)):
         assert_bits_equal(exact_product(a, b, rows), want[rows])
     assert_bits_equal(exact_product(a, b, slice(0, 300), transposed=True), np.ascontiguousarray(want.T))
+
+
+def test_merge_working_copies_are_reserved_from_the_memory_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """What a tensor's merge holds beside the chunks (fp32 A, B and folded A, float64 right operand and its row
+    maxima) is counted from the adapter's shapes, and the cap's chunks get what is left: a note when that is
+    over a tenth of the cap, USE-001 when it is over half."""
+    from convert.lora.delta import TensorMerge
+    from convert.stream.pipeline import RunSettings
+
+    adapter = open_adapter(LORA / "adapter")
+    try:
+        from convert.stream.plan import make_plan
+        from formats.checkpoint import open_checkpoint
+
+        with open_checkpoint(MODELS_DIR / "llama_nf4_dq") as ckpt:
+            merge = plan_merge([adapter], {t.name: t.shape for t in make_plan(ckpt).tensors})
+        assert len(merge.tensors) == 4  # q_proj and v_proj of both layers
+        for tm in merge.tensors.values():
+            op = tm.ops[0]
+            r, cols = op.lora_A.shape
+            out_rows = op.lora_B.shape[0]
+            assert tm.held_nbytes() == r * (4 * cols + 4 * out_rows + 4 * cols + 8 * cols + 8)
+    finally:
+        adapter.close()
+
+    seen: list[int] = []
+    init = RunSettings.__init__
+
+    def spy(self: RunSettings, *a: object, **k: object) -> None:
+        init(self, *a, **k)
+        seen.append(self.max_memory)
+
+    monkeypatch.setattr(RunSettings, "__init__", spy)
+    monkeypatch.setattr(TensorMerge, "held_nbytes", lambda self: 12 << 20)  # 3 tensors in flight at --threads 1
+    args = [str(MODELS_DIR / "llama_nf4_dq"), "--to", "bf16", "--merge-lora", str(LORA / "adapter"), "--threads", "1"]
+    assert _cli([*args, "-o", str(tmp_path / "a"), "--max-memory", "128MiB"]) == 0
+    assert seen[-1] == (128 - 36) << 20
+    assert ("note: the merges hold 36.00 MiB of adapter copies (the exact product's float64 operands) beside the "
+            "chunks: chunks sized for the remaining 92.00 MiB") in capsys.readouterr().err
+    assert _cli([*args, "-o", str(tmp_path / "b"), "--max-memory", "64MiB"]) == 2
+    assert capsys.readouterr().err == (
+        "convert-bnb: error: USE-001 --max-memory is too small for this merge: the adapters' working copies of the "
+        "tensors in flight, held beside the chunks, would take more than half of it (expected '>= 72.00 MiB', found "
+        "'64.00 MiB'). Hint: raise --max-memory, or use fewer --threads\n")
+    assert not (tmp_path / "b").exists()
