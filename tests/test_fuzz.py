@@ -1,6 +1,6 @@
 """Hypothesis mutates real fixture files; every outcome is a correct conversion or one of our errors.
 
-CI runs :data:`tests.helpers.fuzzing.CI_CASES` cases (2,160 byte-level and field-level, 2,000 structure-aware),
+CI runs :data:`tests.helpers.fuzzing.CI_CASES` cases (2,160 byte-level and field-level, 2,350 structure-aware),
 derandomized so CI is reproducible;
 ``python scripts/fuzz.py --cases N`` runs as many as asked with a fresh seed.
 """
