@@ -96,7 +96,8 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     """
 
     opts = options or InspectOptions()
-    layers, plain = group_layers(ckpt.tensors, int8_model=is_int8_config(ckpt.config))  # type: ignore[arg-type]
+    layers, plain = group_layers(ckpt.tensors, ckpt.values,  # type: ignore[arg-type]
+                                 int8_model=is_int8_config(ckpt.config))
     by_kind: dict[str, int] = {}
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     int8_groups: dict[tuple[str, str], dict[str, Any]] = {}
@@ -126,7 +127,8 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
             b["nested_statistics"] += nested
             known = {layer.name, layer.absmax.name, layer.quant_map.name}
             known |= {t.name for t in (layer.nested_absmax, layer.nested_quant_map) if t is not None}
-            b["quant_state"] += sum(ckpt.tensors[c].nbytes for c in layer.components if c not in known)
+            b["quant_state"] += sum(ckpt.tensors[c].nbytes for c in layer.components
+                                    if c not in known and c in ckpt.tensors)  # (not unpacked pickle values)
         elif isinstance(layer, Int8Layer):
             key8 = (layer.weight.dtype.code, layer.scb.dtype.code)
             g = int8_groups.get(key8)

@@ -125,6 +125,12 @@ class ConvertResult:
         return d
 
 
+def _absolute(path: Path) -> str:
+    """``path`` made absolute with its symlinks resolved as far as they go: a symlink loop or a dangling link
+    stays as it is (Path.resolve raises RuntimeError on a loop; opening SRC names it, CKPT-011/CKPT-010)."""
+    return os.path.realpath(path)
+
+
 @dataclass(frozen=True)
 class ResolvedSource:
     """The input, as a local path.
@@ -140,12 +146,12 @@ class ResolvedSource:
     @property
     def ref(self) -> str:
         """What was read, for people and ``--json``: the absolute path, or ``org/name@commit``."""
-        return f"{self.hub.repo_id}@{self.hub.commit}" if self.hub is not None else str(self.path.resolve())
+        return f"{self.hub.repo_id}@{self.hub.commit}" if self.hub is not None else _absolute(self.path)
 
     @property
     def label(self) -> str:
         """What identifies the input for resuming: the absolute path, or the repo id."""
-        return self.hub.repo_id if self.hub is not None else str(self.path.resolve())
+        return self.hub.repo_id if self.hub is not None else _absolute(self.path)
 
     @property
     def low_disk_shards(self) -> HubShards | None:

@@ -438,7 +438,7 @@ class OutputClaim:
         """``--overwrite`` replaces a directory only when it is a model output: no subdirectories, some
         ``.safetensors`` or ``config.json`` in it (or nothing at all), and not the working directory or
         one of its parents."""
-        out = self.final.resolve()
+        out = Path(os.path.realpath(self.final))
         cwd = Path.cwd().resolve()
         if out == cwd or out in cwd.parents:
             raise OverwriteRefusedError("--overwrite would replace the working directory or one of its parents",
@@ -453,9 +453,10 @@ class OutputClaim:
                 found=f"subdirectories {subdirs[:3]}" if subdirs else f"no model files ({len(entries)} entries)")
 
     def _check_not_input(self) -> None:
-        out = self.final.resolve()
+        # realpath, not Path.resolve: a symlink loop (at -o or SRC) stays as it is instead of RuntimeError
+        out = Path(os.path.realpath(self.final))
         for src in self.inputs:
-            src = src.resolve()
+            src = Path(os.path.realpath(src))
             if out == src or src in out.parents:
                 raise OutputInsideInputError("output must not be the input or inside it", path=self.final,
                                              action="write", hint="choose an output path outside the input with -o")

@@ -675,9 +675,12 @@ class TorchPickleReader:
                 self.values[name] = self._value(v, name)
 
     def _add_name(self, name: str) -> None:
-        if "\0" in name or not _utf8(name):  # a pickle string may hold anything; a safetensors name may not
+        # a pickle string may hold anything; a safetensors name may not, and '__metadata__' is its header's
+        # metadata key (a tensor of that name made a file the safetensors library refuses)
+        if "\0" in name or not _utf8(name) or name == "__metadata__":
             raise self._fail(NotStateDictError, "a name is not writable as a tensor name",
-                             expected="UTF-8 text without NUL bytes (no lone surrogates), as safetensors requires",
+                             expected="UTF-8 text without NUL bytes (no lone surrogates), not '__metadata__', as "
+                                      "safetensors requires",
                              found=ascii(clip(name)))
         if name in self.tensors or name in self.values:
             raise self._fail(NotStateDictError, "a name appears twice after flattening nested dicts", tensor=name)

@@ -254,3 +254,17 @@ def test_config_that_disagrees_with_the_weights_fails_check_and_every_target(
         assert not (tmp_path / to).exists()
     assert main([str(src), "--to", "gguf:q8_0", "-o", str(tmp_path / "g.gguf")]) == 2
     assert "GGUF-006 config.json 'vocab_size' differs from the token embedding's rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["--dry-run"], ["inspect"], ["check"]], ids=["convert", "dry-run", "inspect",
+                                                                                 "check"])
+def test_src_a_symlink_loop_is_ckpt_011_in_every_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         command: list[str]) -> None:
+    """Issue 39 (struct-shard-paths fuzzer): convert and --dry-run made the result's source path with
+    Path.resolve before opening SRC: 'internal error: RuntimeError: Symlink loop' (exit 1)."""
+    (tmp_path / "loop").symlink_to("loop")
+    sub, flags = (command, []) if command in (["inspect"], ["check"]) else ([], command)
+    code = main([*sub, str(tmp_path / "loop"), *flags, *([] if sub else ["-o", str(tmp_path / "out")])])
+    printed = capsys.readouterr()
+    assert code == 2 and "internal error" not in printed.err
+    assert "CKPT-011" in printed.out + printed.err and "a symlink loop" in printed.out + printed.err

@@ -357,6 +357,16 @@ def test_a_symlink_in_place_of_the_output_is_replaced_not_followed(tmp_path: Pat
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
 
 
+def test_a_symlink_loop_in_place_of_the_output_exists_and_is_replaced(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 39: -o naming a symlink loop was 'internal error: RuntimeError: Symlink loop' (Path.resolve)."""
+    (tmp_path / "loop").symlink_to("loop")
+    assert main([str(MODEL), "--to", "fp16", "-o", str(tmp_path / "loop"), "-q"]) == 2
+    assert "OUT-001 output exists" in capsys.readouterr().err
+    assert main([str(MODEL), "--to", "fp16", "-o", str(tmp_path / "loop"), "--overwrite", "-q"]) == 0
+    assert not (tmp_path / "loop").is_symlink() and (tmp_path / "loop" / "config.json").is_file()
+
+
 # ------------------------------------------------------------------ environment errors name the output
 
 

@@ -485,6 +485,39 @@ def test_unpacked_quant_state_with_python_values(tmp_path):
     assert np.array_equal(bits(dequant(layers["layer.weight"], "bfloat16")), bits(_dq(NAME)))
 
 
+def _quant_state_as(form: str, t: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A state dict of NAME's layer with its QuantState as a pickled object, bnb 0.40's list, or unpacked values."""
+    off = np.array(np.float32(_offset(NAME)))
+    if form == "object":
+        return {"layer.weight": Tensor(t["layer.weight"]), "layer.weight.quant_state": NewObj(
+            Global("bitsandbytes.functional", "QuantState"), {
+                "absmax": Tensor(t["layer.weight.absmax"]), "shape": size(37, 51),
+                "code": Tensor(t["layer.weight.quant_map"]), "dtype": dtype_global("bfloat16"), "blocksize": 32,
+                "quant_type": "nf4", "offset": Tensor(off), "state2": _state2("object", t), "nested": True})}
+    if form == "list":
+        return {"layer.weight": Tensor(t["layer.weight"]), "layer.weight.quant_state": [
+            Tensor(t["layer.weight.absmax"]), size(37, 51), dtype_global("bfloat16"), 32,
+            [Tensor(off), _state2("list7", t)], "nf4"]}
+    obj: dict[str, Any] = {k: Tensor(v) for k, v in t.items() if "quant_state" not in k}
+    obj.update({"layer.weight.quant_type": "nf4", "layer.weight.blocksize": 32, "layer.weight.dtype": "bfloat16",
+                "layer.weight.shape": size(37, 51), "layer.weight.nested_blocksize": 256,
+                "layer.weight.nested_dtype": "float32", "layer.weight.nested_offset": _offset(NAME)})
+    return obj
+
+
+@pytest.mark.parametrize("form", ["object", "list", "unpacked"])
+def test_inspect_reads_every_quant_state_form_as_convert_does(tmp_path, capsys, form):
+    """Issue 39 (struct-pickle-strings fuzzer): inspect grouped layers without the pickle's values, so a
+    QuantState pickled as an object, as a list or unpacked was BNB-011 there while convert and check read it
+    (and, given the values, an unpacked one's fields were 'internal error: KeyError')."""
+    path = save_zip(tmp_path / "m.pt", _quant_state_as(form, _layer_tensors(NAME)))
+    assert main(["inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [g["layers"] for g in report["quantized"]] == [1] and report["unquantized"] == []
+    assert main([str(path), "--dry-run", "-q", "-o", str(tmp_path / "o.safetensors")]) == 0
+    assert main(["check", str(path), "-q"]) == 0
+
+
 @pytest.mark.parametrize("state,part", [
     ([None, size(37, 51), dtype_global("bfloat16"), 32, None, "nf4"], "absmax must be a tensor"),
     (["A", size(37, 51), dtype_global("bfloat16"), "32", None, "nf4"], "blocksize must be an integer"),

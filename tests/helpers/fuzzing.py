@@ -15,7 +15,10 @@ other outcome must be either
 
 never another exception and never a hang (a per-case alarm turns a hang into a failure); the
 input is never modified (hashed before and after); and ``convert-bnb check`` agrees with the
-conversion: clean exactly when it succeeds, and naming the rule it failed on.
+conversion: clean exactly when it succeeds, and naming the rule it failed on. A finished output must
+also load with the reference readers (:func:`assert_loadable`: the safetensors library, gguf-py), and
+``inspect`` and ``--dry-run`` on the same input (:func:`probe_commands`) must end in a report or one of
+our errors, succeeding whenever the conversion does.
 
 Used by tests/test_fuzz.py (a fixed number of cases per kind in CI) and scripts/fuzz.py (as many
 as asked). Outcomes are tallied in :data:`OUTCOMES` (kind -> Counter of "ok" / rule id).
@@ -25,10 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import math
+import os
 import shutil
 import signal
+import stat
 import struct
 import tempfile
 from collections import Counter, defaultdict
@@ -488,6 +494,7 @@ def judge_gguf(src: Path, workdir: Path) -> str:
 
     out = workdir / "outdir" / "m.gguf"
     before = tree_hash(src)
+    inspected, planned = probe_commands(src, out, "gguf:q8_0") if probing("gguf-config") else ("ok", "ok")
     try:
         with hang_guard():
             convert(src, out, to="gguf:q8_0")
@@ -495,6 +502,8 @@ def judge_gguf(src: Path, workdir: Path) -> str:
         outcome = clean_error(exc, out)
     else:
         assert len(gguf.GGUFReader(out).tensors) > 0
+        assert_loadable(out)
+        assert (inspected, planned) == ("ok", "ok"), f"converted, but inspect: {inspected}, --dry-run: {planned}"
         outcome = "ok"
     assert tree_hash(src) == before, "the input was modified"
     OUTCOMES["gguf-config"][outcome] += 1
@@ -511,20 +520,43 @@ FILE_KINDS: dict[str, Callable[[st.DataObject], bytes]] = {
     "torch-pickle": mut_torch_pickle,
 }
 #: The structure-aware kinds of tests/helpers/fuzzing_struct.py (fields of parsed JSON and companion tensors).
-STRUCT_KINDS = ["struct-quant-state", "struct-companions", "struct-gguf-config", "struct-adapter"]
+#: Those of tests/helpers/fuzzing_names.py (pickle strings, index names, the files of a model directory).
+NAME_KINDS = ["struct-pickle-strings", "struct-index-names", "struct-shard-paths"]
+STRUCT_KINDS = ["struct-quant-state", "struct-companions", "struct-gguf-config", "struct-adapter", *NAME_KINDS]
 KINDS = [*FILE_KINDS, "directory", "gguf-config", *STRUCT_KINDS]
-#: Cases per kind in CI (tests/test_fuzz.py): 2,160 byte-level and field-level, 2,000 structure-aware.
+#: Cases per kind in CI (tests/test_fuzz.py): 2,160 byte-level and field-level, 2,350 structure-aware.
 CI_CASES = {"header-bytes": 360, "data-bytes": 360, "truncate": 260, "header-json": 360,
             "quant-state-json": 360, "tensors": 160, "torch-pickle": 200, "directory": 60, "gguf-config": 40,
-            "struct-quant-state": 700, "struct-companions": 500, "struct-gguf-config": 500, "struct-adapter": 300}
+            "struct-quant-state": 700, "struct-companions": 500, "struct-gguf-config": 500, "struct-adapter": 300,
+            "struct-pickle-strings": 150, "struct-index-names": 100, "struct-shard-paths": 100}
 
 
 # ------------------------------------------------------------------------------------ the oracle
 
 
 def tree_hash(root: Path) -> dict[str, str]:
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    """What ``root`` holds, to compare before and after a case: a regular file's sha256, a symlink's
+    target (never followed), the kind of anything else (a FIFO is never opened, so never waited on)."""
+
+    def entry(p: Path) -> str:
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            return "symlink -> " + os.readlink(p)
+        if stat.S_ISREG(st.st_mode):
+            try:
+                return hashlib.sha256(p.read_bytes()).hexdigest()
+            except PermissionError:  # chmod 000 (not as root): its mode and size stand for it
+                return f"unreadable {st.st_mode:o} {st.st_size}"
+        return f"{stat.S_IFMT(st.st_mode):o} {stat.S_IMODE(st.st_mode):o}"
+
+    if not os.path.lexists(root):
+        return {}
+    out = {str(root): entry(root)}
+    if stat.S_ISDIR(os.lstat(root).st_mode):
+        for d, dirs, files in os.walk(root, followlinks=False):
+            for name in sorted(dirs + files):
+                out[os.path.join(d, name)] = entry(Path(d) / name)
+    return out
 
 
 def clean_error(exc: ConvertBnbError, out: Path) -> str:
@@ -611,20 +643,35 @@ def reference_int8(inp: dict[str, Raw], name: str, out_code: str) -> Raw:
     return (out_code, list(shape), y.tobytes())
 
 
+def input_files(src: Path) -> list[Path]:
+    """The weight files of ``src`` as transformers finds them, independently of formats/: the file itself,
+    or a directory's index's shards (in index order, each once), or its single weight file."""
+    if src.is_file():
+        return [src]
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (src / index).is_file():
+            return [src / s for s in dict.fromkeys(json.loads((src / index).read_text())["weight_map"].values())]
+        if (src / single).is_file():
+            return [src / single]
+    return []
+
+
 def read_input(src: Path) -> dict[str, Raw]:
     """The input's tensors: safetensors through :func:`read_raw`; a torch pickle through our reader
     (the container is not under test there, only that every outcome is clean)."""
-    if src.suffix == ".pt":
-        from formats.torch_pickle import TorchPickleReader
-
-        r = TorchPickleReader(src)
-        try:
-            return {n: (i.dtype.code, list(i.shape), bytes(r.raw(n))) for n, i in r.tensors.items()}
-        finally:
-            r.close()
     inp: dict[str, Raw] = {}
-    for f in ([src] if src.is_file() else sorted(src.glob("*.safetensors"))):
-        inp.update(read_raw(f))
+    for f in input_files(src):
+        if f.suffix in (".pt", ".bin"):
+            from formats.torch_pickle import TorchPickleReader
+
+            r = TorchPickleReader(f)
+            try:
+                inp.update({n: (i.dtype.code, list(i.shape), bytes(r.raw(n))) for n, i in r.tensors.items()})
+            finally:
+                r.close()
+        else:
+            inp.update(read_raw(f))
     return inp
 
 
@@ -656,10 +703,88 @@ def check_output(src: Path, out: Path) -> None:
         assert t[2] == want[2], f"{name}: output differs from the reference"
 
 
-def judge(kind: str, src: Path, workdir: Path) -> str:
-    """Convert ``src`` and check the outcome; returns "ok" or the rule id (tallied in OUTCOMES)."""
+def assert_loadable(out: Path) -> None:
+    """A finished output loads with the reference readers, not only with ours: every safetensors file
+    with the safetensors library (``safe_open`` for names, dtypes and shapes, every tensor read: through
+    NumPy where it has the dtype, else as bytes from the Rust ``deserialize``), every GGUF with gguf-py's
+    ``GGUFReader`` (every tensor's data read)."""
+    files = [out] if out.is_file() else sorted(p for p in out.iterdir() if p.suffix in (".safetensors", ".gguf"))
+    assert files, f"no weight file in {out}"
+    for f in files:
+        if f.suffix == ".gguf":
+            import gguf
+
+            reader = gguf.GGUFReader(f)
+            for t in reader.tensors:
+                assert np.ascontiguousarray(t.data).nbytes == t.n_bytes, (f.name, t.name)
+            continue
+        import safetensors
+
+        raw = {name: spec for name, spec in safetensors.deserialize(f.read_bytes())}
+        with safetensors.safe_open(f, framework="numpy") as g:
+            assert sorted(g.keys()) == sorted(raw), f.name
+            for name in g.keys():
+                code, shape = g.get_slice(name).get_dtype(), g.get_slice(name).get_shape()
+                if code in _NUMPY_CODES:
+                    assert g.get_tensor(name).shape == tuple(shape), (f.name, name)
+                assert len(raw[name]["data"]) == math.prod(shape) * _ITEMSIZE[code], (f.name, name, code, shape)
+
+
+#: safetensors dtype codes the library's NumPy framework reads (bf16 and float8 it cannot: read as bytes).
+_NUMPY_CODES = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"}
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+#: In CI, :func:`probe_commands` runs on one case in this many of these kinds (each probe costs about a
+#: conversion's planning, which doubles these kinds' cases); on every case of the others and in scripts/fuzz.py.
+CI_PROBE_EVERY = {"struct-quant-state": 4, "struct-companions": 4, "struct-gguf-config": 4, "struct-adapter": 2}
+_probe_every: dict[str, int] = {}
+
+
+def probing(kind: str) -> bool:
+    """Whether this case of ``kind`` runs :func:`probe_commands` (see :data:`CI_PROBE_EVERY`)."""
+    return sum(OUTCOMES[kind].values()) % _probe_every.get(kind, 1) == 0
+
+
+def probe_commands(src: Path, out: Path, to: str = "auto", extra: tuple[str, ...] = ()) -> tuple[str, str]:
+    """``convert-bnb inspect SRC`` and ``convert-bnb SRC --to TO -o OUT --dry-run`` through the command
+    line with ``--debug`` (so that any exception propagates), printing to a strict UTF-8 stream as a
+    terminal would: each must end in its report or one of our errors, write nothing and never hang.
+
+    Returns:
+        each command's outcome, ``"ok"`` or the rule id of its error.
+    """
+    from convert.cli import main
+
+    outcomes = []
+    for argv in (["inspect", str(src), "--debug"],
+                 [str(src), "--to", to, "-o", str(out), "--dry-run", "--debug", *extra]):
+        stream = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+        try:
+            with hang_guard(), contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+                code = main(argv)
+                stream.flush()
+        except ConvertBnbError as exc:
+            message = str(exc)
+            assert exc.rule and exc.rule in message and "\n" not in message, message
+            outcomes.append(exc.rule)
+        else:
+            assert code == 0, (argv[0], code)
+            outcomes.append("ok")
+        assert not os.path.lexists(out), f"{argv[0]} wrote {out}"
+    return outcomes[0], outcomes[1]
+
+
+def judge(kind: str, src: Path, workdir: Path, *, oracle: bool = True) -> str:
+    """Convert ``src`` and check the outcome; returns "ok" or the rule id (tallied in OUTCOMES).
+
+    ``inspect`` and ``--dry-run`` (:func:`probe_commands`) must end in a report or one of our errors, and
+    succeed whenever the conversion does; a finished output must load with the reference libraries
+    (:func:`assert_loadable`) and (``oracle``) equal the independent reference."""
     out = workdir / "outdir" / ("out" if src.is_dir() else "out.safetensors")
     before = tree_hash(src)
+    inspected, planned = probe_commands(src, out) if probing(kind) else ("ok", "ok")
     try:
         with hang_guard():
             convert(src, out)
@@ -668,10 +793,14 @@ def judge(kind: str, src: Path, workdir: Path) -> str:
     else:
         assert out.exists()
         assert not [p for p in out.parent.iterdir() if TMP_MARK in p.name]
-        check_output(src, out)
+        assert_loadable(out)
+        if oracle:
+            check_output(src, out)
         outcome = "ok"
+        assert (inspected, planned) == ("ok", "ok"), f"converted, but inspect: {inspected}, --dry-run: {planned}"
     # `convert-bnb check` agrees: clean exactly when the conversion succeeds, and it names the same rule
-    report = check_source(src)
+    with hang_guard():
+        report = check_source(src)
     found = [p.rule for p in report.problems]
     assert report.ok == (outcome == "ok"), (outcome, found)
     assert outcome == "ok" or outcome in found, (outcome, found)
@@ -681,6 +810,10 @@ def judge(kind: str, src: Path, workdir: Path) -> str:
 
 
 def run_one(kind: str, data: st.DataObject) -> str:
+    if kind in NAME_KINDS:
+        from tests.helpers.fuzzing_names import run_names
+
+        return run_names(kind, data)
     if kind in STRUCT_KINDS:
         from tests.helpers.fuzzing_struct import run_struct
 
@@ -704,9 +837,11 @@ def run_one(kind: str, data: st.DataObject) -> str:
 
 
 def property_test(kind: str, cases: int, *, derandomize: bool, seed: int | None = None,
-                  shrink: bool = True) -> Callable[[], None]:
+                  shrink: bool = True, probe_every: int = 1) -> Callable[[], None]:
     """A hypothesis test running ``cases`` mutations of one kind (``shrink=False``: report the first
-    failing case as found, without minimising it; for slow cases)."""
+    failing case as found, without minimising it; for slow cases; ``probe_every``: :func:`probe_commands`
+    on one case in this many)."""
+    _probe_every[kind] = probe_every
     phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
 
     @settings(max_examples=cases, deadline=None, derandomize=derandomize, database=None, print_blob=True,

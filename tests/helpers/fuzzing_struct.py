@@ -38,7 +38,17 @@ from convert.check import check_source
 from convert.output import TMP_MARK
 from formats.errors import ConvertBnbError
 from tests.helpers.fixtures import FIXTURES
-from tests.helpers.fuzzing import HOSTILE, OUTCOMES, clean_error, hang_guard, judge, tree_hash
+from tests.helpers.fuzzing import (
+    HOSTILE,
+    OUTCOMES,
+    assert_loadable,
+    clean_error,
+    hang_guard,
+    judge,
+    probe_commands,
+    probing,
+    tree_hash,
+)
 
 MODEL = FIXTURES / "models" / "llama_nf4_dq"
 SHARDED = FIXTURES / "models" / "llama_nf4_dq_sharded"
@@ -259,14 +269,18 @@ def mut_adapter(data: st.DataObject, root: Path) -> None:
 
 # ------------------------------------------------------------------------------------ running and judging
 
-def _judge_any(kind: str, src: Path, work: Path, to: str, merge_lora: tuple[Path, ...] = ()) -> str:
-    """Without a value oracle: a finished output or one of our errors with nothing left behind; the
-    inputs unchanged."""
+def _judge_any(kind: str, src: Path, work: Path, to: str, merge_lora: tuple[Path, ...] = (), *,
+               one_problem: bool = True) -> str:
+    """Without a value oracle: a finished output that loads (:func:`~tests.helpers.fuzzing.assert_loadable`)
+    or one of our errors with nothing left behind; the inputs unchanged. For GGUF, ``check`` agrees: clean
+    exactly when the conversion succeeds, else it names the same rule (``one_problem``: and only that one)."""
     from convert.job import convert
     from convert.options import ConvertOptions
 
     out = work / "outdir" / ("out.gguf" if to.startswith("gguf") else "out")
     before = {p: tree_hash(p) for p in (src, *merge_lora)}
+    lora_args = tuple(a for p in merge_lora for a in ("--merge-lora", str(p)))
+    inspected, planned = probe_commands(src, out, to, lora_args) if probing(kind) else ("ok", "ok")
     try:
         with hang_guard():
             convert(ConvertOptions(str(src), to=to, output=out, threads=1, max_memory=64 << 20,
@@ -275,12 +289,16 @@ def _judge_any(kind: str, src: Path, work: Path, to: str, merge_lora: tuple[Path
         outcome = clean_error(exc, out)
     else:
         assert out.exists() and not [p for p in out.parent.iterdir() if TMP_MARK in p.name]
+        assert_loadable(out)
+        assert (inspected, planned) == ("ok", "ok"), f"converted, but inspect: {inspected}, --dry-run: {planned}"
         outcome = "ok"
     assert {p: tree_hash(p) for p in before} == before, "an input was modified"
     if to.startswith("gguf"):
-        report = check_source(src, to)
+        with hang_guard():
+            report = check_source(src, to)
         found = [p.rule for p in report.problems]
-        assert found == ([] if outcome == "ok" else [outcome]), f"check --to {to} says {found}, convert {outcome}"
+        agrees = (found == [outcome] if one_problem else outcome in found) if outcome != "ok" else found == []
+        assert agrees, f"check --to {to} says {found}, convert {outcome}"
     OUTCOMES[kind][outcome] += 1
     return outcome
 

@@ -1027,6 +1027,11 @@ CASES: list[Case] = [
          _pt({"w\ud800": _tensor(ARR)})),
     Case("pt-name-nul", E.NotStateDictError, ["PT-009", "a name is not writable as a tensor name", "x\\\\x00y"],
          _pt({"x\0y": _tensor(ARR)})),
+    # issue 39 (struct-pickle-strings fuzzer): a tensor named '__metadata__' was exit 0 with a safetensors file whose
+    # header the safetensors library refuses (the key is its metadata)
+    Case("pt-name-metadata-key", E.NotStateDictError,
+         ["PT-009", "a name is not writable as a tensor name", "not '__metadata__'", "found \"'__metadata__'\""],
+         _pt({"w": _tensor(ARR), "__metadata__": _tensor(ARR)})),
     Case("pt-list-not-dict", E.NotStateDictError, ["PT-009", "not a state dict", "found 'list'"],
          _pt([_tensor(ARR)])),
     # issue 12: a dict key shared 2**60 ways (exponential to hash) stops at a limit of the pickle machine
