@@ -288,7 +288,7 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
         "commit": source.hub.commit if source.hub is not None else None,
         "to": options.to.name,
         "max_shard_size": options.max_shard_size,
-        "merge_lora": [str(Path(p).resolve()) for p in options.merge_lora],
+        "merge_lora": [os.path.realpath(p) for p in options.merge_lora],  # (a symlink loop stays a path)
         "quant": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options.quant).items()
                   if k != "quant_report"},
         "converter": f"convert-bnb {__version__}",
