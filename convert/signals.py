@@ -31,6 +31,8 @@ installed before anything heavy is.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -166,9 +168,6 @@ def on_bus_error(report: Callable[[], None]) -> None:
     global _BUS_HANDLER
     if not hasattr(signal, "SIGBUS") or threading.current_thread() is not threading.main_thread():
         return
-    import ctypes  # (here only: the command line installs it once it runs, after the cheap handlers)
-    import os
-
     proto = ctypes.CFUNCTYPE(None, ctypes.c_int)
 
     def handler(signum: int) -> None:

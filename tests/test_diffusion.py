@@ -50,11 +50,17 @@ def test_the_fixture_looks_like_a_forge_nf4_file() -> None:
     assert not (DIFF / "config.json").exists()
 
 
+#: The fixture's two 16-column layers (img_in, txt_in) at blocksize 64: bnb's CPU kernel gets them wrong.
+ROWS_NOTE = ("2 4-bit layers with rows not a multiple of the blocksize (e.g. img_in.weight: rows of 16, blocksize "
+             "64): bitsandbytes' CPU kernel on AVX512 machines (and transformers' model.dequantize() there) computes "
+             "them wrongly, so it will disagree with this output, which equals bnb's generic and CUDA kernels")
+
+
 def test_auto_keeps_every_dtype_and_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "flux-dequantized.safetensors"
     assert main([str(NF4), "-o", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["notes"] == []  # nothing was cast
+    assert result["notes"] == [ROWS_NOTE]  # nothing was cast
     got, base, nf4 = read_safetensors(out), read_safetensors(BASE), read_safetensors(NF4)
     assert sorted(got) == sorted(base)  # every name kept; no companion left
     quantized = _quantized(nf4)
@@ -72,6 +78,7 @@ def test_bf16_names_what_it_cast_from_float8(tmp_path: Path, capsys: pytest.Capt
     assert main([str(NF4), "--to", "bf16", "-o", str(out), "--json"]) == 0
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert notes == [
+        ROWS_NOTE,
         "3 tensors stored as float8_e4m3fn cast to bfloat16, exactly (every value fits): " + ", ".join(F8_E4M3)
         + " (--to auto keeps them as stored)",
         "1 tensor stored as float8_e5m2 cast to bfloat16, exactly (every value fits): " + F8_E5M2[0]

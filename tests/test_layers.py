@@ -214,7 +214,7 @@ LAYERS: dict[str, set[str]] = {
                     "convert.targets", "convert.units"},
     "convert.check": {"convert.job", "convert.options", "convert.stream", "convert.targets"},
     "convert.inspection": {"convert.job", "convert.options", "convert.stream", "convert.units"},
-    "convert.batch": {"convert", "convert.hub", "convert.inspection", "convert.job", "convert.options",
+    "convert.batch": {"convert", "convert.check", "convert.hub", "convert.inspection", "convert.job", "convert.options",
                       "convert.output", "convert.signals", "convert.stream", "convert.units"},
     "convert.cli": {"convert", "convert.batch", "convert.bnb4", "convert.check", "convert.inspection", "convert.job",
                     "convert.lora", "convert.options", "convert.output", "convert.signals", "convert.units"},
