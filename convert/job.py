@@ -187,13 +187,19 @@ def check_options(options: ConvertOptions) -> None:
     """Refuse option values and combinations that cannot be honoured, before anything is read.
 
     Raises:
-        UsageError: ``low_disk`` with a target other than auto/bf16/fp16/fp32;
+        UsageError: ``low_disk`` with a target other than auto/bf16/fp16/fp32; a ``mix`` option without
+            a llama-quantize type;
             ``threads`` or ``max_shard_size`` below 1; ``max_memory``
             below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
             directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
             cannot be written (checked now: the report is written after the whole output).
     """
+    if options.mix.flags() and not options.to.llama_quantize:
+        raise UsageError(f"{options.mix.flags()[0].split()[0]} needs --to gguf:TYPE of a llama-quantize type",
+                         expected="gguf:q4_0 ... gguf:q6_k", found=f"--to {options.to.name}",
+                         hint="f32/f16/bf16/q8_0 are written as llama.cpp's converter writes them, with no "
+                              "per-tensor choice")
     if options.mmproj is not None and options.to.family != "gguf":
         raise UsageError("--mmproj needs --to gguf[:TYPE]", expected="--to gguf...", found=f"--to {options.to.name}")
     if options.threads is not None and options.threads < 1:
@@ -289,6 +295,8 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
         "to": options.to.name,
         "max_shard_size": options.max_shard_size,
         "merge_lora": [os.path.realpath(p) for p in options.merge_lora],  # (a symlink loop stays a path)
+        # llama-quantize's per-tensor options, when given (a key without them stays as earlier runs stored it)
+        **({"mix": options.mix.flags()} if options.mix.flags() else {}),
         "quant": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options.quant).items()
                   if k != "quant_report"},
         "converter": f"convert-bnb {__version__}",

@@ -29,11 +29,20 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from convert.gguf.types import DEFAULT_OUTPUT_TYPE, FLOAT32_INPUT, OUTPUT_TYPES, parse_output_type
+from convert.gguf.types import (
+    DEFAULT_MIX,
+    DEFAULT_OUTPUT_TYPE,
+    FILE_TYPES,
+    FLOAT32_INPUT,
+    OUTPUT_TYPES,
+    MixOptions,
+    parse_mix_options,
+    parse_output_type,
+)
 from formats.errors import ConvertBnbError, UsageError
 
 __all__ = ["AUTO", "FLOAT_TARGETS", "MIN_MEMORY", "SUMMARY_SAMPLE", "ConvertOptions", "QuantOptions", "Target",
-           "target_arg", "target_for", "target_names"]
+           "parse_mix_options", "target_arg", "target_for", "target_names"]
 
 #: ``--to`` values of the float output and the dtype each one casts to (None: each tensor's own).
 FLOAT_TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -64,6 +73,11 @@ class Target:
     dequantize_to: str
     gguf_type: str | None = None
     quant_type: str | None = None
+
+    @property
+    def llama_quantize(self) -> bool:
+        """A llama-quantize file type (:data:`convert.gguf.types.FILE_TYPES`): its per-tensor options apply."""
+        return self.gguf_type in FILE_TYPES
 
     def __str__(self) -> str:
         return self.name
@@ -182,6 +196,9 @@ class ConvertOptions:
             makes the quantization report's error figures exact (else measured on a sample:
             :data:`SUMMARY_SAMPLE`).
         quant: the ``--to nf4|fp4`` settings.
+        mix: with ``--to gguf:TYPE`` of a llama-quantize type (:data:`convert.gguf.types.FILE_TYPES`):
+            llama-quantize's per-tensor options (``--tensor-type``, ``--output-tensor-type``,
+            ``--token-embedding-type``, ``--pure``, ``--leave-output-tensor``).
         dry_run: plan only; write nothing.
         overwrite: replace an existing output.
         verify: re-read the output before committing it.
@@ -220,6 +237,7 @@ class ConvertOptions:
     original: Path | None = None
     merge_report: bool = False
     quant: QuantOptions = field(default_factory=QuantOptions)
+    mix: MixOptions = DEFAULT_MIX
     dry_run: bool = False
     overwrite: bool = False
     verify: bool = True

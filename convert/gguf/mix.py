@@ -38,9 +38,12 @@ Two quirks are reproduced as the source has them: ``attn_qkv`` tensors take the 
 separate ``ATTENTION_QKV`` branch after it is never reached), and ``attn_v``'s ``use_more_bits``
 counts attn_v tensors, not layers.
 
+llama-quantize's per-tensor options (:class:`MixOptions`: ``--output-tensor-type``,
+``--token-embedding-type``, ``--tensor-type``, ``--pure``, ``--leave-output-tensor``) are applied as
+``llama_tensor_get_type`` applies them around the mix (:func:`_choose`).
+
 Not covered: the IQ*/TQ*/MXFP4 file types and Q2_K_S (they need an importance matrix or codecs
-we do not have), imatrix-dependent rules, ``--pure``, ``--tensor-type`` and the
-``--output-tensor-type``/``--token-embedding-type`` overrides.
+we do not have) and imatrix-dependent rules.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ from dataclasses import dataclass
 
 import gguf
 
-from convert.gguf.types import FILE_TYPES, FileType
+from convert.gguf.types import DEFAULT_MIX, FILE_TYPES, FileType, MixOptions
+from formats.errors import GgufTypeError
 
 __all__ = ["MixChoice", "MixModel", "mix_summary", "mix_types", "use_more_bits"]
 
@@ -198,7 +202,7 @@ def _layer_info(i: int, n: int, name: str, model: MixModel) -> tuple[int, int]:
 
 
 def _impl_type(
-    qs: _State, ft: FileType, name: str, row: int, cat: str, model: MixModel
+    qs: _State, ft: FileType, name: str, row: int, cat: str, model: MixModel, options: MixOptions
 ) -> tuple[gguf.GGMLQuantizationType, str]:
     """``llama_tensor_get_type_impl`` for the file types of :data:`FILE_TYPES`."""
     f = ft.name
@@ -207,7 +211,9 @@ def _impl_type(
     falcon = model.arch == "falcon"
     if cat == "output" or (qs.tied and cat == "token_embd"):
         what = "output.weight" if cat == "output" else "token_embd (tied: there is no output.weight)"
-        if falcon or row % _block(new):
+        if options.output_tensor_type is not None:
+            new, why = options.output_tensor_type, f"{what}, --output-tensor-type"
+        elif falcon or row % _block(new):
             why = f"{what} of Falcon" if falcon else f"{what}, row of {row} not a multiple of {_block(new)}"
             new = GT.Q8_0
         elif new != GT.Q8_0:
@@ -301,7 +307,8 @@ def _llama_order(names: Sequence[str]) -> list[int]:
 
 
 def mix_types(
-    file_type: str, tensors: Sequence[tuple[str, Sequence[int]]], model: MixModel
+    file_type: str, tensors: Sequence[tuple[str, Sequence[int]]], model: MixModel,
+    options: MixOptions = DEFAULT_MIX,
 ) -> list[MixChoice]:
     """The GGML type llama-quantize gives each tensor of an all-F32 GGUF file (``llama_tensor_get_type``).
 
@@ -310,6 +317,10 @@ def mix_types(
         tensors: (GGUF name, shape rows first) of every tensor of the file, in any order; names
             are unique.
         model: the hyperparameters read from the file's metadata.
+        options: llama-quantize's per-tensor options (``llama_tensor_get_type``'s wrapper: the token
+            embedding and output types first, then the first ``--tensor-type`` rule that matches, which
+            skips the mix's rules and their counters, as ``--pure`` skips them for every tensor; the row
+            fallback after both).
 
     Returns:
         One :class:`MixChoice` per tensor, in the order given.
@@ -326,14 +337,47 @@ def mix_types(
     out: list[MixChoice | None] = [None] * len(tensors)
     for i in _llama_order(names):
         name, shape = tensors[i]
-        if not _allows_quantization(name, shape):
-            out[i] = MixChoice(GT.F32)
+        if not _allows_quantization(name, shape) or (options.leave_output_tensor and name == "output.weight"):
+            out[i] = MixChoice(GT.F32, "--leave-output-tensor" if name == "output.weight" and
+                               _allows_quantization(name, shape) else "")
             continue
-        row = int(shape[-1])
-        new, why = _impl_type(qs, ft, name, row, cats[i], model)
-        new, fall = _fallback(new, row)
-        out[i] = MixChoice(new, "; ".join(w for w in (why, fall) if w))
+        out[i] = _choose(qs, ft, name, int(shape[-1]), cats[i], model, options)
     return [c for c in out if c is not None]
+
+
+def _choose(qs: _State, ft: FileType, name: str, row: int, cat: str, model: MixModel,
+            options: MixOptions) -> MixChoice:
+    """``llama_tensor_get_type`` for a tensor that may be quantized."""
+    if options.token_embedding_type is not None and cat == "token_embd":
+        # per_layer_token_embd follows --token-embedding-type unless a --tensor-type rule names it
+        if name != "per_layer_token_embd.weight" or not any(r.regex.search(name) for r in options.tensor_types):
+            return _as_given(options.token_embedding_type, "--token-embedding-type", name, row)
+    if options.output_tensor_type is not None and cat == "output":
+        return _as_given(options.output_tensor_type, "--output-tensor-type", name, row)
+    rule = next((r for r in options.tensor_types if r.regex.search(name)), None)
+    if rule is not None:
+        new, why = rule.ggml_type, f"--tensor-type {rule.pattern}={rule.ggml_type.name.lower()}"
+    elif options.pure:
+        new, why = ft.default, ""
+    else:
+        new, why = _impl_type(qs, ft, name, row, cat, model, options)
+    new, fall = _fallback(new, row)
+    return MixChoice(new, "; ".join(w for w in (why, fall) if w))
+
+
+def _as_given(t: gguf.GGMLQuantizationType, option: str, name: str, row: int) -> MixChoice:
+    """A type given by ``--token-embedding-type`` / ``--output-tensor-type``: llama.cpp takes it as it is
+    (no row fallback), so a block that does not divide the row is refused here (llama-quantize aborts in
+    ``ggml_quantize_chunk`` there).
+
+    Raises:
+        GgufTypeError: GGUF-002, the row is not a multiple of the type's block.
+    """
+    if row % _block(t):
+        raise GgufTypeError(f"{option} {t.name.lower()}: the tensor's rows are not a multiple of the type's block "
+                            "(llama-quantize takes this type without a fallback and fails)", tensor=name,
+                            expected=f"a type whose block divides {row}", found=f"{t.name}, block of {_block(t)}")
+    return MixChoice(t, option)
 
 
 def mix_summary(types: Sequence[gguf.GGMLQuantizationType]) -> str:

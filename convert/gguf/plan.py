@@ -89,7 +89,7 @@ from convert.gguf.loader import check_required, check_shapes
 from convert.gguf.mix import MixModel, mix_types
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_choice_note, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
-from convert.gguf.types import FILE_TYPES, OUTPUT_TYPES, parse_output_type
+from convert.gguf.types import DEFAULT_MIX, FILE_TYPES, OUTPUT_TYPES, MixOptions, parse_output_type
 from formats.errors import GgufConfigError, RopeScalingError
 from formats.gguf import tensor_nbytes
 
@@ -224,6 +224,7 @@ def plan_gguf(
     *,
     model_name: str | None = None,
     config_path: str | None = None,
+    mix: MixOptions = DEFAULT_MIX,
 ) -> GGUFPlan:
     """Plan a GGUF file from headers alone: names, types, shapes, sizes, metadata and tokenizer.
 
@@ -240,6 +241,7 @@ def plan_gguf(
         output_type: a key of :data:`OUTPUT_TYPES` (default ``f16``).
         model_name: ``general.name`` (default: the tokenizer directory's name).
         config_path: the config file, for error messages.
+        mix: llama-quantize's per-tensor options, for its file types.
 
     Returns:
         The plan; no weight has been read.
@@ -366,7 +368,7 @@ def plan_gguf(
         k: (v.value, v.type, v.sub_type) for k, v in scratch.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE
     }
     if out_name in FILE_TYPES:
-        planned = apply_mix(out_name, planned, mix_model(arch.name, metadata))
+        planned = apply_mix(out_name, planned, mix_model(arch.name, metadata), mix)
     notes = [n for n in (rope_choice_note(hp),) if n]
     return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers, notes)
 
@@ -536,9 +538,10 @@ def mix_model(arch_name: str, metadata: Mapping[str, tuple[Any, Any, Any]]) -> M
     )
 
 
-def apply_mix(out_name: str, planned: Sequence[GGUFTensor], model: MixModel) -> list[GGUFTensor]:
+def apply_mix(out_name: str, planned: Sequence[GGUFTensor], model: MixModel,
+              options: MixOptions = DEFAULT_MIX) -> list[GGUFTensor]:
     """The planned tensors with llama-quantize's type for each (:func:`convert.gguf.mix.mix_types`)."""
-    choices = mix_types(out_name, [(t.name, t.shape) for t in planned], model)
+    choices = mix_types(out_name, [(t.name, t.shape) for t in planned], model, options)
     return [
         replace(t, ggml_type=c.ggml_type, nbytes=tensor_nbytes(t.shape, c.ggml_type), fallback=c.reason)
         for t, c in zip(planned, choices, strict=True)

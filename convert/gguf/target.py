@@ -131,6 +131,7 @@ class GgufJob:
             self.out_type,
             model_name=model_name,
             config_path=str(ckpt.source / "config.json"),
+            mix=options.mix,
         )
         self._sizes(options.dry_run)
 

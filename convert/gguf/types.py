@@ -8,20 +8,26 @@ and nothing else of :mod:`convert.gguf` (no planning, tokenizer or codecs).
   ``q8_0``) and llama-quantize's file types (:data:`FILE_TYPES`: ``q4_0`` ... ``q6_k``).
 - :data:`FLOAT32_INPUT`: the types made from the exact float32 dequantized weights.
 
-Rule raised here (see docs/errors.md): GGUF-002, the output type is one of :data:`OUTPUT_TYPES`
-(:class:`GgufTypeError`).
+- :class:`MixOptions`: llama-quantize's per-tensor options (``--tensor-type``, ``--output-tensor-type``,
+  ``--token-embedding-type``, ``--pure``, ``--leave-output-tensor``), parsed by :func:`parse_mix_options`.
+
+Rule raised here (see docs/errors.md): GGUF-002, the output type is one of :data:`OUTPUT_TYPES` and a type
+named by an option is a GGML type (:class:`GgufTypeError`).
 """
 
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import gguf
 
-from formats.errors import GgufTypeError
+from formats.errors import GgufTypeError, UsageError
 
-__all__ = ["DEFAULT_OUTPUT_TYPE", "FILE_TYPES", "FLOAT32_INPUT", "OUTPUT_TYPES", "FileType", "parse_output_type"]
+__all__ = ["DEFAULT_OUTPUT_TYPE", "FILE_TYPES", "FLOAT32_INPUT", "OUTPUT_TYPES", "FileType", "MixOptions",
+           "DEFAULT_MIX", "TensorTypeRule", "parse_ggml_type", "parse_mix_options", "parse_output_type"]
 
 GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
@@ -99,3 +105,98 @@ def parse_output_type(spec: str | None) -> str:
             hint=f"did you mean 'gguf:{close[0]}'?" if close else None,
         )
     return name
+
+
+@dataclass(frozen=True)
+class TensorTypeRule:
+    """One ``--tensor-type PATTERN=TYPE``: llama-quantize lower-cases ``PATTERN`` and takes the first rule
+    whose regular expression is found in a tensor's GGUF name (``std::regex_search``)."""
+
+    pattern: str
+    regex: re.Pattern[str]
+    ggml_type: gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class MixOptions:
+    """llama-quantize's per-tensor options (``llama_model_quantize_params``); the default is its default.
+
+    Attributes:
+        output_tensor_type: ``--output-tensor-type``: ``output.weight``'s type (and a tied
+            ``token_embd``'s, when ``token_embedding_type`` is not given), or None.
+        token_embedding_type: ``--token-embedding-type``: ``token_embd.weight``'s type, or None.
+        tensor_types: ``--tensor-type`` rules, in the order given (the first match wins).
+        pure: ``--pure``: every quantized tensor gets the file type's default type (no mix rules; the
+            overrides and the row fallback still apply).
+        leave_output_tensor: ``--leave-output-tensor``: ``output.weight`` is not quantized (kept F32).
+    """
+
+    output_tensor_type: gguf.GGMLQuantizationType | None = None
+    token_embedding_type: gguf.GGMLQuantizationType | None = None
+    tensor_types: tuple[TensorTypeRule, ...] = ()
+    pure: bool = False
+    leave_output_tensor: bool = False
+
+    def flags(self) -> list[str]:
+        """The options as llama-quantize's command line spells them (for reasons, cards and reproduce lines)."""
+        out = [f"--tensor-type {r.pattern}={r.ggml_type.name.lower()}" for r in self.tensor_types]
+        if self.output_tensor_type is not None:
+            out.append(f"--output-tensor-type {self.output_tensor_type.name.lower()}")
+        if self.token_embedding_type is not None:
+            out.append(f"--token-embedding-type {self.token_embedding_type.name.lower()}")
+        out += ["--pure"] * self.pure + ["--leave-output-tensor"] * self.leave_output_tensor
+        return out
+
+
+def parse_ggml_type(value: str, option: str) -> gguf.GGMLQuantizationType:
+    """A GGML type named as llama-quantize's ``parse_ggml_type`` accepts it (any case: ``q8_0``, ``Q4_K``).
+
+    Raises:
+        GgufTypeError: GGUF-002, no GGML type has that name (the accepted names listed).
+    """
+    for t in GT:
+        if t.name.lower() == value.strip().lower():
+            return t
+    names = [t.name.lower() for t in GT]
+    near = difflib.get_close_matches(value.lower(), names, n=1)
+    raise GgufTypeError(f"{option}: not a GGML type" + (f" (did you mean {near[0]}?)" if near else ""),
+                        expected=names, found=value)
+
+
+def parse_mix_options(tensor_types: Sequence[str] = (), output_tensor_type: str | None = None,
+                      token_embedding_type: str | None = None, pure: bool = False,
+                      leave_output_tensor: bool = False) -> MixOptions:
+    """llama-quantize's per-tensor options from their command-line values (parsed once, where they enter).
+
+    Args:
+        tensor_types: ``--tensor-type PATTERN=TYPE`` values (the pattern lower-cased, as llama-quantize
+            does; a regular expression searched in GGUF tensor names).
+        output_tensor_type, token_embedding_type: GGML type names, or None.
+        pure, leave_output_tensor: the flags.
+
+    Raises:
+        UsageError: USE-001, a ``--tensor-type`` without ``=``, an empty pattern or type, or a pattern that is
+            not a regular expression.
+        GgufTypeError: GGUF-002, a name that is no GGML type.
+    """
+    rules = []
+    for value in tensor_types:
+        pattern, sep, type_name = value.partition("=")
+        if not sep or not pattern or not type_name:
+            raise UsageError("--tensor-type must be PATTERN=TYPE (e.g. attn_q=q8_0)", found=value)
+        pattern = pattern.lower()
+        try:
+            regex = re.compile(pattern)
+        except re.error as exc:
+            raise UsageError(f"--tensor-type pattern is not a regular expression ({exc})", found=pattern) from None
+        rules.append(TensorTypeRule(pattern, regex, parse_ggml_type(type_name, "--tensor-type")))
+    return MixOptions(
+        output_tensor_type=None if output_tensor_type is None else parse_ggml_type(output_tensor_type,
+                                                                                   "--output-tensor-type"),
+        token_embedding_type=None if token_embedding_type is None else parse_ggml_type(token_embedding_type,
+                                                                                       "--token-embedding-type"),
+        tensor_types=tuple(rules), pure=pure, leave_output_tensor=leave_output_tensor)
+
+
+#: llama-quantize's default per-tensor options (none given).
+DEFAULT_MIX = MixOptions()

@@ -1217,3 +1217,72 @@ def test_encoder_processes_only_for_big_search_work():
     assert encoder_processes(tensors((GT.Q4_K, big - 1)), 4) == 0      # too little search work
     assert encoder_processes(tensors((GT.Q8_0, 4 * big)), 4) == 0      # Q8_0 is a few passes: threads do
     assert encoder_processes(tensors((GT.Q6_K, big // 2), (GT.IQ4_NL, big // 2)), 3) == 3
+
+
+#: llama-quantize's per-tensor options, as our command line and as llama_model_quantize's parameters.
+PER_TENSOR = {
+    "tensor-type": (["--tensor-type", "attn_v=q8_0", "--tensor-type", r"blk\.1\.ffn_.*=Q5_K"],
+                    {"tensor_types": (("attn_v", "q8_0"), (r"blk\.1\.ffn_.*", "q5_k"))}),
+    "first-rule-wins": (["--tensor-type", "ATTN=q5_0", "--tensor-type", "attn_q=q8_0"],
+                        {"tensor_types": (("ATTN", "q5_0"), ("attn_q", "q8_0"))}),
+    "output-and-embedding": (["--output-tensor-type", "q8_0", "--token-embedding-type", "Q4_K"],
+                             {"output_tensor_type": "q8_0", "token_embedding_type": "q4_k"}),
+    "pure": (["--pure"], {"pure": True}),
+    "pure-with-rule": (["--pure", "--tensor-type", "ffn_down=q8_0"],
+                       {"pure": True, "tensor_types": (("ffn_down", "q8_0"),)}),
+    "leave-output-tensor": (["--leave-output-tensor"], {"leave_output_tensor": True}),
+    "q2_k-l": (["--output-tensor-type", "q6_k", "--token-embedding-type", "q6_k"],  # unsloth's q2_k_l preset
+               {"output_tensor_type": "q6_k", "token_embedding_type": "q6_k"}),
+}
+
+
+@pytest.mark.skipif(not has_llama_cpp(), reason="llama_cpp (llama-cpp-python) is not installed")
+@pytest.mark.parametrize("case", sorted(PER_TENSOR))
+@pytest.mark.parametrize(("model", "mix"), [("llama_nf4_dq", "q4_k_m"), ("llama_nf4_dq", "q3_k_m"),
+                                            ("llama_nf4_dq", "q5_0"), ("llama16_tied", "q4_k_m"),
+                                            ("gemma", "q5_k_s")])
+def test_per_tensor_options_equal_llama_quantize(case, model, mix, model_dirs, f32_files, tmp_path, capsys):
+    """Each of llama-quantize's per-tensor options, through our command line, against llama_model_quantize
+    with the same parameters on our f32 file: every tensor's type and bytes, and general.file_type (tied
+    embeddings too: there --output-tensor-type also names token_embd's type, unless
+    --token-embedding-type does)."""
+    from convert.cli import main
+
+    argv, params = PER_TENSOR[case]
+    out = tmp_path / "ours.gguf"
+    rc = main([str(model_dirs[model]), "--to", f"gguf:{mix}", "-o", str(out), "-q", *argv])
+    if model == "gemma" and params.get("token_embedding_type") in ("q4_k", "q6_k"):
+        # token_embd rows of 64: a K-quant given as is cannot hold them (llama-quantize aborts)
+        assert rc == 2 and not out.exists()
+        assert ("GGUF-002 --token-embedding-type q" in capsys.readouterr().err)
+        return
+    assert rc == 0
+    ref = {t.name: t for t in llama_quantize(f32_files[model], tmp_path / "ref.gguf", mix, **params).tensors}
+    got = gguf.GGUFReader(out)
+    assert sorted(t.name for t in got.tensors) == sorted(ref)
+    for t in got.tensors:
+        assert t.tensor_type == ref[t.name].tensor_type, (t.name, t.tensor_type.name, ref[t.name].tensor_type.name)
+        assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1),
+                              np.asarray(ref[t.name].data).view(np.uint8).reshape(-1)), t.name
+    assert got.get_field("general.file_type").contents() == int(FILE_TYPES[mix].ftype)
+
+
+def test_per_tensor_options_are_refused_without_a_llama_quantize_type(tmp_path, capsys):
+    from convert.cli import main
+
+    for to, argv in (("gguf:q8_0", ["--pure"]), ("bf16", ["--tensor-type", "attn_v=q8_0"]),
+                     ("gguf:f16", ["--output-tensor-type", "q8_0"])):
+        assert main([str(FIXTURE), "--to", to, "-o", str(tmp_path / "x"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"USE-001 {argv[0]} needs --to gguf:TYPE of a llama-quantize type" in err and "\n" == err[-1]
+        assert not (tmp_path / "x").exists()
+    for argv, part in ((["--tensor-type", "attn_v"], "USE-001 --tensor-type must be PATTERN=TYPE"),
+                       (["--tensor-type", "=q8_0"], "USE-001 --tensor-type must be PATTERN=TYPE"),
+                       (["--tensor-type", "attn_(v=q8_0"], "USE-001 --tensor-type pattern is not a regular expression"),
+                       (["--output-tensor-type", "q4k"], "GGUF-002 --output-tensor-type: not a GGML type (did you "
+                                                         "mean q4_k?)"),
+                       (["--tensor-type", "attn_v=iq2_xs"], "GGUF-002 GGUF type q4_k_m needs IQ2_XS, which this "
+                                                            "build cannot encode")):
+        assert main([str(FIXTURE), "--to", "gguf:q4_k_m", "-o", str(tmp_path / "y.gguf"), *argv]) == 2
+        assert part in capsys.readouterr().err, argv
+        assert not (tmp_path / "y.gguf").exists()

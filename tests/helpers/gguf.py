@@ -216,12 +216,27 @@ def has_llama_cpp() -> bool:
     return True
 
 
-def llama_quantize(src: Path, dst: Path, mix: str) -> gguf.GGUFReader:
-    """``llama_model_quantize`` with the default parameters, one thread, the mix's ftype."""
+def llama_quantize(src: Path, dst: Path, mix: str, *, output_tensor_type: str | None = None,
+                   token_embedding_type: str | None = None, tensor_types: tuple[tuple[str, str], ...] = (),
+                   pure: bool = False, leave_output_tensor: bool = False) -> gguf.GGUFReader:
+    """``llama_model_quantize`` with one thread, the mix's ftype, and llama-quantize's per-tensor options set
+    as its command line sets them (``--tensor-type PATTERN=TYPE``: lower-cased patterns, in order)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = 1
     params.ftype = int(OUTPUT_TYPES[mix][1])
+    if output_tensor_type is not None:
+        params.output_tensor_type = int(gguf.GGMLQuantizationType[output_tensor_type.upper()])
+    if token_embedding_type is not None:
+        params.token_embedding_type = int(gguf.GGMLQuantizationType[token_embedding_type.upper()])
+    params.pure = pure
+    params.quantize_output_tensor = not leave_output_tensor
+    override = llama_cpp.llama_model_tensor_override  # struct llama_model_tensor_override: pattern, ggml_type
+    overrides = (override * (len(tensor_types) + 1))(
+        *[override(p.lower().encode(), int(gguf.GGMLQuantizationType[t.upper()])) for p, t in tensor_types],
+        override(None, 0))
+    if tensor_types:
+        params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(override))
     assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
     return gguf.GGUFReader(dst)
 
