@@ -42,8 +42,9 @@ llama-quantize's per-tensor options (:class:`MixOptions`: ``--output-tensor-type
 ``--token-embedding-type``, ``--tensor-type``, ``--pure``, ``--leave-output-tensor``) are applied as
 ``llama_tensor_get_type`` applies them around the mix (:func:`_choose`).
 
-Not covered: the IQ*/TQ*/MXFP4 file types and Q2_K_S (they need an importance matrix or codecs
-we do not have) and imatrix-dependent rules.
+IQ4_XS's rules are those without an importance matrix (``has_imatrix`` false). Not covered: the other
+IQ*/TQ*/MXFP4 file types and Q2_K_S (they need an importance matrix or codecs we do not have) and
+imatrix-dependent rules.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def _block(t: gguf.GGMLQuantizationType) -> int:
 
 
 #: ``tensor_type_fallback``: a 256-block type whose row does not fit -> a 32-block type.
-_FALLBACK = {GT.Q2_K: GT.Q4_0, GT.Q3_K: GT.Q4_0, GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q5_1, GT.Q6_K: GT.Q8_0}
+_FALLBACK = {GT.Q2_K: GT.Q4_0, GT.Q3_K: GT.Q4_0, GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q5_1, GT.Q6_K: GT.Q8_0,
+             GT.IQ4_XS: GT.IQ4_NL}
 
 
 class _State:
@@ -230,6 +232,8 @@ def _impl_type(
             why = f"{kind} {'among the first 2' if qs.i_attention_wv < 2 else 'after the first 2'}"
         elif f == "Q3_K_L":
             new, why = GT.Q5_K, kind
+        elif f == "IQ4_XS" and model.n_gqa >= 4:
+            new, why = GT.Q5_K, f"{kind} with n_gqa {model.n_gqa} >= 4"
         elif f in ("Q4_K_M", "Q5_K_M") and use_more_bits(qs.i_attention_wv, qs.n_attention_wv):
             new, why = GT.Q6_K, f"{kind} on a use_more_bits layer"
         elif f == "Q4_K_S" and qs.i_attention_wv < 4:
@@ -263,6 +267,8 @@ def _impl_type(
                     new, why = GT.Q5_K, "ffn_down on a use_more_bits layer"
             elif use_more_bits(i, n):
                 new, why = GT.Q6_K, "ffn_down on a use_more_bits layer"
+        elif f == "IQ4_XS" and i < n // 8:  # (without an importance matrix)
+            new, why = GT.Q5_K, "ffn_down in the first 1/8 of the layers"
         elif f == "Q5_K_M" and use_more_bits(i, n):
             new, why = GT.Q6_K, "ffn_down on a use_more_bits layer"
         elif f == "Q4_K_S" and not falcon and i < n // 8:
@@ -271,7 +277,7 @@ def _impl_type(
     elif cat == "attn_output":
         if not falcon:
             if model.n_expert == 8:
-                if f in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+                if f in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_XS"):
                     new, why = GT.Q5_K, "attn_output of an 8-expert model"
             else:
                 bump = {"Q2_K": GT.Q3_K, "Q3_K_M": GT.Q4_K, "Q3_K_L": GT.Q5_K}.get(f)

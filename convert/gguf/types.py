@@ -65,6 +65,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_K_S", FT.MOSTLY_Q5_K_S, GT.Q5_K),
         FileType("Q5_K_M", FT.MOSTLY_Q5_K_M, GT.Q5_K),
         FileType("Q6_K", FT.MOSTLY_Q6_K, GT.Q6_K),
+        FileType("IQ4_XS", FT.MOSTLY_IQ4_XS, GT.IQ4_XS),
     )
 }
 

@@ -304,6 +304,17 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "output.weight": "Q6_K",
             "token_embd.weight": "Q6_K",
         },
+        "iq4_xs": {
+            "attn_k.weight": "IQ4_XS",
+            "attn_output.weight": "IQ4_XS",
+            "attn_q.weight": "IQ4_XS",
+            "attn_v.weight": "IQ4_XS",
+            "ffn_down.weight": "IQ4_NL",
+            "ffn_gate.weight": "IQ4_XS",
+            "ffn_up.weight": "IQ4_XS",
+            "output.weight": "Q6_K",
+            "token_embd.weight": "IQ4_XS",
+        },
     },
     "llama32_gqa4": {
         "q4_0": {
@@ -449,6 +460,17 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "output.weight": "Q6_K",
             "token_embd.weight": "Q6_K",
         },
+        "iq4_xs": {
+            "attn_k.weight": "IQ4_XS",
+            "attn_output.weight": "IQ4_XS",
+            "attn_q.weight": "IQ4_XS",
+            "attn_v.weight": "Q5_K",
+            "ffn_down.weight": "Q5_K:0-3 IQ4_XS:4-31",
+            "ffn_gate.weight": "IQ4_XS",
+            "ffn_up.weight": "IQ4_XS",
+            "output.weight": "Q6_K",
+            "token_embd.weight": "IQ4_XS",
+        },
     },
     "llama16_tied": {
         "q4_0": {
@@ -581,6 +603,16 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "ffn_up.weight": "Q6_K",
             "token_embd.weight": "Q6_K",
         },
+        "iq4_xs": {
+            "attn_k.weight": "IQ4_XS",
+            "attn_output.weight": "IQ4_XS",
+            "attn_q.weight": "IQ4_XS",
+            "attn_v.weight": "IQ4_XS",
+            "ffn_down.weight": "Q5_K:0-1 IQ4_XS:2-15",
+            "ffn_gate.weight": "IQ4_XS",
+            "ffn_up.weight": "IQ4_XS",
+            "token_embd.weight": "Q6_K",
+        },
     },
     "gemma": {
         "q4_0": {
@@ -711,6 +743,16 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "ffn_down.weight": "Q8_0",
             "ffn_gate.weight": "Q8_0",
             "ffn_up.weight": "Q8_0",
+            "token_embd.weight": "Q8_0",
+        },
+        "iq4_xs": {
+            "attn_k.weight": "IQ4_NL",
+            "attn_output.weight": "IQ4_NL",
+            "attn_q.weight": "IQ4_NL",
+            "attn_v.weight": "Q5_1",
+            "ffn_down.weight": "IQ4_NL",
+            "ffn_gate.weight": "IQ4_NL",
+            "ffn_up.weight": "IQ4_NL",
             "token_embd.weight": "Q8_0",
         },
     },
@@ -857,6 +899,17 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "ffn_up.weight": "Q8_0",
             "output.weight": "Q8_0",
             "token_embd.weight": "Q8_0",
+        },
+        "iq4_xs": {
+            "attn_k.weight": "IQ4_NL",
+            "attn_output.weight": "IQ4_NL",
+            "attn_q.weight": "IQ4_NL",
+            "attn_v.weight": "IQ4_NL",
+            "ffn_down.weight": "IQ4_NL",
+            "ffn_gate.weight": "IQ4_NL",
+            "ffn_up.weight": "IQ4_NL",
+            "output.weight": "Q8_0",
+            "token_embd.weight": "IQ4_NL",
         },
     },
 }

@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from convert.gguf.codecs.base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_bytes, select, seq_sum0
 
-__all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl"]
+__all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl", "block_scales"]
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
@@ -118,16 +118,15 @@ def _sums(x: F32, w: F32, iscale: F32, finite: bool) -> tuple[F32, F32]:
     return seq_sum0(wq * x), seq_sum0(wq * q)
 
 
-def _iq4_nl_blocks(xb: F32) -> U8:
-    """``quantize_row_iq4_nl_impl(32, 32, ..., ntry=7)`` of float32 ``(m, 32)`` -> uint8 ``(m, 18)``."""
-    m = xb.shape[0]
-    xp = np.ascontiguousarray(xb.T)
+def block_scales(xp: F32, finite: bool) -> F32:
+    """The scale ``d`` of each 32-weight block after the 15 trial scales (``quantize_row_iq4_nl_impl``'s
+    first loop, no importance matrix, ``ntry=7``); ``xp`` position-major ``(32, blocks)``; 0 for a block
+    whose largest ``|x|`` is below ``GROUP_MAX_EPS`` (IQ4_XS's ``scales[ib]``)."""
     amax, mx = first_absmax(xp, axis=0)
     zero = amax < GROUP_MAX_EPS
     mx[zero] = 1
     w = xp * xp
     d = (-mx) / np.float32(-127)
-    finite = bool(np.isfinite(xp).all())
     sumqx, sumq2 = _sums(xp, w, np.float32(1) / d, finite)
     d = np.where(sumq2 > 0, sumqx / sumq2, np.float32(0))
     best = d * sumqx
@@ -139,6 +138,15 @@ def _iq4_nl_blocks(xb: F32) -> U8:
             d = select(bm, sumqx / sumq2, d)
             best = select(bm, d * sumqx, best)
     d[zero] = 0
+    return d
+
+
+def _iq4_nl_blocks(xb: F32) -> U8:
+    """``quantize_row_iq4_nl_impl(32, 32, ..., ntry=7)`` of float32 ``(m, 32)`` -> uint8 ``(m, 18)``."""
+    m = xb.shape[0]
+    xp = np.ascontiguousarray(xb.T)
+    finite = bool(np.isfinite(xp).all())
+    d = block_scales(xp, finite)
     dz = d == 0
     d1 = d.copy()
     d1[dz] = 1
