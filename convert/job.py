@@ -43,6 +43,7 @@ from convert.targets import TARGETS, MmprojJob, TargetJob
 from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
 from formats.errors import ConvertBnbError, DiskSpaceError, OutputExistsError, SourceNotFoundError, UsageError
+from formats.mapping import check_inputs
 
 __all__ = ["ConvertResult", "ResolvedSource", "check_options", "convert", "job_key", "resolve_source"]
 
@@ -461,6 +462,7 @@ def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSourc
             result.files = claim.manifest()
         if options.manifest is not None:
             write_json(options.manifest, result.files)
+        check_inputs()  # CKPT-012: an input rewritten in place after its last read is not committed
         claim.commit()
         committed.append(claim.final)
         timings["commit"] = time.perf_counter() - t

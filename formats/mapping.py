@@ -8,8 +8,9 @@ command line reports it (:func:`convert.signals.on_bus_error` reports :func:`cha
 change can be seen in time, the rule is checked instead:
 
 =========  ==========================  ====================================================
-CKPT-012   InputChangedError           a mapped input keeps the size it had when it was opened
-                                       (checked when it is mapped and on every view handed out)
+CKPT-012   InputChangedError           a mapped input keeps the size, inode and modification time it had
+                                       when it was opened (checked when it is mapped, on every view
+                                       handed out, and for every open input before an output is committed)
 =========  ==========================  ====================================================
 
 Every live map is recorded (weakly) with its path, so that :func:`changed_input` can name the file
@@ -27,13 +28,15 @@ import numpy.typing as npt
 
 from .errors import InputChangedError
 
-__all__ = ["PAGE", "InputMap", "changed_input"]
+__all__ = ["PAGE", "InputMap", "changed_input", "check_inputs"]
 
 #: The page size: :meth:`InputMap.release` drops only whole pages.
 PAGE = mmap.PAGESIZE
 
-#: Every live map -> the path it maps (for :func:`changed_inputs`).
+#: Every live map -> the path it maps (for :func:`changed_input`).
 _LIVE: weakref.WeakKeyDictionary[mmap.mmap, str] = weakref.WeakKeyDictionary()
+#: Every open :class:`InputMap` (for :func:`check_inputs`).
+_MAPS: weakref.WeakSet[InputMap] = weakref.WeakSet()
 
 
 class InputMap:
@@ -52,8 +55,11 @@ class InputMap:
         self.path = os.fspath(path)
         self.size = size
         with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._stamp = (st.st_ino, st.st_mtime_ns)
         _LIVE[self._mm] = self.path
+        _MAPS.add(self)
         self.check()
 
     @property
@@ -71,6 +77,14 @@ class InputMap:
         if now != self.size or len(self._mm) != self.size:
             raise InputChangedError("the file changed while it was read (another program rewrote or truncated "
                                     "it); its size in bytes", path=self.path, expected=self.size, found=now)
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            st = None
+        if st is None or (st.st_ino, st.st_mtime_ns) != self._stamp:
+            raise InputChangedError("the file changed while it was read (another program wrote to it or replaced "
+                                    "it: its modification time or inode changed)", path=self.path,
+                                    expected="the file as opened", found="missing" if st is None else "a newer file")
 
     def view(self, offset: int, count: int, dtype: npt.DTypeLike = np.uint8) -> np.ndarray:
         """A read-only ``dtype[count]`` view at byte ``offset``, after :meth:`check`.
@@ -91,10 +105,22 @@ class InputMap:
 
     def close(self) -> None:
         """Unmap the file, unless a view handed out is still alive (the mapping then goes with it)."""
+        _MAPS.discard(self)
         try:
             self._mm.close()
         except BufferError:
             pass
+
+
+def check_inputs() -> None:
+    """:meth:`InputMap.check` of every live map: called before an output is committed, so that a file
+    rewritten in place (same size) after its last read is not silently mixed into a finished output.
+
+    Raises:
+        InputChangedError: CKPT-012, the first input that changed.
+    """
+    for im in list(_MAPS):
+        im.check()
 
 
 def changed_input() -> InputChangedError:

@@ -116,3 +116,35 @@ def test_sigbus_in_a_batch_worker_fails_that_job_with_ckpt012(tmp_path: Path, bi
                  f"its size in bytes (expected {size}, found 4096)"):
         assert part in line
     assert not (tmp_path / "out" / "big").exists()
+
+
+def test_rewrite_in_place_of_the_same_size_is_ckpt012(tmp_path: Path, big_layer: dict) -> None:
+    """Another program writing into the input (same size) while it is converted: the modification time
+    changed, so the run ends with CKPT-012 and commits nothing (it used to exit 0 with a mixed output)."""
+    weights = write(tmp_path / "in" / "big.safetensors", st_bytes(big_layer, {"format": "pt"}))
+    out = tmp_path / "outdir" / "out.safetensors"
+    r = run_cut("rewrite", weights, args(weights, out))
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line
+    for part in (str(weights), "CKPT-012", "another program wrote to it or replaced it"):
+        assert part in line
+    assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_check_inputs_before_commit_sees_a_rewrite_after_the_last_read(tmp_path: Path) -> None:
+    from formats.mapping import check_inputs
+
+    f = write(tmp_path / "x.bin", bytes(8192))
+    m = InputMap(f, 8192)
+    m.view(0, 16)
+    check_inputs()
+    import time
+
+    time.sleep(0.02)
+    with open(f, "r+b") as fh:
+        fh.write(b"\x01")
+    with pytest.raises(InputChangedError, match="CKPT-012 the file changed while it was read .another program wrote"):
+        check_inputs()
+    m.close()
+    check_inputs()  # a closed map is no longer an input of the run

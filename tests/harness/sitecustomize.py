@@ -3,7 +3,8 @@
 
 ``CONVERT_BNB_TEST_CUT=WHERE:PATH`` truncates the input file PATH to 4096 bytes at the third chunk a
 4-bit layer dequantizes: with WHERE ``before``, before the chunk's view of the packed bytes is taken
-(the readers' size check sees it), with ``during``, after (the read touches a vanished page: SIGBUS).
+(the readers' size check sees it), with ``during``, after (the read touches a vanished page: SIGBUS);
+with ``rewrite``, before the view, it overwrites the file's last 4096 bytes in place (same size).
 
 With NAME ``import``, the process stops while POINT (a module name, e.g. ``convert.cli``, or
 ``datetime``, which NumPy's C extension imports) is being imported: it writes its pid to MARKER and
@@ -33,9 +34,17 @@ if _CUT:
     def _cut() -> None:
         _calls[0] += 1
         if _calls[0] == 3:
-            os.truncate(_path, 4096)
+            if _where == "rewrite":  # the same size, other bytes (after a tick of the file system's clock)
+                import time
 
-    if _where == "before":
+                time.sleep(0.02)
+                with open(_path, "r+b") as f:
+                    f.seek(-4096, 2)
+                    f.write(bytes(4096))
+            else:
+                os.truncate(_path, 4096)
+
+    if _where in ("before", "rewrite"):
         from convert.stream import sources
 
         _produce = sources.Dequant4Source.produce_into
