@@ -363,6 +363,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
         want_stats = options.merge_report or options.report is not None or options.original is not None
         lora = apply_lora(plan, options.merge_lora, options.original, want_stats) if options.merge_lora else None
         try:
+            _merge_threads(options, lora, 1)  # USE-001 before any work, in a dry run too
             plan.notes += source.notes()
             # 5. the target's job, from the static table; a dry run stops with its plan
             job = TARGETS[options.to.family](plan, options, source.model_name(ckpt))
@@ -399,34 +400,45 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
     return result
 
 
-def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, label: str, lora: LoraRun | None
-                  ) -> tuple[RunSettings, list[str]]:
-    """How the job writes: threads (lowered, with a note, where their chunks would not fit ``max_memory``),
-    the cap for the chunks (``max_memory`` less what the merges of the tensors in flight hold beside them:
-    :meth:`convert.lora.apply.LoraRun.held_nbytes`), progress, and a low-disk run's shard lifetime.
+def _merge_threads(options: ConvertOptions, lora: LoraRun | None, threads: int) -> int:
+    """The most worker threads, at most ``threads``, for which what the merges of the tensors in flight
+    hold (one tensor per chunk in flight: :meth:`convert.lora.apply.LoraRun.held_nbytes`) takes at most
+    half of ``max_memory``; ``threads`` without a merge.
 
     Raises:
-        UsageError: USE-001, the merges' working copies would take more than half of ``max_memory``.
+        UsageError: USE-001, not even one thread's fits (checked right after the adapters are planned,
+            before any work and in a dry run too).
     """
-    notes = []
-    threads = max(1, options.threads or os.cpu_count() or 1)
-    unit = max((t.source.unit for t in plan.tensors), default=1)
-
-    def held(n_threads: int) -> int:  # tensors in flight: at most one per chunk in flight
-        return lora.held_nbytes(2 * n_threads + 1) if lora is not None else 0
-
-    cap = max_threads(options.max_memory - held(threads), unit)
-    if threads > cap:
-        notes.append(f"--threads {threads} lowered to {cap}: more threads' chunks would not fit "
-                     f"--max-memory {format_bytes(options.max_memory)}")
-        threads = cap
-    reserved = held(threads)
-    max_memory = options.max_memory - reserved
-    if 2 * reserved > options.max_memory:
+    if lora is None:
+        return threads
+    while threads > 1 and 2 * lora.held_nbytes(2 * threads + 1) > options.max_memory:
+        threads -= 1
+    need = 2 * lora.held_nbytes(3)
+    if need > options.max_memory:
         raise UsageError("--max-memory is too small for this merge: the adapters' working copies of the tensors "
                          "in flight, held beside the chunks, would take more than half of it",
-                         expected=f">= {format_bytes(2 * reserved)}", found=format_bytes(options.max_memory),
-                         hint="raise --max-memory, or use fewer --threads")
+                         expected=f">= {format_bytes(need)}", found=format_bytes(options.max_memory),
+                         hint="raise --max-memory")
+    return threads
+
+
+def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, label: str, lora: LoraRun | None
+                  ) -> tuple[RunSettings, list[str]]:
+    """How the job writes: threads (lowered, with a note, where their chunks, or the merges' working
+    copies, would not fit ``max_memory``: :func:`_merge_threads`), the cap for the chunks (``max_memory``
+    less what the merges of the tensors in flight hold beside them), progress, and a low-disk run's shard
+    lifetime."""
+    notes = []
+    asked = max(1, options.threads or os.cpu_count() or 1)
+    threads = _merge_threads(options, lora, asked)
+    reserved = lora.held_nbytes(2 * threads + 1) if lora is not None else 0
+    max_memory = options.max_memory - reserved
+    threads = min(threads, max_threads(max_memory, max((t.source.unit for t in plan.tensors), default=1)))
+    if threads < asked:
+        notes.append(f"--threads {asked} lowered to {threads}: more threads' chunks would not fit "
+                     f"--max-memory {format_bytes(options.max_memory)}")
+        reserved = lora.held_nbytes(2 * threads + 1) if lora is not None else 0
+        max_memory = options.max_memory - reserved
     if reserved * 10 > options.max_memory:
         notes.append(f"the merges hold {format_bytes(reserved)} of adapter copies (the exact product's float64 "
                      f"operands) beside the chunks: chunks sized for the remaining {format_bytes(max_memory)}")

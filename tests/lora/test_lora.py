@@ -1435,9 +1435,16 @@ def test_merge_working_copies_are_reserved_from_the_memory_cap(tmp_path: Path, m
     assert seen[-1] == (128 - 36) << 20
     assert ("note: the merges hold 36.00 MiB of adapter copies (the exact product's float64 operands) beside the "
             "chunks: chunks sized for the remaining 92.00 MiB") in capsys.readouterr().err
-    assert _cli([*args, "-o", str(tmp_path / "b"), "--max-memory", "64MiB"]) == 2
-    assert capsys.readouterr().err == (
-        "convert-bnb: error: USE-001 --max-memory is too small for this merge: the adapters' working copies of the "
-        "tensors in flight, held beside the chunks, would take more than half of it (expected '>= 72.00 MiB', found "
-        "'64.00 MiB'). Hint: raise --max-memory, or use fewer --threads\n")
-    assert not (tmp_path / "b").exists()
+    for extra in ([], ["--dry-run"], ["--to", "nf4"]):  # refused before any work (nf4's pre-pass), dry run too
+        assert _cli([*args, "-o", str(tmp_path / "b"), "--max-memory", "64MiB", *extra]) == 2
+        assert capsys.readouterr().err == (
+            "convert-bnb: error: USE-001 --max-memory is too small for this merge: the adapters' working copies of "
+            "the tensors in flight, held beside the chunks, would take more than half of it (expected '>= 72.00 "
+            "MiB', found '64.00 MiB'). Hint: raise --max-memory\n")
+        assert not (tmp_path / "b").exists()
+    # more threads than the copies allow: lowered (the 4 merged tensors in flight at 2 threads: 48 MiB > 90 / 2),
+    # not refused
+    args2 = [a if a != "1" else "2" for a in args]
+    assert _cli([*args2, "-o", str(tmp_path / "c"), "--max-memory", "90MiB"]) == 0
+    assert "note: --threads 2 lowered to 1" in capsys.readouterr().err
+    assert seen[-1] == (90 - 36) << 20
