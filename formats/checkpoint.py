@@ -279,9 +279,10 @@ class Checkpoint:
 
         The text model's values (``text_config``'s where it has them, else the top level's) against its
         token embedding (the one unquantized tensor ``PREFIX.embed_tokens.weight`` outside a vision or
-        audio tower) and its layers (the indices N of ``PREFIX.layers.N.``): ``vocab_size`` = the
-        embedding's rows, ``hidden_size`` = its width, ``num_hidden_layers`` = the layers held, 0 .. N-1.
-        A value that is absent or not an integer, or a model without such an embedding, is not checked.
+        audio tower) and its layers (the indices N of ``PREFIX.layers.N.``, each present): ``vocab_size`` =
+        the embedding's rows, ``hidden_size`` (``n_embd``, ``d_model``) = its width, ``num_hidden_layers``
+        (``n_layer``, ``num_layers``) = the layers held; each present and an integer (transformers would
+        take its class default for a missing one). A model without such an embedding is not checked.
 
         Raises:
             ConfigWeightsError: CKPT-013, naming config.json, the key, the tensor, and both values.
@@ -300,30 +301,42 @@ class Checkpoint:
             return
         config_path = self.source / "config.json" if self.is_dir else self.source
         rows, cols = record.shape
+        prefix = emb[: -len("embed_tokens.weight")] + "layers."
+        seen = {int(m.group(1)) for n in self.tensors if n.startswith(prefix)
+                for m in [_LAYER_INDEX.match(n, len(prefix))] if m}
+        if seen:
+            gaps = sorted(set(range(max(seen) + 1)) - seen)
+            if gaps:
+                raise ConfigWeightsError(
+                    "the weights lack a layer below their last one", path=self.source, tensor=f"{prefix}{gaps[0]}.*",
+                    expected=f"layers 0 to {max(seen)}", found=f"no tensor of layer {gaps[0]} ({len(gaps)} missing)",
+                    hint="the checkpoint is incomplete: download it again")
 
-        def agree(key: str, want: int, what: str, tensor: str) -> None:
-            value = hp.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value != want:
+        def agree(keys: tuple[str, ...], want: int, what: str, tensor: str) -> None:
+            key = next((k for k in keys if k in hp), None)
+            if key is None:
+                raise ConfigWeightsError(
+                    f"config.json has no '{keys[0]}'", path=config_path, tensor=tensor, expected=want, found=None,
+                    hint="transformers would take its class default instead of the weights' value: use the "
+                         "config.json saved with these weights")
+            value = hp[key]
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigWeightsError(
+                    f"config.json '{key}' is not an integer", path=config_path, tensor=tensor, expected=want,
+                    found=f"{str(value)[:40]} ({type(value).__name__})",
+                    hint="use the config.json saved with these weights")
+            if value != want:
                 raise ConfigWeightsError(
                     f"config.json '{key}' differs from {what}", path=config_path, tensor=tensor,
                     expected=want, found=value,
                     hint="use the config.json saved with these weights: transformers would refuse, drop or "
                          "re-initialise what is written from them")
 
-        agree("vocab_size", rows, "the token embedding's rows", emb)
-        agree("hidden_size", cols, "the token embedding's width", emb)
-        prefix = emb[: -len("embed_tokens.weight")] + "layers."
-        seen = {int(m.group(1)) for n in self.tensors if n.startswith(prefix)
-                for m in [_LAYER_INDEX.match(n, len(prefix))] if m}
-        if not seen:
-            return
-        gaps = sorted(set(range(max(seen) + 1)) - seen)
-        if gaps:
-            raise ConfigWeightsError(
-                "the weights lack a layer below their last one", path=config_path, tensor=f"{prefix}{gaps[0]}.*",
-                expected=f"layers 0 to {max(seen)}", found=f"no tensor of layer {gaps[0]} ({len(gaps)} missing)",
-                hint="the checkpoint is incomplete: download it again")
-        agree("num_hidden_layers", len(seen), f"the layers the tensors hold (0 to {max(seen)})", f"{prefix}*")
+        agree(("vocab_size",), rows, "the token embedding's rows", emb)
+        agree(("hidden_size", "n_embd", "d_model"), cols, "the token embedding's width", emb)
+        if seen:
+            agree(("num_hidden_layers", "n_layer", "num_layers"), len(seen),
+                  f"the layers the tensors hold (0 to {max(seen)})", f"{prefix}*")
 
     def close(self) -> None:
         """Close every reader."""

@@ -268,3 +268,32 @@ def test_src_a_symlink_loop_is_ckpt_011_in_every_command(tmp_path: Path, capsys:
     printed = capsys.readouterr()
     assert code == 2 and "internal error" not in printed.err
     assert "CKPT-011" in printed.out + printed.err and "a symlink loop" in printed.out + printed.err
+
+
+@pytest.mark.parametrize(("edit", "part"), [
+    ({"vocab_size": "1000"}, "CKPT-013 config.json 'vocab_size' is not an integer (expected 1000, found '1000 (str)')"),
+    ({"hidden_size": True}, "CKPT-013 config.json 'hidden_size' is not an integer (expected 256, found 'True (bool)')"),
+    ({"num_hidden_layers": 2.0}, "CKPT-013 config.json 'num_hidden_layers' is not an integer (expected 2, found "
+                                 "'2.0 (float)')"),
+    ({"num_hidden_layers": None}, "CKPT-013 config.json 'num_hidden_layers' is not an integer"),
+    ({"vocab_size": "DELETE"}, "CKPT-013 config.json has no 'vocab_size' (expected 1000)"),
+    ({"num_hidden_layers": "DELETE"}, "CKPT-013 config.json has no 'num_hidden_layers' (expected 2)"),
+])
+def test_config_values_transformers_cannot_use_are_refused(edit: dict, part: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A value of another type, or a missing one (transformers would take its class default: 32 layers of
+    which 30 random), is refused before anything is written (it converted with exit 0)."""
+    import shutil
+
+    src = tmp_path / "m"
+    shutil.copytree(MODELS / "llama_nf4_dq", src, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((src / "config.json").read_text())
+    for k, v in edit.items():
+        if v == "DELETE":
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main([str(src), "--to", "bf16", "-o", str(tmp_path / "o")]) == 2
+    assert part in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
