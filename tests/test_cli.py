@@ -223,6 +223,17 @@ def test_layers_bnb_cpu_gets_wrong_are_noted(tmp_path: Path, capsys: pytest.Capt
     src = SINGLE / "fp4_bs64_dq_bfloat16_48x48_zeroblocks.q.safetensors"
     assert main([str(src), "--to", "nf4", "--include", "layer.weight", "-o", str(tmp_path / "n.safetensors")]) == 0
     assert "rows of 48, blocksize 64): bitsandbytes' CPU kernel" in capsys.readouterr().err
+    # a 16-bit layer quantized to nf4: the note is about the file written; nothing was to be dequantized, and
+    # that is not said (it was, for a quantizing target)
+    from convert.stream.plan import NOTHING_QUANTIZED
+
+    src = SINGLE / "fp4_bs128_dq_float16_37x51_mixed.orig.safetensors"
+    assert main([str(src), "--to", "nf4", "--include", "layer.weight", "-o", str(tmp_path / "o.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert ("note: 1 4-bit layer with rows not a multiple of the blocksize (e.g. layer.weight: rows of 51, blocksize "
+            "64): bitsandbytes' CPU kernel on AVX512 machines (and transformers' model.dequantize() there) computes "
+            "them wrongly from this file (bnb's generic and CUDA kernels read it right)") in err
+    assert NOTHING_QUANTIZED not in err
 
 
 @pytest.mark.parametrize("argv", [["--max-memory", "-5GB"], ["--max-shard-size", "-1"], ["--max-memory=-5GB"]])

@@ -44,7 +44,7 @@ from convert.bnb4.select import (
 from convert.bnb4.settings import QuantSettings
 from convert.bnb4.sources import job_tensors, passthrough_tensors, requantize_reason
 from convert.stream.pipeline import chunk_elements
-from convert.stream.plan import Plan, PlannedTensor, shard_tensors
+from convert.stream.plan import Plan, PlannedTensor, bnb_cpu_notes, shard_tensors
 from convert.stream.sources import Dequant4Source
 from formats.bnb import Int8Layer, QuantizedLayer
 from formats.dtypes import DType, float_dtype_name
@@ -202,9 +202,13 @@ def make_quant_plan(
     tensors: list[PlannedTensor] = [
         t for g in grouped for t in (g if isinstance(g, list) else _quantized_tensors(g, settings, prepass))
     ]
+    written = [(j.input.name, j.input.shape, settings.blocksize) for j in info.jobs]
+    copied = set(info.passthrough)
+    written += [(t.name, t.source.layer.state.shape, t.source.layer.state.blocksize) for t in plan.tensors
+                if t.name in copied]
     new = Plan(checkpoint=plan.checkpoint, to=settings.quant_type, tensors=tensors,
                shards=_shards(tensors, plan.checkpoint.is_dir, max_shard_size), config=plan.config,
-               notes=list(plan.notes))
+               notes=[n for n in plan.notes if n not in plan.dequant_notes] + bnb_cpu_notes(written, written=True))
     info.skip_modules = _skip_modules(plan, info.kept, skip, heads_kept)
     new.notes += _kept_notes(info.kept)
     new.notes += [f"{len(names)} bnb 4-bit layer{'s' if len(names) > 1 else ''} re-quantized, not copied unchanged: "

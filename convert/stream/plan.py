@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from formats.errors import UsageError
 __all__ = [
     "Plan",
     "PlannedTensor",
+    "bnb_cpu_notes",
     "make_plan",
     "shard_tensors",
     "strip_quantization_config",
@@ -70,6 +72,8 @@ class Plan:
         shards: the output files as lists of indices into ``tensors`` (one file for a file input).
         config: the output ``config.json`` (None when the input has none).
         notes: things the user should know (per-run warnings), as text.
+        dequant_notes: those of ``notes`` that hold only for a dequantized output (nothing was
+            quantized; bnb's CPU kernel disagrees): a re-quantizing target (``--to nf4``) drops them.
     """
 
     checkpoint: Checkpoint
@@ -78,6 +82,7 @@ class Plan:
     shards: list[list[int]] = field(default_factory=list)
     config: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    dequant_notes: list[str] = field(default_factory=list)
 
     @property
     def out_nbytes(self) -> int:
@@ -252,9 +257,11 @@ def _make_plan(checkpoint: Checkpoint, to: str, max_shard_size: int) -> Plan:
         elif name in plain_names:
             out = _output_dtype(to, rec.dtype)
             tensors.append(PlannedTensor(name, out, rec.shape, CastSource(rec, out)))
-    nothing = [] if layers else [NOTHING_QUANTIZED]
-    notes = nothing + _layer_notes(layers) + _bnb_cpu_notes(layers) + _cast_notes(checkpoint, tensors)
-    plan = Plan(checkpoint, to, tensors, notes=notes)
+    dequant = ([] if layers else [NOTHING_QUANTIZED]) + bnb_cpu_notes(
+        [(name, layer.state.shape, layer.state.blocksize) for name, layer in layers.items()
+         if isinstance(layer, QuantizedLayer)])
+    notes = dequant[:1] + _layer_notes(layers) + dequant[1:] + _cast_notes(checkpoint, tensors)
+    plan = Plan(checkpoint, to, tensors, notes=notes, dequant_notes=dequant)
     if checkpoint.is_dir:
         plan.shards = shard_tensors(tensors, max_shard_size)
     else:
@@ -279,23 +286,26 @@ def _layer_notes(layers: dict[str, QuantizedLayer | Int8Layer]) -> list[str]:
     return [f"{w} ({len(names)} layer{'s' * (len(names) > 1)}, e.g. {names[0]})" for w, names in seen.items()]
 
 
-def _bnb_cpu_notes(layers: dict[str, QuantizedLayer | Int8Layer]) -> list[str]:
-    """One note when 4-bit layers have rows whose length is not a multiple of their blocksize: bnb's own CPU
-    kernel (AVX512 machines; transformers' ``model.dequantize()`` there) indexes absmax per row and gets
-    them wrong (bnb-format.md section 2), so bnb on such a CPU disagrees with this output, which is what
-    bnb's generic and CUDA kernels compute."""
-    odd = [(name, layer) for name, layer in layers.items()
-           if isinstance(layer, QuantizedLayer) and _rows_straddle_blocks(layer.state.shape, layer.state.blocksize)]
+def bnb_cpu_notes(layers: Sequence[tuple[str, Sequence[int], int]], written: bool = False) -> list[str]:
+    """One note when 4-bit layers (name, shape, blocksize) have several rows whose length is not a multiple
+    of their blocksize: bnb's own CPU kernel (AVX512 machines; transformers' ``model.dequantize()`` and
+    forward there) indexes absmax per row and gets them wrong (bnb-format.md section 2). ``written``: the
+    layers are this run's 4-bit output (bnb on such a CPU will compute them wrongly), else its input (bnb
+    there disagrees with this dequantized output, which is what bnb's generic and CUDA kernels compute)."""
+    odd = [(name, shape, bs) for name, shape, bs in layers if _rows_straddle_blocks(shape, bs)]
     if not odd:
         return []
-    name, layer = odd[0]
-    return [f"{len(odd)} 4-bit layer{'s' * (len(odd) > 1)} with rows not a multiple of the blocksize (e.g. {name}: "
-            f"rows of {layer.state.shape[-1]}, blocksize {layer.state.blocksize}): bitsandbytes' CPU kernel on "
-            "AVX512 machines (and transformers' model.dequantize() there) computes them wrongly, so it will "
-            "disagree with this output, which equals bnb's generic and CUDA kernels"]
+    name, shape, bs = odd[0]
+    head = (f"{len(odd)} 4-bit layer{'s' * (len(odd) > 1)} with rows not a multiple of the blocksize (e.g. {name}: "
+            f"rows of {shape[-1]}, blocksize {bs}): bitsandbytes' CPU kernel on AVX512 machines (and transformers' "
+            "model.dequantize() there) ")
+    if written:
+        return [head + "computes them wrongly from this file (bnb's generic and CUDA kernels read it right)"]
+    return [head + "computes them wrongly, so it will disagree with this output, which equals bnb's generic and "
+            "CUDA kernels"]
 
 
-def _rows_straddle_blocks(shape: tuple[int, ...], blocksize: int) -> bool:
+def _rows_straddle_blocks(shape: Sequence[int], blocksize: int) -> bool:
     """Whether a weight has more than one row and rows whose length is not a multiple of ``blocksize`` (a
     block then spans two rows, which per-row absmax indexing gets wrong; one row is one flat run)."""
     return len(shape) >= 2 and math.prod(shape[:-1]) > 1 and shape[-1] % blocksize != 0
