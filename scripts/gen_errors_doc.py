@@ -139,7 +139,9 @@ def render() -> str:
 
 
 def _first_line(cls: type) -> str:
-    return (cls.__doc__ or "").strip().splitlines()[0].replace("|", "\\|")
+    """The docstring's first paragraph on one line (a table cell; ``|`` escaped)."""
+    paragraph = (cls.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines()).replace("|", "\\|")
 
 
 def main() -> int:
