@@ -277,7 +277,7 @@ def check_batch(jobs: list[Job], out_dir: Path, n_jobs: int, max_memory: int) ->
     """
     if n_jobs < 1:
         raise UsageError("--jobs must be at least 1", found=n_jobs)
-    per_memory = max_memory // n_jobs
+    per_memory = max_memory // min(n_jobs, max(1, len(jobs)))  # (no more jobs run at once than there are)
     if per_memory < MIN_MEMORY:
         raise UsageError(f"--max-memory split over --jobs leaves a worker less than {format_bytes(MIN_MEMORY)}",
                          expected=f">= {format_bytes(MIN_MEMORY)} per job", found=f"{format_bytes(per_memory)} per job",
@@ -344,6 +344,7 @@ def run_batch(
     """
     check_executor(executor, ray_address)
     check_batch(jobs, out_dir, n_jobs, max_memory)
+    n_jobs = min(n_jobs, max(1, len(jobs)))  # --jobs 100 for 2 jobs: 2 run at once, each with half the budget
     per_memory = max_memory // n_jobs
     out_dir = out_dir.absolute()  # the same path for every worker, whatever its working directory
     if executor == "ray":

@@ -272,10 +272,15 @@ def test_summary_table_text(setup: tuple[Path, Path, dict[str, str]], tmp_path: 
 
 def test_memory_budget_is_split_between_jobs(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
     jobs, _cache, env = setup
-    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o"), "--jobs", "4", "--max-memory", "200MiB"], env)
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o"), "--jobs", "3", "--max-memory", "150MiB"], env)
     assert r.returncode == 2
     assert "--max-memory split over --jobs leaves a worker less than 64.00 MiB" in r.stderr
     assert "found '50.00 MiB per job'" in r.stderr
+    # --jobs above the number of jobs (3): the budget is split over the jobs there are (66.67 MiB each)
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o"), "--jobs", "100", "--max-memory", "200MiB",
+                 "--dry-run"], env)
+    assert (r.returncode, r.stderr) == (3, "")  # planned, not refused (3: a job would fail)
+    assert r.stdout.count(": convert\n") == 2 and r.stdout.count(" -> ") == 3
 
 
 def test_out_dir_under_a_file_is_a_named_error(tmp_path: Path) -> None:
