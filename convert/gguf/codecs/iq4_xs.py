@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from convert.gguf.codecs.base import GT, Codec, encode_by_chunks, fp16_bytes, nearest_int
+from convert.gguf.codecs.base import GT, Codec, encode_by_chunks, fp16_bytes, nearest_int_bits
 from convert.gguf.codecs.iq4_nl import best_index_iq4nl, block_scales
 
 __all__ = ["IQ4_XSCodec"]
@@ -46,14 +46,18 @@ def _iq4_xs_blocks(xb: F32) -> U8:
     xp = np.ascontiguousarray(xb.reshape(m * 8, 32).T)  # (32, sub-blocks), sub-block k = 8 * block + ib
     finite = bool(np.isfinite(xp).all())
     s = block_scales(xp, finite).reshape(m, 8)
-    k = np.argmax(np.abs(s), axis=1)  # the first of the largest |s| (C: strictly greater than the best so far)
+    with np.errstate(invalid="ignore"):
+        a = np.abs(s)
+        a[np.isnan(a)] = 0  # C's `abs_d > amax_scale` is false for a NaN scale (w = x*x overflowed)
+    k = np.argmax(a, axis=1)  # the first of the largest |s| (C: strictly greater than the best so far)
     max_scale = s[np.arange(m), k]
-    max_scale[np.abs(max_scale) == 0] = np.float32(0)  # C's initial +0.0 when no |s| is above 0
+    max_scale[a[np.arange(m), k] == 0] = np.float32(0)  # C's initial +0.0 when no |s| is above 0
     d = -max_scale / np.float32(32)
     dz = d == 0
     id_ = np.float32(1) / np.where(dz, np.float32(1), d)
     id_[dz] = 0
-    lv = np.clip(nearest_int(id_[:, None] * s), -32, 31)
+    with np.errstate(invalid="ignore"):
+        lv = np.clip(nearest_int_bits(id_[:, None] * s), -32, 31)  # C's bits: NaN scales too
     dl = d[:, None] * lv.astype(np.float32)
     dlz = dl == 0
     idl = np.float32(1) / np.where(dlz, np.float32(1), dl)

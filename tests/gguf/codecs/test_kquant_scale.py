@@ -1,4 +1,4 @@
-"""Byte identity of the Q6_K / Q3_K / IQ4_NL encoders (convert.gguf.codecs.kquant_scale, convert.gguf.codecs.iq4_nl)
+"""Byte identity of the Q6_K / Q3_K / IQ4_NL / IQ4_XS encoders (convert.gguf.codecs.kquant_scale, .iq4_nl, .iq4_xs)
 with llama.cpp's C quantizers.
 
 The oracle is the C library llama-cpp-python 0.3.36 installs (libggml-base.so, the llama.cpp
@@ -23,13 +23,15 @@ import pytest
 from convert.gguf.codecs import CODECS
 from convert.gguf.codecs.base import Codec
 from convert.gguf.codecs.iq4_nl import IQ4_NLCodec
+from convert.gguf.codecs.iq4_xs import IQ4_XSCodec
 from convert.gguf.codecs.kquant_scale import Q3_KCodec, Q6_KCodec
 from tests.helpers.fixtures import MODELS, read_safetensors
 
 GT = gguf.GGMLQuantizationType
-CODEC_LIST: list[type[Codec]] = [Q6_KCodec, Q3_KCodec, IQ4_NLCodec]
+CODEC_LIST: list[type[Codec]] = [Q6_KCodec, Q3_KCodec, IQ4_NLCodec, IQ4_XSCodec]
 IDS = [c.ggml_type.name for c in CODEC_LIST]
-DEQUANT = {GT.Q6_K: "dequantize_row_q6_K", GT.Q3_K: "dequantize_row_q3_K", GT.IQ4_NL: "dequantize_row_iq4_nl"}
+DEQUANT = {GT.Q6_K: "dequantize_row_q6_K", GT.Q3_K: "dequantize_row_q3_K", GT.IQ4_NL: "dequantize_row_iq4_nl",
+           GT.IQ4_XS: "dequantize_row_iq4_xs"}
 REFERENCE = MODELS / "llama_nf4_dq" / "reference" / "dequantized.safetensors"
 
 
@@ -319,6 +321,9 @@ GOLDEN: dict[tuple[str, int], str] = {
     ("IQ4_NL", 0): "d56e4cbefb24da91beff588a1de6da19a6eaab069ccd26fe5d61fe3cc332239c",
     ("IQ4_NL", 1): "db05b26c080232667ef5c57670418a98454a603cdca8a1f56bc8abe8543b3c22",
     ("IQ4_NL", 2): "5f5e4daded7c51dea3590d61fb58cc4cfbd933c4b72ce124a03c23fe854e951a",
+    ("IQ4_XS", 0): "377021f47c6d4b84d9469da1eed18f1e879163f60df943b8dc4b468ee55008e8",
+    ("IQ4_XS", 1): "4b4a88279a759bcff2baafbc97bd0bd34a86c705b95e46bf38534e543706b61a",
+    ("IQ4_XS", 2): "ecbfbeadd3ab44791308afec8bbe266713539934d9c9ff8d51c3231ec27f6bea",
 }
 
 
