@@ -67,20 +67,22 @@ def codec(type_name: str, impl: str, rows: int, cols: int) -> None:
 
 
 def make(d: Path) -> None:
-    """The one-block float32 Llama (safetensors + config + the fixture's tokenizer) and our gguf:f32 of it."""
+    """The one-block float32 Llama in ``d/model`` (safetensors, config, the fixture's tokenizer) and our gguf:f32
+    of it, ``d/f32.gguf``."""
     import shutil
 
     from safetensors.numpy import save_file
 
     fixture = ROOT / "tests" / "fixtures" / "models" / "llama_nf4_dq"
-    d.mkdir(parents=True, exist_ok=True)
+    src = d / "model"
+    src.mkdir(parents=True, exist_ok=True)
     for f in ("tokenizer.model", "tokenizer_config.json", "tokenizer.json"):
-        shutil.copy(fixture / f, d / f)
+        shutil.copy(fixture / f, src / f)
     cfg = json.loads((fixture / "config.json").read_text())
     cfg.pop("quantization_config", None)
     cfg.update(num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=32, hidden_size=4096,
                intermediate_size=11008, head_dim=128, vocab_size=1000, tie_word_embeddings=False, dtype="float32")
-    (d / "config.json").write_text(json.dumps(cfg))
+    (src / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(0)
     w = {f"model.layers.0.{k}.weight": rng.standard_normal(s, dtype=np.float32) * np.float32(0.02)
          for k, s in SHAPES.items()}
@@ -89,16 +91,16 @@ def make(d: Path) -> None:
           "model.layers.0.input_layernorm.weight": np.ones(4096, np.float32),
           "model.layers.0.post_attention_layernorm.weight": np.ones(4096, np.float32),
           "model.norm.weight": np.ones(4096, np.float32)}
-    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
-    subprocess.run([sys.executable, "-m", "convert", str(d), "--to", "gguf:f32", "-o", str(d / "f32.gguf"), "-q",
+    save_file(w, str(src / "model.safetensors"), metadata={"format": "pt"})
+    subprocess.run([sys.executable, "-m", "convert", str(src), "--to", "gguf:f32", "-o", str(d / "f32.gguf"), "-q",
                     "--overwrite"], cwd=ROOT, check=True)
 
 
 def model(d: Path, type_name: str, impl: str, threads: int) -> None:
     out = d / f"{impl}-{type_name}.gguf"
     if impl == "ours":
-        subprocess.run([sys.executable, "-m", "convert", str(d), "--to", f"gguf:{type_name}", "-o", str(out), "-q",
-                        "--overwrite", "--threads", str(threads)], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "convert", str(d / "model"), "--to", f"gguf:{type_name}", "-o",
+                        str(out), "-q", "--overwrite", "--threads", str(threads)], cwd=ROOT, check=True)
         return
     import llama_cpp
 
