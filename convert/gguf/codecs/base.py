@@ -105,6 +105,9 @@ class Codec:
     """
 
     ggml_type: ClassVar[gguf.GGMLQuantizationType]
+    #: Whether ``quantize`` uses an importance matrix (``weights``); the others ignore it, as ggml's
+    #: ``ggml_quantize_chunk`` does for their types.
+    uses_imatrix: ClassVar[bool] = False
 
     @classmethod
     def block_size(cls) -> int:
@@ -117,8 +120,13 @@ class Codec:
         return gguf.GGML_QUANT_SIZES[cls.ggml_type][1]
 
     @classmethod
-    def quantize(cls, x: F32) -> U8:
-        """float32 ``(rows, n)`` -> uint8 ``(rows, n // block_size * type_size)``."""
+    def quantize(cls, x: F32, weights: F32 | None = None) -> U8:
+        """float32 ``(rows, n)`` -> uint8 ``(rows, n // block_size * type_size)``.
+
+        ``weights``: the importance matrix row of the tensor (float32 ``(n,)``, the same for every row
+        of the call, as ``ggml_quantize_chunk``'s ``quant_weights``) or None. Codecs with
+        :attr:`uses_imatrix` encode with it; this base class ignores it.
+        """
         data = np.ascontiguousarray(gguf.quants.quantize(np.asarray(x, dtype=np.float32), cls.ggml_type))
         return data.view(np.uint8)  # F32/F16 come back as float arrays: their bytes
 
@@ -128,7 +136,8 @@ class Codec:
         return gguf.quants.dequantize(np.ascontiguousarray(data).view(np.uint8), cls.ggml_type)
 
     @classmethod
-    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0, out: U8 | None = None) -> Measured:
+    def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0, out: U8 | None = None,
+                          weights: F32 | None = None) -> Measured:
         """:meth:`quantize` of ``x`` widened to float32 (exactly: float32, bfloat16 or float16 ``(rows, n)``)
         and the error it adds, ``e = dequantize(data) - x``, measured on all of ``x`` or a sample.
 
@@ -142,6 +151,7 @@ class Codec:
                 is split into calls.
             out: optional uint8 ``(rows, n // block_size * type_size)`` (C-contiguous) the bytes are
                 written into (e.g. memory placed for the writer); this base class copies them there.
+            weights: the importance matrix row (float32 ``(n,)``) or None: :meth:`quantize`.
 
         Returns:
             :class:`Measured` (its ``data`` is ``out`` when given). This base class widens and sums ``x``
@@ -151,7 +161,7 @@ class Codec:
         total = sum_squares(x)
         if not math.isfinite(total):
             return Measured(None, math.nan, math.nan, total, x.size)
-        data = cls.quantize(x)
+        data = cls.quantize(x, weights)
         if out is not None:
             np.copyto(out, data.reshape(out.shape))
             data = out

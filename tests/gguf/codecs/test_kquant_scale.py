@@ -26,51 +26,18 @@ from convert.gguf.codecs.iq4_nl import IQ4_NLCodec
 from convert.gguf.codecs.iq4_xs import IQ4_XSCodec
 from convert.gguf.codecs.kquant_scale import Q3_KCodec, Q6_KCodec
 from tests.helpers.fixtures import MODELS, read_safetensors
+from tests.helpers.ggml_oracle import GgmlOracle as Oracle
+from tests.helpers.ggml_oracle import ggml_oracle
 
 GT = gguf.GGMLQuantizationType
 CODEC_LIST: list[type[Codec]] = [Q6_KCodec, Q3_KCodec, IQ4_NLCodec, IQ4_XSCodec]
 IDS = [c.ggml_type.name for c in CODEC_LIST]
-DEQUANT = {GT.Q6_K: "dequantize_row_q6_K", GT.Q3_K: "dequantize_row_q3_K", GT.IQ4_NL: "dequantize_row_iq4_nl",
-           GT.IQ4_XS: "dequantize_row_iq4_xs"}
 REFERENCE = MODELS / "llama_nf4_dq" / "reference" / "dequantized.safetensors"
-
-
-class Oracle:
-    """ctypes view of libggml-base.so's ``ggml_quantize_chunk`` and ``dequantize_row_*``."""
-
-    def __init__(self) -> None:
-        spec = importlib.util.find_spec("llama_cpp")
-        assert spec is not None and spec.origin is not None
-        self.lib = ctypes.CDLL(os.path.join(os.path.dirname(spec.origin), "lib", "libggml-base.so"))
-        f = self.lib.ggml_quantize_chunk
-        f.restype = ctypes.c_size_t
-        f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                      ctypes.c_int64, ctypes.c_void_p]
-        for name in DEQUANT.values():
-            g = getattr(self.lib, name)
-            g.restype = None
-            g.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-
-    def quantize(self, t: GT, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        bs, ts = gguf.GGML_QUANT_SIZES[t]
-        out = np.zeros((x.shape[0], x.shape[1] // bs * ts), dtype=np.uint8)
-        n = self.lib.ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], None)
-        assert n == out.size
-        return out
-
-    def dequantize(self, t: GT, q: np.ndarray) -> np.ndarray:
-        q = np.ascontiguousarray(q, dtype=np.uint8)
-        bs, ts = gguf.GGML_QUANT_SIZES[t]
-        out = np.zeros((q.shape[0], q.shape[1] // ts * bs), dtype=np.float32)
-        getattr(self.lib, DEQUANT[t])(q.ctypes.data, out.ctypes.data, out.size)
-        return out
 
 
 @pytest.fixture(scope="module")
 def oracle() -> Oracle:
-    pytest.importorskip("llama_cpp")
-    return Oracle()
+    return ggml_oracle()
 
 
 def _rows(n: int) -> Callable[[np.random.Generator], np.ndarray]:
