@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pure", action="store_true",
                    help="no mix: every quantized tensor gets the type's default (Q4_K for q4_k_m)")
     g.add_argument("--leave-output-tensor", action="store_true", help="keep output.weight unquantized (F32)")
+    g.add_argument("--imatrix", metavar="FILE", default=None,
+                   help="quantize with this importance matrix (llama-imatrix's imatrix.gguf or legacy .dat)")
+    g.add_argument("--include-weights", action="append", default=[], metavar="NAME",
+                   help="use the importance matrix only for tensors whose name contains NAME; repeatable")
+    g.add_argument("--exclude-weights", action="append", default=[], metavar="NAME",
+                   help="do not use the importance matrix for tensors whose name contains NAME; repeatable")
     return p
 
 
@@ -170,7 +176,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
         processes=True, mmproj=args.mmproj,
         mix=parse_mix_options(args.tensor_type, args.output_tensor_type, args.token_embedding_type, args.pure,
-                              args.leave_output_tensor),
+                              args.leave_output_tensor, args.imatrix, args.include_weights, args.exclude_weights),
     )
 
 

@@ -31,18 +31,33 @@ from pathlib import Path
 from typing import Any
 
 from convert import __version__
+from convert.gguf.types import FILE_TYPES
 from convert.hub.download import HubSource, WeightMode, resolve_repo
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
 from convert.options import MIN_MEMORY, ConvertOptions
-from convert.output import InterruptedAfterCommit, OutputClaim, default_output, output_path, write_json
+from convert.output import (
+    InterruptedAfterCommit,
+    OutputClaim,
+    default_output,
+    output_path,
+    sha256_file,
+    write_json,
+)
 from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
 from convert.stream.plan import Plan, make_plan
 from convert.targets import TARGETS, MmprojJob, TargetJob
 from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
-from formats.errors import ConvertBnbError, DiskSpaceError, OutputExistsError, SourceNotFoundError, UsageError
+from formats.errors import (
+    ConvertBnbError,
+    DiskSpaceError,
+    ImatrixRequiredError,
+    OutputExistsError,
+    SourceNotFoundError,
+    UsageError,
+)
 from formats.mapping import check_inputs
 
 __all__ = ["ConvertResult", "ResolvedSource", "check_options", "convert", "job_key", "resolve_source"]
@@ -195,12 +210,17 @@ def check_options(options: ConvertOptions) -> None:
             directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
             cannot be written (checked now: the report is written after the whole output).
+        ImatrixRequiredError: IMX-004, a llama-quantize type that needs an importance matrix without ``--imatrix``.
     """
     if options.mix.flags() and not options.to.llama_quantize:
         raise UsageError(f"{options.mix.flags()[0].split()[0]} needs --to gguf:TYPE of a llama-quantize type",
                          expected="gguf:q4_0 ... gguf:q6_k", found=f"--to {options.to.name}",
                          hint="f32/f16/bf16/q8_0 are written as llama.cpp's converter writes them, with no "
                               "per-tensor choice")
+    ft = FILE_TYPES.get(options.to.gguf_type or "")
+    if ft is not None and ft.needs_imatrix and options.mix.imatrix is None:
+        raise ImatrixRequiredError(f"gguf:{ft.name.lower()} needs an importance matrix (llama-quantize refuses it "
+                                   "without one)", expected="--imatrix FILE", found="no --imatrix")
     if options.mmproj is not None and options.to.family != "gguf":
         raise UsageError("--mmproj needs --to gguf[:TYPE]", expected="--to gguf...", found=f"--to {options.to.name}")
     if options.threads is not None and options.threads < 1:
@@ -286,6 +306,13 @@ def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", o
     return ResolvedSource(hub.path, hub)
 
 
+def _digest(path: str) -> str | None:
+    try:
+        return sha256_file(Path(path))
+    except OSError:
+        return None
+
+
 def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
     """What must be equal for finished work of an earlier run to be reused: the source (and commit),
     every setting that changes the bytes written, and the converter version. JSON data (it is stored in
@@ -298,6 +325,8 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
         "merge_lora": [os.path.realpath(p) for p in options.merge_lora],  # (a symlink loop stays a path)
         # llama-quantize's per-tensor options, when given (a key without them stays as earlier runs stored it)
         **({"mix": options.mix.flags()} if options.mix.flags() else {}),
+        # the importance matrix's bytes, not only its name (None: unreadable; the run refuses it later)
+        **({"imatrix_sha256": _digest(options.mix.imatrix)} if options.mix.imatrix is not None else {}),
         "quant": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options.quant).items()
                   if k != "quant_report"},
         "converter": f"convert-bnb {__version__}",

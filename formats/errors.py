@@ -57,6 +57,11 @@ __all__ = [
     "GgufVerificationError",
     "HeaderJsonError",
     "HeaderTooLargeError",
+    "ImatrixError",
+    "ImatrixFormatError",
+    "ImatrixRequiredError",
+    "ImatrixTensorError",
+    "ImatrixValuesError",
     "HubError",
     "HubShardError",
     "IncompleteLoraModuleError",
@@ -276,7 +281,7 @@ def all_rules() -> dict[str, type[ConvertBnbError]]:
         todo.extend(cls.__subclasses__())
         if cls.default_rule is not None and cls.default_rule not in out:
             out[cls.default_rule] = cls
-    prefixes = ["ST", "PT", "CKPT", "HUB", "BNB", "LORA", "GGUF", "SPM", "QNT", "OUT", "USE", "BATCH", "UNS"]
+    prefixes = ["ST", "PT", "CKPT", "HUB", "BNB", "LORA", "GGUF", "IMX", "SPM", "QNT", "OUT", "USE", "BATCH", "UNS"]
 
     def key(rule: str) -> tuple[int, str]:
         prefix = rule.split("-")[0]
@@ -1093,6 +1098,48 @@ class EncoderProcessError(ConvertBnbError, ChildProcessError):
     """A GGUF encoder worker process ended abruptly (killed from outside: the OOM killer, a signal to it
     alone). Not a rule of the input: the run's environment, so no rule id; the run's temporary output is
     removed as for any failed run. What to do is the hint it is raised with (:func:`convert.encoder_pool.call`)."""
+
+
+# ------------------------------------------------------------------ importance matrices (--imatrix)
+
+
+class ImatrixError(ConvertBnbError, ValueError):
+    """Base of the errors about an importance matrix file (``--imatrix``)."""
+
+
+class ImatrixFormatError(ImatrixError):
+    """The ``--imatrix`` file is not an importance matrix llama-imatrix writes (GGUF or legacy ``.dat``),
+    is damaged, or holds no entries."""
+
+    default_rule = "IMX-001"
+    advice = ("Give the file llama-imatrix wrote (imatrix.gguf, or the older imatrix.dat) for this model; "
+              "make it again if it was cut short.")
+
+
+class ImatrixValuesError(ImatrixError):
+    """An importance matrix holds a NaN, infinite or negative sum or count."""
+
+    default_rule = "IMX-002"
+    advice = ("The statistics are damaged (llama-quantize refuses non-finite values too): compute the "
+              "importance matrix again with llama-imatrix.")
+
+
+class ImatrixTensorError(ImatrixError):
+    """An importance matrix entry names no weight of the output, or its size is not the weight's row
+    length times its experts: a matrix made for another model."""
+
+    default_rule = "IMX-003"
+    advice = ("Use the importance matrix computed for this model (llama-imatrix on a GGUF of the same "
+              "checkpoint), or leave entries out with --include-weights / --exclude-weights.")
+
+
+class ImatrixRequiredError(UnsupportedError):
+    """The GGUF type needs an importance matrix for a tensor (llama-quantize: "this quantization requires
+    an importance matrix"), and none was given or it has no entry for that tensor."""
+
+    default_rule = "IMX-004"
+    advice = ("Give one with --imatrix FILE (made by llama-imatrix for this model), or choose a type that "
+              "does not need one (e.g. gguf:q2_k instead of q2_k_s).")
 
 
 # -------------------------------------------------------------------------- SentencePiece tokenizers

@@ -131,7 +131,7 @@ _SAME_FLOAT = {"bfloat16": GT.BF16, "float16": GT.F16}
 #: Types that store inf and NaN as they are (the others are block quantizations llama.cpp refuses them for).
 _FLOAT_TYPES = frozenset({GT.F32, GT.F16, GT.BF16})
 #: Types whose encoder searches per block (tens of NumPy passes per value): worth a worker process.
-SEARCH_TYPES = frozenset({GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_NL})
+SEARCH_TYPES = frozenset({GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_NL, GT.IQ4_XS})
 #: Weights of :data:`SEARCH_TYPES` below which no worker process is started (each costs about 0.5 s
 #: to start and 40 MB to hold NumPy and gguf; 16 M weights take 2-4 s to encode).
 PROCESS_MIN_ELEMENTS = 1 << 24
@@ -152,13 +152,15 @@ class _Chunk:
 def _convert_chunk(
     t: GGUFTensor, x_in: np.ndarray, perm: npt.NDArray[np.intp] | None, exact: bool, path: str, row0: int,
     procs: ProcessPoolExecutor | None, sample: int, place: int | None, memory: PlacedMemory,
+    weights: npt.NDArray[np.float32] | None = None,
 ) -> _Chunk:
     """Rows ``row0 ...`` of one tensor (2-D, in GGUF row order): float32, the architecture's transforms,
     encode, measure the added error (of a block type: on one piece in ``sample`` of the tensor; float
     types every value, bf16 -> F16 the weight's own sum of squares on the sample) (:func:`encode_chunk`,
     in ``procs`` for :data:`SEARCH_TYPES`). ``place``: the file offset of the chunk's bytes; the bytes
     made here (not in a process) lie at that offset modulo 4096 (:func:`_placed`), so the writer sends
-    them to the disk without a copy; taken from ``memory``."""
+    them to the disk without a copy; taken from ``memory``. ``weights``: the rows' importance matrix row
+    (float32 ``(cols,)``; all rows of a chunk belong to one expert) or None."""
     start = row0 * (x_in.shape[-1] if x_in.ndim else 1)  # the chunk's first value in the tensor: the sample's grid
     ref_sample = sample
     if t.ggml_type in _FLOAT_TYPES:
@@ -190,13 +192,13 @@ def _convert_chunk(
         # widened, summed, encoded and measured chunk by chunk in cache by the codec; inf/NaN: checked below
         block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
         fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample, start,
-                             _placed(x_in.size // block * type_size, place, np.uint8, memory))
+                             _placed(x_in.size // block * type_size, place, np.uint8, memory), weights)
         if math.isfinite(fused.sq_ref):
             return fused
     x = np.ascontiguousarray(x_in if perm is None else x_in[perm], dtype=np.float32)
     if t.offset:
         x = x + np.float32(t.offset)  # never in place: x may be the caller's array
-    encoded = _encode(t.ggml_type, x, not exact, sample, start, procs)
+    encoded = _encode(t.ggml_type, x, not exact, sample, start, procs, weights)
     if math.isfinite(encoded.sq_ref):  # (a non-finite sum: some value is inf/NaN)
         return encoded
     finite = np.isfinite(x)
@@ -214,7 +216,7 @@ def _convert_chunk(
             action="write",
         )
     # a float type keeping inf/NaN as they are: no error to measure there
-    return encode_chunk(t.ggml_type, x, not exact, finite)
+    return encode_chunk(t.ggml_type, x, not exact, finite, weights=weights)
 
 
 def _placed(nbytes: int, place: int | None, dtype: npt.DTypeLike, memory: PlacedMemory) -> np.ndarray | None:
@@ -250,16 +252,16 @@ def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray |
 
 
 def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sample: int,
-            start: int, procs: ProcessPoolExecutor | None) -> _Chunk:
+            start: int, procs: ProcessPoolExecutor | None, weights: npt.NDArray[np.float32] | None) -> _Chunk:
     """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
     if procs is not None and ggml_type in SEARCH_TYPES:
-        return encoder_pool.call(procs, encode_chunk, ggml_type, x, measure, None, sample, start)
-    return encode_chunk(ggml_type, x, measure, None, sample, start)
+        return encoder_pool.call(procs, encode_chunk, ggml_type, x, measure, None, sample, start, None, weights)
+    return encode_chunk(ggml_type, x, measure, None, sample, start, None, weights)
 
 
 def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool,
                  finite: npt.NDArray[np.bool_] | None = None, sample: int = 1, start: int = 0,
-                 out: npt.NDArray[np.uint8] | None = None) -> _Chunk:
+                 out: npt.NDArray[np.uint8] | None = None, weights: npt.NDArray[np.float32] | None = None) -> _Chunk:
     """Encode float32 rows ``(rows, cols)`` to ``ggml_type`` and measure the added error.
 
     A pure function of its arguments (it runs in a worker process too).
@@ -275,6 +277,8 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
         start: the flat index of ``x``'s first value in its tensor (places ``x`` on the sample's grid).
         out: optional flat uint8 memory of the encoded size to encode into, with ``measure`` and
             ``finite`` None (:meth:`convert.gguf.codecs.base.Codec.quantize_measured`); elsewhere unused.
+        weights: the importance matrix row of ``x``'s rows (float32 ``(cols,)``) or None
+            (:meth:`convert.gguf.codecs.base.Codec.quantize`).
 
     Returns:
         the encoded bytes (``uint8[rows, row bytes]``), the largest absolute error, the sums of
@@ -288,15 +292,16 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     with np.errstate(invalid="ignore", over="ignore"):  # F16's overflow to inf is the IEEE result (as gguf-py's)
         if not (measure and x.size):
             x = np.asarray(x, dtype=np.float32)
-            data = coder.quantize(x)
+            data = coder.quantize(x, weights)
             counted = x.size
         elif finite is None:
-            m = coder.quantize_measured(x, sample, start, None if out is None else out.reshape(x.shape[0], -1))
+            m = coder.quantize_measured(x, sample, start, None if out is None else out.reshape(x.shape[0], -1),
+                                        weights)
             if m.data is None or not math.isfinite(m.sq_ref):  # inf/NaN in x: the caller checks x itself
                 return _Chunk(np.empty(0, np.uint8), math.nan, math.nan, m.sq_ref, m.measured)
             data, max_err, sq_err, sq_ref, counted = m
         else:  # a float type keeping inf/NaN: they are left out of the error
-            data = coder.quantize(x)
+            data = coder.quantize(x, weights)
             err = coder.dequantize(data).reshape(x.shape)
             err -= x
             err[~finite] = 0
@@ -480,7 +485,7 @@ def _file_chunks(plan: GGUFPlan, sources: Mapping[str, PlannedTensor], reader: R
     for i, t in enumerate(plan.tensors):
         src = sources[t.source if t.source is not None else t.name]
         fig = _Figures(t)
-        for task in _chunk_tasks(t, src, reader, chunk_elements, procs, path, sample, out.offset(i)):
+        for task in _chunk_tasks(t, src, reader, chunk_elements, procs, path, sample, out.offset(i), plan.importance):
             yield Chunk((src.source, fig), task)
         yield Chunk((src.source, fig))
 
@@ -520,10 +525,12 @@ def _chunk_tasks(
     path: str,
     sample: int,
     at: int,
+    plan_importance: Mapping[str, npt.NDArray[np.float32]],
 ) -> Iterator[Callable[[], _Chunk]]:
     """The row chunks of one tensor, in order, each a task a worker runs: read the rows
     (:meth:`RowReader.rows`), convert them (:func:`_convert_chunk`), their bytes placed for the file
-    offset they go to (``at``: the tensor's) in the reader's memory.
+    offset they go to (``at``: the tensor's) in the reader's memory. A tensor with importance rows
+    (``plan_importance``, for a codec that uses them) is cut at its experts' boundaries.
 
     Raises:
         GgufSourceError: GGUF-007, a source of another size (at once) or rows of another shape (when the
@@ -547,6 +554,9 @@ def _chunk_tasks(
         align = math.lcm(align, row_align)
     step = max(1, chunk_elements // max(cols, 1))
     step = -(-step // align) * align
+    importance = plan_importance.get(t.name) if codec(t.ggml_type).uses_imatrix else None
+    # with an importance matrix, a chunk holds rows of one expert only (each has its own row of weights)
+    per_expert = rows // len(importance) if importance is not None else rows
     exact = t.ggml_type == GT.F32
     block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
     row_bytes = cols // block * type_size
@@ -565,8 +575,10 @@ def _chunk_tasks(
             )
         x = x.reshape(r1 - r0, cols)
         c = _convert_chunk(t, x, None if perm is None else perm[r0:r1] - r0, exact, path, r0, procs, sample, place,
-                           reader.memory)
+                           reader.memory, None if importance is None else importance[r0 // per_expert])
         return replace(c, own=True)
 
-    for r0 in range(0, rows, step):
-        yield functools.partial(task, r0, min(rows, r0 + step))
+    for e0 in range(0, rows, per_expert or 1):
+        e1 = min(rows, e0 + (per_expert or 1))
+        for r0 in range(e0, e1, step):
+            yield functools.partial(task, r0, min(e1, r0 + step))

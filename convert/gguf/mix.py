@@ -42,9 +42,9 @@ llama-quantize's per-tensor options (:class:`MixOptions`: ``--output-tensor-type
 ``--token-embedding-type``, ``--tensor-type``, ``--pure``, ``--leave-output-tensor``) are applied as
 ``llama_tensor_get_type`` applies them around the mix (:func:`_choose`).
 
-IQ4_XS's rules are those without an importance matrix (``has_imatrix`` false). Not covered: the other
-IQ*/TQ*/MXFP4 file types and Q2_K_S (they need an importance matrix or codecs we do not have) and
-imatrix-dependent rules.
+With an importance matrix (``has_imatrix``) IQ4_XS keeps its first ffn_down layers at IQ4_XS and Q4_0/Q5_0
+give them Q4_1/Q5_1; Q2_K_S needs one for its Q2_K tensors (:func:`requires_imatrix`). Not covered: the
+IQ1/IQ2/IQ3/TQ*/MXFP4 file types (codecs we do not have).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import gguf
 from convert.gguf.types import DEFAULT_MIX, FILE_TYPES, FileType, MixOptions
 from formats.errors import GgufTypeError
 
-__all__ = ["MixChoice", "MixModel", "mix_summary", "mix_types", "use_more_bits"]
+__all__ = ["MixChoice", "MixModel", "mix_summary", "mix_types", "requires_imatrix", "use_more_bits"]
 
 GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
@@ -186,7 +186,8 @@ _FALLBACK = {GT.Q2_K: GT.Q4_0, GT.Q3_K: GT.Q4_0, GT.Q4_K: GT.Q5_0, GT.Q5_K: GT.Q
 class _State:
     """``quantize_state_impl``'s counters."""
 
-    def __init__(self, n_attention_wv: int, n_layer: int, tied: bool) -> None:
+    def __init__(self, n_attention_wv: int, n_layer: int, tied: bool, has_imatrix: bool) -> None:
+        self.has_imatrix = has_imatrix
         self.n_attention_wv = n_attention_wv
         self.n_ffn = n_layer
         self.i_attention_wv = 0
@@ -206,7 +207,8 @@ def _layer_info(i: int, n: int, name: str, model: MixModel) -> tuple[int, int]:
 def _impl_type(
     qs: _State, ft: FileType, name: str, row: int, cat: str, model: MixModel, options: MixOptions
 ) -> tuple[gguf.GGMLQuantizationType, str]:
-    """``llama_tensor_get_type_impl`` for the file types of :data:`FILE_TYPES`."""
+    """``llama_tensor_get_type_impl`` for the file types of :data:`FILE_TYPES` (``qs.has_imatrix``: an
+    importance matrix is given)."""
     f = ft.name
     new = ft.default
     why = ""
@@ -227,12 +229,14 @@ def _impl_type(
         if f == "Q2_K":
             new = GT.Q4_K if model.n_gqa >= 4 else GT.Q3_K
             why = f"{kind} with n_gqa {model.n_gqa} {'>=' if model.n_gqa >= 4 else '<'} 4"
+        elif f == "Q2_K_S" and model.n_gqa >= 4:
+            new, why = GT.Q4_K, f"{kind} with n_gqa {model.n_gqa} >= 4"
         elif f == "Q3_K_M":
             new = GT.Q5_K if qs.i_attention_wv < 2 else GT.Q4_K
             why = f"{kind} {'among the first 2' if qs.i_attention_wv < 2 else 'after the first 2'}"
         elif f == "Q3_K_L":
             new, why = GT.Q5_K, kind
-        elif f == "IQ4_XS" and model.n_gqa >= 4:
+        elif f in ("IQ4_NL", "IQ4_XS") and model.n_gqa >= 4:
             new, why = GT.Q5_K, f"{kind} with n_gqa {model.n_gqa} >= 4"
         elif f in ("Q4_K_M", "Q5_K_M") and use_more_bits(qs.i_attention_wv, qs.n_attention_wv):
             new, why = GT.Q6_K, f"{kind} on a use_more_bits layer"
@@ -252,6 +256,9 @@ def _impl_type(
         i, n = _layer_info(qs.i_ffn[cat], qs.n_ffn, name, model)
         if f == "Q2_K":
             new, why = GT.Q3_K, "ffn_down"
+        elif f == "Q2_K_S":
+            if i < n // 8:
+                new, why = GT.Q4_K, "ffn_down in the first 1/8 of the layers"
         elif f == "Q3_K_M":
             if i < n // 16:
                 new, why = GT.Q5_K, "ffn_down in the first 1/16 of the layers"
@@ -267,17 +274,20 @@ def _impl_type(
                     new, why = GT.Q5_K, "ffn_down on a use_more_bits layer"
             elif use_more_bits(i, n):
                 new, why = GT.Q6_K, "ffn_down on a use_more_bits layer"
-        elif f == "IQ4_XS" and i < n // 8:  # (without an importance matrix)
-            new, why = GT.Q5_K, "ffn_down in the first 1/8 of the layers"
+        elif f in ("IQ4_NL", "IQ4_XS") and i < n // 8 and not qs.has_imatrix:
+            new, why = GT.Q5_K, "ffn_down in the first 1/8 of the layers (no importance matrix)"
         elif f == "Q5_K_M" and use_more_bits(i, n):
             new, why = GT.Q6_K, "ffn_down on a use_more_bits layer"
         elif f == "Q4_K_S" and not falcon and i < n // 8:
             new, why = GT.Q5_K, "ffn_down in the first 1/8 of the layers"
+        elif f in ("Q4_0", "Q5_0") and qs.has_imatrix and i < n // 8:
+            new = GT.Q4_1 if f == "Q4_0" else GT.Q5_1
+            why = "ffn_down in the first 1/8 of the layers (with an importance matrix)"
         qs.i_ffn[cat] += 1
     elif cat == "attn_output":
         if not falcon:
             if model.n_expert == 8:
-                if f in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_XS"):
+                if f in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", "IQ4_NL", "IQ4_XS"):
                     new, why = GT.Q5_K, "attn_output of an 8-expert model"
             else:
                 bump = {"Q2_K": GT.Q3_K, "Q3_K_M": GT.Q4_K, "Q3_K_L": GT.Q5_K}.get(f)
@@ -314,7 +324,7 @@ def _llama_order(names: Sequence[str]) -> list[int]:
 
 def mix_types(
     file_type: str, tensors: Sequence[tuple[str, Sequence[int]]], model: MixModel,
-    options: MixOptions = DEFAULT_MIX,
+    options: MixOptions = DEFAULT_MIX, has_imatrix: bool = False,
 ) -> list[MixChoice]:
     """The GGML type llama-quantize gives each tensor of an all-F32 GGUF file (``llama_tensor_get_type``).
 
@@ -327,6 +337,8 @@ def mix_types(
             embedding and output types first, then the first ``--tensor-type`` rule that matches, which
             skips the mix's rules and their counters, as ``--pure`` skips them for every tensor; the row
             fallback after both).
+        has_imatrix: an importance matrix with entries is given (``quantize_state_impl::has_imatrix``:
+            IQ4_XS keeps the first ffn_down layers at its type, Q4_0/Q5_0 give them Q4_1/Q5_1).
 
     Returns:
         One :class:`MixChoice` per tensor, in the order given.
@@ -339,7 +351,7 @@ def mix_types(
     ft = FILE_TYPES[file_type]
     names = [n for n, _ in tensors]
     cats = [_category(n) for n in names]
-    qs = _State(sum(c in _ATTN_V for c in cats), model.n_layer, tied="output" not in cats)
+    qs = _State(sum(c in _ATTN_V for c in cats), model.n_layer, tied="output" not in cats, has_imatrix=has_imatrix)
     out: list[MixChoice | None] = [None] * len(tensors)
     for i in _llama_order(names):
         name, shape = tensors[i]
@@ -384,6 +396,19 @@ def _as_given(t: gguf.GGMLQuantizationType, option: str, name: str, row: int) ->
                             "(llama-quantize takes this type without a fallback and fails)", tensor=name,
                             expected=f"a type whose block divides {row}", found=f"{t.name}, block of {_block(t)}")
     return MixChoice(t, option)
+
+
+#: ``tensor_requires_imatrix``: the types llama-quantize never writes without an importance matrix row.
+_NEEDS_IMATRIX = frozenset({GT.IQ3_XXS, GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ1_M, GT.IQ1_S})
+
+
+def requires_imatrix(name: str, ggml_type: gguf.GGMLQuantizationType, file_type: str) -> bool:
+    """``tensor_requires_imatrix``: a tensor of ``ggml_type`` in a ``file_type`` file (a key of
+    :data:`FILE_TYPES`) needs an importance matrix row: the IQ1/IQ2 types and IQ3_XXS, and Q2_K in a
+    Q2_K_S file; never the token embeddings or ``output.weight``."""
+    if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    return ggml_type in _NEEDS_IMATRIX or (ggml_type == GT.Q2_K and file_type == "q2_k_s")
 
 
 def mix_summary(types: Sequence[gguf.GGMLQuantizationType]) -> str:

@@ -85,18 +85,20 @@ from convert.gguf.config import (
     whole,
 )
 from convert.gguf.families import Architecture, Param
+from convert.gguf.imatrix import imatrix_keys, importance_rows, load_importance
 from convert.gguf.loader import check_required, check_shapes
-from convert.gguf.mix import MixModel, mix_types
+from convert.gguf.mix import MixModel, mix_types, requires_imatrix
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_choice_note, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
 from convert.gguf.types import DEFAULT_MIX, FILE_TYPES, OUTPUT_TYPES, MixOptions, parse_output_type
-from formats.errors import GgufConfigError, RopeScalingError
+from formats.errors import GgufConfigError, ImatrixRequiredError, RopeScalingError
 from formats.gguf import tensor_nbytes
 
 __all__ = [
     "GGUFPlan",
     "GGUFTensor",
     "apply_mix",
+    "check_importance",
     "choose_type",
     "mix_model",
     "plan_gguf",
@@ -159,6 +161,8 @@ class GGUFPlan:
         towers: source tensors of a multimodal checkpoint's other towers (vision, audio, projector), not
             written (:func:`convert.gguf.arch.text_name`).
         notes: what the user should know about how config.json was read (e.g. which RoPE object).
+        importance: ``--imatrix``: GGUF name -> float32 ``(n_mat, n_per_row)`` importance rows of the
+            weights that have an entry (:func:`convert.gguf.imatrix.importance_rows`); empty without one.
     """
 
     arch: Architecture
@@ -169,6 +173,7 @@ class GGUFPlan:
     generated: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
     towers: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    importance: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
 
     @property
     def arch_name(self) -> str:
@@ -185,6 +190,8 @@ class GGUFPlan:
         lines = []
         for t in self.tensors:
             note = f" ({t.fallback})" if t.fallback else ""
+            if t.name in self.importance:
+                note += " [imatrix]"
             lines.append(
                 f"{t.name:<28} {t.ggml_type.name:<5} {list(t.shape)!s:<14} {t.nbytes:>12} "
                 f"<- {t.source or 'generated'}{note}"
@@ -367,10 +374,17 @@ def plan_gguf(
     metadata = {
         k: (v.value, v.type, v.sub_type) for k, v in scratch.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE
     }
+    importance: dict[str, npt.NDArray[np.float32]] = {}
     if out_name in FILE_TYPES:
-        planned = apply_mix(out_name, planned, mix_model(arch.name, metadata), mix)
-    notes = [n for n in (rope_choice_note(hp),) if n]
-    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers, notes)
+        imp = load_importance(mix.imatrix, mix.include_weights, mix.exclude_weights) if mix.imatrix else None
+        planned = apply_mix(out_name, planned, mix_model(arch.name, metadata), mix, has_imatrix=imp is not None)
+        if imp is not None:
+            importance = importance_rows(imp, [(t.name, t.shape) for t in planned], imp.file)
+            for key, value, vtype in imatrix_keys(imp):  # llama-quantize adds them after the input's keys
+                metadata[key] = (value, vtype, None)
+        check_importance(out_name, planned, importance, mix.imatrix)
+    notes = [n for n in (rope_choice_note(hp), _importance_note(mix.imatrix, planned, importance)) if n]
+    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers, notes, importance)
 
 
 def _check_qk_norms(arch: Architecture, n_blocks: int, planned: Sequence[GGUFTensor], path: str | None) -> None:
@@ -517,6 +531,38 @@ class _ExpertStacks:
             )
 
 
+def _importance_note(imatrix: str | None, planned: Sequence[GGUFTensor],
+                     importance: Mapping[str, Any]) -> str | None:
+    """``importance matrix imatrix.gguf: 14 of 16 quantized tensors (without: token_embd.weight, ...)``."""
+    if imatrix is None:
+        return None
+    if not importance:
+        return f"importance matrix {imatrix}: no entry left (--include-weights/--exclude-weights): not used"
+    quantized = [t.name for t in planned if t.ggml_type not in (GT.F32, GT.F16, GT.BF16)]
+    without = [n for n in quantized if n not in importance]
+    rest = f" (without: {', '.join(without[:3])}{' ...' if len(without) > 3 else ''})" if without else ""
+    return f"importance matrix {imatrix}: {len(quantized) - len(without)} of {len(quantized)} quantized tensors{rest}"
+
+
+def check_importance(out_name: str, planned: Sequence[GGUFTensor], importance: Mapping[str, Any],
+                     imatrix: str | None) -> None:
+    """Every tensor whose type needs an importance matrix (:func:`convert.gguf.mix.requires_imatrix`) has
+    rows in it, checked before anything is written (llama-quantize: "this quantization requires an
+    importance matrix!", and "Missing importance matrix for tensor ... in a very low-bit quantization").
+
+    Raises:
+        ImatrixRequiredError: IMX-004, naming the first such tensor and its type.
+    """
+    for t in planned:
+        if requires_imatrix(t.name, t.ggml_type, out_name) and t.name not in importance:
+            given = imatrix is not None
+            raise ImatrixRequiredError(
+                f"gguf:{out_name} {t.ggml_type.name} needs an importance matrix"
+                + (" entry for this tensor" if given else " (llama-quantize refuses it without one)"),
+                path=imatrix, tensor=t.name, expected=f"importance rows for {t.name}",
+                found="no entry of that name" if given else "no --imatrix")
+
+
 def mix_model(arch_name: str, metadata: Mapping[str, tuple[Any, Any, Any]]) -> MixModel:
     """The hyperparameters llama.cpp reads for its type choice, from the planned metadata (what
     llama.cpp loads from the file: block count, heads, kv heads (default: heads), experts)."""
@@ -539,9 +585,9 @@ def mix_model(arch_name: str, metadata: Mapping[str, tuple[Any, Any, Any]]) -> M
 
 
 def apply_mix(out_name: str, planned: Sequence[GGUFTensor], model: MixModel,
-              options: MixOptions = DEFAULT_MIX) -> list[GGUFTensor]:
+              options: MixOptions = DEFAULT_MIX, has_imatrix: bool = False) -> list[GGUFTensor]:
     """The planned tensors with llama-quantize's type for each (:func:`convert.gguf.mix.mix_types`)."""
-    choices = mix_types(out_name, [(t.name, t.shape) for t in planned], model, options)
+    choices = mix_types(out_name, [(t.name, t.shape) for t in planned], model, options, has_imatrix)
     return [
         replace(t, ggml_type=c.ggml_type, nbytes=tensor_nbytes(t.shape, c.ggml_type), fallback=c.reason)
         for t, c in zip(planned, choices, strict=True)

@@ -41,11 +41,14 @@ class FileType:
         name: llama.cpp's name (``Q4_K_M``).
         ftype: the ``llama_ftype`` (``general.file_type``).
         default: ``llama_ftype_get_default_type``: the type of a tensor no rule changes.
+        needs_imatrix: llama-quantize refuses it without an importance matrix (Q2_K_S:
+            ``tensor_requires_imatrix``).
     """
 
     name: str
     ftype: gguf.LlamaFileType
     default: gguf.GGMLQuantizationType
+    needs_imatrix: bool = False
 
 
 #: ``--to gguf:TYPE`` name (lower case) -> file type, for the mixes :func:`convert.gguf.mix.mix_types` knows.
@@ -57,6 +60,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_0", FT.MOSTLY_Q5_0, GT.Q5_0),
         FileType("Q5_1", FT.MOSTLY_Q5_1, GT.Q5_1),
         FileType("Q2_K", FT.MOSTLY_Q2_K, GT.Q2_K),
+        FileType("Q2_K_S", FT.MOSTLY_Q2_K_S, GT.Q2_K, needs_imatrix=True),
         FileType("Q3_K_S", FT.MOSTLY_Q3_K_S, GT.Q3_K),
         FileType("Q3_K_M", FT.MOSTLY_Q3_K_M, GT.Q3_K),
         FileType("Q3_K_L", FT.MOSTLY_Q3_K_L, GT.Q3_K),
@@ -65,6 +69,7 @@ FILE_TYPES: dict[str, FileType] = {
         FileType("Q5_K_S", FT.MOSTLY_Q5_K_S, GT.Q5_K),
         FileType("Q5_K_M", FT.MOSTLY_Q5_K_M, GT.Q5_K),
         FileType("Q6_K", FT.MOSTLY_Q6_K, GT.Q6_K),
+        FileType("IQ4_NL", FT.MOSTLY_IQ4_NL, GT.IQ4_NL),
         FileType("IQ4_XS", FT.MOSTLY_IQ4_XS, GT.IQ4_XS),
     )
 }
@@ -130,6 +135,10 @@ class MixOptions:
         pure: ``--pure``: every quantized tensor gets the file type's default type (no mix rules; the
             overrides and the row fallback still apply).
         leave_output_tensor: ``--leave-output-tensor``: ``output.weight`` is not quantized (kept F32).
+        imatrix: ``--imatrix FILE``: the importance matrix file as given, or None
+            (:func:`convert.gguf.imatrix.load_importance` reads it when the plan is made).
+        include_weights: ``--include-weights``: use the matrix only for weights whose name contains one.
+        exclude_weights: ``--exclude-weights``: do not use it for weights whose name contains one.
     """
 
     output_tensor_type: gguf.GGMLQuantizationType | None = None
@@ -137,6 +146,9 @@ class MixOptions:
     tensor_types: tuple[TensorTypeRule, ...] = ()
     pure: bool = False
     leave_output_tensor: bool = False
+    imatrix: str | None = None
+    include_weights: tuple[str, ...] = ()
+    exclude_weights: tuple[str, ...] = ()
 
     def flags(self) -> list[str]:
         """The options as llama-quantize's command line spells them (for reasons, cards and reproduce lines)."""
@@ -146,6 +158,10 @@ class MixOptions:
         if self.token_embedding_type is not None:
             out.append(f"--token-embedding-type {self.token_embedding_type.name.lower()}")
         out += ["--pure"] * self.pure + ["--leave-output-tensor"] * self.leave_output_tensor
+        if self.imatrix is not None:
+            out.append(f"--imatrix {self.imatrix}")
+        out += [f"--include-weights {w}" for w in self.include_weights]
+        out += [f"--exclude-weights {w}" for w in self.exclude_weights]
         return out
 
 
@@ -166,7 +182,8 @@ def parse_ggml_type(value: str, option: str) -> gguf.GGMLQuantizationType:
 
 def parse_mix_options(tensor_types: Sequence[str] = (), output_tensor_type: str | None = None,
                       token_embedding_type: str | None = None, pure: bool = False,
-                      leave_output_tensor: bool = False) -> MixOptions:
+                      leave_output_tensor: bool = False, imatrix: str | None = None,
+                      include_weights: Sequence[str] = (), exclude_weights: Sequence[str] = ()) -> MixOptions:
     """llama-quantize's per-tensor options from their command-line values (parsed once, where they enter).
 
     Args:
@@ -174,10 +191,13 @@ def parse_mix_options(tensor_types: Sequence[str] = (), output_tensor_type: str 
             does; a regular expression searched in GGUF tensor names).
         output_tensor_type, token_embedding_type: GGML type names, or None.
         pure, leave_output_tensor: the flags.
+        imatrix: ``--imatrix FILE`` (read when the plan is made), or None.
+        include_weights, exclude_weights: ``--include-weights`` / ``--exclude-weights`` names (substrings).
 
     Raises:
         UsageError: USE-001, a ``--tensor-type`` without ``=``, an empty pattern or type, or a pattern that is
-            not a regular expression.
+            not a regular expression; ``--include-weights`` with ``--exclude-weights`` (llama-quantize refuses
+            both), either without ``--imatrix``, or an empty name.
         GgufTypeError: GGUF-002, a name that is no GGML type.
     """
     rules = []
@@ -191,12 +211,24 @@ def parse_mix_options(tensor_types: Sequence[str] = (), output_tensor_type: str 
         except re.error as exc:
             raise UsageError(f"--tensor-type pattern is not a regular expression ({exc})", found=pattern) from None
         rules.append(TensorTypeRule(pattern, regex, parse_ggml_type(type_name, "--tensor-type")))
+    if include_weights and exclude_weights:
+        raise UsageError("--include-weights and --exclude-weights cannot be used together (as in llama-quantize)",
+                         found=f"--include-weights {include_weights[0]} --exclude-weights {exclude_weights[0]}")
+    for option, names in (("--include-weights", include_weights), ("--exclude-weights", exclude_weights)):
+        if names and imatrix is None:
+            raise UsageError(f"{option} selects entries of an importance matrix: it needs --imatrix FILE",
+                             found=f"{option} {names[0]}")
+        if any(not n for n in names):
+            raise UsageError(f"{option} needs a tensor name (a part of GGUF names, e.g. attn_v)", found="''")
+    if imatrix is not None and not imatrix:
+        raise UsageError("--imatrix needs a file name", found="''")
     return MixOptions(
         output_tensor_type=None if output_tensor_type is None else parse_ggml_type(output_tensor_type,
                                                                                    "--output-tensor-type"),
         token_embedding_type=None if token_embedding_type is None else parse_ggml_type(token_embedding_type,
                                                                                        "--token-embedding-type"),
-        tensor_types=tuple(rules), pure=pure, leave_output_tensor=leave_output_tensor)
+        tensor_types=tuple(rules), pure=pure, leave_output_tensor=leave_output_tensor, imatrix=imatrix,
+        include_weights=tuple(include_weights), exclude_weights=tuple(exclude_weights))
 
 
 #: llama-quantize's default per-tensor options (none given).

@@ -45,7 +45,7 @@ FIXTURE = MODELS / "llama_nf4_dq"
 #: the Llama fixtures (the other architectures' fixtures have their K-quant goldens in tests/gguf/test_arch.py)
 FIXTURES = sorted(p.name for p in MODELS.iterdir() if (p / "config.json").exists() and p.name.startswith("llama"))
 SYNTHETIC = ["llama32_gqa4", "llama16_tied", "gemma", "qwen2"]
-MIXES = list(FILE_TYPES)
+MIXES = [m for m, ft in FILE_TYPES.items() if not ft.needs_imatrix]  # (q2_k_s: tests/gguf/test_imatrix.py)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,5 +35,6 @@ def llama_tool(name: str) -> Path:
 def run_tool(name: str, *args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
     """Run tool ``name`` with ``args``; fail the test with its output when it exits non-zero."""
     proc = subprocess.run([str(llama_tool(name)), *map(str, args)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{name} {' '.join(map(str, args))}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"{name} {' '.join(map(str, args))}: exit {proc.returncode}\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

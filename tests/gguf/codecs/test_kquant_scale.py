@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.util
-import os
 import zlib
 from collections.abc import Callable
 
