@@ -26,7 +26,7 @@ from convert.bnb4.settings import QUANT_STORAGES
 from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
 from convert.job import convert
 from convert.lora.report import format_table
-from convert.options import ConvertOptions, QuantOptions, parse_mix_options, target_arg, target_names
+from convert.options import ConvertOptions, QuantOptions, add_mix_arguments, mix_from_args, target_arg, target_names
 from convert.output import InterruptedAfterCommit, user_path
 from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError
@@ -146,20 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"blocks (bnb's nested offset on CPU; default: {TORCH_NUM_THREADS})")
 
     g = p.add_argument_group("GGUF per-tensor types (--to gguf:q4_0 ... gguf:q6_k; llama-quantize's options)")
-    g.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
-                   help="tensors whose GGUF name matches the regular expression PATTERN get GGML type TYPE "
-                   "(e.g. attn_v=q8_0); repeatable, the first match wins")
-    g.add_argument("--output-tensor-type", metavar="TYPE", default=None, help="output.weight's GGML type")
-    g.add_argument("--token-embedding-type", metavar="TYPE", default=None, help="token_embd.weight's GGML type")
-    g.add_argument("--pure", action="store_true",
-                   help="no mix: every quantized tensor gets the type's default (Q4_K for q4_k_m)")
-    g.add_argument("--leave-output-tensor", action="store_true", help="keep output.weight unquantized (F32)")
-    g.add_argument("--imatrix", metavar="FILE", default=None,
-                   help="quantize with this importance matrix (llama-imatrix's imatrix.gguf or legacy .dat)")
-    g.add_argument("--include-weights", action="append", default=[], metavar="NAME",
-                   help="use the importance matrix only for tensors whose name contains NAME; repeatable")
-    g.add_argument("--exclude-weights", action="append", default=[], metavar="NAME",
-                   help="do not use the importance matrix for tensors whose name contains NAME; repeatable")
+    add_mix_arguments(g)
     return p
 
 
@@ -175,8 +162,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
         processes=True, mmproj=args.mmproj,
-        mix=parse_mix_options(args.tensor_type, args.output_tensor_type, args.token_embedding_type, args.pure,
-                              args.leave_output_tensor, args.imatrix, args.include_weights, args.exclude_weights),
+        mix=mix_from_args(args),
     )
 
 

@@ -42,7 +42,7 @@ from convert.gguf.types import (
 from formats.errors import ConvertBnbError, UsageError
 
 __all__ = ["AUTO", "FLOAT_TARGETS", "MIN_MEMORY", "SUMMARY_SAMPLE", "ConvertOptions", "QuantOptions", "Target",
-           "parse_mix_options", "target_arg", "target_for", "target_names"]
+           "add_mix_arguments", "mix_from_args", "parse_mix_options", "target_arg", "target_for", "target_names"]
 
 #: ``--to`` values of the float output and the dtype each one casts to (None: each tensor's own).
 FLOAT_TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -254,3 +254,32 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters
             object.__setattr__(self, "to", target_for(self.to))
+
+
+def add_mix_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """llama-quantize's per-tensor and importance-matrix options (:class:`~convert.gguf.types.MixOptions`), for the
+    command line and a batch JOBS line alike (:func:`mix_from_args` parses what they give)."""
+    p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
+                   help="tensors whose GGUF name matches the regular expression PATTERN get GGML type TYPE "
+                   "(e.g. attn_v=q8_0); repeatable, the first match wins")
+    p.add_argument("--output-tensor-type", metavar="TYPE", default=None, help="output.weight's GGML type")
+    p.add_argument("--token-embedding-type", metavar="TYPE", default=None, help="token_embd.weight's GGML type")
+    p.add_argument("--pure", action="store_true",
+                   help="no mix: every quantized tensor gets the type's default (Q4_K for q4_k_m)")
+    p.add_argument("--leave-output-tensor", action="store_true", help="keep output.weight unquantized (F32)")
+    p.add_argument("--imatrix", metavar="FILE", default=None,
+                   help="quantize with this importance matrix (llama-imatrix's imatrix.gguf or legacy .dat)")
+    p.add_argument("--include-weights", action="append", default=[], metavar="NAME",
+                   help="use the importance matrix only for tensors whose name contains NAME; repeatable")
+    p.add_argument("--exclude-weights", action="append", default=[], metavar="NAME",
+                   help="do not use the importance matrix for tensors whose name contains NAME; repeatable")
+
+
+def mix_from_args(ns: argparse.Namespace) -> MixOptions:
+    """The options :func:`add_mix_arguments` defined, parsed (:func:`~convert.gguf.types.parse_mix_options`).
+
+    Raises:
+        UsageError: USE-001. GgufTypeError: GGUF-002.
+    """
+    return parse_mix_options(ns.tensor_type, ns.output_tensor_type, ns.token_embedding_type, ns.pure,
+                             ns.leave_output_tensor, ns.imatrix, ns.include_weights, ns.exclude_weights)

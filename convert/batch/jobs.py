@@ -2,7 +2,10 @@
 
 Format
     A text file with one job per line: ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S]
-    [--name NAME] [--mmproj [MMNAME]]``, where SRC is a Hub repo id (``org/name``) or a local path
+    [--name NAME] [--mmproj [MMNAME]] [llama-quantize's options]`` (``--tensor-type``,
+    ``--output-tensor-type``, ``--token-embedding-type``, ``--pure``, ``--leave-output-tensor``, ``--imatrix``,
+    ``--include-weights``, ``--exclude-weights``, as on the command line; in an object, the same names with
+    ``_``: ``"tensor_type": ["attn_v=q8_0"]``, ``"pure": true``), where SRC is a Hub repo id (``org/name``) or a local path
     (made absolute, so every worker reads the same one); ``#`` starts a comment; blank lines are
     skipped. Or a JSON list (``.json``, or text starting with ``[``), or a YAML list
     (``.yaml``/``.yml``, when PyYAML is installed), whose items are such lines or objects ``{"src",
@@ -38,13 +41,14 @@ import argparse
 import os
 import shlex
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from convert.batch.state import manifest_path, state_path
+from convert.gguf.types import DEFAULT_MIX, MixOptions
 from convert.hub.repo import is_repo_id, parse_repo_spec
-from convert.options import ConvertOptions, Target, target_for, target_names
+from convert.options import ConvertOptions, Target, add_mix_arguments, mix_from_args, target_for, target_names
 from convert.output import default_output, with_target_suffix
 from convert.units import parse_size
 from formats import jsonfile
@@ -52,7 +56,10 @@ from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, B
 
 __all__ = ["Job", "job_options", "parse_jobs", "target_names"]
 
-_FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj"]
+#: llama-quantize's options a job may give (``--tensor-type`` ... on a line; these keys in a JSON/YAML object).
+_MIX_FIELDS = ["tensor_type", "output_tensor_type", "token_embedding_type", "pure", "leave_output_tensor", "imatrix",
+               "include_weights", "exclude_weights"]
+_FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj", *_MIX_FIELDS]
 #: The longest NAME (UTF-8 bytes): 255, the file name limit, less what the longest file beside the output
 #: adds (``.NAME.gguf.convert-bnb-old-PID``, ``NAME.mmproj_files.json``).
 MAX_NAME_BYTES = 200
@@ -70,6 +77,8 @@ class Job:
         name: the output name under the batch's out dir (also the pushed repo's name).
         where: ``FILE:LINE`` (or ``FILE[i]``) the job came from, for messages.
         mmproj: the vision projector GGUF's file name under the out dir (``--mmproj``), or None.
+        mix: llama-quantize's options for a ``gguf:TYPE`` job of its types (a list of option words, as
+            :meth:`~convert.gguf.types.MixOptions.argv` gives, is parsed here).
     """
 
     src: str
@@ -79,10 +88,13 @@ class Job:
     name: str
     where: str = ""
     mmproj: str | None = None
+    mix: MixOptions = DEFAULT_MIX
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a --to string (a worker's spec file, a library caller): parsed here, once
             self.to = target_for(self.to)
+        if isinstance(self.mix, list):  # option words (a worker's spec file, the state file)
+            self.mix = mix_from_args(_mix_parser().parse_args([w for words in self.mix for w in words]))
 
     @property
     def is_repo(self) -> bool:
@@ -93,7 +105,7 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         """The job as JSON data (a worker's spec file, the state file; ``Job(**data)`` reads it back):
         ``to`` as its ``--to`` name."""
-        return {**asdict(self), "to": self.to.name}
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "to": self.to.name, "mix": self.mix.argv()}
 
     def outputs(self) -> list[tuple[str, str]]:
         """The job's outputs under the out dir, each with the state field that records its files:
@@ -121,7 +133,7 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
                           max_shard_size=job.max_shard_size, verify=spec.get("verify", True), overwrite=overwrite,
                           resume_key={"batch": job.name}, manifest=manifest_path(state),
                           mmproj=out_dir / job.mmproj if job.mmproj else None,
-                          mmproj_manifest=manifest_path(state, "mmproj_files") if job.mmproj else None)
+                          mmproj_manifest=manifest_path(state, "mmproj_files") if job.mmproj else None, mix=job.mix)
 
 
 def _job_parser() -> argparse.ArgumentParser:
@@ -132,7 +144,51 @@ def _job_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=parse_size)
     p.add_argument("--name")
     p.add_argument("--mmproj", nargs="?", const=True)
+    add_mix_arguments(p)
     return p
+
+
+def _mix_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="job", add_help=False, exit_on_error=False)
+    add_mix_arguments(p)
+    return p
+
+
+def _job_mix(fields: dict[str, Any], to: Target, bad: Callable[..., BatchOptionError]) -> MixOptions:
+    """A job's llama-quantize options, from its line's or object's fields (an ``imatrix`` path made absolute,
+    as SRC: every worker reads the same file).
+
+    Raises:
+        BatchOptionError: BATCH-003, a value of the wrong kind, an option llama-quantize's types only take
+            with another target, or what :func:`~convert.gguf.types.parse_mix_options` refuses.
+    """
+    words: list[str] = []
+    for key in _MIX_FIELDS:
+        value = fields.get(key)
+        if value is None or value is False or value == []:
+            continue
+        option = "--" + key.replace("_", "-")
+        if key in ("pure", "leave_output_tensor"):
+            if value is not True:
+                raise bad(f"{key} must be true or false", found=value)
+            words.append(option)
+            continue
+        values = value if isinstance(value, list) and key in ("tensor_type", "include_weights", "exclude_weights") \
+            else [value]
+        if not all(isinstance(v, str) for v in values) or (isinstance(value, list) and len(values) != len(value)):
+            raise bad(f"{key} must be a string" + (" or a list of strings" if key.endswith(("type", "weights"))
+                                                   and key != "output_tensor_type" else ""), found=value)
+        for v in values:
+            words += [option, os.path.abspath(v) if key == "imatrix" else v]
+    if not words:
+        return DEFAULT_MIX
+    if not to.llama_quantize:
+        raise bad(f"{words[0]} needs a gguf:TYPE of llama-quantize's types", expected="gguf:q4_0 ... gguf:q6_k",
+                  found=f"--to {to.name}")
+    try:
+        return mix_from_args(_mix_parser().parse_args(words))
+    except (ConvertBnbError, argparse.ArgumentError) as exc:
+        raise bad(str(exc)) from None
 
 
 def _default_name(src: str, to: Target, revision: str | None) -> str:
@@ -180,7 +236,8 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
         raise bad("unknown job fields", expected=_FIELDS, found=unknown)
-    return Job(src, revision, to, int(mss), name, where, _mmproj_name(fields.get("mmproj"), name, to, bad))
+    return Job(src, revision, to, int(mss), name, where, _mmproj_name(fields.get("mmproj"), name, to, bad),
+               _job_mix(fields, to, bad))
 
 
 def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOptionError]) -> str | None:
@@ -226,8 +283,9 @@ def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path)
         raise BatchOptionError(f"{where}: {exc}", path=path) from None
     if rest:
         raise BatchOptionError(f"{where}: unknown job options", path=path,
-                               expected="--to, --revision, --max-shard-size, --name, --mmproj", found=rest)
-    fields = {k: v for k, v in vars(ns).items() if v is not None}
+                               expected="--to, --revision, --max-shard-size, --name, --mmproj, llama-quantize's "
+                               "options (--tensor-type ... --imatrix)", found=rest)
+    fields = {k: v for k, v in vars(ns).items() if v is not None and v is not False and v != []}
     return _make_job(fields, defaults, where, path)
 
 

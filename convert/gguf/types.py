@@ -150,19 +150,24 @@ class MixOptions:
     include_weights: tuple[str, ...] = ()
     exclude_weights: tuple[str, ...] = ()
 
+    def argv(self) -> list[list[str]]:
+        """The options as command-line words, one list per option (``[["--tensor-type", "attn_v=q8_0"],
+        ["--pure"]]``): what :func:`convert.options.mix_from_args` parses back."""
+        out = [["--tensor-type", f"{r.pattern}={r.ggml_type.name.lower()}"] for r in self.tensor_types]
+        if self.output_tensor_type is not None:
+            out.append(["--output-tensor-type", self.output_tensor_type.name.lower()])
+        if self.token_embedding_type is not None:
+            out.append(["--token-embedding-type", self.token_embedding_type.name.lower()])
+        out += [["--pure"]] * self.pure + [["--leave-output-tensor"]] * self.leave_output_tensor
+        if self.imatrix is not None:
+            out.append(["--imatrix", self.imatrix])
+        out += [["--include-weights", w] for w in self.include_weights]
+        out += [["--exclude-weights", w] for w in self.exclude_weights]
+        return out
+
     def flags(self) -> list[str]:
         """The options as llama-quantize's command line spells them (for reasons, cards and reproduce lines)."""
-        out = [f"--tensor-type {r.pattern}={r.ggml_type.name.lower()}" for r in self.tensor_types]
-        if self.output_tensor_type is not None:
-            out.append(f"--output-tensor-type {self.output_tensor_type.name.lower()}")
-        if self.token_embedding_type is not None:
-            out.append(f"--token-embedding-type {self.token_embedding_type.name.lower()}")
-        out += ["--pure"] * self.pure + ["--leave-output-tensor"] * self.leave_output_tensor
-        if self.imatrix is not None:
-            out.append(f"--imatrix {self.imatrix}")
-        out += [f"--include-weights {w}" for w in self.include_weights]
-        out += [f"--exclude-weights {w}" for w in self.exclude_weights]
-        return out
+        return [" ".join(words) for words in self.argv()]
 
 
 def parse_ggml_type(value: str, option: str) -> gguf.GGMLQuantizationType:

@@ -969,3 +969,57 @@ def test_dry_run_checks_a_cached_hub_snapshot_and_not_an_uncached_repo(setup: tu
         assert "org/new/model.safetensors" not in hub.downloads
     finally:
         hub.stop()
+
+
+# ---------------------------------------------------------------- llama-quantize's options per job
+
+
+def test_jobs_carry_llama_quantize_options_in_every_format(tmp_path: Path) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text("org/a --to gguf:q4_k_m --tensor-type attn_v=q8_0 --tensor-type 'ffn_.*=q5_k' --pure "
+                 "--output-tensor-type q6_k --imatrix m.dat --include-weights attn\n")
+    (job,) = parse_jobs(t, _defaults())
+    assert job.mix.argv() == [["--tensor-type", "attn_v=q8_0"], ["--tensor-type", "ffn_.*=q5_k"],
+                              ["--output-tensor-type", "q6_k"], ["--pure"], ["--imatrix", os.path.abspath("m.dat")],
+                              ["--include-weights", "attn"]]
+    j = tmp_path / "j.json"
+    j.write_text(json.dumps([{"src": "org/a", "to": "gguf:q4_k_m", "tensor_type": ["attn_v=q8_0", "ffn_.*=q5_k"],
+                              "output_tensor_type": "q6_k", "pure": True, "imatrix": "m.dat",
+                              "include_weights": "attn"}]))
+    (from_json,) = parse_jobs(j, _defaults())
+    assert from_json.mix == job.mix
+    # through a worker's spec file and the state file: the same options back
+    assert Job(**json.loads(json.dumps(job.to_dict()))).mix == job.mix
+
+
+@pytest.mark.parametrize(("line", "parts"), [
+    ("org/a --to bf16 --pure", ["BATCH-003", "--pure needs a gguf:TYPE of llama-quantize's types", "--to bf16"]),
+    ("org/a --to gguf:q8_0 --tensor-type attn_v=q8_0", ["BATCH-003", "--tensor-type needs a gguf:TYPE"]),
+    ("org/a --to gguf:q4_k_m --tensor-type attn_v", ["BATCH-003", "USE-001 --tensor-type must be PATTERN=TYPE"]),
+    ("org/a --to gguf:q4_k_m --output-tensor-type q9_k", ["BATCH-003", "GGUF-002", "not a GGML type"]),
+    ("org/a --to gguf:q4_k_m --include-weights attn", ["BATCH-003", "needs --imatrix FILE"]),
+])
+def test_bad_llama_quantize_options_of_a_job_are_refused(tmp_path: Path, line: str, parts: list[str]) -> None:
+    t = tmp_path / "j.txt"
+    t.write_text(line + "\n")
+    with pytest.raises(UsageError) as ei:
+        parse_jobs(t, _defaults())
+    assert ei.value.rule == "BATCH-003" and "j.txt:1" in str(ei.value)
+    for p in parts:
+        assert p in str(ei.value), (p, str(ei.value))
+    j = tmp_path / "j.json"
+    j.write_text(json.dumps([{"src": "org/a", "to": "gguf:q4_k_m", "pure": "yes"}]))
+    with pytest.raises(UsageError, match="BATCH-003 j.json.* pure must be true or false"):
+        parse_jobs(j, _defaults())
+
+
+def test_a_job_with_llama_quantize_options_writes_what_the_cli_writes(tmp_path: Path) -> None:
+    src = MODELS / "llama_nf4_dq"
+    opts = ["--tensor-type", "attn_v=q8_0", "--token-embedding-type", "q4_0", "--leave-output-tensor"]
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{src} --to gguf:q4_k_m --name m " + " ".join(opts) + "\n")
+    out = tmp_path / "out"
+    r = run_cli(["batch", str(jobs), "--out-dir", str(out), "--json"], offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert main([str(src), "--to", "gguf:q4_k_m", *opts, "-o", str(tmp_path / "direct.gguf"), "-q"]) == 0
+    assert (out / "m.gguf").read_bytes() == (tmp_path / "direct.gguf").read_bytes()
