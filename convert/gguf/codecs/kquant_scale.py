@@ -3,7 +3,10 @@
 Matched revision: the llama.cpp copy vendored in llama-cpp-python 0.3.36
 (``vendor/llama.cpp/ggml/src/ggml-quants.c``), the functions ``ggml_quantize_chunk`` calls when
 llama-quantize runs without an importance matrix: ``quantize_q6_K`` -> ``quantize_row_q6_K_ref``
-and ``quantize_q3_K`` -> ``quantize_row_q3_K_ref``. IQ4_NL, the fallback type for Q2_K/Q3_K rows
+and ``quantize_q3_K`` -> ``quantize_row_q3_K_ref``; with one (``quantize(x, weights)``, C's
+``quant_weights``: one float32 per column, the same for every row): ``quantize_row_q6_K_impl`` and
+``quantize_row_q3_K_impl``, row by row, the row's super-block ``i`` taking weights
+``256*i .. 256*i + 255``. IQ4_NL, the fallback type for Q2_K/Q3_K rows
 that are not a multiple of 256, is in :mod:`convert.gguf.codecs.iq4_nl`.
 
 Block layouts (little-endian, ``QK_K = 256`` weights per super-block of 16 sub-blocks of 16):
@@ -39,9 +42,19 @@ Algorithm (per super-block; all float32):
   ``sumlx / suml2``. The scales go to 6 bits with ``iscale = -32 / max_scale``,
   ``d = fp16(1 / iscale)`` (0 and zero scale bytes when ``max_scale`` is 0); codes are re-made
   from ``d * s`` as for Q6_K (range -4..3).
+- Q6_K with an importance matrix: as above, but ``make_qx_quants`` weighs element ``i`` by the
+  importance ``qw[i]`` itself instead of ``x * x``.
+- Q3_K with an importance matrix: ``sigma2 = 2 * sum(x*x) / 256`` (sequential over the
+  super-block), element weights ``qw * sqrt(sigma2 + x*x)``; each sub-block's scale and codes from
+  ``make_qx_quants(16, nmax=4, rmse_type=1, weights)`` (not ``make_q3_quants``); the 16 scales are
+  themselves put on the 6-bit grid by ``make_qx_quants(16, nmax=32, rmse_type=1, sw)`` (``sw`` the
+  sub-blocks' sequential sums of weights): its codes are the scale bytes, its scale the fp16 ``d``
+  (0, with scale bytes 0, when every scale is below ``GROUP_MAX_EPS``); codes re-made from
+  ``d * (Ls - 32)`` as in the ref path.
 
 Float32 order rules (what byte identity needs): sums are sequential loops over the 16 positions
-of a sub-block (``s = 0; s += v[i]``), never pairwise; products associate left to right as
+of a sub-block (``s = 0; s += v[i]``; weighted Q3_K's ``sum(x*x)`` over the 256 of a super-block),
+never pairwise; products associate left to right as
 written in C (``w*x[i]*l`` is ``(w * x) * l``, ``w*l*l`` is ``(w * l) * l``); division stays
 division (``x / d``, not ``x * (1 / d)``) and ``1 / iscale`` is a division; no fused multiply-add
 (the x86-64 ``libggml-base`` has none); ``nearest_int`` is the ``+ 1.5 * 2**23`` bit trick
@@ -63,10 +76,16 @@ Cost (4096 x 4096 float32, one thread, CPU time on a shared 2-core machine; C is
 ``ggml_quantize_chunk``): Q6_K about 1.4 s against C's 0.9 s (1.3-1.6x; 19 trial scales x 8
 full-array passes each is the bulk, at NumPy's ~0.25 ns per element and pass), Q3_K about 1.0 s
 against 0.36 s (~3x; each refinement step is ~17 vector operations over all sub-blocks, C's loop
-is cheap). The GGUF writer's ``threads`` run chunks in parallel (NumPy releases the GIL).
+is cheap). With an importance matrix (measured on another day, same machine, one thread; CPU s
+for ours / C, the unweighted ones in brackets): Q6_K 0.51 / 0.50 (0.49 / 0.47), Q3_K 0.67 / 0.62
+(0.34 / 0.20): weighted Q3_K is ``make_qx_quants`` (the 19 trials) plus the per-super-block
+``sigma2``, and C's weighted Q3_K costs 3x its ref path too. The GGUF writer's ``threads`` run
+chunks in parallel (NumPy releases the GIL).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -102,11 +121,21 @@ CHUNK_BLOCKS_Q3 = 4096
 Q3_COLUMNS = 16384
 
 
-def _qx_sums(x: F32, w: F32, wx: F32, iscale: F32, lo: float, hi: float, t: F32, p: F32) -> tuple[F32, F32]:
-    """``(sumlx, suml2)`` of codes ``clamp(rint(iscale * x), lo, hi)``; ``t``, ``p`` are scratch."""
+def _qx_sums(x: F32, w: F32, wx: F32, iscale: F32, lo: int, hi: int, t: F32, p: F32,
+             exact: bool = False) -> tuple[F32, F32]:
+    """``(sumlx, suml2)`` of codes ``clamp(rint(iscale * x), lo, hi)``; ``t``, ``p`` are scratch.
+
+    ``exact``: the codes by C's ``nearest_int`` bit trick (:func:`nearest_int_bits`), which gives an
+    integer (from the NaN's bits) where ``iscale * x`` is NaN and ``rint`` keeps the NaN.
+    """
     np.multiply(x, iscale, out=t)
-    np.rint(t, out=t)
-    np.clip(t, lo, hi, out=t)
+    if exact:
+        li = nearest_int_bits(t)
+        np.clip(li, lo, hi, out=li)
+        t[...] = li
+    else:
+        np.rint(t, out=t)
+        np.clip(t, lo, hi, out=t)
     np.multiply(wx, t, out=p)
     sumlx = seq_sum0(p)
     np.multiply(w, t, out=p)
@@ -114,33 +143,49 @@ def _qx_sums(x: F32, w: F32, wx: F32, iscale: F32, lo: float, hi: float, t: F32,
     return sumlx, seq_sum0(p)
 
 
-def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
-    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` for every column of ``x`` at once.
+def make_qx_quants(x: F32, nmax: int, w: F32 | None = None) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw)`` for every column of ``x`` at once.
 
-    ``x``: float32 ``(n, m)``, one sub-block per column (position-major). Returns the scales
-    (float32 ``(m,)``), the ``iscale`` whose codes C leaves in ``L`` (``L = clamp(nearest_int(
+    ``x``: float32 ``(n, m)``, one sub-block per column (position-major). ``w``: C's ``qw``, the
+    per-element weights (float32 ``(n, m)``), or None for ``qw = NULL`` (``w = x * x``). Returns the
+    scales (float32 ``(m,)``), the ``iscale`` whose codes C leaves in ``L`` (``L = clamp(nearest_int(
     iscale * x), -nmax, nmax - 1) + nmax``) and the all-zero mask (``amax < GROUP_MAX_EPS``: scale 0,
     ``L`` 0). In the trials ``rint`` stands for ``nearest_int``: ``iscale * x`` stays below
-    ``nmax + 1`` in magnitude, or is NaN where ``w`` is NaN or inf, and then the sums are NaN
-    whatever the code; the kept codes are made with the exact bit trick.
+    ``nmax + 1`` in magnitude where ``x`` is finite. Where it is not, ``iscale * x`` is NaN: without
+    ``w`` the sums are NaN there whatever the code (``w`` is NaN or inf too); with ``w`` C's integer
+    code of that NaN matters (a finite ``w * l * l``), so the columns holding inf or NaN are
+    redone with the exact bit trick. The kept codes are made with the exact bit trick.
     """
     amax, mx = first_absmax(x, axis=0)
     zero = amax < GROUP_MAX_EPS
     mx[zero] = 1
-    w = x * x
+    if w is None:
+        return (*_make_qx(x, nmax, x * x, mx, zero, exact=False), zero)
+    scale, best_is = _make_qx(x, nmax, w, mx, zero, exact=False)
+    # (the subset reuses mx: NumPy's fmax.reduce of a single column holding a signalling NaN is wrong)
+    bad = np.nonzero(~np.logical_and.reduce(np.isfinite(x), axis=0))[0]
+    if bad.size:
+        scale[bad], best_is[bad] = _make_qx(x[:, bad], nmax, w[:, bad], mx[bad], zero[bad], exact=True)
+    return scale, best_is, zero
+
+
+def _make_qx(x: F32, nmax: int, w: F32, mx: F32, zero: npt.NDArray[np.bool_], exact: bool) -> tuple[F32, F32]:
+    """:func:`make_qx_quants`' scales and ``iscale`` given the weights ``w`` (float32 ``(n, m)``), the
+    first element of largest ``|x|`` of each column (``mx``, 1 where ``zero``) and the all-zero mask;
+    ``exact``: :func:`_qx_sums`."""
     wx = w * x
     t = np.empty_like(x)
     p = np.empty_like(x)
     lo, hi = -nmax, nmax - 1
     best_is = np.float32(-nmax) / mx
-    sumlx, suml2 = _qx_sums(x, w, wx, best_is, lo, hi, t, p)
+    sumlx, suml2 = _qx_sums(x, w, wx, best_is, lo, hi, t, p, exact)
     scale = np.where(suml2 != 0, sumlx / suml2, np.float32(0))
     best = scale * sumlx
     for i in range(-9, 10):
         if i == 0:
             continue
         iscale = -(np.float32(nmax) + np.float32(0.1) * np.float32(i)) / mx
-        sumlx, suml2 = _qx_sums(x, w, wx, iscale, lo, hi, t, p)
+        sumlx, suml2 = _qx_sums(x, w, wx, iscale, lo, hi, t, p, exact)
         upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         if upd.any():
             bm = bitmask(upd)
@@ -148,7 +193,18 @@ def make_qx_quants(x: F32, nmax: int) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
             best = select(bm, scale * sumlx, best)
             best_is = select(bm, iscale, best_is)
     scale[zero] = 0
-    return scale, best_is, zero
+    return scale, best_is
+
+
+def _kept_codes(x: F32, best_is: F32, zero: npt.NDArray[np.bool_], nmax: int) -> npt.NDArray[np.int32]:
+    """The codes :func:`make_qx_quants` leaves in C's ``L`` (0..2*nmax-1; 0 in an all-zero column):
+    int32 ``(n, m)`` from float32 ``x`` ``(n, m)`` and its ``best_is`` / ``zero`` ``(m,)``."""
+    prod: F32 = x * best_is
+    li = nearest_int_bits(prod)
+    np.clip(li, -nmax, nmax - 1, out=li)
+    li += nmax
+    li[:, zero] = 0
+    return li
 
 
 def _requant(x: F32, d: F32, nmax: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.intp]]:
@@ -177,11 +233,14 @@ def _from_position_major(lp: npt.NDArray[np.int32], nblocks: int) -> npt.NDArray
     return lp.T.reshape(nblocks, QK_K).astype(np.uint8)
 
 
-def _q6_k_blocks(xb: F32) -> U8:
-    """``quantize_row_q6_K_ref`` of float32 ``(m, 256)`` -> uint8 ``(m, 210)``."""
+def _q6_k_blocks(xb: F32, qw: F32 | None = None) -> U8:
+    """``quantize_row_q6_K_ref`` (``qw`` None) or ``quantize_row_q6_K_impl`` of float32 ``(m, 256)``
+    -> uint8 ``(m, 210)``. ``qw``: the importance weights of the super-blocks, position-major
+    (float32 ``(16, m * 16)``, see :func:`_position_major`), which ``make_qx_quants`` takes as its ``qw``
+    (the rest of the two C functions is the same)."""
     m = xb.shape[0]
     xp = _position_major(xb)
-    scale, best_is, zero = make_qx_quants(xp, 32)
+    scale, best_is, zero = make_qx_quants(xp, 32, qw)
     scales = scale.reshape(m, 16)
     max_abs, max_scale = first_absmax(scales, axis=1)
     blank = max_abs < GROUP_MAX_EPS
@@ -192,12 +251,7 @@ def _q6_k_blocks(xb: F32) -> U8:
     dl = (d[:, None] * sc.astype(np.float32)).reshape(-1)
     li, keep = _requant(xp, dl, 32)
     if keep.size:  # make_qx_quants' codes (0 in an all-zero sub-block)
-        prod: F32 = xp[:, keep] * best_is[keep]
-        l_make = nearest_int_bits(prod)
-        np.clip(l_make, -32, 31, out=l_make)
-        l_make += 32
-        l_make[:, zero[keep]] = 0
-        li[:, keep] = l_make
+        li[:, keep] = _kept_codes(xp[:, keep], best_is[keep], zero[keep], 32)
     codes = _from_position_major(li, m)
     lr = codes.reshape(m, 2, 4, 32)
     out = np.empty((m, 210), dtype=np.uint8)
@@ -208,17 +262,6 @@ def _q6_k_blocks(xb: F32) -> U8:
     out[:, 208:210] = fp16_bytes(d)
     out[blank] = 0
     return out
-
-
-class Q6_KCodec(Codec):
-    """Q6_K: ``quantize_row_q6_K_ref`` (via ``quantize_q6_K`` without imatrix), byte for byte."""
-
-    ggml_type = GT.Q6_K
-
-    @classmethod
-    def quantize(cls, x: F32) -> U8:
-        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 210)``."""
-        return encode_by_chunks(x, QK_K, 210, _q6_k_blocks, CHUNK_BLOCKS)
 
 
 def _q3_pass(x: F32, w: F32, wx: F32, lv: F32, sumlx: F32, suml2: F32, cols: npt.NDArray[np.intp] | slice,
@@ -333,6 +376,47 @@ def _q3_k_blocks(xb: F32) -> U8:
         l_make = lv[:, keep].astype(np.int32) + 4
         l_make[:, zero[keep]] = 0
         li[:, keep] = l_make
+    return _q3_k_pack(li, ls, fp16_bytes(d))
+
+
+def _q3_k_blocks_imatrix(xb: F32, qw: F32) -> U8:
+    """``quantize_row_q3_K_impl`` with ``quant_weights`` of float32 ``(m, 256)`` -> uint8 ``(m, 110)``.
+
+    ``qw``: the importance weights of the super-blocks, position-major (float32 ``(16, m * 16)``, see
+    :func:`_position_major`). Per super-block: ``sigma2 = 2 * sum(x*x) / 256`` (a sequential sum over
+    the 256 weights), element weights ``qw * sqrt(sigma2 + x*x)``; each sub-block's scale and codes
+    from ``make_qx_quants(16, nmax=4, rmse_type=1, weights)``; the 16 scales themselves quantized by
+    ``make_qx_quants(16, nmax=32, rmse_type=1, sw)`` (``sw`` each sub-block's sequential sum of
+    weights): its codes are the 6-bit scale bytes (``Ls - 32`` the signed scale), its scale the
+    super-block's ``d`` (fp16); the codes are re-made from ``d * (Ls - 32)`` as in the ref path.
+    """
+    m = xb.shape[0]
+    xp = _position_major(xb)
+    sq = xb * xb
+    sumx2 = seq_sum0(sq.T)  # (256, m): C's loop over the super-block's 256 weights, in order
+    sigma2 = np.float32(2) * sumx2 / np.float32(QK_K)
+    weight = xp * xp
+    weight += np.repeat(sigma2, 16)
+    np.sqrt(weight, out=weight)
+    weight *= qw
+    sw = seq_sum0(weight) + np.float32(0)  # C starts from +0.0f: a sum of -0.0s is +0.0
+    scale, best_is, zero = make_qx_quants(xp, 4, weight)
+    scales = np.ascontiguousarray(scale.reshape(m, 16).T)  # (16, m): one super-block per column
+    d_block, d_is, d_zero = make_qx_quants(scales, 32, np.ascontiguousarray(sw.reshape(m, 16).T))
+    ls = _kept_codes(scales, d_is, d_zero, 32).T  # (m, 16), 0..63
+    db = fp16_bytes(d_block)
+    d = db.reshape(-1).view("<f2").astype(np.float32)  # C's fp16 (its one NaN) back to float32
+    dl = (d[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
+    li, keep = _requant(xp, dl, 4)
+    if keep.size:  # make_qx_quants' codes (0 in an all-zero sub-block)
+        li[:, keep] = _kept_codes(xp[:, keep], best_is[keep], zero[keep], 4)
+    return _q3_k_pack(li, ls, db)
+
+
+def _q3_k_pack(li: npt.NDArray[np.int32], ls: npt.NDArray[np.int32], db: U8) -> U8:
+    """``block_q3_K`` bytes: uint8 ``(m, 110)`` from the codes (int32 ``(16, m * 16)`` position-major,
+    0..7), the scales (int32 ``(m, 16)``, 0..63, ``s + 32``) and ``d`` (uint8 ``(m, 2)``, fp16)."""
+    m = ls.shape[0]
     codes = _from_position_major(li, m)
     out = np.empty((m, 110), dtype=np.uint8)
     high = (codes > 3).astype(np.uint8).reshape(m, 8, 32)
@@ -343,16 +427,60 @@ def _q3_k_blocks(xb: F32) -> U8:
     out[:, 96:104] = (lb[:, :8] & 15) | ((lb[:, 8:] & 15) << 4)
     hi = (lb >> 4).reshape(m, 4, 4)
     out[:, 104:108] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
-    out[:, 108:110] = fp16_bytes(d)
+    out[:, 108:110] = db
     return out
 
 
-class Q3_KCodec(Codec):
-    """Q3_K: ``quantize_row_q3_K_ref`` (via ``quantize_q3_K`` without imatrix), byte for byte."""
+def _encode_imatrix(x: F32, weights: F32, type_size: int, blocks: Callable[[F32, F32], U8], chunk: int) -> U8:
+    """:func:`encode_by_chunks` of ``blocks(xb, qw)`` with the importance row ``weights`` (float32
+    ``(n,)``, ``x`` float32 ``(..., n)``): chunks of whole rows (about ``chunk`` super-blocks, at least
+    one row), each given the row's weights position-major, tiled over its rows (``qw`` of its first
+    ``xb.shape[0]`` super-blocks). Returns uint8 ``(..., n // 256 * type_size)``.
 
-    ggml_type = GT.Q3_K
+    Raises:
+        ValueError: ``weights`` is not float32-convertible of shape ``(n,)``, or ``x`` is 0-D or its
+            last axis is not a multiple of 256 (:func:`encode_by_chunks`).
+    """
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] % QK_K:
+        return encode_by_chunks(x, QK_K, type_size, lambda xb: xb, chunk)  # raises its ValueError
+    w = np.asarray(weights, dtype=np.float32)
+    if w.shape != (x.shape[-1],):
+        raise ValueError(f"expected importance weights of shape ({x.shape[-1]},), got {w.shape}")
+    per_row = x.shape[-1] // QK_K
+    rows = max(1, chunk // per_row) if per_row else 1
+    qw = np.tile(_position_major(w.reshape(per_row, QK_K)), (1, rows))
+    return encode_by_chunks(x, QK_K, type_size, lambda xb: blocks(xb, qw[:, : xb.shape[0] * 16]),
+                            rows * max(per_row, 1))
+
+
+class Q6_KCodec(Codec):
+    """Q6_K: ``quantize_row_q6_K_ref`` (``quantize_q6_K`` without imatrix) or ``quantize_row_q6_K_impl``
+    (with one), byte for byte."""
+
+    ggml_type = GT.Q6_K
+    uses_imatrix = True
 
     @classmethod
-    def quantize(cls, x: F32) -> U8:
-        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 110)``."""
-        return encode_by_chunks(x, QK_K, 110, _q3_k_blocks, CHUNK_BLOCKS_Q3)
+    def quantize(cls, x: F32, weights: F32 | None = None) -> U8:
+        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 210)``; ``weights``: the
+        importance row (float32 ``(n,)``) or None. Raises ValueError on shapes (:func:`_encode_imatrix`)."""
+        if weights is None:
+            return encode_by_chunks(x, QK_K, 210, _q6_k_blocks, CHUNK_BLOCKS)
+        return _encode_imatrix(x, weights, 210, _q6_k_blocks, CHUNK_BLOCKS)
+
+
+class Q3_KCodec(Codec):
+    """Q3_K: ``quantize_row_q3_K_ref`` (``quantize_q3_K`` without imatrix) or ``quantize_row_q3_K_impl``
+    (with one), byte for byte."""
+
+    ggml_type = GT.Q3_K
+    uses_imatrix = True
+
+    @classmethod
+    def quantize(cls, x: F32, weights: F32 | None = None) -> U8:
+        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 110)``; ``weights``: the
+        importance row (float32 ``(n,)``) or None. Raises ValueError on shapes (:func:`_encode_imatrix`)."""
+        if weights is None:
+            return encode_by_chunks(x, QK_K, 110, _q3_k_blocks, CHUNK_BLOCKS_Q3)
+        return _encode_imatrix(x, weights, 110, _q3_k_blocks_imatrix, CHUNK_BLOCKS)
