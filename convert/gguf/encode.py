@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -187,8 +187,8 @@ def _convert_chunk(
                                   _placed(x_in.size * 2, place, np.float16, memory))
         if fast is not None:
             return fast
-    if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or t.ggml_type not in
-                                                                           SEARCH_TYPES):
+    if not t.offset and not exact and t.ggml_type not in _FLOAT_TYPES and (procs is None or
+                                                                           not _searches(t.ggml_type, weights)):
         # widened, summed, encoded and measured chunk by chunk in cache by the codec; inf/NaN: checked below
         block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
         fused = encode_chunk(t.ggml_type, x_in if perm is None else x_in[perm], True, None, sample, start,
@@ -253,8 +253,8 @@ def _bf16_to_f16_chunk(x: np.ndarray, sample: int, start: int, out: np.ndarray |
 
 def _encode(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32], measure: bool, sample: int,
             start: int, procs: ProcessPoolExecutor | None, weights: npt.NDArray[np.float32] | None) -> _Chunk:
-    """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES`."""
-    if procs is not None and ggml_type in SEARCH_TYPES:
+    """:func:`encode_chunk` of finite ``x``, in ``procs`` for :data:`SEARCH_TYPES` and importance rows."""
+    if procs is not None and _searches(ggml_type, weights):
         return encoder_pool.call(procs, encode_chunk, ggml_type, x, measure, None, sample, start, None, weights)
     return encode_chunk(ggml_type, x, measure, None, sample, start, None, weights)
 
@@ -316,11 +316,18 @@ def encode_chunk(ggml_type: gguf.GGMLQuantizationType, x: npt.NDArray[np.float32
     return _Chunk(data, max_err, sq_err, sq_ref, counted, (int(loss[0]), int(loss[1])))
 
 
-def encoder_processes(tensors: Iterable[GGUFTensor], threads: int) -> int:
+def _searches(ggml_type: gguf.GGMLQuantizationType, weights: npt.NDArray[np.float32] | None) -> bool:
+    """Whether a chunk's encoder searches per block: a :data:`SEARCH_TYPES` type, or a type that uses the
+    importance rows it is given (Q4_0 ... Q5_1 search for their scale with them)."""
+    return ggml_type in SEARCH_TYPES or (weights is not None and codec(ggml_type).uses_imatrix)
+
+
+def encoder_processes(tensors: Iterable[GGUFTensor], threads: int, importance: Container[str] = ()) -> int:
     """How many worker processes :func:`write_gguf` encodes a file's ``tensors`` with: ``threads`` when
-    there are two or more and at least :data:`PROCESS_MIN_ELEMENTS` weights go to :data:`SEARCH_TYPES`,
+    there are two or more and at least :data:`PROCESS_MIN_ELEMENTS` weights go to :data:`SEARCH_TYPES` or have
+    importance rows (``importance``: their GGUF names),
     else 0 (the threads encode)."""
-    heavy = sum(t.numel for t in tensors if t.ggml_type in SEARCH_TYPES)
+    heavy = sum(t.numel for t in tensors if t.ggml_type in SEARCH_TYPES or t.name in importance)
     return threads if threads > 1 and heavy >= PROCESS_MIN_ELEMENTS else 0
 
 
@@ -409,7 +416,7 @@ def write_gguf(
                **{t.source: _as_rows(tensors[t.source], t) for t in plan.tensors
                   if len(t.shape) > 2 and not t.parts and t.source in tensors}}
     reports: list[TensorReport] = []
-    n_procs = encoder_processes(plan.tensors, threads) if processes is None else processes
+    n_procs = encoder_processes(plan.tensors, threads, plan.importance) if processes is None else processes
     workers = max(threads, n_procs)
     if memory is None:
         memory = PlacedMemory(keep=chunks_held(workers))
