@@ -5,8 +5,9 @@ Format
     [--name NAME] [--mmproj [MMNAME]] [llama-quantize's options]`` (``--tensor-type``,
     ``--output-tensor-type``, ``--token-embedding-type``, ``--pure``, ``--leave-output-tensor``, ``--imatrix``,
     ``--include-weights``, ``--exclude-weights``, as on the command line; in an object, the same names with
-    ``_``: ``"tensor_type": ["attn_v=q8_0"]``, ``"pure": true``), where SRC is a Hub repo id (``org/name``) or a local path
-    (made absolute, so every worker reads the same one); ``#`` starts a comment; blank lines are
+    ``_``: ``"tensor_type": ["attn_v=q8_0"]``, ``"pure": true``), where SRC is a Hub repo id (``org/name``)
+    or a local path (made absolute, so every worker reads the same one, as an ``--imatrix`` file); ``#``
+    starts a comment; blank lines are
     skipped. Or a JSON list (``.json``, or text starting with ``[``), or a YAML list
     (``.yaml``/``.yml``, when PyYAML is installed), whose items are such lines or objects ``{"src",
     "revision", "to", "max_shard_size", "name", "mmproj"}`` (``repo`` is accepted for ``src``;

@@ -22,8 +22,6 @@ from convert.cli import main
 from convert.gguf.imatrix import imatrix_keys, load_importance
 from formats.errors import (
     ImatrixFormatError,
-    ImatrixRequiredError,
-    ImatrixTensorError,
     ImatrixValuesError,
     UsageError,
 )
