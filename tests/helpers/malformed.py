@@ -816,7 +816,27 @@ def _gguf_verify(src: Path, out: Path) -> None:
 def _gguf_type(src: Path, out: Path) -> None:
     from convert.gguf.types import parse_output_type
 
-    parse_output_type("iq4_nl")
+    parse_output_type("iq2_xxs")
+
+
+def imatrix_cli(mix: str = "q4_k_m") -> tuple[Callable[[Path, Path], None], list[str]]:
+    """``--to gguf:MIX --imatrix SRC`` of the base model (SRC: the importance matrix file built)."""
+    def run(src: Path, out: Path) -> None:
+        from convert.cli import main
+
+        main([str(BASE_MODEL), "--to", f"gguf:{mix}", "--imatrix", str(src), "-o", str(out.with_suffix(".gguf")),
+              "-q", "--debug"])
+
+    return run, [str(BASE_MODEL), "--to", f"gguf:{mix}", "--imatrix", "{src}", "-o", "{out}.gguf", "-q"]
+
+
+def imatrix_dat(entries: dict[str, list[float]], ncall: int = 1) -> Callable[[Path], Path]:
+    """A legacy ``.dat`` importance matrix (llama-imatrix ``--output-format dat``) of these entries."""
+    out = struct.pack("<i", len(entries))
+    for name, values in entries.items():
+        out += struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", ncall, len(values))
+        out += np.asarray(values, dtype="<f4").tobytes()
+    return raw_file(out, "imatrix.dat")
 
 
 def _spm(data: bytes) -> Callable[[Path], Path]:
@@ -1283,10 +1303,24 @@ CASES: list[Case] = [
     Case("lora-layers-pattern-invalid", E.AdapterConfigValueError,
          ["adapter_config.json'", "LORA-004", "config key 'layers_pattern'", "not a valid regular expression"],
          adapter({"layers_pattern": "layers(", "layers_to_transform": [0]}), run=merge, argv=MERGE_ARGV),
+    # ---- importance matrices (--imatrix)
+    Case("imatrix-not-a-matrix", E.ImatrixFormatError, ["imatrix.dat'", "IMX-001", "neither GGUF nor"],
+         raw_file(b"this is text, not an importance matrix", "imatrix.dat"), run=imatrix_cli()[0],
+         argv=imatrix_cli()[1]),
+    Case("imatrix-nan", E.ImatrixValuesError, ["imatrix.dat'", "tensor 'blk.0.attn_q.weight'", "IMX-002",
+                                               "nan at index 1"],
+         imatrix_dat({"blk.0.attn_q.weight": [1.0, float("nan")] + [1.0] * 254}), run=imatrix_cli()[0],
+         argv=imatrix_cli()[1]),
+    Case("imatrix-other-model", E.ImatrixTensorError, ["imatrix.dat'", "tensor 'blk.30.attn_q.weight'", "IMX-003",
+                                                       "names no weight of this model"],
+         imatrix_dat({"blk.30.attn_q.weight": [1.0] * 256}), run=imatrix_cli()[0], argv=imatrix_cli()[1]),
+    Case("imatrix-required", E.ImatrixRequiredError, ["IMX-004", "gguf:q2_k_s needs an importance matrix",
+                                                      "found 'no --imatrix'"],
+         model_copy(), run=gguf_cli("gguf:q2_k_s")[0], argv=gguf_cli("gguf:q2_k_s")[1]),
     # ---- GGUF output
     Case("gguf-falcon", E.UnsupportedArchitectureError, ["GGUF-001", "found 'FalconForCausalLM'"],
          model_copy({"architectures": ["FalconForCausalLM"]}), run=GGUF_F16[0], argv=GGUF_F16[1]),
-    Case("gguf-iq4-nl", E.GgufTypeError, ["GGUF-002", "q8_0"], lambda d: d.mkdir(parents=True) or d,
+    Case("gguf-iq2-xxs", E.GgufTypeError, ["GGUF-002", "q8_0"], lambda d: d.mkdir(parents=True) or d,
          run=_gguf_type, argv=None),  # the CLI's --to choices refuse it first (argparse, exit 2)
     Case("gguf-extra-head", E.UnmappedTensorError, ["GGUF-003", "tensor 'model.extra_head.weight'"],
          model_copy(), run=_gguf_unmapped, argv=None),
