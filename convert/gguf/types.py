@@ -86,6 +86,14 @@ OUTPUT_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = 
     **{name: (ft.default, ft.ftype) for name, ft in FILE_TYPES.items()},
 }
 DEFAULT_OUTPUT_TYPE = "f16"
+#: llama-quantize's file types this build does not write -> the GGML types it lacks encoders for.
+_NO_ENCODER = {
+    "iq2_xxs": "IQ2_XXS", "iq2_xs": "IQ2_XS", "iq2_s": "IQ2_S/IQ3_S", "iq2_m": "IQ2_S/IQ3_S", "iq1_s": "IQ1_S",
+    "iq1_m": "IQ1_M", "iq3_xxs": "IQ3_XXS/IQ3_S", "iq3_xs": "IQ3_S/IQ3_XXS", "iq3_s": "IQ3_S", "iq3_m": "IQ3_S",
+    "tq1_0": "TQ1_0", "tq2_0": "TQ2_0", "mxfp4_moe": "MXFP4",
+}
+#: Those of them llama-quantize refuses without an importance matrix (``tensor_requires_imatrix``).
+_NO_ENCODER_NEEDS_IMATRIX = frozenset({"iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq1_s", "iq1_m", "iq3_xxs"})
 #: Output types whose writer gets every weight as exact float32 (a 4-bit layer's fp32 products
 #: ``quant_map[code] * absmax`` before any 16-bit rounding, so ``f32`` holds more than the bf16/f16
 #: checkpoint transformers would save): ``f32``, and llama-quantize's types, which llama.cpp makes
@@ -102,6 +110,14 @@ def parse_output_type(spec: str | None) -> str:
         GgufTypeError: GGUF-002, listing the supported types.
     """
     name = (spec or DEFAULT_OUTPUT_TYPE).strip().lower()
+    if name in _NO_ENCODER:
+        needs = (" and an importance matrix (llama-quantize refuses it without --imatrix)"
+                 if name in _NO_ENCODER_NEEDS_IMATRIX else "")
+        raise GgufTypeError(
+            "GGUF output type not supported", expected=f"one of {', '.join(OUTPUT_TYPES)}", found=spec,
+            hint=f"llama-quantize's {name.upper()} needs {_NO_ENCODER[name]} encoders, which this build does not "
+                 f"have{needs}: make it with llama-quantize from our gguf:f32 (gguf:iq4_xs and gguf:q2_k are "
+                 "the smallest types written here)")
     if name not in OUTPUT_TYPES:
         close = difflib.get_close_matches(name, list(OUTPUT_TYPES), n=1, cutoff=0.6)
         raise GgufTypeError(

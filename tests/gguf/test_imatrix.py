@@ -335,3 +335,26 @@ def test_dry_run_marks_the_tensors_with_rows_and_notes_the_matrix(tmp_path, caps
     marked = [line for line in text.splitlines() if "[imatrix]" in line]
     assert len(marked) == 1 and "blk.0.attn_q.weight" in marked[0]
     assert f"importance matrix {m}: 1 of 16 quantized tensors (without: " in text
+
+
+@pytest.mark.parametrize(("name", "parts"), [
+    ("IQ2_XXS", ["'gguf:iq2_xxs'", "IQ2_XXS encoders, which this build does not have and an importance matrix",
+                 "llama-quantize refuses it without --imatrix"]),
+    ("iq3_xxs", ["IQ3_XXS/IQ3_S encoders", "llama-quantize refuses it without --imatrix"]),
+    ("iq3_m", ["IQ3_S encoders, which this build does not have:"]),
+])
+def test_iq1_iq2_iq3_types_are_refused_saying_why(tmp_path, capsys, name, parts):
+    from convert.gguf.types import parse_output_type
+    from formats.errors import GgufTypeError
+
+    with pytest.raises(GgufTypeError, match="GGUF-002 GGUF output type not supported"):
+        parse_output_type(name)
+    with pytest.raises(SystemExit) as ei:
+        main([str(FIXTURE), "--to", f"gguf:{name}", "-o", str(tmp_path / "o.gguf")])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    for p in parts:
+        assert p in err, (p, err)
+    if "iq3_m" in name:
+        assert "importance matrix" not in err
+    assert not (tmp_path / "o.gguf").exists()
