@@ -95,6 +95,12 @@ run only over the positions (min/max with the C comparisons) and the trials. Scr
 allocated once per chunk and written in place (fresh arrays cost page faults; chained temporaries
 with broadcast operands hit a slow NumPy path). Working set: about ten float32 arrays the size of
 the chunk (:data:`CHUNK_BLOCKS` super-blocks, 512 KiB each) plus the output.
+
+Cost with an importance matrix (4096 x 4096 float32, one thread, CPU seconds on a shared 2-core
+machine; ours / C's ``ggml_quantize_chunk``, without the matrix in brackets): Q4_K 2.3 / 1.9
+(1.3 / 1.1), Q5_K 2.2 / 2.0 (1.0 / 0.9), Q2_K 2.6 / 2.3 (1.0 / 0.95). The 37 ``make_qkx3_quants``
+trials (against 21 or 16 without) are the bulk; ``make_qp_quants``' per-position passes ~15% for
+Q2_K (16 positions), less for the others (8).
 """
 
 from __future__ import annotations
