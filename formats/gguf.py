@@ -18,6 +18,12 @@ The bytes are the ``gguf`` package's (gguf-py in llama.cpp): :class:`GGUFFileWri
 piece with the writer's 32-byte padding (``GGUFWriter.write_tensor_data`` wants a whole tensor in
 memory). :func:`verify_gguf` re-opens the file with ``gguf.GGUFReader``.
 
+A file can also be written as the parts ``llama-gguf-split --split`` makes of it (:func:`split_layouts`,
+:class:`GGUFSplitWriter`, :func:`split_name`): the first part holds every key/value pair plus
+``split.no``, ``split.tensors.count`` and ``split.count`` (in that order, as the tool leaves them), the
+others only those three; each part holds its run of the tensors in file order, with offsets from its own
+data section.
+
 What goes into the file (which tensors, GGML types, metadata) is described by a
 :class:`FileLayout`: the architecture name, the key/value table in write order and the tensor infos
 in file order. This module only writes and checks it; deciding it (architectures, tensor names,
@@ -43,12 +49,14 @@ import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
 import gguf
 import numpy as np
+from gguf.gguf_writer import SHARD_NAME_FORMAT
 
 from .errors import GgufVerificationError
 from .writeback import FileStream
@@ -56,8 +64,12 @@ from .writeback import FileStream
 __all__ = [
     "FileLayout",
     "GGUFFileWriter",
+    "GGUFPart",
+    "GGUFSplitWriter",
     "TensorLayout",
     "file_nbytes",
+    "split_layouts",
+    "split_name",
     "tensor_nbytes",
     "verify_gguf",
 ]
@@ -94,20 +106,41 @@ class FileLayout(Protocol):
     """What one GGUF file holds, except the tensor data (``convert.gguf_plan.GGUFPlan`` is one).
 
     Attributes:
-        arch_name: ``general.architecture`` (the writer adds that key first).
+        arch_name: ``general.architecture`` (the writer adds that key first), or None for a file without
+            it (the second and later parts of a split file: :class:`GGUFPart`).
         metadata: key -> (value, GGUF value type, array element type or None), in write order,
             without ``general.architecture``.
         tensors: the tensor infos in file order.
     """
 
     @property
-    def arch_name(self) -> str: ...
+    def arch_name(self) -> str | None: ...
 
     @property
     def metadata(self) -> Mapping[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]: ...
 
     @property
     def tensors(self) -> Sequence[TensorLayout]: ...
+
+
+#: A key/value table: key -> (value, GGUF value type, array element type or None).
+Metadata = Mapping[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]
+
+
+@dataclass(frozen=True)
+class GGUFPart:
+    """One part of a split GGUF file (a :class:`FileLayout`).
+
+    Attributes:
+        arch_name: ``general.architecture`` in the first part, None in the others.
+        metadata: the first part: the whole file's key/value pairs, then the split keys; the others: the
+            split keys alone.
+        tensors: this part's run of the file's tensors, in file order.
+    """
+
+    arch_name: str | None
+    metadata: Metadata
+    tensors: tuple[TensorLayout, ...]
 
 
 def tensor_nbytes(shape: Sequence[int], qtype: gguf.GGMLQuantizationType) -> int:
@@ -133,10 +166,8 @@ _SCALAR_BYTES = {
 }
 
 
-def file_nbytes(layout: FileLayout, alignment: int = 32) -> int:
-    """The size in bytes of the GGUF file :class:`GGUFFileWriter` writes for ``layout`` (GGUF v3: the header,
-    the keys and values, the tensor infos, padding to ``alignment``, each tensor's data padded to it), for
-    the disk pre-flight; computed from the layout, nothing is written."""
+def _meta_nbytes(layout: FileLayout) -> int:
+    """Bytes of the header, key/value pairs and tensor infos of ``layout`` (GGUF v3), before the padding."""
 
     def value_bytes(value: Any, vtype: gguf.GGUFValueType, sub_type: gguf.GGUFValueType | None) -> int:
         if vtype == gguf.GGUFValueType.STRING:
@@ -151,13 +182,58 @@ def file_nbytes(layout: FileLayout, alignment: int = 32) -> int:
         return _SCALAR_BYTES[vtype]
 
     n = 4 + 4 + 8 + 8  # magic, version, tensor count, key count
-    kv = {"general.architecture": (layout.arch_name, gguf.GGUFValueType.STRING, None), **layout.metadata}
-    for key, (value, vtype, sub_type) in kv.items():
+    arch = {} if layout.arch_name is None else {
+        gguf.Keys.General.ARCHITECTURE: (layout.arch_name, gguf.GGUFValueType.STRING, None)}
+    for key, (value, vtype, sub_type) in {**arch, **layout.metadata}.items():
         n += 8 + len(key.encode("utf-8")) + 4 + value_bytes(value, vtype, sub_type)
     for t in layout.tensors:
         n += 8 + len(t.name.encode("utf-8")) + 4 + 8 * len(t.shape) + 4 + 8
-    return gguf.GGUFWriter.ggml_pad(n, alignment) + sum(gguf.GGUFWriter.ggml_pad(t.nbytes, alignment)
-                                                        for t in layout.tensors)
+    return n
+
+
+def file_nbytes(layout: FileLayout, alignment: int = 32) -> int:
+    """The size in bytes of the GGUF file :class:`GGUFFileWriter` writes for ``layout`` (GGUF v3: the header,
+    the keys and values, the tensor infos, padding to ``alignment``, each tensor's data padded to it), for
+    the disk pre-flight; computed from the layout, nothing is written."""
+    return gguf.GGUFWriter.ggml_pad(_meta_nbytes(layout), alignment) + sum(
+        gguf.GGUFWriter.ggml_pad(t.nbytes, alignment) for t in layout.tensors)
+
+
+def split_name(prefix: str, index: int, count: int) -> str:
+    """The file name of part ``index`` (0-based) of ``count``: ``PREFIX-00001-of-00003.gguf``, as llama.cpp's
+    ``llama_split_path`` names it (gguf-py's ``SHARD_NAME_FORMAT``)."""
+    return SHARD_NAME_FORMAT.format(prefix, index + 1, count)
+
+
+def split_layouts(layout: FileLayout, counts: Sequence[int]) -> list[GGUFPart]:
+    """``layout`` as the parts ``llama-gguf-split --split`` writes, with ``counts[i]`` tensors in part ``i``.
+
+    Every part gets ``split.no`` (u16, from 0), ``split.tensors.count`` (i32, the file's tensors) and
+    ``split.count`` (u16, the parts) in that order (the tool sets ``split.count`` again once it knows it,
+    which moves the key last); the first part has the whole file's pairs before them (``gguf_set_kv``).
+
+    Args:
+        layout: the whole file.
+        counts: tensors per part, each at least 1, summing to the file's tensors.
+
+    Raises:
+        ValueError: ``counts`` does not fit the file (a part without tensors, another total, more than
+            65535 parts: ``split.count`` is 16 bits).
+    """
+    tensors = tuple(layout.tensors)
+    if any(c < 1 for c in counts) or sum(counts) != len(tensors) or len(counts) > 0xFFFF:
+        raise ValueError(f"{len(counts)} parts of {list(counts)[:8]} tensors do not split {len(tensors)} tensors")
+    u16, i32 = gguf.GGUFValueType.UINT16, gguf.GGUFValueType.INT32
+    parts: list[GGUFPart] = []
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    for i, (start, count) in enumerate(zip(starts, counts, strict=True)):
+        keys: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] = dict(
+            layout.metadata) if i == 0 else {}
+        keys[gguf.Keys.Split.LLM_KV_SPLIT_NO] = (i, u16, None)
+        keys[gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT] = (len(tensors), i32, None)
+        keys[gguf.Keys.Split.LLM_KV_SPLIT_COUNT] = (len(counts), u16, None)
+        parts.append(GGUFPart(layout.arch_name if i == 0 else None, keys, tensors[start:start + count]))
+    return parts
 
 
 class GGUFFileWriter:
@@ -181,7 +257,9 @@ class GGUFFileWriter:
         self._tensors = list(layout.tensors)
         self._index = 0
         self._written = 0
-        self._w = gguf.GGUFWriter(path=None, arch=layout.arch_name)
+        self._w = gguf.GGUFWriter(path=None, arch=layout.arch_name or "")
+        if layout.arch_name is None:  # (a later part of a split file: the key is the first part's)
+            self._w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)
         for key, (value, vtype, sub_type) in layout.metadata.items():
             self._w.add_key_value(key, value, vtype, sub_type)
         for t in self._tensors:
@@ -254,6 +332,85 @@ class GGUFFileWriter:
         self._out.abort()
 
     def __enter__(self) -> GGUFFileWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class GGUFSplitWriter:
+    """Writes the parts of a split GGUF file one after the other, through :class:`GGUFFileWriter`, with its
+    interface: :meth:`offset` and :meth:`write` / :meth:`end_tensor` for the whole file's tensors in order.
+
+    A part is created when its first tensor's turn comes, and closed (fsynced) at its last tensor's end,
+    so one part is open at a time.
+
+    Args:
+        parts: ``(path, layout)`` of each part, in order (:func:`split_layouts`).
+        alignment: the data alignment (GGUF's default, 32, as the parts carry no ``general.alignment``).
+
+    Raises:
+        OSError: a part cannot be created or written.
+    """
+
+    def __init__(self, parts: Sequence[tuple[str | os.PathLike[str], FileLayout]], alignment: int = 32) -> None:
+        self._parts = [(os.fspath(p), layout) for p, layout in parts]
+        self._where: list[tuple[int, int]] = []  # the whole file's tensor i -> (part, index in the part)
+        self._offsets: list[int] = []  # tensor i's data offset in its part's file
+        for k, (_, layout) in enumerate(self._parts):
+            start = gguf.GGUFWriter.ggml_pad(_meta_nbytes(layout), alignment)
+            padded = [gguf.GGUFWriter.ggml_pad(t.nbytes, alignment) for t in layout.tensors]
+            self._offsets += itertools.accumulate(padded[:-1], initial=start)
+            self._where += [(k, j) for j in range(len(layout.tensors))]
+        self._index = 0
+        self._out: GGUFFileWriter | None = None
+
+    def offset(self, index: int) -> int:
+        """The offset of the data of the whole file's tensor ``index`` in its part's file."""
+        return self._offsets[index]
+
+    def _current(self) -> GGUFFileWriter:
+        if self._out is None:
+            self._out = GGUFFileWriter(*self._parts[self._where[self._index][0]])
+        return self._out
+
+    def write(self, data: np.ndarray, in_place: bool = False) -> int:
+        """Append bytes of the current tensor to its part (:meth:`GGUFFileWriter.write`)."""
+        return self._current().write(data, in_place)
+
+    def end_tensor(self) -> None:
+        """Finish the current tensor (:meth:`GGUFFileWriter.end_tensor`); after its part's last tensor, close
+        the part (fsynced).
+
+        Raises:
+            GgufVerificationError: GGUF-008 (the bytes written differ from the info's ``nbytes``).
+        """
+        out = self._current()
+        out.end_tensor()
+        part, j = self._where[self._index]
+        self._index += 1
+        if j == len(self._parts[part][1].tensors) - 1:
+            self._out = None
+            out.close()
+
+    def close(self) -> None:
+        """Close the part still open (none once every tensor has ended)."""
+        if self._out is not None:
+            out, self._out = self._out, None
+            out.close()
+
+    def abort(self) -> None:
+        """Close the part still open without writing what is buffered (after an error)."""
+        if self._out is not None:
+            out, self._out = self._out, None
+            out.abort()
+
+    def __enter__(self) -> GGUFSplitWriter:
         return self
 
     def __exit__(
