@@ -11,14 +11,20 @@ its final path only complete, and an existing output is replaced only when asked
    the whole run. A second run for the same path is refused at once (OUT-004); a run that dies
    (even by SIGKILL) drops its lock with its file descriptors.
 3. Recovery, under the claim (so no live run owns what is found): a staging temporary of a dead run
-   (``.<name>.convert-bnb-tmp-<pid>``) is removed; an old output set aside by an ``--overwrite``
+   (``.<name>.convert-bnb-tmp-<pid>``) is removed, or, holding a split output's commit list, its remaining
+   parts are renamed into place first; an old output set aside by an ``--overwrite``
    commit that died (``.<name>.convert-bnb-old-<pid>``) is put back when the final path is empty
    (roll back) or removed when the new output is in place (roll forward).
 4. Staging: the target writes under ``.<name>.convert-bnb-tmp-<pid>`` beside the output, or under
    ``.<name>.convert-bnb-partial`` for a resumable run (batch jobs): that one is kept when the run
    fails, with a record of the finished shards (:class:`ShardLedger`), so the next run writes only
    the rest.
-5. Commit: a file is installed with one ``os.replace`` (atomic, over an old file too). A directory
+5. Commit: a file is installed with one ``os.replace`` (atomic, over an old file too). The files of a
+   split output (``parts``: a split GGUF's ``OUT-0000i-of-0000N.gguf``, staged together in one temporary
+   directory) are installed one ``os.replace`` each, after a list of them (``.convert-bnb-commit``) is
+   written into the staging directory and fsynced: a run killed between the renames leaves that list,
+   and step 3 of the next run renames the rest into place (roll forward), so the parts appear all
+   together or not at all. A directory
    with no output in place is one rename; over an existing directory the old one is first renamed
    aside, then the new one renamed in, then the old one removed - a kill between the two renames
    leaves the old output aside, which step 3 of the next run restores. The parent directory is
@@ -87,6 +93,9 @@ PARTIAL_MARK = ".convert-bnb-partial"
 DISK_HEADROOM = 1024 * 1024
 #: The record of finished shards inside a resumable staging directory.
 LEDGER_NAME = ".convert-bnb-shards.json"
+#: Inside a split output's staging directory: the names of its parts, written once they are complete and
+#: verified, before the first is renamed into place (the next run completes a commit that died midway).
+COMMIT_LIST = ".convert-bnb-commit"
 
 
 # ---------------------------------------------------------------------------------------- naming
@@ -225,6 +234,25 @@ def file_manifest(root: Path, known: dict[str, dict[str, Any]] | None = None) ->
     return out
 
 
+def _write_synced(path: Path, text: str) -> None:
+    """Create ``path`` holding ``text``, fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _install_parts(staging: Path, parent: Path) -> None:
+    """Rename the parts a split output's commit list names from ``staging`` into ``parent`` (those still in
+    ``staging``: a commit that died midway has moved the others), then fsync ``parent``."""
+    for name in (staging / COMMIT_LIST).read_text().split():
+        if (staging / name).is_file():
+            os.replace(staging / name, parent / name)
+    _fsync_dir(parent)
+
+
 def _fsync_dir(d: Path) -> None:
     fd = os.open(d, os.O_RDONLY)
     try:
@@ -337,6 +365,9 @@ class OutputClaim:
         resume_key: make the staging resumable (``.NAME.convert-bnb-partial`` with a
             :class:`ShardLedger` for this key), or None.
         file_suffix: the suffix a file output of this kind has (a directory must not be named so).
+        parts: the files of an output written as several files beside each other (a split GGUF's parts, in
+            order; ``final`` is the first), or None. They are staged in one temporary directory under their
+            own names (``staging / part.name``), checked (OUT-001) and installed together.
 
     Raises (on enter):
         OutputKindError: USE-003; OutputInsideInputError: USE-002; OutputBusyError: OUT-004;
@@ -344,8 +375,12 @@ class OutputClaim:
     """
 
     def __init__(self, final: Path, *, is_dir: bool, nbytes: int, inputs: list[Path], overwrite: bool = False,
-                 resume_key: dict[str, Any] | None = None, file_suffix: str = ".safetensors") -> None:
+                 resume_key: dict[str, Any] | None = None, file_suffix: str = ".safetensors",
+                 parts: list[Path] | None = None) -> None:
         self.final = Path(final)
+        self.parts = [Path(p) for p in parts] if parts else None
+        assert self.parts is None or (self.parts[0] == self.final and not is_dir and resume_key is None
+                                      and all(p.parent == self.final.parent for p in self.parts))
         self.is_dir = is_dir
         self.nbytes = nbytes
         self.inputs = inputs
@@ -379,8 +414,9 @@ class OutputClaim:
         """:meth:`__enter__`'s steps 2-4 (the lock, recovery, pre-flight, staging)."""
         self._acquire()
         self.recovered = self._recover()
-        if (self.final.exists() or self.final.is_symlink()) and not self.overwrite:
-            raise OutputExistsError("output exists", path=self.final, action="write",
+        existing = [p for p in self.parts or [self.final] if p.exists() or p.is_symlink()]
+        if existing and not self.overwrite:
+            raise OutputExistsError("output exists", path=existing[0], action="write",
                                     hint="pass --overwrite to replace it, or choose -o")
         if self.final.is_dir() and not self.final.is_symlink():
             self._check_replaceable()
@@ -390,7 +426,7 @@ class OutputClaim:
             self.ledger = ShardLedger.open(self.staging, self.resume_key)
         else:
             remove_path(self.staging)
-            if self.is_dir:
+            if self.is_dir or self.parts:
                 self.staging.mkdir()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -409,11 +445,13 @@ class OutputClaim:
         out, suffix = self.final, self.file_suffix
         # a device, FIFO or socket is never written over (a rename would put a file in place of /dev/null);
         # a symlink is replaced as a link, never what it points to (commit)
-        kind = path_kind(out, follow_symlinks=False)
-        if kind not in ("missing", "file", "directory", "a symlink") and not kind.startswith("unreadable"):
-            raise OutputKindError("-o names something that is neither a file nor a directory, which convert-bnb "
-                                  "never writes over, even with --overwrite", path=out, action="write",
-                                  expected="a file or a directory", found=kind, hint="choose another path with -o")
+        for p in self.parts or [out]:
+            kind = path_kind(p, follow_symlinks=False)
+            if kind not in ("missing", "file", "directory", "a symlink") and not kind.startswith("unreadable"):
+                raise OutputKindError("-o names something that is neither a file nor a directory, which "
+                                      "convert-bnb never writes over, even with --overwrite", path=p, action="write",
+                                      expected="a file or a directory", found=kind,
+                                      hint="choose another path with -o")
         parent = next((p for p in out.parents if path_kind(p, follow_symlinks=False) != "missing"), None)
         parent_kind = "directory" if parent is None else path_kind(parent)
         if parent_kind != "directory" and not parent_kind.startswith("unreadable"):
@@ -428,11 +466,12 @@ class OutputClaim:
         if not self.is_dir and out.is_dir() and suffix == ".gguf":
             raise OutputKindError("GGUF output is one file, and -o names a directory", path=out, action="write",
                                   expected="a file", found="a directory", hint="give a file name such as model.gguf")
-        if out.exists() and out.is_dir() != self.is_dir:
-            want, have = ("a directory", "a file") if self.is_dir else ("a file", "a directory")
-            raise OutputKindError(
-                "the output exists and is of the other kind; --overwrite never replaces one with the other",
-                path=out, action="write", expected=want, found=have)
+        for p in self.parts or [out]:
+            if p.exists() and p.is_dir() != self.is_dir:
+                want, have = ("a directory", "a file") if self.is_dir else ("a file", "a directory")
+                raise OutputKindError(
+                    "the output exists and is of the other kind; --overwrite never replaces one with the other",
+                    path=p, action="write", expected=want, found=have)
 
     def _check_replaceable(self) -> None:
         """``--overwrite`` replaces a directory only when it is a model output: no subdirectories, some
@@ -533,6 +572,9 @@ class OutputClaim:
                     done.append(f"restored the output that an interrupted --overwrite had set aside: {self.final}")
         for p in sorted(parent.iterdir()):
             if p.name.startswith(f".{name}{TMP_MARK}"):
+                if (p / COMMIT_LIST).is_file():
+                    _install_parts(p, parent)
+                    done.append(f"completed the commit of a split output an interrupted run had begun: {self.final}")
                 remove_path(p)
                 done.append(f"removed a stale temporary left by an interrupted run: {p}")
         return done
@@ -540,6 +582,8 @@ class OutputClaim:
     def manifest(self) -> dict[str, dict[str, Any]]:
         """``{relative path: {"bytes", "sha256"}}`` of the staged output, named as it will be installed
         (shards already hashed by the ledger are not read again)."""
+        if self.parts:
+            return {p.name: file_manifest(self.staging / p.name)[p.name] for p in self.parts}
         if not self.is_dir:
             return {self.final.name: file_manifest(self.staging)[self.staging.name]}
         files = file_manifest(self.staging, self.ledger.shards if self.ledger is not None else None)
@@ -556,7 +600,11 @@ class OutputClaim:
         with signals.deferred():  # the renames are not cut by a signal: it is raised once they are done
             if self.final.is_symlink() and self.is_dir:  # the link itself is replaced, never what it points to
                 self.final.unlink()
-            if self.final.exists() and self.is_dir:
+            if self.parts:
+                _write_synced(self.staging / COMMIT_LIST, "".join(f"{p.name}\n" for p in self.parts))
+                _fsync_dir(self.staging)
+                _install_parts(self.staging, parent)
+            elif self.final.exists() and self.is_dir:
                 old = _hidden(self.final, OLD_MARK, str(os.getpid()))
                 os.rename(self.final, old)
                 os.rename(self.staging, self.final)
@@ -566,3 +614,5 @@ class OutputClaim:
             _fsync_dir(parent)
         if old is not None:
             remove_path(old)  # (if interrupted, the next run's _recover removes the rest)
+        if self.parts:
+            remove_path(self.staging)  # (the commit list alone)
