@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --to gguf[:TYPE] of a multimodal checkpoint: also write its vision projector GGUF "
                    "(llama.cpp's mmproj file: Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL; F16 unless TYPE is f32, "
                    "bf16 or q8_0)")
+    p.add_argument("--split-max-size", default=None, metavar="N(M|G)",
+                   help="with --to gguf[:TYPE]: write the parts llama-gguf-split --split makes, each at most N "
+                   "megabytes/gigabytes of tensor data (OUT-00001-of-0000K.gguf ...)")
+    p.add_argument("--split-max-tensors", type=int, default=None, metavar="N",
+                   help="with --to gguf[:TYPE]: the same, with at most N tensors in each part")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -161,7 +166,8 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
                            tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
-        processes=True, mmproj=args.mmproj,
+        processes=True, mmproj=args.mmproj, split_max_size=args.split_max_size,
+        split_max_tensors=args.split_max_tensors,
         mix=mix_from_args(args),
     )
 
@@ -208,8 +214,9 @@ def print_summary(result: Any) -> None:
 
 
 
-#: The options whose value is a size (:func:`convert.units.parse_size`).
-_SIZE_OPTIONS = ("--max-memory", "--max-shard-size")
+#: The options whose value is a size (:func:`convert.units.parse_size`; ``--split-max-size``:
+#: :func:`convert.gguf.split.parse_split_size`).
+_SIZE_OPTIONS = ("--max-memory", "--max-shard-size", "--split-max-size")
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:

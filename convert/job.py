@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from convert import __version__
+from convert.gguf.split import check_split_options
 from convert.gguf.types import FILE_TYPES
 from convert.hub.download import HubSource, WeightMode, resolve_repo
 from convert.hub.repo import is_repo_id, parse_repo_spec
@@ -209,9 +210,12 @@ def check_options(options: ConvertOptions) -> None:
             below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
             directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
-            cannot be written (checked now: the report is written after the whole output).
+            cannot be written (checked now: the report is written after the whole output); a GGUF split
+            option without a GGUF target, both of them, or a value below 1
+            (:func:`convert.gguf.split.check_split_options`).
         ImatrixRequiredError: IMX-004, a llama-quantize type that needs an importance matrix without ``--imatrix``.
     """
+    check_split_options(options)
     if options.mix.flags() and not options.to.llama_quantize:
         raise UsageError(f"{options.mix.flags()[0].split()[0]} needs --to gguf:TYPE of a llama-quantize type",
                          expected="gguf:q4_0 ... gguf:q6_k", found=f"--to {options.to.name}",
@@ -397,11 +401,14 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             # 5. the target's job, from the static table; a dry run stops with its plan
             job = TARGETS[options.to.family](plan, options, source.model_name(ckpt))
             out = output_path(options.output, default, is_dir=job.is_dir)
+            parts = job.output_parts(out)  # a split GGUF: its files, the first one standing for the output
+            out = parts[0] if parts else out
             result.output = str(out)
             mmproj = MmprojJob(plan, options, source.model_name(ckpt)) if options.mmproj is not None else None
             mm_out = _mmproj_output(options, out)
             if options.dry_run:
-                result.dry_run, result.plan_text, result.output_exists = job.plan_dict(), job.describe(), out.exists()
+                result.dry_run, result.plan_text = job.plan_dict(), job.describe()
+                result.output_exists = any(p.exists() for p in parts or [out])
                 if mmproj is not None:
                     result.dry_run["mmproj"] = {**mmproj.plan_dict(), "output": str(mm_out)}
                     result.plan_text += f"\n{mmproj.describe()}\n  mmproj output: {mm_out}"
@@ -409,7 +416,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             # 6. claim the output, write it into staging, verify, commit
             run, notes = _run_settings(options, plan, source, out.name, lora)
             result.timings["plan"] = time.perf_counter() - t0
-            _write_output(job, options, source, ckpt.source, out, run, result, committed)
+            _write_output(job, options, source, ckpt.source, out, run, result, committed, parts)
             if mmproj is not None:
                 notes += _write_mmproj(mmproj, options, source, ckpt.source, mm_out, run, result, committed)
             notes += _low_disk_report(source, result)
@@ -479,13 +486,16 @@ def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, l
 
 
 def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSource, input_path: Path, out: Path,
-                  run: RunSettings, result: ConvertResult, committed: list[Path]) -> None:
-    """Claim ``out``, write the job into its staging path, verify, list the files, commit; the figures go
-    into ``result`` (timings, bytes out, files, shards written and reused, what the claim recovered)."""
+                  run: RunSettings, result: ConvertResult, committed: list[Path], parts: list[Path] | None = None
+                  ) -> None:
+    """Claim ``out`` (with ``parts``: the files of a split output, ``out`` the first), write the job into its
+    staging path, verify, list the files, commit; the figures go into ``result`` (timings, bytes out, files,
+    shards written and reused, what the claim recovered)."""
     timings = result.timings
     resume_key = None if options.resume_key is None else {**options.resume_key, "job": job_key(options, source)}
     with OutputClaim(out, is_dir=job.is_dir, nbytes=job.disk_nbytes, inputs=[input_path],
-                     overwrite=options.overwrite, resume_key=resume_key, file_suffix=job.file_suffix) as claim:
+                     overwrite=options.overwrite, resume_key=resume_key, file_suffix=job.file_suffix,
+                     parts=parts) as claim:
         try:
             t = time.perf_counter()
             result.shards_written, result.shards_reused = job.write(claim.staging, run, claim.ledger)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from convert.gguf.split import parse_split_size
 from convert.gguf.types import (
     DEFAULT_MIX,
     DEFAULT_OUTPUT_TYPE,
@@ -212,6 +213,12 @@ class ConvertOptions:
             :mod:`convert.gguf.mmproj`) to this path, committed on its own after the text model.
         mmproj_manifest: with ``mmproj``: write the vision projector's file list to this JSON file before
             it is committed, as ``manifest`` for the text model, or None.
+        split_max_size: with ``--to gguf*``: write the GGUF as the parts ``llama-gguf-split --split
+            --split-max-size`` makes, each part's tensor data at most this many bytes
+            (:mod:`convert.gguf.split`); a string is llama-gguf-split's ``N(M|G)``, parsed here
+            (:func:`convert.gguf.split.parse_split_size`), or None.
+        split_max_tensors: with ``--to gguf*``: the same with at most this many tensors a part
+            (``--split-max-tensors``), or None.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
@@ -250,10 +257,14 @@ class ConvertOptions:
     processes: bool = False
     mmproj: Path | None = None
     mmproj_manifest: Path | None = None
+    split_max_size: int | None = None
+    split_max_tensors: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters
             object.__setattr__(self, "to", target_for(self.to))
+        if isinstance(self.split_max_size, str):  # llama-gguf-split's N(M|G), parsed where it enters
+            object.__setattr__(self, "split_max_size", parse_split_size(self.split_max_size))
 
 
 def add_mix_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -57,6 +57,11 @@ class TargetJob(Protocol):
     def describe(self) -> str:
         """The plan as a table (``--dry-run``)."""
 
+    def output_parts(self, out: Path) -> list[Path] | None:
+        """The files of an output written as several files beside ``out`` (a split GGUF:
+        ``OUT-00001-of-0000N.gguf`` ..., in order), committed together; None for one file or a directory.
+        Called once the output path is known, before :meth:`write` and the plan's text."""
+
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
         """Write the output into ``staging``; ``(files written, files reused from the ledger)``."""
 

@@ -8,7 +8,8 @@
 - :mod:`~convert.gguf.arch`, :mod:`~convert.gguf.rope`, :mod:`~convert.gguf.config`: what a row does to
   names, hyperparameters and weights, RoPE scaling, config.json checked against its GGUF types and the
   tensors; :mod:`~convert.gguf.loader`: the planned tensors against llama.cpp's loader (shapes, required);
-- :mod:`~convert.gguf.mmproj`: the vision projector file (``--mmproj``);
+- :mod:`~convert.gguf.mmproj`: the vision projector file (``--mmproj``); :mod:`~convert.gguf.split`: the
+  parts of a split file (``--split-max-size``, ``--split-max-tensors``, as llama-gguf-split);
 - :mod:`~convert.gguf.mix`: llama-quantize's per-tensor type mixes;
 - :mod:`~convert.gguf.tokenizer`, :mod:`~convert.gguf.bpe_pre`, :mod:`~convert.gguf.bpe_table`: the
   tokenizer keys;

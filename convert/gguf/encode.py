@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,7 +70,7 @@ from convert.stream.plan import PlannedTensor
 from convert.stream.sources import ArraySource, StackSource
 from formats.dtypes import BY_CODE
 from formats.errors import GgufNonFiniteError, GgufSourceError, GgufTypeError
-from formats.gguf import GGUFFileWriter
+from formats.gguf import FileLayout, GGUFFileWriter, GGUFSplitWriter
 from formats.writeback import IN_PLACE_WRITES, PlacedMemory
 
 __all__ = ["TensorReport", "check_encoders", "chunks_held", "encode_chunk", "encoder_processes",
@@ -370,6 +370,7 @@ def write_gguf(
     progress: Callable[[int], None] | None = None,
     sample: int = 1,
     memory: PlacedMemory | None = None,
+    parts: Sequence[tuple[Path, FileLayout]] | None = None,
 ) -> list[TensorReport]:
     """Write the planned GGUF file, streaming each tensor by row chunks from its stream source.
 
@@ -398,6 +399,8 @@ def write_gguf(
             never depend on it): :meth:`convert.gguf.codecs.base.Codec.quantize_measured`.
         memory: where chunks of memory their own are made (rows read and bytes encoded); None: a
             :class:`formats.writeback.PlacedMemory` of this call.
+        parts: write the file as these parts instead of ``path``: ``(path, layout)`` of each, in order
+            (:func:`convert.gguf.split.plan_split`, :class:`formats.gguf.GGUFSplitWriter`), or None.
 
     Returns:
         One :class:`TensorReport` per tensor, in file order.
@@ -421,7 +424,7 @@ def write_gguf(
     if memory is None:
         memory = PlacedMemory(keep=chunks_held(workers))
     reader = RowReader(max_memory, threads, memory, f16_only(plan))
-    with GGUFFileWriter(spath, plan) as out:
+    with (GGUFSplitWriter(parts) if parts else GGUFFileWriter(spath, plan)) as out:
         pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
         procs = encoder_pool.start(n_procs) if n_procs else None
         try:
@@ -486,7 +489,8 @@ def _as_rows(src: PlannedTensor, t: GGUFTensor) -> PlannedTensor:
 
 
 def _file_chunks(plan: GGUFPlan, sources: Mapping[str, PlannedTensor], reader: RowReader, chunk_elements: int,
-                 procs: ProcessPoolExecutor | None, path: str, sample: int, out: GGUFFileWriter) -> Iterator[Chunk]:
+                 procs: ProcessPoolExecutor | None, path: str, sample: int, out: GGUFFileWriter | GGUFSplitWriter
+                 ) -> Iterator[Chunk]:
     """Every tensor's row chunks in file order (:func:`_chunk_tasks`), each tensor followed by a marker of its
     end; keyed ``(the planned tensor's source, the tensor's running figures)``."""
     for i, t in enumerate(plan.tensors):

@@ -4,7 +4,9 @@ The dequantization plan (:func:`convert.stream.plan.make_plan` with ``to="auto"`
 bitsandbytes dequantizes it to, LoRA merges applied) is planned by :func:`convert.gguf.plan.plan_gguf`
 and feeds :func:`convert.gguf.encode.write_gguf` by row ranges, each rounded once to the GGUF type.
 Output naming, pre-flight, claim and commit are :mod:`convert.output`'s, as for every target;
-``verify`` re-reads the file with ``gguf.GGUFReader`` (:func:`formats.gguf.verify_gguf`).
+``verify`` re-reads the file with ``gguf.GGUFReader`` (:func:`formats.gguf.verify_gguf`). With
+``--split-max-size`` / ``--split-max-tensors`` the file is written as the parts llama-gguf-split makes of it
+(:mod:`convert.gguf.split`), each verified, and committed together.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from convert.gguf.encode import TensorReport, check_encoders, chunks_held, write
 from convert.gguf.mix import mix_summary
 from convert.gguf.mmproj import mmproj_type, plan_mmproj
 from convert.gguf.plan import GGUFTensor, plan_gguf
+from convert.gguf.split import part_paths, plan_split
 from convert.options import SUMMARY_SAMPLE, ConvertOptions
 from convert.output import ShardLedger
 from convert.stream.pipeline import RunSettings, placed_memory
 from convert.stream.plan import Plan, make_plan
 from formats.errors import TokenizerError
-from formats.gguf import file_nbytes
+from formats.gguf import GGUFPart, file_nbytes
 from formats.gguf import verify_gguf as _verify_gguf
 
 GT = gguf.GGMLQuantizationType
@@ -99,9 +102,14 @@ class GgufJob:
         model_name: ``general.name``: the directory's name, or the repo id for a Hub SRC (as
             llama.cpp names it).
 
+    Attributes:
+        split: the parts of a split output (``options.split_max_size`` / ``split_max_tensors``:
+            :func:`convert.gguf.split.plan_split`), or None for one file.
+
     Raises:
         TokenizerError: the input is not a model directory with config.json (GGUF-004).
         UnsupportedError: GGUF-001..006 (from :func:`convert.gguf.plan.plan_gguf`).
+        UsageError: USE-001, a split limit smaller than the first tensor (:func:`convert.gguf.split.plan_split`).
         GgufTypeError: GGUF-002, a planned type without an encoder in this build (not with ``dry_run``:
             raised before any output is claimed).
     """
@@ -133,6 +141,7 @@ class GgufJob:
             config_path=str(ckpt.source / "config.json"),
             mix=options.mix,
         )
+        self.split = plan_split(self.gplan, max_tensors=options.split_max_tensors, max_size=options.split_max_size)
         self._sizes(options.dry_run)
 
     def _sizes(self, dry_run: bool) -> None:
@@ -140,7 +149,8 @@ class GgufJob:
         once, a stack's every slice source); GGUF-002 (:func:`check_encoders`) unless ``dry_run``, before any
         output is claimed (a mix needs the K-quant codecs)."""
         self.out_nbytes = self.gplan.nbytes
-        self.disk_nbytes = file_nbytes(self.gplan)
+        self.disk_nbytes = sum(map(file_nbytes, self.split)) if self.split else file_nbytes(self.gplan)
+        self.part_files: list[Path] = []
         self.tensors = len(self.gplan.tensors)
         self.elements = sum(t.numel for t in self.gplan.tensors)
         by_name = {t.name: t for t in self.plan.tensors}
@@ -161,6 +171,7 @@ class GgufJob:
                  "bytes": t.nbytes, "note": t.fallback}
                 for t in self.gplan.tensors
             ],
+            **({"parts": self._parts_list()} if self.split else {}),
             "notes": self._plan_notes(),
         }
 
@@ -170,8 +181,30 @@ class GgufJob:
                  f"{g.nbytes} bytes of tensor data, {len(g.metadata)} metadata keys; "
                  f"{mix_summary([t.ggml_type for t in g.tensors])}"]
         lines += ["  " + line for line in g.describe()]
+        for i, p in enumerate(self._parts_list()):
+            lines.append(f"  part {i + 1} of {len(self.split or [])}: {p['file']}: {p['tensors']} tensor"
+                         f"{'s' if p['tensors'] > 1 else ''} ({p['first']} ... {p['last']}), {p['bytes']} bytes")
         lines += [f"  note: {n}" for n in self._plan_notes()]
         return "\n".join(lines)
+
+    def output_parts(self, out: Path) -> list[Path] | None:
+        """The files of a split output ``out`` (``OUT-00001-of-0000N.gguf`` ...: :func:`convert.gguf.split.part_paths`),
+        remembered for :meth:`write`, :meth:`verify` and the plan; None for one file."""
+        if not self.split:
+            return None
+        self.part_files = part_paths(out, self.split)
+        return self.part_files
+
+    def _parts_list(self) -> list[dict[str, Any]]:
+        """Each part: its file name (once :meth:`output_parts` named them), tensors, first and last tensor,
+        and exact size in bytes."""
+        names = [p.name for p in self.part_files] or [f"part {i + 1}" for i in range(len(self.split or []))]
+        return [{"file": name, "tensors": len(p.tensors), "first": p.tensors[0].name, "last": p.tensors[-1].name,
+                 "bytes": file_nbytes(p)} for name, p in zip(names, self.split or [], strict=True)]
+
+    def _staged_parts(self, staging: Path) -> list[tuple[Path, GGUFPart]]:
+        assert self.split and len(self.part_files) == len(self.split)  # (output_parts named them)
+        return [(staging / f.name, p) for f, p in zip(self.part_files, self.split, strict=True)]
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
         budget = max(run.max_memory - 96 * 1024 * 1024, 16 * 1024 * 1024)
@@ -182,21 +215,27 @@ class GgufJob:
                                       chunk_elements=gchunk, threads=run.threads, max_memory=run.max_memory,
                                       processes=None if run.processes else 0,
                                       progress=bar.update if bar is not None else None, sample=self.sample,
-                                      memory=placed_memory(run.threads))
+                                      memory=placed_memory(run.threads),
+                                      parts=self._staged_parts(staging) if self.split else None)
         finally:
             if bar is not None:
                 bar.close()
-        return 1, 0
+        return len(self.split or [None]), 0
 
     def verify(self, staging: Path) -> None:
-        _verify_gguf(staging, self.gplan)
+        for path, layout in self._staged_parts(staging) if self.split else [(staging, self.gplan)]:
+            _verify_gguf(path, layout)
 
     def _plan_notes(self) -> list[str]:
         """The notes known before writing: the dequantization plan's, the GGUF plan's, the other towers'."""
         return list(self.plan.notes) + self.gplan.notes + _tower_notes(self.gplan.towers, self.mmproj)
 
     def notes(self) -> list[str]:
-        return self._plan_notes() + _type_notes(
+        parts = self._parts_list()
+        split = [f"split into {len(parts)} parts as llama-gguf-split does (llama.cpp loads the first): "
+                 + ", ".join(f"{p['file']} ({p['tensors']} tensors, {p['bytes']} bytes)" for p in parts[:4])
+                 + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")] if parts else []
+        return self._plan_notes() + split + _type_notes(
             self.out_type, self.gplan.tensors) + _error_notes(
             self.out_type, self.reports, self.sample
         )
@@ -212,6 +251,7 @@ class GgufJob:
                  "rms_error": _json_number(r.rms_error), "rel_rms_error": _json_number(r.rel_rms_error)}
                 for r in self.reports
             ],
+            **({"parts": self._parts_list()} if self.split else {}),
         }}
 
     def fp16_counts(self) -> tuple[int, int]:
@@ -244,6 +284,7 @@ class MmprojJob(GgufJob):
             plan = make_plan(ckpt, "auto", max_shard_size=options.max_shard_size)
         self.plan = plan
         self.mmproj = None
+        self.split = None  # (the projector is one file)
         self.sample = 1 if options.merge_report else SUMMARY_SAMPLE
         self.to = f"gguf:{self.out_type} (mmproj)"
         self.gplan = plan_mmproj(plan.config or ckpt.config, [(t.name, t.shape) for t in plan.tensors], ckpt.source,

@@ -337,6 +337,9 @@ class SafetensorsJob:
     def describe(self) -> str:
         return self.plan.describe()
 
+    def output_parts(self, out: Path) -> list[Path] | None:
+        return None  # (one file, or a directory)
+
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
         return write_plan(self.plan, staging, run, ledger)
 
