@@ -367,7 +367,7 @@ class OutputClaim:
         file_suffix: the suffix a file output of this kind has (a directory must not be named so).
         parts: the files of an output written as several files beside each other (a split GGUF's parts, in
             order; ``final`` is the first), or None. They are staged in one temporary directory under their
-            own names (``staging / part.name``), checked (OUT-001) and installed together.
+            own names (``staging / part.name``; never resumable), checked (OUT-001) and installed together.
 
     Raises (on enter):
         OutputKindError: USE-003; OutputInsideInputError: USE-002; OutputBusyError: OUT-004;
@@ -379,7 +379,7 @@ class OutputClaim:
                  parts: list[Path] | None = None) -> None:
         self.final = Path(final)
         self.parts = [Path(p) for p in parts] if parts else None
-        assert self.parts is None or (self.parts[0] == self.final and not is_dir and resume_key is None
+        assert self.parts is None or (self.parts[0] == self.final and not is_dir
                                       and all(p.parent == self.final.parent for p in self.parts))
         self.is_dir = is_dir
         self.nbytes = nbytes
@@ -389,7 +389,7 @@ class OutputClaim:
         self.file_suffix = file_suffix
         self.recovered: list[str] = []
         self.ledger: ShardLedger | None = None
-        self.staging = (_hidden(self.final, PARTIAL_MARK) if resume_key is not None
+        self.staging = (_hidden(self.final, PARTIAL_MARK) if resume_key is not None and not self.parts
                         else _hidden(self.final, TMP_MARK, str(os.getpid())))
         self._lock_fd: int | None = None
         self._committed = False
