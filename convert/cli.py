@@ -105,10 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="largest output shard for directory outputs (default: 5GB)")
-    p.add_argument("--mmproj", type=Path, default=None, metavar="PATH",
+    p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="with --to gguf[:TYPE] of a multimodal checkpoint: also write its vision projector GGUF "
                    "(llama.cpp's mmproj file: Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL; F16 unless TYPE is f32, "
-                   "bf16 or q8_0)")
+                   "bf16 or q8_0) to PATH; a directory (or DIR/) puts it there under its default name, "
+                   "mmproj-NAME-F16.gguf")
+    p.add_argument("--metadata", type=Path, default=None, metavar="FILE",
+                   help="with --to gguf[:TYPE]: a JSON file of general.* keys overriding those taken from the model "
+                   "card, config.json and the name (llama.cpp's convert_hf_to_gguf.py --metadata)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -168,7 +172,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
                            tuple(args.include), args.requantize, args.quant_report, args.torch_threads),
         dry_run=args.dry_run, overwrite=args.overwrite, verify=args.verify,
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
-        processes=True, mmproj=args.mmproj,
+        processes=True, mmproj=args.mmproj, metadata=args.metadata,
         mix=parse_mix_options(args.tensor_type, args.output_tensor_type, args.token_embedding_type, args.pure,
                               args.leave_output_tensor),
     )
