@@ -102,8 +102,8 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
         path: a weight file or a model directory.
         to: the target (a ``--to`` string is parsed here); when the input is clean, the target's planning
             runs too (its first problem is reported, or the ``--to`` value's own).
-        model_name: the name the target gives the model (GGUF ``general.name``; default the
-            directory's name).
+        model_name: the model's id for the target (GGUF: what ``general.*`` is made of with the
+            directory, :mod:`convert.gguf.general`; a Hub repo's id; default the directory's name).
 
     Returns:
         the :class:`CheckReport` (``report.ok`` is True when clean).

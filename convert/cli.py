@@ -105,15 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all cores)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="largest output shard for directory outputs (default: 5GB)")
-    p.add_argument("--mmproj", type=Path, default=None, metavar="PATH",
+    p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="with --to gguf[:TYPE] of a multimodal checkpoint: also write its vision projector GGUF "
                    "(llama.cpp's mmproj file: Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL; F16 unless TYPE is f32, "
-                   "bf16 or q8_0)")
+                   "bf16 or q8_0) to PATH; a directory (or DIR/) puts it there under its default name, "
+                   "mmproj-NAME-F16.gguf")
     p.add_argument("--split-max-size", default=None, metavar="N(M|G)",
                    help="with --to gguf[:TYPE]: write the parts llama-gguf-split --split makes, each at most N "
                    "megabytes/gigabytes of tensor data (OUT-00001-of-0000K.gguf ...)")
     p.add_argument("--split-max-tensors", type=int, default=None, metavar="N",
                    help="with --to gguf[:TYPE]: the same, with at most N tensors in each part")
+    p.add_argument("--metadata", type=Path, default=None, metavar="FILE",
+                   help="with --to gguf[:TYPE]: a JSON file of general.* keys overriding those taken from the model "
+                   "card, config.json and the name (llama.cpp's convert_hf_to_gguf.py --metadata)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -168,7 +172,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
         processes=True, mmproj=args.mmproj, split_max_size=args.split_max_size,
         split_max_tensors=args.split_max_tensors,
-        mix=mix_from_args(args),
+        mix=mix_from_args(args), metadata=args.metadata,
     )
 
 

@@ -39,9 +39,11 @@ from convert.hub.shards import HubShards, ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
 from convert.options import MIN_MEMORY, ConvertOptions
 from convert.output import (
+    GgufNaming,
     InterruptedAfterCommit,
     OutputClaim,
     default_output,
+    gguf_file_name,
     output_path,
     sha256_file,
     write_json,
@@ -205,7 +207,7 @@ def check_options(options: ConvertOptions) -> None:
 
     Raises:
         UsageError: ``low_disk`` with a target other than auto/bf16/fp16/fp32; a ``mix`` option without
-            a llama-quantize type;
+            a llama-quantize type; ``mmproj`` or ``metadata`` without a GGUF target;
             ``threads`` or ``max_shard_size`` below 1; ``max_memory``
             below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
             directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
@@ -225,8 +227,9 @@ def check_options(options: ConvertOptions) -> None:
     if ft is not None and ft.needs_imatrix and options.mix.imatrix is None:
         raise ImatrixRequiredError(f"gguf:{ft.name.lower()} needs an importance matrix (llama-quantize refuses it "
                                    "without one)", expected="--imatrix FILE", found="no --imatrix")
-    if options.mmproj is not None and options.to.family != "gguf":
-        raise UsageError("--mmproj needs --to gguf[:TYPE]", expected="--to gguf...", found=f"--to {options.to.name}")
+    for flag, value in (("--mmproj", options.mmproj), ("--metadata", options.metadata)):
+        if value is not None and options.to.family != "gguf":
+            raise UsageError(f"{flag} needs --to gguf[:TYPE]", expected="--to gguf...", found=f"--to {options.to.name}")
     if options.threads is not None and options.threads < 1:
         raise UsageError("--threads must be at least 1", found=options.threads)
     if options.max_shard_size < 1:
@@ -327,6 +330,7 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
         "to": options.to.name,
         "max_shard_size": options.max_shard_size,
         "merge_lora": [os.path.realpath(p) for p in options.merge_lora],  # (a symlink loop stays a path)
+        **({"metadata": os.path.realpath(options.metadata)} if options.metadata is not None else {}),
         # llama-quantize's per-tensor options, when given (a key without them stays as earlier runs stored it)
         **({"mix": options.mix.flags()} if options.mix.flags() else {}),
         # the importance matrix's bytes, not only its name (None: unreadable; the run refuses it later)
@@ -400,12 +404,15 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             plan.notes += source.notes()
             # 5. the target's job, from the static table; a dry run stops with its plan
             job = TARGETS[options.to.family](plan, options, source.model_name(ckpt))
+            if job.naming is not None:  # a GGUF file is named by llama.cpp's convention from its general.* keys
+                default = _named_default(options, source, job.naming)
             out = output_path(options.output, default, is_dir=job.is_dir)
             parts = job.output_parts(out)  # a split GGUF: its files, the first one standing for the output
             out = parts[0] if parts else out
             result.output = str(out)
             mmproj = MmprojJob(plan, options, source.model_name(ckpt)) if options.mmproj is not None else None
-            mm_out = _mmproj_output(options, out)
+            mm_out = _mmproj_output(options, out, mmproj.naming if mmproj is not None else None,
+                                    source.hub.revision if source.hub is not None else None)
             if options.dry_run:
                 result.dry_run, result.plan_text = job.plan_dict(), job.describe()
                 result.output_exists = any(p.exists() for p in parts or [out])
@@ -520,19 +527,41 @@ def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSourc
     result.removed_stale = claim.recovered
 
 
-def _mmproj_output(options: ConvertOptions, out: Path) -> Path:
-    """The ``--mmproj`` path, checked against the text model's output before anything is written.
+def _named_default(options: ConvertOptions, source: ResolvedSource, naming: GgufNaming | None) -> Path:
+    """:func:`convert.output.default_output` of this run's source, with a GGUF job's ``naming`` (None: the
+    name known before the input was read)."""
+    hub = source.hub
+    return default_output(None if hub is not None else Path(options.src), options.to,
+                          hub.repo_id if hub is not None else None, hub.revision if hub is not None else None,
+                          naming=naming)
+
+
+def _mmproj_output(options: ConvertOptions, out: Path, naming: GgufNaming | None, revision: str | None) -> Path:
+    """The ``--mmproj`` path, checked against the text model's output before anything is written: a file
+    path, or a directory (an existing one, or a path ending in a separator; ``.`` for the working directory)
+    that the file goes into under its default name (``mmproj-`` + llama.cpp's naming convention:
+    :func:`convert.output.gguf_file_name`).
+
+    Args:
+        options: ``mmproj`` and ``overwrite``/``dry_run``.
+        out: the text model's output.
+        naming: the vision projector job's name parts.
+        revision: a Hub revision asked for (in the default name's version part), or None.
 
     Raises:
-        UsageError: USE-001, the same path as the text model's output, a directory or an empty path.
+        UsageError: USE-001, the same path as the text model's output, or an empty path.
         OutputExistsError: OUT-001, it exists and ``--overwrite`` was not given.
     """
     if options.mmproj is None:
         return out
-    mm_out = Path(options.mmproj)
-    if not str(options.mmproj).strip() or mm_out.is_dir():
-        raise UsageError("--mmproj names a directory; give a file name such as mmproj.gguf",
-                         expected="a file path", found=str(options.mmproj) or "an empty path")
+    text = os.fspath(options.mmproj)
+    mm_out = Path(text)
+    if not text.strip():
+        raise UsageError("--mmproj names no file; give a file name such as mmproj.gguf, or a directory",
+                         expected="a file or directory path", found="an empty path")
+    if text.endswith(("/", os.sep)) or mm_out.is_dir():
+        assert naming is not None  # (the vision projector's job is planned whenever mmproj is given)
+        mm_out = mm_out / gguf_file_name(naming, revision)
     if os.path.abspath(mm_out) == os.path.abspath(out):
         raise UsageError("--mmproj names the text model's output", expected="another file than -o",
                          found=str(mm_out))

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+import gguf
+
 from convert.gguf.split import parse_split_size
 from convert.gguf.types import (
     DEFAULT_MIX,
@@ -74,6 +76,11 @@ class Target:
     dequantize_to: str
     gguf_type: str | None = None
     quant_type: str | None = None
+
+    @property
+    def gguf_file_type(self) -> gguf.LlamaFileType | None:
+        """The GGUF output's ``general.file_type`` (:data:`convert.gguf.types.OUTPUT_TYPES`), or None."""
+        return OUTPUT_TYPES[self.gguf_type][1] if self.gguf_type is not None else None
 
     @property
     def llama_quantize(self) -> bool:
@@ -210,7 +217,8 @@ class ConvertOptions:
             to this JSON file before the output is committed (so whoever asked can tell its own complete
             output from someone else's files even when the run dies right after the commit), or None.
         mmproj: with ``--to gguf*``: also write the vision projector GGUF (llama.cpp's ``--mmproj`` file,
-            :mod:`convert.gguf.mmproj`) to this path, committed on its own after the text model.
+            :mod:`convert.gguf.mmproj`) to this path, committed on its own after the text model; a directory
+            (or a str ending in a path separator) puts it there under its default name.
         mmproj_manifest: with ``mmproj``: write the vision projector's file list to this JSON file before
             it is committed, as ``manifest`` for the text model, or None.
         split_max_size: with ``--to gguf*``: write the GGUF as the parts ``llama-gguf-split --split
@@ -219,6 +227,9 @@ class ConvertOptions:
             (:func:`convert.gguf.split.parse_split_size`), or None.
         split_max_tensors: with ``--to gguf*``: the same with at most this many tensors a part
             (``--split-max-tensors``), or None.
+        metadata: with ``--to gguf*``: a JSON file of ``general.*`` values that override those taken from
+            config.json, the model card and the name (llama.cpp's converter's ``--metadata``:
+            :mod:`convert.gguf.general`), or None.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
@@ -255,10 +266,11 @@ class ConvertOptions:
     on_progress: Callable[[int, int], None] | None = None
     low_disk: bool = False
     processes: bool = False
-    mmproj: Path | None = None
+    mmproj: str | Path | None = None
     mmproj_manifest: Path | None = None
     split_max_size: int | None = None
     split_max_tensors: int | None = None
+    metadata: Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters

@@ -50,6 +50,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import gguf
+
 from convert import signals
 from convert.options import Target
 from formats.checkpoint import path_kind
@@ -66,11 +68,13 @@ from formats.errors import (
 __all__ = [
     "DISK_HEADROOM",
     "TMP_MARK",
+    "GgufNaming",
     "InterruptedAfterCommit",
     "OutputClaim",
     "ShardLedger",
     "default_output",
     "file_manifest",
+    "gguf_file_name",
     "output_path",
     "write_json",
     "output_name",
@@ -79,6 +83,7 @@ __all__ = [
     "remove_path",
     "revision_label",
     "sha256_file",
+    "strip_quant_suffix",
     "user_path",
 ]
 
@@ -100,22 +105,97 @@ COMMIT_LIST = ".convert-bnb-commit"
 
 # ---------------------------------------------------------------------------------------- naming
 
+#: The trailing ``-``-separated words of a bnb checkpoint's name that say how it was quantized
+#: (``llama-3-8b-bnb-4bit``, ``Qwen2.5-7B-Instruct-unsloth-bnb-4bit``, ``...-bnb-nf4``, ``...-4bit``), which
+#: a converted model's name drops; ``unsloth`` only right before them (unsloth's dynamic 4-bit mark).
+_QUANT_SUFFIX = re.compile(r"(?:-unsloth)?(?:-(?:bnb|4bit|8bit|nf4|fp4|int4|int8))+$", re.IGNORECASE)
+
+
+def strip_quant_suffix(name: str) -> str:
+    """``name`` without its trailing bitsandbytes quantization words (:data:`_QUANT_SUFFIX`), any letter case:
+    ``llama-3-8b-bnb-4bit`` -> ``llama-3-8b``, ``Qwen2.5-7B-Instruct-unsloth-bnb-4bit`` ->
+    ``Qwen2.5-7B-Instruct``, ``Llama-3.2-1B-bnb-nf4`` -> ``Llama-3.2-1B``, ``m-4bit`` -> ``m``. Only
+    ``-``-separated words after the first (the separator of Hub names and of llama.cpp's name heuristics):
+    ``llama_nf4_dq`` stays as it is, ``bnb-4bit`` becomes ``bnb``, and a name that would be left empty
+    (``-4bit``) stays as it is."""
+    stripped = _QUANT_SUFFIX.sub("", name)
+    return stripped if stripped.strip("-") else name
+
+
+@dataclass(frozen=True)
+class GgufNaming:
+    """What a GGUF file's default name is made of: the arguments of gguf-py's
+    ``gguf.naming_convention(model_name, base_name, finetune_string, version_string, size_label, output_type)``
+    as llama.cpp's ``convert_hf_to_gguf.py`` passes them (``ModelBase.prepare_metadata``: the model's
+    ``general.*`` values), giving ``{Name}-{SizeLabel}-{FineTune}-{Version}-{ENCODING}.gguf``.
+
+    Attributes:
+        name: ``general.name`` (used when there is no basename; ``/`` and blanks become ``-``).
+        basename, finetune, version, size_label: ``general.basename`` etc., or None (left out).
+        encoding: llama.cpp's upper-case name of the file type (``general.file_type``):
+            :func:`gguf_encoding`, e.g. ``Q4_K_M``, ``F16``, ``BF16``.
+        prefix: put before the name: ``mmproj-`` for a vision projector (as the converter's ``--mmproj``).
+    """
+
+    name: str | None
+    basename: str | None
+    finetune: str | None
+    version: str | None
+    size_label: str | None
+    encoding: str
+    prefix: str = ""
+
+
+def gguf_encoding(file_type: gguf.LlamaFileType) -> str:
+    """llama.cpp's name of a file type in file names, as its converter takes it from the ``LlamaFileType``
+    member: ``MOSTLY_Q4_K_M`` -> ``Q4_K_M``, ``ALL_F32`` -> ``F32``, ``MOSTLY_BF16`` -> ``BF16``."""
+    return file_type.name.partition("_")[2]
+
+
+def gguf_file_name(naming: GgufNaming, revision: str | None = None) -> str:
+    """A GGUF file's default name: ``prefix`` + gguf-py's ``naming_convention`` + ``.gguf``
+    (``Llama-3.2-1B-Instruct-Q4_K_M.gguf``, ``Mixtral-8x7B-v0.1-Q8_0.gguf``, ``mmproj-gemma-3-4b-it-F16.gguf``).
+
+    Args:
+        naming: the model's name parts and the file type.
+        revision: a Hub revision asked for (``org/name@v2``, ``--revision``): appended to the version
+            part (:func:`revision_label`), so two revisions of one repo never share a default name.
+    """
+    version = naming.version
+    if revision:
+        version = "-".join(v for v in (version, revision_label(revision)) if v)
+    stem = gguf.naming_convention(naming.name, naming.basename, naming.finetune, version, naming.size_label,
+                                  naming.encoding)
+    return f"{naming.prefix}{stem}.gguf"
+
+
 def output_name(stem: str, to: Target, *, single_file: bool) -> str:
-    """The default output name for an input named ``stem`` converted ``--to to``.
+    """The default output name for an input named ``stem`` converted ``--to to``, as far as it is known
+    before the input is read.
 
     ``model-bnb-4bit`` -> ``model-bnb-4bit-bf16`` (a directory), ``weights`` (a file input) ->
-    ``weights-bf16.safetensors``, ``--to auto`` -> ``...-dequantized``, ``--to gguf:q8_0`` ->
-    ``...-gguf-q8_0.gguf`` (GGUF is one file whatever the input).
+    ``weights-bf16.safetensors``, ``--to auto`` -> ``...-dequantized``. GGUF (one file whatever the input)
+    follows llama.cpp's naming convention (:func:`gguf_file_name`) with what the name alone gives:
+    ``model-bnb-4bit`` ``--to gguf:q8_0`` -> ``model-Q8_0.gguf``; a conversion names its file from the
+    model's ``general.*`` keys once it has planned them (size label, basename, finetune, version:
+    :func:`default_output` with ``naming``); a batch job keeps this name (it is named before anything is read).
 
     Args:
         stem: a directory's or repo's name, or a file's name without its suffix.
         to: the target.
         single_file: whether a safetensors output would be one file (a file input).
     """
-    suffix = "dequantized" if to.name == "auto" else to.name.replace(":", "-")
     if to.family == "gguf":
-        return with_target_suffix(f"{stem}-{suffix}", to)
+        return gguf_file_name(plain_naming(stem, to))
+    suffix = "dequantized" if to.name == "auto" else to.name.replace(":", "-")
     return f"{stem}-{suffix}" + (".safetensors" if single_file else "")
+
+
+def plain_naming(stem: str, to: Target) -> GgufNaming:
+    """The :class:`GgufNaming` a GGUF output has before its input is read: the name alone, without its
+    quantization words (:func:`strip_quant_suffix`), and ``to``'s file type."""
+    assert to.gguf_file_type is not None
+    return GgufNaming(strip_quant_suffix(stem), None, None, None, None, gguf_encoding(to.gguf_file_type))
 
 
 def with_target_suffix(name: str, to: Target) -> str:
@@ -132,17 +212,32 @@ def revision_label(revision: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", revision).strip("-.") or "rev"
 
 
-def default_output(src: Path | None, to: Target, repo_id: str | None = None, revision: str | None = None) -> Path:
+def default_output(src: Path | None, to: Target, repo_id: str | None = None, revision: str | None = None,
+                   naming: GgufNaming | None = None) -> Path:
     """Where the output goes without ``-o``: next to a local SRC, or in the working directory for a
     Hub repo (``org/name`` -> ``./name-<suffix>``; with a revision, ``./name-<revision>-<suffix>``, so
-    two revisions of one repo never share a default name; :func:`revision_label`). See :func:`output_name`."""
+    two revisions of one repo never share a default name; :func:`revision_label`). See :func:`output_name`.
+
+    Args:
+        src: the local SRC (None for a Hub repo).
+        to: the target.
+        repo_id: the Hub repo id, or None.
+        revision: with ``repo_id``: the revision asked for, or None.
+        naming: a GGUF conversion's name parts, once planned (:class:`GgufNaming`): the file is named by
+            llama.cpp's convention from them (:func:`gguf_file_name`, the revision in the version part);
+            None: the name known before the input is read.
+    """
     if repo_id is not None:
-        stem = repo_id.rsplit("/", 1)[-1] + (f"-{revision_label(revision)}" if revision else "")
-        return Path.cwd() / output_name(stem, to, single_file=False)
-    assert src is not None
-    if src.is_dir():
-        return src.with_name(output_name(src.name, to, single_file=False))
-    return src.with_name(output_name(src.stem, to, single_file=True))
+        stem, where, single_file = repo_id.rsplit("/", 1)[-1], Path.cwd(), False
+    else:
+        assert src is not None
+        single_file = not src.is_dir()
+        stem, where, revision = (src.stem if single_file else src.name), src.parent, None
+    if to.family == "gguf":
+        return where / gguf_file_name(naming or plain_naming(stem, to), revision)
+    if revision:
+        stem += f"-{revision_label(revision)}"
+    return where / output_name(stem, to, single_file=single_file)
 
 
 def output_path(given: str | os.PathLike[str] | None, default: Path, *, is_dir: bool) -> Path:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from convert.bnb4.target import Bnb4Job
 from convert.gguf.target import GgufJob, MmprojJob
 from convert.options import ConvertOptions
-from convert.output import ShardLedger
+from convert.output import GgufNaming, ShardLedger
 from convert.stream.pipeline import RunSettings
 from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
@@ -41,6 +41,8 @@ class TargetJob(Protocol):
     #: whether the output is a directory (else one file), and the suffix of a file output
     is_dir: bool
     file_suffix: str
+    #: a GGUF file's default name parts, known once planned (:func:`convert.output.default_output`), or None
+    naming: GgufNaming | None
     #: planned bytes of the output, tensors written, values converted (the model's, in its dequantized
     #: shapes), tensor bytes read
     out_nbytes: int

@@ -278,12 +278,13 @@ def test_default_output_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     f.write_bytes(b"")
     assert default_output(d, target_for("bf16")) == tmp_path / "model-bnb-4bit-bf16"
     assert default_output(d, target_for("auto")) == tmp_path / "model-bnb-4bit-dequantized"
-    assert default_output(d, target_for("gguf:q8_0")) == tmp_path / "model-bnb-4bit-gguf-q8_0.gguf"
+    # GGUF before its input is read (a batch job's name): llama.cpp's convention of the name alone
+    assert default_output(d, target_for("gguf:q8_0")) == tmp_path / "model-Q8_0.gguf"
     assert default_output(f, target_for("fp16")) == tmp_path / "weights-fp16.safetensors"
     assert default_output(f, target_for("nf4")) == tmp_path / "weights-nf4.safetensors"
     monkeypatch.chdir(tmp_path)
     assert default_output(None, target_for("bf16"), "org/m") == tmp_path / "m-bf16"
-    assert output_name("m", target_for("gguf"), single_file=True) == "m-gguf.gguf"
+    assert output_name("m", target_for("gguf"), single_file=True) == "m-F16.gguf"
 
 
 def test_sigterm_while_claimed_releases_everything(tmp_path: Path) -> None:
@@ -317,7 +318,7 @@ def test_o_ending_in_a_separator_puts_a_file_output_into_the_directory(tmp_path:
     assert main([str(src), "--to", "bf16", "-o", f"{tmp_path / 'into'}/", "-q"]) == 0
     assert [p.name for p in (tmp_path / "into").iterdir()] == ["model-bf16.safetensors"]
     assert main([str(MODEL), "--to", "gguf:q8_0", "-o", f"{tmp_path / 'g'}/", "-q"]) == 0
-    assert [p.name for p in (tmp_path / "g").iterdir()] == ["llama_nf4_dq-gguf-q8_0.gguf"]
+    assert [p.name for p in (tmp_path / "g").iterdir()] == ["Llama_Nf4_Dq-2.0M-Q8_0.gguf"]
     assert main([str(MODEL), "--to", "bf16", "-o", f"{tmp_path / 'd'}/", "-q"]) == 0  # a directory output: DIR
     assert (tmp_path / "d" / "config.json").is_file()
 

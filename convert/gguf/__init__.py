@@ -4,6 +4,8 @@
 - :mod:`~convert.gguf.target`: :class:`~convert.gguf.target.GgufJob`, the target's job;
 - :mod:`~convert.gguf.types`: the output type names (light: the command line imports only this);
 - :mod:`~convert.gguf.plan`: every tensor's GGUF name, type and bytes, and the metadata, from headers;
+- :mod:`~convert.gguf.general`: the ``general.*`` keys and the default file name's parts, as llama.cpp's
+  converter makes them (model card, config.json, the name without its bnb words, ``--metadata``);
 - :mod:`~convert.gguf.families`: the architecture table (one row of data per llama.cpp model class);
 - :mod:`~convert.gguf.arch`, :mod:`~convert.gguf.rope`, :mod:`~convert.gguf.config`: what a row does to
   names, hyperparameters and weights, RoPE scaling, config.json checked against its GGUF types and the

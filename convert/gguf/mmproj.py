@@ -35,6 +35,7 @@ import gguf
 
 from convert.gguf.config import check_packable, real, whole
 from convert.gguf.families import Architecture
+from convert.gguf.general import MetadataSource, model_metadata, naming, parameter_counts
 from convert.gguf.plan import GGUFPlan, GGUFTensor
 from convert.gguf.types import OUTPUT_TYPES
 from formats import jsonfile
@@ -95,7 +96,7 @@ def plan_mmproj(
     model_dir: str | os.PathLike[str],
     output_type: str = "f16",
     *,
-    model_name: str | None = None,
+    model: MetadataSource | None = None,
     config_path: str | None = None,
 ) -> GGUFPlan:
     """Plan the mmproj GGUF of a multimodal checkpoint from headers alone.
@@ -106,7 +107,8 @@ def plan_mmproj(
             left out here).
         model_dir: the directory with ``preprocessor_config.json``.
         output_type: the text model's ``--to gguf:TYPE`` (:func:`mmproj_type` picks the mmproj's).
-        model_name: ``general.name`` (default: the directory's name).
+        model: where the ``general.*`` keys come from (:mod:`convert.gguf.general`; default: ``model_dir``,
+            named as it is, and ``config``).
         config_path: the config file, for error messages.
 
     Returns:
@@ -177,10 +179,10 @@ def plan_mmproj(
     _check_required(planned, n_blocks, hf, config_path)
     w = gguf.GGUFWriter(path=None, arch=_CLIP.name)
     w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_name(model_name if model_name is not None else Path(model_dir).resolve().name)
-    total = sum(math.prod(t.shape) for t in planned)
-    if total > 0:
-        w.add_size_label(gguf.size_label(total, total, 0, 0))
+    if model is None:
+        model = MetadataSource(Path(model_dir), Path(model_dir).resolve().name, config)
+    general, notes = model_metadata(model, parameter_counts((t.name, t.shape) for t in planned))
+    general.set_gguf_meta_model(w)
     w.add_file_type(file_type)
     w.add_clip_has_vision_encoder(True)
     w.add_vision_projection_dim(n_embd_text)
@@ -202,7 +204,8 @@ def plan_mmproj(
     check_packable(w, Path(model_dir), config_path)
     metadata = {k: (v.value, v.type, v.sub_type) for k, v in w.kv_data[0].items()
                 if k != gguf.Keys.General.ARCHITECTURE}
-    return GGUFPlan(_CLIP, out_name, file_type, metadata, planned)
+    return GGUFPlan(_CLIP, out_name, file_type, metadata, planned, notes=notes,
+                    naming=naming(general, file_type, mmproj=True))
 
 
 #: The classes with a projector here (``Gemma3VisionModel``, ``LlavaVisionModel``, ``Qwen2VLVisionModel``).

@@ -25,8 +25,8 @@ Output types (``--to gguf:TYPE``, :data:`convert.gguf.types.OUTPUT_TYPES`, any l
 Where the output knowingly differs from ``convert_hf_to_gguf.py`` (which needs torch and
 transformers):
 
-- ``general.*`` holds type, name (the directory name), size label, file type and quantization
-  version; llama.cpp also reads the model card (basename, finetune, license, ...).
+- none in ``general.*``: they are the converter's (:mod:`convert.gguf.general`: the model card,
+  config.json, the directory's name without its bnb quantization words, the ``--metadata`` file).
 - ``f32`` holds the exact float32 dequantized weights (a 4-bit layer's fp32 products, before the
   rounding to the checkpoint's bf16/f16 that transformers' ``dequantize()`` does), and the
   llama-quantize types are quantized from them (:data:`convert.gguf.types.FLOAT32_INPUT`): never from a 16-bit
@@ -85,12 +85,14 @@ from convert.gguf.config import (
     whole,
 )
 from convert.gguf.families import Architecture, Param
+from convert.gguf.general import MetadataSource, model_metadata, naming, parameter_counts
 from convert.gguf.imatrix import imatrix_keys, importance_rows, load_importance
 from convert.gguf.loader import check_required, check_shapes
 from convert.gguf.mix import MixModel, mix_types, requires_imatrix
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_choice_note, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
 from convert.gguf.types import DEFAULT_MIX, FILE_TYPES, OUTPUT_TYPES, MixOptions, parse_output_type
+from convert.output import GgufNaming
 from formats.errors import GgufConfigError, ImatrixRequiredError, RopeScalingError
 from formats.gguf import tensor_nbytes
 
@@ -160,7 +162,9 @@ class GGUFPlan:
         generated: GGUF name -> values of tensors made from the config (``rope_freqs.weight``).
         towers: source tensors of a multimodal checkpoint's other towers (vision, audio, projector), not
             written (:func:`convert.gguf.arch.text_name`).
-        notes: what the user should know about how config.json was read (e.g. which RoPE object).
+        notes: what the user should know about how config.json was read (e.g. which RoPE object), and
+            what of the model card was left out of ``general.*``.
+        naming: the default file name's parts (:func:`convert.gguf.general.naming`), or None.
         importance: ``--imatrix``: GGUF name -> float32 ``(n_mat, n_per_row)`` importance rows of the
             weights that have an entry (:func:`convert.gguf.imatrix.importance_rows`); empty without one.
     """
@@ -173,6 +177,7 @@ class GGUFPlan:
     generated: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
     towers: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    naming: GgufNaming | None = None
     importance: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
 
     @property
@@ -229,7 +234,7 @@ def plan_gguf(
     tokenizer_dir: str | os.PathLike[str],
     output_type: str | None = None,
     *,
-    model_name: str | None = None,
+    model: MetadataSource | None = None,
     config_path: str | None = None,
     mix: MixOptions = DEFAULT_MIX,
 ) -> GGUFPlan:
@@ -246,7 +251,8 @@ def plan_gguf(
         tokenizer_dir: the directory with ``tokenizer.model`` / ``tokenizer.json`` /
             ``tokenizer_config.json`` (and config.json for special token ids).
         output_type: a key of :data:`OUTPUT_TYPES` (default ``f16``).
-        model_name: ``general.name`` (default: the tokenizer directory's name).
+        model: where the ``general.*`` keys come from (:mod:`convert.gguf.general`; default: the
+            tokenizer directory, named as it is, and ``config``).
         config_path: the config file, for error messages.
         mix: llama-quantize's per-tensor options, for its file types.
 
@@ -261,6 +267,7 @@ def plan_gguf(
         RopeScalingError: GGUF-005.
         GgufConfigError: GGUF-006.
         CheckpointError: SPM-xxx (bad tokenizer.model).
+        UsageError: USE-001, a bad ``--metadata`` file (:func:`convert.gguf.general.read_override`).
     """
     arch = find_architecture(config, path=config_path)
     out_name = parse_output_type(output_type)
@@ -349,11 +356,10 @@ def plan_gguf(
 
     scratch = gguf.GGUFWriter(path=None, arch=arch.name)
     scratch.add_type(gguf.GGUFType.MODEL)
-    name = model_name if model_name is not None else Path(tokenizer_dir).resolve().name
-    scratch.add_name(name)
-    counts = _parameter_counts(t for t in planned if t.source is not None)
-    if counts[0] > 0:
-        scratch.add_size_label(gguf.size_label(*counts))
+    if model is None:
+        model = MetadataSource(Path(tokenizer_dir), Path(tokenizer_dir).resolve().name, config)
+    general, general_notes = model_metadata(model, parameter_counts((t.name, t.shape) for t in planned))
+    general.set_gguf_meta_model(scratch)
     scratch.add_block_count(n_blocks)
     for param in arch.params + arch.extra_params:
         if param.method == "add_rope_freq_base":
@@ -384,7 +390,8 @@ def plan_gguf(
                 metadata[key] = (value, vtype, None)
         check_importance(out_name, planned, importance, mix.imatrix)
     notes = [n for n in (rope_choice_note(hp), _importance_note(mix.imatrix, planned, importance)) if n]
-    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers, notes, importance)
+    return GGUFPlan(arch, out_name, file_type, metadata, planned, generated, towers, notes + general_notes,
+                    naming(general, file_type), importance)
 
 
 def _check_qk_norms(arch: Architecture, n_blocks: int, planned: Sequence[GGUFTensor], path: str | None) -> None:
@@ -406,23 +413,6 @@ def _check_qk_norms(arch: Architecture, n_blocks: int, planned: Sequence[GGUFTen
             found=f"{n_blocks} layers {'with' if norm is not None else 'without'} q/k norms",
             action="convert",
         )
-
-
-def _parameter_counts(tensors: Iterable[GGUFTensor]) -> tuple[int, int, int, int]:
-    """(total, shared, per-expert, experts) parameters as gguf-py's ``GGUFWriter.get_total_parameter_count``
-    counts them for ``general.size_label``: a stacked ``*_exps.*`` tensor counts one expert's share."""
-    total = shared = expert = expert_sum = n_stacks = 0
-    for t in tensors:
-        size = t.numel
-        if "_exps." in t.name and len(t.shape) >= 3:
-            count = t.shape[-2 if ".bias" in t.name else -3]
-            expert += size // count
-            expert_sum += count
-            n_stacks += 1
-        else:
-            shared += size
-        total += size
-    return total, shared, expert, expert_sum // n_stacks if n_stacks else 0
 
 
 #: A slice of a source tensor: (Hugging Face name, first element, element past the last).

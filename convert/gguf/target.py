@@ -19,12 +19,13 @@ from typing import Any
 import gguf
 
 from convert.gguf.encode import TensorReport, check_encoders, chunks_held, write_gguf
+from convert.gguf.general import MetadataSource
 from convert.gguf.mix import mix_summary
 from convert.gguf.mmproj import mmproj_type, plan_mmproj
 from convert.gguf.plan import GGUFTensor, plan_gguf
 from convert.gguf.split import part_paths, plan_split
 from convert.options import SUMMARY_SAMPLE, ConvertOptions
-from convert.output import ShardLedger
+from convert.output import GgufNaming, ShardLedger
 from convert.stream.pipeline import RunSettings, placed_memory
 from convert.stream.plan import Plan, make_plan
 from formats.errors import TokenizerError
@@ -92,6 +93,13 @@ def _json_number(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
+def _model(plan: Plan, options: ConvertOptions, model_name: str) -> MetadataSource:
+    """Where a job's ``general.*`` keys come from: the model directory, its id, config.json (as merged) and
+    ``--metadata``."""
+    ckpt = plan.checkpoint
+    return MetadataSource(ckpt.source, model_name, plan.config or ckpt.config, options.metadata)
+
+
 class GgufJob:
     """The GGUF writer of one conversion (a :class:`convert.targets.TargetJob`).
 
@@ -99,8 +107,9 @@ class GgufJob:
         plan: the dequantization plan (:attr:`convert.options.Target.dequantize_to`, merges applied).
         options: the conversion's options (``to`` of the gguf family; ``merge_report``: measure every
             tensor's error exactly, else on one piece in :data:`convert.options.SUMMARY_SAMPLE`; ``dry_run``).
-        model_name: ``general.name``: the directory's name, or the repo id for a Hub SRC (as
-            llama.cpp names it).
+        model_name: the model's id: the directory's name, or the repo id for a Hub SRC; with the directory,
+            config.json and ``options.metadata``, what the ``general.*`` keys and the default file name are
+            made of (:mod:`convert.gguf.general`).
 
     Attributes:
         split: the parts of a split output (``options.split_max_size`` / ``split_max_tensors``:
@@ -109,13 +118,16 @@ class GgufJob:
     Raises:
         TokenizerError: the input is not a model directory with config.json (GGUF-004).
         UnsupportedError: GGUF-001..006 (from :func:`convert.gguf.plan.plan_gguf`).
-        UsageError: USE-001, a split limit smaller than the first tensor (:func:`convert.gguf.split.plan_split`).
+        UsageError: USE-001, a split limit smaller than the first tensor (:func:`convert.gguf.split.plan_split`),
+            or a bad ``--metadata`` file (:func:`convert.gguf.general.read_override`).
         GgufTypeError: GGUF-002, a planned type without an encoder in this build (not with ``dry_run``:
             raised before any output is claimed).
     """
 
     is_dir = False
     file_suffix = ".gguf"
+    #: the default file name's parts (llama.cpp's naming convention: :func:`convert.output.gguf_file_name`)
+    naming: GgufNaming | None
 
     def __init__(self, plan: Plan, options: ConvertOptions, model_name: str) -> None:
         ckpt = plan.checkpoint
@@ -137,7 +149,7 @@ class GgufJob:
             [(t.name, t.shape) for t in plan.tensors],
             ckpt.source,
             self.out_type,
-            model_name=model_name,
+            model=_model(plan, options, model_name),
             config_path=str(ckpt.source / "config.json"),
             mix=options.mix,
         )
@@ -148,6 +160,7 @@ class GgufJob:
         """The planned figures of ``self.gplan`` (bytes out, tensors, values, input bytes read: each source
         once, a stack's every slice source); GGUF-002 (:func:`check_encoders`) unless ``dry_run``, before any
         output is claimed (a mix needs the K-quant codecs)."""
+        self.naming = self.gplan.naming
         self.out_nbytes = self.gplan.nbytes
         self.disk_nbytes = sum(map(file_nbytes, self.split)) if self.split else file_nbytes(self.gplan)
         self.part_files: list[Path] = []
@@ -288,6 +301,6 @@ class MmprojJob(GgufJob):
         self.sample = 1 if options.merge_report else SUMMARY_SAMPLE
         self.to = f"gguf:{self.out_type} (mmproj)"
         self.gplan = plan_mmproj(plan.config or ckpt.config, [(t.name, t.shape) for t in plan.tensors], ckpt.source,
-                                 options.to.gguf_type, model_name=model_name,
+                                 options.to.gguf_type, model=_model(plan, options, model_name),
                                  config_path=str(ckpt.source / "config.json"))
         self._sizes(options.dry_run)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from convert.output import ShardLedger
+from convert.output import GgufNaming, ShardLedger
 from convert.stream.pipeline import FENCE, Chunk, RunSettings, chunk_size, ordered_chunks, placed_memory, ranges
 from convert.stream.plan import Plan, PlannedTensor
 from convert.stream.sources import CastSource, Source, cast_run
@@ -321,6 +321,7 @@ class SafetensorsJob:
     """
 
     file_suffix = ".safetensors"
+    naming: GgufNaming | None = None  # (named by the input: convert.output.default_output)
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan

@@ -397,8 +397,9 @@ def test_gguf_jobs_are_named_with_their_extension(tmp_path: Path) -> None:
     t.write_text(f"org/m --to gguf:q8_0\norg/m@v2 --to gguf\n{MODELS / 'llama_nf4_dq'} --to gguf:q8_0\n"
                  "org/a --to gguf:q4_k_m --name mine\norg/b --to gguf:q4_k_m --name theirs.gguf\n"
                  "org/c --to bf16 --name plain\n")
-    assert [j.name for j in parse_jobs(t, _defaults())] == ["m-gguf-q8_0.gguf", "m-v2-gguf.gguf",
-                                                           "llama_nf4_dq-gguf-q8_0.gguf", "mine.gguf",
+    # named before anything is read: llama.cpp's convention of the name alone (the revision as the version)
+    assert [j.name for j in parse_jobs(t, _defaults())] == ["m-Q8_0.gguf", "m-v2-F16.gguf",
+                                                           "llama_nf4_dq-Q8_0.gguf", "mine.gguf",
                                                            "theirs.gguf", "plain"]
 
 
@@ -718,7 +719,7 @@ def test_mmproj_in_jobs_files(tmp_path: Path) -> None:
     t.write_text(f"{MM_SRC} --to gguf:q8_0 --mmproj\n{MM_SRC} --to gguf:f16 --name g --mmproj proj\n"
                  f"{MM_SRC} --to gguf:q4_k_m --name h\n")
     a, b, c = parse_jobs(t, _defaults())
-    assert (a.name, a.mmproj) == ("gemma3cg_nf4_dq-gguf-q8_0.gguf", "mmproj-gemma3cg_nf4_dq-gguf-q8_0.gguf")
+    assert (a.name, a.mmproj) == ("gemma3cg_nf4_dq-Q8_0.gguf", "mmproj-gemma3cg_nf4_dq-Q8_0.gguf")
     assert (b.name, b.mmproj) == ("g.gguf", "proj.gguf")
     assert (c.name, c.mmproj) == ("h.gguf", None)
     assert a.outputs() == [(a.name, "files"), (a.mmproj, "mmproj_files")] and c.outputs() == [("h.gguf", "files")]

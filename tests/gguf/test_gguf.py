@@ -100,7 +100,8 @@ def test_llama_metadata_matches_llama_cpp_converter(tmp_path):
     expected = {
         "general.architecture": "llama",
         "general.type": "model",
-        "general.name": "llama_nf4_dq",
+        "general.name": "Llama_Nf4_Dq",  # gguf-py's Metadata.load: the folder's name, title-cased
+        "general.size_label": "2.0M",
         "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
         "general.quantization_version": 2,
         "llama.block_count": 2,
@@ -815,7 +816,8 @@ def test_cli_gguf_with_merge_lora_equals_the_peft_merged_model(tmp_path):
 
 
 def test_hub_repo_id_to_gguf_default_name(tmp_path):
-    """A Hub repo id (offline, from a filled cache) converts to ./<name>-gguf-q8_0.gguf."""
+    """A Hub repo id (offline, from a filled cache) converts to ./<org>-<name>-<size>-Q8_0.gguf (llama.cpp's
+    naming convention, the repo id as general.name as its converter's --remote sets it, ``-nf4`` dropped)."""
     from tests.helpers.hubcache import add_model_dir, commit_sha, offline_env, run_cli
 
     cache = tmp_path / "hub"
@@ -824,13 +826,13 @@ def test_hub_repo_id_to_gguf_default_name(tmp_path):
     work.mkdir()
     r = run_cli(["org/llama-nf4", "--to", "gguf:q8_0", "--json"], offline_env(tmp_path, cache), cwd=work)
     assert r.returncode == 0, r.stderr
-    out = work / "llama-nf4-gguf-q8_0.gguf"
+    out = work / "org-llama-2.0M-Q8_0.gguf"
     assert json.loads(r.stdout)["output"] == str(out)
     _, ref_path, _ = _write(tmp_path / "ref", "q8_0")
     got, want = _tensors_by_name(out), _tensors_by_name(ref_path)
     assert sorted(got) == sorted(want)
     assert all(np.array_equal(got[n][1], want[n][1]) for n in want)
-    assert _field(gguf.GGUFReader(out), "general.name") == "org/llama-nf4"
+    assert _field(gguf.GGUFReader(out), "general.name") == "org/llama"
 
 
 def test_gguf_f16_counts_fp16_overflow_and_underflow(tmp_path, capsys):

@@ -94,5 +94,5 @@ def test_batch_writes_q4_k_m(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main(["batch", str(jobs), "--out-dir", str(out), "--to", "gguf:Q4_K_M", "--quiet"]) == 0
     made = [p for p in out.iterdir() if not p.name.startswith(".")]
-    assert len(made) == 1 and made[0].name.startswith("good-gguf-q4_k_m")
+    assert len(made) == 1 and made[0].name == "good-Q4_K_M.gguf"
     assert tensor_hashes(made[0]) == GOLDEN["q4_k_m"]

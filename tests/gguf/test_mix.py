@@ -1172,7 +1172,7 @@ def test_any_case_reaches_the_library_and_the_default_name(capsys):
     from convert.options import ConvertOptions
 
     result = convert(ConvertOptions(src=str(FIXTURE), to="gguf:Q4_K_M", dry_run=True))
-    assert result.to == "gguf:q4_k_m" and result.output.endswith("llama_nf4_dq-gguf-q4_k_m.gguf")
+    assert result.to == "gguf:q4_k_m" and result.output.endswith("Llama_Nf4_Dq-2.0M-Q4_K_M.gguf")
     assert main([str(FIXTURE), "--to", "gguf:Q3_K_L", "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "q3_k_l" in text and "attn_output: Q5_K" in text

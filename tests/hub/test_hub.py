@@ -160,11 +160,11 @@ def test_parse_repo_spec_and_default_output(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.chdir(tmp_path)
     assert default_output(None, target_for("bf16"), "org/m-bnb-4bit") == tmp_path / "m-bnb-4bit-bf16"
     assert default_output(None, target_for("auto"), "org/m") == tmp_path / "m-dequantized"
-    assert default_output(None, target_for("gguf:q8_0"), "org/m") == tmp_path / "m-gguf-q8_0.gguf"
+    assert default_output(None, target_for("gguf:q8_0"), "org/m-bnb-4bit") == tmp_path / "m-Q8_0.gguf"
     # with a revision, the name says which: two revisions of one repo never share a default output
     assert default_output(None, target_for("bf16"), "org/m", "v2") == tmp_path / "m-v2-bf16"
     assert default_output(None, target_for("bf16"), "org/m", "refs/pr/1") == tmp_path / "m-refs-pr-1-bf16"
-    assert default_output(None, target_for("gguf:q8_0"), "org/m", NF4) == tmp_path / f"m-{NF4[:12]}-gguf-q8_0.gguf"
+    assert default_output(None, target_for("gguf:q8_0"), "org/m", NF4) == tmp_path / f"m-{NF4[:12]}-Q8_0.gguf"
 
 
 def test_default_output_of_a_revision_is_its_own(cache: Path, tmp_path: Path) -> None:
