@@ -115,8 +115,9 @@ def best_index_iq4nl(al: F32, finite: bool = False) -> tuple[npt.NDArray[np.intp
 def _sums(x: F32, w: F32, iscale: F32, finite: bool) -> tuple[F32, F32]:
     """``(sumqx, sumq2)`` of the table values nearest to ``iscale * x``; ``x``, ``w`` ``(32, m)``.
 
-    C's sums start from +0.0: :func:`seq_sum0` plus +0.0 (they differ only when every term is -0.0, possible
-    with importance-matrix weights of 0, where C's sum is +0.0 and its sign reaches ``d``)."""
+    C's sums start from +0.0: :func:`seq_sum0` plus +0.0. That changes only an all -0.0 sum (possible with
+    importance-matrix weights of 0; its sign reaches ``d``), which NumPy's ``add.reduce`` already starts
+    from +0.0: the +0.0 keeps C's sign should a NumPy start from the first term."""
     al: F32 = x * iscale
     _, lo, hi, down = _brackets(al, finite and bool(np.isfinite(iscale).all()))
     q = hi - down * (hi - lo)  # exact: small integers (select() bit for bit would cost 5 passes, this 3)

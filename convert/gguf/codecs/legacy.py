@@ -264,8 +264,24 @@ def _row_sigma2(x: np.ndarray) -> F32:
         for r in range(0, rows, step):
             sq = np.square(np.asarray(x[r : r + step], dtype=np.float32))
             out[r : r + step] = seq_sum0(np.ascontiguousarray(sq.T))  # x * x >= +0: no sign of zero to mind
+        for r in np.flatnonzero(np.isnan(out)):
+            out[r] = _sum_nan(np.asarray(x[r], dtype=np.float32))
         out /= np.float32(n)
     return out
+
+
+def _sum_nan(row: F32) -> np.float32:
+    """The NaN that C's ``sum += x[j]*x[j]`` loop ends on, for a row holding NaN: which of two NaNs an
+    ``addss`` keeps is its first operand's, and the x86-64 build of ``libggml-base.so`` (llama-cpp-python
+    0.3.36) unrolls the loop by 4 with the product first at ``j % 4`` 1 and 2 and the sum first at 0 and 3.
+    So the sum is the (quieted) first NaN of the row, replaced by every later one at ``j % 4`` 1 or 2. Only
+    the sign of that NaN reaches the output (a NaN ``d`` as ``sign | 0x7e00``); another build may pick
+    another NaN."""
+    j = np.flatnonzero(np.isnan(row))
+    later = j[1:][(j[1:] % 4 == 1) | (j[1:] % 4 == 2)]
+    k = later[-1] if later.size else j[0]
+    bits = row[k : k + 1].view(np.uint32) | np.uint32(0x00400000)  # x * x quiets a signalling NaN
+    return bits.view(np.float32)[0]
 
 
 def _levels(t: F32, lo: int, hi: int, rint_ok: bool) -> F32:
@@ -284,10 +300,25 @@ def _levels(t: F32, lo: int, hi: int, rint_ok: bool) -> F32:
 
 
 def _sum0(a: F32) -> F32:
-    """C's ``s = 0; for (i...) s += a[i]`` over axis 0 of float32 ``(32, blocks)``: :func:`seq_sum0`, plus +0.0
-    (the sums differ only when every term is -0.0: C's starts from +0.0 and gives +0.0)."""
+    """C's ``s = 0; for (i...) s += a[i]`` over axis 0 of float32 ``(32, blocks)``: :func:`seq_sum0`, plus +0.0.
+
+    Starting from +0.0 or from ``a[0]`` changes only the sign of a zero sum whose every term is -0.0 (C's
+    is +0.0). NumPy's ``add.reduce`` starts from +0.0 (checked by the tests through
+    :func:`_sum_first`'s blocks); the +0.0 keeps C's sign should a NumPy start from ``a[0]``."""
     s = seq_sum0(a)
     s += np.float32(0)
+    return s
+
+
+def _sum_first(a: F32) -> F32:
+    """C's ``s = a[0]; for (i = 1...) s += a[i]`` over axis 0 of float32 ``(32, blocks)``: :func:`_sum0`, and -0.0
+    where every term is -0.0 (e.g. ``make_qkx3_quants``'s ``sum_x`` with weights 0 at the negative values and
+    -0.0 values elsewhere: its sign reaches the stored minimum)."""
+    s = _sum0(a)
+    z = np.flatnonzero(s == 0)
+    if z.size:
+        neg = (a[:, z].view(np.uint32) == np.uint32(0x80000000)).all(axis=0)
+        s[z[neg]] = np.float32(-0.0)
     return s
 
 
@@ -361,9 +392,9 @@ def _qkx3_weighted(xp: F32, wp: F32, nmax: int, finite: bool) -> tuple[F32, F32,
     lo = np.fmin.reduce(xp, axis=0)  # C's values; the sign of a zero and a NaN first value fixed below
     hi = np.fmax.reduce(xp, axis=0)
     mn, mx = _first_of(xp, lo), _first_of(xp, hi)
-    sum_w = seq_sum0(wp)  # C: sum_w = w[0]; sum_w += w[i] (as seq_sum0)
+    sum_w = _sum_first(wp)  # C: sum_w = w[0]; sum_w += w[i]
     p = np.multiply(wp, xp)
-    sum_x = seq_sum0(p)
+    sum_x = _sum_first(p)
     mn[mn > 0] = 0
     early = mx <= mn
     t = np.empty_like(xp)  # the levels
