@@ -37,12 +37,15 @@ binary search over 16 trials is slow; here a table ``take`` per weight and trial
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
 from convert.gguf.codecs.base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_bytes, select, seq_sum0
+from convert.gguf.codecs.legacy import imatrix_blocks
 
-__all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl", "block_scales"]
+__all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl", "block_scales", "encode_weighted", "imatrix_weights"]
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
@@ -110,22 +113,51 @@ def best_index_iq4nl(al: F32, finite: bool = False) -> tuple[npt.NDArray[np.intp
 
 
 def _sums(x: F32, w: F32, iscale: F32, finite: bool) -> tuple[F32, F32]:
-    """``(sumqx, sumq2)`` of the table values nearest to ``iscale * x``; ``x``, ``w`` ``(32, m)``."""
+    """``(sumqx, sumq2)`` of the table values nearest to ``iscale * x``; ``x``, ``w`` ``(32, m)``.
+
+    C's sums start from +0.0: :func:`seq_sum0` plus +0.0. That changes only an all -0.0 sum (possible with
+    importance-matrix weights of 0; its sign reaches ``d``), which NumPy's ``add.reduce`` already starts
+    from +0.0: the +0.0 keeps C's sign should a NumPy start from the first term."""
     al: F32 = x * iscale
     _, lo, hi, down = _brackets(al, finite and bool(np.isfinite(iscale).all()))
     q = hi - down * (hi - lo)  # exact: small integers (select() bit for bit would cost 5 passes, this 3)
     wq = w * q
-    return seq_sum0(wq * x), seq_sum0(wq * q)
+    sumqx, sumq2 = seq_sum0(wq * x), seq_sum0(wq * q)
+    sumqx += np.float32(0)
+    sumq2 += np.float32(0)
+    return sumqx, sumq2
 
 
-def block_scales(xp: F32, finite: bool) -> F32:
+def imatrix_weights(xp: F32, qwp: F32, superblock: int) -> F32:
+    """``quantize_row_iq4_nl_impl``'s weights with ``quant_weights``: ``qw[j] * sqrtf(sigma2 + x[j]*x[j])`` with
+    ``sigma2 = sum(x*x) * (2 / superblock)`` over each super-block (a sequential float32 sum from 0).
+
+    ``xp``, ``qwp``: float32 ``(32, sub-blocks)`` position-major values and their imatrix values, the
+    ``superblock // 32`` sub-blocks of a super-block adjacent (sub-block ``k`` of super-block ``k // (superblock
+    // 32)``). Returns float32 ``(32, sub-blocks)``.
+    """
+    sq = xp * xp
+    per = superblock // QK4_NL
+    m = xp.shape[1] // per
+    # the super-block's values in C's order: sub-block by sub-block, position by position
+    sigma2 = seq_sum0(np.ascontiguousarray(sq.reshape(QK4_NL, m, per).transpose(2, 0, 1)).reshape(superblock, m))
+    sigma2 *= np.float32(2.0 / superblock)
+    w = sq + np.repeat(sigma2, per)
+    np.sqrt(w, out=w)
+    w *= qwp
+    return w
+
+
+def block_scales(xp: F32, finite: bool, w: F32 | None = None) -> F32:
     """The scale ``d`` of each 32-weight block after the 15 trial scales (``quantize_row_iq4_nl_impl``'s
-    first loop, no importance matrix, ``ntry=7``); ``xp`` position-major ``(32, blocks)``; 0 for a block
-    whose largest ``|x|`` is below ``GROUP_MAX_EPS`` (IQ4_XS's ``scales[ib]``)."""
+    first loop, ``ntry=7``); ``xp`` position-major ``(32, blocks)``; ``w`` the weights, same shape
+    (:func:`imatrix_weights`; None: no importance matrix, ``x * x``); 0 for a block whose largest ``|x|`` is
+    below ``GROUP_MAX_EPS`` (IQ4_XS's ``scales[ib]``)."""
     amax, mx = first_absmax(xp, axis=0)
     zero = amax < GROUP_MAX_EPS
     mx[zero] = 1
-    w = xp * xp
+    if w is None:
+        w = xp * xp
     d = (-mx) / np.float32(-127)
     sumqx, sumq2 = _sums(xp, w, np.float32(1) / d, finite)
     d = np.where(sumq2 > 0, sumqx / sumq2, np.float32(0))
@@ -141,12 +173,13 @@ def block_scales(xp: F32, finite: bool) -> F32:
     return d
 
 
-def _iq4_nl_blocks(xb: F32) -> U8:
-    """``quantize_row_iq4_nl_impl(32, 32, ..., ntry=7)`` of float32 ``(m, 32)`` -> uint8 ``(m, 18)``."""
+def _iq4_nl_blocks(xb: F32, qw: F32 | None = None) -> U8:
+    """``quantize_row_iq4_nl_impl(32, 32, ..., ntry=7)`` of float32 ``(m, 32)`` -> uint8 ``(m, 18)``; ``qw``: the
+    imatrix values of each block's columns, float32 ``(m, 32)``, or None."""
     m = xb.shape[0]
     xp = np.ascontiguousarray(xb.T)
     finite = bool(np.isfinite(xp).all())
-    d = block_scales(xp, finite)
+    d = block_scales(xp, finite, None if qw is None else imatrix_weights(xp, qw.T, QK4_NL))
     dz = d == 0
     d1 = d.copy()
     d1[dz] = 1
@@ -161,12 +194,43 @@ def _iq4_nl_blocks(xb: F32) -> U8:
     return out
 
 
+def encode_weighted(
+    x: F32, weights: F32, block: int, type_size: int, blocks: Callable[[F32, F32], U8], chunk: int,
+) -> U8:
+    """:func:`encode_by_chunks` of ``blocks(xb, qwb)``, which also takes the imatrix values of each block's
+    columns (float32 ``(blocks, block)``, from ``weights``, float32 ``(n,)``: :func:`imatrix_blocks`).
+
+    Raises:
+        ValueError: the last axis of ``x`` is not a multiple of ``block``, or ``weights`` not ``(n,)``.
+    """
+    x = np.asarray(x)
+    qw = imatrix_blocks(weights, x.shape[-1] if x.ndim else 0, block)
+    done = 0
+
+    def encode(xb: F32) -> U8:
+        nonlocal done
+        pos = np.arange(done, done + xb.shape[0]) % qw.shape[0]
+        done += xb.shape[0]
+        return blocks(xb, qw[pos])
+
+    return encode_by_chunks(x, block, type_size, encode, chunk)
+
+
 class IQ4_NLCodec(Codec):
-    """IQ4_NL as llama-quantize writes it (``quantize_iq4_nl``, ``ntry=7``), byte for byte."""
+    """IQ4_NL as llama-quantize writes it (``quantize_iq4_nl``, ``ntry=7``), byte for byte, with or without an
+    importance matrix."""
 
     ggml_type = GT.IQ4_NL
+    uses_imatrix = True
 
     @classmethod
-    def quantize(cls, x: F32) -> U8:
-        """float32 ``(..., n)`` (``n % 32 == 0``) -> uint8 ``(..., n // 32 * 18)``."""
-        return encode_by_chunks(x, QK4_NL, 18, _iq4_nl_blocks, CHUNK_BLOCKS)
+    def quantize(cls, x: F32, weights: F32 | None = None) -> U8:
+        """float32 ``(..., n)`` (``n % 32 == 0``) -> uint8 ``(..., n // 32 * 18)``; ``weights``: the importance
+        matrix row, float32 ``(n,)`` (:meth:`Codec.quantize`), or None.
+
+        Raises:
+            ValueError: ``n`` is not a multiple of 32, or ``weights`` is not ``(n,)``.
+        """
+        if weights is None:
+            return encode_by_chunks(x, QK4_NL, 18, _iq4_nl_blocks, CHUNK_BLOCKS)
+        return encode_weighted(x, weights, QK4_NL, 18, _iq4_nl_blocks, CHUNK_BLOCKS)

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.gguf.codecs.base import GT, Codec, encode_by_chunks, fp16_bytes, nearest_int_bits
-from convert.gguf.codecs.iq4_nl import best_index_iq4nl, block_scales
+from convert.gguf.codecs.iq4_nl import best_index_iq4nl, block_scales, encode_weighted, imatrix_weights
 
 __all__ = ["IQ4_XSCodec"]
 
@@ -40,12 +40,14 @@ TYPE_SIZE = 136
 CHUNK_BLOCKS = 64
 
 
-def _iq4_xs_blocks(xb: F32) -> U8:
-    """``quantize_row_iq4_nl_impl(256, 32, ..., ntry=7)`` of float32 ``(m, 256)`` -> uint8 ``(m, 136)``."""
+def _iq4_xs_blocks(xb: F32, qw: F32 | None = None) -> U8:
+    """``quantize_row_iq4_nl_impl(256, 32, ..., ntry=7)`` of float32 ``(m, 256)`` -> uint8 ``(m, 136)``; ``qw``: the
+    imatrix values of each super-block's columns, float32 ``(m, 256)``, or None."""
     m = xb.shape[0]
     xp = np.ascontiguousarray(xb.reshape(m * 8, 32).T)  # (32, sub-blocks), sub-block k = 8 * block + ib
     finite = bool(np.isfinite(xp).all())
-    s = block_scales(xp, finite).reshape(m, 8)
+    w = None if qw is None else imatrix_weights(xp, qw.reshape(m * 8, 32).T, QK_K)
+    s = block_scales(xp, finite, w).reshape(m, 8)
     with np.errstate(invalid="ignore"):
         a = np.abs(s)
         a[np.isnan(a)] = 0  # C's `abs_d > amax_scale` is false for a NaN scale (w = x*x overflowed)
@@ -79,11 +81,20 @@ def _iq4_xs_blocks(xb: F32) -> U8:
 
 
 class IQ4_XSCodec(Codec):
-    """IQ4_XS as llama-quantize writes it without an importance matrix (``quantize_iq4_xs``), byte for byte."""
+    """IQ4_XS as llama-quantize writes it (``quantize_iq4_xs``), byte for byte, with or without an importance
+    matrix."""
 
     ggml_type = GT.IQ4_XS
+    uses_imatrix = True
 
     @classmethod
-    def quantize(cls, x: F32) -> U8:
-        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 136)``."""
-        return encode_by_chunks(x, QK_K, TYPE_SIZE, _iq4_xs_blocks, CHUNK_BLOCKS)
+    def quantize(cls, x: F32, weights: F32 | None = None) -> U8:
+        """float32 ``(..., n)`` (``n % 256 == 0``) -> uint8 ``(..., n // 256 * 136)``; ``weights``: the importance
+        matrix row, float32 ``(n,)`` (:meth:`Codec.quantize`), or None.
+
+        Raises:
+            ValueError: ``n`` is not a multiple of 256, or ``weights`` is not ``(n,)``.
+        """
+        if weights is None:
+            return encode_by_chunks(x, QK_K, TYPE_SIZE, _iq4_xs_blocks, CHUNK_BLOCKS)
+        return encode_weighted(x, weights, QK_K, TYPE_SIZE, _iq4_xs_blocks, CHUNK_BLOCKS)
