@@ -1,4 +1,4 @@
-"""NumPy encoder for GGML's IQ4_NL, byte-identical to llama-quantize's (no importance matrix).
+"""NumPy encoder for GGML's IQ4_NL, byte-identical to llama-quantize's (with or without an importance matrix).
 
 IQ4_NL is what llama-quantize writes for a Q2_K/Q3_K tensor whose rows are not a multiple of 256.
 Matched revision: the llama.cpp copy vendored in llama-cpp-python 0.3.36
@@ -30,6 +30,12 @@ s += v[i]``); ``w*q*x`` is ``(w * q) * x``; divisions stay divisions; the neares
 ``floor(al) + 128`` (the table values are integers) when the chunk is finite, from
 ``np.searchsorted`` otherwise (NaN). In the trials the nearest value is ``hi - down * (hi - lo)``
 (exact: small integers); the scale choices are bit selects (:func:`~convert.gguf.codecs.base.select`).
+
+With an importance matrix (``weights``: llama-quantize --imatrix, C's ``quant_weights``) the only change is
+the weights: ``qw[j] * sqrtf(sigma2 + x[j]*x[j])`` with ``sigma2 = sum(x*x) * 2 / 32`` over the block (a
+sequential float32 sum) instead of ``x * x`` (:func:`imatrix_weights`). That costs about nothing: 1.77 s
+against 1.72 s unweighted on 4096 x 4096 float32, one thread, where C's weighted path took 3.0 s (another
+day and load than the figure below).
 
 Cost (4096 x 4096 float32, one thread, CPU time): about 5 s against C's 7.4 s (C's per-weight
 binary search over 16 trials is slow; here a table ``take`` per weight and trial dominates).
