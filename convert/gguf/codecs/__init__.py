@@ -10,8 +10,10 @@ is one class and one row in :data:`CODECS` (as gguf-py's ``gguf/quants.py``).
 - Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS: our NumPy encoders (:mod:`convert.gguf.codecs.kquant_minmax`,
   :mod:`convert.gguf.codecs.kquant_scale`, :mod:`convert.gguf.codecs.iq4_nl`, :mod:`convert.gguf.codecs.iq4_xs`),
   byte-identical to ``quantize_row_q{2..6}_K_ref`` of the llama.cpp revision vendored in llama-cpp-python
-  0.3.36 (IQ4_NL / IQ4_XS: ``quantize_iq4_nl`` / ``quantize_iq4_xs`` without an importance matrix, the path
-  llama-quantize takes); decoding is gguf-py's ``dequantize``.
+  0.3.36 (IQ4_NL / IQ4_XS: ``quantize_iq4_nl`` / ``quantize_iq4_xs``); decoding is gguf-py's ``dequantize``.
+- With an importance matrix row (``quantize(x, weights)``, ``Codec.uses_imatrix``): Q2_K..Q6_K, Q4_0..Q5_1,
+  IQ4_NL and IQ4_XS encode as ggml's ``quantize_row_*_impl`` with ``quant_weights`` (what ``llama-quantize
+  --imatrix`` runs); the other types ignore it, as ``ggml_quantize_chunk`` does.
 
 Shapes: ``quantize`` takes float32 ``(rows, n_per_row)`` (``n_per_row`` a multiple of the block
 size) and returns uint8 ``(rows, n_per_row // block_size * type_size)``; ``dequantize`` inverts it
