@@ -337,7 +337,7 @@ def test_unknown_output_type_is_refused():
     assert parse_output_type(None) == "f16" and parse_output_type("Q8_0") == "q8_0"
     assert parse_output_type("Q4_K_M") == "q4_k_m"
     with pytest.raises(UnsupportedError) as e:
-        parse_output_type("iq4_nl")
+        parse_output_type("q9_k")
     assert e.value.rule == "GGUF-002" and "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k" in str(e.value)
 
 
@@ -668,7 +668,7 @@ def test_cli_gguf_default_type_json_report_and_refusals(tmp_path, capsys):
     )
     assert "GGUF-004" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:iq4_nl", "-o", str(tmp_path / "y.gguf")])
+        main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:iq2_xxs", "-o", str(tmp_path / "y.gguf")])
 
 
 def test_cli_gguf_dry_run_writes_nothing(tmp_path, capsys):

@@ -304,6 +304,17 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "output.weight": "Q6_K",
             "token_embd.weight": "Q6_K",
         },
+        "iq4_nl": {
+            "attn_k.weight": "IQ4_NL",
+            "attn_output.weight": "IQ4_NL",
+            "attn_q.weight": "IQ4_NL",
+            "attn_v.weight": "IQ4_NL",
+            "ffn_down.weight": "IQ4_NL",
+            "ffn_gate.weight": "IQ4_NL",
+            "ffn_up.weight": "IQ4_NL",
+            "output.weight": "Q6_K",
+            "token_embd.weight": "IQ4_NL",
+        },
         "iq4_xs": {
             "attn_k.weight": "IQ4_XS",
             "attn_output.weight": "IQ4_XS",
@@ -460,6 +471,17 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "output.weight": "Q6_K",
             "token_embd.weight": "Q6_K",
         },
+        "iq4_nl": {
+            "attn_k.weight": "IQ4_NL",
+            "attn_output.weight": "IQ4_NL",
+            "attn_q.weight": "IQ4_NL",
+            "attn_v.weight": "Q5_K",
+            "ffn_down.weight": "Q5_K:0-3 IQ4_NL:4-31",
+            "ffn_gate.weight": "IQ4_NL",
+            "ffn_up.weight": "IQ4_NL",
+            "output.weight": "Q6_K",
+            "token_embd.weight": "IQ4_NL",
+        },
         "iq4_xs": {
             "attn_k.weight": "IQ4_XS",
             "attn_output.weight": "IQ4_XS",
@@ -603,6 +625,16 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "ffn_up.weight": "Q6_K",
             "token_embd.weight": "Q6_K",
         },
+        "iq4_nl": {
+            "attn_k.weight": "IQ4_NL",
+            "attn_output.weight": "IQ4_NL",
+            "attn_q.weight": "IQ4_NL",
+            "attn_v.weight": "IQ4_NL",
+            "ffn_down.weight": "Q5_K:0-1 IQ4_NL:2-15",
+            "ffn_gate.weight": "IQ4_NL",
+            "ffn_up.weight": "IQ4_NL",
+            "token_embd.weight": "Q6_K",
+        },
         "iq4_xs": {
             "attn_k.weight": "IQ4_XS",
             "attn_output.weight": "IQ4_XS",
@@ -743,6 +775,16 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "ffn_down.weight": "Q8_0",
             "ffn_gate.weight": "Q8_0",
             "ffn_up.weight": "Q8_0",
+            "token_embd.weight": "Q8_0",
+        },
+        "iq4_nl": {
+            "attn_k.weight": "IQ4_NL",
+            "attn_output.weight": "IQ4_NL",
+            "attn_q.weight": "IQ4_NL",
+            "attn_v.weight": "Q5_1",
+            "ffn_down.weight": "IQ4_NL",
+            "ffn_gate.weight": "IQ4_NL",
+            "ffn_up.weight": "IQ4_NL",
             "token_embd.weight": "Q8_0",
         },
         "iq4_xs": {
@@ -899,6 +941,17 @@ GOLDEN: dict[str, dict[str, dict[str, str]]] = {
             "ffn_up.weight": "Q8_0",
             "output.weight": "Q8_0",
             "token_embd.weight": "Q8_0",
+        },
+        "iq4_nl": {
+            "attn_k.weight": "IQ4_NL",
+            "attn_output.weight": "IQ4_NL",
+            "attn_q.weight": "IQ4_NL",
+            "attn_v.weight": "IQ4_NL",
+            "ffn_down.weight": "IQ4_NL",
+            "ffn_gate.weight": "IQ4_NL",
+            "ffn_up.weight": "IQ4_NL",
+            "output.weight": "Q8_0",
+            "token_embd.weight": "IQ4_NL",
         },
         "iq4_xs": {
             "attn_k.weight": "IQ4_NL",
@@ -1334,8 +1387,10 @@ def test_per_tensor_options_are_refused_without_a_llama_quantize_type(tmp_path, 
                        (["--tensor-type", "attn_(v=q8_0"], "USE-001 --tensor-type pattern is not a regular expression"),
                        (["--output-tensor-type", "q4k"], "GGUF-002 --output-tensor-type: not a GGML type (did you "
                                                          "mean q4_k?)"),
-                       (["--tensor-type", "attn_v=iq2_xs"], "GGUF-002 GGUF type q4_k_m needs IQ2_XS, which this "
-                                                            "build cannot encode")):
+                       (["--tensor-type", "attn_v=iq3_s"], "GGUF-002 GGUF type q4_k_m needs IQ3_S, which this "
+                                                           "build cannot encode"),
+                       # (llama-quantize asks for an importance matrix first: tensor_requires_imatrix)
+                       (["--tensor-type", "attn_v=iq2_xs"], "IMX-004 gguf:q4_k_m IQ2_XS needs an importance matrix")):
         assert main([str(FIXTURE), "--to", "gguf:q4_k_m", "-o", str(tmp_path / "y.gguf"), *argv]) == 2
         assert part in capsys.readouterr().err, argv
         assert not (tmp_path / "y.gguf").exists()
