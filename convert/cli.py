@@ -219,7 +219,7 @@ def print_summary(result: Any) -> None:
 
 
 #: The options whose value is a size (:func:`convert.units.parse_size`; ``--split-max-size``:
-#: :func:`convert.gguf.split.parse_split_size`).
+#: :func:`convert.gguf.types.parse_split_size`).
 _SIZE_OPTIONS = ("--max-memory", "--max-shard-size", "--split-max-size")
 
 

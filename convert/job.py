@@ -31,13 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from convert import __version__
-from convert.gguf.split import check_split_options
-from convert.gguf.types import FILE_TYPES
 from convert.hub.download import HubSource, WeightMode, resolve_repo
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
-from convert.options import MIN_MEMORY, ConvertOptions
+from convert.options import MIN_MEMORY, ConvertOptions, check_split_options
 from convert.output import (
     GgufNaming,
     InterruptedAfterCommit,
@@ -214,7 +212,7 @@ def check_options(options: ConvertOptions) -> None:
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
             cannot be written (checked now: the report is written after the whole output); a GGUF split
             option without a GGUF target, both of them, or a value below 1
-            (:func:`convert.gguf.split.check_split_options`).
+            (:func:`convert.options.check_split_options`).
         ImatrixRequiredError: IMX-004, a llama-quantize type that needs an importance matrix without ``--imatrix``.
     """
     check_split_options(options)
@@ -223,9 +221,8 @@ def check_options(options: ConvertOptions) -> None:
                          expected="gguf:q4_0 ... gguf:q6_k", found=f"--to {options.to.name}",
                          hint="f32/f16/bf16/q8_0 are written as llama.cpp's converter writes them, with no "
                               "per-tensor choice")
-    ft = FILE_TYPES.get(options.to.gguf_type or "")
-    if ft is not None and ft.needs_imatrix and options.mix.imatrix is None:
-        raise ImatrixRequiredError(f"gguf:{ft.name.lower()} needs an importance matrix (llama-quantize refuses it "
+    if options.to.needs_imatrix and options.mix.imatrix is None:
+        raise ImatrixRequiredError(f"gguf:{options.to.gguf_type} needs an importance matrix (llama-quantize refuses it "
                                    "without one)", expected="--imatrix FILE", found="no --imatrix")
     for flag, value in (("--mmproj", options.mmproj), ("--metadata", options.metadata)):
         if value is not None and options.to.family != "gguf":

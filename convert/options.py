@@ -31,21 +31,24 @@ from typing import Any, Literal
 
 import gguf
 
-from convert.gguf.split import parse_split_size
 from convert.gguf.types import (
     DEFAULT_MIX,
     DEFAULT_OUTPUT_TYPE,
     FILE_TYPES,
     FLOAT32_INPUT,
     OUTPUT_TYPES,
+    SPLIT_INT_MAX,
+    SPLIT_UNITS,
     MixOptions,
     parse_mix_options,
     parse_output_type,
+    parse_split_size,
 )
 from formats.errors import ConvertBnbError, UsageError
 
-__all__ = ["AUTO", "FLOAT_TARGETS", "MIN_MEMORY", "SUMMARY_SAMPLE", "ConvertOptions", "QuantOptions", "Target",
-           "add_mix_arguments", "mix_from_args", "parse_mix_options", "target_arg", "target_for", "target_names"]
+__all__ = ["AUTO", "ConvertOptions", "DEFAULT_MIX", "FLOAT_TARGETS", "MIN_MEMORY", "MixOptions", "QuantOptions",
+           "SUMMARY_SAMPLE", "Target", "add_mix_arguments", "check_split_options", "mix_from_args",
+           "parse_mix_options", "target_arg", "target_for", "target_names"]
 
 #: ``--to`` values of the float output and the dtype each one casts to (None: each tensor's own).
 FLOAT_TARGETS: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -86,6 +89,12 @@ class Target:
     def llama_quantize(self) -> bool:
         """A llama-quantize file type (:data:`convert.gguf.types.FILE_TYPES`): its per-tensor options apply."""
         return self.gguf_type in FILE_TYPES
+
+    @property
+    def needs_imatrix(self) -> bool:
+        """A llama-quantize type it refuses without an importance matrix (``gguf:q2_k_s``)."""
+        ft = FILE_TYPES.get(self.gguf_type or "")
+        return ft is not None and ft.needs_imatrix
 
     def __str__(self) -> str:
         return self.name
@@ -224,7 +233,7 @@ class ConvertOptions:
         split_max_size: with ``--to gguf*``: write the GGUF as the parts ``llama-gguf-split --split
             --split-max-size`` makes, each part's tensor data at most this many bytes
             (:mod:`convert.gguf.split`); a string is llama-gguf-split's ``N(M|G)``, parsed here
-            (:func:`convert.gguf.split.parse_split_size`), or None.
+            (:func:`convert.gguf.types.parse_split_size`), or None.
         split_max_tensors: with ``--to gguf*``: the same with at most this many tensors a part
             (``--split-max-tensors``), or None.
         metadata: with ``--to gguf*``: a JSON file of ``general.*`` values that override those taken from
@@ -306,3 +315,29 @@ def mix_from_args(ns: argparse.Namespace) -> MixOptions:
     """
     return parse_mix_options(ns.tensor_type, ns.output_tensor_type, ns.token_embedding_type, ns.pure,
                              ns.leave_output_tensor, ns.imatrix, ns.include_weights, ns.exclude_weights)
+
+
+def check_split_options(options: ConvertOptions) -> None:
+    """The split options against the target and each other, before anything is read.
+
+    Raises:
+        UsageError: USE-001: a split option without ``--to gguf[:TYPE]``; both options (llama-gguf-split
+            takes one); ``split_max_tensors`` or ``split_max_size`` not a positive integer (up to 2**31 - 1
+            tensors).
+    """
+    given = [f for f, v in (("--split-max-size", options.split_max_size),
+                            ("--split-max-tensors", options.split_max_tensors)) if v is not None]
+    if not given:
+        return
+    if options.to.family != "gguf":
+        raise UsageError(f"{given[0]} splits a GGUF output and needs --to gguf[:TYPE]", expected="--to gguf...",
+                         found=f"--to {options.to.name}")
+    if len(given) == 2:
+        raise UsageError("give either --split-max-size or --split-max-tensors, not both (as llama-gguf-split)",
+                         found="both")
+    value = options.split_max_size if options.split_max_size is not None else options.split_max_tensors
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= (
+            SPLIT_INT_MAX if options.split_max_tensors is not None else SPLIT_INT_MAX * SPLIT_UNITS["G"]):
+        raise UsageError(f"{given[0]} must be a positive whole number", found=repr(value)[:40],
+                         expected="a number of tensors >= 1" if options.split_max_tensors is not None
+                         else "a size such as 2G or 500M")

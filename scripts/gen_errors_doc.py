@@ -36,6 +36,8 @@ FAMILIES = [
     ("GGUF", "GGUF output (--to gguf[:TYPE])", "Checked when the GGUF output is planned (architecture, type, "
      "names, tokenizer, every config.json and tokenizer value against its GGUF type and the weights), before "
      "anything is written, and after it is written."),
+    ("IMX", "importance matrices (--imatrix)", "Checked when the GGUF output is planned: the file is read and "
+     "validated whole, its entries matched against the planned tensors, before anything is written."),
     ("SPM", "SentencePiece tokenizers", "Checked when a `tokenizer.model` is read for a GGUF output (a protobuf "
      "reader of our own: no sentencepiece package)."),
     ("QNT", "re-quantization (--to nf4|fp4)", "Checked when a 4-bit output is planned and when each tensor is "

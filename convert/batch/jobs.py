@@ -47,9 +47,17 @@ from pathlib import Path
 from typing import Any
 
 from convert.batch.state import manifest_path, state_path
-from convert.gguf.types import DEFAULT_MIX, MixOptions
 from convert.hub.repo import is_repo_id, parse_repo_spec
-from convert.options import ConvertOptions, Target, add_mix_arguments, mix_from_args, target_for, target_names
+from convert.options import (
+    DEFAULT_MIX,
+    ConvertOptions,
+    MixOptions,
+    Target,
+    add_mix_arguments,
+    mix_from_args,
+    target_for,
+    target_names,
+)
 from convert.output import default_output, with_target_suffix
 from convert.units import parse_size
 from formats import jsonfile

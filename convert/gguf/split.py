@@ -20,71 +20,18 @@ written by :class:`formats.gguf.GGUFSplitWriter` and committed together by
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import gguf
 
 from formats.errors import UsageError
 from formats.gguf import FileLayout, GGUFPart, split_layouts, split_name
 
-if TYPE_CHECKING:
-    from convert.options import ConvertOptions
+__all__ = ["part_paths", "plan_split"]
 
-__all__ = ["check_split_options", "parse_split_size", "part_paths", "plan_split"]
-
-#: llama-gguf-split's size units (decimal, upper case only).
-_UNITS = {"M": 10**6, "G": 10**9}
-#: The largest number the tool reads (``sscanf("%d")`` / ``atoi``).
-_INT_MAX = 2**31 - 1
 #: The most parts: ``split.count`` is a 16-bit key.
 MAX_PARTS = 0xFFFF
-
-
-def parse_split_size(text: str) -> int:
-    """``--split-max-size`` as llama-gguf-split reads it: a positive integer and ``M`` (10**6 bytes) or ``G``
-    (10**9 bytes), e.g. ``2G``, ``500M``.
-
-    Returns:
-        the limit in bytes.
-
-    Raises:
-        UsageError: USE-001, another form (no unit or another one, a fraction, a sign, zero).
-    """
-    m = re.fullmatch(r"(\d+)([MG])", text.strip())
-    if m is None or not 0 < int(m.group(1)) <= _INT_MAX:
-        raise UsageError("--split-max-size takes a positive whole number of megabytes or gigabytes, as "
-                         "llama-gguf-split does", expected="N(M|G), e.g. 2G or 500M (10**6 / 10**9 bytes)",
-                         found=text[:40])
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
-def check_split_options(options: ConvertOptions) -> None:
-    """The split options against the target and each other, before anything is read.
-
-    Raises:
-        UsageError: USE-001: a split option without ``--to gguf[:TYPE]``; both options (llama-gguf-split
-            takes one); ``split_max_tensors`` or ``split_max_size`` not a positive integer (up to 2**31 - 1
-            tensors).
-    """
-    given = [f for f, v in (("--split-max-size", options.split_max_size),
-                            ("--split-max-tensors", options.split_max_tensors)) if v is not None]
-    if not given:
-        return
-    if options.to.family != "gguf":
-        raise UsageError(f"{given[0]} splits a GGUF output and needs --to gguf[:TYPE]", expected="--to gguf...",
-                         found=f"--to {options.to.name}")
-    if len(given) == 2:
-        raise UsageError("give either --split-max-size or --split-max-tensors, not both (as llama-gguf-split)",
-                         found="both")
-    value = options.split_max_size if options.split_max_size is not None else options.split_max_tensors
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= (
-            _INT_MAX if options.split_max_tensors is not None else _INT_MAX * _UNITS["G"]):
-        raise UsageError(f"{given[0]} must be a positive whole number", found=repr(value)[:40],
-                         expected="a number of tensors >= 1" if options.split_max_tensors is not None
-                         else "a size such as 2G or 500M")
 
 
 def plan_split(layout: FileLayout, *, max_tensors: int | None = None, max_size: int | None = None

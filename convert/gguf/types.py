@@ -26,8 +26,9 @@ import gguf
 
 from formats.errors import GgufTypeError, UsageError
 
-__all__ = ["DEFAULT_OUTPUT_TYPE", "FILE_TYPES", "FLOAT32_INPUT", "OUTPUT_TYPES", "FileType", "MixOptions",
-           "DEFAULT_MIX", "TensorTypeRule", "parse_ggml_type", "parse_mix_options", "parse_output_type"]
+__all__ = ["DEFAULT_MIX", "DEFAULT_OUTPUT_TYPE", "FILE_TYPES", "FLOAT32_INPUT", "FileType", "MixOptions",
+           "OUTPUT_TYPES", "SPLIT_INT_MAX", "SPLIT_UNITS", "TensorTypeRule", "parse_ggml_type",
+           "parse_mix_options", "parse_output_type", "parse_split_size"]
 
 GT = gguf.GGMLQuantizationType
 FT = gguf.LlamaFileType
@@ -254,3 +255,27 @@ def parse_mix_options(tensor_types: Sequence[str] = (), output_tensor_type: str 
 
 #: llama-quantize's default per-tensor options (none given).
 DEFAULT_MIX = MixOptions()
+
+
+#: llama-gguf-split's size units (decimal, upper case only).
+SPLIT_UNITS = {"M": 10**6, "G": 10**9}
+#: The largest number the tool reads (``sscanf("%d")`` / ``atoi``).
+SPLIT_INT_MAX = 2**31 - 1
+
+
+def parse_split_size(text: str) -> int:
+    """``--split-max-size`` as llama-gguf-split reads it: a positive integer and ``M`` (10**6 bytes) or ``G``
+    (10**9 bytes), e.g. ``2G``, ``500M``.
+
+    Returns:
+        the limit in bytes.
+
+    Raises:
+        UsageError: USE-001, another form (no unit or another one, a fraction, a sign, zero).
+    """
+    m = re.fullmatch(r"(\d+)([MG])", text.strip())
+    if m is None or not 0 < int(m.group(1)) <= SPLIT_INT_MAX:
+        raise UsageError("--split-max-size takes a positive whole number of megabytes or gigabytes, as "
+                         "llama-gguf-split does", expected="N(M|G), e.g. 2G or 500M (10**6 / 10**9 bytes)",
+                         found=text[:40])
+    return int(m.group(1)) * SPLIT_UNITS[m.group(2)]
