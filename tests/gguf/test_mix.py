@@ -1193,7 +1193,7 @@ def test_file_type_names_any_case_and_help():
     assert all(f"gguf:{m}" in target_names() for m in MIXES)
     assert OUTPUT_TYPES["q4_k_m"] == (GT.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M)
     with pytest.raises(GgufTypeError):
-        parse_output_type("q2_k_s")
+        parse_output_type("iq2_s")
 
 
 def test_summary_shows_the_type_mix_and_json_carries_types(tmp_path, capsys):
