@@ -24,6 +24,7 @@ from convert import __version__, check, inspection, signals
 from convert.batch import cli as batch_cli
 from convert.bnb4.settings import QUANT_STORAGES
 from convert.bnb4.torch_reduce import TORCH_NUM_THREADS
+from convert.hub.publish import add_push_arguments, publish, push_from_args
 from convert.job import convert
 from convert.lora.report import format_table
 from convert.options import ConvertOptions, QuantOptions, add_mix_arguments, mix_from_args, target_arg, target_names
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("GGUF per-tensor types (--to gguf:q4_0 ... gguf:q6_k; llama-quantize's options)")
     add_mix_arguments(g)
+    add_push_arguments(p)
     return p
 
 
@@ -177,7 +179,9 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    result = convert(options_from_args(args))
+    push = push_from_args(args)
+    options = options_from_args(args)
+    result = convert(options) if push is None else publish(options, push, getattr(args, "argv", None))
     try:
         return _report(args, result)
     except KeyboardInterrupt as exc:
@@ -201,18 +205,34 @@ def _report(args: argparse.Namespace, result: Any) -> int:
     return 0
 
 
-def print_summary(result: Any) -> None:
-    """The summary of a finished conversion on stderr (what was written, speed, memory, notes)."""
+def _push_line(push: dict[str, Any]) -> str:
+    """The summary's line of a ``--push-to-hub`` run (:func:`convert.hub.publish.publish`'s ``push``)."""
+    where = push["repo"] + (f" (branch {push['revision']})" if push["revision"] else "")
+    if not push["uploaded"]:
+        return f"already pushed to {where} (commit {push['commit']}): nothing uploaded"
+    how = "one commit" if push["method"] == "commit" else "the resumable folder upload"
+    return f"pushed to {where}: {push['files']} files, {format_bytes(push['bytes'])} in {how} (commit {push['commit']})"
 
-    print(f"wrote {result.output}: {result.tensors} tensors, {format_bytes(result.bytes_in)} in, "
-          f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
-          f"peak RSS {format_bytes(result.peak_rss_bytes)}", file=sys.stderr)
+
+def print_summary(result: Any) -> None:
+    """The summary of a finished conversion on stderr (what was written, speed, memory, notes; with
+    ``--push-to-hub``, the upload)."""
+
+    push = result.details.get("push")
+    if push is not None and not push["converted"]:
+        print(f"kept {result.output}: {format_bytes(result.bytes_out)}, made by an earlier run", file=sys.stderr)
+    else:
+        print(f"wrote {result.output}: {result.tensors} tensors, {format_bytes(result.bytes_in)} in, "
+              f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, {result.gelem_per_s:.3f} G elements/s, "
+              f"peak RSS {format_bytes(result.peak_rss_bytes)}", file=sys.stderr)
     if result.fp16_line():
         print(result.fp16_line(), file=sys.stderr)
     for r in result.removed_stale:
         print(r, file=sys.stderr)
     for n in result.notes:
         print(f"note: {n}", file=sys.stderr)
+    if push is not None:
+        print(_push_line(push), file=sys.stderr)
     if "lora_merge" in result.details:
         print(format_table(result.details["lora_merge"], limit=40), file=sys.stderr)
 
@@ -220,7 +240,7 @@ def print_summary(result: Any) -> None:
 
 #: The options whose value is a size (:func:`convert.units.parse_size`; ``--split-max-size``:
 #: :func:`convert.gguf.types.parse_split_size`).
-_SIZE_OPTIONS = ("--max-memory", "--max-shard-size", "--split-max-size")
+_SIZE_OPTIONS = ("--max-memory", "--max-shard-size", "--split-max-size", "--push-large-size")
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -252,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(parser, _Parser):
             parser.json_errors = "--json" in argv
         args = parser.parse_args(argv)  # usage errors: exit 2 with one line
+        args.argv = list(argv)  # (a pushed model card gives the command)
     except KeyboardInterrupt:
         signals.settle()
         print("convert-bnb: interrupted", file=sys.stderr)

@@ -996,12 +996,13 @@ class HubShardError(HubError):
 
 
 class HubUploadError(HubError):
-    """A batch job's finished output could not be uploaded with ``--push-to-hub`` (network, permissions,
-    the Hub refusing the commit); the conversion is kept and recorded as done."""
+    """A finished output could not be uploaded with ``--push-to-hub`` (offline, no token or a read-only one,
+    the network down, the Hub refusing the repo, branch or commit); the conversion is kept and recorded (a
+    single run's record beside the output, a batch job's state as done)."""
 
     default_rule = "HUB-003"
-    advice = ("Check the network and that HF_TOKEN may write to the organisation, then run the same batch again: "
-              "it uploads the kept output without converting it again.")
+    advice = ("Check the network and that HF_TOKEN may write to the repo or organisation, then run the same command "
+              "(or batch) again: it uploads the kept output without converting it again.")
 
 
 # ------------------------------------------------------------------------------------------- GGUF

@@ -203,7 +203,7 @@ LAYERS: dict[str, set[str]] = {
     # the float plan and the one chunk loop: no target folder
     "convert.stream": {"convert.dequant", "convert.options", "convert.output", "convert.units"},
     "convert.lora": {"convert.dequant", "convert.stream"},
-    "convert.hub": {"convert.options", "convert.stream"},
+    "convert.hub": {"convert", "convert.options", "convert.stream"},
     # the targets: built on stream, never on each other
     "convert.bnb4": {"convert.dequant", "convert.options", "convert.stream"},
     "convert.gguf": {"convert", "convert.dequant", "convert.options", "convert.output", "convert.signals",
@@ -214,9 +214,14 @@ LAYERS: dict[str, set[str]] = {
                     "convert.targets", "convert.units"},
     "convert.check": {"convert.job", "convert.options", "convert.stream", "convert.targets"},
     "convert.inspection": {"convert.job", "convert.options", "convert.stream", "convert.units"},
-    "convert.batch": {"convert", "convert.check", "convert.hub", "convert.inspection", "convert.job", "convert.options",
-                      "convert.output", "convert.signals", "convert.stream", "convert.units"},
-    "convert.cli": {"convert", "convert.batch", "convert.bnb4", "convert.check", "convert.inspection", "convert.job",
+    # a conversion then its upload (--push-to-hub): built on the one conversion, as the commands are
+    "convert.hub.publish": {"convert", "convert.hub", "convert.inspection", "convert.job", "convert.options",
+                            "convert.output", "convert.units"},
+    "convert.batch": {"convert", "convert.check", "convert.hub", "convert.hub.publish", "convert.inspection",
+                      "convert.job", "convert.options", "convert.output", "convert.signals", "convert.stream",
+                      "convert.units"},
+    "convert.cli": {"convert", "convert.batch", "convert.bnb4", "convert.check", "convert.hub.publish",
+                    "convert.inspection", "convert.job",
                     "convert.lora", "convert.options", "convert.output", "convert.signals", "convert.units"},
     "convert.__main__": {"convert", "convert.cli", "convert.signals"},
 }

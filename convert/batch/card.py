@@ -3,10 +3,12 @@
 Pushing
     After a job is done (its output verified complete), :func:`push_output` creates ``ORG/NAME``
     (``exist_ok``; ``--private`` makes it private) and uploads every file of the output (and its
-    ``--mmproj`` file) and a model card (``README.md``, :func:`model_card`) in one commit. The card
-    records the source repo (or a local source's folder name only: no paths of this machine are
-    published), revision and commit, the source's quantization, the settings, the converter version,
-    the command that reproduces the output and every file with its size and sha256. The push is
+    ``--mmproj`` file) and a model card (``README.md``, :func:`model_card`) with the code a single run's
+    ``--push-to-hub`` uses (:mod:`convert.hub.upload`: one commit, or the resumable folder upload for an
+    output over 5 GB; :mod:`convert.hub.card`). The card records the source repo (or a local source's
+    folder name only: no paths of this machine are published), revision and commit, the source's
+    quantization and license, the settings, the converter version, the command that reproduces the
+    output and every file with its size and sha256. The push is
     recorded in the job's state file (``pushed``: repo, job key, Hub commit); a re-run does not push a
     job again that was pushed to the same repo with the same key. A push the Hub refuses raises
     :class:`~formats.errors.HubError`; the conversion stays done.
@@ -31,66 +33,19 @@ from convert import __version__
 from convert.batch.jobs import Job, job_options
 from convert.batch.state import check_replaceable, load_state, save_state, state_path
 from convert.check import check_source
+from convert.hub import card as hub_card
+from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
-from convert.inspection import InspectOptions, inspect_checkpoint
+from convert.hub.publish import quant_summary
+from convert.hub.upload import PushOptions, repo_files, upload, upload_folder_path
+from convert.hub.upload import build_upload_plan as plan_upload
 from convert.job import ResolvedSource, job_key, resolve_source
-from convert.options import Target
 from convert.output import recorded_shards
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError, HubUploadError
+from formats.errors import ConvertBnbError
 
-__all__ = ["LOSSLESS_TARGETS", "build_upload_plan", "card_claims", "model_card", "plan_batch", "push_output",
-           "quant_summary", "repo_name"]
-
-
-def quant_summary(src: Path) -> list[str]:
-    """One line per group of quantized layers in the source (headers only)."""
-
-    try:
-        with open_checkpoint(src) as ckpt:
-            rep = inspect_checkpoint(ckpt, InspectOptions())
-    except (ConvertBnbError, OSError):
-        return []
-    lines = []
-    for g in rep["quantized"]:
-        nested = f", nested (blocksize {g['nested_blocksize']}, {g['nested_dtype']})" if g["nested"] else ""
-        lines.append(f"{g['quant_type']}, blocksize {g['blocksize']}{nested}, dtype {g['dtype']}, "
-                     f"storage {g['storage']}: {g['layers']} layers")
-    for g in rep["int8"]:
-        lines.append(f"LLM.int8 ({g['weight_dtype']} weight, {g['scale_dtype']} scale): {g['layers']} layers")
-    return lines
-
-
-#: Targets whose output holds bitsandbytes' dequantized values exactly and every other tensor unchanged:
-#: ``auto`` keeps each tensor's dtype, ``fp32`` holds every bf16/fp16 value exactly.
-LOSSLESS_TARGETS = ("auto", "fp32")
-
-
-def card_claims(target: Target) -> tuple[str, list[str]]:
-    """What a card may say about an output made ``--to to``: (one sentence on the values, the tags).
-
-    Only ``auto`` and ``fp32`` are called bit-exact; bf16/fp16 round other tensors, nf4/fp4 and GGUF
-    quantize or round again.
-    """
-    to = target.name
-    if to in LOSSLESS_TARGETS:
-        what = "each tensor in its original dtype" if to == "auto" else "float32"
-        return (f"Dequantized to {what}: every weight is bit-exact with bitsandbytes' own dequantization "
-                "(`dequantize_4bit`, LLM.int8), and every other tensor is kept exactly.",
-                ["bitsandbytes-dequantized"])
-    if to in ("bf16", "fp16"):
-        name = {"bf16": "bfloat16", "fp16": "float16"}[to]
-        return (f"Dequantized to {name}: every 4-bit/8-bit weight is bitsandbytes' float32 dequantization rounded "
-                f"once to {name} (what bitsandbytes returns when asked for {name}); other tensors are cast to "
-                f"{name}, which may round them.", ["bitsandbytes-dequantized"])
-    if to in ("nf4", "fp4"):
-        return (f"Re-quantized to {to.upper()} in bitsandbytes' own layout (bit-identical to "
-                "`bitsandbytes.functional.quantize_4bit` of the dequantized weights). 4-bit quantization is lossy: "
-                "this is not a copy of the source's values.", ["bitsandbytes", "4-bit", to])
-    return (f"A GGUF file (`--to {to}`) for llama.cpp and Ollama: each tensor is the dequantized weight converted "
-            "to its GGML type, a second rounding for every type but F32, so it is not bit-exact with bitsandbytes "
-            "(the per-tensor error is in the conversion's `--json` output).", ["gguf"])
+__all__ = ["build_upload_plan", "model_card", "plan_batch", "push_output", "repo_name"]
 
 
 def repo_name(job: Job) -> str:
@@ -103,8 +58,9 @@ def repo_name(job: Job) -> str:
 
 
 def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
-               quantization: Iterable[str] = ()) -> str:
-    """The model card (``README.md``) pushed with an output, built with ``huggingface_hub.ModelCard``.
+               quantization: Iterable[str] = (), license: dict[str, str] | None = None) -> str:
+    """The model card (``README.md``) pushed with a job's output: :func:`convert.hub.card.model_card` with the
+    job's source, settings (``--max-shard-size``, ``--mmproj``) and the command that reproduces it.
 
     Args:
         job: the job (source, revision, target, shard size).
@@ -112,73 +68,40 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
         files: the manifest of the output (and its ``--mmproj`` file) as the repo holds them,
             ``{path: {"bytes", "sha256"}}``.
         quantization: lines describing the source's quantized layers.
+        license: the source card's license keys (:func:`convert.hub.card.source_license`), or None.
 
     Returns:
-        the card text: YAML metadata (``ModelCardData``: ``library_name`` ``gguf`` for a GGUF output,
-        else ``transformers``; ``base_model`` for a Hub source; tags) and a body naming the source repo
-        and commit, what the values are (:func:`card_claims`: bit-exact only for lossless targets), the
-        settings, the converter version and every file with its size and sha256.
+        the card text. A local source is named by its folder only: a pushed card must not publish this
+        machine's paths.
     """
-    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
-    from huggingface_hub import ModelCard, ModelCardData
-
-    is_gguf = job.to.family == "gguf"
-    claim, tags = card_claims(job.to)
-    # a local source is named by its folder only: a pushed card must not publish this machine's paths
     shown = job.src if job.is_repo else Path(job.src).name
-    data = ModelCardData(library_name="gguf" if is_gguf else "transformers",
-                         base_model=job.src if job.is_repo else None, tags=["convert-bnb", *tags])
-    lines = [f"# {repo_name(job)}", ""]
-    src = f"[{job.src}](https://huggingface.co/{job.src})" if job.is_repo else f"`{shown}`"
-    lines += [f"{src} converted from its bitsandbytes quantization with convert-bnb {__version__}.", "", claim, ""]
-    lines += ["## Source", "", f"- repo: {job.src}" if job.is_repo else f"- path: {shown}"]
-    if job.is_repo:
-        lines += [f"- revision: {job.revision or 'main (default branch)'}", f"- commit: {commit}"]
-    for q in quantization:
-        lines.append(f"- quantization: {q}")
-    lines += ["", "## Settings", "", "| setting | value |", "|---|---|", f"| --to | {job.to} |",
-              f"| --max-shard-size | {job.max_shard_size} bytes |"]
-    lines += [f"| --mmproj | {job.mmproj} |"] * bool(job.mmproj)
-    lines += [f"| converter | convert-bnb {__version__} |", ""]
+    source = CardSource(job.src if job.is_repo else None, shown, job.revision, commit, tuple(quantization),
+                        license or {})
+    settings = [("--max-shard-size", f"{job.max_shard_size} bytes")] + [("--mmproj", job.mmproj)] * bool(job.mmproj)
     cmd = f"convert-bnb {shown}" + (f" --revision {commit}" if commit else "")
     cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}" + (f" --mmproj {job.mmproj}" if job.mmproj else "")
-    lines += ["Reproduce with:", "", "```", cmd, "```", ""]
-    lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---:|---|"]
-    for rel, rec in sorted(files.items()):
-        size = rec["bytes"] if rec["bytes"] is not None else "(after conversion)"
-        lines.append(f"| {rel} | {size} | {rec['sha256']} |")
-    lines.append("")
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
-    return str(card)
+    return hub_card.model_card(repo_name(job), job.to, source, files, settings=settings, command=cmd)
 
 
 def build_upload_plan(org: str, job: Job, outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]],
                       card: str, private: bool) -> dict[str, Any]:
-    """What ``--push-to-hub`` does for one job: the repo to create and the files of the one commit.
+    """What ``--push-to-hub ORG`` does for one job (:func:`convert.hub.upload.build_upload_plan`): create
+    ``ORG/NAME`` and upload every file of its outputs and the card (one commit, or the resumable folder upload
+    for an output over :data:`convert.hub.upload.LARGE_UPLOAD` bytes).
 
     Args:
         outputs: each output of the job (the text model, then its ``--mmproj`` file) with its manifest
             ``{path relative to the output: {"bytes", "sha256"}}`` (a file output: its own name), or None
             when not known yet.
     """
-    ops: list[dict[str, Any]] = []
-    for out, files in outputs:
-        for rel, rec in sorted((files or {}).items()):
-            ops.append({"path_in_repo": rel, "bytes": rec["bytes"],
-                        "from": str(out / rel) if out.is_dir() else str(out)})
-    ops.append({"path_in_repo": "README.md", "bytes": len(card.encode("utf-8")), "from": "model card"})
-    return {
-        "create_repo": {"repo_id": f"{org}/{repo_name(job)}", "repo_type": "model", "private": private,
-                        "exist_ok": True},
-        "commit": {"repo_id": f"{org}/{repo_name(job)}", "operations": ops,
-                   "commit_message": f"convert-bnb {__version__}: {job.src} --to {job.to}"},
-    }
+    return plan_upload(PushOptions(f"{org}/{repo_name(job)}", private), outputs, card,
+                       f"convert-bnb {__version__}: {job.src} --to {job.to}")
 
 
 def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, spec: dict[str, Any],
-                commit: str | None, quantization: list[str]) -> str:
-    """Push a done job's output to ``ORG/NAME`` in one commit with its model card, unless the state
-    records a push to that repo with the same key; record the push in the state file.
+                commit: str | None, quantization: list[str], license: dict[str, str] | None = None) -> str:
+    """Push a done job's output to ``ORG/NAME`` with its model card (:func:`convert.hub.upload.upload`), unless
+    the state records a push to that repo with the same key; record the push in the state file.
 
     Args:
         job: the job.
@@ -188,6 +111,7 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
         spec: the batch settings (``push_to_hub``: ORG, ``private``).
         commit: the source commit (None for a local source).
         quantization: lines describing the source's quantized layers, for the card.
+        license: the source card's license keys, for the card, or None.
 
     Returns:
         the repo id pushed to (now or before).
@@ -200,25 +124,13 @@ def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, 
     pushed = state.get("pushed")
     if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
         return target
-    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
-    from huggingface_hub import CommitOperationAdd, HfApi
-
     outputs = [(final.parent / name, state.get(f, {})) for name, f in job.outputs()]
-    card = model_card(job, commit, _card_files(outputs), quantization)
+    card = model_card(job, commit, _card_files(outputs), quantization, license)
     plan = build_upload_plan(org, job, outputs, card, bool(spec.get("private")))
-    ops = [CommitOperationAdd(path_in_repo=o["path_in_repo"], path_or_fileobj=o["from"])
-           for o in plan["commit"]["operations"] if o["from"] != "model card"]
-    ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
-    api = HfApi()
-    try:
-        api.create_repo(**plan["create_repo"])
-        info = api.create_commit(target, ops, commit_message=plan["commit"]["commit_message"])
-    except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors, and its HTTP and socket libraries'
-        first = (str(exc).splitlines() or [""])[0]
-        raise HubUploadError(f"cannot push to '{target}' ({type(exc).__name__}: {first})", action="push",
-                             hint="the conversion is kept; check the network and HF_TOKEN's write access, then "
-                                  "run the batch again to retry the upload") from None
-    state["pushed"] = {"repo": target, "key": state.get("key"), "commit": getattr(info, "oid", None)}
+    oid = upload(plan, card, upload_folder_path(final),
+                 hint="the conversion is kept; check the network and HF_TOKEN's write access, then run the batch "
+                      "again to retry the upload")
+    state["pushed"] = {"repo": target, "key": state.get("key"), "commit": oid}
     save_state(state_path, state)
     return target
 
@@ -290,7 +202,8 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
                 outputs.append((out_dir / job.mmproj, _not_written_yet(job.mmproj)))
         if push_to_hub:
             quant = quant_summary(src) if src.exists() else []
-            card = model_card(job, commit, _card_files(outputs), quant)
+            lic = source_license(src if src.is_dir() else None, job.src if job.is_repo else None, commit)
+            card = model_card(job, commit, _card_files(outputs), quant, lic)
             entry["card"] = card
             entry["upload"] = build_upload_plan(push_to_hub, job, outputs, card, private)
     return out
@@ -322,8 +235,9 @@ def _fail(entry: dict[str, Any], problems: list[ConvertBnbError]) -> None:
 
 def _card_files(outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]) -> dict[str, dict[str, Any]]:
     """The files of a job's outputs as the pushed repo holds them (a file output by its name, a
-    directory's files by their path in it: both at the repo's root)."""
-    return {rel: rec for _, files in outputs for rel, rec in (files or {}).items()}
+    directory's files by their path in it: both at the repo's root; an output's README.md gives way to the
+    card)."""
+    return {rel: rec for _, files in outputs for rel, rec in repo_files(files).items()}
 
 
 def _not_written_yet(name: str) -> dict[str, dict[str, Any]]:

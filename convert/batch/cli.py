@@ -113,8 +113,9 @@ def _print_plan(plan: list[dict[str, Any]]) -> None:
             print(f"  also: {line}")
         if "upload" in e:
             up = e["upload"]
+            how = "one commit" if up["method"] == "commit" else "the resumable folder upload, message"
             print(f"  upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
-                  f"exist_ok), one commit '{up['commit']['commit_message']}':")
+                  f"exist_ok), {how} '{up['commit']['commit_message']}':")
             for op in up["commit"]["operations"]:
                 size = f"{op['bytes']:>14,d} B" if op["bytes"] is not None else "(after conversion)"
                 print(f"    {op['path_in_repo']:<40} {size:>16}  <- {op['from']}")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from convert import signals
-from convert.batch.card import push_output, quant_summary
+from convert.batch.card import push_output
 from convert.batch.jobs import Job, job_options
 from convert.batch.state import (
     STATE_DIR,
@@ -36,6 +36,8 @@ from convert.batch.state import (
     save_state,
     state_path,
 )
+from convert.hub.card import source_license
+from convert.hub.publish import quant_summary
 from convert.job import convert, job_key, resolve_source
 from convert.output import PARTIAL_MARK, write_json
 from convert.stream.pipeline import peak_rss_bytes
@@ -171,7 +173,10 @@ def run_job(spec: dict[str, Any]) -> JobResult:
         result.bytes_out = sum(r["bytes"] for _, f in outputs for r in state.get(f, {}).values())
         if spec.get("push_to_hub"):
             try:
-                result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path))
+                lic = source_license(source.path if source.path.is_dir() else None,
+                                     source.hub.repo_id if source.hub is not None else None, commit)
+                result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path),
+                                            lic)
             except HubUploadError as exc:  # the conversion is done and kept: its own outcome, not a failed job
                 result.status, result.error_class, result.rule = "upload-failed", type(exc).__name__, exc.rule
                 result.error = f"converted, upload failed: {exc}"

@@ -3,12 +3,15 @@
 Not a mock of huggingface_hub: the real client talks HTTP to it through ``HF_ENDPOINT``. It serves
 ``/api/models/{repo}[/revision/{rev}]`` (model info, with file sizes), ``/api/models/{repo}/tree/{rev}``
 (the file list), and ``/{repo}/resolve/{rev}/{path}`` (HEAD and GET, with ``Range``) to download, and
-``/api/repos/create``, ``/api/validate-yaml``, ``.../preupload/{rev}`` (every file "regular") and
-``.../commit/{rev}`` (ndjson, base64 contents) to push. It records every GET of file content (and the
-bytes served per file), every repo created and every commit, so tests can check what was downloaded
-and uploaded. ``delays`` slows whole-file GETs of files by name suffix (so a test can watch a download's
-folder or interrupt it), and a
-file named in ``withheld`` answers 404 to HEAD and whole-file GET while range reads still work (a
+``/api/repos/create``, ``/api/validate-yaml``, ``.../preupload/{rev}`` (every file "regular"),
+``.../branch/{name}`` (a branch from the default branch's head; 409 when it exists) and
+``.../commit/{rev}`` (ndjson, base64 contents; 404 for a branch that does not exist, as the Hub) to push.
+It records every GET of file content (and the bytes served per file), every repo and branch created and
+every commit, so tests can check what was downloaded and uploaded; ``refuse`` answers every write (create,
+branch, preupload, commit) with that HTTP status (401, 403: a missing or read-only token), ``refuse_commits``
+only the commits. ``delays``
+slows whole-file GETs of files by name suffix (so a test can watch a download's folder or interrupt it),
+and a file named in ``withheld`` answers 404 to HEAD and whole-file GET while range reads still work (a
 shard that vanished between the headers being read and the file being fetched).
 """
 
@@ -47,6 +50,9 @@ class FakeHub:
         self.auth: set[str | None] = set()  # Authorization headers seen
         self.created: list[dict] = []  # create_repo calls
         self.commits: list[dict] = []  # commits pushed
+        self.branches: list[dict] = []  # create_branch calls
+        self.refuse: int | None = None  # an HTTP status answering every write, or None
+        self.refuse_commits: int | None = None  # an HTTP status answering commits only, or None
         self.served: dict[str, int] = {}  # "repo/path" -> bytes of content sent (full and ranged GETs)
         self.delays: dict[str, float] = {}  # file name suffix -> seconds to wait before answering a whole-file GET
         self.withheld: set[str] = set()  # "repo/path" answering 404 except to range reads
@@ -110,6 +116,10 @@ class FakeHub:
                 hub.auth.add(self.headers.get("Authorization"))
                 path = unquote(urlparse(self.path).path)
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if hub.refuse is not None and path != "/api/validate-yaml":
+                    return self._send(hub.refuse, json.dumps({"error": "refused by the fake Hub"}).encode(),
+                                      {"Content-Type": "application/json",
+                                       "X-Error-Message": f"refused by the fake Hub ({hub.refuse})"})
                 if path == "/api/repos/create":
                     req = json.loads(body)
                     repo_id = f"{req['organization']}/{req['name']}"
@@ -124,12 +134,32 @@ class FakeHub:
                     files = json.loads(body)["files"]
                     return self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                                                  for f in files]})
+                m = re.match(r"^/api/models/([^/]+/[^/]+)/branch/([^/]+)$", path)
+                if m:
+                    repo_id, branch = m.groups()
+                    if repo_id not in hub.repos:
+                        return self._not_found("RepoNotFound")
+                    repo = hub.repos[repo_id]
+                    if branch in repo["refs"]:
+                        return self._json({"error": "branch exists"}, 409)
+                    hub.branches.append({"repo_id": repo_id, "branch": branch})
+                    head = repo["refs"].get("main")
+                    if head is None:  # (the Hub's new repos have a first commit; so do the fake's)
+                        head = repo["refs"]["main"] = hashlib.sha1(repo_id.encode()).hexdigest()
+                        repo["commits"][head] = {}
+                    repo["refs"][branch] = head
+                    return self._json({})
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/commit/([^/]+)$", path)
                 if m:
                     repo_id, rev = m.groups()
                     if repo_id not in hub.repos:
                         return self._not_found("RepoNotFound")
                     repo = hub.repos[repo_id]
+                    if rev != "main" and rev not in repo["refs"]:
+                        return self._not_found("RevisionNotFound")
+                    if hub.refuse_commits is not None:
+                        return self._send(hub.refuse_commits, b'{"error": "commit refused by the fake Hub"}',
+                                          {"Content-Type": "application/json"})
                     parent = repo["commits"].get(repo["refs"].get(rev, ""), {})
                     files = dict(parent)
                     header: dict = {}
@@ -142,7 +172,8 @@ class FakeHub:
                     commit = hashlib.sha1(body).hexdigest()
                     repo["commits"][commit] = files
                     repo["refs"][rev] = commit
-                    hub.commits.append({"repo_id": repo_id, "summary": header.get("summary"), "commit": commit})
+                    hub.commits.append({"repo_id": repo_id, "summary": header.get("summary"), "commit": commit,
+                                        "revision": rev})
                     return self._json({"commitUrl": f"{hub.url}/{repo_id}/commit/{commit}", "commitOid": commit,
                                        "pullRequestUrl": None})
                 return self._not_found("Unknown")

@@ -1,0 +1,384 @@
+"""``convert-bnb SRC --to T -o OUT --push-to-hub ORG/NAME``: one conversion, then its upload with a model card.
+
+:func:`publish` runs :func:`convert.job.convert`, records the finished output, and uploads it
+(:func:`convert.hub.upload.upload`) with its card (:func:`convert.hub.card.model_card`):
+
+- the record ``.NAME.convert-bnb-push.json`` beside the output (written atomically) holds the run's key
+  (:func:`convert.job.job_key`: source and commit, every setting that changes the bytes, the converter
+  version), the output's files with their sizes and sha256, what the card says of the source (its
+  quantization, its card's license) and the figures the run measured, and, once uploaded, ``pushed``
+  (repo, branch, key, Hub commit);
+- a run that finds its output in place (OUT-001, or any time with ``--overwrite``) with a record of the same key
+  whose files are all there with their recorded sizes and sha256 does not convert again: it uploads that
+  output (the same command after a failed upload only uploads), or nothing when the record says it was
+  pushed to the same repo and branch with the same key. An output without such a record is refused as before
+  (OUT-001: it may be someone else's).
+- an upload that fails (offline, no token, 401/403, the network down) is HUB-003: the output stays, recorded,
+  and the command exits 2; run it again to upload.
+
+A run killed between the output's commit and the record's write leaves an output without a record: the next
+run refuses it (OUT-001) like any other existing output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from convert import __version__
+from convert.hub.card import CardSource, model_card, published_command, source_license
+from convert.hub.download import HubSource
+from convert.hub.repo import is_repo_name, parse_repo_spec
+from convert.hub.upload import (
+    LARGE_UPLOAD,
+    PushOptions,
+    build_upload_plan,
+    local_file,
+    repo_files,
+    upload,
+    upload_folder_path,
+)
+from convert.inspection import InspectOptions, inspect_checkpoint
+from convert.job import ConvertResult, ResolvedSource, convert, job_key
+from convert.options import ConvertOptions
+from convert.output import InterruptedAfterCommit, sha256_file, write_json
+from convert.units import format_bytes, parse_size
+from formats.checkpoint import open_checkpoint
+from formats.errors import ConvertBnbError, OutputExistsError, UsageError
+
+__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "publish", "push_from_args",
+           "quant_summary", "record_path"]
+
+#: The record of a pushed run's output, beside it: ``.NAME`` + this.
+RECORD_MARK = ".convert-bnb-push.json"
+#: The ``version`` of the records this module reads and writes.
+RECORD_VERSION = 1
+
+
+def add_push_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``--push-to-hub REPO`` on the command line of one conversion."""
+    g = p.add_argument_group("Hub upload")
+    g.add_argument("--push-to-hub", metavar="REPO", default=None,
+                   help="after the output is complete, upload it with a model card to the Hub repo REPO (org/name; "
+                   "created if missing); a failed upload keeps the output and the same command uploads it later "
+                   "without converting again")
+    g.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    g.add_argument("--push-revision", metavar="BRANCH", default=None,
+                   help="with --push-to-hub: the branch of REPO to push to, created from the default branch when "
+                   "missing (default: the default branch; --revision is the SOURCE's revision)")
+    g.add_argument("--push-large-size", metavar="SIZE", type=parse_size, default=None,
+                   help="with --push-to-hub: outputs larger than SIZE go up with huggingface_hub's resumable folder "
+                   f"upload (several commits), smaller ones in one commit (default: {_size_text(LARGE_UPLOAD)})")
+
+
+def _size_text(n: int) -> str:
+    """A size as the options take it: ``5GB`` for a whole number of decimal gigabytes, else binary units."""
+    return f"{n // 10**9}GB" if n and n % 10**9 == 0 else format_bytes(n)
+
+
+def push_from_args(args: argparse.Namespace) -> PushOptions | None:
+    """The ``--push-to-hub`` options of a parsed command line (:func:`add_push_arguments`), or None without it.
+
+    Raises:
+        UsageError: USE-001, ``--private``, ``--push-revision`` or ``--push-large-size`` without
+            ``--push-to-hub``.
+    """
+    if args.push_to_hub is None:
+        for flag, value in (("--private", args.private), ("--push-revision", args.push_revision),
+                            ("--push-large-size", args.push_large_size)):
+            if value not in (None, False):
+                raise UsageError(f"{flag} needs --push-to-hub REPO")
+        return None
+    large = LARGE_UPLOAD if args.push_large_size is None else args.push_large_size
+    return PushOptions(args.push_to_hub, args.private, args.push_revision, large)
+
+
+def check_push(push: PushOptions) -> None:
+    """Refuse a target that cannot be pushed to, before anything is converted.
+
+    Raises:
+        UsageError: USE-001, the repo is not ``org/name``, or the branch is empty or holds blanks.
+    """
+    if not is_repo_name(push.repo_id) or ".." in push.repo_id:
+        raise UsageError("--push-to-hub needs a Hub repo id", expected="org/name", found=push.repo_id)
+    if push.revision is not None and (not push.revision.strip() or any(c.isspace() for c in push.revision)):
+        raise UsageError("--push-revision needs a branch name", expected="a name without blanks",
+                         found=repr(push.revision))
+
+
+def record_path(out: Path) -> Path:
+    """The record of output ``out`` (see the module docstring): ``.NAME.convert-bnb-push.json`` beside it."""
+    return out.with_name(f".{out.name}{RECORD_MARK}")
+
+
+def publish(options: ConvertOptions, push: PushOptions, argv: Sequence[str] | None = None) -> ConvertResult:
+    """Convert (or find the output an earlier run of the same key finished), then push it with its card.
+
+    Args:
+        options: the conversion.
+        push: where to push.
+        argv: the command line's arguments (for the card's command: :func:`convert.hub.card.published_command`),
+            or None (the card gives ``convert-bnb SRC --to T``).
+
+    Returns:
+        the conversion's :class:`~convert.job.ConvertResult` (of the earlier run's output when it was kept:
+        no tensors counted, a note saying so) with ``details["push"]``: ``repo``, ``revision``, ``private``,
+        ``method`` (``commit``, ``large-folder``, or ``none`` when already pushed), ``commit`` (the Hub's),
+        ``files``, ``bytes``, ``converted`` (False: an earlier run's output) and ``uploaded``. A dry run's
+        plan gets ``push``: the upload plan and the card (files and figures after the conversion).
+
+    Raises:
+        UsageError: USE-001, a bad ``push``.
+        HubUploadError: HUB-003, the upload failed; the output is complete, in place and recorded.
+        ConvertBnbError, OSError: as :func:`convert.job.convert`.
+    """
+    check_push(push)
+    if options.dry_run:
+        result = convert(options)
+        _plan_push(result, options, push, argv)
+        return result
+    result, record = _convert_or_keep(options)
+    out = Path(result.output)
+    converted = record is None
+    if record is None:
+        record = _new_record(options, result)
+        write_json(record_path(out), record)
+    try:
+        return _push(result, record, options, push, argv, converted)
+    except KeyboardInterrupt as exc:  # the output is complete and in place: say so
+        if isinstance(exc, InterruptedAfterCommit):
+            raise
+        raise InterruptedAfterCommit(out) from exc
+
+
+def _convert_or_keep(options: ConvertOptions) -> tuple[ConvertResult, dict[str, Any] | None]:
+    """The conversion's result and None, or, when the output is in place and recorded with this run's key, a
+    result standing for it and its record (with ``--overwrite`` too: the bytes would be the same)."""
+    if not options.overwrite:
+        try:
+            return convert(replace(options, list_files=True)), None
+        except OutputExistsError:
+            kept = _kept_output(options)
+            if kept is None:
+                raise
+            return kept
+    kept = _kept_output(options)
+    return kept if kept is not None else (convert(replace(options, list_files=True)), None)
+
+
+def _kept_output(options: ConvertOptions) -> tuple[ConvertResult, dict[str, Any]] | None:
+    """An earlier run's output of this run's key, complete and in place, with its record; else None.
+
+    The output's path is the one the run would write (a dry run plans it: nothing is downloaded or written).
+    """
+    planned = convert(replace(options, dry_run=True, progress=False))
+    out = Path(planned.output)
+    record = _load_record(record_path(out))
+    if record is None or record.get("key") != _key(options, planned):
+        return None
+    mm = (planned.dry_run or {}).get("mmproj", {}).get("output")
+    outputs = [(out, record.get("files"))] + ([(Path(mm), record.get("mmproj_files"))] if mm else [])
+    if not all(_in_place(path, files) for path, files in outputs):
+        return None
+    result = ConvertResult(source=planned.source, to=planned.to, output=str(out), commit=planned.commit,
+                           files=record["files"], verified=bool(record.get("verified")))
+    result.bytes_out = sum(r["bytes"] for _, files in outputs for r in (files or {}).values())
+    result.notes = [f"{out} was made by an earlier run with the same settings (its record "
+                    f"{record_path(out).name} and files match): kept, not converted again"]
+    if mm:
+        result.details["mmproj"] = {"output": mm, "files": record["mmproj_files"]}
+    return result, record
+
+
+def _load_record(path: Path) -> dict[str, Any] | None:
+    """The record at ``path``, or None (none, unreadable, another version)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("version") == RECORD_VERSION else None
+
+
+def _in_place(out: Path, files: Any) -> bool:
+    """Whether every recorded file of output ``out`` is there with its recorded size and sha256."""
+    if not isinstance(files, dict) or not files:
+        return False
+    for rel, rec in files.items():
+        path = local_file(out, rel)
+        try:
+            if not path.is_file() or path.stat().st_size != rec.get("bytes") or sha256_file(path) != rec.get("sha256"):
+                return False
+        except (OSError, AttributeError):
+            return False
+    return True
+
+
+def _key(options: ConvertOptions, result: ConvertResult) -> dict[str, Any]:
+    """:func:`convert.job.job_key` of a run, from its result (the source it read and the commit)."""
+    if result.commit is None:
+        return job_key(options, ResolvedSource(Path(result.source)))
+    repo = result.source.rpartition("@")[0]
+    return job_key(options, ResolvedSource(Path("."), HubSource(repo, options.revision, result.commit, Path("."))))
+
+
+def _new_record(options: ConvertOptions, result: ConvertResult) -> dict[str, Any]:
+    """The record of an output just converted (see the module docstring)."""
+    source = _card_source(options, result)
+    record: dict[str, Any] = {
+        "version": RECORD_VERSION, "key": _key(options, result), "output": Path(result.output).name,
+        "files": result.files, "verified": result.verified,
+        "source": {"repo": source.repo_id, "name": source.name, "revision": source.revision, "commit": source.commit},
+        "quantization": list(source.quantization), "license": source.license, "figures": card_figures(result),
+        "merged": [Path(p).name for p in options.merge_lora],
+    }
+    mm = result.details.get("mmproj")
+    if mm is not None:
+        record["mmproj_files"] = mm.get("files", {})
+    return record
+
+
+def _card_source(options: ConvertOptions, result: ConvertResult) -> CardSource:
+    """What the card says of the source: repo, revision, commit (or a local source's name), the quantized
+    layers and the source card's license, read from the local source or the Hub snapshot in the cache (no
+    download: a low-disk run's snapshot is not there, and its card then names neither)."""
+    if result.commit is None:
+        path = Path(result.source)
+        return CardSource(None, path.name, quantization=tuple(quant_summary(path)),
+                          license=source_license(path if path.is_dir() else None))
+    repo, rev = parse_repo_spec(options.src)
+    snapshot = _cached_snapshot(repo, result.commit)
+    quant = tuple(quant_summary(snapshot)) if snapshot is not None else ()
+    return CardSource(repo, repo, options.revision or rev, result.commit, quant,
+                      source_license(snapshot, repo, result.commit))
+
+
+def _cached_snapshot(repo: str, commit: str) -> Path | None:
+    """The snapshot folder of ``repo`` at ``commit`` in the HF cache, when the files a card reads are there."""
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("config.json", "README.md", "model.safetensors.index.json", "model.safetensors"):
+        found = try_to_load_from_cache(repo, name, revision=commit)
+        if isinstance(found, str):
+            return Path(found).parent
+    return None
+
+
+def quant_summary(src: Path) -> list[str]:
+    """One line per group of quantized layers in the source (headers only); none when it cannot be read."""
+    try:
+        with open_checkpoint(src) as ckpt:
+            rep = inspect_checkpoint(ckpt, InspectOptions())
+    except (ConvertBnbError, OSError):
+        return []
+    lines = []
+    for g in rep["quantized"]:
+        nested = f", nested (blocksize {g['nested_blocksize']}, {g['nested_dtype']})" if g["nested"] else ""
+        lines.append(f"{g['quant_type']}, blocksize {g['blocksize']}{nested}, dtype {g['dtype']}, "
+                     f"storage {g['storage']}: {g['layers']} layers")
+    for g in rep["int8"]:
+        lines.append(f"LLM.int8 ({g['weight_dtype']} weight, {g['scale_dtype']} scale): {g['layers']} layers")
+    return lines
+
+
+def card_figures(result: ConvertResult) -> list[str]:
+    """What a run measured, one line each, for the card: whether the output was re-read and checked before it
+    was committed, what was written, float16 overflows, and per target the error figures (GGUF: the types
+    and the relative RMS error of its tensors against the dequantized weights; NF4/FP4: the relative error
+    line of the run's notes)."""
+    lines = [("re-read and checked (headers, sizes, tensors) before it was committed" if result.verified
+              else "not re-read before it was committed (--no-verify)"),
+             f"{result.tensors} tensors, {result.elements} values, {result.bytes_out} bytes written"]
+    if result.fp16_line():
+        lines.append(str(result.fp16_line()))
+    gg = result.details.get("gguf")
+    if gg:
+        counts = ", ".join(f"{n} x{k}" for n, k in sorted(gg.get("type_counts", {}).items()))
+        lines.append(f"GGML types: {counts}")
+        errs = [(t["rel_rms_error"], t["name"]) for t in gg.get("tensors", [])
+                if isinstance(t.get("rel_rms_error"), float) and math.isfinite(t["rel_rms_error"])]
+        if errs:
+            worst = max(errs)
+            lines.append(f"relative RMS error against the dequantized weights: mean "
+                         f"{sum(e for e, _ in errs) / len(errs):.6f}, max {worst[0]:.6f} ({worst[1]})")
+    lines += [n for n in result.notes if n.startswith("relative error")]
+    return lines
+
+
+def _push(result: ConvertResult, record: dict[str, Any], options: ConvertOptions, push: PushOptions,
+          argv: Sequence[str] | None, converted: bool) -> ConvertResult:
+    """Upload the recorded output (unless the record says it was pushed there with this key), record the push,
+    and put what was done into ``result.details["push"]``."""
+    out = Path(result.output)
+    target = {"repo": push.repo_id, "revision": push.revision, "key": record["key"]}
+    mm = result.details.get("mmproj", {}).get("output")
+    outputs = [(out, record["files"])] + ([(Path(mm), record.get("mmproj_files", {}))] if mm else [])
+    done = {"repo": push.repo_id, "revision": push.revision, "private": push.private, "converted": converted,
+            "files": sum(len(repo_files(f)) for _, f in outputs) + 1}
+    pushed = record.get("pushed")
+    if isinstance(pushed, dict) and {k: pushed.get(k) for k in target} == target:
+        result.details["push"] = {**done, "method": "none", "commit": pushed.get("commit"), "bytes": 0,
+                                  "uploaded": False}
+        return result
+    card = _card(record, options, push, argv, outputs)
+    plan = build_upload_plan(push, outputs, card, _message(record, options))
+    commit = upload(plan, card, upload_folder_path(out), progress=options.progress,
+                    hint=f"the output is kept ({out}): run the same command again to upload it without converting "
+                         "again")
+    record["pushed"] = {**target, "commit": commit, "method": plan["method"]}
+    write_json(record_path(out), record)
+    result.details["push"] = {**done, "method": plan["method"], "commit": commit, "bytes": plan["bytes"],
+                              "uploaded": True}
+    return result
+
+
+def _card(record: dict[str, Any], options: ConvertOptions, push: PushOptions, argv: Sequence[str] | None,
+          outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]) -> str:
+    """The card of a recorded output (:func:`convert.hub.card.model_card`)."""
+    src = record["source"]
+    source = CardSource(src["repo"], src["name"], src["revision"], src["commit"], tuple(record["quantization"]),
+                        record["license"])
+    files = {rel: rec for _, f in outputs for rel, rec in repo_files(f).items()}
+    return model_card(push.repo_id.split("/", 1)[1], options.to, source, files, command=_command(options, argv),
+                      figures=record["figures"], merged=record["merged"])
+
+
+def _command(options: ConvertOptions, argv: Sequence[str] | None) -> str:
+    """The card's command: the command line given (local paths by their last component), or without one
+    ``convert-bnb SRC --to T``."""
+    if argv is not None:
+        return published_command(argv)
+    return published_command([options.src, "--to", options.to.name])
+
+
+def _message(record: dict[str, Any], options: ConvertOptions) -> str:
+    """The commit message: the converter, the source's name and the target."""
+    return f"convert-bnb {__version__}: {record['source']['name']} --to {options.to}"
+
+
+def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions, argv: Sequence[str] | None) -> None:
+    """A dry run's push plan, into its plan (``push``: the upload plan and the card, whose files and figures
+    are known after the conversion) and its text."""
+    assert result.dry_run is not None
+    repo, rev = parse_repo_spec(options.src) if result.commit is not None else (None, None)
+    src_path = Path(result.source)
+    source = (CardSource(repo, repo, options.revision or rev, result.commit) if repo is not None else
+              CardSource(None, src_path.name, license=source_license(src_path if src_path.is_dir() else None)))
+    record = {"source": {"repo": source.repo_id, "name": source.name, "revision": source.revision,
+                         "commit": source.commit}, "quantization": [], "license": source.license,
+              "figures": ["(measured by the conversion)"], "merged": [Path(p).name for p in options.merge_lora]}
+    card = _card(record, options, push, argv, [])
+    plan = build_upload_plan(push, [], card, _message(record, options))
+    size = result.dry_run.get("out_bytes")
+    plan["method"] = "large-folder" if isinstance(size, int) and size > push.large_size else "commit"
+    result.dry_run["push"] = {**plan, "card": card}
+    branch = f"branch {push.revision}" if push.revision is not None else "the default branch"
+    how = ("the resumable folder upload" if plan["method"] == "large-folder" else "one commit")
+    result.plan_text += (f"\n  push: {push.repo_id} ({branch}{', private' if push.private else ''}) after the "
+                         f"conversion, in {how} (outputs over {_size_text(push.large_size)} go up resumably)")
+

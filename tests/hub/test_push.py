@@ -1,0 +1,293 @@
+"""``convert-bnb SRC --to T -o OUT --push-to-hub ORG/NAME``: the upload, its card, and what a refused or offline
+push leaves, against a local fake Hub (the real huggingface_hub client over HTTP; never the network)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from convert.hub.card import CardSource, base_model_relation, model_card, published_command, source_license
+from convert.hub.publish import RECORD_MARK
+from convert.hub.upload import UPLOAD_MARK
+from convert.options import target_for
+from convert.output import file_manifest
+from tests.helpers.fakehub import FakeHub
+from tests.helpers.fixtures import FIXTURES, MODELS
+from tests.helpers.hubcache import commit_sha, copy_model, offline_env, run_cli
+
+SRC = commit_sha("push-src")
+CARD = b"---\nlicense: apache-2.0\nlanguage: en\n---\n# m\n\nThe source's own card.\n"
+ADAPTER = FIXTURES / "lora" / "adapter"
+
+
+@pytest.fixture
+def hub() -> Iterator[FakeHub]:
+    h = FakeHub()
+    files: dict[str, bytes | Path] = {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()}
+    h.add("org/m", SRC, {**files, "README.md": CARD})
+    h.start()
+    yield h
+    h.stop()
+
+
+def _env(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
+    env = offline_env(tmp_path, tmp_path / "cache")
+    del env["HF_HUB_OFFLINE"]
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+    return env
+
+
+def _pushed(hub: FakeHub, repo: str, branch: str = "main") -> dict[str, bytes]:
+    r = hub.repos[repo]
+    return r["commits"][r["refs"][branch]]
+
+
+def _card(text: str) -> tuple[dict, str]:
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(text)
+    return card.data.to_dict(), card.text
+
+
+def _stat(path: Path) -> dict[str, tuple[int, int]]:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files}
+
+
+def test_single_run_pushes_the_output_and_a_card(hub: FakeHub, tmp_path: Path) -> None:
+    out = tmp_path / "out" / "m-bf16"
+    args = ["org/m", "--to", "bf16", "-o", str(out), "--push-to-hub", "me/m-bf16", "--json"]
+    r = run_cli(args, _env(tmp_path, hub))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    (commit,) = hub.commits
+    assert res["push"] == {"repo": "me/m-bf16", "revision": None, "private": False, "converted": True,
+                           "files": 7, "method": "commit", "commit": commit["commit"], "uploaded": True,
+                           "bytes": sum(len(b) for b in _pushed(hub, "me/m-bf16").values())}
+    assert hub.created == [{"repo_id": "me/m-bf16", "private": False, "type": "model"}] and hub.branches == []
+    assert (commit["summary"], commit["revision"]) == ("convert-bnb 0.1.0: org/m --to bf16", "main")
+    pushed = _pushed(hub, "me/m-bf16")
+    # every file of the output but the source's own card, which the pushed card replaces
+    assert (out / "README.md").read_bytes() == CARD
+    assert {k: v for k, v in pushed.items() if k != "README.md"} == {
+        p.name: p.read_bytes() for p in out.iterdir() if p.name != "README.md"}
+    data, text = _card(pushed["README.md"].decode())
+    assert data == {"base_model": "org/m", "library_name": "transformers", "license": "apache-2.0",
+                    "tags": ["convert-bnb", "bitsandbytes-dequantized"]}  # a dequantized copy: no relation
+    assert f"- repo: org/m\n- revision: main (default branch)\n- commit: {SRC}\n" in text
+    assert "- quantization: nf4, blocksize 64, nested (blocksize 256, float32), dtype bfloat16, storage U8: 14 layers" \
+        in text
+    assert ("## Verification\n\n- re-read and checked (headers, sizes, tensors) before it was committed\n"
+            f"- 21 tensors, 1987840 values, {res['bytes_out']} bytes written\n") in text
+    assert "```\nconvert-bnb org/m --to bf16 -o m-bf16 --push-to-hub me/m-bf16 --json\n```" in text
+    assert str(tmp_path) not in text  # no path of this machine
+    for rel, rec in file_manifest(out).items():
+        assert (f"| {rel} | {rec['bytes']} | {rec['sha256']} |" in text) is (rel != "README.md")
+    record = json.loads((out.parent / f".m-bf16{RECORD_MARK}").read_text())
+    assert record["pushed"] == {"repo": "me/m-bf16", "revision": None, "key": record["key"],
+                                "commit": commit["commit"], "method": "commit"}
+    assert record["files"] == res["files"] == file_manifest(out)
+    # the same command again: the Hub source resolved (its snapshot is cached), nothing converted or uploaded
+    downloads, before = list(hub.full_downloads), _stat(out)
+    r = run_cli(args, _env(tmp_path, hub))
+    assert r.returncode == 0, r.stderr
+    again = json.loads(r.stdout)
+    assert (again["push"]["converted"], again["push"]["uploaded"], again["push"]["method"]) == (False, False, "none")
+    assert hub.full_downloads == downloads and _stat(out) == before and len(hub.commits) == 1
+
+
+def test_merged_gguf_to_a_private_branch(hub: FakeHub, tmp_path: Path) -> None:
+    """--private creates the repo private; --push-revision pushes to a branch made from main, main untouched;
+    a merge is base_model_relation merge; the GGUF's figures are on the card."""
+    out = tmp_path / "out"
+    args = ["org/m", "--to", "gguf:q8_0", "--merge-lora", str(ADAPTER), "-o", f"{out}/", "--push-to-hub", "me/m-gguf",
+            "--private", "--push-revision", "dev", "--json"]
+    r = run_cli(args, _env(tmp_path, hub))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    gguf = Path(res["output"])
+    assert gguf.parent == out and gguf.suffix == ".gguf"
+    assert hub.created == [{"repo_id": "me/m-gguf", "private": True, "type": "model"}]
+    assert hub.branches == [{"repo_id": "me/m-gguf", "branch": "dev"}]
+    assert [c["revision"] for c in hub.commits] == ["dev"]
+    assert _pushed(hub, "me/m-gguf", "main") == {}  # the default branch keeps its first (empty) commit
+    pushed = _pushed(hub, "me/m-gguf", "dev")
+    assert pushed[gguf.name] == gguf.read_bytes() and set(pushed) == {gguf.name, "README.md"}
+    data, text = _card(pushed["README.md"].decode())
+    assert data == {"base_model": "org/m", "library_name": "gguf", "license": "apache-2.0",
+                    "tags": ["convert-bnb", "gguf"], "base_model_relation": "merge"}
+    assert "- merged LoRA adapter: adapter\n" in text
+    types = ", ".join(f"{k} x{v}" for k, v in sorted(res["gguf"]["type_counts"].items()))
+    assert f"- GGML types: {types}\n" in text
+    errs = [t["rel_rms_error"] for t in res["gguf"]["tensors"]]
+    assert f"relative RMS error against the dequantized weights: mean {sum(errs) / len(errs):.6f}, " \
+           f"max {max(errs):.6f}" in text
+    assert ("convert-bnb org/m --to gguf:q8_0 --merge-lora adapter -o out/ --push-to-hub me/m-gguf --private "
+            "--push-revision dev --json") in text
+    assert res["push"]["revision"] == "dev" and res["push"]["private"] is True
+
+
+def test_large_outputs_go_up_through_the_folder_upload(hub: FakeHub, tmp_path: Path) -> None:
+    """Over --push-large-size the output goes up from a folder of links beside it (huggingface_hub 2.x:
+    upload_folder; without hf_xet, as here, one commit); a refused upload keeps that folder, a done one
+    removes it. The output is never written into."""
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m-nf4")
+    out = tmp_path / "m-4bit"
+    args = [str(src), "--to", "nf4", "--requantize", "-o", str(out), "--push-to-hub", "me/m-nf4", "--push-large-size",
+            "1000", "--json"]
+    env = _env(tmp_path, hub)
+    hub.refuse_commits = 403
+    r = run_cli(args, env)
+    assert r.returncode == 2 and "HUB-003 cannot push to 'me/m-nf4' (HfHubHTTPError: 403" in r.stderr
+    folder = tmp_path / f".m-4bit{UPLOAD_MARK}"
+    links = {p.name: os.readlink(p) for p in folder.iterdir() if p.is_symlink()}
+    assert links == {p.name: str(p) for p in out.iterdir()}  # links to the output's files, and the card
+    assert (folder / "README.md").read_text().startswith("---\nlibrary_name: transformers\n")
+    before = _stat(out)
+    hub.refuse_commits = None
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    push = json.loads(r.stdout)["push"]
+    assert (push["method"], push["converted"], push["uploaded"]) == ("large-folder", False, True)
+    assert not folder.exists() and _stat(out) == before
+    pushed = _pushed(hub, "me/m-nf4")
+    assert {k: v for k, v in pushed.items() if k != "README.md"} == {p.name: p.read_bytes() for p in out.iterdir()}
+    data, text = _card(pushed["README.md"].decode())
+    assert "base_model" not in data and "base_model_relation" not in data  # a local source: no Hub base model
+    assert data["tags"] == ["convert-bnb", "bitsandbytes", "4-bit", "nf4"]
+    assert "- path: m-nf4\n" in text
+    assert "\n- relative error: mean 0.0017, max 0.0023; 14 of 14 layers have outlier blocks" in text  # (--json: exact)
+
+
+def test_refused_push_keeps_the_output_and_the_same_command_only_uploads(hub: FakeHub, tmp_path: Path) -> None:
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
+    out = tmp_path / "m-bf16"
+    args = [str(src), "--to", "bf16", "-o", str(out), "--push-to-hub", "me/m"]
+    env = _env(tmp_path, hub)
+    hub.refuse = 401  # no token, or one that may not write
+    r = run_cli(args, env)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "401 Unauthorized" in r.stderr
+    assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m' (HfHubHTTPError: ")
+    assert f"Hint: the output is kept ({out}): run the same command again to upload it without converting" in r.stderr
+    reference = run_cli([str(src), "--to", "bf16", "-o", str(tmp_path / "plain")], env)
+    assert reference.returncode == 0, reference.stderr
+    assert file_manifest(out) == file_manifest(tmp_path / "plain")  # complete: a plain run's bytes
+    record = json.loads((tmp_path / f".m-bf16{RECORD_MARK}").read_text())
+    assert "pushed" not in record and record["files"] == file_manifest(out)
+    assert (hub.created, hub.commits) == ([], [])
+    before = _stat(out)
+    hub.refuse = None
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith(f"kept {out}: 3.87 MiB, made by an earlier run\n")
+    assert r.stderr.endswith(f"pushed to me/m: 7 files, {_size(hub, 'me/m')} in one commit "
+                             f"(commit {hub.commits[0]['commit']})\n")
+    assert _stat(out) == before and len(hub.commits) == 1  # not converted again; uploaded once
+    r = run_cli([*args, "--json"], env)  # pushed already: nothing to do
+    assert r.returncode == 0, r.stderr
+    push = json.loads(r.stdout)["push"]
+    assert (push["uploaded"], push["converted"], push["commit"]) == (False, False, hub.commits[0]["commit"])
+    assert len(hub.commits) == 1 and len(hub.created) == 1 and _stat(out) == before
+    r = run_cli([*args, "--push-revision", "v2"], env)  # another branch: uploaded there, not converted again
+    assert r.returncode == 0, r.stderr
+    assert [c["revision"] for c in hub.commits] == ["main", "v2"] and _stat(out) == before
+    # an output the record does not describe is refused as any existing output
+    r = run_cli([str(src), "--to", "fp16", "-o", str(out), "--push-to-hub", "me/m"], env)
+    assert r.returncode == 2 and "OUT-001 output exists" in r.stderr
+    (tmp_path / f".m-bf16{RECORD_MARK}").unlink()
+    r = run_cli(args, env)
+    assert r.returncode == 2 and "OUT-001 output exists" in r.stderr
+    assert len(hub.commits) == 2 and _stat(out) == before
+
+
+def _size(hub: FakeHub, repo: str) -> str:
+    from convert.units import format_bytes
+
+    return format_bytes(sum(len(b) for b in _pushed(hub, repo).values()))
+
+
+def test_offline_push_is_one_line_exit_2_and_keeps_the_output(tmp_path: Path) -> None:
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
+    out = tmp_path / "m-bf16"
+    r = run_cli([str(src), "--to", "bf16", "-o", str(out), "--push-to-hub", "me/m", "--json"], offline_env(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(
+        "convert-bnb: error: HUB-003 cannot push to 'me/m' (OfflineModeIsEnabled: ")
+    fail = json.loads(r.stdout)
+    assert (fail["ok"], fail["rule"], fail["error"]) == (False, "HUB-003", "HubUploadError")
+    assert (out / "model.safetensors").is_file()
+    assert json.loads((tmp_path / f".m-bf16{RECORD_MARK}").read_text())["files"] == file_manifest(out)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--private"], "USE-001 --private needs --push-to-hub REPO"),
+    (["--push-revision", "dev"], "USE-001 --push-revision needs --push-to-hub REPO"),
+    (["--push-to-hub", "not-a-repo"], "USE-001 --push-to-hub needs a Hub repo id (expected 'org/name', found "
+                                      "'not-a-repo')"),
+    (["--push-to-hub", "me/m", "--push-revision", "a b"], "USE-001 --push-revision needs a branch name"),
+])
+def test_push_options_are_checked_before_anything_is_converted(tmp_path: Path, args: list[str], message: str) -> None:
+    out = tmp_path / "o"
+    r = run_cli([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(out), *args], offline_env(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_dry_run_shows_the_push_and_writes_nothing(tmp_path: Path) -> None:
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
+    (src / "README.md").write_bytes(CARD)
+    out = tmp_path / "o"
+    args = [str(src), "--to", "gguf:q4_k_m", "-o", str(out), "--push-to-hub", "me/m", "--private", "--dry-run"]
+    r = run_cli(args, offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "  push: me/m (the default branch, private) after the conversion, in one commit (outputs over 5GB go up " \
+           "resumably)\n" in r.stdout
+    r = run_cli([*args, "--json"], offline_env(tmp_path))
+    push = json.loads(r.stdout)["push"]
+    assert (push["create_repo"], push["method"]) == (
+        {"repo_id": "me/m", "repo_type": "model", "private": True, "exist_ok": True}, "commit")
+    data, _ = _card(push["card"])
+    assert data == {"library_name": "gguf", "license": "apache-2.0", "tags": ["convert-bnb", "gguf"]}
+    assert not out.exists() and not list(tmp_path.glob(f".*{RECORD_MARK}"))
+
+
+# ---------------------------------------------------------------- the card's parts
+
+
+@pytest.mark.parametrize(("to", "merged", "relation"), [
+    ("auto", False, None), ("bf16", False, None), ("fp32", False, None), ("nf4", False, "quantized"),
+    ("fp4", False, "quantized"), ("gguf", False, "quantized"), ("gguf:q4_k_m", False, "quantized"),
+    ("bf16", True, "merge"), ("gguf:q8_0", True, "merge"),
+])
+def test_base_model_relation_takes_the_hubs_values(to: str, merged: bool, relation: str | None) -> None:
+    target = target_for(to)
+    assert base_model_relation(target, merged) == relation
+    data, _ = _card(model_card("x", target, CardSource("org/m", "org/m"), {}, command="c",
+                               merged=["a"] if merged else []))
+    assert data.get("base_model_relation") == relation
+    data, _ = _card(model_card("x", target, CardSource(None, "m"), {}, command="c"))
+    assert "base_model_relation" not in data and "base_model" not in data  # a local source has no Hub base
+
+
+def test_source_license_is_carried_and_a_relative_link_made_absolute(tmp_path: Path) -> None:
+    (tmp_path / "README.md").write_text("---\nlicense: other\nlicense_name: llama3\nlicense_link: LICENSE\n---\nx\n")
+    assert source_license(tmp_path, "org/m", "c" * 40) == {
+        "license": "other", "license_name": "llama3",
+        "license_link": f"https://huggingface.co/org/m/blob/{'c' * 40}/LICENSE"}
+    assert source_license(tmp_path)["license_link"] == "LICENSE"  # a local source's link stays as it is
+    (tmp_path / "README.md").write_text("---\nlicense: [unclosed\n---\n")
+    assert source_license(tmp_path) == {}  # a card that does not parse carries nothing
+    assert source_license(tmp_path / "none") == {}
+
+
+def test_published_command_shows_local_paths_by_their_last_component(tmp_path: Path) -> None:
+    (tmp_path / "model dir").mkdir()
+    argv = [str(tmp_path / "model dir"), "--to", "bf16", "-o", "/home/someone/out/m-bf16/", "--merge-lora",
+            str(tmp_path), f"--report={tmp_path}/r.json", "--push-to-hub", "me/m", "--revision", "v2"]
+    assert published_command(argv) == (f"convert-bnb 'model dir' --to bf16 -o m-bf16/ --merge-lora {tmp_path.name} "
+                                       "--report=r.json --push-to-hub me/m --revision v2")
