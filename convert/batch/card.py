@@ -139,9 +139,11 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     lines += ["", "## Settings", "", "| setting | value |", "|---|---|", f"| --to | {job.to} |",
               f"| --max-shard-size | {job.max_shard_size} bytes |"]
     lines += [f"| --mmproj | {job.mmproj} |"] * bool(job.mmproj)
+    lines += [f"| --modelfile | {job.modelfile} |"] * bool(job.modelfile)
     lines += [f"| converter | convert-bnb {__version__} |", ""]
     cmd = f"convert-bnb {shown}" + (f" --revision {commit}" if commit else "")
     cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}" + (f" --mmproj {job.mmproj}" if job.mmproj else "")
+    cmd += " --modelfile" if job.modelfile else ""
     lines += ["Reproduce with:", "", "```", cmd, "```", ""]
     lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---:|---|"]
     for rel, rec in sorted(files.items()):
@@ -271,6 +273,8 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
         key = job_key(options, source)
         if job.mmproj:
             entry["mmproj"] = str(out_dir / job.mmproj)
+        if job.modelfile:
+            entry["modelfile"] = str(out_dir / job.modelfile)
         outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]
         if (state.get("key") == key and state.get("status") == "done"
                 and all((out_dir / name).exists() for name, _ in job.outputs())):
@@ -286,8 +290,7 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             if source.hub is not None and source.hub.missing:
                 entry["action"] += " (not checked: not downloaded)"
             outputs = [(final, _planned_files(src, job))]
-            if job.mmproj:
-                outputs.append((out_dir / job.mmproj, _not_written_yet(job.mmproj)))
+            outputs += [(out_dir / name, _not_written_yet(name)) for name, _ in job.outputs()[1:]]  # mmproj, Modelfile
         if push_to_hub:
             quant = quant_summary(src) if src.exists() else []
             card = model_card(job, commit, _card_files(outputs), quant)
