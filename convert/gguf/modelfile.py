@@ -18,11 +18,11 @@ the GGUF's planned metadata, so it says what the file holds:
   of generation_config.json's ``eos_token_id`` (an id or a list of ids), each once.
 - ``PARAMETER temperature|top_k|top_p|min_p|repeat_penalty|repeat_last_n``: the GGUF's ``general.sampling.*``
   values (generation_config.json's ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``penalty_repeat``,
-  ``penalty_last_n``, or ``--metadata``, as gguf-py's ``Metadata`` reads them; transformers' ``repetition_penalty``
-  when there is no ``penalty_repeat``, as the gguf-py of llama.cpp's pinned revision reads it and PyPI's gguf
-  0.19.0 does not), named as Ollama names them
-  (``docs/modelfile.md``); ``general.sampling.*`` values Ollama has no parameter for (``sequence``, ``xtc_*``,
-  ``mirostat*``: deprecated in Ollama's parser) are left out with a note.
+  ``penalty_last_n``, or ``--metadata``, as gguf-py's ``Metadata`` reads them; transformers'
+  ``repetition_penalty`` when there is no ``penalty_repeat``, as the gguf-py of llama.cpp's pinned revision reads
+  it and PyPI's gguf 0.19.0 does not), named as Ollama names them (``docs/modelfile.md``); ``general.sampling.*``
+  values Ollama has no parameter for (``sequence``, ``xtc_*``, ``mirostat*``: deprecated in Ollama's parser) are
+  left out with a note.
 
 Values are written so that Ollama's Modelfile parser (``parser/parser.go``) reads them back as they are: the
 template between ``\"\"\"``, stop strings between ``"`` (a token holding ``"`` or a character that is not
