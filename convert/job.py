@@ -427,8 +427,10 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
                     result.dry_run["mmproj"] = {**mmproj.plan_dict(), "output": str(mm_out)}
                     result.plan_text += f"\n{mmproj.describe()}\n  mmproj output: {mm_out}"
                 if modelfile is not None:
-                    result.dry_run["modelfile"] = {**modelfile.plan_dict(), "exists": modelfile.path.exists()}
-                    result.plan_text += f"\n{modelfile.describe()}"
+                    exists = os.path.lexists(modelfile.path)
+                    result.dry_run["modelfile"] = {**modelfile.plan_dict(), "exists": exists}
+                    result.plan_text += f"\n{modelfile.describe()}" + (
+                        "\n  Modelfile exists: --overwrite needed" if exists and not options.overwrite else "")
                 return result
             # 6. claim the output, write it into staging, verify, commit
             run, notes = _run_settings(options, plan, source, out.name, lora)

@@ -595,6 +595,11 @@ def test_dry_run_shows_it_and_writes_nothing(tmp_path: Path, capsys: pytest.Capt
     assert main([str(src), "--to", "gguf:q4_0", "-o", str(out / "g.gguf"), "--modelfile", "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["modelfile"]
     assert (plan["output"], plan["template"], plan["exists"]) == (str(out / "Modelfile"), "gemma-instruct", False)
+    out.mkdir()
+    (out / "Modelfile").write_text("mine")
+    assert main([str(src), "--to", "gguf:q4_0", "-o", str(out / "g.gguf"), "--modelfile", "--dry-run"]) == 0
+    assert "\n  Modelfile exists: --overwrite needed\n" in capsys.readouterr().out
+    assert [p.name for p in out.iterdir()] == ["Modelfile"] and (out / "Modelfile").read_text() == "mine"
 
 
 def test_a_split_gguf_names_every_part(tmp_path: Path) -> None:
