@@ -28,7 +28,7 @@ from convert.hub.publish import add_push_arguments, publish, push_from_args
 from convert.job import convert
 from convert.lora.report import format_table
 from convert.options import ConvertOptions, QuantOptions, add_mix_arguments, mix_from_args, target_arg, target_names
-from convert.output import InterruptedAfterCommit, user_path
+from convert.output import MODELFILE_NAME, InterruptedAfterCommit, user_path
 from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError
 from formats.mapping import changed_input
@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata", type=Path, default=None, metavar="FILE",
                    help="with --to gguf[:TYPE]: a JSON file of general.* keys overriding those taken from the model "
                    "card, config.json and the name (llama.cpp's convert_hf_to_gguf.py --metadata)")
+    p.add_argument("--modelfile", action="store_const", const=MODELFILE_NAME, default=None,
+                   help="with --to gguf[:TYPE]: also write an Ollama Modelfile beside the GGUF (FROM, the chat "
+                   "template as Ollama's Go template where it is a known family, stop tokens, sampling defaults)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -174,7 +177,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
         processes=True, mmproj=args.mmproj, split_max_size=args.split_max_size,
         split_max_tensors=args.split_max_tensors,
-        mix=mix_from_args(args), metadata=args.metadata,
+        mix=mix_from_args(args), metadata=args.metadata, modelfile=args.modelfile,
     )
 
 

@@ -48,7 +48,7 @@ from convert.output import (
 )
 from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
 from convert.stream.plan import Plan, make_plan
-from convert.targets import TARGETS, MmprojJob, TargetJob
+from convert.targets import TARGETS, MmprojJob, ModelfileJob, TargetJob, check_modelfile_name, plan_modelfile
 from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
 from formats.errors import (
@@ -205,7 +205,8 @@ def check_options(options: ConvertOptions) -> None:
 
     Raises:
         UsageError: ``low_disk`` with a target other than auto/bf16/fp16/fp32; a ``mix`` option without
-            a llama-quantize type; ``mmproj`` or ``metadata`` without a GGUF target;
+            a llama-quantize type; ``mmproj``, ``metadata`` or ``modelfile`` without a GGUF target; a
+            ``modelfile`` name that is not a plain file name;
             ``threads`` or ``max_shard_size`` below 1; ``max_memory``
             below 64 MiB; ``report``/``original`` without ``merge_lora``; a missing adapter
             directory; a 4-bit option with a target other than nf4/fp4; ``torch_threads`` below 1;
@@ -224,9 +225,12 @@ def check_options(options: ConvertOptions) -> None:
     if options.to.needs_imatrix and options.mix.imatrix is None:
         raise ImatrixRequiredError(f"gguf:{options.to.gguf_type} needs an importance matrix (llama-quantize refuses it "
                                    "without one)", expected="--imatrix FILE", found="no --imatrix")
-    for flag, value in (("--mmproj", options.mmproj), ("--metadata", options.metadata)):
+    for flag, value in (("--mmproj", options.mmproj), ("--metadata", options.metadata),
+                        ("--modelfile", options.modelfile)):
         if value is not None and options.to.family != "gguf":
             raise UsageError(f"{flag} needs --to gguf[:TYPE]", expected="--to gguf...", found=f"--to {options.to.name}")
+    if options.modelfile is not None:
+        check_modelfile_name(options.modelfile)
     if options.threads is not None and options.threads < 1:
         raise UsageError("--threads must be at least 1", found=options.threads)
     if options.max_shard_size < 1:
@@ -336,6 +340,7 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
                   if k != "quant_report"},
         "converter": f"convert-bnb {__version__}",
         **({"mmproj": Path(options.mmproj).name} if options.mmproj is not None else {}),
+        **({"modelfile": options.modelfile} if options.modelfile is not None else {}),
     }))
 
 
@@ -410,12 +415,19 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             mmproj = MmprojJob(plan, options, source.model_name(ckpt)) if options.mmproj is not None else None
             mm_out = _mmproj_output(options, out, mmproj.naming if mmproj is not None else None,
                                     source.hub.revision if source.hub is not None else None)
+            modelfile = plan_modelfile(options, job.gplan, ckpt.source, out, parts,
+                                       mm_out if mmproj is not None else None) if options.modelfile else None
             if options.dry_run:
                 result.dry_run, result.plan_text = job.plan_dict(), job.describe()
                 result.output_exists = any(p.exists() for p in parts or [out])
                 if mmproj is not None:
                     result.dry_run["mmproj"] = {**mmproj.plan_dict(), "output": str(mm_out)}
                     result.plan_text += f"\n{mmproj.describe()}\n  mmproj output: {mm_out}"
+                if modelfile is not None:
+                    exists = os.path.lexists(modelfile.path)
+                    result.dry_run["modelfile"] = {**modelfile.plan_dict(), "exists": exists}
+                    result.plan_text += f"\n{modelfile.describe()}" + (
+                        "\n  Modelfile exists: --overwrite needed" if exists and not options.overwrite else "")
                 return result
             # 6. claim the output, write it into staging, verify, commit
             run, notes = _run_settings(options, plan, source, out.name, lora)
@@ -423,6 +435,8 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             _write_output(job, options, source, ckpt.source, out, run, result, committed, parts)
             if mmproj is not None:
                 notes += _write_mmproj(mmproj, options, source, ckpt.source, mm_out, run, result, committed)
+            if modelfile is not None:
+                notes += _write_modelfile(modelfile, options, source, ckpt.source, run, result, committed)
             notes += _low_disk_report(source, result)
             if lora is not None:
                 _merge_report(lora, options, result)
@@ -579,6 +593,19 @@ def _write_mmproj(job: TargetJob, options: ConvertOptions, source: ResolvedSourc
     result.details["mmproj"] = {"output": str(out), "bytes_out": mm.bytes_out, "tensors": job.tensors,
                                 "verified": mm.verified, **({"files": mm.files} if mm.files else {})}
     return [f"mmproj: {out} ({job.tensors} tensors, {format_bytes(mm.bytes_out)})"]
+
+
+def _write_modelfile(job: ModelfileJob, options: ConvertOptions, source: ResolvedSource, input_path: Path,
+                     run: RunSettings, result: ConvertResult, committed: list[Path]) -> list[str]:
+    """Write, verify and commit the Modelfile after the GGUF (its own all-or-nothing output); its path, template
+    (and with ``modelfile_manifest`` or ``list_files`` its files) go into ``result.details["modelfile"]``;
+    returns its notes."""
+    mf = ConvertResult(source=result.source, to=result.to, output=str(job.path), commit=result.commit)
+    _write_output(job, replace(options, manifest=options.modelfile_manifest), source, input_path, job.path, run, mf,
+                  committed)
+    result.details["modelfile"] = {**job.details()["modelfile"], "bytes_out": mf.bytes_out, "verified": mf.verified,
+                                   **({"files": mf.files} if mf.files else {})}
+    return [f"Modelfile: {job.path} ({format_bytes(mf.bytes_out)})", *job.notes()]
 
 
 def _low_disk_report(source: ResolvedSource, result: ConvertResult) -> list[str]:

@@ -239,6 +239,11 @@ class ConvertOptions:
         metadata: with ``--to gguf*``: a JSON file of ``general.*`` values that override those taken from
             config.json, the model card and the name (llama.cpp's converter's ``--metadata``:
             :mod:`convert.gguf.general`), or None.
+        modelfile: with ``--to gguf*``: also write an Ollama Modelfile under this plain file name beside the GGUF
+            (``--modelfile``: ``Modelfile``; :mod:`convert.gguf.modelfile`), committed on its own after the GGUF
+            (and its ``mmproj`` file), or None.
+        modelfile_manifest: with ``modelfile``: write the Modelfile's file list to this JSON file before it is
+            committed, as ``manifest`` for the GGUF, or None.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
@@ -280,6 +285,8 @@ class ConvertOptions:
     split_max_size: int | None = None
     split_max_tensors: int | None = None
     metadata: Path | None = None
+    modelfile: str | None = None
+    modelfile_manifest: Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters

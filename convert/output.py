@@ -70,13 +70,16 @@ __all__ = [
     "TMP_MARK",
     "GgufNaming",
     "InterruptedAfterCommit",
+    "MODELFILE_NAME",
     "OutputClaim",
     "ShardLedger",
     "default_output",
     "file_manifest",
     "gguf_file_name",
+    "modelfile_name",
     "output_path",
     "write_json",
+    "write_synced",
     "output_name",
     "with_target_suffix",
     "recorded_shards",
@@ -204,6 +207,17 @@ def with_target_suffix(name: str, to: Target) -> str:
     return name if to.family != "gguf" or name.lower().endswith(".gguf") else f"{name}.gguf"
 
 
+#: The Ollama Modelfile's name beside a GGUF (``--modelfile``), as Ollama's docs and ``ollama create`` name it.
+MODELFILE_NAME = "Modelfile"
+
+
+def modelfile_name(gguf_name: str) -> str:
+    """The name of the Modelfile of one GGUF among others in a folder (a batch job's default): ``m-Q8_0.gguf``
+    -> ``m-Q8_0.Modelfile``."""
+    stem = gguf_name[: -len(".gguf")] if gguf_name.lower().endswith(".gguf") and len(gguf_name) > 5 else gguf_name
+    return f"{stem}.{MODELFILE_NAME}"
+
+
 def revision_label(revision: str) -> str:
     """A Hub revision as part of a file name: ``/`` (``refs/pr/1``) and other characters a name should
     not hold become ``-``; a 40-digit commit sha is shortened to 12 digits (as the Hub shows commits)."""
@@ -329,7 +343,7 @@ def file_manifest(root: Path, known: dict[str, dict[str, Any]] | None = None) ->
     return out
 
 
-def _write_synced(path: Path, text: str) -> None:
+def write_synced(path: Path, text: str) -> None:
     """Create ``path`` holding ``text``, fsynced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -696,7 +710,7 @@ class OutputClaim:
             if self.final.is_symlink() and self.is_dir:  # the link itself is replaced, never what it points to
                 self.final.unlink()
             if self.parts:
-                _write_synced(self.staging / COMMIT_LIST, "".join(f"{p.name}\n" for p in self.parts))
+                write_synced(self.staging / COMMIT_LIST, "".join(f"{p.name}\n" for p in self.parts))
                 _fsync_dir(self.staging)
                 _install_parts(self.staging, parent)
             elif self.final.exists() and self.is_dir:

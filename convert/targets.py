@@ -8,7 +8,9 @@ float       auto, bf16, fp16, fp32       :class:`convert.stream.safetensors_job.
 bnb4        nf4, fp4                     :class:`convert.bnb4.target.Bnb4Job`: re-quantized in
                                          bnb's layout, written as safetensors
 gguf        gguf, gguf:TYPE              :class:`convert.gguf.target.GgufJob` (and with ``--mmproj``
-                                         :class:`convert.gguf.target.MmprojJob`, the second file)
+                                         :class:`convert.gguf.target.MmprojJob`, the second file; with
+                                         ``--modelfile`` :class:`convert.gguf.modelfile.ModelfileJob`,
+                                         an Ollama Modelfile, the last one)
 ==========  ===========================  ====================================================
 
 The ``--to`` value itself is parsed once, where it enters, into a :class:`convert.options.Target`
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convert.bnb4.target import Bnb4Job
+from convert.gguf.modelfile import ModelfileJob, check_name, plan_modelfile
 from convert.gguf.target import GgufJob, MmprojJob
 from convert.options import ConvertOptions
 from convert.output import GgufNaming, ShardLedger
@@ -32,7 +35,10 @@ from convert.stream.pipeline import RunSettings
 from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
 
-__all__ = ["TARGETS", "MmprojJob", "TargetJob"]
+__all__ = ["TARGETS", "MmprojJob", "ModelfileJob", "TargetJob", "check_modelfile_name", "plan_modelfile"]
+
+#: ``--modelfile``'s name check (:func:`convert.gguf.modelfile.check_name`), for the options check before any I/O.
+check_modelfile_name = check_name
 
 
 class TargetJob(Protocol):

@@ -318,15 +318,16 @@ class BatchOptionError(UsageError):
     """A per-job option in the JOBS file is unknown or invalid."""
 
     default_rule = "BATCH-003"
-    advice = ("Use only the per-job options --to, --revision, --max-shard-size, --name and --mmproj (GGUF targets), "
-              "with valid values.")
+    advice = ("Use only the per-job options --to, --revision, --max-shard-size, --name, and --mmproj and --modelfile "
+              "(GGUF targets), with valid values.")
 
 
 class BatchNameClashError(UsageError):
-    """Two outputs of a batch (job outputs or their --mmproj files) would have the same name."""
+    """Two outputs of a batch (job outputs or their --mmproj or --modelfile files) would have the same name."""
 
     default_rule = "BATCH-004"
-    advice = "Give one of the jobs its own --name (or its projector its own --mmproj MMNAME)."
+    advice = ("Give one of the jobs its own --name (or its projector its own --mmproj MMNAME, its Modelfile its own "
+              "--modelfile MFNAME).")
 
 
 class JobSettingsChangedError(UsageError):

@@ -78,8 +78,10 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     source = CardSource(job.src if job.is_repo else None, shown, job.revision, commit, tuple(quantization),
                         license or {})
     settings = [("--max-shard-size", f"{job.max_shard_size} bytes")] + [("--mmproj", job.mmproj)] * bool(job.mmproj)
+    settings += [("--modelfile", job.modelfile)] * bool(job.modelfile)
     cmd = f"convert-bnb {shown}" + (f" --revision {commit}" if commit else "")
     cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}" + (f" --mmproj {job.mmproj}" if job.mmproj else "")
+    cmd += " --modelfile" if job.modelfile else ""
     return hub_card.model_card(repo_name(job), job.to, source, files, settings=settings, command=cmd)
 
 
@@ -183,6 +185,8 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
         key = job_key(options, source)
         if job.mmproj:
             entry["mmproj"] = str(out_dir / job.mmproj)
+        if job.modelfile:
+            entry["modelfile"] = str(out_dir / job.modelfile)
         outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]
         if (state.get("key") == key and state.get("status") == "done"
                 and all((out_dir / name).exists() for name, _ in job.outputs())):
@@ -198,8 +202,7 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             if source.hub is not None and source.hub.missing:
                 entry["action"] += " (not checked: not downloaded)"
             outputs = [(final, _planned_files(src, job))]
-            if job.mmproj:
-                outputs.append((out_dir / job.mmproj, _not_written_yet(job.mmproj)))
+            outputs += [(out_dir / name, _not_written_yet(name)) for name, _ in job.outputs()[1:]]  # mmproj, Modelfile
         if push_to_hub:
             quant = quant_summary(src) if src.exists() else []
             lic = source_license(src if src.is_dir() else None, job.src if job.is_repo else None, commit)

@@ -67,12 +67,13 @@ jobs.txt:
   unsloth/mistral-7b-bnb-4bit@main --to fp16 --max-shard-size 2GB
   ./local-model-bnb-4bit --name local-bf16
   unsloth/gemma-3-4b-it-bnb-4bit --to gguf:q4_k_m --mmproj     also its vision projector, mmproj-NAME
+  unsloth/Qwen3-8B-bnb-4bit --to gguf:q8_0 --modelfile          also an Ollama Modelfile beside it
 
 Re-running the same command skips finished jobs and finished shards (state in OUT/.convert-bnb/).
 """
     p.add_argument("jobs_file", metavar="JOBS",
-                   help="text file (one 'SRC[@REVISION] [--to T] [--max-shard-size S] [--name N] [--mmproj [MMNAME]]' "
-                   "per line, # comments) or a JSON/YAML list")
+                   help="text file (one 'SRC[@REVISION] [--to T] [--max-shard-size S] [--name N] [--mmproj [MMNAME]] "
+                   "[--modelfile [MFNAME]]' per line, # comments) or a JSON/YAML list")
     p.add_argument("--out-dir", type=Path, required=True, help="where the outputs and the state files go")
     p.add_argument("--jobs", type=int, default=1, help="conversions running at a time (default: 1)")
     p.add_argument("--to", default="auto", metavar="TARGET", type=target_arg,
@@ -107,6 +108,7 @@ def _print_plan(plan: list[dict[str, Any]]) -> None:
     for e in plan:
         print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
               + f" --to {e['to']} -> {e['output']}" + (f" + {e['mmproj']}" if "mmproj" in e else "")
+              + (f" + {e['modelfile']}" if "modelfile" in e else "")
               + f": {e['action']}"
               + (f" ({e['error']})" if "error" in e else ""))
         for line in e.get("problems", [])[1:]:

@@ -2,7 +2,7 @@
 
 Format
     A text file with one job per line: ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S]
-    [--name NAME] [--mmproj [MMNAME]] [llama-quantize's options]`` (``--tensor-type``,
+    [--name NAME] [--mmproj [MMNAME]] [--modelfile [MFNAME]] [llama-quantize's options]`` (``--tensor-type``,
     ``--output-tensor-type``, ``--token-embedding-type``, ``--pure``, ``--leave-output-tensor``, ``--imatrix``,
     ``--include-weights``, ``--exclude-weights``, as on the command line; in an object, the same names with
     ``_``: ``"tensor_type": ["attn_v=q8_0"]``, ``"pure": true``), where SRC is a Hub repo id (``org/name``)
@@ -10,8 +10,8 @@ Format
     starts a comment; blank lines are
     skipped. Or a JSON list (``.json``, or text starting with ``[``), or a YAML list
     (``.yaml``/``.yml``, when PyYAML is installed), whose items are such lines or objects ``{"src",
-    "revision", "to", "max_shard_size", "name", "mmproj"}`` (``repo`` is accepted for ``src``;
-    ``max_shard_size`` is bytes or a size such as ``"2GB"``; ``mmproj`` is ``true`` or a name).
+    "revision", "to", "max_shard_size", "name", "mmproj", "modelfile"}`` (``repo`` is accepted for ``src``;
+    ``max_shard_size`` is bytes or a size such as ``"2GB"``; ``mmproj`` and ``modelfile`` are ``true`` or a name).
     Options a job leaves out come from the command line (``--to``, ``--max-shard-size``).
     ``NAME`` defaults to the name a single conversion would give its output
     (:func:`convert.output.default_output`: the repo's, folder's or file's name with the target's
@@ -20,6 +20,9 @@ Format
     ``--mmproj`` (GGUF jobs of a multimodal model) also writes the vision projector GGUF, as
     ``convert-bnb SRC --to gguf:T --mmproj DIR/MMNAME`` does; MMNAME defaults to ``mmproj-NAME`` (the
     prefix llama.cpp's converter gives it) and is pushed into the same repo as NAME.
+    ``--modelfile`` (GGUF jobs) also writes an Ollama Modelfile beside NAME, as ``convert-bnb --modelfile`` does
+    (:mod:`convert.gguf.modelfile`); MFNAME defaults to NAME with ``.Modelfile`` for ``.gguf`` (one per GGUF in
+    DIR), and it is pushed with NAME.
 
 Rules, checked before any job runs (each a :class:`~formats.errors.UsageError` subclass naming the
 file and the line ``FILE:LINE`` or item ``FILE[i]``):
@@ -30,10 +33,10 @@ file and the line ``FILE:LINE`` or item ``FILE[i]``):
 - BATCH-002 :class:`~formats.errors.BatchJobError`: every item is a job line or an object with
   ``src`` (or ``repo``).
 - BATCH-003 :class:`~formats.errors.BatchOptionError`: per-job options are known and valid (``--to``
-  a known target, a positive shard size, a plain directory name; ``--mmproj`` only with a GGUF
-  target, its name a plain file name).
-- BATCH-004 :class:`~formats.errors.BatchNameClashError`: no two outputs of the batch (NAME or MMNAME)
-  have the same name (give one of them ``--name`` or ``--mmproj MMNAME``).
+  a known target, a positive shard size, a plain directory name; ``--mmproj`` and ``--modelfile`` only
+  with a GGUF target, their names plain file names).
+- BATCH-004 :class:`~formats.errors.BatchNameClashError`: no two outputs of the batch (NAME, MMNAME or
+  MFNAME) have the same name (give one of them ``--name``, ``--mmproj MMNAME`` or ``--modelfile MFNAME``).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from convert.options import (
     target_for,
     target_names,
 )
-from convert.output import default_output, with_target_suffix
+from convert.output import default_output, modelfile_name, with_target_suffix
 from convert.units import parse_size
 from formats import jsonfile
 from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError, ConvertBnbError
@@ -68,7 +71,7 @@ __all__ = ["Job", "job_options", "parse_jobs", "target_names"]
 #: llama-quantize's options a job may give (``--tensor-type`` ... on a line; these keys in a JSON/YAML object).
 _MIX_FIELDS = ["tensor_type", "output_tensor_type", "token_embedding_type", "pure", "leave_output_tensor", "imatrix",
                "include_weights", "exclude_weights"]
-_FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj", *_MIX_FIELDS]
+_FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj", *_MIX_FIELDS, "modelfile"]
 #: The longest NAME (UTF-8 bytes): 255, the file name limit, less what the longest file beside the output
 #: adds (``.NAME.gguf.convert-bnb-old-PID``, ``NAME.mmproj_files.json``).
 MAX_NAME_BYTES = 200
@@ -88,6 +91,7 @@ class Job:
         mmproj: the vision projector GGUF's file name under the out dir (``--mmproj``), or None.
         mix: llama-quantize's options for a ``gguf:TYPE`` job of its types (a list of option words, as
             :meth:`~convert.gguf.types.MixOptions.argv` gives, is parsed here).
+        modelfile: the Ollama Modelfile's file name beside NAME (``--modelfile``), or None.
     """
 
     src: str
@@ -98,6 +102,7 @@ class Job:
     where: str = ""
     mmproj: str | None = None
     mix: MixOptions = DEFAULT_MIX
+    modelfile: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a --to string (a worker's spec file, a library caller): parsed here, once
@@ -118,8 +123,10 @@ class Job:
 
     def outputs(self) -> list[tuple[str, str]]:
         """The job's outputs under the out dir, each with the state field that records its files:
-        ``(NAME, "files")``, then ``(MMNAME, "mmproj_files")`` with ``--mmproj``."""
-        return [(self.name, "files")] + ([(self.mmproj, "mmproj_files")] if self.mmproj else [])
+        ``(NAME, "files")``, then ``(MMNAME, "mmproj_files")`` with ``--mmproj``, then ``(MFNAME,
+        "modelfile_files")`` with ``--modelfile``."""
+        return ([(self.name, "files")] + ([(self.mmproj, "mmproj_files")] if self.mmproj else [])
+                + ([(self.modelfile, "modelfile_files")] if self.modelfile else []))
 
 
 
@@ -142,7 +149,9 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
                           max_shard_size=job.max_shard_size, verify=spec.get("verify", True), overwrite=overwrite,
                           resume_key={"batch": job.name}, manifest=manifest_path(state),
                           mmproj=out_dir / job.mmproj if job.mmproj else None,
-                          mmproj_manifest=manifest_path(state, "mmproj_files") if job.mmproj else None, mix=job.mix)
+                          mmproj_manifest=manifest_path(state, "mmproj_files") if job.mmproj else None, mix=job.mix,
+                          modelfile=job.modelfile,
+                          modelfile_manifest=manifest_path(state, "modelfile_files") if job.modelfile else None)
 
 
 def _job_parser() -> argparse.ArgumentParser:
@@ -153,6 +162,7 @@ def _job_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=parse_size)
     p.add_argument("--name")
     p.add_argument("--mmproj", nargs="?", const=True)
+    p.add_argument("--modelfile", nargs="?", const=True)
     add_mix_arguments(p)
     return p
 
@@ -246,7 +256,7 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     if unknown:
         raise bad("unknown job fields", expected=_FIELDS, found=unknown)
     return Job(src, revision, to, int(mss), name, where, _mmproj_name(fields.get("mmproj"), name, to, bad),
-               _job_mix(fields, to, bad))
+               _job_mix(fields, to, bad), _modelfile_name(fields.get("modelfile"), name, to, bad))
 
 
 def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOptionError]) -> str | None:
@@ -263,7 +273,21 @@ def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOpti
     return with_target_suffix(value, to)
 
 
-#: What a job's NAME or MMNAME may be.
+def _modelfile_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOptionError]) -> str | None:
+    """A job's ``--modelfile``: None (absent or false), NAME with ``.Modelfile`` for ``.gguf`` (true:
+    :func:`convert.output.modelfile_name`), or the given plain file name."""
+    if value is None or value is False:
+        return None
+    if to.family != "gguf":
+        raise bad("--modelfile needs a GGUF target", expected="--to gguf[:TYPE]", found=f"--to {to.name}")
+    if value is True:
+        return modelfile_name(name)
+    if not _plain_name(value):
+        raise bad("modelfile must be true or a plain file name", expected=_PLAIN_NAME, found=value)
+    return str(value)
+
+
+#: What a job's NAME, MMNAME or MFNAME may be.
 _PLAIN_NAME = f"a name without '/' or NUL, not starting with '.', of at most {MAX_NAME_BYTES} UTF-8 bytes"
 
 
@@ -292,8 +316,8 @@ def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path)
         raise BatchOptionError(f"{where}: {exc}", path=path) from None
     if rest:
         raise BatchOptionError(f"{where}: unknown job options", path=path,
-                               expected="--to, --revision, --max-shard-size, --name, --mmproj, llama-quantize's "
-                               "options (--tensor-type ... --imatrix)", found=rest)
+                               expected="--to, --revision, --max-shard-size, --name, --mmproj, --modelfile, "
+                               "llama-quantize's options (--tensor-type ... --imatrix)", found=rest)
     fields = {k: v for k, v in vars(ns).items() if v is not None and v is not False and v != []}
     return _make_job(fields, defaults, where, path)
 
@@ -379,7 +403,8 @@ def parse_jobs(path: str | os.PathLike[str], defaults: argparse.Namespace) -> li
         for name, _ in job.outputs():
             if name in seen:
                 raise BatchNameClashError(f"{job.where}: output name '{name}' is also written by {seen[name]}",
-                                          path=p, hint="give one of them --name (or --mmproj MMNAME)")
+                                          path=p, hint="give one of them --name (or --mmproj MMNAME, --modelfile "
+                                          "MFNAME)")
             seen[name] = job.where
     if not jobs:
         raise BatchFileError("the JOBS file lists no jobs", path=p,

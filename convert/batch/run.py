@@ -8,10 +8,11 @@ the push and the dry-run plan are in :mod:`convert.batch.card`.
 
 JOBS file
     One job per line, ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S] [--name NAME]
-    [--mmproj [MMNAME]]`` (SRC a Hub repo id ``org/name`` or a local path; ``#`` comments, blank lines
-    skipped), or a JSON or YAML list of such lines or of objects ``{"src", "revision", "to",
-    "max_shard_size", "name", "mmproj"}``; ``--mmproj`` also writes a GGUF job's vision projector to
-    ``DIR/MMNAME`` (default ``mmproj-NAME``), a second output of the job.
+    [--mmproj [MMNAME]] [--modelfile [MFNAME]]`` (SRC a Hub repo id ``org/name`` or a local path; ``#``
+    comments, blank lines skipped), or a JSON or YAML list of such lines or of objects ``{"src", "revision",
+    "to", "max_shard_size", "name", "mmproj", "modelfile"}``; ``--mmproj`` also writes a GGUF job's vision
+    projector to ``DIR/MMNAME`` (default ``mmproj-NAME``), a second output of the job, and ``--modelfile`` an
+    Ollama Modelfile to ``DIR/MFNAME`` (default NAME with ``.Modelfile`` for ``.gguf``), the last one.
     Options a job leaves out come from the command line; NAME defaults to the name a single
     conversion would give the output. Rules, all checked before any job runs, each error naming the
     file and line: BATCH-001 the file reads and parses (``BatchFileError``), BATCH-002 every item has
@@ -22,6 +23,7 @@ JOBS file
 Layout under DIR
     ``DIR/NAME``                         a finished output (a directory, or a file for a single-file source)
     ``DIR/MMNAME``                       a GGUF job's vision projector (``--mmproj``), committed after NAME
+    ``DIR/MFNAME``                       a GGUF job's Ollama Modelfile (``--modelfile``), committed last
     ``DIR/.NAME.convert-bnb-partial``    the job's staging: for a directory output a folder kept between
                                          runs with the ledger of its finished shards
                                          (:class:`convert.output.ShardLedger`); for a single-file output a
@@ -29,7 +31,8 @@ Layout under DIR
     ``DIR/.NAME.convert-bnb-lock``       the output's claim, held with ``flock`` by the worker writing it
     ``DIR/.NAME.convert-bnb-old-PID``    an old output set aside while ``--overwrite`` installs the new one
     ``DIR/.convert-bnb/NAME.json``       the job's state file (:mod:`convert.batch.state`), and beside it
-                                         ``NAME.files.json`` (``NAME.mmproj_files.json``): the manifest
+                                         ``NAME.files.json`` (``NAME.mmproj_files.json``,
+                                         ``NAME.modelfile_files.json``): the manifest
                                          each output's conversion wrote before its commit
     ``DIR/.convert-bnb/NAME.spec.json``  what the worker was asked to do
     ``DIR/.convert-bnb/NAME.log``        the worker's stderr

@@ -6,6 +6,7 @@ new one) holds::
     {"version": 1, "key": {...}, "job": {...}, "status": "running" | "done" | "failed",
      "files": {"<relative path>": {"bytes": N, "sha256": "..."}},     # once done
      "mmproj_files": {"<MMNAME>": {"bytes": N, "sha256": "..."}},     # once done, with --mmproj
+     "modelfile_files": {"<MFNAME>": {"bytes": N, "sha256": "..."}},  # once done, with --modelfile
      "source": {"repo", "revision", "commit"},                        # a Hub source, once done
      "pushed": {"repo", "key", "commit"},                             # once pushed
      "error": "..." | null}
@@ -101,7 +102,7 @@ def key_text(key: Any) -> str:
     """A job key in one line for messages: the settings that differ from run to run."""
     if not isinstance(key, dict):
         return "no record"
-    parts = [f"{k}={key[k]}" for k in ("commit", "to", "max_shard_size", "mmproj", "converter")
+    parts = [f"{k}={key[k]}" for k in ("commit", "to", "max_shard_size", "mmproj", "modelfile", "converter")
              if key.get(k) is not None]
     return ", ".join(parts)
 
@@ -205,7 +206,8 @@ def check_replaceable(outputs: list[tuple[Path, str]], state: dict[str, Any], st
                     "the job's output holds files this batch did not write; redoing the job would remove them",
                     path=path, action="write", found=foreign[:5],
                     hint="move them out of the folder, or give the job another --name" if f == "files"
-                    else "move it away, or give the job another --mmproj MMNAME")
+                    else "move it away, or give the job another --mmproj MMNAME" if f == "mmproj_files"
+                    else "move it away, or give the job another --modelfile MFNAME")
             kept.append(path)
     if kept and state.get("key") != key and not overwrite:
         raise JobSettingsChangedError(

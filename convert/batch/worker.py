@@ -157,7 +157,8 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             save_state(state_file, state)
             done = convert(replace(options, overwrite=overwrite,
                                    on_progress=_progress_writer(progress_path(out_dir, job.name))))
-            written = {"files": done.files, "mmproj_files": done.details.get("mmproj", {}).get("files", {})}
+            written = {"files": done.files, "mmproj_files": done.details.get("mmproj", {}).get("files", {}),
+                       "modelfile_files": done.details.get("modelfile", {}).get("files", {})}
             for path, f in outputs:
                 check_complete(path, written[f])
                 state[f] = written[f]

@@ -58,7 +58,7 @@ from formats.checkpoint import path_kind
 from formats.errors import ConvertBnbError, UsageError
 
 __all__ = ["MAX_CARD_BYTES", "OVERRIDE_KEYS", "MetadataSource", "model_metadata", "naming", "parameter_counts",
-           "read_override"]
+           "read_generation_config", "read_override"]
 
 _G = gguf.Keys.General
 
@@ -322,19 +322,34 @@ def _card(directory: Path, notes: list[str]) -> Path | None:
     return card
 
 
-def _generation_config(directory: Path, notes: list[str]) -> Path | None:
-    """generation_config.json of ``directory`` when it is a JSON object within :data:`formats.jsonfile.CONFIG`'s
-    limits, else None (a note says why one that is there is not read; gguf-py leaves one it cannot parse out too)."""
+def read_generation_config(directory: Path) -> dict[str, Any]:
+    """generation_config.json of ``directory`` as a JSON object within :data:`formats.jsonfile.CONFIG`'s limits
+    (``{}`` when there is none).
+
+    Raises:
+        ConvertBnbError: it is not a regular file, not JSON within the limits, or not an object.
+        OSError: it cannot be read.
+    """
     path = directory / "generation_config.json"
     kind = path_kind(path)
     if kind == "missing":
+        return {}
+    if kind != "file":
+        raise ConvertBnbError(f"not a regular file ({kind})")
+    value = jsonfile.load_json_file(path, jsonfile.CONFIG, ConvertBnbError, "generation_config.json")
+    if not isinstance(value, dict):
+        raise ConvertBnbError(f"a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _generation_config(directory: Path, notes: list[str]) -> Path | None:
+    """generation_config.json of ``directory`` when :func:`read_generation_config` reads an object from it, else
+    None (a note says why one that is there is not read; gguf-py leaves one it cannot parse out too)."""
+    path = directory / "generation_config.json"
+    if path_kind(path) == "missing":
         return None
     try:
-        if kind != "file":
-            raise ConvertBnbError(f"not a regular file ({kind})")
-        value = jsonfile.load_json_file(path, jsonfile.CONFIG, ConvertBnbError, "generation_config.json")
-        if not isinstance(value, dict):
-            raise ConvertBnbError(f"a JSON {type(value).__name__}, not an object")
+        read_generation_config(directory)
     except (ConvertBnbError, OSError) as exc:
         notes.append(f"{path}: {getattr(exc, 'message', None) or exc}: its sampling values are not read for general.*")
         return None
