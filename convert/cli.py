@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata", type=Path, default=None, metavar="FILE",
                    help="with --to gguf[:TYPE]: a JSON file of general.* keys overriding those taken from the model "
                    "card, config.json and the name (llama.cpp's convert_hf_to_gguf.py --metadata)")
+    p.add_argument("--base", default=None, metavar="MODEL",
+                   help="with a PEFT LoRA adapter directory as SRC and --to gguf[:f32|f16|bf16|q8_0]: the base model "
+                   "(a directory or a Hub repo id; only its config.json is read; default: the adapter config's "
+                   "base_model_name_or_path): writes the GGUF LoRA adapter llama.cpp loads")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -172,7 +176,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
         processes=True, mmproj=args.mmproj, split_max_size=args.split_max_size,
         split_max_tensors=args.split_max_tensors,
-        mix=mix_from_args(args), metadata=args.metadata,
+        mix=mix_from_args(args), metadata=args.metadata, base=args.base,
     )
 
 

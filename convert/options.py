@@ -230,6 +230,9 @@ class ConvertOptions:
         metadata: with ``--to gguf*``: a JSON file of ``general.*`` values that override those taken from
             config.json, the model card and the name (llama.cpp's converter's ``--metadata``:
             :mod:`convert.gguf.general`), or None.
+        base: with a PEFT LoRA adapter directory as ``src`` (``--to gguf*``: its GGUF LoRA adapter,
+            :mod:`convert.gguf.adapter`): the base model, a local directory or a Hub repo id ``org/name[@rev]``
+            whose config.json alone is read; None: the adapter config's ``base_model_name_or_path``.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
@@ -271,6 +274,7 @@ class ConvertOptions:
     split_max_size: int | None = None
     split_max_tensors: int | None = None
     metadata: Path | None = None
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters

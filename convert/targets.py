@@ -11,6 +11,10 @@ gguf        gguf, gguf:TYPE              :class:`convert.gguf.target.GgufJob` (a
                                          :class:`convert.gguf.target.MmprojJob`, the second file)
 ==========  ===========================  ====================================================
 
+A PEFT LoRA adapter directory as SRC with ``--to gguf[:TYPE]`` is written by
+:class:`convert.gguf.adapter.GgufAdapterJob` (:data:`ADAPTER_JOB`: the GGUF LoRA adapter llama.cpp loads),
+made from the adapter and its base model's config instead of a dequantization plan.
+
 The ``--to`` value itself is parsed once, where it enters, into a :class:`convert.options.Target`
 (:func:`convert.options.target_for`). Every job is a :class:`TargetJob`: it knows its output's kind and
 size before anything is written (for the output claim's pre-flight), describes its plan (``--dry-run``),
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convert.bnb4.target import Bnb4Job
+from convert.gguf.adapter import BaseModel, GgufAdapterJob
 from convert.gguf.target import GgufJob, MmprojJob
 from convert.options import ConvertOptions
 from convert.output import GgufNaming, ShardLedger
@@ -32,7 +37,7 @@ from convert.stream.pipeline import RunSettings
 from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
 
-__all__ = ["TARGETS", "MmprojJob", "TargetJob"]
+__all__ = ["ADAPTER_JOB", "TARGETS", "BaseModel", "MmprojJob", "TargetJob"]
 
 
 class TargetJob(Protocol):
@@ -91,3 +96,6 @@ TARGETS: dict[str, Callable[[Plan, ConvertOptions, str], TargetJob]] = {
     "bnb4": Bnb4Job,
     "gguf": GgufJob,
 }
+
+#: ``--to gguf[:TYPE]`` of a PEFT LoRA adapter: ``(adapter, base model, options) -> TargetJob``.
+ADAPTER_JOB = GgufAdapterJob
