@@ -273,14 +273,7 @@ class Adapter:
                         if close
                         else "is this adapter for another model?",
                     )
-            if mod.has_lora and not cfg.is_targeted(mod.module) and cfg.target_modules != "all-linear":
-                raise UntargetedModuleError(
-                    "adapter holds LoRA weights for a module the config does not target (PEFT drops them)",
-                    path=self.weights_file,
-                    tensor=mod.keys[0],
-                    expected=f"target_modules={_show_targets(cfg.target_modules)}",
-                    found=mod.module,
-                )
+        self.check_targets()
         if cfg.target_modules == "all-linear":
             return
         for name in names:
@@ -303,6 +296,27 @@ class Adapter:
                     expected=f"{KEY_PREFIX}{module}.lora_A.weight and .lora_B.weight",
                     found="absent",
                     hint=f"target_modules={_show_targets(cfg.target_modules)}",
+                )
+
+
+    def check_targets(self) -> None:
+        """Check that every module with LoRA weights is one the config targets (LORA-009; PEFT drops the others),
+        which needs no base model.
+
+        Raises:
+            AdapterError: LORA-009, naming the first such module. PatternTimeoutError: LORA-013.
+        """
+        cfg = self.config
+        if cfg.target_modules == "all-linear":
+            return
+        for mod in self.modules.values():
+            if mod.has_lora and not cfg.is_targeted(mod.module):
+                raise UntargetedModuleError(
+                    "adapter holds LoRA weights for a module the config does not target (PEFT drops them)",
+                    path=self.weights_file,
+                    tensor=mod.keys[0],
+                    expected=f"target_modules={_show_targets(cfg.target_modules)}",
+                    found=mod.module,
                 )
 
 

@@ -49,7 +49,9 @@ per-tensor rank). Here (:func:`gguf_scales`):
    llama.cpp's ``adapter.lora.alpha / r_m`` times it is ``s_m``.
 
 Rules raised here (docs/errors.md), before anything is written, besides the adapter's own (LORA-001..013, from
-:func:`formats.peft.open_adapter`) and the base config's (GGUF-001, GGUF-005, GGUF-006, CKPT-007):
+:func:`formats.peft.open_adapter`; LORA-009 from :meth:`formats.peft.Adapter.check_targets`: LoRA weights on a
+module the config does not target, which PEFT drops and the converter would write) and the base config's
+(GGUF-001, GGUF-005, GGUF-006, CKPT-007):
 
 ========  ======================================================================================
 LORA-014  no lora_A / lora_B value is NaN or infinite, nor a lora_b made so by its factor (checked as the
@@ -357,6 +359,7 @@ def plan_adapter(adapter: Adapter, base: BaseModel, output_type: str | None = No
     vocab = hp.get("vocab_size")
     tied = hp.get("tie_word_embeddings") is True
     wfile = str(adapter.weights_file)
+    adapter.check_targets()
     modules = _lora_modules(adapter)
     alpha, factors = gguf_scales(adapter, {m.module: m.lora_A.shape[0] for m in modules if m.lora_A is not None})
 
