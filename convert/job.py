@@ -64,7 +64,8 @@ from formats.errors import (
 from formats.mapping import check_inputs
 from formats.peft import Adapter, is_adapter_dir, open_adapter
 
-__all__ = ["ConvertResult", "ResolvedSource", "base_model", "check_options", "convert", "job_key", "resolve_source"]
+__all__ = ["ConvertResult", "ResolvedSource", "base_model", "check_adapter_options", "check_options", "convert",
+           "job_key", "resolve_source"]
 
 @dataclass
 class ConvertResult:
@@ -462,14 +463,12 @@ _MODEL_ONLY = (("--merge-lora", "merge_lora"), ("--mmproj", "mmproj"), ("--revis
                ("--split-max-tensors", "split_max_tensors"))
 
 
-def _convert_adapter(options: ConvertOptions, committed: list[Path], t0: float) -> ConvertResult:
-    """A PEFT LoRA adapter directory as SRC: its GGUF LoRA adapter (:mod:`convert.gguf.adapter`), planned from the
-    adapter and its base model's config.json (:func:`base_model`), named by llama.cpp's convention next to SRC,
-    written, verified and committed as every output.
+def check_adapter_options(options: ConvertOptions) -> None:
+    """Refuse what a LoRA adapter as SRC cannot be converted with: a target other than GGUF, an option of a model
+    conversion (:data:`_MODEL_ONLY`).
 
     Raises:
-        UsageError: USE-001, a target other than GGUF, or an option of a model conversion (:data:`_MODEL_ONLY`).
-        AdapterError, UnsupportedError, HubError: the adapter, its base, or what a GGUF adapter cannot hold.
+        UsageError: USE-001.
     """
     src = Path(options.src)
     if options.to.family != "gguf":
@@ -480,6 +479,19 @@ def _convert_adapter(options: ConvertOptions, committed: list[Path], t0: float) 
         if getattr(options, attr):
             raise UsageError(f"{flag} does not apply to a LoRA adapter as SRC", path=src, found=flag,
                              hint="a GGUF LoRA adapter is one file made from the adapter and its base's config.json")
+
+
+def _convert_adapter(options: ConvertOptions, committed: list[Path], t0: float) -> ConvertResult:
+    """A PEFT LoRA adapter directory as SRC: its GGUF LoRA adapter (:mod:`convert.gguf.adapter`), planned from the
+    adapter and its base model's config.json (:func:`base_model`), named by llama.cpp's convention next to SRC,
+    written, verified and committed as every output.
+
+    Raises:
+        UsageError: USE-001, a target other than GGUF, or an option of a model conversion (:data:`_MODEL_ONLY`).
+        AdapterError, UnsupportedError, HubError: the adapter, its base, or what a GGUF adapter cannot hold.
+    """
+    src = Path(options.src)
+    check_adapter_options(options)
     with open_adapter(src) as adapter:
         base = base_model(options.base, adapter, progress=options.progress)
         job = ADAPTER_JOB(adapter, base, options)

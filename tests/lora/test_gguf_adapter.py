@@ -526,3 +526,23 @@ def test_usage_errors(tmp_path: Path, argv: list[str], error: type, part: str) -
 def test_base_needs_an_adapter_as_src(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--base applies to a PEFT LoRA adapter"):
         convert(ConvertOptions(str(QUANT), to="gguf", base=str(BASE), output=tmp_path / "o.gguf"))
+
+
+def test_check_plans_the_adapter_as_the_conversion(tmp_path: Path) -> None:
+    """``check ADAPTER --to gguf --base MODEL`` is clean exactly when the conversion would succeed: it plans the GGUF
+    adapter and reads every value (LORA-014)."""
+    from convert.check import check_source
+
+    assert check_source(ADAPTER, "gguf:q8_0", base=str(BASE)).ok
+    t = fixture_tensors()
+    key = f"{P}model.layers.0.self_attn.q_proj.lora_A.weight"
+    t[key] = t[key].copy()
+    t[key][0, 0] = np.inf
+    bad = make_adapter(tmp_path / "bad", fixture_config(), t)
+    assert [p.rule for p in check_source(bad, "gguf", base=str(BASE)).problems] == ["LORA-014"]
+    assert check_source(bad).ok  # the adapter's own rules alone: values are read only for a GGUF adapter
+    assert [p.rule for p in check_source(ADAPTER, "bf16").problems] == ["USE-001"]
+    dora = make_adapter(tmp_path / "dora", fixture_config(use_dora=True), {
+        **fixture_tensors(), **{f"{P}model.layers.{i}.self_attn.{m}.lora_magnitude_vector": np.ones(n, np.float32)
+                                for i in (0, 1) for m, n in (("q_proj", 256), ("v_proj", 128))}})
+    assert [p.rule for p in check_source(dora, "gguf", base=str(BASE)).problems] == ["LORA-015"]
