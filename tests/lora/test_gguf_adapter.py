@@ -253,13 +253,26 @@ def pickled_adapter(d: Path) -> Path:
     return d
 
 
-#: The adapters of the llama.cpp loading test: adapter config changes, and whether v_proj has rank 4.
+#: The adapters of the llama.cpp loading test: adapter config changes, and whether v_proj has rank 4 ("embedding":
+#: the fixture's pairs plus the embedding's and lm_head's, whose alpha the converter gets right).
 ADAPTERS = {
     "plain": ({}, False),
+    "embedding": ({"target_modules": ["q_proj", "v_proj", "embed_tokens", "lm_head"]}, False),
     "rslora": ({"use_rslora": True}, False),
     "rslora-rank-pattern": ({"use_rslora": True, "rank_pattern": {"v_proj": 4}}, True),
     "alpha-pattern": ({"alpha_pattern": {"v_proj": 64}}, False),
 }
+
+
+def embedding_pairs() -> dict[str, np.ndarray]:
+    """lora_embedding_A/B and lm_head's pair for the fixture Llama (vocab 1000, hidden 256, untied), rank 8."""
+    rng = np.random.default_rng(11)
+
+    def m(*shape: int, std: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    return {f"{P}model.embed_tokens.lora_embedding_A": m(8, 1000), f"{P}model.embed_tokens.lora_embedding_B": m(256, 8),
+            f"{P}lm_head.lora_A.weight": m(8, 256), f"{P}lm_head.lora_B.weight": m(1000, 8)}
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +290,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
         out["pickled"] = (pickled_adapter(d / "bin-adapter"), base)
     t = fixture_tensors()
     for kind, (changes, rank4) in ADAPTERS.items():
-        out[kind] = (make_adapter(d / kind / "adapter", fixture_config(**changes), v_rank4(t) if rank4 else t), BASE)
+        tk = v_rank4(t) if rank4 else {**t, **embedding_pairs()} if kind == "embedding" else t
+        out[kind] = (make_adapter(d / kind / "adapter", fixture_config(**changes), tk), BASE)
     return out
 
 
@@ -286,7 +300,7 @@ def upstream(tmp_path_factory: pytest.TempPathFactory, inputs: dict[str, tuple[P
     """convert_lora_to_gguf.py's files of :func:`inputs`, by ``name-outtype`` (one interpreter for all)."""
     jobs = {f"fixture-{t}": (*inputs["fixture"], t) for t in ("f32", "f16", "bf16", "q8_0")}
     jobs |= {f"wide-{t}": (*inputs["wide"], t) for t in ("bf16", "q8_0")}
-    jobs |= {f"{k}-f32": (*inputs[k], "f32") for k in ADAPTERS if k != "plain"}
+    jobs |= {f"{k}-f32": (*inputs[k], "f32") for k in ADAPTERS}
     if "pickled" in inputs:
         jobs["pickled-f16"] = (*inputs["pickled"], "f16")
     return theirs_all(jobs, tmp_path_factory.mktemp("upstream"))
@@ -382,13 +396,14 @@ def test_llama_cpp_applies_the_adapter_as_the_merge(tmp_path: Path, request: pyt
         lora = ours(adapter, BASE, f"gguf:{outtype}", tmp_path / f"ours-{outtype}.gguf")
         off = float(np.abs(llama_logits(base, ids, 1000, lora) - want).max())
         assert off <= tol * effect, (outtype, off, effect)
-    if kind == "plain":
-        return
     try:
-        upstream = request.getfixturevalue("upstream")
+        upstream = request.getfixturevalue("upstream")[f"{kind}-f32"]
     except pytest.skip.Exception:
         return  # (no converter here: our side is checked)
-    off = float(np.abs(llama_logits(base, ids, 1000, upstream[f"{kind}-f32"]) - want).max())
+    if kind in ("plain", "embedding"):  # the converter's alpha is right: its file is ours
+        assert upstream.read_bytes() == ours(adapter, BASE, "gguf:f32", tmp_path / "again.gguf").read_bytes()
+        return
+    off = float(np.abs(llama_logits(base, ids, 1000, upstream) - want).max())
     assert off > 20 * LOGIT_TOL["f32"] * effect and off > 0.05 * effect, off
 
 
