@@ -1,4 +1,5 @@
-"""``convert-bnb check SRC``: validate a file or model directory, write nothing, report every problem.
+"""``convert-bnb check SRC``: validate a file, a model directory or a PEFT LoRA adapter, write nothing, report
+every problem.
 
 Conversion stops at the first broken rule; ``check`` goes on past every problem it can step over
 (a missing shard, a damaged tensor entry, a broken layer) so one run lists them all. It runs the
@@ -25,15 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from convert.job import resolve_source
+from convert.job import base_model, check_adapter_options, resolve_source
 from convert.options import AUTO, ConvertOptions, Target, target_for
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
-from convert.targets import TARGETS
+from convert.targets import ADAPTER_JOB, TARGETS
 from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
 from formats.bnb_layers import group_layers
 from formats.checkpoint import Checkpoint, open_checkpoint
 from formats.errors import ConvertBnbError, NonFiniteAbsmaxError
+from formats.peft import is_adapter_dir, open_adapter
 
 __all__ = ["CheckReport", "check_source"]
 
@@ -95,7 +97,8 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_name: str | None = None) -> CheckReport:
+def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_name: str | None = None,
+                 base: str | None = None) -> CheckReport:
     """Run every input rule on a file or directory and collect all problems; nothing is written.
 
     Args:
@@ -104,6 +107,8 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
             runs too (its first problem is reported, or the ``--to`` value's own).
         model_name: the model's id for the target (GGUF: what ``general.*`` is made of with the
             directory, :mod:`convert.gguf.general`; a Hub repo's id; default the directory's name).
+        base: for a PEFT LoRA adapter directory: its base model (``--base``; default the adapter config's),
+            whose config.json plans the GGUF adapter with ``to`` ``gguf[:TYPE]`` (:func:`_check_adapter`).
 
     Returns:
         the :class:`CheckReport` (``report.ok`` is True when clean).
@@ -117,6 +122,9 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
         target: Target | ConvertBnbError = to if isinstance(to, Target) else target_for(to)
     except ConvertBnbError as exc:  # reported where the target's planning would be
         target = exc
+    if is_adapter_dir(path):
+        _check_adapter(report, path, target, base)
+        return report
     try:
         ckpt = open_checkpoint(path, problems)
     except ConvertBnbError as exc:
@@ -199,6 +207,28 @@ def _check_target(ckpt: Checkpoint, target: Target | ConvertBnbError, model_name
         problems.append(exc)
 
 
+def _check_adapter(report: CheckReport, path: str | os.PathLike[str], target: Target | ConvertBnbError,
+                   base: str | None) -> None:
+    """A PEFT LoRA adapter directory: its rules (LORA-001..013), and with ``--to gguf[:TYPE]`` its GGUF adapter
+    planned against its base's config.json (:func:`convert.job.base_model`) and every value read (LORA-014), as
+    the conversion would; the first problem joins the report."""
+    try:
+        if not isinstance(target, Target):
+            raise target
+        options = ConvertOptions(src=os.fspath(path), to=target, base=base, dry_run=True)
+        if target != AUTO:
+            check_adapter_options(options)
+        with open_adapter(path) as adapter:
+            report.files, report.tensors = 1, len(adapter.tensors)
+            report.plain = report.tensors
+            if target.family == "gguf":
+                job = ADAPTER_JOB(adapter, base_model(base, adapter), options)
+                for t in job.plan.tensors:
+                    t.source.produce(0, t.numel, t.dtype)  # LORA-014, as when it is written
+    except ConvertBnbError as exc:
+        report.problems.append(exc)
+
+
 DESCRIPTION = ("Validate a .safetensors file or a model directory against every rule (docs/errors.md) without "
                "writing anything, and report every problem found. Exit 0 when clean, 2 otherwise.")
 
@@ -211,6 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", default="auto", metavar="TARGET",
                    help="also plan this target from the headers, config.json and tokenizer (e.g. gguf:q8_0): "
                    "a clean check then means --to TARGET will not fail on the input")
+    p.add_argument("--base", default=None, metavar="MODEL",
+                   help="with a PEFT LoRA adapter directory as SRC and --to gguf[:TYPE]: its base model (a directory "
+                   "or Hub repo id; default: the adapter config's base_model_name_or_path)")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -222,7 +255,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     try:
         src = resolve_source(args.src, args.revision)  # a Hub repo id is fetched into the HF cache
-        report = check_source(src.path, args.to, src.hub.repo_id if src.hub is not None else None)
+        report = check_source(src.path, args.to, src.hub.repo_id if src.hub is not None else None, args.base)
     except ConvertBnbError as exc:
         report = CheckReport(str(args.src), [exc])
     if args.json:

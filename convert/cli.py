@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modelfile", action="store_const", const=MODELFILE_NAME, default=None,
                    help="with --to gguf[:TYPE]: also write an Ollama Modelfile beside the GGUF (FROM, the chat "
                    "template as Ollama's Go template where it is a known family, stop tokens, sampling defaults)")
+    p.add_argument("--base", default=None, metavar="MODEL",
+                   help="with a PEFT LoRA adapter directory as SRC and --to gguf[:f32|f16|bf16|q8_0]: the base model "
+                   "(a directory or a Hub repo id; only its config.json is read; default: the adapter config's "
+                   "base_model_name_or_path): writes the GGUF LoRA adapter llama.cpp loads")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--no-verify", dest="verify", action="store_false",
@@ -177,7 +181,7 @@ def options_from_args(args: argparse.Namespace) -> ConvertOptions:
         progress=not quiet and sys.stderr.isatty(), list_files=args.json, low_disk=args.low_disk,
         processes=True, mmproj=args.mmproj, split_max_size=args.split_max_size,
         split_max_tensors=args.split_max_tensors,
-        mix=mix_from_args(args), metadata=args.metadata, modelfile=args.modelfile,
+        mix=mix_from_args(args), metadata=args.metadata, modelfile=args.modelfile, base=args.base,
     )
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from convert import __version__
-from convert.hub.download import HubSource, WeightMode, resolve_repo
+from convert.hub.download import HubSource, WeightMode, resolve_config, resolve_repo
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
@@ -48,7 +48,16 @@ from convert.output import (
 )
 from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
 from convert.stream.plan import Plan, make_plan
-from convert.targets import TARGETS, MmprojJob, ModelfileJob, TargetJob, check_modelfile_name, plan_modelfile
+from convert.targets import (
+    ADAPTER_JOB,
+    TARGETS,
+    BaseModel,
+    MmprojJob,
+    ModelfileJob,
+    TargetJob,
+    check_modelfile_name,
+    plan_modelfile,
+)
 from convert.units import format_bytes
 from formats.checkpoint import Checkpoint, open_checkpoint, path_kind
 from formats.errors import (
@@ -60,8 +69,10 @@ from formats.errors import (
     UsageError,
 )
 from formats.mapping import check_inputs
+from formats.peft import Adapter, is_adapter_dir, open_adapter
 
-__all__ = ["ConvertResult", "ResolvedSource", "check_options", "convert", "job_key", "resolve_source"]
+__all__ = ["ConvertResult", "ResolvedSource", "base_model", "check_adapter_options", "check_options", "convert",
+           "job_key", "resolve_source"]
 
 @dataclass
 class ConvertResult:
@@ -254,6 +265,10 @@ def check_options(options: ConvertOptions) -> None:
     for flag, value in (("--report", options.report), ("--quant-report", options.quant.quant_report)):
         if value is not None:
             _check_report_path(flag, Path(value))
+    if options.base is not None and not is_adapter_dir(options.src):
+        raise UsageError("--base applies to a PEFT LoRA adapter directory as SRC (its GGUF LoRA adapter)",
+                         path=options.src, expected="a directory with adapter_config.json and adapter weights",
+                         hint="to merge an adapter into a model, give the model as SRC with --merge-lora ADAPTER")
     if options.low_disk and options.to.family != "float":
         raise UsageError("--low-disk works with --to auto, bf16, fp16 or fp32", found=f"--to {options.to}",
                          hint="convert without --low-disk (the whole repo is downloaded into the cache first)")
@@ -371,6 +386,8 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
     t0 = time.perf_counter()
     # 1. the options against each other, and the output path as far as it is known before reading
     check_options(options)
+    if is_adapter_dir(options.src):
+        return _convert_adapter(options, committed, t0)
     repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         default = out = Path(options.output or options.src)
@@ -444,6 +461,11 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             if lora is not None:
                 lora.close()
     # 7. what was done
+    return _done(result, job, notes, t0)
+
+
+def _done(result: ConvertResult, job: TargetJob, notes: list[str], t0: float) -> ConvertResult:
+    """Step 7: the job's figures, notes and details into ``result``, with the total time and the peak RSS."""
     result.notes = notes + job.notes()
     result.details.update(job.details())
     result.tensors, result.elements, result.bytes_in = job.tensors, job.elements, job.in_nbytes
@@ -452,6 +474,91 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
     result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
     result.peak_rss_bytes = peak_rss_bytes()
     return result
+
+
+#: Options of a model conversion that mean nothing for a LoRA adapter as SRC (its GGUF adapter is one file made
+#: from the adapter alone).
+_MODEL_ONLY = (("--merge-lora", "merge_lora"), ("--mmproj", "mmproj"), ("--revision", "revision"),
+               ("--low-disk", "low_disk"), ("--split-max-size", "split_max_size"),
+               ("--split-max-tensors", "split_max_tensors"))
+
+
+def check_adapter_options(options: ConvertOptions) -> None:
+    """Refuse what a LoRA adapter as SRC cannot be converted with: a target other than GGUF, an option of a model
+    conversion (:data:`_MODEL_ONLY`).
+
+    Raises:
+        UsageError: USE-001.
+    """
+    src = Path(options.src)
+    if options.to.family != "gguf":
+        raise UsageError("SRC is a PEFT LoRA adapter: it becomes a GGUF LoRA adapter (--to gguf[:f32|f16|bf16|q8_0])",
+                         path=src, expected="--to gguf[:TYPE]", found=f"--to {options.to.name}",
+                         hint="to merge it into a model instead, give the model as SRC with --merge-lora ADAPTER")
+    for flag, attr in _MODEL_ONLY:
+        if getattr(options, attr):
+            raise UsageError(f"{flag} does not apply to a LoRA adapter as SRC", path=src, found=flag,
+                             hint="a GGUF LoRA adapter is one file made from the adapter and its base's config.json")
+
+
+def _convert_adapter(options: ConvertOptions, committed: list[Path], t0: float) -> ConvertResult:
+    """A PEFT LoRA adapter directory as SRC: its GGUF LoRA adapter (:mod:`convert.gguf.adapter`), planned from the
+    adapter and its base model's config.json (:func:`base_model`), named by llama.cpp's convention next to SRC,
+    written, verified and committed as every output.
+
+    Raises:
+        UsageError: USE-001, a target other than GGUF, or an option of a model conversion (:data:`_MODEL_ONLY`).
+        AdapterError, UnsupportedError, HubError: the adapter, its base, or what a GGUF adapter cannot hold.
+    """
+    src = Path(options.src)
+    check_adapter_options(options)
+    with open_adapter(src) as adapter:
+        base = base_model(options.base, adapter, progress=options.progress)
+        job = ADAPTER_JOB(adapter, base, options)
+        out = output_path(options.output, default_output(src, options.to, naming=job.naming), is_dir=False)
+        result = ConvertResult(source=_absolute(src), to=options.to.name, output=str(out))
+        if options.dry_run:
+            result.dry_run, result.plan_text = job.plan_dict(), job.describe()
+            result.output_exists = out.exists()
+            return result
+        threads = max(1, options.threads or os.cpu_count() or 1)
+        run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress, label=out.name,
+                          on_progress=options.on_progress, processes=options.processes)
+        result.timings["plan"] = time.perf_counter() - t0
+        _write_output(job, options, ResolvedSource(src), src, out, run, result, committed)
+        return _done(result, job, [], t0)
+
+
+def base_model(spec: str | None, adapter: Adapter, *, progress: bool = False) -> BaseModel:
+    """The base model of a LoRA adapter, for its GGUF adapter: ``spec`` (``--base``), or the adapter config's
+    ``base_model_name_or_path``; a local directory (as it is given, from the working directory), or else a Hub repo
+    id ``org/name[@rev]`` whose config.json alone is fetched (:func:`convert.hub.download.resolve_config`).
+
+    Raises:
+        UsageError: USE-001, no base named, a directory without config.json, a name that is neither.
+        ConfigJsonError: CKPT-007. HubError: HUB-001.
+    """
+    given = "--base" if spec is not None else "the adapter config's base_model_name_or_path"
+    spec = spec if spec is not None else adapter.config.base_model
+    hint = "give --base with the base model's directory or Hub repo id (only its config.json is read)"
+    if spec is None:
+        raise UsageError("the adapter config names no base model", path=adapter.config.path,
+                         expected="base_model_name_or_path, or --base", found=None, hint=hint)
+    if os.path.lexists(spec):
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise UsageError(f"the base model ({given}) has no config.json", path=path,
+                             expected="a model directory with config.json", found=path_kind(path), hint=hint)
+        return BaseModel.read(path, path.resolve().name, _absolute(path))
+    repo, rev = parse_repo_spec(spec)
+    if not is_repo_id(repo):
+        raise UsageError(f"the base model ({given}) is neither a local directory nor a Hub repo id", found=spec,
+                         expected="a model directory or org/name", hint=hint)
+    hub = resolve_config(repo, rev, progress=progress)
+    if not (hub.path / "config.json").is_file():
+        raise UsageError(f"the base model's Hub repo ({given}) has no config.json", path=f"{repo}@{hub.commit}",
+                         expected="a model repo with config.json", found="none", hint=hint)
+    return BaseModel.read(hub.path, repo, f"{repo}@{hub.commit}")
 
 
 def _merge_threads(options: ConvertOptions, lora: LoraRun | None, threads: int) -> int:

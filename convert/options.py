@@ -244,6 +244,9 @@ class ConvertOptions:
             (and its ``mmproj`` file), or None.
         modelfile_manifest: with ``modelfile``: write the Modelfile's file list to this JSON file before it is
             committed, as ``manifest`` for the GGUF, or None.
+        base: with a PEFT LoRA adapter directory as ``src`` (``--to gguf*``: its GGUF LoRA adapter,
+            :mod:`convert.gguf.adapter`): the base model, a local directory or a Hub repo id ``org/name[@rev]``
+            whose config.json alone is read; None: the adapter config's ``base_model_name_or_path``.
         list_files: list every output file with its size and sha256 in the result (``--json``) without
             writing a manifest file.
         on_progress: called with (bytes written, bytes to write) while the output is written (batch
@@ -287,6 +290,7 @@ class ConvertOptions:
     metadata: Path | None = None
     modelfile: str | None = None
     modelfile_manifest: Path | None = None
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a library caller's --to string: parsed where it enters

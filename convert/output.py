@@ -48,7 +48,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import gguf
 
@@ -138,6 +138,8 @@ class GgufNaming:
         encoding: llama.cpp's upper-case name of the file type (``general.file_type``):
             :func:`gguf_encoding`, e.g. ``Q4_K_M``, ``F16``, ``BF16``.
         prefix: put before the name: ``mmproj-`` for a vision projector (as the converter's ``--mmproj``).
+        kind: gguf-py's ``model_type`` suffix: ``LoRA`` for a LoRA adapter (``convert_lora_to_gguf.py``:
+            ``Name-F16-LoRA.gguf``), None for a model.
     """
 
     name: str | None
@@ -147,6 +149,7 @@ class GgufNaming:
     size_label: str | None
     encoding: str
     prefix: str = ""
+    kind: Literal["LoRA"] | None = None
 
 
 def gguf_encoding(file_type: gguf.LlamaFileType) -> str:
@@ -157,7 +160,8 @@ def gguf_encoding(file_type: gguf.LlamaFileType) -> str:
 
 def gguf_file_name(naming: GgufNaming, revision: str | None = None) -> str:
     """A GGUF file's default name: ``prefix`` + gguf-py's ``naming_convention`` + ``.gguf``
-    (``Llama-3.2-1B-Instruct-Q4_K_M.gguf``, ``Mixtral-8x7B-v0.1-Q8_0.gguf``, ``mmproj-gemma-3-4b-it-F16.gguf``).
+    (``Llama-3.2-1B-Instruct-Q4_K_M.gguf``, ``Mixtral-8x7B-v0.1-Q8_0.gguf``, ``mmproj-gemma-3-4b-it-F16.gguf``,
+    an adapter's ``Adapter-F16-LoRA.gguf``).
 
     Args:
         naming: the model's name parts and the file type.
@@ -168,7 +172,7 @@ def gguf_file_name(naming: GgufNaming, revision: str | None = None) -> str:
     if revision:
         version = "-".join(v for v in (version, revision_label(revision)) if v)
     stem = gguf.naming_convention(naming.name, naming.basename, naming.finetune, version, naming.size_label,
-                                  naming.encoding)
+                                  naming.encoding, naming.kind)
     return f"{naming.prefix}{stem}.gguf"
 
 

@@ -13,6 +13,10 @@ gguf        gguf, gguf:TYPE              :class:`convert.gguf.target.GgufJob` (a
                                          an Ollama Modelfile, the last one)
 ==========  ===========================  ====================================================
 
+A PEFT LoRA adapter directory as SRC with ``--to gguf[:TYPE]`` is written by
+:class:`convert.gguf.adapter.GgufAdapterJob` (:data:`ADAPTER_JOB`: the GGUF LoRA adapter llama.cpp loads),
+made from the adapter and its base model's config instead of a dequantization plan.
+
 The ``--to`` value itself is parsed once, where it enters, into a :class:`convert.options.Target`
 (:func:`convert.options.target_for`). Every job is a :class:`TargetJob`: it knows its output's kind and
 size before anything is written (for the output claim's pre-flight), describes its plan (``--dry-run``),
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convert.bnb4.target import Bnb4Job
+from convert.gguf.adapter import BaseModel, GgufAdapterJob
 from convert.gguf.modelfile import ModelfileJob, check_name, plan_modelfile
 from convert.gguf.target import GgufJob, MmprojJob
 from convert.options import ConvertOptions
@@ -35,7 +40,8 @@ from convert.stream.pipeline import RunSettings
 from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
 
-__all__ = ["TARGETS", "MmprojJob", "ModelfileJob", "TargetJob", "check_modelfile_name", "plan_modelfile"]
+__all__ = ["ADAPTER_JOB", "TARGETS", "BaseModel", "MmprojJob", "ModelfileJob", "TargetJob", "check_modelfile_name",
+           "plan_modelfile"]
 
 #: ``--modelfile``'s name check (:func:`convert.gguf.modelfile.check_name`), for the options check before any I/O.
 check_modelfile_name = check_name
@@ -97,3 +103,6 @@ TARGETS: dict[str, Callable[[Plan, ConvertOptions, str], TargetJob]] = {
     "bnb4": Bnb4Job,
     "gguf": GgufJob,
 }
+
+#: ``--to gguf[:TYPE]`` of a PEFT LoRA adapter: ``(adapter, base model, options) -> TargetJob``.
+ADAPTER_JOB = GgufAdapterJob

@@ -91,6 +91,7 @@ __all__ = [
     "is_extra_file",
     "open_checkpoint",
     "path_kind",
+    "read_config",
     "shard_suffix",
     "weight_map",
 ]
@@ -406,6 +407,20 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A model's ``config.json`` as a dict, within :data:`formats.jsonfile.CONFIG`'s limits.
+
+    Raises:
+        ConfigJsonError: CKPT-007, not JSON within the limits, or not an object.
+        OSError: the file cannot be read.
+    """
+    config = jsonfile.load_json_file(path, jsonfile.CONFIG, ConfigJsonError, "config.json")
+    if not isinstance(config, dict):
+        raise ConfigJsonError("config.json must be a JSON object", path=path, expected="object",
+                              found=type(config).__name__)
+    return config
+
+
 def open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbError] | None = None,
                     remote: RemoteOpener | None = None) -> Checkpoint:
     """Open a weight file or a model directory (see :func:`_open_checkpoint`)."""
@@ -454,10 +469,7 @@ def _open_checkpoint(path: str | os.PathLike[str], problems: list[ConvertBnbErro
     cfg_path = src / "config.json"
     if cfg_path.is_file():
         try:
-            config = jsonfile.load_json_file(cfg_path, jsonfile.CONFIG, ConfigJsonError, "config.json")
-            if not isinstance(config, dict):
-                raise ConfigJsonError("config.json must be a JSON object", path=cfg_path,
-                                      expected="object", found=type(config).__name__)
+            config = read_config(cfg_path)
         except ConfigJsonError as exc:
             config = None
             report(exc)

@@ -50,6 +50,7 @@ __all__ = [
     "EncoderProcessError",
     "FileTooShortError",
     "ForeignFilesError",
+    "GgufAdapterError",
     "GgufConfigError",
     "GgufNonFiniteError",
     "GgufSourceError",
@@ -934,6 +935,16 @@ class NonFiniteAdapterError(AdapterError):
     default_rule = "LORA-014"
     advice = ("The adapter's training diverged or its file is damaged: use an earlier checkpoint of the adapter "
               "or download it again. Merging it would write NaN/inf into the model.")
+
+
+class GgufAdapterError(AdapterError, UnsupportedError):
+    """The adapter holds what a GGUF LoRA adapter cannot express (DoRA magnitude vectors, ``modules_to_save``
+    or other full tensors, a resized vocabulary, LoRA on MoE experts, a vision tower, or a head llama.cpp's base
+    file does not have), so no GGUF adapter would apply it as PEFT does."""
+
+    default_rule = "LORA-015"
+    advice = ("Merge the adapter into the model instead (convert-bnb BASE --to gguf:TYPE --merge-lora ADAPTER): "
+              "the merged GGUF holds all of it.")
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -48,6 +48,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from .checkpoint import READERS, ContainerReader, TensorRecord
 from .errors import (
     AdapterConfigError,
@@ -58,6 +61,7 @@ from .errors import (
     LoraShapeError,
     ModulesToSaveMismatchError,
     NoAdapterWeightsError,
+    NonFiniteAdapterError,
     UnsupportedAdapterConfigError,
     UnsupportedError,
     UntargetedModuleError,
@@ -70,6 +74,8 @@ __all__ = [
     "Adapter",
     "AdapterKey",
     "AdapterModule",
+    "check_finite",
+    "is_adapter_dir",
     "open_adapter",
     "parse_adapter_key",
 ]
@@ -267,14 +273,7 @@ class Adapter:
                         if close
                         else "is this adapter for another model?",
                     )
-            if mod.has_lora and not cfg.is_targeted(mod.module) and cfg.target_modules != "all-linear":
-                raise UntargetedModuleError(
-                    "adapter holds LoRA weights for a module the config does not target (PEFT drops them)",
-                    path=self.weights_file,
-                    tensor=mod.keys[0],
-                    expected=f"target_modules={_show_targets(cfg.target_modules)}",
-                    found=mod.module,
-                )
+        self.check_targets()
         if cfg.target_modules == "all-linear":
             return
         for name in names:
@@ -300,8 +299,59 @@ class Adapter:
                 )
 
 
+    def check_targets(self) -> None:
+        """Check that every module with LoRA weights is one the config targets (LORA-009; PEFT drops the others),
+        which needs no base model.
+
+        Raises:
+            AdapterError: LORA-009, naming the first such module. PatternTimeoutError: LORA-013.
+        """
+        cfg = self.config
+        if cfg.target_modules == "all-linear":
+            return
+        for mod in self.modules.values():
+            if mod.has_lora and not cfg.is_targeted(mod.module):
+                raise UntargetedModuleError(
+                    "adapter holds LoRA weights for a module the config does not target (PEFT drops them)",
+                    path=self.weights_file,
+                    tensor=mod.keys[0],
+                    expected=f"target_modules={_show_targets(cfg.target_modules)}",
+                    found=mod.module,
+                )
+
+
 def _show_targets(t: tuple[str, ...] | str | None) -> str:
     return repr(list(t)) if isinstance(t, tuple) else repr(t)
+
+
+def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a PEFT adapter directory: it holds ``adapter_config.json`` and adapter weights
+    (:data:`ADAPTER_WEIGHTS`). A model directory that only kept an adapter's config is not one."""
+    p = Path(path)
+    return p.is_dir() and (p / ADAPTER_CONFIG).is_file() and any((p / w).is_file() for w in ADAPTER_WEIGHTS)
+
+
+def check_finite(rec: TensorRecord, values: npt.NDArray[np.floating], offset: int = 0) -> None:
+    """LORA-014 when ``values`` (elements ``offset ...`` of the adapter tensor ``rec``, any float dtype) hold NaN
+    or infinite values, which PEFT would apply as they are.
+
+    Raises:
+        NonFiniteAdapterError: LORA-014, naming the tensor, the counts and the first such element's flat index.
+    """
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    flat = values.reshape(-1)
+    bad = ~finite.reshape(-1)
+    n_nan = int(np.isnan(flat).sum())
+    first = offset + int(np.argmax(bad))
+    raise NonFiniteAdapterError(
+        "adapter tensor holds NaN or infinite values (applied as they are, they make the model's outputs NaN)",
+        path=rec.file,
+        tensor=rec.name,
+        expected="finite values",
+        found=f"{n_nan} NaN and {int(bad.sum()) - n_nan} infinite of {flat.size}, the first at flat index {first}",
+    )
 
 
 def _open_weights(directory: Path) -> tuple[Path, ContainerReader]:

@@ -309,6 +309,13 @@ class LoraConfig:
             compiled = self._patterns[(kind, pattern)] = _Pattern(self.path, kind, pattern, composed, full)
         return compiled(module) if module else None
 
+    @property
+    def base_model(self) -> str | None:
+        """``base_model_name_or_path``: the model the adapter was trained on (a local path or a Hub repo id, as
+        given to PEFT), or None when absent or not text. It does not change the math (kept in :attr:`ignored`)."""
+        value = dict(self.ignored).get("base_model_name_or_path")
+        return value if isinstance(value, str) and value.strip() else None
+
     def rank_for(self, module: str) -> int:
         """Rank of ``module`` (``rank_pattern`` as ``get_pattern_key`` resolves it, else ``r``).
 

@@ -70,6 +70,7 @@ __all__ = [
     "choose_weight_files",
     "estimate_output_bytes",
     "plan_download",
+    "resolve_config",
     "resolve_repo",
 ]
 
@@ -558,6 +559,45 @@ def resolve_repo(
     if staging is not None and source.staging != staging:  # the Hub was unreachable: the cache is read
         shutil.rmtree(staging, ignore_errors=True)
     return source
+
+
+def resolve_config(repo_id: str, revision: str | None = None, *, cache_dir: str | Path | None = None,
+                   progress: bool = False) -> HubSource:
+    """A repo's ``config.json`` alone, never its weights (a LoRA adapter's base model: its hyperparameters are
+    all a GGUF adapter needs), fetched into the cache or found there: offline (``HF_HUB_OFFLINE``), and when the
+    Hub cannot be reached, the cached snapshot of the revision is read, as huggingface_hub does.
+
+    Args:
+        repo_id: ``org/name``.
+        revision: branch, tag or commit sha (None: the default branch).
+        cache_dir: the cache (None: huggingface_hub's default from HF_HUB_CACHE / HF_HOME).
+        progress: show huggingface_hub's progress bars.
+
+    Returns:
+        the :class:`HubSource` of the snapshot (its ``path`` holds config.json when the repo has one).
+
+    Raises:
+        UsageError: ``repo_id`` is not ``org/name``.
+        HubError: not found, gated, revision unknown, no network and nothing cached.
+    """
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
+    from huggingface_hub import snapshot_download
+
+    if not is_repo_name(repo_id):
+        raise UsageError("not a Hub repo id", found=repo_id, expected="'org/name'")
+    if not progress:
+        # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    try:
+        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=["config.json"])
+    except Exception as exc:
+        if is_hub_exception(exc) or _network_failure(exc):
+            raise _hub_error(exc, repo_id, revision) from None
+        raise
+    snap = Path(path)
+    return HubSource(repo_id, revision, snap.name, snap)
 
 
 def _make_staging(out: Path) -> Path:

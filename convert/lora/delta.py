@@ -45,6 +45,7 @@ from convert.lora.ops import MergeOp
 from convert.lora.report import MergeStats, _OpStats, sum_sq
 from formats.checkpoint import TensorRecord
 from formats.errors import LoraShapeError, NonFiniteAdapterError
+from formats.peft import check_finite
 
 __all__ = [
     "ROW_ALIGN",
@@ -307,24 +308,6 @@ def dora_norm(v: npt.NDArray[np.float32], columns: bool = False) -> npt.NDArray[
     return np.sqrt(s)
 
 
-def _check_finite(rec: TensorRecord, values: npt.NDArray[np.float32]) -> None:
-    """Raise LORA-014 when an adapter tensor holds NaN or infinite values (PEFT would merge them)."""
-    finite = np.isfinite(values)
-    if finite.all():
-        return
-    flat = values.reshape(-1)
-    bad = ~finite.reshape(-1)
-    n_nan = int(np.isnan(flat).sum())
-    first = int(np.argmax(bad))
-    raise NonFiniteAdapterError(
-        "adapter tensor holds NaN or infinite values (merging it would write them into the model)",
-        path=rec.file,
-        tensor=rec.name,
-        expected="finite values",
-        found=f"{n_nan} NaN and {int(bad.sum()) - n_nan} infinite of {flat.size}, the first at flat index {first}",
-    )
-
-
 class TensorMerge:
     """Every op that applies to one base tensor, and the row-range merge.
 
@@ -383,7 +366,7 @@ class TensorMerge:
         key = (i, what)
         if key not in self._cache:
             values = _f32(rec)
-            _check_finite(rec, values)
+            check_finite(rec, values)
             self._cache[key] = values
         return self._cache[key]
 

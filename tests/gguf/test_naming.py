@@ -12,7 +12,6 @@ installed, by running the converter itself on the fixture's original bf16 model.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from convert.job import convert
 from convert.options import ConvertOptions
 from convert.output import gguf_file_name, strip_quant_suffix
 from formats.errors import UsageError
-from tests.helpers.fixtures import MODELS, ROOT
+from tests.helpers.fixtures import MODELS
+from tests.helpers.llama_tools import llama_script
 
 FT = gguf.LlamaFileType
 LLAMA = MODELS / "llama_nf4_dq"
@@ -376,11 +376,7 @@ def test_a_generation_config_that_is_not_an_object_is_not_read(tmp_path: Path) -
 # --------------------------------------------------------------------------------------------------
 
 def _converter_script() -> Path:
-    for d in (os.environ.get("LLAMA_CPP_SRC"), str(ROOT / ".ci-cache" / "llama_cpp_python-0.3.36" / "vendor"
-                                                    / "llama.cpp")):
-        if d and (Path(d) / "convert_hf_to_gguf.py").is_file():
-            return Path(d) / "convert_hf_to_gguf.py"
-    pytest.skip("no llama.cpp source with convert_hf_to_gguf.py (LLAMA_CPP_SRC, .ci-cache)")
+    return llama_script("convert_hf_to_gguf.py")
 
 
 @pytest.mark.parametrize(("name", "override"), [

@@ -196,10 +196,13 @@ def known_pre(monkeypatch, tok_dir: Path, name: str) -> None:
     monkeypatch.setitem(gguf_bpe_pre.PRE_BY_HASH, gguf_bpe_pre.check_hash(tok_dir / "tokenizer.json"), name)
 
 
-def llama_logits(path: Path, ids: list[int], n_vocab: int) -> np.ndarray:
+def llama_logits(path: Path, ids: list[int], n_vocab: int, lora: Path | None = None) -> np.ndarray:
+    """llama.cpp's logits of ``ids`` for the model ``path`` (with the GGUF LoRA adapter ``lora`` applied at scale 1:
+    ``llama_adapter_lora_init`` + ``llama_set_adapters_lora``), ``(len(ids), n_vocab)`` float32."""
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=64, n_batch=64, logits_all=True, verbose=False, n_threads=2, seed=0
+        model_path=str(path), n_ctx=64, n_batch=64, logits_all=True, verbose=False, n_threads=2, seed=0,
+        lora_path=None if lora is None else str(lora),
     )
     try:
         llm.eval(ids)

@@ -1,6 +1,8 @@
 """llama.cpp's command-line tools (llama-quantize, llama-imatrix, llama-gguf-split) for the tests that
 compare our output with theirs: built by ``scripts/build_llama_tools.sh`` (CI does), found in
 ``$LLAMA_CPP_BIN``, on ``PATH`` or in ``.ci-cache/llama-build/bin``; tests needing one skip without it.
+Its Python scripts (``convert_hf_to_gguf.py``, ``convert_lora_to_gguf.py``) at the pinned revision are found in
+``$LLAMA_CPP_SRC`` or ``.ci-cache/llama_cpp_python-0.3.36/vendor/llama.cpp`` (:func:`llama_script`).
 """
 
 from __future__ import annotations
@@ -38,3 +40,12 @@ def run_tool(name: str, *args: str | os.PathLike[str]) -> subprocess.CompletedPr
     assert proc.returncode == 0, (f"{name} {' '.join(map(str, args))}: exit {proc.returncode}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def llama_script(name: str) -> Path:
+    """llama.cpp's Python script ``name`` (``convert_lora_to_gguf.py``) at the pinned revision, or skip the test."""
+    for d in (os.environ.get("LLAMA_CPP_SRC"), str(ROOT / ".ci-cache" / "llama_cpp_python-0.3.36" / "vendor"
+                                                    / "llama.cpp")):
+        if d and (Path(d) / name).is_file():
+            return Path(d) / name
+    pytest.skip(f"no llama.cpp source with {name} (LLAMA_CPP_SRC, .ci-cache)")

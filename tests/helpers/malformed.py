@@ -512,6 +512,26 @@ def merge(src: Path, out: Path) -> None:
 MERGE_ARGV = [str(BASE_MODEL), "--to", "bf16", "--merge-lora", "{src}", "-o", "{out}", "-q"]
 
 
+def gguf_adapter(src: Path, out: Path) -> None:
+    """``convert-bnb ADAPTER --to gguf:f16 --base BASE`` (its GGUF LoRA adapter), through the library."""
+    from convert.job import convert as run
+    from convert.options import ConvertOptions
+
+    run(ConvertOptions(str(src), to="gguf:f16", output=out, base=str(BASE_MODEL), threads=1, max_memory=64 << 20))
+
+
+GGUF_ADAPTER_ARGV = ["{src}", "--to", "gguf:f16", "--base", str(BASE_MODEL), "-o", "{out}", "-q"]
+
+
+def _dora_adapter() -> dict[str, Tensor]:
+    """The fixture adapter with DoRA magnitude vectors (one per q/v module, ``[out]``)."""
+    t = adapter_tensors()
+    for key in [k for k in t if k.endswith(".lora_B.weight")]:
+        rows = t[key][1][0]
+        t[key.replace(".lora_B.weight", ".lora_magnitude_vector")] = ("F32", [rows], f32(np.ones(rows)))
+    return t
+
+
 def _lora(name: str, shape: list[int]) -> Tensor:
     return ("F32", shape, f32(np.full(shape, 0.01)))
 
@@ -1303,6 +1323,10 @@ CASES: list[Case] = [
     Case("lora-layers-pattern-invalid", E.AdapterConfigValueError,
          ["adapter_config.json'", "LORA-004", "config key 'layers_pattern'", "not a valid regular expression"],
          adapter({"layers_pattern": "layers(", "layers_to_transform": [0]}), run=merge, argv=MERGE_ARGV),
+    Case("lora-gguf-dora", E.GgufAdapterError,
+         ["adapter_model.safetensors'", f"tensor '{LQ}.lora_magnitude_vector'", "LORA-015", "DoRA magnitude vector",
+          "--merge-lora"],
+         adapter({"use_dora": True}, tensors=_dora_adapter()), run=gguf_adapter, argv=GGUF_ADAPTER_ARGV),
     # ---- importance matrices (--imatrix)
     Case("imatrix-not-a-matrix", E.ImatrixFormatError, ["imatrix.dat'", "IMX-001", "neither GGUF nor"],
          raw_file(b"this is text, not an importance matrix", "imatrix.dat"), run=imatrix_cli()[0],
