@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from convert.job import base_model, check_adapter_options, resolve_source
-from convert.options import AUTO, ConvertOptions, Target, target_for
+from convert.options import AUTO, DEFAULT_MIX, ConvertOptions, MixOptions, Target, target_for
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
 from convert.targets import ADAPTER_JOB, TARGETS
@@ -98,7 +98,7 @@ class CheckReport:
 
 
 def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_name: str | None = None,
-                 base: str | None = None) -> CheckReport:
+                 base: str | None = None, mix: MixOptions = DEFAULT_MIX) -> CheckReport:
     """Run every input rule on a file or directory and collect all problems; nothing is written.
 
     Args:
@@ -109,6 +109,8 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
             directory, :mod:`convert.gguf.general`; a Hub repo's id; default the directory's name).
         base: for a PEFT LoRA adapter directory: its base model (``--base``; default the adapter config's),
             whose config.json plans the GGUF adapter with ``to`` ``gguf[:TYPE]`` (:func:`_check_adapter`).
+        mix: llama-quantize's options for a ``gguf:TYPE`` of its types (the importance matrix is read and
+            matched against the plan, as the conversion does).
 
     Returns:
         the :class:`CheckReport` (``report.ok`` is True when clean).
@@ -189,18 +191,18 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
                     seen.add(w)
                     report.notes.append(f"{w} (e.g. {layer.name})")
         if not problems and (not isinstance(target, Target) or target != AUTO):
-            _check_target(ckpt, target, model_name, problems)
+            _check_target(ckpt, target, model_name, problems, mix)
     return report
 
 
 def _check_target(ckpt: Checkpoint, target: Target | ConvertBnbError, model_name: str | None,
-                  problems: list[ConvertBnbError]) -> None:
+                  problems: list[ConvertBnbError], mix: MixOptions = DEFAULT_MIX) -> None:
     """Plan the target as the conversion would (no data is read); its first problem (or the problem of the
     ``--to`` value itself) joins ``problems``."""
     try:
         if not isinstance(target, Target):
             raise target
-        options = ConvertOptions(src=str(ckpt.source), to=target)
+        options = ConvertOptions(src=str(ckpt.source), to=target, mix=mix)
         plan = make_plan(ckpt, target.dequantize_to)
         TARGETS[target.family](plan, options, model_name or ckpt.source.resolve().name)
     except ConvertBnbError as exc:

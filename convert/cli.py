@@ -15,6 +15,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -75,6 +76,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 
+def _whole_number(text: str) -> int:
+    """An integer written in ASCII digits (``int`` also takes other scripts' digits, which no tool reads)."""
+    if re.fullmatch(r"[+-]?[0-9]+", text.strip()) is None:
+        raise argparse.ArgumentTypeError(f"invalid whole number: {text[:40]!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the main job, ``convert-bnb SRC --to ...``."""
     p = _Parser(
@@ -114,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-max-size", default=None, metavar="N(M|G)",
                    help="with --to gguf[:TYPE]: write the parts llama-gguf-split --split makes, each at most N "
                    "megabytes/gigabytes of tensor data (OUT-00001-of-0000K.gguf ...)")
-    p.add_argument("--split-max-tensors", type=int, default=None, metavar="N",
+    p.add_argument("--split-max-tensors", type=_whole_number, default=None, metavar="N",
                    help="with --to gguf[:TYPE]: the same, with at most N tensors in each part")
     p.add_argument("--metadata", type=Path, default=None, metavar="FILE",
                    help="with --to gguf[:TYPE]: a JSON file of general.* keys overriding those taken from the model "

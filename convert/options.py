@@ -350,5 +350,6 @@ def check_split_options(options: ConvertOptions) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= (
             SPLIT_INT_MAX if options.split_max_tensors is not None else SPLIT_INT_MAX * SPLIT_UNITS["G"]):
         raise UsageError(f"{given[0]} must be a positive whole number", found=repr(value)[:40],
-                         expected="a number of tensors >= 1" if options.split_max_tensors is not None
+                         expected=f"a number of tensors from 1 to {SPLIT_INT_MAX} (a 32-bit integer, as "
+                         "llama-gguf-split reads it)" if options.split_max_tensors is not None
                          else "a size such as 2G or 500M")

@@ -173,6 +173,9 @@ def gguf_file_name(naming: GgufNaming, revision: str | None = None) -> str:
         version = "-".join(v for v in (version, revision_label(revision)) if v)
     stem = gguf.naming_convention(naming.name, naming.basename, naming.finetune, version, naming.size_label,
                                   naming.encoding, naming.kind)
+    # a name from a model card or --metadata may hold what no file name should: a path separator or NUL
+    # (never a path), a leading '.' (hidden) or '-' (read as an option by the next command)
+    stem = re.sub(r"[/\\\x00-\x1f]", "-", stem).lstrip(".-") or naming.encoding
     return f"{naming.prefix}{stem}.gguf"
 
 

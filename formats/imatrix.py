@@ -34,18 +34,26 @@ IMX-002   every sum is finite and not negative, every count finite and not negat
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from typing import BinaryIO
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 
+from .checkpoint import path_kind
 from .errors import ImatrixFormatError, ImatrixValuesError
 
 __all__ = ["ImatrixEntry", "ImatrixFile", "read_imatrix"]
+
+#: The largest file read: a matrix for a 1T-parameter MoE model (one float per column per expert matrix)
+#: stays far below it.
+MAX_IMATRIX_BYTES = 8 << 30
+#: The largest count accepted (C's ``lround`` to a 64-bit ``long``).
+MAX_COUNT = 2.0**62
 
 _SUMS = ".in_sum2"
 _COUNTS = ".counts"
@@ -99,13 +107,24 @@ def read_imatrix(path: str | os.PathLike[str]) -> ImatrixFile:
         ImatrixValuesError: IMX-002 (a sum or count that is NaN, infinite or negative).
     """
     spath = os.fspath(path)
+    kind = path_kind(spath)
+    if kind == "missing":
+        raise ImatrixFormatError("the importance matrix file does not exist", path=spath,
+                                 expected="a file llama-imatrix wrote", found="no such file")
+    if kind != "file":
+        raise ImatrixFormatError("the importance matrix is not a regular file", path=spath,
+                                 expected="a file llama-imatrix wrote", found=kind)
+    size = os.path.getsize(spath)
+    if size > MAX_IMATRIX_BYTES:
+        raise ImatrixFormatError("the importance matrix file is larger than any llama-imatrix writes", path=spath,
+                                 expected=f"at most {MAX_IMATRIX_BYTES} bytes", found=f"{size} bytes")
     try:
         with open(spath, "rb") as f:
             magic = f.read(4)
+            out = _read_gguf(spath) if magic == b"GGUF" else _read_legacy(spath, f)
     except OSError as exc:
-        raise ImatrixFormatError(f"cannot open the importance matrix file ({exc.strerror or exc})", path=spath,
+        raise ImatrixFormatError(f"cannot read the importance matrix file ({exc.strerror or exc})", path=spath,
                                  expected="a readable file") from None
-    out = _read_gguf(spath) if magic == b"GGUF" else _read_legacy(spath)
     if not out.entries:
         raise ImatrixFormatError("the file holds no importance matrix entries", path=spath,
                                  expected="at least one entry", found="none")
@@ -160,17 +179,19 @@ def _read_gguf(path: str) -> ImatrixFile:
             raise ImatrixFormatError("the sums are not a whole number of rows, one per count", path=path,
                                      tensor=name, expected=f"a multiple of {n_mat} sums", found=int(sums.n_elements))
         c = np.asarray(counts.data, dtype=np.float32).reshape(-1)
-        if not np.isfinite(c).all():
-            raise ImatrixValuesError("an importance matrix count is not finite", path=path, tensor=name,
-                                     expected="finite counts", found=float(c[~np.isfinite(c)][0]))
+        if not (np.isfinite(c) & (np.abs(c) <= MAX_COUNT)).all():
+            raise ImatrixValuesError("an importance matrix count is not finite or too large", path=path,
+                                     tensor=name, expected=f"finite counts up to {MAX_COUNT:g}",
+                                     found=float(c[~(np.isfinite(c) & (np.abs(c) <= MAX_COUNT))][0]))
         entries[name] = ImatrixEntry(
             name, np.array(sums.data, dtype=np.float32).reshape(n_mat, -1),
             np.array([_lround(v) for v in c.tolist()], dtype=np.int64))
-    datasets = reader.get_field("imatrix.datasets")
-    return ImatrixFile(
-        path, entries,
-        tuple(str(v) for v in datasets.contents()) if datasets is not None and isinstance(datasets.contents(), list)
-        else (), _u32(reader, "imatrix.chunk_count"), _u32(reader, "imatrix.chunk_size"), legacy=False)
+    field = reader.get_field("imatrix.datasets")
+    # (llama.cpp reads the datasets only from an array of strings)
+    strings = field is not None and field.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+    datasets = tuple(str(v) for v in field.contents()) if field is not None and strings else ()
+    return ImatrixFile(path, entries, datasets, _u32(reader, "imatrix.chunk_count"),
+                       _u32(reader, "imatrix.chunk_size"), legacy=False)
 
 
 def _lround(v: float) -> int:
@@ -184,8 +205,21 @@ def _u32(reader: gguf.GGUFReader, key: str) -> int:
     return int(value) if isinstance(value, (int, np.integer)) else 0
 
 
-def _read_legacy(path: str) -> ImatrixFile:
-    data = Path(path).read_bytes()
+def _read_legacy(path: str, f: BinaryIO) -> ImatrixFile:
+    """The ``.dat`` layout, read through a read-only map of the open file ``f`` (nothing copied but the
+    values kept)."""
+    if os.fstat(f.fileno()).st_size == 0:
+        raise ImatrixFormatError("not an importance matrix file (neither GGUF nor llama-imatrix's .dat)",
+                                 path=path, expected="at least 4 bytes", found="0 bytes")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return _parse_legacy(path, view)
+        finally:
+            view.release()  # (an error's traceback still holds the view: the map closes only without it)
+
+
+def _parse_legacy(path: str, data: memoryview) -> ImatrixFile:
     pos = 0
 
     def take(n: int, what: str) -> bytes:
@@ -194,7 +228,7 @@ def _read_legacy(path: str) -> ImatrixFile:
             raise ImatrixFormatError(f"legacy importance matrix file ends inside {what}", path=path,
                                      expected=f"{n} more bytes at offset {pos}", found=f"{len(data) - pos}")
         pos += n
-        return data[pos - n: pos]
+        return bytes(data[pos - n: pos])
 
     def i32(what: str) -> int:
         return int(struct.unpack("<i", take(4, what))[0])
@@ -206,7 +240,7 @@ def _read_legacy(path: str) -> ImatrixFile:
     if n < 1 or n > len(data) // 12:
         raise ImatrixFormatError("not an importance matrix file (neither GGUF nor llama-imatrix's .dat)",
                                  path=path, expected="a GGUF file, or an entry count of 1 or more",
-                                 found=f"first bytes {data[:4].hex()} (entry count {n})")
+                                 found=f"first bytes {bytes(data[:4]).hex()} (entry count {n})")
     entries: dict[str, ImatrixEntry] = {}
     for i in range(n):
         raw = take(i32(f"entry {i + 1}'s name length"), f"entry {i + 1}'s name")

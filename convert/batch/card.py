@@ -169,6 +169,8 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
     for job in jobs:
         entry: dict[str, Any] = {"name": job.name, "src": job.src, "revision": job.revision, "to": job.to.name,
                                  "max_shard_size": job.max_shard_size, "output": str(out_dir / job.name)}
+        if job.mix.flags():
+            entry["options"] = job.mix.flags()
         out.append(entry)
         try:
             source = _resolve_without_download(job)
@@ -225,7 +227,7 @@ def _convert_problems(job: Job, source: ResolvedSource, out_dir: Path, state: di
     if source.hub is not None and (source.hub.missing or not source.path.is_dir()):
         return []  # not downloaded: a dry run fetches nothing to check
     name = source.hub.repo_id if source.hub is not None else None  # as the conversion names the model
-    return check_source(source.path, job.to, name).problems
+    return check_source(source.path, job.to, name, mix=job.mix).problems
 
 
 def _fail(entry: dict[str, Any], problems: list[ConvertBnbError]) -> None:

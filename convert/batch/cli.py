@@ -107,7 +107,8 @@ def _print_plan(plan: list[dict[str, Any]]) -> None:
     failing job's error names its rule), then any further problem of its input, its upload plan and card."""
     for e in plan:
         print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
-              + f" --to {e['to']} -> {e['output']}" + (f" + {e['mmproj']}" if "mmproj" in e else "")
+              + f" --to {e['to']}" + "".join(f" {o}" for o in e.get("options", [])) + f" -> {e['output']}"
+              + (f" + {e['mmproj']}" if "mmproj" in e else "")
               + (f" + {e['modelfile']}" if "modelfile" in e else "")
               + f": {e['action']}"
               + (f" ({e['error']})" if "error" in e else ""))

@@ -198,7 +198,7 @@ def _job_mix(fields: dict[str, Any], to: Target, bad: Callable[..., BatchOptionE
             raise bad(f"{key} must be a string" + (" or a list of strings" if key.endswith(("type", "weights"))
                                                    and key != "output_tensor_type" else ""), found=value)
         for v in values:
-            words += [option, os.path.abspath(v) if key == "imatrix" else v]
+            words += [option, os.path.abspath(v) if key == "imatrix" and v else v]
     if not words:
         return DEFAULT_MIX
     if not to.llama_quantize:

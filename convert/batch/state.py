@@ -104,6 +104,10 @@ def key_text(key: Any) -> str:
         return "no record"
     parts = [f"{k}={key[k]}" for k in ("commit", "to", "max_shard_size", "mmproj", "modelfile", "converter")
              if key.get(k) is not None]
+    if key.get("mix"):
+        parts.append("options=" + " ".join(key["mix"]))
+    if key.get("imatrix_sha256"):
+        parts.append(f"imatrix sha256={str(key['imatrix_sha256'])[:12]}")
     return ", ".join(parts)
 
 

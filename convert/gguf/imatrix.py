@@ -25,10 +25,15 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from formats.errors import ImatrixTensorError
+from formats.errors import ImatrixTensorError, ImatrixValuesError
 from formats.imatrix import ImatrixFile, read_imatrix
 
 __all__ = ["Importance", "imatrix_keys", "importance_rows", "load_importance"]
+
+#: The largest importance value accepted: a mean of squared activations (legitimate ones stay below about
+#: 1e9). Larger values only come from a damaged file, and make the weighted searches overflow to NaN
+#: scales, which llama-quantize refuses only after the work (``ggml_validate_row_data``).
+MAX_IMPORTANCE = 1e15
 
 #: llama-quantize copies the file name and the first dataset name into 128-byte buffers (127 bytes kept).
 _KEY_BYTES = 127
@@ -80,10 +85,17 @@ def load_importance(path: str | os.PathLike[str], include: Sequence[str] = (),
         ``--imatrix`` and writes no ``quantize.imatrix.*`` key).
 
     Raises:
-        ImatrixFormatError: IMX-001. ImatrixValuesError: IMX-002 (:func:`formats.imatrix.read_imatrix`).
+        ImatrixFormatError: IMX-001. ImatrixValuesError: IMX-002 (:func:`formats.imatrix.read_imatrix`; a
+            value above :data:`MAX_IMPORTANCE`).
     """
     f = read_imatrix(path)
     rows = _normalized(f)
+    for name, v in rows.items():
+        if v.size and float(v.max()) > MAX_IMPORTANCE:
+            i = int(np.argmax(v.reshape(-1)))
+            raise ImatrixValuesError("an importance value (sum / count) is larger than squared activations can be",
+                                     path=os.fspath(path), tensor=name, expected=f"values up to {MAX_IMPORTANCE:g}",
+                                     found=f"{float(v.reshape(-1)[i]):g} at index {i}")
     if exclude:
         rows = {k: v for k, v in rows.items() if not any(s in k for s in exclude)}
     if include:

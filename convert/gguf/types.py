@@ -273,9 +273,9 @@ def parse_split_size(text: str) -> int:
     Raises:
         UsageError: USE-001, another form (no unit or another one, a fraction, a sign, zero).
     """
-    m = re.fullmatch(r"(\d+)([MG])", text.strip())
+    m = re.fullmatch(r"([0-9]+)([MG])", text.strip())
     if m is None or not 0 < int(m.group(1)) <= SPLIT_INT_MAX:
         raise UsageError("--split-max-size takes a positive whole number of megabytes or gigabytes, as "
-                         "llama-gguf-split does", expected="N(M|G), e.g. 2G or 500M (10**6 / 10**9 bytes)",
-                         found=text[:40])
+                         "llama-gguf-split does", expected=f"N(M|G), N from 1 to {SPLIT_INT_MAX} (a 32-bit integer), "
+                         "e.g. 2G or 500M (10**6 / 10**9 bytes)", found=text[:40])
     return int(m.group(1)) * SPLIT_UNITS[m.group(2)]

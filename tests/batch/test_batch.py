@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import struct
 import sys
 import time
 from pathlib import Path
@@ -1024,3 +1025,29 @@ def test_a_job_with_llama_quantize_options_writes_what_the_cli_writes(tmp_path: 
     assert r.returncode == 0, r.stderr
     assert main([str(src), "--to", "gguf:q4_k_m", *opts, "-o", str(tmp_path / "direct.gguf"), "-q"]) == 0
     assert (out / "m.gguf").read_bytes() == (tmp_path / "direct.gguf").read_bytes()
+
+
+def test_dry_run_plans_a_jobs_importance_matrix_and_options_as_the_run(tmp_path: Path) -> None:
+    """A job's llama-quantize options reach the dry run's check: a missing or foreign importance matrix and a
+    type without an encoder are planned 'fail' with the run's rule; the plan line shows the options."""
+    src = MODELS / "llama_nf4_dq"
+    foreign = tmp_path / "other.dat"
+    foreign.write_bytes(struct.pack("<i", 1) + struct.pack("<i", 20) + b"blk.40.attn_q.weight"
+                        + struct.pack("<ii", 1, 4) + b"\0" * 16)
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{src} --to gguf:q4_k_m --name a --imatrix {tmp_path / 'none.gguf'}\n"
+                    f"{src} --to gguf:q4_k_m --name b --imatrix {foreign}\n"
+                    f"{src} --to gguf:q4_k_m --name c --token-embedding-type iq3_s\n"
+                    f"{src} --to gguf:q4_k_m --name d --pure\n")
+    env = offline_env(tmp_path)
+    r = _batch(jobs, tmp_path / "out", env, "--dry-run", "--json")
+    assert r.returncode == 3, r.stderr
+    plan = {e["name"]: e for e in json.loads(r.stdout)}
+    assert [(e["action"], e.get("rule")) for e in plan.values()] == [
+        ("fail", "IMX-001"), ("fail", "IMX-003"), ("fail", "GGUF-002"), ("convert", None)]
+    assert plan["d.gguf"]["options"] == ["--pure"]
+    text = _batch(jobs, tmp_path / "out", env, "--dry-run").stdout.splitlines()
+    assert text[3] == f"d.gguf: {src} --to gguf:q4_k_m --pure -> {tmp_path / 'out' / 'd.gguf'}: convert"
+    (tmp_path / "j.json").write_text(json.dumps([{"src": str(src), "to": "gguf:q4_k_m", "imatrix": ""}]))
+    with pytest.raises(UsageError, match="BATCH-003 .*--imatrix needs a file name"):
+        parse_jobs(tmp_path / "j.json", _defaults())

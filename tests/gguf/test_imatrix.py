@@ -10,6 +10,7 @@ is ours, llama.cpp's converter's, where llama-quantize moves ``general.file_type
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -137,7 +138,7 @@ def _dat_cut(tmp: Path) -> Path:
 
 
 BAD: list[tuple[str, Callable[[Path], Path], type[Exception], list[str]]] = [
-    ("missing", lambda t: t / "nope.gguf", ImatrixFormatError, ["IMX-001", "cannot open", "nope.gguf"]),
+    ("missing", lambda t: t / "nope.gguf", ImatrixFormatError, ["IMX-001", "does not exist", "nope.gguf"]),
     ("empty", lambda t: _write(t / "e.dat", b""), ImatrixFormatError,
      ["IMX-001", "neither GGUF nor"]),
     ("text", lambda t: _write(t / "x.dat", b"hello world, not a matrix"), ImatrixFormatError,
@@ -358,3 +359,52 @@ def test_iq1_iq2_iq3_types_are_refused_saying_why(tmp_path, capsys, name, parts)
     if "iq3_m" in name:
         assert "importance matrix" not in err
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_only_regular_files_of_a_bounded_size_are_read(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)  # (opening it would wait for a writer forever)
+    for path, found in ((fifo, "a FIFO (named pipe)"), (tmp_path, "directory")):
+        with pytest.raises(ImatrixFormatError, match="IMX-001 the importance matrix is not a regular file.*"
+                                                     + re.escape(found)):
+            read_imatrix(path)
+    big = tmp_path / "big.dat"
+    with open(big, "wb") as f:
+        f.truncate((8 << 30) + 1)  # sparse
+    with pytest.raises(ImatrixFormatError, match="larger than any llama-imatrix writes"):
+        read_imatrix(big)
+    # an entry claiming more values than the file holds: refused before anything is allocated
+    lie = tmp_path / "lie.dat"
+    lie.write_bytes(struct.pack("<i", 1) + struct.pack("<i", 1) + b"a" + struct.pack("<ii", 1, 2**31 - 1) + b"\0" * 64)
+    with pytest.raises(ImatrixFormatError, match="ends inside entry 1's values"):
+        read_imatrix(lie)
+
+
+def test_values_too_large_for_the_searches_are_refused(tmp_path):
+    huge = write_gguf_imatrix(tmp_path / "huge.gguf", {"blk.0.attn_q.weight": (np.full((1, 256), 3e38), np.ones(1))})
+    with pytest.raises(ImatrixValuesError, match=r"IMX-002 an importance value .* larger than squared activations"):
+        load_importance(huge)
+    ok = write_gguf_imatrix(tmp_path / "ok.gguf", {"blk.0.attn_q.weight": (np.full((1, 256), 3e30), np.full(1, 1e18))})
+    assert load_importance(ok) is not None  # (3e30 / 1e18: an ordinary value)
+    many = write_gguf_imatrix(tmp_path / "many.gguf", {"blk.0.attn_q.weight": (np.ones((1, 256)), np.full(1, 3e38))})
+    with pytest.raises(ImatrixValuesError, match="IMX-002 an importance matrix count is not finite or too large"):
+        read_imatrix(many)
+
+
+def test_datasets_that_are_not_strings_are_not_written(tmp_path):
+    p = tmp_path / "n.gguf"
+    w = gguf.GGUFWriter(str(p), arch="llama")
+    w.add_array("imatrix.datasets", [1, 2])
+    w.add_uint32("imatrix.chunk_count", 1)
+    w.add_uint32("imatrix.chunk_size", 1)
+    w.add_tensor("a.weight.in_sum2", np.ones((1, 4), np.float32))
+    w.add_tensor("a.weight.counts", np.ones((1, 1), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    imp = load_importance(p)
+    assert imp is not None and imp.datasets == ()
+    assert "quantize.imatrix.dataset" not in [k for k, _, _ in imatrix_keys(imp)]

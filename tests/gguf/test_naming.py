@@ -428,3 +428,16 @@ def test_a_hub_repo_is_named_after_the_repo_and_its_revision(tmp_path: Path) -> 
     counts = _gguf_counts(_planned(LLAMA, "gguf:q8_0"))
     _same(_own(got), _expected_general(clean, counts, model_name="unsloth/Llama-3.2-1B-Instruct"))
     assert (got["general.name"], got["general.license"]) == ("unsloth/Llama-3.2-1B-Instruct", "apache-2.0")
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("a\x00b", "a-b-2M-Q8_0.gguf"),  # NUL: never in a path
+    ("../up", "up-2M-Q8_0.gguf"),  # a separator: a name, never a path
+    ("-rf", "rf-2M-Q8_0.gguf"),  # not read as an option by the next command
+    (".hidden", "hidden-2M-Q8_0.gguf"),  # not a hidden file
+    ("", "2M-Q8_0.gguf"),
+])
+def test_names_from_cards_or_metadata_make_plain_file_names(name: str, want: str) -> None:
+    from convert.output import GgufNaming
+
+    assert gguf_file_name(GgufNaming(name, None, None, None, "2M", "Q8_0")) == want
