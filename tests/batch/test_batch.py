@@ -7,8 +7,8 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
