@@ -3,7 +3,8 @@
 
 ``codec``: quantize a float32 matrix (default 4096 x 4096, N(0, 0.02), seed 0) once, with our NumPy codec
 (``--impl ours``) or with ``ggml_quantize_chunk`` of the libggml-base.so llama-cpp-python installs
-(``--impl ggml``, one thread, the function llama-quantize calls).
+(``--impl ggml``, one thread, the function llama-quantize calls); ``--imatrix`` gives both the same
+importance-matrix row (``llama-quantize --imatrix``'s path).
 
 ``model``: a one-block Llama of 7B widths (q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008,
 vocabulary 256, float32; made once in ``--dir``), written as a GGUF file of the type: ``--impl ours``
@@ -53,17 +54,21 @@ def _ggml() -> ctypes.CDLL:
     return lib
 
 
-def codec(type_name: str, impl: str, rows: int, cols: int) -> None:
+def codec(type_name: str, impl: str, rows: int, cols: int, imatrix: bool = False) -> None:
     t = gguf.GGMLQuantizationType[type_name.upper()]
-    x = (np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02))
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02))
+    # an importance row as llama-imatrix gives it: means of squared activations, log-normal across columns
+    w = np.exp(rng.standard_normal(cols)).astype(np.float32) if imatrix else None
     if impl == "ours":
         from convert.gguf.codecs import codec as ours
 
-        ours(t).quantize(x)
+        ours(t).quantize(x, w)
     else:
         bs, ts = gguf.GGML_QUANT_SIZES[t]
         out = np.empty((rows, cols // bs * ts), np.uint8)
-        _ggml().ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, rows, cols, None)
+        _ggml().ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, rows, cols,
+                                    None if w is None else w.ctypes.data)
 
 
 def make(d: Path) -> None:
@@ -121,6 +126,7 @@ def main() -> int:
     c.add_argument("--impl", choices=["ours", "ggml"], required=True)
     c.add_argument("--rows", type=int, default=4096)
     c.add_argument("--cols", type=int, default=4096)
+    c.add_argument("--imatrix", action="store_true", help="with an importance-matrix row (log-normal)")
     m = sub.add_parser("make")
     m.add_argument("--dir", type=Path, required=True)
     r = sub.add_parser("model")
@@ -130,7 +136,7 @@ def main() -> int:
     r.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     if a.cmd == "codec":
-        codec(a.type, a.impl, a.rows, a.cols)
+        codec(a.type, a.impl, a.rows, a.cols, a.imatrix)
     elif a.cmd == "make":
         make(a.dir)
     else:
