@@ -141,7 +141,8 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
         if not problems:
             try:
                 ckpt.require_tensors()
-                if not (isinstance(target, Target) and target.family == "gguf"):  # (GGUF-006 checks it for GGUF)
+                if not (isinstance(target, Target) and all(t.family == "gguf" for t in target.targets)):
+                    # (GGUF-006 checks it for GGUF)
                     ckpt.check_config()
             except ConvertBnbError as exc:
                 problems.append(exc)
@@ -197,16 +198,18 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
 
 def _check_target(ckpt: Checkpoint, target: Target | ConvertBnbError, model_name: str | None,
                   problems: list[ConvertBnbError], mix: MixOptions = DEFAULT_MIX) -> None:
-    """Plan the target as the conversion would (no data is read); its first problem (or the problem of the
-    ``--to`` value itself) joins ``problems``."""
-    try:
-        if not isinstance(target, Target):
-            raise target
-        options = ConvertOptions(src=str(ckpt.source), to=target, mix=mix)
-        plan = make_plan(ckpt, target.dequantize_to)
-        TARGETS[target.family](plan, options, model_name or ckpt.source.resolve().name)
-    except ConvertBnbError as exc:
-        problems.append(exc)
+    """Plan the target (each of several) as the conversion would (no data is read); the first problem of each
+    (or the problem of the ``--to`` value itself) joins ``problems``."""
+    if not isinstance(target, Target):
+        problems.append(target)
+        return
+    for one in target.targets:
+        try:
+            options = ConvertOptions(src=str(ckpt.source), to=one, mix=mix if one.llama_quantize else DEFAULT_MIX)
+            plan = make_plan(ckpt, one.dequantize_to)
+            TARGETS[one.family](plan, options, model_name or ckpt.source.resolve().name)
+        except ConvertBnbError as exc:
+            problems.append(exc)
 
 
 def _check_adapter(report: CheckReport, path: str | os.PathLike[str], target: Target | ConvertBnbError,

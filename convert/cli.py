@@ -31,7 +31,7 @@ from convert.lora.report import format_table
 from convert.options import ConvertOptions, QuantOptions, add_mix_arguments, mix_from_args, target_arg, target_names
 from convert.output import MODELFILE_NAME, InterruptedAfterCommit, user_path
 from convert.units import format_bytes, parse_size
-from formats.errors import ConvertBnbError
+from formats.errors import ConvertBnbError, TargetsFailedError
 from formats.mapping import changed_input
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "options_from_args"]
@@ -43,6 +43,7 @@ examples:
   convert-bnb ./model-bnb-4bit --to fp16 --dry-run        print the plan, write nothing
   convert-bnb ./model-bnb-4bit --to bf16 --merge-lora ./adapter
   convert-bnb ./model-bnb-4bit --to gguf:q8_0 -o model.gguf
+  convert-bnb ./model-bnb-4bit --to bf16,gguf:q4_k_m,gguf:q8_0 -o ./model   several outputs from one read
   convert-bnb ./model-bf16 --to nf4 -o ./model-nf4       re-quantize in bitsandbytes' layout
   convert-bnb org/model-bnb-4bit --to bf16                a Hub repo (HF cache, HF_TOKEN, HF_HUB_OFFLINE)
   convert-bnb org/model-bnb-4bit --to bf16 --low-disk     one shard at a time, not into the HF cache
@@ -100,9 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     targets = target_names()
     p.add_argument("--to", default="auto", metavar="TARGET", type=target_arg,
                    help="output: auto (each tensor's QuantState dtype), " + ", ".join(targets[1:])
-                   + " (default: auto; GGUF types in any case: gguf:Q4_K_M is llama-quantize's Q4_K_M mix)")
+                   + " (default: auto; GGUF types in any case: gguf:Q4_K_M is llama-quantize's Q4_K_M mix); several, "
+                   "comma-separated (bf16,gguf:q4_k_m,gguf:q8_0,nf4), from one read of the input, into one folder")
     p.add_argument("-o", "--output", help="output path (default: next to SRC, with a suffix); DIR/ puts a one-file "
-                   "output (a file input, GGUF) into DIR under its default name")
+                   "output (a file input, GGUF) into DIR under its default name; with several targets, the folder "
+                   "their outputs go into, each under its default name (default: next to SRC, named as SRC without "
+                   "its -bnb-4bit words)")
     p.add_argument("--revision", default=None,
                    help="with a Hub repo id as SRC: branch, tag or commit sha (default: the default branch)")
     p.add_argument("--low-disk", action="store_true",
@@ -231,8 +235,18 @@ def _push_line(push: dict[str, Any]) -> str:
 
 def print_summary(result: Any) -> None:
     """The summary of a finished conversion on stderr (what was written, speed, memory, notes; with
-    ``--push-to-hub``, the upload)."""
+    ``--push-to-hub``, the upload); a run of several targets: each output's, then the run's."""
 
+    if result.outputs:
+        for one in result.outputs:
+            if one.error is None:
+                print_summary(one)
+        print(f"wrote {sum(o.error is None for o in result.outputs)} outputs into {result.output}: "
+              f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, peak RSS "
+              f"{format_bytes(result.peak_rss_bytes)}", file=sys.stderr)
+        for n in result.notes:
+            print(f"note: {n}", file=sys.stderr)
+        return
     push = result.details.get("push")
     if push is not None and not push["converted"]:
         print(f"kept {result.output}: {format_bytes(result.bytes_out)}, made by an earlier run", file=sys.stderr)
@@ -301,6 +315,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tail = batch_cli.INTERRUPTED_TAIL if run is batch_cli.run_command else "no output was left behind"
     try:
         return run(args)
+    except TargetsFailedError as exc:  # some targets of several: each failed one's line, the others' summaries
+        if debug:
+            raise
+        _report_targets(args, exc)
+        return 2
     except ConvertBnbError as exc:
         if debug:
             raise
@@ -352,6 +371,25 @@ def _report_failure(as_json: bool, exc: ConvertBnbError) -> None:
     """A named failure: its one line on stderr (and with ``--json`` the object on stdout)."""
     print(f"convert-bnb: error: {exc}", file=sys.stderr, flush=True)
     _print_failure(as_json, {**exc.to_dict()})
+    sys.stdout.flush()
+
+
+def _report_targets(args: argparse.Namespace, exc: TargetsFailedError) -> None:
+    """A run of several targets of which some failed: what the others did (their summaries or plans, or the
+    JSON object of the whole run), then one line per failed target on stderr."""
+    result = exc.result
+    if getattr(args, "json", False):
+        print(json.dumps(result.to_dict() if result is not None else {"ok": False, **exc.to_dict()}, indent=2))
+    elif result is not None and result.dry_run is not None:
+        print(f"{result.plan_text}")
+    elif result is not None and not args.quiet:
+        for one in result.outputs:
+            if one.error is None:
+                print_summary(one)
+    for target, error in exc.failures:
+        text = error if isinstance(error, ConvertBnbError) else _os_message(error) if isinstance(error, OSError) \
+            else f"{type(error).__name__}: {error}"
+        print(f"convert-bnb: error: --to {target}: {str(text).replace(chr(10), ' ')}", file=sys.stderr)
     sys.stdout.flush()
 
 

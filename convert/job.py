@@ -22,11 +22,14 @@ prints or exits.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
+import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +38,22 @@ from convert.hub.download import HubSource, WeightMode, resolve_config, resolve_
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
-from convert.options import MIN_MEMORY, ConvertOptions, check_split_options
+from convert.options import DEFAULT_MIX, MIN_MEMORY, ConvertOptions, QuantOptions, check_split_options
 from convert.output import (
     GgufNaming,
     InterruptedAfterCommit,
     OutputClaim,
     default_output,
+    default_set_output,
     gguf_file_name,
     output_path,
+    set_output_path,
     sha256_file,
     write_json,
 )
-from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
+from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes, share_memory
 from convert.stream.plan import Plan, make_plan
+from convert.stream.shared import Consumer, SharedProducts
 from convert.targets import (
     ADAPTER_JOB,
     TARGETS,
@@ -66,6 +72,7 @@ from formats.errors import (
     ImatrixRequiredError,
     OutputExistsError,
     SourceNotFoundError,
+    TargetsFailedError,
     UsageError,
 )
 from formats.mapping import check_inputs
@@ -105,6 +112,9 @@ class ConvertResult:
             ``commit`` (manifest and install), ``total``.
         notes: things the user should know.
         details: target-specific results (``gguf``, ``quantized``, ``report``, ``lora_merge``).
+        outputs: a run of several targets: each target's result, in ``--to`` order (``output`` is then their
+            folder); else empty.
+        error: the result of a target of such a run that failed: ``{"error": class, "rule", "message"}``, else None.
     """
 
     source: str
@@ -131,6 +141,8 @@ class ConvertResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    outputs: list[ConvertResult] = field(default_factory=list)
+    error: dict[str, Any] | None = None
 
     def fp16_line(self) -> str | None:
         """The summary's float16 line (values that overflowed to inf, non-zero values flushed to zero),
@@ -143,13 +155,19 @@ class ConvertResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``--json``): ``ok``, the converter's version, the fields, with ``details``
         flattened in (a dry run gives the plan)."""
+        if self.error is not None:
+            return {"ok": False, "to": self.to, "output": self.output, **self.error}
         if self.dry_run is not None:
-            return {**self.dry_run, "output": self.output, "output_exists": self.output_exists}
-        d: dict[str, Any] = {"ok": True, "converter": f"convert-bnb {__version__}"}
-        d.update(asdict(self))
-        for k in ("dry_run", "plan_text", "output_exists", "details"):
+            return {**self.dry_run, "output": self.output, "output_exists": self.output_exists,
+                    **({"outputs": [o.to_dict() for o in self.outputs]} if self.outputs else {})}
+        d: dict[str, Any] = {"ok": all(o.error is None for o in self.outputs),
+                             "converter": f"convert-bnb {__version__}"}
+        d.update({f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "outputs"})
+        for k in ("dry_run", "plan_text", "output_exists", "details", "error"):
             d.pop(k)
         d.update(self.details)
+        if self.outputs:
+            d["outputs"] = [o.to_dict() for o in self.outputs]
         return d
 
 
@@ -384,6 +402,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
 def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
     """:func:`convert`; appends the output path to ``committed`` once it is renamed into place."""
     t0 = time.perf_counter()
+    if options.to.family == "multi":  # several targets from one read: each as it would be alone, in one folder
+        return _convert_set(options, committed, t0)
     # 1. the options against each other, and the output path as far as it is known before reading
     check_options(options)
     if is_adapter_dir(options.src):
@@ -406,8 +426,12 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
 
 
 def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Path, out: Path,
-                    committed: list[Path], t0: float) -> ConvertResult:
-    """Steps 3-7 of :func:`convert`, once the source is resolved (the caller removes its staging folder)."""
+                    committed: list[Path], t0: float, folder: Path | None = None,
+                    share: Consumer | None = None) -> ConvertResult:
+    """Steps 3-7 of :func:`convert`, once the source is resolved (the caller removes its staging folder).
+
+    A target of a run of several (:func:`_convert_set`): its output named as alone but in ``folder``, and its
+    dequantized weights read through ``share`` once every target is planned."""
     result = ConvertResult(source=source.ref, to=options.to.name, output=str(out),
                            commit=source.hub.commit if source.hub else None)
     with source.open() as ckpt:
@@ -425,6 +449,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             job = TARGETS[options.to.family](plan, options, source.model_name(ckpt))
             if job.naming is not None:  # a GGUF file is named by llama.cpp's convention from its general.* keys
                 default = _named_default(options, source, job.naming)
+                default = default if folder is None else folder / default.name
             out = output_path(options.output, default, is_dir=job.is_dir)
             parts = job.output_parts(out)  # a split GGUF: its files, the first one standing for the output
             out = parts[0] if parts else out
@@ -447,6 +472,9 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
                         "\n  Modelfile exists: --overwrite needed" if exists and not options.overwrite else "")
                 return result
             # 6. claim the output, write it into staging, verify, commit
+            if share is not None:  # (every target planned before the first shared block is made)
+                share.link(job.sources())
+                share.ready()
             run, notes = _run_settings(options, plan, source, out.name, lora)
             result.timings["plan"] = time.perf_counter() - t0
             _write_output(job, options, source, ckpt.source, out, run, result, committed, parts)
@@ -757,3 +785,247 @@ def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+# ------------------------------------------------------------------------------------- several targets
+
+def _member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
+    """Each target of a run of several (``options.to.members``) as the options of its single run: the options
+    that apply to it, its share of ``max_memory`` (:func:`convert.stream.pipeline.share_memory`), no progress
+    bar; each checked as :func:`check_options` checks a single run. ``--report`` and ``--original`` go to the
+    first target, ``--quant-report`` to the first nf4/fp4 one (each target's figures are in its ``--json``).
+
+    Returns:
+        the options per target, in ``--to`` order, and the bytes of the shared blocks.
+
+    Raises:
+        UsageError: USE-001: an option that no target takes (4-bit settings without nf4/fp4, llama-quantize's
+            options without one of its types, ``--metadata`` or a split without a GGUF target), ``--mmproj`` or
+            ``--low-disk`` (one target only), ``max_memory`` below 64 MiB, and what :func:`check_options`
+            refuses for a target.
+    """
+    members = options.to.targets
+    families = {t.family for t in members}
+    ggufs = [t for t in members if t.family == "gguf"]
+    if is_adapter_dir(options.src):
+        raise UsageError("SRC is a PEFT LoRA adapter: it becomes one GGUF LoRA adapter, one --to target",
+                         path=options.src, expected="--to gguf[:TYPE]", found=f"--to {options.to.name}")
+    for flag, given, one_gguf in (("--mmproj", options.mmproj is not None, True),
+                                  ("--modelfile", options.modelfile is not None, True),
+                                  ("--low-disk", options.low_disk, False)):
+        if given and not (one_gguf and len(ggufs) == 1):
+            one = " (or one GGUF target among several)" if one_gguf else ""
+            raise UsageError(f"{flag} works with one --to target{one}", found=f"--to {options.to.name}",
+                             hint=f"run the target that needs {flag} on its own")
+    if options.max_memory < MIN_MEMORY:
+        raise UsageError("--max-memory is too small", expected=f">= {format_bytes(MIN_MEMORY)}",
+                         found=format_bytes(options.max_memory))
+    needs = [(options.mix.flags()[0].split()[0] if options.mix.flags() else None,
+              any(t.llama_quantize for t in members), "a gguf:TYPE of llama-quantize's types (gguf:q4_0 ... q6_k)"),
+             (options.quant.given()[0] if options.quant.given() else None, "bnb4" in families, "nf4 or fp4"),
+             ("--metadata" if options.metadata is not None else None, "gguf" in families, "a gguf[:TYPE] target"),
+             ("--split-max-size" if options.split_max_size is not None else
+              "--split-max-tensors" if options.split_max_tensors is not None else None, "gguf" in families,
+              "a gguf[:TYPE] target")]
+    for flag, taken, what in needs:
+        if flag is not None and not taken:
+            raise UsageError(f"{flag} needs {what} among the --to targets", found=f"--to {options.to.name}")
+    each, shared = share_memory(options.max_memory, len(members))
+    first_bnb4 = next((t for t in members if t.family == "bnb4"), None)
+    subs = []
+    for i, t in enumerate(members):
+        gguf = t.family == "gguf"
+        quant = options.quant if t is first_bnb4 else replace(options.quant, quant_report=None)
+        sub = replace(options, to=t, output=None, max_memory=each, manifest=None, progress=False,
+                      mmproj=options.mmproj if gguf else None, modelfile=options.modelfile if gguf else None,
+                      mmproj_manifest=options.mmproj_manifest if gguf else None,
+                      modelfile_manifest=options.modelfile_manifest if gguf else None,
+                      mix=options.mix if t.llama_quantize else DEFAULT_MIX,
+                      quant=quant if t.family == "bnb4" else QuantOptions(),
+                      metadata=options.metadata if gguf else None,
+                      split_max_size=options.split_max_size if gguf else None,
+                      split_max_tensors=options.split_max_tensors if gguf else None,
+                      report=options.report if i == 0 else None, original=options.original if i == 0 else None)
+        check_options(sub)
+        subs.append(sub)
+    return subs, shared
+
+
+def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> ConvertResult:
+    """A run of several targets (``--to bf16,gguf:q8_0,nf4``): each target's output exactly as its single run
+    writes it, named as alone, in one folder (``-o``, or :func:`convert.output.default_set_output`); the
+    source resolved once; every target planned first, then all written at once, each by its own writer in a
+    thread of its own, reading each dequantized weight from the blocks the first target to need them made
+    (:class:`convert.stream.shared.SharedProducts`), and committed on its own.
+
+    Raises:
+        TargetsFailedError: OUT-006, some targets failed (each with its own error in ``failures``); the
+            others' outputs are committed and complete. When every target failed with one and the same
+            error (a broken input), that error instead, as a single run raises it.
+        UsageError: from :func:`_member_options`, or ``-o`` naming a file (:func:`convert.output.set_output_path`).
+    """
+    subs, shared = _member_options(options)
+    repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
+    if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
+        folder = Path(options.output or options.src)
+    else:
+        folder = set_output_path(options.output, default_set_output(None if repo else Path(options.src), repo,
+                                                                    options.revision or rev))
+    weights: WeightMode = ("headers" if options.dry_run
+                           else "auto" if all(t.family == "float" for t in options.to.targets) else "download")
+    source = resolve_source(options.src, options.revision, to=options.to.name, output=folder,
+                            progress=options.progress, weights=weights)
+    try:
+        return _run_set(options, subs, shared, source, folder, committed, t0)
+    finally:
+        source.close()
+
+
+def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, source: ResolvedSource,
+             folder: Path, committed: list[Path], t0: float) -> ConvertResult:
+    """:func:`_convert_set` once the source is resolved."""
+    hub = source.hub
+    defaults = [folder / default_output(None if hub else Path(options.src), sub.to, hub.repo_id if hub else None,
+                                        hub.revision if hub else None).name for sub in subs]
+    made_folder = False
+    if not options.dry_run and not folder.is_dir():
+        try:
+            folder.mkdir()
+        except FileExistsError:  # (a file, or a link to one: the claims name it)
+            pass
+        except FileNotFoundError:
+            raise UsageError("the folder of -o is in a directory that does not exist", path=folder,
+                             action="write", expected=f"an existing directory '{folder.parent}'") from None
+        made_folder = folder.is_dir()
+    products = SharedProducts(shared, len(subs))
+    if options.dry_run:
+        outcomes = [_attempt(sub, source, d, committed, t0, folder, None) for sub, d in zip(subs, defaults,
+                                                                                          strict=True)]
+    else:
+        outcomes = _write_set(subs, defaults, source, folder, products, committed, t0, options.on_progress)
+    result = _set_result(options, subs, defaults, outcomes, source, folder, products, shared, t0)
+    if made_folder and not any(folder.iterdir()):
+        folder.rmdir()  # (every target failed before its claim: leave nothing behind)
+    internal = next((o for o in outcomes if isinstance(o, BaseException)
+                     and not isinstance(o, (ConvertBnbError, OSError, MemoryError))), None)
+    if internal is not None:
+        raise internal
+    failures = [(sub.to.name, o) for sub, o in zip(subs, outcomes, strict=True) if isinstance(o, BaseException)]
+    if failures and len(failures) == len(subs) and len({(type(e), str(e)) for _, e in failures}) == 1:
+        raise failures[0][1]  # one error for all: a broken input, as a single run reports it
+    if failures:
+        done = len(subs) - len(failures)
+        raise TargetsFailedError(
+            f"{len(failures)} of {len(subs)} targets failed: "
+            + ", ".join(f"{t} ({getattr(e, 'rule', None) or type(e).__name__})" for t, e in failures)
+            + (f"; the {done} other output{'s are' if done > 1 else ' is'} complete" if done else ""),
+            path=folder, action="write", failures=failures, result=result)
+    return result
+
+
+def _attempt(sub: ConvertOptions, source: ResolvedSource, default: Path, committed: list[Path], t0: float,
+             folder: Path, share: Consumer | None) -> ConvertResult | BaseException:
+    """One target of a set (:func:`_convert_source`): its result, or the exception that ended it."""
+    try:
+        return _convert_source(sub, source, default, default, committed, t0, folder, share)
+    except BaseException as exc:  # noqa: BLE001 - each target's own outcome; the run reports them all
+        return exc
+    finally:
+        if share is not None:
+            share.withdraw()
+
+
+def _write_set(subs: list[ConvertOptions], defaults: list[Path], source: ResolvedSource, folder: Path,
+               products: SharedProducts, committed: list[Path], t0: float,
+               on_progress: Callable[[int, int], None] | None) -> list[ConvertResult | BaseException]:
+    """Every target of a set planned, written, verified and committed, each in a thread of its own, reading
+    through ``products``; the outcome of each. An interrupt (in the calling thread, the main one) cancels them
+    all: each stops at its next chunk, leaves no temporary behind, and the interrupt is raised here."""
+    consumers = [products.consumer() for _ in subs]
+    outcomes: list[ConvertResult | BaseException] = [KeyboardInterrupt()] * len(subs)
+    progress = _SetProgress(len(subs), products, on_progress)
+
+    def run(i: int) -> None:
+        sub = replace(subs[i], on_progress=progress.reporter(i))
+        outcomes[i] = _attempt(sub, source, defaults[i], committed, t0, folder, consumers[i])
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"convert-bnb --to {sub.to.name}")
+               for i, sub in enumerate(subs)]
+    for th in threads:
+        th.start()
+    try:
+        for th in threads:
+            while th.is_alive():
+                th.join(0.25)
+    except KeyboardInterrupt:
+        products.cancel()
+        for th in threads:
+            th.join()
+        raise
+    return outcomes
+
+
+class _SetProgress:
+    """The progress of a set's writers, summed for the caller's ``on_progress``; each writer's reporter raises
+    ``KeyboardInterrupt`` once the run is cancelled (so every writer stops at its next chunk)."""
+
+    def __init__(self, n: int, products: SharedProducts, forward: Callable[[int, int], None] | None) -> None:
+        self.done, self.total = [0] * n, [0] * n
+        self.products, self.forward = products, forward
+        self._lock = threading.Lock()
+
+    def reporter(self, i: int) -> Callable[[int, int], None]:
+        def report(done: int, total: int) -> None:
+            if self.products.cancelled:
+                raise KeyboardInterrupt("stopped")
+            if self.forward is not None:
+                with self._lock:
+                    self.done[i], self.total[i] = done, total
+                    self.forward(sum(self.done), sum(self.total))
+        return report
+
+
+def _set_result(options: ConvertOptions, subs: list[ConvertOptions], defaults: list[Path],
+                outcomes: list[ConvertResult | BaseException], source: ResolvedSource, folder: Path,
+                products: SharedProducts, shared: int, t0: float) -> ConvertResult:
+    """The result of a set: every target's (a failed one with its error), and the run's totals."""
+    result = ConvertResult(source=source.ref, to=options.to.name, output=str(folder),
+                           commit=source.hub.commit if source.hub else None)
+    for sub, default, o in zip(subs, defaults, outcomes, strict=True):
+        if isinstance(o, ConvertResult):
+            result.outputs.append(o)
+        else:
+            result.outputs.append(ConvertResult(
+                source=result.source, to=sub.to.name, output=str(default), commit=result.commit,
+                error={"error": type(o).__name__, "rule": getattr(o, "rule", None),
+                       "message": str(o).replace("\n", " ")}))
+    done = [o for o in result.outputs if o.error is None]
+    if options.dry_run:
+        result.dry_run = {"source": result.source, "to": result.to, "ok": len(done) == len(result.outputs)}
+        result.output_exists = folder.exists()
+        result.plan_text = "\n".join(
+            f"{o.plan_text}\n  output: {o.output}" + (" (exists: --overwrite needed)" if o.output_exists else "")
+            for o in done)
+        return result
+    result.tensors = sum(o.tensors for o in done)
+    result.elements = max((o.elements for o in done), default=0)
+    result.bytes_in = max((o.bytes_in for o in done), default=0)
+    result.bytes_out = sum(o.bytes_out for o in done)
+    result.fp16_overflow = sum(o.fp16_overflow for o in done)
+    result.fp16_underflow = sum(o.fp16_underflow for o in done)
+    result.shards_written = sum(o.shards_written for o in done)
+    result.shards_reused = sum(o.shards_reused for o in done)
+    result.verified = bool(done) and all(o.verified for o in done)
+    for o in done:  # every file, relative to the folder
+        rel = Path(o.output).relative_to(folder).as_posix()
+        result.files.update({(f"{rel}/{k}" if Path(o.output).is_dir() else k): v for k, v in o.files.items()})
+    result.details["shared"] = {"budget_bytes": shared, "peak_bytes": products.peak, "blocks_made": products.made,
+                                "values_shared": products.hits, "blocks_dropped": products.dropped}
+    result.notes = [f"{len(subs)} targets from one read: {products.made} blocks of dequantized weights made once "
+                    f"and shared, at most {format_bytes(products.peak)} of them held (of "
+                    f"{format_bytes(shared)})" + (f"; {products.dropped} dropped for room and made again"
+                                                  if products.dropped else "")]
+    result.seconds = result.timings["total"] = time.perf_counter() - t0
+    result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
+    result.peak_rss_bytes = peak_rss_bytes()
+    return result

@@ -17,7 +17,13 @@ nf4, fp4                   bnb4    auto (each QuantState's dtype)               
 gguf (F16), gguf:TYPE      gguf    fp32 for the types made from exact float32       GGUF
                                    (:data:`convert.gguf.types.FLOAT32_INPUT`), else
                                    auto
+T1,T2,...                  multi   each member as it is alone                        each member's output,
+                                                                                    in one folder
 =========================  ======  ===============================================  ====================
+
+Several targets, comma-separated (``--to bf16,gguf:q4_k_m,gguf:q8_0,nf4``), make one :class:`Target` of family
+``multi`` whose :attr:`Target.members` are the single targets in the order given: one run reads and dequantizes
+each weight once for all of them (:func:`convert.job.convert`).
 """
 
 from __future__ import annotations
@@ -72,13 +78,21 @@ class Target:
         gguf_type: the GGUF output type (a key of :data:`convert.gguf.types.OUTPUT_TYPES`; ``f16`` for a
             bare ``gguf``), or None.
         quant_type: ``nf4`` or ``fp4`` for the bnb4 family, else None.
+        members: the family ``multi``: the single targets of a comma-separated ``--to``, in the order given
+            (two or more, no two naming the same output); else empty.
     """
 
     name: str
-    family: Literal["float", "bnb4", "gguf"]
+    family: Literal["float", "bnb4", "gguf", "multi"]
     dequantize_to: str
     gguf_type: str | None = None
     quant_type: str | None = None
+    members: tuple[Target, ...] = ()
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        """The single targets this value asks for: its :attr:`members`, or itself."""
+        return self.members or (self,)
 
     @property
     def gguf_file_type(self) -> gguf.LlamaFileType | None:
@@ -107,12 +121,16 @@ def target_names() -> list[str]:
 
 
 def target_for(text: str) -> Target:
-    """Parse a ``--to`` value (any letter case, surrounding blanks ignored).
+    """Parse a ``--to`` value (any letter case, surrounding blanks ignored): one target, or several
+    comma-separated (a :class:`Target` of family ``multi``).
 
     Raises:
-        UsageError: an unknown value (USE-001), listing the accepted ones.
+        UsageError: an unknown value (USE-001), listing the accepted ones; an empty member of a list, or two
+            members naming the same output (``gguf`` and ``gguf:f16``), USE-001.
         GgufTypeError: ``gguf:TYPE`` with a type that is not written (GGUF-002).
     """
+    if "," in text:
+        return _target_set(text)
     name = text.strip().lower()
     if name in FLOAT_TARGETS:
         return Target(name, "float", name)
@@ -127,6 +145,25 @@ def target_for(text: str) -> Target:
                      hint=f"did you mean '{close[0]}'?" if close else None)
 
 
+def _target_set(text: str) -> Target:
+    """Several comma-separated targets as one :class:`Target` of family ``multi`` (see :func:`target_for`)."""
+    members: list[Target] = []
+    seen: dict[tuple[str, str], str] = {}
+    for part in text.split(","):
+        if not part.strip():
+            raise UsageError("--to lists an empty target", expected="targets separated by single commas, e.g. "
+                             "bf16,gguf:q8_0,nf4", found=text.strip())
+        t = target_for(part)
+        key = ("gguf", t.gguf_type or "") if t.family == "gguf" else (t.family, t.name)
+        if key in seen:
+            same = "" if seen[key] == t.name else f" ({seen[key]} and {t.name} write the same output)"
+            raise UsageError(f"--to names the target {t.name} twice{same}", expected="each target once",
+                             found=text.strip().lower())
+        seen[key] = t.name
+        members.append(t)
+    return Target(",".join(t.name for t in members), "multi", "auto", members=tuple(members))
+
+
 def target_arg(text: str) -> Target:
     """:func:`target_for` as the ``--to`` type of an argparse command line.
 
@@ -137,10 +174,13 @@ def target_arg(text: str) -> Target:
     try:
         return target_for(text)
     except ConvertBnbError as exc:
+        if "," in text and exc.reason.startswith("--to "):  # a list's own rule: an empty member, one given twice
+            raise argparse.ArgumentTypeError(f"{exc.reason} (found {text.strip().lower()!r})") from None
         choices = ", ".join(map(repr, target_names()))
         close = f"; {exc.hint}" if exc.hint else ""
+        bad = str(exc.found) if "," in text else text.strip().lower()
         raise argparse.ArgumentTypeError(
-            f"invalid choice: {text.strip().lower()!r}{close} (choose from {choices})") from None
+            f"invalid choice: {bad!r}{close} (choose from {choices}; several: comma-separated)") from None
 
 
 #: ``--to auto``: each quantized tensor in its QuantState dtype, the others as they are.

@@ -74,6 +74,7 @@ __all__ = [
     "OutputClaim",
     "ShardLedger",
     "default_output",
+    "default_set_output",
     "file_manifest",
     "gguf_file_name",
     "modelfile_name",
@@ -85,6 +86,7 @@ __all__ = [
     "recorded_shards",
     "remove_path",
     "revision_label",
+    "set_output_path",
     "sha256_file",
     "strip_quant_suffix",
     "user_path",
@@ -259,6 +261,48 @@ def default_output(src: Path | None, to: Target, repo_id: str | None = None, rev
     if revision:
         stem += f"-{revision_label(revision)}"
     return where / output_name(stem, to, single_file=single_file)
+
+
+def default_set_output(src: Path | None, repo_id: str | None = None, revision: str | None = None) -> Path:
+    """Where a run of several targets (``--to bf16,gguf:q8_0,nf4``) puts its outputs without ``-o``: one folder,
+    beside a local SRC (in the working directory for a Hub repo), named as the input without its quantization
+    words (:func:`strip_quant_suffix`: ``llama-3-8b-bnb-4bit`` -> ``llama-3-8b``; a file's name without its
+    suffix), with the revision as :func:`default_output` adds it, and ``-converted`` added where that name
+    would be SRC itself (``llama_nf4_dq`` -> ``llama_nf4_dq-converted``). Each output in it has the name of
+    its single run (:func:`default_output`'s name).
+
+    Args:
+        src: the local SRC (None for a Hub repo).
+        repo_id: the Hub repo id, or None.
+        revision: with ``repo_id``: the revision asked for, or None.
+    """
+    if repo_id is not None:
+        stem, where = strip_quant_suffix(repo_id.rsplit("/", 1)[-1]), Path.cwd()
+        if revision:
+            stem += f"-{revision_label(revision)}"
+        return where / stem
+    assert src is not None
+    stem = strip_quant_suffix(src.name if src.is_dir() else src.stem)
+    folder = src.parent / stem
+    return folder.with_name(f"{stem}-converted") if folder.name == src.name else folder
+
+
+def set_output_path(given: str | os.PathLike[str] | None, default: Path) -> Path:
+    """The folder of a run of several targets: ``-o`` as given, or ``default`` (:func:`default_set_output`).
+
+    Raises:
+        UsageError: USE-001, ``-o`` names a file (an existing one, or a name ending in ``.gguf`` or
+            ``.safetensors``: the outputs are several), or no folder of its own (``.``, ``..``, ``/``, empty).
+    """
+    if given is None:
+        return default
+    text = os.fspath(given)
+    path = Path(text)
+    if path.suffix.lower() in (".gguf", ".safetensors") or (os.path.lexists(path) and not path.is_dir()):
+        raise UsageError("with several --to targets, -o names the folder their outputs go into", path=text,
+                         action="write", expected="a folder (each output inside it gets its single run's name)",
+                         found="an existing file" if os.path.lexists(path) else f"a {path.suffix} file name")
+    return output_path(given, default, is_dir=True)
 
 
 def output_path(given: str | os.PathLike[str] | None, default: Path, *, is_dir: bool) -> Path:

@@ -39,6 +39,7 @@ from convert.output import GgufNaming, ShardLedger
 from convert.stream.pipeline import RunSettings
 from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
+from convert.stream.sources import Source
 
 __all__ = ["ADAPTER_JOB", "TARGETS", "BaseModel", "MmprojJob", "ModelfileJob", "TargetJob", "check_modelfile_name",
            "plan_modelfile"]
@@ -75,6 +76,10 @@ class TargetJob(Protocol):
         """The files of an output written as several files beside ``out`` (a split GGUF:
         ``OUT-00001-of-0000N.gguf`` ..., in order), committed together; None for one file or a directory.
         Called once the output path is known, before :meth:`write` and the plan's text."""
+
+    def sources(self) -> list[Source]:
+        """The stream sources the output is made from (a run of several targets shares what they dequantize:
+        :mod:`convert.stream.shared`)."""
 
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
         """Write the output into ``staging``; ``(files written, files reused from the ledger)``."""

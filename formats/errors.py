@@ -121,6 +121,7 @@ __all__ = [
     "ShardPathError",
     "SourceNotFoundError",
     "StorageRecordError",
+    "TargetsFailedError",
     "TensorOverlapError",
     "TensorShapeError",
     "TensorViewError",
@@ -977,6 +978,28 @@ class OutputBusyError(ConvertBnbError, BlockingIOError):
     default_rule = "OUT-004"
     advice = ("Wait for the other conversion to finish (the message names its pid), or write elsewhere with -o. "
               "A run that died released its claim: run again.")
+
+
+class TargetsFailedError(ConvertBnbError, RuntimeError):
+    """Some targets of a run of several (``--to bf16,gguf:q8_0,nf4``) failed; every other target's output was
+    committed, complete, in the run's folder, and each failed one left nothing.
+
+    Attributes:
+        failures: ``(target, its error)`` of each failed target, in ``--to`` order (the command line prints
+            one line each).
+        result: what the run did (the library's ``ConvertResult`` of the whole run: every output, the failed
+            ones with their error), or None.
+    """
+
+    default_rule = "OUT-006"
+    advice = ("The lines before it give each failed target's own error: fix that, then run again with --to naming "
+              "only the targets that failed (the complete outputs are kept, and an existing one is not replaced).")
+
+    def __init__(self, message: str, *, failures: list[tuple[str, BaseException]] | None = None, result: Any = None,
+                 **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.failures = failures or []
+        self.result = result
 
 
 class OverwriteRefusedError(ConvertBnbError, IsADirectoryError):

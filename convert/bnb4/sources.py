@@ -49,6 +49,9 @@ class _JobSource(Source):
         self.kind = kind
         job.tensors_left += 1
 
+    def reads(self) -> list[Source]:
+        return [self.job.input.source]
+
     def finish(self) -> None:
         self.job.done_one()
 

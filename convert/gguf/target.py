@@ -28,6 +28,7 @@ from convert.options import SUMMARY_SAMPLE, ConvertOptions
 from convert.output import GgufNaming, ShardLedger
 from convert.stream.pipeline import RunSettings, placed_memory
 from convert.stream.plan import Plan, make_plan
+from convert.stream.sources import Source
 from formats.errors import TokenizerError
 from formats.gguf import GGUFPart, file_nbytes
 from formats.gguf import verify_gguf as _verify_gguf
@@ -207,6 +208,12 @@ class GgufJob:
             return None
         self.part_files = part_paths(out, self.split)
         return self.part_files
+
+    def sources(self) -> list[Source]:
+        """The planned tensors' sources the file is made of (a tensor, or the slices a tensor stacks)."""
+        by_name = {t.name: t for t in self.plan.tensors}
+        read = dict.fromkeys(name for t in self.gplan.tensors for name in ([p[0] for p in t.parts] or [t.source]))
+        return [by_name[name].source for name in read if name in by_name]
 
     def _parts_list(self) -> list[dict[str, Any]]:
         """Each part: its file name (once :meth:`output_parts` named them), tensors, first and last tensor,

@@ -138,6 +138,10 @@ def publish(options: ConvertOptions, push: PushOptions, argv: Sequence[str] | No
         ConvertBnbError, OSError: as :func:`convert.job.convert`.
     """
     check_push(push)
+    if options.to.family == "multi":  # (a model page is one output: push each on its own)
+        raise UsageError("--push-to-hub works with one --to target", found=f"--to {options.to.name}",
+                         hint="convert the targets in one run, then push each output with its own run: the same "
+                              "command with one --to finds it in place and only uploads it")
     if options.dry_run:
         result = convert(options)
         _plan_push(result, options, push, argv)

@@ -176,6 +176,9 @@ class LoraSource(Source):
             self._counted = merged
         return out
 
+    def reads(self) -> list[Source]:
+        return [self.inner] if self.merge.needs_base else []
+
     def release(self, start: int, stop: int) -> None:
         if self.merge.needs_base:
             self.inner.release(start, stop)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from convert.stream.plan import PlannedTensor
-from formats.writeback import IN_PLACE_WRITES, PlacedMemory
+from formats.writeback import BUFFER_BYTES, BUFFERS, IN_PLACE_WRITES, PlacedMemory
 
 __all__ = ["FENCE", "Chunk", "InputLifetime", "RunSettings", "chunk_elements", "chunk_size", "max_threads",
-           "ordered_chunks", "peak_rss_bytes", "placed_memory", "ranges"]
+           "ordered_chunks", "peak_rss_bytes", "placed_memory", "ranges", "share_memory"]
 
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
@@ -154,6 +154,22 @@ def chunk_elements(unit: int, max_memory: int, threads: int) -> int:
     n = budget // ((2 * threads + 1) * _BYTES_PER_ELEMENT)
     n = min(n, 1 << 24)
     return max(unit, (n // unit) * unit)
+
+
+def share_memory(max_memory: int, writers: int) -> tuple[int, int]:
+    """One cap for a run of several targets, each writing in threads of its own: ``(each writer's cap, bytes of
+    the shared blocks)`` (:class:`convert.stream.shared.SharedProducts`). The interpreter's baseline is counted
+    once, and with it one output stream's buffers (:data:`formats.writeback.BUFFERS` of
+    :data:`~formats.writeback.BUFFER_BYTES`); each further writer's stream is taken off first; of the rest an
+    eighth holds the shared blocks and the writers split the other seven eighths, each given its part plus the
+    baseline as its own ``max_memory`` (which :func:`chunk_elements` takes off again). Each writer's chunks
+    are at least :func:`chunk_elements`'s floor of 16 MiB: below about 100 MiB a target (the baseline, the
+    shared blocks, and per further target its stream and that floor) a run holds more than ``max_memory``.
+    """
+    streams = (max(1, writers) - 1) * BUFFERS * BUFFER_BYTES
+    budget = max(max_memory - _BASELINE - streams, 16 * 1024 * 1024)
+    shared = budget // 8
+    return (budget - shared) // max(1, writers) + _BASELINE, shared
 
 
 #: The smallest chunk worth giving a thread, in elements: more threads than the cap allows at this size

@@ -341,6 +341,9 @@ class SafetensorsJob:
     def output_parts(self, out: Path) -> list[Path] | None:
         return None  # (one file, or a directory)
 
+    def sources(self) -> list[Source]:
+        return [t.source for t in self.plan.tensors]
+
     def write(self, staging: Path, run: RunSettings, ledger: ShardLedger | None) -> tuple[int, int]:
         return write_plan(self.plan, staging, run, ledger)
 

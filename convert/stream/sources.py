@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -26,11 +26,16 @@ import numpy.typing as npt
 from convert.dequant import kernels, kernels_f16
 from formats.bnb import QUANT_TABLES, Int8Layer, QuantizedLayer, TensorLike
 from formats.checkpoint import TensorRecord
-from formats.dtypes import DType
+from formats.dtypes import BY_NAME, DType
 from formats.errors import NonFiniteAbsmaxError
 from formats.writeback import bytes_of
 
+if TYPE_CHECKING:
+    from convert.stream.shared import _Link
+
 __all__ = ["ArraySource", "CastSource", "Codes4", "Dequant4Source", "Int8Source", "Source", "StackSource", "cast_run"]
+
+_F32 = BY_NAME["float32"]
 
 
 class Codes4(NamedTuple):
@@ -80,6 +85,9 @@ class Source:
     #: only be copied there is written from what :meth:`produce` returns, through the writer's buffers
     #: (fresh memory for the copy costs page faults that the writer's reused buffers do not).
     writes_in_place: bool = False
+    #: A run of several targets: the shared blocks this source reads its values from
+    #: (:mod:`convert.stream.shared`; set on the sources that dequantize), else None.
+    shared: _Link | None = None
 
     def __init__(self) -> None:
         self.stats = np.zeros(2, dtype=np.int64)
@@ -100,6 +108,12 @@ class Source:
         this source is a bnb 4-bit layer dequantized as it is (for an encoder that works from the codes:
         GGUF F16 of its bfloat16 values); None for every other source."""
         return None
+
+    def reads(self) -> list[Source]:
+        """The sources this one reads its values from (a merge's base, a stack's slices): a run of several
+        targets finds the dequantizing sources under each output tensor through them
+        (:func:`convert.stream.shared.shared_leaves`)."""
+        return []
 
     def release(self, start: int, stop: int) -> None:
         """Elements [start, stop) are written: drop their input pages."""
@@ -197,6 +211,18 @@ class Dequant4Source(Source):
         return out
 
     def produce_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
+        if self.shared is not None:
+            self.shared.read(self, start, stop, dtype, out)
+        else:
+            self.dequant_into(start, stop, dtype, out)
+
+    def exact_into(self, start: int, stop: int, out: npt.NDArray[np.float32]) -> None:
+        """The exact float32 products of elements [start, stop) into ``out`` (``float32[stop - start]``): what
+        :meth:`dequant_into` rounds to any dtype (a run of several targets shares them)."""
+        self.dequant_into(start, stop, _F32, out)
+
+    def dequant_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
+        """Elements [start, stop) dequantized by the kernel into ``out`` (as ``dtype``), float16 losses counted."""
         st = self.layer.state
         packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
         absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
@@ -206,7 +232,9 @@ class Dequant4Source(Source):
         if local is not None:
             self._add_stats(local)
 
-    def codes_4bit(self, start: int, stop: int) -> Codes4:
+    def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
+        if self.shared is not None:  # (its values come from the shared blocks, not from the codes again)
+            return None
         st = self.layer.state
         packed = self.layer.packed.raw(start // 2, (stop + 1) // 2)
         absmax = self.absmax()[start // st.blocksize : -(-stop // st.blocksize)]
@@ -325,6 +353,9 @@ class StackSource(Source):
         for src, a, b, at in self._pieces(start, stop):
             src.produce_into(a, b, dtype, flat[at : at + b - a])
 
+    def reads(self) -> list[Source]:
+        return list(self.sources)
+
     def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
         pieces = self._pieces(start, stop)
         if len(pieces) != 1:
@@ -397,6 +428,22 @@ class Int8Source(Source):
         self._scb: npt.NDArray[np.float32] | None = None
 
     def produce(self, start: int, stop: int, dtype: DType) -> np.ndarray:
+        if self.shared is None:
+            return self._dequant(start, stop, dtype)
+        out = np.empty(stop - start, dtype=dtype.numpy)
+        self.shared.read(self, start, stop, dtype, out)
+        return out
+
+    def exact_into(self, start: int, stop: int, out: npt.NDArray[np.float32]) -> None:
+        """The float32 values of elements [start, stop) (whole rows) into ``out``, before the output dtype's
+        rounding (a run of several targets shares them)."""
+        out[...] = self._dequant(start, stop, _F32)
+
+    def dequant_into(self, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
+        """Elements [start, stop) dequantized into ``out`` (as ``dtype``), float16 losses counted."""
+        out[...] = self._dequant(start, stop, dtype)
+
+    def _dequant(self, start: int, stop: int, dtype: DType) -> np.ndarray:
         cols = self.unit
         if self._scb is None:
             scb = np.array(self.layer.scb.array(), dtype=np.float32).reshape(-1)

@@ -1,0 +1,354 @@
+"""Several targets from one read: each weight dequantized once, its exact float32 products handed to every
+target's writer (:class:`SharedProducts`).
+
+A run of several targets (``--to bf16,gguf:q8_0,nf4``: :func:`convert.job.convert`) runs each target as a
+single run does, in a thread of its own: its own plan, sources, job and chunk loop
+(:func:`convert.stream.pipeline.ordered_chunks`), so each output has the bytes of its single run. The
+sources that dequantize (:class:`~convert.stream.sources.Dequant4Source`,
+:class:`~convert.stream.sources.Int8Source`) of every target are linked to one :class:`SharedProducts`
+(:meth:`Consumer.link`), which makes each *block* of a weight (about :data:`BLOCK_ELEMENTS` elements on its
+chunk unit) once, as its exact float32 products (:meth:`~convert.stream.sources.Dequant4Source.exact_into`),
+keeps it while another target still has to read it, and hands each reader its part rounded to the dtype it
+asks for, as the source's own kernel would round it alone: a bf16 output and GGUF F16/BF16/Q8_0 take the
+checkpoint's dtype (bf16: one rounding of the product), the llama-quantize types the float32 itself (the
+``dequantize_to`` of each target is unchanged). Nothing else is shared: plain tensors are read from the
+input by each target (a copy or a cast, no dequantization), and a LoRA merge is made by each target in its
+own dtype from the shared base.
+
+Order and memory. The targets write their files in their own orders, which agree for the dequantized
+weights of a transformers checkpoint (tensor names in order) and differ where a format sorts otherwise
+(a GGUF file's stacked MoE experts; an NF4 output's absmax pass). A block is made by the first target
+that asks for it and held, within ``budget`` bytes, until every other target that reads it has: a target
+that runs ahead waits for room (the targets stay in step, at the pace of the slowest, which sets the
+wall time anyway), and when every target a held block waits for is itself waiting for room (their orders
+differ), the oldest blocks are dropped and made again by whoever still needs them: the cap always holds,
+and nothing waits for ever. A block that no other target will read is not held: its reader makes it
+straight in its own dtype, as a single run does.
+
+The run's threads: :meth:`Consumer.ready` holds each target until every target is planned (or has failed)
+before the first block is made; :meth:`Consumer.withdraw` takes a finished or failed target out, so no block
+waits for it; :meth:`SharedProducts.cancel` makes every waiting and later call raise ``KeyboardInterrupt``
+(a stopped run).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from convert.dequant.kernels_f16 import count_f16_loss
+from formats.dtypes import DType
+
+if TYPE_CHECKING:
+    from convert.stream.sources import Source
+
+__all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "shared_leaves"]
+
+#: Elements of a shared block, about (a multiple of the source's chunk unit): 4 MiB of float32.
+BLOCK_ELEMENTS = 1 << 20
+#: Seconds a read waits for room with nothing changing in the cache before it makes its block for itself
+#: (a guard: the wait rule above ends every wait sooner).
+STALL_SECONDS = 30.0
+
+
+def shared_leaves(sources: Iterable[Source]) -> list[Source]:
+    """The sources that dequantize (those with ``exact_into``) under ``sources``, each once, found through
+    :meth:`~convert.stream.sources.Source.reads` (a merge's base, a stack's slices, a re-quantized weight's
+    input)."""
+    out: dict[int, Source] = {}
+    seen: set[int] = set()
+    todo = list(sources)
+    while todo:
+        src = todo.pop()
+        if id(src) in seen:
+            continue
+        seen.add(id(src))
+        if hasattr(src, "exact_into"):
+            out[id(src)] = src
+        todo.extend(src.reads())
+    return list(out.values())
+
+
+@dataclass
+class _Block:
+    """One held block: float32 products (None while being made), the readers using it now, its bytes."""
+
+    nbytes: int
+    data: npt.NDArray[np.float32] | None = None
+    users: int = 0
+
+
+@dataclass
+class _Key:
+    """One shared weight: its block grid, and per reader the elements of each block it has still to read
+    (its first pass: a second pass by the same reader does not hold a block)."""
+
+    numel: int
+    grid: int
+    left: dict[int, npt.NDArray[np.int64]] = field(default_factory=dict)
+
+    def lengths(self) -> npt.NDArray[np.int64]:
+        n = -(-self.numel // self.grid)
+        lens = np.full(n, self.grid, dtype=np.int64)
+        if n:
+            lens[-1] = self.numel - (n - 1) * self.grid
+        return lens
+
+
+class SharedProducts:
+    """The blocks of the dequantized weights shared by the targets of one run (see the module docstring).
+
+    Args:
+        budget: bytes of blocks held at once, at most.
+        consumers: the number of targets (each takes one :meth:`consumer`).
+        block: elements of a block, about (default :data:`BLOCK_ELEMENTS`).
+    """
+
+    def __init__(self, budget: int, consumers: int, block: int | None = None) -> None:
+        self.budget = budget
+        self.block = max(1, BLOCK_ELEMENTS if block is None else block)
+        self._cond = threading.Condition()
+        self._keys: dict[str, _Key] = {}
+        self._blocks: dict[tuple[str, int], _Block] = {}  # insertion order: oldest first
+        self._used = 0
+        self._expected = consumers
+        self._ready: set[int] = set()
+        self._gone: set[int] = set()
+        self._inside: dict[int, int] = {}  # reader -> its threads in read()
+        self._waiting: dict[int, int] = {}  # reader -> those of them waiting for room
+        self._changes = 0  # counts every block freed, made or dropped and every reader leaving
+        self._cancelled = False
+        self._next = 0
+        #: figures: blocks made and held, values handed out from held blocks, blocks dropped for room, the
+        #: most bytes held at once
+        self.made = self.hits = self.dropped = self.peak = 0
+
+    def consumer(self) -> Consumer:
+        """A new reader (one per target)."""
+        with self._cond:
+            c = Consumer(self, self._next)
+            self._next += 1
+            return c
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Stop the run: every waiting and later call raises ``KeyboardInterrupt``."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+
+    # --- called through Consumer ------------------------------------------------------------------
+
+    def _link(self, c: int, sources: Iterable[Source]) -> None:
+        with self._cond:
+            for src in shared_leaves(sources):
+                unit = max(1, src.unit)
+                key = self._keys.get(src.name)
+                if key is None:
+                    key = _Key(src.numel, max(unit, self.block // unit * unit))
+                    self._keys[src.name] = key
+                if key.numel != src.numel or key.grid % unit:  # (never for one checkpoint: not shared then)
+                    continue
+                key.left[c] = key.lengths()
+                src.shared = _Link(self, c)
+
+    def _arrive(self, c: int) -> None:
+        with self._cond:
+            self._ready.add(c)
+            self._cond.notify_all()
+            while len(self._ready | self._gone) < self._expected:
+                if self._cancelled:
+                    raise KeyboardInterrupt("stopped")
+                self._cond.wait()
+
+    def _leave(self, c: int) -> None:
+        with self._cond:
+            if c in self._gone:
+                return
+            self._gone.add(c)
+            for key in self._keys.values():
+                key.left.pop(c, None)
+            for k in [k for k, b in self._blocks.items() if b.data is not None and not b.users
+                      and not self._wanted(k, None)]:
+                self._free(k)
+            self._changes += 1
+            self._cond.notify_all()
+
+    def _wanted(self, k: tuple[str, int], but: int | None) -> list[int]:
+        """The readers other than ``but`` that have still to read block ``k``."""
+        key = self._keys[k[0]]
+        return [c for c, left in key.left.items() if c != but and left[k[1]] > 0]
+
+    def _free(self, k: tuple[str, int]) -> None:
+        b = self._blocks.pop(k)
+        self._used -= b.nbytes
+        self._changes += 1
+
+    def _stuck(self, c: int) -> bool:
+        """Whether waiting for room could last for ever: every reader some held block waits for is itself
+        waiting for room with no read under way (``c`` counts as waiting)."""
+        for k, b in self._blocks.items():
+            if b.data is None:
+                return False  # a block being made: it will be handed out
+            for r in self._wanted(k, None):  # (a reader's threads in read(), this one too, count in _inside)
+                waiting = self._waiting.get(r, 0) + (r == c)
+                if waiting < self._inside.get(r, 0) or not waiting:
+                    return False
+        return True
+
+    def _room(self, nbytes: int) -> bool:
+        """Drop the oldest held blocks no read is using until ``nbytes`` more fit ``budget``."""
+        for k in [k for k, b in self._blocks.items() if b.data is not None and not b.users]:
+            if self._used + nbytes <= self.budget:
+                break
+            self._free(k)
+            self.dropped += 1
+        return self._used + nbytes <= self.budget
+
+    def _get(self, c: int, src: Source, name: str, j: int, b0: int, b1: int) -> _Block | None:
+        """Block ``j`` of ``name`` (elements [b0, b1)) for reader ``c``, held and marked used; None when ``c``
+        makes its part itself (nobody else reads it, or no room)."""
+        k = (name, j)
+        nbytes = (b1 - b0) * 4
+        with self._cond:
+            since, seen = time.monotonic(), self._changes
+            while True:
+                if self._cancelled:
+                    raise KeyboardInterrupt("stopped")
+                b = self._blocks.get(k)
+                if b is not None:
+                    if b.data is not None:
+                        b.users += 1
+                        return b
+                    self._cond.wait()  # being made by another reader
+                    continue
+                if not self._wanted(k, c) or nbytes > self.budget:
+                    return None
+                if self._used + nbytes <= self.budget or (self._stuck(c) and self._room(nbytes)):
+                    b = _Block(nbytes)
+                    self._blocks[k] = b
+                    self._used += nbytes
+                    self.peak = max(self.peak, self._used)
+                    break
+                if self._changes != seen:
+                    since, seen = time.monotonic(), self._changes
+                elif time.monotonic() - since > STALL_SECONDS:
+                    return None
+                self._waiting[c] = self._waiting.get(c, 0) + 1
+                try:
+                    self._cond.wait(timeout=1.0)
+                finally:
+                    self._waiting[c] -= 1
+        try:
+            data = np.empty(b1 - b0, dtype=np.float32)
+            src.exact_into(b0, b1, data)  # type: ignore[attr-defined]
+        except BaseException:
+            with self._cond:
+                self._free(k)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            b.data, b.users = data, 1
+            self.made += 1
+            self._changes += 1
+            self._cond.notify_all()
+        return b
+
+    def _done(self, c: int, name: str, j: int, n: int, b: _Block | None) -> None:
+        """Reader ``c`` has read ``n`` elements of block ``j`` (from ``b`` when held)."""
+        with self._cond:
+            key = self._keys[name]
+            left = key.left.get(c)
+            if left is not None:
+                left[j] = max(0, left[j] - n)
+            if b is not None:
+                b.users -= 1
+                self.hits += n
+                if not b.users and self._blocks.get((name, j)) is b and not self._wanted((name, j), None):
+                    self._free((name, j))
+            self._cond.notify_all()
+
+    def _read(self, c: int, src: Source, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
+        name = src.name
+        key = self._keys[name]
+        flat = out.reshape(-1)
+        with self._cond:
+            self._inside[c] = self._inside.get(c, 0) + 1
+        try:
+            g = key.grid
+            for j in range(start // g, -(-stop // g)):
+                b0, b1 = j * g, min(key.numel, (j + 1) * g)
+                s, e = max(start, b0), min(stop, b1)
+                part = flat[s - start : e - start]
+                b = self._get(c, src, name, j, b0, b1)
+                try:
+                    if b is None:
+                        src.dequant_into(s, e, dtype, part)  # type: ignore[attr-defined]
+                    else:
+                        assert b.data is not None
+                        _round_into(b.data[s - b0 : e - b0], dtype, part, src)
+                finally:
+                    self._done(c, name, j, e - s, b)
+        finally:
+            with self._cond:
+                self._inside[c] -= 1
+
+
+def _round_into(x: npt.NDArray[np.float32], dtype: DType, out: np.ndarray, counts: Source) -> None:
+    """Float32 products ``x`` rounded once to ``dtype`` into ``out``, as the source's kernels round them
+    (round to nearest even; float16's overflows to inf and non-zero values flushed to zero counted in
+    ``counts.stats``, as :func:`convert.dequant.kernels.dequantize_4bit` counts them)."""
+    if dtype.name == "float16":
+        with np.errstate(over="ignore"):
+            np.copyto(out, x, casting="unsafe")
+        local = np.zeros(2, dtype=np.int64)
+        count_f16_loss(x, out, local)
+        counts._add_stats(local)
+    else:
+        np.copyto(out, x, casting="unsafe")  # bfloat16: ml_dtypes' cast, round to nearest even
+
+
+class _Link:
+    """What a linked source holds: its run's :class:`SharedProducts` and its reader."""
+
+    def __init__(self, products: SharedProducts, reader: int) -> None:
+        self.products, self.reader = products, reader
+
+    def read(self, src: Source, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
+        """Elements [start, stop) of ``src`` as ``dtype`` into ``out`` (flat, C-contiguous), from the shared
+        blocks (or made by ``src`` itself where no other target reads them)."""
+        self.products._read(self.reader, src, start, stop, dtype, out)
+
+
+class Consumer:
+    """One target of a shared run (:meth:`SharedProducts.consumer`)."""
+
+    def __init__(self, products: SharedProducts, reader: int) -> None:
+        self.products, self.reader = products, reader
+
+    def link(self, sources: Iterable[Source]) -> None:
+        """Read the dequantized weights under ``sources`` (the target's job's: its
+        :meth:`~convert.targets.TargetJob.sources`) through the shared blocks from now on."""
+        self.products._link(self.reader, sources)
+
+    def ready(self) -> None:
+        """Wait until every target of the run is linked (or has left).
+
+        Raises:
+            KeyboardInterrupt: the run was cancelled.
+        """
+        self.products._arrive(self.reader)
+
+    def withdraw(self) -> None:
+        """The target is done (written or failed): no block waits for it any more."""
+        self.products._leave(self.reader)

@@ -1,0 +1,309 @@
+"""Several targets in one run (``--to bf16,gguf:q8_0,nf4``): each output byte for byte its single run's, each
+dequantized weight made once, one target's failure keeping the others, the memory cap, the command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from convert import job as job_mod
+from convert.cli import main
+from convert.job import ConvertResult, convert
+from convert.options import ConvertOptions, target_for
+from convert.stream import shared as shared_mod
+from convert.stream.sources import Dequant4Source
+from formats.errors import TargetsFailedError, UnsupportedArchitectureError, UsageError
+from tests.helpers.fixtures import FIXTURES, MODELS, ROOT
+from tests.helpers.rss import run_measured
+
+LLAMA = MODELS / "llama_nf4_dq"
+LORA = FIXTURES / "lora" / "adapter"
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file of an output (a file: its own name), by path relative to it."""
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _singles(src: Path, result: ConvertResult, where: Path, **kw: Any) -> None:
+    """Each target of ``result`` converted alone (same options) under ``where``, with the multi run's file
+    name; every file of every output the same bytes."""
+    assert result.outputs and all(o.error is None for o in result.outputs)
+    for o in result.outputs:
+        got = Path(o.output)
+        alone = convert(ConvertOptions(str(src), to=o.to, output=where / got.name, **kw))
+        assert Path(alone.output).name == got.name  # the name it has alone
+        want = _tree(Path(alone.output))
+        have = _tree(got)
+        assert sorted(have) == sorted(want), o.to
+        for name in want:
+            assert have[name] == want[name], f"--to {o.to}: {name} differs from the single run"
+
+
+CASES = {
+    # every kind of writer and rounding: bf16/fp16 safetensors, nf4 (copied: the input's settings), fp4 (re-quantized:
+    # absmax and codes passes, in dtype-then-name order), GGUF F16 (from bf16), Q8_0 (bf16) and Q4_K_M (float32)
+    "llama": (LLAMA, "bf16,fp16,nf4,fp4,gguf:f16,gguf:q8_0,gguf:q4_k_m", {}),
+    "sharded": (MODELS / "llama_nf4_dq_sharded", "gguf:q8_0,bf16,nf4", {"max_shard_size": 1 << 20}),
+    "moe": (MODELS / "mixtral_nf4_dq", "bf16,gguf:q8_0,gguf:q4_k_m,nf4", {}),
+    "int8": (MODELS / "llama_int8", "fp16,gguf:q8_0,gguf:f32", {}),
+    "nf4-from-fp4": (MODELS / "llama_fp4_nodq", "nf4,bf16,gguf:bf16", {}),
+    "merge": (LLAMA, "bf16,gguf:q8_0,gguf:q4_k_m,nf4", {"merge_lora": (LORA,)}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_output_equals_its_single_run(case: str, tmp_path: Path) -> None:
+    src, to, kw = CASES[case]
+    result = convert(ConvertOptions(str(src), to=to, output=tmp_path / "set", threads=2, **kw))
+    assert [o.to for o in result.outputs] == to.split(",")
+    assert all(Path(o.output).parent == tmp_path / "set" for o in result.outputs)
+    _singles(src, result, tmp_path / "alone", threads=2, **kw)
+    assert result.details["shared"]["blocks_made"] > 0 and result.details["shared"]["blocks_dropped"] == 0
+
+
+@pytest.mark.parametrize("budget", [0, 12 << 10, 40 << 10])
+def test_small_blocks_and_a_tiny_shared_budget_write_the_same_bytes(budget: int, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 1024 values (every read spans several, starts and ends inside one) and a budget of none, of
+    three blocks (readers wait for room; the orders of fp4 and GGUF differ from bf16's, so blocks are dropped and
+    made again) or of ten: the bytes never change, and nothing waits for ever."""
+    monkeypatch.setattr(shared_mod, "BLOCK_ELEMENTS", 1024)
+    real = job_mod.share_memory
+    monkeypatch.setattr(job_mod, "share_memory", lambda m, n: (real(m, n)[0], budget))
+    to = "bf16,fp4,gguf:q8_0,gguf:q4_k_m"
+    result = convert(ConvertOptions(str(LLAMA), to=to, output=tmp_path / "set", threads=2))
+    shared = result.details["shared"]
+    assert shared["peak_bytes"] <= budget
+    if budget:
+        assert shared["blocks_made"] > 0
+    _singles(LLAMA, result, tmp_path / "alone", threads=2)
+
+
+def test_each_weight_is_dequantized_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16, GGUF Q8_0 and Q4_K_M read every 4-bit weight: its float32 products are made once (bf16 and Q8_0
+    round them to bf16, Q4_K_M takes them as they are), never by a kernel for one target alone."""
+    made: list[tuple[str, int]] = []
+    alone: list[tuple[str, int]] = []
+    exact, direct = Dequant4Source.exact_into, Dequant4Source.dequant_into
+
+    def count_exact(self: Dequant4Source, start: int, stop: int, out: Any) -> None:
+        made.append((self.name, stop - start))
+        exact(self, start, stop, out)
+
+    def count_direct(self: Dequant4Source, start: int, stop: int, dtype: Any, out: Any) -> None:
+        if dtype.name != "float32":  # (exact_into goes through here)
+            alone.append((self.name, stop - start))
+        direct(self, start, stop, dtype, out)
+
+    monkeypatch.setattr(Dequant4Source, "exact_into", count_exact)
+    monkeypatch.setattr(Dequant4Source, "dequant_into", count_direct)
+    result = convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0,gguf:q4_k_m", output=tmp_path / "set",
+                                    threads=2))
+    from convert.stream.plan import make_plan
+    from formats.checkpoint import open_checkpoint
+
+    with open_checkpoint(LLAMA) as ckpt:
+        weights = {t.name: t.numel for t in make_plan(ckpt).tensors if isinstance(t.source, Dequant4Source)}
+    per_weight: dict[str, int] = {}
+    for name, n in made:
+        per_weight[name] = per_weight.get(name, 0) + n
+    assert per_weight == weights and alone == []
+    assert result.details["shared"]["values_shared"] == 3 * sum(weights.values())
+
+
+def _unsupported_arch(tmp_path: Path) -> Path:
+    src = tmp_path / "foo_nf4_dq"
+    shutil.copytree(LLAMA, src, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def test_a_target_failing_at_planning_keeps_the_others(tmp_path: Path) -> None:
+    src = _unsupported_arch(tmp_path)
+    with pytest.raises(TargetsFailedError) as info:
+        convert(ConvertOptions(str(src), to="bf16,gguf:q8_0,nf4", output=tmp_path / "set"))
+    exc = info.value
+    assert exc.rule == "OUT-006" and [t for t, _ in exc.failures] == ["gguf:q8_0"]
+    assert isinstance(exc.failures[0][1], UnsupportedArchitectureError)
+    assert "1 of 3 targets failed: gguf:q8_0 (GGUF-001); the 2 other outputs are complete" in str(exc)
+    assert sorted(p.name for p in (tmp_path / "set").iterdir()) == ["foo_nf4_dq-bf16", "foo_nf4_dq-nf4"]
+    result = exc.result
+    assert [o.to for o in result.outputs] == ["bf16", "gguf:q8_0", "nf4"]
+    assert result.outputs[1].to_dict()["rule"] == "GGUF-001" and result.to_dict()["ok"] is False
+    _singles(src, ConvertResult("", "", "", outputs=[result.outputs[0], result.outputs[2]]), tmp_path / "alone")
+
+
+def test_a_target_failing_while_writing_leaves_nothing_and_keeps_the_others(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF writer dies after part of its file (its other chunks still in flight): its temporary is removed,
+    the others go on to their end (the blocks it would have read are not waited for)."""
+    from convert.gguf import target as gguf_target
+    from formats.errors import GgufNonFiniteError
+
+    real = gguf_target.write_gguf
+
+    def dies(*a: Any, **k: Any) -> Any:
+        progress = k["progress"]
+
+        def fail_later(n: int, seen: list[int] = []) -> None:  # noqa: B006 - a counter across calls
+            seen.append(n)
+            progress(n)
+            if len(seen) == 5:
+                raise GgufNonFiniteError("weight holds nan", tensor="x")
+
+        return real(*a, **{**k, "progress": fail_later})
+
+    monkeypatch.setattr(gguf_target, "write_gguf", dies)
+    monkeypatch.setattr(shared_mod, "BLOCK_ELEMENTS", 4096)
+    with pytest.raises(TargetsFailedError) as info:
+        convert(ConvertOptions(str(LLAMA), to="gguf:q8_0,bf16,fp4", output=tmp_path / "set", threads=2))
+    assert [t for t, _ in info.value.failures] == ["gguf:q8_0"]
+    assert sorted(p.name for p in (tmp_path / "set").iterdir()) == ["llama_nf4_dq-bf16", "llama_nf4_dq-fp4"]
+    _singles(LLAMA, ConvertResult("", "", "", outputs=info.value.result.outputs[1:]), tmp_path / "alone", threads=2)
+
+
+def test_every_target_failing_alike_is_one_error(tmp_path: Path) -> None:
+    """A broken input fails every target the same way: the error itself, as a single run gives it, and no folder."""
+    src = tmp_path / "m"
+    shutil.copytree(LLAMA, src, ignore=shutil.ignore_patterns("reference"))
+    (src / "model.safetensors").write_bytes(b"\0" * 7)
+    with pytest.raises(Exception) as info:
+        convert(ConvertOptions(str(src), to="bf16,nf4", output=tmp_path / "set"))
+    with pytest.raises(type(info.value)) as alone:
+        convert(ConvertOptions(str(src), to="bf16", output=tmp_path / "one"))
+    assert str(info.value) == str(alone.value) and not (tmp_path / "set").exists()
+
+
+def test_cli_prints_one_line_per_failed_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _unsupported_arch(tmp_path)
+    assert main([str(src), "--to", "bf16,gguf:q8_0,gguf:q4_k_m", "-o", str(tmp_path / "set"), "-q"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("convert-bnb: error: --to gguf:q") for line in err)
+    assert "GGUF-001" in err[0] and err[0].startswith("convert-bnb: error: --to gguf:q8_0: ")
+    assert main([str(src), "--to", "bf16,gguf:q8_0", "-o", str(tmp_path / "set2"), "--json"]) == 2
+    out = capsys.readouterr()
+    d = json.loads(out.out)
+    assert d["ok"] is False and [o["ok"] for o in d["outputs"]] == [True, False]
+    assert d["outputs"][1]["rule"] == "GGUF-001" and d["outputs"][0]["files"]
+    assert len(out.err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("to", "message"), [
+    ("bf16,gguf:q8_0,BF16", "--to names the target bf16 twice"),
+    ("gguf,gguf:f16", "(gguf and gguf:f16 write the same output)"),
+    ("bf16,,nf4", "--to lists an empty target"),
+    ("bf16,int3", "invalid choice: 'int3'"),
+])
+def test_target_lists_are_checked_where_parsed(to: str, message: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([str(LLAMA), "--to", to, "-o", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("convert-bnb: error: argument --to: ")
+    assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+    if "invalid" not in message:
+        with pytest.raises(UsageError, match="USE-001"):
+            target_for(to)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-o", "{tmp}/model.gguf"], "with several --to targets, -o names the folder their outputs go into"),
+    (["-o", "{tmp}/file"], "found 'an existing file'"),
+    (["--blocksize", "128"], "--blocksize needs nf4 or fp4 among the --to targets"),
+    (["--pure"], "--pure needs a gguf:TYPE of llama-quantize's types"),
+    (["--mmproj", "{tmp}/mm.gguf"], "--mmproj works with one --to target"),
+    (["--max-memory", "32MiB"], "--max-memory is too small"),
+])
+def test_options_a_set_refuses(argv: list[str], message: str, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", *args]) == 2
+    err = capsys.readouterr().err
+    assert "USE-001" in err and message in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_default_folder_is_named_after_the_input(tmp_path: Path) -> None:
+    src = tmp_path / "tiny-llama-bnb-4bit"
+    shutil.copytree(LLAMA, src, ignore=shutil.ignore_patterns("reference"))
+    result = convert(ConvertOptions(str(src), to="bf16,gguf:q8_0"))
+    assert result.output == str(tmp_path / "tiny-llama")
+    assert sorted(p.name for p in (tmp_path / "tiny-llama").iterdir()) == [
+        "Tiny-Llama-2.0M-Q8_0.gguf", "tiny-llama-bnb-4bit-bf16"]
+    plain = tmp_path / "llama_nf4_dq"
+    shutil.copytree(LLAMA, plain, ignore=shutil.ignore_patterns("reference"))
+    assert convert(ConvertOptions(str(plain), to="nf4,fp4", dry_run=True)).output == str(
+        tmp_path / "llama_nf4_dq-converted")
+
+
+def test_dry_run_and_json_show_every_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "set"
+    assert main([str(LLAMA), "--to", "bf16,gguf:q4_k_m,nf4", "-o", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert f"  output: {out / 'llama_nf4_dq-bf16'}" in text
+    assert f"  output: {out / 'Llama_Nf4_Dq-2.0M-Q4_K_M.gguf'}" in text
+    assert "-> GGUF llama, q4_k_m: 21 tensors" in text and "-> --to bf16: 21 tensors" in text
+    assert "0 weights quantized to nf4 (blocksize 64, double quant on, storage uint8), 14 copied unchanged" in text
+    assert not out.exists()
+    assert main([str(LLAMA), "--to", "bf16,gguf:q4_k_m,nf4", "-o", str(out), "--dry-run", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["to"] == "bf16,gguf:q4_k_m,nf4" and d["output"] == str(out) and d["ok"] is True
+    assert [o["to"] for o in d["outputs"]] == ["bf16", "gguf:q4_k_m", "nf4"]
+    assert d["outputs"][1]["tensors"][0]["type"] and d["outputs"][0]["files"][0]["file"] == "model.safetensors"
+    assert not out.exists()
+    assert main([str(LLAMA), "--to", "bf16,gguf:q4_k_m,nf4", "-o", str(out), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["ok"] is True and d["output"] == str(out) and len(d["outputs"]) == 3
+    on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert sorted(d["files"]) == on_disk
+    for o in d["outputs"]:
+        assert o["ok"] is True and Path(o["output"]).parent == out and o["files"]
+    assert d["outputs"][1]["gguf"]["type"] == "q4_k_m" and d["outputs"][2]["quantized"] == 0
+    assert d["bytes_out"] == sum(o["bytes_out"] for o in d["outputs"])
+
+
+def test_existing_outputs_need_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "set"
+    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(out), "-q"]) == 0
+    before = _tree(out)
+    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "OUT-001" in err and len(err.splitlines()) == 2 and _tree(out) == before
+    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0,nf4", "-o", str(out), "-q", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["Llama_Nf4_Dq-2.0M-Q8_0.gguf", "llama_nf4_dq-bf16",
+                                                     "llama_nf4_dq-nf4"]
+
+
+def _bench_model(tmp_path: Path) -> Path:
+    """A 7B-shaped model of one block of layers (4096x4096 and 4096x11008 NF4 with double quantization)."""
+    model = tmp_path / "m"
+    r = subprocess.run([sys.executable, "scripts/bench.py", "make", "--packed-gb", "0.05", "--dir", str(model)],
+                       cwd=ROOT, capture_output=True, text=True, check=True)
+    assert '"blocks": 1' in r.stdout
+    return model
+
+
+def test_memory_cap_holds_for_the_whole_run(tmp_path: Path) -> None:
+    """Three writers and the shared blocks under one 320 MiB cap (about 100 MiB a target is the floor:
+    :func:`convert.stream.pipeline.share_memory`), on a model of 200 M values (one 4096 x 11008 weight in float32 is
+    180 MB; the same run under a 1 GiB cap peaks near 450 MiB): the peak resident set stays under the cap."""
+    model = _bench_model(tmp_path)
+    cap = 320 << 20
+    r = run_measured([sys.executable, "-m", "convert", str(model), "--to", "bf16,gguf:q8_0,fp4", "-o",
+                      str(tmp_path / "set"), "--max-memory", "320MiB", "--threads", "2", "--json"], cwd=ROOT)
+    assert r["rc"] == 0, r["err"]
+    d = json.loads(r["out"])
+    assert d["ok"] and d["elements"] > 200_000_000 and d["shared"]["peak_bytes"] <= d["shared"]["budget_bytes"]
+    assert r["rss"] < cap, f"peak RSS {r['rss'] / 2**20:.0f} MiB over the 320 MiB cap"
