@@ -120,7 +120,13 @@ def check_inputs() -> None:
         InputChangedError: CKPT-012, the first input that changed.
     """
     for im in list(_MAPS):
-        im.check()
+        try:
+            im.check()
+        except InputChangedError:
+            raise
+        except ValueError:  # closed meanwhile by another thread (a run of several targets): it is read no more
+            if not im.buffer.closed:
+                raise
 
 
 def changed_input() -> InputChangedError:

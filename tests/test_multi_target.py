@@ -222,14 +222,18 @@ def test_target_lists_are_checked_where_parsed(to: str, message: str, tmp_path: 
     (["-o", "{tmp}/file"], "found 'an existing file'"),
     (["--blocksize", "128"], "--blocksize needs nf4 or fp4 among the --to targets"),
     (["--pure"], "--pure needs a gguf:TYPE of llama-quantize's types"),
-    (["--mmproj", "{tmp}/mm.gguf"], "--mmproj works with one --to target"),
+    (["--to", "bf16,gguf:q8_0,gguf:f16", "--mmproj", "{tmp}/mm.gguf"],
+     "--mmproj works with one --to target (or one GGUF target among several)"),
+    (["--to", "gguf:q8_0,gguf:f16", "--modelfile"], "--modelfile works with one --to target"),
+    (["--low-disk"], "--low-disk works with one --to target"),
     (["--max-memory", "32MiB"], "--max-memory is too small"),
+    (["--push-to-hub", "org/name"], "--push-to-hub works with one --to target"),
 ])
 def test_options_a_set_refuses(argv: list[str], message: str, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "file").write_text("x")
     args = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", *args]) == 2
+    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(tmp_path / "set"), *args]) == 2
     err = capsys.readouterr().err
     assert "USE-001" in err and message in err and len(err.splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
@@ -272,6 +276,14 @@ def test_dry_run_and_json_show_every_target(tmp_path: Path, capsys: pytest.Captu
         assert o["ok"] is True and Path(o["output"]).parent == out and o["files"]
     assert d["outputs"][1]["gguf"]["type"] == "q4_k_m" and d["outputs"][2]["quantized"] == 0
     assert d["bytes_out"] == sum(o["bytes_out"] for o in d["outputs"])
+
+
+def test_a_modelfile_goes_with_the_one_gguf_of_a_set(tmp_path: Path) -> None:
+    out = tmp_path / "set"
+    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(out), "--modelfile", "-q"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["Llama_Nf4_Dq-2.0M-Q8_0.gguf", "Modelfile", "llama_nf4_dq-bf16"]
+    assert main([str(LLAMA), "--to", "gguf:q8_0", "-o", str(tmp_path / "alone") + "/", "--modelfile", "-q"]) == 0
+    assert (out / "Modelfile").read_bytes() == (tmp_path / "alone" / "Modelfile").read_bytes()
 
 
 def test_existing_outputs_need_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
