@@ -887,16 +887,7 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
     hub = source.hub
     defaults = [folder / default_output(None if hub else Path(options.src), sub.to, hub.repo_id if hub else None,
                                         hub.revision if hub else None).name for sub in subs]
-    made_folder = False
-    if not options.dry_run and not folder.is_dir():
-        try:
-            folder.mkdir()
-        except FileExistsError:  # (a file, or a link to one: the claims name it)
-            pass
-        except FileNotFoundError:
-            raise UsageError("the folder of -o is in a directory that does not exist", path=folder,
-                             action="write", expected=f"an existing directory '{folder.parent}'") from None
-        made_folder = folder.is_dir()
+    existed = os.path.lexists(folder)  # (each output's claim makes the folder, after its own checks)
     products = SharedProducts(shared, len(subs))
     if options.dry_run:
         outcomes = [_attempt(sub, source, d, committed, t0, folder, None) for sub, d in zip(subs, defaults,
@@ -904,8 +895,8 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
     else:
         outcomes = _write_set(subs, defaults, source, folder, products, committed, t0, options.on_progress)
     result = _set_result(options, subs, defaults, outcomes, source, folder, products, shared, t0)
-    if made_folder and not any(folder.iterdir()):
-        folder.rmdir()  # (every target failed before its claim: leave nothing behind)
+    if not existed and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()  # (every target failed: leave nothing behind)
     internal = next((o for o in outcomes if isinstance(o, BaseException)
                      and not isinstance(o, (ConvertBnbError, OSError, MemoryError))), None)
     if internal is not None:

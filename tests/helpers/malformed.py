@@ -1452,6 +1452,11 @@ CASES: list[Case] = [
                                             "another convert-bnb run", ".out.safetensors.convert-bnb-lock'"],
          one_file(V), run=_busy_output,
          argv=None),
+    Case("targets-failed", E.TargetsFailedError,
+         ["Failed to write", "OUT-006", "1 of 2 targets failed: gguf:q8_0 (GGUF-004)",
+          "the 1 other output is complete"],
+         # (the bf16 output is kept by design: the set's folder lies beside the checked output's)
+         one_file(V), run=lambda src, out: convert(src, out.parent.parent / "set", to="bf16,gguf:q8_0"), argv=None),
     # ---- usage
     Case("unknown-target", E.UsageError, ["USE-001", "unknown --to value 'int3'"], one_file(V), run=_bad_to,
          argv=["{src}", "--threads", "0", "-o", "{out}"], same_message=False),
