@@ -837,6 +837,7 @@ def _member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]
         gguf = t.family == "gguf"
         quant = options.quant if t is first_bnb4 else replace(options.quant, quant_report=None)
         sub = replace(options, to=t, output=None, max_memory=each, manifest=None, progress=False,
+                      list_files=options.list_files or options.manifest is not None,
                       mmproj=options.mmproj if gguf else None, modelfile=options.modelfile if gguf else None,
                       mmproj_manifest=options.mmproj_manifest if gguf else None,
                       modelfile_manifest=options.modelfile_manifest if gguf else None,
@@ -895,6 +896,8 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
     else:
         outcomes = _write_set(subs, defaults, source, folder, products, committed, t0, options.on_progress)
     result = _set_result(options, subs, defaults, outcomes, source, folder, products, shared, t0)
+    if options.manifest is not None and not options.dry_run:  # (what was committed: a batch's record of its own)
+        write_json(options.manifest, result.files)
     if not existed and folder.is_dir() and not any(folder.iterdir()):
         folder.rmdir()  # (every target failed: leave nothing behind)
     internal = next((o for o in outcomes if isinstance(o, BaseException)

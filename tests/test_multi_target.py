@@ -319,3 +319,47 @@ def test_memory_cap_holds_for_the_whole_run(tmp_path: Path) -> None:
     d = json.loads(r["out"])
     assert d["ok"] and d["elements"] > 200_000_000 and d["shared"]["peak_bytes"] <= d["shared"]["budget_bytes"]
     assert r["rss"] < cap, f"peak RSS {r['rss'] / 2**20:.0f} MiB over the 320 MiB cap"
+
+
+def test_batch_jobs_with_several_targets(tmp_path: Path) -> None:
+    """A JOBS line with several targets is one job: one read, its outputs in the folder NAME (the single run's
+    names inside), recorded as one; a re-run skips it; a removed output is made again; per-job options that need
+    one GGUF target and --push-to-hub are refused before any work."""
+    from tests.helpers.hubcache import offline_env, run_cli
+
+    env = offline_env(tmp_path)
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{LLAMA} --to bf16,gguf:q8_0,gguf:q4_k_m --max-shard-size 1MB\n"
+                    f"{LLAMA} --to nf4 --name alone-nf4\n")
+    out = tmp_path / "out"
+    args = ["batch", str(jobs), "--out-dir", str(out), "--max-memory", "512MiB", "--json"]
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    several, alone = json.loads(r.stdout)
+    assert (several["name"], several["status"], alone["status"]) == ("llama_nf4_dq-converted", "converted",
+                                                                      "converted")
+    folder = out / "llama_nf4_dq-converted"
+    names = ["Llama_Nf4_Dq-2.0M-Q4_K_M.gguf", "Llama_Nf4_Dq-2.0M-Q8_0.gguf", "llama_nf4_dq-bf16"]
+    assert sorted(p.name for p in folder.iterdir()) == names
+    direct = convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0,gguf:q4_k_m", output=tmp_path / "direct",
+                                    max_shard_size=10**6))
+    assert _tree(folder) == _tree(Path(direct.output))
+    state = json.loads((out / ".convert-bnb" / "llama_nf4_dq-converted.json").read_text())
+    assert state["status"] == "done" and state["key"]["to"] == "bf16,gguf:q8_0,gguf:q4_k_m"
+    assert sorted(state["files"]) == sorted(_tree(folder)) and "llama_nf4_dq-bf16/model.safetensors.index.json" in (
+        state["files"])
+    r = run_cli(args, env)
+    assert [x["status"] for x in json.loads(r.stdout)] == ["skipped", "skipped"], r.stderr
+    shutil.rmtree(folder / "llama_nf4_dq-bf16")
+    r = run_cli(args, env)
+    assert [x["status"] for x in json.loads(r.stdout)] == ["converted", "skipped"], r.stderr
+    assert _tree(folder) == _tree(Path(direct.output))
+    for line, part in ((f"{LLAMA} --to bf16,gguf:q8_0 --mmproj", "--mmproj needs a job of one GGUF target"),
+                       (f"{LLAMA} --to bf16,nf4 --pure", "--pure needs a gguf:TYPE of llama-quantize's types")):
+        jobs.write_text(line + "\n")
+        r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o2")], env)
+        assert r.returncode == 2 and "BATCH-003" in r.stderr and part in r.stderr, r.stderr
+    jobs.write_text(f"{LLAMA} --to bf16,gguf:q8_0\n")
+    r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o3"), "--push-to-hub", "org"], env)
+    assert r.returncode == 2 and "--push-to-hub pushes jobs of one --to target" in r.stderr
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()

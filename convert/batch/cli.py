@@ -131,6 +131,10 @@ def run_command(args: argparse.Namespace) -> int:
     fail)."""
     check_executor(args.executor, args.ray_address)
     jobs = parse_jobs(args.jobs_file, args)
+    several = next((j for j in jobs if j.to.family == "multi"), None)
+    if args.push_to_hub and several is not None:  # (a model page is one output)
+        raise UsageError("--push-to-hub pushes jobs of one --to target", found=f"{several.where}: --to {several.to}",
+                         hint="give each target to push a job line of its own")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
     out_dir: Path = args.out_dir

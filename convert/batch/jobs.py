@@ -61,7 +61,7 @@ from convert.options import (
     target_for,
     target_names,
 )
-from convert.output import default_output, modelfile_name, with_target_suffix
+from convert.output import default_output, default_set_output, modelfile_name, with_target_suffix
 from convert.units import parse_size
 from formats import jsonfile
 from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError, ConvertBnbError
@@ -201,7 +201,7 @@ def _job_mix(fields: dict[str, Any], to: Target, bad: Callable[..., BatchOptionE
             words += [option, os.path.abspath(v) if key == "imatrix" and v else v]
     if not words:
         return DEFAULT_MIX
-    if not to.llama_quantize:
+    if not any(t.llama_quantize for t in to.targets):
         raise bad(f"{words[0]} needs a gguf:TYPE of llama-quantize's types", expected="gguf:q4_0 ... gguf:q6_k",
                   found=f"--to {to.name}")
     try:
@@ -213,6 +213,8 @@ def _job_mix(fields: dict[str, Any], to: Target, bad: Callable[..., BatchOptionE
 def _default_name(src: str, to: Target, revision: str | None) -> str:
 
     repo = is_repo_id(src)
+    if to.family == "multi":  # several targets: the folder they go into (each output inside as alone)
+        return default_set_output(None if repo else Path(src), src if repo else None, revision if repo else None).name
     return default_output(Path(src), to, src if repo else None, revision if repo else None).name
 
 
@@ -255,6 +257,10 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
         raise bad("unknown job fields", expected=_FIELDS, found=unknown)
+    for flag in ("mmproj", "modelfile"):
+        if to.family == "multi" and fields.get(flag) not in (None, False):
+            raise bad(f"--{flag} needs a job of one GGUF target", expected="--to gguf[:TYPE]", found=f"--to {to.name}",
+                      hint="give the GGUF target that needs it a job line of its own")
     return Job(src, revision, to, int(mss), name, where, _mmproj_name(fields.get("mmproj"), name, to, bad),
                _job_mix(fields, to, bad), _modelfile_name(fields.get("modelfile"), name, to, bad))
 

@@ -171,7 +171,8 @@ def foreign_files(root: Path, files: dict[str, dict[str, Any]]) -> list[str]:
         return []
     if root.is_symlink():
         return [root.name]
-    return sorted(_present(root) - set(files))
+    # (a killed run's staging of its own, inside a folder of several outputs: ``.NAME.convert-bnb-partial``)
+    return sorted(p for p in _present(root) - set(files) if not (p.startswith(".") and ".convert-bnb-" in p))
 
 
 def check_replaceable(outputs: list[tuple[Path, str]], state: dict[str, Any], state_file: Path, key: dict[str, Any],
