@@ -473,7 +473,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
                 return result
             # 6. claim the output, write it into staging, verify, commit
             if share is not None:  # (every target planned before the first shared block is made)
-                share.link(job.sources())
+                share.link(job.sources(), options.to.dequantize_to)
                 share.ready()
             run, notes = _run_settings(options, plan, source, out.name, lora)
             result.timings["plan"] = time.perf_counter() - t0

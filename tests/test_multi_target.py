@@ -88,36 +88,32 @@ def test_small_blocks_and_a_tiny_shared_budget_write_the_same_bytes(budget: int,
     _singles(LLAMA, result, tmp_path / "alone", threads=2)
 
 
-def test_each_weight_is_dequantized_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16, GGUF Q8_0 and Q4_K_M read every 4-bit weight: its float32 products are made once (bf16 and Q8_0
-    round them to bf16, Q4_K_M takes them as they are), never by a kernel for one target alone."""
-    made: list[tuple[str, int]] = []
-    alone: list[tuple[str, int]] = []
-    exact, direct = Dequant4Source.exact_into, Dequant4Source.dequant_into
+@pytest.mark.parametrize(("to", "held"), [("bf16,gguf:q8_0,gguf:q4_k_m", "float32"),
+                                         ("bf16,gguf:q8_0,nf4", "bfloat16")])
+def test_each_weight_is_dequantized_once(to: str, held: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every target reads every 4-bit weight (nf4 copies the input's: it reads none): the kernel makes each
+    value once, as float32 products where the targets ask for other dtypes (bf16 and Q8_0 round them to bf16,
+    Q4_K_M takes them as they are), as bf16 where they all ask for bf16; never for one target alone."""
+    made: list[tuple[str, int, str]] = []
+    direct = Dequant4Source.dequant_into
 
-    def count_exact(self: Dequant4Source, start: int, stop: int, out: Any) -> None:
-        made.append((self.name, stop - start))
-        exact(self, start, stop, out)
-
-    def count_direct(self: Dequant4Source, start: int, stop: int, dtype: Any, out: Any) -> None:
-        if dtype.name != "float32":  # (exact_into goes through here)
-            alone.append((self.name, stop - start))
+    def count(self: Dequant4Source, start: int, stop: int, dtype: Any, out: Any) -> None:
+        made.append((self.name, stop - start, dtype.name))
         direct(self, start, stop, dtype, out)
 
-    monkeypatch.setattr(Dequant4Source, "exact_into", count_exact)
-    monkeypatch.setattr(Dequant4Source, "dequant_into", count_direct)
-    result = convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0,gguf:q4_k_m", output=tmp_path / "set",
-                                    threads=2))
+    monkeypatch.setattr(Dequant4Source, "dequant_into", count)
+    result = convert(ConvertOptions(str(LLAMA), to=to, output=tmp_path / "set", threads=2))
     from convert.stream.plan import make_plan
     from formats.checkpoint import open_checkpoint
 
     with open_checkpoint(LLAMA) as ckpt:
         weights = {t.name: t.numel for t in make_plan(ckpt).tensors if isinstance(t.source, Dequant4Source)}
     per_weight: dict[str, int] = {}
-    for name, n in made:
+    for name, n, _ in made:
         per_weight[name] = per_weight.get(name, 0) + n
-    assert per_weight == weights and alone == []
-    assert result.details["shared"]["values_shared"] == 3 * sum(weights.values())
+    assert per_weight == weights and {d for _, _, d in made} == {held}
+    readers = 3 if held == "float32" else 2
+    assert result.details["shared"]["values_shared"] == readers * sum(weights.values())
 
 
 def _unsupported_arch(tmp_path: Path) -> Path:

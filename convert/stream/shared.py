@@ -1,5 +1,5 @@
-"""Several targets from one read: each weight dequantized once, its exact float32 products handed to every
-target's writer (:class:`SharedProducts`).
+"""Several targets from one read: each weight dequantized once, its values handed to every target's writer
+(:class:`SharedProducts`).
 
 A run of several targets (``--to bf16,gguf:q8_0,nf4``: :func:`convert.job.convert`) runs each target as a
 single run does, in a thread of its own: its own plan, sources, job and chunk loop
@@ -7,13 +7,14 @@ single run does, in a thread of its own: its own plan, sources, job and chunk lo
 sources that dequantize (:class:`~convert.stream.sources.Dequant4Source`,
 :class:`~convert.stream.sources.Int8Source`) of every target are linked to one :class:`SharedProducts`
 (:meth:`Consumer.link`), which makes each *block* of a weight (about :data:`BLOCK_ELEMENTS` elements on its
-chunk unit) once, as its exact float32 products (:meth:`~convert.stream.sources.Dequant4Source.exact_into`),
-keeps it while another target still has to read it, and hands each reader its part rounded to the dtype it
-asks for, as the source's own kernel would round it alone: a bf16 output and GGUF F16/BF16/Q8_0 take the
-checkpoint's dtype (bf16: one rounding of the product), the llama-quantize types the float32 itself (the
-``dequantize_to`` of each target is unchanged). Nothing else is shared: plain tensors are read from the
-input by each target (a copy or a cast, no dequantization), and a LoRA merge is made by each target in its
-own dtype from the shared base.
+chunk unit) once and keeps it while another target still has to read it. Each target reads a weight in the
+dtype it would alone (the ``dequantize_to`` of each target is unchanged: a bf16 output and GGUF
+F16/BF16/Q8_0 take the checkpoint's dtype, the llama-quantize types the exact float32 products), so a block
+is held as the exact float32 products (:meth:`~convert.stream.sources.Dequant4Source.exact_into`), which
+each reader rounds once to its dtype as the source's own kernel would, or, where every reader asks for
+bfloat16, as bfloat16 made by the kernel and copied to each. Nothing else is shared: plain tensors are read
+from the input by each target (a copy or a cast, no dequantization), and a LoRA merge is made by each target
+in its own dtype from the shared base.
 
 Order and memory. The targets write their files in their own orders, which agree for the dequantized
 weights of a transformers checkpoint (tensor names in order) and differ where a format sorts otherwise
@@ -43,7 +44,8 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.dequant.kernels_f16 import count_f16_loss
-from formats.dtypes import DType
+from convert.options import FLOAT_TARGETS
+from formats.dtypes import BY_NAME, DType
 
 if TYPE_CHECKING:
     from convert.stream.sources import Source
@@ -77,7 +79,7 @@ def shared_leaves(sources: Iterable[Source]) -> list[Source]:
 
 @dataclass
 class _Block:
-    """One held block: float32 products (None while being made), the readers using it now, its bytes."""
+    """One held block: its values (None while being made), the readers using it now, its bytes."""
 
     nbytes: int
     data: npt.NDArray[np.float32] | None = None
@@ -86,12 +88,24 @@ class _Block:
 
 @dataclass
 class _Key:
-    """One shared weight: its block grid, and per reader the elements of each block it has still to read
-    (its first pass: a second pass by the same reader does not hold a block)."""
+    """One shared weight: its block grid, per reader the elements of each block it has still to read (its first
+    pass: a second pass by the same reader does not hold a block) and the dtype it asks for, and the dtype its
+    blocks are held in (:meth:`held_dtype`)."""
 
     numel: int
     grid: int
     left: dict[int, npt.NDArray[np.int64]] = field(default_factory=dict)
+    wants: dict[int, str] = field(default_factory=dict)
+    dtype: DType | None = None
+
+    def held_dtype(self) -> DType:
+        """The dtype the blocks are made in, chosen at the first block: the one every reader asks for when they
+        agree on bfloat16 (made straight by the kernel, copied to each; half the bytes of float32), else the exact
+        float32 products, which each reader rounds (float16 too, so that each counts its own losses)."""
+        if self.dtype is None:
+            asked = set(self.wants.values())
+            self.dtype = BY_NAME["bfloat16" if asked == {"bfloat16"} else "float32"]
+        return self.dtype
 
     def lengths(self) -> npt.NDArray[np.int64]:
         n = -(-self.numel // self.grid)
@@ -149,7 +163,7 @@ class SharedProducts:
 
     # --- called through Consumer ------------------------------------------------------------------
 
-    def _link(self, c: int, sources: Iterable[Source]) -> None:
+    def _link(self, c: int, sources: Iterable[Source], dequantize_to: str) -> None:
         with self._cond:
             for src in shared_leaves(sources):
                 unit = max(1, src.unit)
@@ -160,6 +174,7 @@ class SharedProducts:
                 if key.numel != src.numel or key.grid % unit:  # (never for one checkpoint: not shared then)
                     continue
                 key.left[c] = key.lengths()
+                key.wants[c] = _asked(src, dequantize_to)
                 src.shared = _Link(self, c)
 
     def _arrive(self, c: int) -> None:
@@ -178,6 +193,7 @@ class SharedProducts:
             self._gone.add(c)
             for key in self._keys.values():
                 key.left.pop(c, None)
+                key.wants.pop(c, None)
             for k in [k for k, b in self._blocks.items() if b.data is not None and not b.users
                       and not self._wanted(k, None)]:
                 self._free(k)
@@ -215,12 +231,16 @@ class SharedProducts:
             self.dropped += 1
         return self._used + nbytes <= self.budget
 
-    def _get(self, c: int, src: Source, name: str, j: int, b0: int, b1: int) -> _Block | None:
-        """Block ``j`` of ``name`` (elements [b0, b1)) for reader ``c``, held and marked used; None when ``c``
-        makes its part itself (nobody else reads it, or no room)."""
+    def _get(self, c: int, src: Source, name: str, j: int, b0: int, b1: int, dtype: DType) -> _Block | None:
+        """Block ``j`` of ``name`` (elements [b0, b1)) for reader ``c`` asking for ``dtype``, held and marked used;
+        None when ``c`` makes its part itself (nobody else reads it, no room, or the blocks are held in a dtype
+        ``dtype`` is not made from)."""
         k = (name, j)
-        nbytes = (b1 - b0) * 4
         with self._cond:
+            held = self._keys[name].held_dtype()
+            if held != dtype and held.name != "float32":
+                return None
+            nbytes = (b1 - b0) * held.itemsize
             since, seen = time.monotonic(), self._changes
             while True:
                 if self._cancelled:
@@ -250,8 +270,11 @@ class SharedProducts:
                 finally:
                     self._waiting[c] -= 1
         try:
-            data = np.empty(b1 - b0, dtype=np.float32)
-            src.exact_into(b0, b1, data)  # type: ignore[attr-defined]
+            data = np.empty(b1 - b0, dtype=held.numpy)
+            if held.name == "float32":
+                src.exact_into(b0, b1, data)  # type: ignore[attr-defined]
+            else:
+                src.dequant_into(b0, b1, held, data)  # type: ignore[attr-defined]
         except BaseException:
             with self._cond:
                 self._free(k)
@@ -274,9 +297,10 @@ class SharedProducts:
             if b is not None:
                 b.users -= 1
                 self.hits += n
-                if not b.users and self._blocks.get((name, j)) is b and not self._wanted((name, j), None):
-                    self._free((name, j))
-            self._cond.notify_all()
+                if not b.users:  # (room made, or a block that may be dropped for room: waiters look again)
+                    if self._blocks.get((name, j)) is b and not self._wanted((name, j), None):
+                        self._free((name, j))
+                    self._cond.notify_all()
 
     def _read(self, c: int, src: Source, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
         name = src.name
@@ -290,7 +314,7 @@ class SharedProducts:
                 b0, b1 = j * g, min(key.numel, (j + 1) * g)
                 s, e = max(start, b0), min(stop, b1)
                 part = flat[s - start : e - start]
-                b = self._get(c, src, name, j, b0, b1)
+                b = self._get(c, src, name, j, b0, b1, dtype)
                 try:
                     if b is None:
                         src.dequant_into(s, e, dtype, part)  # type: ignore[attr-defined]
@@ -304,11 +328,24 @@ class SharedProducts:
                 self._inside[c] -= 1
 
 
-def _round_into(x: npt.NDArray[np.float32], dtype: DType, out: np.ndarray, counts: Source) -> None:
-    """Float32 products ``x`` rounded once to ``dtype`` into ``out``, as the source's kernels round them
-    (round to nearest even; float16's overflows to inf and non-zero values flushed to zero counted in
-    ``counts.stats``, as :func:`convert.dequant.kernels.dequantize_4bit` counts them)."""
-    if dtype.name == "float16":
+def _asked(src: Source, dequantize_to: str) -> str:
+    """The dtype a target of ``dequantize_to`` reads ``src`` in: the ``--to`` dtype, or with ``auto`` a 4-bit
+    layer's QuantState dtype (float32 where unknown: an int8 layer's comes from the config)."""
+    named = FLOAT_TARGETS.get(dequantize_to)
+    if named is not None:
+        return named
+    state = getattr(getattr(src, "layer", None), "state", None)
+    return state.dtype if state is not None else "float32"
+
+
+def _round_into(x: np.ndarray, dtype: DType, out: np.ndarray, counts: Source) -> None:
+    """Held values ``x`` into ``out`` as ``dtype``: copied when they are of it already (bfloat16 made by the
+    kernel), else float32 products rounded once, as the source's kernels round them (round to nearest even;
+    float16's overflows to inf and non-zero values flushed to zero counted in ``counts.stats``, as
+    :func:`convert.dequant.kernels.dequantize_4bit` counts them)."""
+    if x.dtype == dtype.numpy:
+        np.copyto(out, x)
+    elif dtype.name == "float16":
         with np.errstate(over="ignore"):
             np.copyto(out, x, casting="unsafe")
         local = np.zeros(2, dtype=np.int64)
@@ -336,10 +373,11 @@ class Consumer:
     def __init__(self, products: SharedProducts, reader: int) -> None:
         self.products, self.reader = products, reader
 
-    def link(self, sources: Iterable[Source]) -> None:
+    def link(self, sources: Iterable[Source], dequantize_to: str) -> None:
         """Read the dequantized weights under ``sources`` (the target's job's: its
-        :meth:`~convert.targets.TargetJob.sources`) through the shared blocks from now on."""
-        self.products._link(self.reader, sources)
+        :meth:`~convert.targets.TargetJob.sources`) through the shared blocks from now on; the target dequantizes
+        to ``dequantize_to`` (:attr:`convert.options.Target.dequantize_to`)."""
+        self.products._link(self.reader, sources, dequantize_to)
 
     def ready(self) -> None:
         """Wait until every target of the run is linked (or has left).
