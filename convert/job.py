@@ -890,16 +890,18 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
                                         hub.revision if hub else None).name for sub in subs]
     existed = os.path.lexists(folder)  # (each output's claim makes the folder, after its own checks)
     products = SharedProducts(shared, len(subs))
-    if options.dry_run:
-        outcomes = [_attempt(sub, source, d, committed, t0, folder, None) for sub, d in zip(subs, defaults,
-                                                                                          strict=True)]
-    else:
-        outcomes = _write_set(subs, defaults, source, folder, products, committed, t0, options.on_progress)
+    try:
+        if options.dry_run:
+            outcomes = [_attempt(sub, source, d, committed, t0, folder, None)
+                        for sub, d in zip(subs, defaults, strict=True)]
+        else:
+            outcomes = _write_set(subs, defaults, source, folder, products, committed, t0, options.on_progress)
+    finally:
+        if not existed and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # (every target failed, or the run was stopped before a commit: nothing left behind)
     result = _set_result(options, subs, defaults, outcomes, source, folder, products, shared, t0)
     if options.manifest is not None and not options.dry_run:  # (what was committed: a batch's record of its own)
         write_json(options.manifest, result.files)
-    if not existed and folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()  # (every target failed: leave nothing behind)
     internal = next((o for o in outcomes if isinstance(o, BaseException)
                      and not isinstance(o, (ConvertBnbError, OSError, MemoryError))), None)
     if internal is not None:
@@ -1010,9 +1012,11 @@ def _set_result(options: ConvertOptions, subs: list[ConvertOptions], defaults: l
     result.shards_written = sum(o.shards_written for o in done)
     result.shards_reused = sum(o.shards_reused for o in done)
     result.verified = bool(done) and all(o.verified for o in done)
-    for o in done:  # every file, relative to the folder
-        rel = Path(o.output).relative_to(folder).as_posix()
-        result.files.update({(f"{rel}/{k}" if Path(o.output).is_dir() else k): v for k, v in o.files.items()})
+    for o in done:  # every file in the folder, relative to it (an output's, its vision projector's and Modelfile's)
+        extras = [o.details.get(k) for k in ("mmproj", "modelfile")]
+        for path, files in [(Path(o.output), o.files)] + [(Path(d["output"]), d.get("files", {})) for d in extras if d]:
+            if path.parent == folder:
+                result.files.update({(f"{path.name}/{k}" if path.is_dir() else k): v for k, v in files.items()})
     result.details["shared"] = {"budget_bytes": shared, "peak_bytes": products.peak, "blocks_made": products.made,
                                 "values_shared": products.hits, "blocks_dropped": products.dropped}
     result.notes = [f"{len(subs)} targets from one read: {products.made} blocks of dequantized weights made once "

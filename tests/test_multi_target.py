@@ -4,9 +4,12 @@ dequantized weight made once, one target's failure keeping the others, the memor
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -274,10 +277,12 @@ def test_dry_run_and_json_show_every_target(tmp_path: Path, capsys: pytest.Captu
     assert d["bytes_out"] == sum(o["bytes_out"] for o in d["outputs"])
 
 
-def test_a_modelfile_goes_with_the_one_gguf_of_a_set(tmp_path: Path) -> None:
+def test_a_modelfile_goes_with_the_one_gguf_of_a_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "set"
-    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(out), "--modelfile", "-q"]) == 0
+    assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(out), "--modelfile", "--json"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["Llama_Nf4_Dq-2.0M-Q8_0.gguf", "Modelfile", "llama_nf4_dq-bf16"]
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert sorted(files) == sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert main([str(LLAMA), "--to", "gguf:q8_0", "-o", str(tmp_path / "alone") + "/", "--modelfile", "-q"]) == 0
     assert (out / "Modelfile").read_bytes() == (tmp_path / "alone" / "Modelfile").read_bytes()
 
@@ -359,3 +364,42 @@ def test_batch_jobs_with_several_targets(tmp_path: Path) -> None:
     r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o3"), "--push-to-hub", "org"], env)
     assert r.returncode == 2 and "--push-to-hub pushes jobs of one --to target" in r.stderr
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+_SLOW = """
+import sys, time
+from convert.stream.sources import Dequant4Source
+_kernel = Dequant4Source.dequant_into
+def slow(self, *args, **kwargs):
+    time.sleep(0.05)
+    return _kernel(self, *args, **kwargs)
+Dequant4Source.dequant_into = slow
+from convert.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_every_target_and_leaves_nothing(sig: int, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped while its targets write (each thread stops at its next chunk or shared block): exit 130, one line,
+    no temporary, no folder, the input unchanged."""
+    from tests.helpers.malformed import layer, model_dir
+
+    src = model_dir(tmp_path / "in" / "model", {"model.safetensors": layer(shape=(2048, 4096), bs=64,
+                                                                           dtype="bfloat16")})
+    before = _tree(src)
+    out = tmp_path / "set"
+    argv = [str(src), "--to", "bf16,fp32,fp16", "-o", str(out), "--max-memory", "64MiB", "--threads", "1"]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW, *argv], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
+    while not any(p.is_dir() and ".convert-bnb-tmp-" in p.name and any(p.glob("*.safetensors"))
+                  and next(p.glob("*.safetensors")).stat().st_size > 1 << 20
+                  for p in (out.iterdir() if out.is_dir() else [])):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err == "convert-bnb: interrupted; no output was left behind\n", err
+    assert not out.exists() and _tree(src) == before
