@@ -82,7 +82,7 @@ class _Block:
     """One held block: its values (None while being made), the readers using it now, its bytes."""
 
     nbytes: int
-    data: npt.NDArray[np.float32] | None = None
+    data: np.ndarray | None = None
     users: int = 0
 
 
