@@ -54,6 +54,8 @@ module the config does not target, which PEFT drops and the converter would writ
 (GGUF-001, GGUF-005, GGUF-006, CKPT-007):
 
 ========  ======================================================================================
+LORA-010  every lora_A / lora_B fits the base weight its config gives (q/k/v/o, gate/up/down, lm_head,
+          embed_tokens: :func:`base_module_shape`; others unchecked) (:class:`LoraShapeError`)
 LORA-014  no lora_A / lora_B value is NaN or infinite, nor a lora_b made so by its factor (checked as the
           tensor is written; the file is then not committed) (:class:`NonFiniteAdapterError`)
 LORA-015  only what a GGUF adapter holds: no DoRA magnitude vector, no ``modules_to_save`` or other full
@@ -98,7 +100,7 @@ from convert.stream.plan import Plan, PlannedTensor
 from convert.stream.sources import Source
 from formats.checkpoint import Checkpoint, TensorRecord, read_config
 from formats.dtypes import BY_CODE, DType
-from formats.errors import GgufAdapterError, GgufTypeError, NonFiniteAdapterError
+from formats.errors import GgufAdapterError, GgufTypeError, LoraShapeError, NonFiniteAdapterError
 from formats.gguf import tensor_nbytes
 from formats.peft import Adapter, AdapterModule, check_finite, parse_adapter_key
 
@@ -300,6 +302,63 @@ def _lora_modules(adapter: Adapter) -> list[AdapterModule]:
     return list(order.values())
 
 
+def _int(hp: Mapping[str, Any], key: str) -> int | None:
+    value = hp.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def base_module_shape(module: str, hp: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The base weight's ``[out, in]`` of a LoRA module as the base config gives it, or None where it cannot be
+    computed from the config alone (other modules, MoE experts and shared experts, per-layer head counts).
+
+    Args:
+        module: the PEFT module name (``model.layers.0.self_attn.q_proj``).
+        hp: the base's hyperparameters (:func:`convert.gguf.arch.hparams`: ``hidden_size``, ``intermediate_size``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``@head_dim`` (``head_dim`` or hidden / heads),
+            ``vocab_size``).
+
+    Returns:
+        ``(out, in)`` as ``nn.Linear``'s weight (an embedding's ``(vocab, hidden)``), or None.
+    """
+    parts = module.split(".")
+    leaf, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
+    hidden, inter, vocab = _int(hp, "hidden_size"), _int(hp, "intermediate_size"), _int(hp, "vocab_size")
+    heads = _int(hp, "num_attention_heads")
+    kv = _int(hp, "num_key_value_heads") or heads
+    head_dim = _int(hp, "@head_dim")
+    q = heads * head_dim if heads and head_dim else None
+    k = kv * head_dim if kv and head_dim else None
+    table: dict[str, tuple[int | None, int | None]] = {}
+    if parent in ("self_attn", "attention", "attn"):
+        table = {"q_proj": (q, hidden), "k_proj": (k, hidden), "v_proj": (k, hidden), "o_proj": (hidden, q)}
+    elif parent in ("mlp", "feed_forward") and "experts" not in parts and "shared_expert" not in parts:
+        table = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    elif leaf == "lm_head":
+        table = {"lm_head": (vocab, hidden)}
+    elif leaf == "embed_tokens":
+        table = {"embed_tokens": (vocab, hidden)}
+    out, inp = table.get(leaf, (None, None))
+    return (out, inp) if out is not None and inp is not None else None
+
+
+def _check_shape(adapter: Adapter, mod: AdapterModule, hp: Mapping[str, Any], cfg_path: str) -> None:
+    """LORA-010 when a module's lora_A / lora_B do not fit the base weight the config gives
+    (:func:`base_module_shape`): llama.cpp would refuse the file ("tensor ... has incorrect shape")."""
+    want = base_module_shape(mod.module, hp)
+    a, b = mod.lora_A, mod.lora_B
+    if want is None or a is None or b is None:
+        return
+    found = (a.shape[1], b.shape[0]) if mod.embedding else (b.shape[0], a.shape[1])
+    if found == want:
+        return
+    out_side, in_side = (b, a) if not mod.embedding else (a, b)
+    bad = out_side if found[0] != want[0] else in_side
+    what = "[num_embeddings, dim] = [A columns, B rows]" if mod.embedding else "[out, in] = [B rows, A columns]"
+    raise LoraShapeError(f"LoRA weights do not fit the base model's {mod.module} {what}, as its config.json gives it",
+                         path=adapter.weights_file, tensor=bad.name, expected=list(want), found=list(found),
+                         hint=f"is this adapter for another model? (base config: {cfg_path})")
+
+
 def _lora_type(shape: tuple[int, ...], wanted: gguf.GGMLQuantizationType) -> tuple[gguf.GGMLQuantizationType, str]:
     """The converter's type of a LoRA tensor: the asked one; F16 where the rows are not whole blocks of it (gguf-py's
     ``QuantError`` fallback). (Unlike a model's weights, no LoRA tensor is kept F32: ``prepare_tensors`` matches
@@ -387,6 +446,7 @@ def plan_adapter(adapter: Adapter, base: BaseModel, output_type: str | None = No
                 raise _refuse("LoRA on the embedding or head of a model with tied embeddings: llama.cpp's base file "
                               "has one tensor for both, and would apply the pair to the other use too", adapter,
                               a.name, expected="tie_word_embeddings false", found=True)
+        _check_shape(adapter, mod, hp, cfg_path)
         factor = factors.get(mod.module)
         for gname, rec, transpose, scale in ((f"{gguf_name}.lora_a", a, mod.embedding, None),
                                              (f"{gguf_name}.lora_b", b, False, factor)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from formats.errors import (
     AdapterError,
     GgufAdapterError,
     GgufTypeError,
+    LoraShapeError,
     NonFiniteAdapterError,
     OutputExistsError,
     UnmappedTensorError,
@@ -512,6 +514,39 @@ def test_tied_heads_and_embeddings_are_refused(tmp_path: Path) -> None:
         adapter = make_adapter(tmp_path / target, fixture_config(target_modules=[target]), t)
         with pytest.raises(GgufAdapterError, match="tied embeddings"):
             convert(ConvertOptions(str(adapter), to="gguf", base=str(base), dry_run=True))
+
+
+def test_a_base_of_another_size_is_refused_before_writing(tmp_path: Path) -> None:
+    """Every lora_A / lora_B is checked against the base config's dimensions (llama.cpp would refuse the file:
+    "tensor 'blk.0.attn_q.weight' has incorrect shape"): Qwen3's head_dim 96 makes q_proj [384, 256]; a Llama with
+    hidden_size 512 (head_dim 128 derived) makes it [512, 512]; an MLP pair on a tiny base by its intermediate_size."""
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    cfg = json.loads((BASE / "config.json").read_text())
+    del cfg["head_dim"]
+    (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 512}))
+    q_b = f"{P}model.layers.0.self_attn.q_proj.lora_B.weight"
+    q_a = f"{P}model.layers.0.self_attn.q_proj.lora_A.weight"
+    for base, tensor, expected in ((MODELS / "qwen3_nf4_dq", q_b, "expected [384, 256], found [256, 256]"),
+                                   (wide, q_b, "expected [512, 512], found [256, 256]")):
+        with pytest.raises(LoraShapeError, match=re.escape(expected)) as err:
+            convert(ConvertOptions(str(ADAPTER), to="gguf", base=str(base), output=tmp_path / "o.gguf"))
+        assert err.value.rule == "LORA-010" and err.value.tensor == tensor
+        assert main([str(ADAPTER), "--to", "gguf", "--base", str(base), "-o", str(tmp_path / "o.gguf")]) == 2
+    # the input side: an adapter trained with hidden 128 on the fixture's base (256)
+    t = {k: (v[:, :128] if k.endswith("lora_A.weight") else v) for k, v in fixture_tensors().items()}
+    narrow = make_adapter(tmp_path / "narrow", fixture_config(), t)
+    with pytest.raises(LoraShapeError, match=re.escape("expected [256, 256], found [256, 128]")) as err:
+        convert(ConvertOptions(str(narrow), to="gguf", base=str(BASE), output=tmp_path / "o.gguf"))
+    assert err.value.tensor == q_a
+    tiny = tiny_base(tmp_path / "tiny", layers=2)
+    down = {f"{P}model.layers.0.mlp.down_proj.lora_A.weight": np.full((8, 704), 0.01, np.float32),
+            f"{P}model.layers.0.mlp.down_proj.lora_B.weight": np.full((64, 8), 0.01, np.float32)}
+    mlp = make_adapter(tmp_path / "mlp", fixture_config(target_modules=["down_proj"]), down)
+    with pytest.raises(LoraShapeError, match=re.escape("mlp.down_proj [out, in] = [B rows, A columns], as its "
+                                                       "config.json gives it (expected [64, 96], found [64, 704])")):
+        convert(ConvertOptions(str(mlp), to="gguf", base=str(tiny), output=tmp_path / "o.gguf"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp", "narrow", "tiny", "wide"]
 
 
 def test_non_finite_values_are_refused_and_nothing_is_left(tmp_path: Path) -> None:
