@@ -508,7 +508,7 @@ def _done(result: ConvertResult, job: TargetJob, notes: list[str], t0: float) ->
 #: from the adapter alone).
 _MODEL_ONLY = (("--merge-lora", "merge_lora"), ("--mmproj", "mmproj"), ("--revision", "revision"),
                ("--low-disk", "low_disk"), ("--split-max-size", "split_max_size"),
-               ("--split-max-tensors", "split_max_tensors"))
+               ("--split-max-tensors", "split_max_tensors"), ("--modelfile", "modelfile"))
 
 
 def check_adapter_options(options: ConvertOptions) -> None:

@@ -49,7 +49,8 @@ from convert.gguf.plan import GGUFPlan
 from convert.options import ConvertOptions
 from convert.output import ShardLedger, write_synced
 from convert.stream.pipeline import RunSettings
-from formats.errors import ConvertBnbError, OutputExistsError, UsageError, VerificationError
+from formats.checkpoint import path_kind
+from formats.errors import ConvertBnbError, OutputExistsError, OutputKindError, UsageError, VerificationError
 
 __all__ = ["SAMPLING_PARAMETERS", "Modelfile", "ModelfileJob", "check_name", "make_modelfile", "plan_modelfile"]
 
@@ -287,6 +288,8 @@ def plan_modelfile(options: ConvertOptions, gplan: GGUFPlan, model_dir: Path, ou
     Raises:
         UsageError: USE-001, a name that is not a plain file name, the name of another output of the run, or a
             GGUF path a Modelfile cannot hold.
+        OutputKindError: USE-003, the Modelfile's path is a directory or anything else but a file (or a symlink),
+            with ``--overwrite`` and in a dry run too.
         OutputExistsError: OUT-001, the Modelfile exists and ``--overwrite`` was not given (not with ``dry_run``).
     """
     if options.modelfile is None:
@@ -298,6 +301,12 @@ def plan_modelfile(options: ConvertOptions, gplan: GGUFPlan, model_dir: Path, ou
     if os.path.abspath(path) in others:
         raise UsageError("--modelfile names another output of the run", expected="a name of its own",
                          found=str(path))
+    kind = path_kind(path, follow_symlinks=False)
+    if kind not in ("missing", "file", "a symlink") and not kind.startswith("unreadable"):
+        raise OutputKindError("--modelfile names an existing path that is not a file, which convert-bnb never "
+                              "writes over, even with --overwrite", path=path, action="write", expected="a file",
+                              found={"directory": "a directory"}.get(kind, kind),
+                              hint="remove it yourself, or give the Modelfile another name with --modelfile NAME")
     if os.path.lexists(path) and not options.overwrite and not options.dry_run:
         raise OutputExistsError("output exists", path=path, action="write",
                                 hint="pass --overwrite to replace it, or choose -o")

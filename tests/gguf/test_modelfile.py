@@ -574,6 +574,34 @@ def test_refusals_write_nothing(argv: list[str], parts: list[str], tmp_path: Pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_directory_in_the_modelfiles_place_is_refused_before_the_gguf(tmp_path: Path, overwrite: bool,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """USE-003 before anything is written (the GGUF is not committed), with --overwrite too: a Modelfile never
+    replaces a directory."""
+    out = tmp_path / "u4"
+    (out / "Modelfile").mkdir(parents=True)
+    argv = [str(MODELS / "llama_nf4_dq"), "--to", "gguf:q4_k_m", "-o", f"{out}/", "--modelfile", "-q"]
+    assert main(argv + (["--overwrite"] if overwrite else [])) == 2
+    err = capsys.readouterr().err
+    assert f"'{out / 'Modelfile'}': USE-003 --modelfile names an existing path that is not a file" in err
+    assert "(expected 'a file', found 'a directory')" in err
+    assert [p.name for p in out.iterdir()] == ["Modelfile"] and list((out / "Modelfile").iterdir()) == []
+    with pytest.raises(E.OutputKindError):
+        convert(ConvertOptions(src=str(MODELS / "llama_nf4_dq"), to="gguf", output=str(out / "m.gguf"),
+                               modelfile="Modelfile", dry_run=True))
+
+
+def test_modelfile_with_an_adapter_as_src_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GGUF LoRA adapter gets no Modelfile (Ollama's ADAPTER line goes in the base's): USE-001, as --mmproj."""
+    argv = [str(FIXTURES / "lora" / "adapter"), "--to", "gguf", "--base", str(MODELS / "llama_orig_bf16"), "-o",
+            str(tmp_path / "a.gguf"), "--modelfile"]
+    assert main(argv) == 2
+    assert "USE-001 --modelfile does not apply to a LoRA adapter as SRC (found '--modelfile')" in \
+        capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_modelfile_name_is_refused(tmp_path: Path) -> None:
     for name in ("", "..", "a/b", ".hidden"):
         with pytest.raises(E.UsageError) as info:
