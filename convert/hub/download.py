@@ -201,6 +201,16 @@ class HubSource:
             shutil.rmtree(self.staging, ignore_errors=True)
 
 
+def _not_cached_hint() -> str:
+    """Why huggingface_hub looked in the cache alone, and found nothing: offline mode (``HF_HUB_OFFLINE``), or
+    else the Hub could not be reached (it falls back to the cache when the connection fails)."""
+    if _offline():
+        return ("HF_HUB_OFFLINE is set and the repo/revision is not in the cache; run once online, or check "
+                "HF_HOME / HF_HUB_CACHE")
+    return ("the Hub could not be reached (the connection failed) and the repo/revision is not in the cache; check "
+            "the network (or HF_ENDPOINT / the proxy settings), or HF_HOME / HF_HUB_CACHE")
+
+
 def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubError:
     """Turn a huggingface_hub exception into our :class:`HubError` (one line, with a hint)."""
     kind = type(exc).__name__
@@ -210,8 +220,7 @@ def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubErr
         "RepositoryNotFoundError": "check the repo id; for a private or gated repo set HF_TOKEN or run `hf auth login`",
         "GatedRepoError": "accept the repo's terms on the Hub and set HF_TOKEN",
         "RevisionNotFoundError": "check --revision (a branch, tag or commit sha)",
-        "LocalEntryNotFoundError": "HF_HUB_OFFLINE is set and the repo/revision is not in the cache; run once "
-        "online, or check HF_HOME / HF_HUB_CACHE",
+        "LocalEntryNotFoundError": _not_cached_hint(),
         "IncompleteSnapshotError": "the cached snapshot lacks files; run once online to complete it",
         "OfflineModeIsEnabled": "unset HF_HUB_OFFLINE, or fill the cache first",
     }
@@ -420,7 +429,8 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
         hit = huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=revision)
         if not isinstance(hit, str):
             raise HubError("the repo's index is not in the cache", path=name,
-                           hint="HF_HUB_OFFLINE is set; run once online to fetch it")
+                           hint="HF_HUB_OFFLINE is set; run once online to fetch it" if _offline() else
+                           "the Hub could not be reached (the connection failed); fetch it once the Hub is reachable")
         return _load_index(hit)
 
     weights = choose_weight_files(top, read_index)

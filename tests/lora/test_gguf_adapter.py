@@ -471,6 +471,32 @@ def test_a_hub_base_gives_its_config_alone(tmp_path: Path) -> None:
     assert (tmp_path / "a.gguf").read_bytes() == ours(ADAPTER, BASE, "gguf:f32", tmp_path / "c.gguf").read_bytes()
 
 
+def test_an_unreachable_hub_base_says_why(tmp_path: Path) -> None:
+    """HUB-001's hint says what is true: offline mode when HF_HUB_OFFLINE is set, a failed connection when it is
+    not (huggingface_hub then looks in the cache alone, with the same LocalEntryNotFoundError)."""
+    import socket
+
+    from tests.helpers.hubcache import offline_env, run_cli
+
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(ADAPTER), "--to", "gguf", "--base", "org/nonexist", "-o", str(tmp_path / "n.gguf")]
+    env = offline_env(tmp_path, tmp_path / "hub")
+    r = run_cli(argv, env)
+    assert r.returncode == 2 and "HUB-001 cannot fetch Hub repo 'org/nonexist'" in r.stderr
+    assert "Hint: HF_HUB_OFFLINE is set and the repo/revision is not in the cache" in r.stderr
+    del env["HF_HUB_OFFLINE"]
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
+    r = run_cli(argv, env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "HUB-001 cannot fetch Hub repo 'org/nonexist'" in r.stderr and "Connection refused" in r.stderr
+    assert "Hint: the Hub could not be reached (the connection failed) and the repo/revision is not in the cache" \
+        in r.stderr
+    assert "HF_HUB_OFFLINE" not in r.stderr
+    assert not (tmp_path / "n.gguf").exists()
+
+
 # ------------------------------------------------------------------------------------------ refused
 
 
