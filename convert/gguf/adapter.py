@@ -74,7 +74,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,11 @@ class BaseModel:
     model_id: str
     config: Mapping[str, Any]
     ref: str
+
+    @property
+    def repo_id(self) -> str | None:
+        """The Hub repo id when the base is a Hub repo (``ref`` is ``org/name@commit``), else None."""
+        return self.model_id if self.ref.startswith(f"{self.model_id}@") and not os.path.isabs(self.ref) else None
 
     @property
     def config_path(self) -> str:
@@ -266,6 +271,8 @@ class AdapterPlan:
         alpha: ``adapter.lora.alpha``.
         factors: module -> the factor folded into its ``lora_b`` (:func:`gguf_scales`).
         notes: what the user should know.
+        scale_notes: the notes on how PEFT's scales became llama.cpp's (:func:`_scale_notes`; none for a plain
+            LoRA), also among ``notes``.
     """
 
     gguf: GGUFPlan
@@ -273,6 +280,7 @@ class AdapterPlan:
     alpha: float
     factors: dict[str, float]
     notes: list[str]
+    scale_notes: list[str] = field(default_factory=list)
 
 
 def _refuse(message: str, adapter: Adapter, key: str, **kw: Any) -> GgufAdapterError:
@@ -477,9 +485,10 @@ def plan_adapter(adapter: Adapter, base: BaseModel, output_type: str | None = No
           if k != gguf.Keys.General.ARCHITECTURE}
     naming = GgufNaming(general.name, general.basename, general.finetune, general.version, general.size_label,
                         gguf_encoding(file_type), kind="LoRA")
-    notes += _scale_notes(adapter, alpha, factors) + general_notes
+    scale_notes = _scale_notes(adapter, alpha, factors)
+    notes += scale_notes + general_notes
     gplan = GGUFPlan(arch, out_name, file_type, kv, planned, notes=notes, naming=naming)
-    return AdapterPlan(gplan, sources, alpha, factors, notes)
+    return AdapterPlan(gplan, sources, alpha, factors, notes, scale_notes)
 
 
 def _scale_notes(adapter: Adapter, alpha: float, factors: Mapping[str, float]) -> list[str]:
@@ -534,11 +543,18 @@ class GgufAdapterJob(GgufJob):
     def describe(self) -> str:
         return super().describe().replace(" -> GGUF ", " -> GGUF LoRA adapter for ", 1)
 
+    def adapter_info(self) -> dict[str, Any]:
+        """What a plan, a result and a pushed card say of the adapter: ``base`` (its ref), ``base_name`` (the
+        folder's name or the repo id), ``base_repo`` (the repo id, or None for a local base), ``alpha``,
+        ``factors`` and ``scale_notes`` (:class:`AdapterPlan`)."""
+        return {"base": self.base.ref, "base_name": self.base.model_id, "base_repo": self.base.repo_id,
+                "alpha": self.aplan.alpha, "factors": dict(self.aplan.factors),
+                "scale_notes": list(self.aplan.scale_notes)}
+
     def plan_dict(self) -> dict[str, Any]:
-        return {**super().plan_dict(), "adapter": {"base": self.base.ref, "alpha": self.aplan.alpha,
-                                                   "factors": dict(self.aplan.factors)}}
+        return {**super().plan_dict(), "adapter": self.adapter_info()}
 
     def details(self) -> dict[str, Any]:
         out = super().details()
-        out["gguf"]["adapter"] = {"base": self.base.ref, "alpha": self.aplan.alpha, "factors": dict(self.aplan.factors)}
+        out["gguf"]["adapter"] = self.adapter_info()
         return out

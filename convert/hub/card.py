@@ -14,14 +14,16 @@ and of a batch.
 ``base_model_relation`` takes the Hub's documented values (``adapter``, ``merge``, ``quantized``,
 ``finetune``; https://huggingface.co/docs/hub/model-cards#specifying-a-base-model): ``merge`` when LoRA
 adapters were merged in, ``quantized`` for a GGUF or NF4/FP4 output, and none for a dequantized float copy,
-which none of the four describes (the card's text says what it is).
+which none of the four describes (the card's text says what it is). A GGUF LoRA adapter (an adapter as SRC) is
+``adapter`` of its base model: ``base_model`` is the base's repo id (none for a local base), and the card says
+what the file is and how PEFT's scales were carried (the adapter's scale notes).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,7 +156,7 @@ def _last_part(path: str) -> str:
 
 def model_card(title: str, target: Target, source: CardSource, files: dict[str, dict[str, Any]], *,
                settings: Iterable[tuple[str, str]] = (), command: str, figures: Iterable[str] = (),
-               merged: Iterable[str] = ()) -> str:
+               merged: Iterable[str] = (), adapter: Mapping[str, Any] | None = None) -> str:
     """The model card (``README.md``) pushed with an output, built with ``huggingface_hub.ModelCard``.
 
     Args:
@@ -167,6 +169,9 @@ def model_card(title: str, target: Target, source: CardSource, files: dict[str, 
         command: the command that makes the output (:func:`published_command`).
         figures: lines of what the run measured (verification, errors), or none (a section only when given).
         merged: the names of LoRA adapters merged in (``base_model_relation: merge``).
+        adapter: for a GGUF LoRA adapter, what its job says of it
+            (:meth:`convert.gguf.adapter.GgufAdapterJob.adapter_info`: ``base_name``, ``base_repo``,
+            ``scale_notes``); ``base_model`` is then the base's repo and ``base_model_relation`` ``adapter``.
 
     Returns:
         the card text: YAML metadata, then the body (see the module docstring).
@@ -177,17 +182,32 @@ def model_card(title: str, target: Target, source: CardSource, files: dict[str, 
     merged = list(merged)
     claim, tags = card_claims(target)
     relation = base_model_relation(target, bool(merged)) if source.repo_id is not None else None
-    data = ModelCardData(library_name="gguf" if target.family == "gguf" else "transformers",
-                         base_model=source.repo_id, tags=["convert-bnb", *tags], **source.license,
-                         **({"base_model_relation": relation} if relation is not None else {}))
-    lines = [f"# {title}", ""]
+    base = source.repo_id
     src = f"[{source.name}](https://huggingface.co/{source.name})" if source.repo_id is not None else f"`{source.name}`"
-    lines += [f"{src} converted from its bitsandbytes quantization with convert-bnb {__version__}.", "", claim, ""]
+    intro = f"{src} converted from its bitsandbytes quantization with convert-bnb {__version__}."
+    if adapter is not None:
+        base = adapter.get("base_repo")
+        relation = "adapter" if base is not None else None
+        base_name = str(adapter.get("base_name"))
+        based = f"[{base}](https://huggingface.co/{base})" if base is not None else f"`{base_name}`"
+        intro = f"The PEFT LoRA adapter {src} converted by convert-bnb {__version__}."
+        claim = (f"A GGUF LoRA adapter (`general.type` adapter) for llama.cpp, for the base model {based}: apply it "
+                 "to a GGUF of that base (`llama-cli -m BASE.gguf --lora FILE.gguf`, or an Ollama Modelfile's "
+                 "`ADAPTER` line); it is not a model by itself. Its tensors are the adapter's lora_A/lora_B "
+                 f"converted to `{target}`.")
+        tags = ["gguf", "lora"]
+    data = ModelCardData(library_name="gguf" if target.family == "gguf" else "transformers",
+                         base_model=base, tags=["convert-bnb", *tags], **source.license,
+                         **({"base_model_relation": relation} if relation is not None else {}))
+    lines = [f"# {title}", "", intro, "", claim, ""]
     lines += ["## Source", "", f"- repo: {source.name}" if source.repo_id is not None else f"- path: {source.name}"]
     if source.repo_id is not None:
         lines += [f"- revision: {source.revision or 'main (default branch)'}", f"- commit: {source.commit}"]
     lines += [f"- quantization: {q}" for q in source.quantization]
     lines += [f"- merged LoRA adapter: {name}" for name in merged]
+    if adapter is not None:
+        lines.append(f"- base model: {adapter.get('base_repo') or adapter.get('base_name')}")
+        lines += [f"- scale: {n}" for n in adapter.get("scale_notes") or []]
     lines += ["", "## Settings", "", "| setting | value |", "|---|---|", f"| --to | {target} |"]
     lines += [f"| {k} | {v} |" for k, v in settings]
     lines += [f"| converter | convert-bnb {__version__} |", ""]

@@ -23,6 +23,7 @@ run refuses it (OUT-001) like any other existing output.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -185,8 +186,7 @@ def _kept_output(options: ConvertOptions) -> tuple[ConvertResult, dict[str, Any]
     record = _load_record(record_path(out))
     if record is None or record.get("key") != _key(options, planned):
         return None
-    mm = (planned.dry_run or {}).get("mmproj", {}).get("output")
-    outputs = [(out, record.get("files"))] + ([(Path(mm), record.get("mmproj_files"))] if mm else [])
+    outputs = [(out, record.get("files")), *_extra_outputs(planned.dry_run, record)]
     if not all(_in_place(path, files) for path, files in outputs):
         return None
     result = ConvertResult(source=planned.source, to=planned.to, output=str(out), commit=planned.commit,
@@ -194,9 +194,22 @@ def _kept_output(options: ConvertOptions) -> tuple[ConvertResult, dict[str, Any]
     result.bytes_out = sum(r["bytes"] for _, files in outputs for r in (files or {}).values())
     result.notes = [f"{out} was made by an earlier run with the same settings (its record "
                     f"{record_path(out).name} and files match): kept, not converted again"]
-    if mm:
-        result.details["mmproj"] = {"output": mm, "files": record["mmproj_files"]}
+    for key, files in _EXTRAS:
+        if (planned.dry_run or {}).get(key):
+            result.details[key] = {"output": planned.dry_run[key]["output"], "files": record[files]}
     return result, record
+
+
+#: The outputs a run writes besides the model, each with its own manifest in the record: (the result's
+#: ``details`` / dry-run plan key, the record key of its files).
+_EXTRAS = (("mmproj", "mmproj_files"), ("modelfile", "modelfile_files"))
+
+
+def _extra_outputs(details: dict[str, Any] | None, record: dict[str, Any]) -> list[tuple[Path, Any]]:
+    """The ``--mmproj`` and ``--modelfile`` files of a run (from its result's ``details`` or its dry-run plan),
+    each with its manifest as ``record`` holds it."""
+    return [(Path(details[k]["output"]), record.get(f)) for k, f in _EXTRAS
+            if isinstance((details or {}).get(k), dict) and details[k].get("output")]
 
 
 def _load_record(path: Path) -> dict[str, Any] | None:
@@ -240,10 +253,20 @@ def _new_record(options: ConvertOptions, result: ConvertResult) -> dict[str, Any
         "quantization": list(source.quantization), "license": source.license, "figures": card_figures(result),
         "merged": [Path(p).name for p in options.merge_lora],
     }
-    mm = result.details.get("mmproj")
-    if mm is not None:
-        record["mmproj_files"] = mm.get("files", {})
+    for key, files in _EXTRAS:
+        if result.details.get(key) is not None:
+            record[files] = result.details[key].get("files", {})
+    adapter = result.details.get("gguf", {}).get("adapter")
+    if adapter is not None:
+        record["adapter"] = _card_adapter(adapter)
     return record
+
+
+def _card_adapter(info: dict[str, Any]) -> dict[str, Any]:
+    """What a GGUF LoRA adapter's card needs of its job's ``adapter`` details (no local path: the base by its
+    folder's name or repo id)."""
+    return {"base_name": info.get("base_name"), "base_repo": info.get("base_repo"),
+            "scale_notes": list(info.get("scale_notes") or [])}
 
 
 def _card_source(options: ConvertOptions, result: ConvertResult) -> CardSource:
@@ -293,7 +316,8 @@ def quant_summary(src: Path) -> list[str]:
 def card_figures(result: ConvertResult) -> list[str]:
     """What a run measured, one line each, for the card: whether the output was re-read and checked before it
     was committed, what was written, float16 overflows, and per target the error figures (GGUF: the types
-    and the relative RMS error of its tensors against the dequantized weights; NF4/FP4: the relative error
+    and the relative RMS error of its tensors against the dequantized weights, or a GGUF LoRA adapter's against
+    the adapter's values; NF4/FP4: the relative error
     line of the run's notes)."""
     lines = [("re-read and checked (headers, sizes, tensors) before it was committed" if result.verified
               else "not re-read before it was committed (--no-verify)"),
@@ -308,7 +332,8 @@ def card_figures(result: ConvertResult) -> list[str]:
                 if isinstance(t.get("rel_rms_error"), float) and math.isfinite(t["rel_rms_error"])]
         if errs:
             worst = max(errs)
-            lines.append(f"relative RMS error against the dequantized weights: mean "
+            what = "the adapter's lora_A/lora_B values" if gg.get("adapter") else "the dequantized weights"
+            lines.append(f"relative RMS error against {what}: mean "
                          f"{sum(e for e, _ in errs) / len(errs):.6f}, max {worst[0]:.6f} ({worst[1]})")
     lines += [n for n in result.notes if n.startswith("relative error")]
     return lines
@@ -320,8 +345,7 @@ def _push(result: ConvertResult, record: dict[str, Any], options: ConvertOptions
     and put what was done into ``result.details["push"]``."""
     out = Path(result.output)
     target = {"repo": push.repo_id, "revision": push.revision, "key": record["key"]}
-    mm = result.details.get("mmproj", {}).get("output")
-    outputs = [(out, record["files"])] + ([(Path(mm), record.get("mmproj_files", {}))] if mm else [])
+    outputs = [(out, record["files"]), *_extra_outputs(result.details, record)]
     done = {"repo": push.repo_id, "revision": push.revision, "private": push.private, "converted": converted,
             "files": sum(len(repo_files(f)) for _, f in outputs) + 1}
     pushed = record.get("pushed")
@@ -349,7 +373,7 @@ def _card(record: dict[str, Any], options: ConvertOptions, push: PushOptions, ar
                         record["license"])
     files = {rel: rec for _, f in outputs for rel, rec in repo_files(f).items()}
     return model_card(push.repo_id.split("/", 1)[1], options.to, source, files, command=_command(options, argv),
-                      figures=record["figures"], merged=record["merged"])
+                      figures=record["figures"], merged=record["merged"], adapter=record.get("adapter"))
 
 
 def _command(options: ConvertOptions, argv: Sequence[str] | None) -> str:
@@ -376,13 +400,57 @@ def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions
     record = {"source": {"repo": source.repo_id, "name": source.name, "revision": source.revision,
                          "commit": source.commit}, "quantization": [], "license": source.license,
               "figures": ["(measured by the conversion)"], "merged": [Path(p).name for p in options.merge_lora]}
-    card = _card(record, options, push, argv, [])
-    plan = build_upload_plan(push, [], card, _message(record, options))
-    size = result.dry_run.get("out_bytes")
-    plan["method"] = "large-folder" if isinstance(size, int) and size > push.large_size else "commit"
+    if result.dry_run.get("adapter") is not None:
+        record["adapter"] = _card_adapter(result.dry_run["adapter"])
+    outputs = _planned_outputs(result)
+    card = _card(record, options, push, argv, outputs)
+    plan = build_upload_plan(push, outputs, card, _message(record, options))
     result.dry_run["push"] = {**plan, "card": card}
     branch = f"branch {push.revision}" if push.revision is not None else "the default branch"
     how = ("the resumable folder upload" if plan["method"] == "large-folder" else "one commit")
     result.plan_text += (f"\n  push: {push.repo_id} ({branch}{', private' if push.private else ''}) after the "
                          f"conversion, in {how} (outputs over {_size_text(push.large_size)} go up resumably)")
 
+
+
+#: The sha256 of a planned file, known once it is written.
+_LATER = "(after conversion)"
+
+
+def _planned_outputs(result: ConvertResult) -> list[tuple[Path, dict[str, dict[str, Any]]]]:
+    """A dry run's outputs with their planned manifests, as the upload would take them: the model's files with
+    their planned bytes (a float or NF4/FP4 output: each shard's tensor data, the index as 0 bytes, a local
+    source directory's other files as they are; a GGUF: its tensor data, per part when split), the
+    ``--mmproj`` file's tensor data and the ``--modelfile`` text's exact bytes and sha256. Sizes leave out
+    the headers, which are known once written; the sha256 of every file but the Modelfile is
+    ``(after conversion)``."""
+    plan = result.dry_run or {}
+    out = Path(result.output)
+    files: dict[str, dict[str, Any]]
+    if plan.get("parts"):
+        files = {p["file"]: {"bytes": p["bytes"], "sha256": _LATER} for p in plan["parts"]}
+    elif plan.get("files") and out.suffix.lower() != ".safetensors":
+        files = {f["file"]: {"bytes": f["bytes"], "sha256": _LATER} for f in plan["files"]}
+        if len(files) > 1:
+            files["model.safetensors.index.json"] = {"bytes": 0, "sha256": _LATER}
+        src = Path(result.source)
+        if result.commit is None and src.is_dir():
+            try:
+                with open_checkpoint(src) as ckpt:
+                    extras = list(ckpt.extra_files)
+            except (ConvertBnbError, OSError):
+                extras = []
+            files.update({e.name: {"bytes": e.stat().st_size, "sha256": _LATER} for e in extras})
+    else:
+        files = {out.name: {"bytes": plan.get("out_bytes"), "sha256": _LATER}}
+    outputs = [(out, files)]
+    mm = plan.get("mmproj")
+    if mm:
+        outputs.append((Path(mm["output"]), {Path(mm["output"]).name: {"bytes": mm.get("out_bytes"),
+                                                                         "sha256": _LATER}}))
+    mf = plan.get("modelfile")
+    if mf:
+        data = str(mf.get("text", "")).encode("utf-8")
+        outputs.append((Path(mf["output"]), {Path(mf["output"]).name: {
+            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}))
+    return outputs

@@ -3,6 +3,7 @@ push leaves, against a local fake Hub (the real huggingface_hub client over HTTP
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -254,6 +255,94 @@ def test_dry_run_shows_the_push_and_writes_nothing(tmp_path: Path) -> None:
     data, _ = _card(push["card"])
     assert data == {"library_name": "gguf", "license": "apache-2.0", "tags": ["convert-bnb", "gguf"]}
     assert not out.exists() and not list(tmp_path.glob(f".*{RECORD_MARK}"))
+
+
+def test_single_run_pushes_the_modelfile_and_keeps_it_in_the_record(hub: FakeHub, tmp_path: Path) -> None:
+    """--modelfile with --push-to-hub: the Modelfile goes up with the GGUF (as a batch's), is in the record, and
+    a re-run finds both in place (nothing converted or uploaded again)."""
+    out = tmp_path / "out"
+    args = [str(MODELS / "llama_nf4_dq"), "--to", "gguf:q8_0", "-o", str(out / "m.gguf"), "--modelfile",
+            "--push-to-hub", "me/m-gguf", "--json"]
+    env = _env(tmp_path, hub)
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    pushed = _pushed(hub, "me/m-gguf")
+    assert sorted(pushed) == ["Modelfile", "README.md", "m.gguf"]
+    assert pushed["Modelfile"] == (out / "Modelfile").read_bytes() and pushed["m.gguf"] == (out / "m.gguf").read_bytes()
+    assert res["push"]["files"] == 3 and res["push"]["bytes"] == sum(len(b) for b in pushed.values())
+    record = json.loads((out / f".m.gguf{RECORD_MARK}").read_text())
+    assert record["modelfile_files"] == file_manifest(out / "Modelfile") == {"Modelfile": {
+        "bytes": len(pushed["Modelfile"]), "sha256": hashlib.sha256(pushed["Modelfile"]).hexdigest()}}
+    _, text = _card(pushed["README.md"].decode())
+    assert f"| Modelfile | {len(pushed['Modelfile'])} | {hashlib.sha256(pushed['Modelfile']).hexdigest()} |" in text
+    before = _stat(out)
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    push = json.loads(r.stdout)["push"]
+    assert (push["converted"], push["uploaded"], push["files"]) == (False, False, 3)
+    assert _stat(out) == before and len(hub.commits) == 1
+
+
+def test_a_pushed_gguf_lora_adapter_has_an_adapters_card(hub: FakeHub, tmp_path: Path) -> None:
+    """A GGUF LoRA adapter's card: base_model the base repo, base_model_relation adapter, what the file is, and
+    how PEFT's scale was carried (rsLoRA: alpha rescaled); a local base is named by its folder only."""
+    adapter = tmp_path / "ad"
+    adapter.mkdir()
+    for f in ADAPTER.iterdir():
+        (adapter / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((ADAPTER / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "use_rslora": True}))
+    env = _env(tmp_path, hub)
+    r = run_cli([str(adapter), "--to", "gguf:q8_0", "--base", "org/m", "-o", str(tmp_path / "a.gguf"),
+                 "--push-to-hub", "me/a", "--json"], env)
+    assert r.returncode == 0, r.stderr
+    pushed = _pushed(hub, "me/a")
+    assert sorted(pushed) == ["README.md", "a.gguf"]
+    data, text = _card(pushed["README.md"].decode())
+    assert data == {"base_model": "org/m", "base_model_relation": "adapter", "library_name": "gguf",
+                    "tags": ["convert-bnb", "gguf", "lora"]}
+    assert "The PEFT LoRA adapter `ad` converted by convert-bnb" in text
+    assert ("A GGUF LoRA adapter (`general.type` adapter) for llama.cpp, for the base model "
+            "[org/m](https://huggingface.co/org/m)") in text
+    assert "dequantiz" not in text.lower() and "relative RMS error against the adapter's lora_A/lora_B values: " in text
+    alpha = 16 * 8 ** 0.5  # rsLoRA: lora_alpha * sqrt(r), as float32
+    import numpy as np
+    assert f"- base model: org/m\n- scale: adapter.lora.alpha = {float(np.float32(alpha))!r} (lora_alpha 16): " \
+           "use_rslora" in text
+    r = run_cli([str(ADAPTER), "--to", "gguf", "--base", str(MODELS / "llama_orig_bf16"), "-o",
+                 str(tmp_path / "b.gguf"), "--push-to-hub", "me/b"], env)
+    assert r.returncode == 0, r.stderr
+    data, text = _card(_pushed(hub, "me/b")["README.md"].decode())
+    assert "base_model" not in data and "base_model_relation" not in data  # a local base: no Hub repo to name
+    assert "for the base model `llama_orig_bf16`" in text and "- base model: llama_orig_bf16\n" in text
+    assert "- scale:" not in text and str(tmp_path) not in text and str(MODELS) not in text
+
+
+def test_dry_run_plans_the_outputs_files_with_their_planned_sizes(tmp_path: Path) -> None:
+    """--dry-run --json with --push-to-hub: the operations are the output's files with their planned bytes (the
+    Modelfile's exact bytes and sha256), and the method follows their total."""
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
+    out = tmp_path / "o"
+    r = run_cli([str(src), "--to", "gguf:q8_0", "-o", str(out / "m.gguf"), "--modelfile", "--push-to-hub", "me/m",
+                 "--dry-run", "--json"], offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    push, text = res["push"], res["modelfile"]["text"].encode()
+    ops = {o["path_in_repo"]: (o["bytes"], o["from"]) for o in push["commit"]["operations"]}
+    assert ops == {"m.gguf": (res["out_bytes"], str(out / "m.gguf")), "Modelfile": (len(text), str(out / "Modelfile")),
+                   "README.md": (len(push["card"].encode()), "model card")}
+    assert push["bytes"] == sum(b for b, _ in ops.values()) and push["method"] == "commit"
+    assert f"| Modelfile | {len(text)} | {hashlib.sha256(text).hexdigest()} |" in push["card"]
+    assert f"| m.gguf | {res['out_bytes']} | (after conversion) |" in push["card"]
+    r = run_cli([str(src), "--to", "bf16", "-o", str(out), "--push-to-hub", "me/m", "--push-large-size", "3MB",
+                 "--dry-run", "--json"], offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    ops = {o["path_in_repo"]: o["bytes"] for o in res["push"]["commit"]["operations"]}
+    extras = {p.name: p.stat().st_size for p in src.iterdir() if not p.name.endswith(".safetensors")}
+    assert ops == {"model.safetensors": 3975680, **extras, "README.md": len(res["push"]["card"].encode())}
+    assert res["push"]["method"] == "large-folder" and not out.exists()
 
 
 # ---------------------------------------------------------------- the card's parts
