@@ -258,19 +258,21 @@ def test_dry_run_shows_the_push_and_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_single_run_pushes_the_modelfile_and_keeps_it_in_the_record(hub: FakeHub, tmp_path: Path) -> None:
-    """--modelfile with --push-to-hub: the Modelfile goes up with the GGUF (as a batch's), is in the record, and
-    a re-run finds both in place (nothing converted or uploaded again)."""
+    """--modelfile (and --mmproj) with --push-to-hub: the Modelfile and the projector go up with the GGUF (as a
+    batch's), are in the record, and a re-run finds them in place (nothing converted or uploaded again)."""
     out = tmp_path / "out"
-    args = [str(MODELS / "llama_nf4_dq"), "--to", "gguf:q8_0", "-o", str(out / "m.gguf"), "--modelfile",
-            "--push-to-hub", "me/m-gguf", "--json"]
+    args = [str(MODELS / "gemma3cg_nf4_dq"), "--to", "gguf:q8_0", "-o", str(out / "m.gguf"), "--modelfile",
+            "--mmproj", str(out / "mmproj-m.gguf"), "--push-to-hub", "me/m-gguf", "--json"]
     env = _env(tmp_path, hub)
     r = run_cli(args, env)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     pushed = _pushed(hub, "me/m-gguf")
-    assert sorted(pushed) == ["Modelfile", "README.md", "m.gguf"]
-    assert pushed["Modelfile"] == (out / "Modelfile").read_bytes() and pushed["m.gguf"] == (out / "m.gguf").read_bytes()
-    assert res["push"]["files"] == 3 and res["push"]["bytes"] == sum(len(b) for b in pushed.values())
+    assert sorted(pushed) == ["Modelfile", "README.md", "m.gguf", "mmproj-m.gguf"]
+    assert {k: v for k, v in pushed.items() if k != "README.md"} == {p.name: p.read_bytes() for p in out.iterdir()
+                                                                     if not p.name.startswith(".")}
+    assert record_files(out, "mmproj_files") == file_manifest(out / "mmproj-m.gguf")
+    assert res["push"]["files"] == 4 and res["push"]["bytes"] == sum(len(b) for b in pushed.values())
     record = json.loads((out / f".m.gguf{RECORD_MARK}").read_text())
     assert record["modelfile_files"] == file_manifest(out / "Modelfile") == {"Modelfile": {
         "bytes": len(pushed["Modelfile"]), "sha256": hashlib.sha256(pushed["Modelfile"]).hexdigest()}}
@@ -280,8 +282,12 @@ def test_single_run_pushes_the_modelfile_and_keeps_it_in_the_record(hub: FakeHub
     r = run_cli(args, env)
     assert r.returncode == 0, r.stderr
     push = json.loads(r.stdout)["push"]
-    assert (push["converted"], push["uploaded"], push["files"]) == (False, False, 3)
+    assert (push["converted"], push["uploaded"], push["files"]) == (False, False, 4)
     assert _stat(out) == before and len(hub.commits) == 1
+
+
+def record_files(out: Path, key: str) -> dict:
+    return json.loads((out / f".m.gguf{RECORD_MARK}").read_text())[key]
 
 
 def test_a_pushed_gguf_lora_adapter_has_an_adapters_card(hub: FakeHub, tmp_path: Path) -> None:
