@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from formats.errors import UsageError
 from tests.helpers.batch import broken_model, kill_batch_at_pause, paused_env
 from tests.helpers.fixtures import MODELS, REFERENCES, ROOT, assert_same_tensors, load_all, read_safetensors
 from tests.helpers.hubcache import add_model_dir, commit_sha, offline_env, run_cli
+from tests.helpers.imatrix import write_dat_imatrix
 
 JOBS = """\
 # three repos; the middle one is broken
@@ -1031,9 +1031,7 @@ def test_dry_run_plans_a_jobs_importance_matrix_and_options_as_the_run(tmp_path:
     """A job's llama-quantize options reach the dry run's check: a missing or foreign importance matrix and a
     type without an encoder are planned 'fail' with the run's rule; the plan line shows the options."""
     src = MODELS / "llama_nf4_dq"
-    foreign = tmp_path / "other.dat"
-    foreign.write_bytes(struct.pack("<i", 1) + struct.pack("<i", 20) + b"blk.40.attn_q.weight"
-                        + struct.pack("<ii", 1, 4) + b"\0" * 16)
+    foreign = write_dat_imatrix(tmp_path / "other.dat", {"blk.40.attn_q.weight": ([0.0] * 4, 1)}, chunks=None)
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"{src} --to gguf:q4_k_m --name a --imatrix {tmp_path / 'none.gguf'}\n"
                     f"{src} --to gguf:q4_k_m --name b --imatrix {foreign}\n"

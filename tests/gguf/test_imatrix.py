@@ -28,6 +28,7 @@ from formats.errors import (
 )
 from formats.imatrix import read_imatrix
 from tests.helpers.fixtures import MODELS
+from tests.helpers.imatrix import write_dat_imatrix, write_gguf_imatrix
 from tests.helpers.llama_tools import find_tool, run_tool
 
 FIXTURE = MODELS / "llama_nf4_dq"
@@ -42,44 +43,6 @@ TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "\n"
 needs_tools = pytest.mark.skipif(
     find_tool("llama-quantize") is None or find_tool("llama-imatrix") is None,
     reason="llama-quantize / llama-imatrix not built (scripts/build_llama_tools.sh)")
-
-
-# -------------------------------------------------------------------------------- file builders
-
-
-def write_gguf_imatrix(path: Path, entries: dict[str, tuple[np.ndarray, np.ndarray]], *,
-                       keys: bool = True, datasets: tuple[str, ...] = ("text.txt",), chunks: int = 3) -> Path:
-    """An importance matrix in llama-imatrix's GGUF layout: name -> (sums (n_mat, n), counts (n_mat,))."""
-    w = gguf.GGUFWriter(str(path), arch="llama")  # (gguf-py always writes general.architecture; llama.cpp ignores it)
-    w.add_type("imatrix")
-    if keys:
-        w.add_array("imatrix.datasets", list(datasets))
-        w.add_uint32("imatrix.chunk_count", chunks)
-        w.add_uint32("imatrix.chunk_size", 64)
-    for name, (sums, counts) in entries.items():
-        w.add_tensor(f"{name}.in_sum2", np.asarray(sums, dtype=np.float32))
-        w.add_tensor(f"{name}.counts", np.asarray(counts, dtype=np.float32).reshape(-1, 1))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def write_dat_imatrix(path: Path, entries: dict[str, tuple[np.ndarray, int]], *, chunks: int | None = 3,
-                      dataset: str | None = "text.txt") -> Path:
-    """An importance matrix in llama-imatrix's legacy ``.dat`` layout: name -> (values, ncall)."""
-    out = struct.pack("<i", len(entries))
-    for name, (values, ncall) in entries.items():
-        raw = name.encode()
-        v = np.asarray(values, dtype="<f4").reshape(-1)
-        out += struct.pack("<i", len(raw)) + raw + struct.pack("<ii", ncall, v.size) + v.tobytes()
-    if chunks is not None:
-        out += struct.pack("<i", chunks)
-        if dataset is not None:
-            out += struct.pack("<i", len(dataset.encode())) + dataset.encode()
-    path.write_bytes(out)
-    return path
 
 
 # -------------------------------------------------------------------------------- the reader
@@ -394,17 +357,7 @@ def test_values_too_large_for_the_searches_are_refused(tmp_path):
 
 
 def test_datasets_that_are_not_strings_are_not_written(tmp_path):
-    p = tmp_path / "n.gguf"
-    w = gguf.GGUFWriter(str(p), arch="llama")
-    w.add_array("imatrix.datasets", [1, 2])
-    w.add_uint32("imatrix.chunk_count", 1)
-    w.add_uint32("imatrix.chunk_size", 1)
-    w.add_tensor("a.weight.in_sum2", np.ones((1, 4), np.float32))
-    w.add_tensor("a.weight.counts", np.ones((1, 1), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    p = write_gguf_imatrix(tmp_path / "n.gguf", {"a.weight": (np.ones((1, 4)), np.ones(1))}, datasets=(1, 2))
     imp = load_importance(p)
     assert imp is not None and imp.datasets == ()
     assert "quantize.imatrix.dataset" not in [k for k, _, _ in imatrix_keys(imp)]

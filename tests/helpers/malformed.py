@@ -28,6 +28,7 @@ import numpy as np
 
 from formats import errors as E
 from tests.helpers.fixtures import FIXTURES
+from tests.helpers.imatrix import write_dat_imatrix
 from tests.helpers.sources import array_tensor, array_tensors
 
 _CONST = json.loads((FIXTURES / "constants.json").read_text())
@@ -852,11 +853,11 @@ def imatrix_cli(mix: str = "q4_k_m") -> tuple[Callable[[Path, Path], None], list
 
 def imatrix_dat(entries: dict[str, list[float]], ncall: int = 1) -> Callable[[Path], Path]:
     """A legacy ``.dat`` importance matrix (llama-imatrix ``--output-format dat``) of these entries."""
-    out = struct.pack("<i", len(entries))
-    for name, values in entries.items():
-        out += struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", ncall, len(values))
-        out += np.asarray(values, dtype="<f4").tobytes()
-    return raw_file(out, "imatrix.dat")
+    def build(d: Path) -> Path:
+        d.mkdir(parents=True, exist_ok=True)
+        return write_dat_imatrix(d / "imatrix.dat", {n: (v, ncall) for n, v in entries.items()}, chunks=None)
+
+    return build
 
 
 def _spm(data: bytes) -> Callable[[Path], Path]:
