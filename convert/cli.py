@@ -241,9 +241,14 @@ def print_summary(result: Any) -> None:
         for one in result.outputs:
             if one.error is None:
                 print_summary(one)
-        print(f"wrote {sum(o.error is None for o in result.outputs)} outputs into {result.output}: "
-              f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, peak RSS "
-              f"{format_bytes(result.peak_rss_bytes)}", file=sys.stderr)
+        kept = sum((o.details.get("push") or {}).get("converted") is False for o in result.outputs)
+        made = sum(o.error is None for o in result.outputs) - kept
+        if made:
+            print(f"wrote {made} output{'s' if made > 1 else ''} into {result.output}: "
+                  f"{format_bytes(result.bytes_out)} out, {result.seconds:.2f} s, peak RSS "
+                  f"{format_bytes(result.peak_rss_bytes)}", file=sys.stderr)
+        else:
+            print(f"kept {kept} outputs in {result.output}, made by an earlier run", file=sys.stderr)
         for n in result.notes:
             print(f"note: {n}", file=sys.stderr)
         return

@@ -79,7 +79,7 @@ from formats.mapping import check_inputs
 from formats.peft import Adapter, is_adapter_dir, open_adapter
 
 __all__ = ["ConvertResult", "ResolvedSource", "base_model", "check_adapter_options", "check_options", "convert",
-           "job_key", "resolve_source"]
+           "job_key", "member_options", "resolve_source"]
 
 @dataclass
 class ConvertResult:
@@ -789,7 +789,7 @@ def _size(path: Path) -> int:
 
 # ------------------------------------------------------------------------------------- several targets
 
-def _member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
+def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
     """Each target of a run of several (``options.to.members``) as the options of its single run: the options
     that apply to it, its share of ``max_memory`` (:func:`convert.stream.pipeline.share_memory`), no progress
     bar; each checked as :func:`check_options` checks a single run. ``--report`` and ``--original`` go to the
@@ -863,9 +863,9 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
         TargetsFailedError: OUT-006, some targets failed (each with its own error in ``failures``); the
             others' outputs are committed and complete. When every target failed with one and the same
             error (a broken input), that error instead, as a single run raises it.
-        UsageError: from :func:`_member_options`, or ``-o`` naming a file (:func:`convert.output.set_output_path`).
+        UsageError: from :func:`member_options`, or ``-o`` naming a file (:func:`convert.output.set_output_path`).
     """
-    subs, shared = _member_options(options)
+    subs, shared = member_options(options)
     repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         folder = Path(options.output or options.src)

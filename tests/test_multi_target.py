@@ -226,7 +226,9 @@ def test_target_lists_are_checked_where_parsed(to: str, message: str, tmp_path: 
     (["--to", "gguf:q8_0,gguf:f16", "--modelfile"], "--modelfile works with one --to target"),
     (["--low-disk"], "--low-disk works with one --to target"),
     (["--max-memory", "32MiB"], "--max-memory is too small"),
-    (["--push-to-hub", "org/name"], "--push-to-hub works with one --to target"),
+    (["--push-to-hub", "org/name"], "--push-to-hub with several --to targets takes an organisation or user: each "
+                                    "output goes to a repo of its own, ORG/<its name> (expected 'org', found "
+                                    "'org/name')"),
 ])
 def test_options_a_set_refuses(argv: list[str], message: str, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:

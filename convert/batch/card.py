@@ -37,6 +37,7 @@ from convert.hub import card as hub_card
 from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
 from convert.hub.publish import quant_summary
+from convert.hub.repo import output_repo_name
 from convert.hub.upload import PushOptions, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
 from convert.job import ResolvedSource, job_key, resolve_source
@@ -49,12 +50,8 @@ __all__ = ["build_upload_plan", "model_card", "plan_batch", "push_output", "repo
 
 
 def repo_name(job: Job) -> str:
-    """The name of the repo a job is pushed to: its output name without a file extension (a GGUF or
-    single ``.safetensors`` output is a file; the repo holds it under its own name)."""
-    for ext in (".gguf", ".safetensors"):
-        if job.name.endswith(ext) and len(job.name) > len(ext):
-            return job.name[: -len(ext)]
-    return job.name
+    """The name of the repo a job is pushed to (:func:`convert.hub.repo.output_repo_name` of its output)."""
+    return output_repo_name(job.name)
 
 
 def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],

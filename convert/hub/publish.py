@@ -16,6 +16,12 @@
 - an upload that fails (offline, no token, 401/403, the network down) is HUB-003: the output stays, recorded,
   and the command exits 2; run it again to upload.
 
+A run of several targets (``--to bf16,gguf:q8_0 --push-to-hub ORG``) takes an organisation or user, as ``batch
+--push-to-hub ORG`` does: each output goes to its own repo ``ORG/NAME`` (:func:`convert.hub.repo.output_repo_name`:
+the output's name without its extension; one quantization a repo, as gguf-my-repo names them), with its own
+card and record. Outputs an earlier run of the same settings finished and recorded are kept; the others are made
+in one run of those targets; then each is uploaded unless its record says it was pushed there.
+
 A run killed between the output's commit and the record's write leaves an output without a record: the next
 run refuses it (OUT-001) like any other existing output.
 """
@@ -34,7 +40,7 @@ from typing import Any
 from convert import __version__
 from convert.hub.card import CardSource, model_card, published_command, source_license
 from convert.hub.download import HubSource
-from convert.hub.repo import is_repo_name, parse_repo_spec
+from convert.hub.repo import is_owner_name, is_repo_name, output_repo_name, parse_repo_spec
 from convert.hub.upload import (
     LARGE_UPLOAD,
     PushOptions,
@@ -45,12 +51,12 @@ from convert.hub.upload import (
     upload_folder_path,
 )
 from convert.inspection import InspectOptions, inspect_checkpoint
-from convert.job import ConvertResult, ResolvedSource, convert, job_key
-from convert.options import ConvertOptions
+from convert.job import ConvertResult, ResolvedSource, convert, job_key, member_options
+from convert.options import ConvertOptions, Target
 from convert.output import InterruptedAfterCommit, sha256_file, write_json
 from convert.units import format_bytes, parse_size
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError, OutputExistsError, UsageError
+from formats.errors import ConvertBnbError, OutputExistsError, TargetsFailedError, UsageError
 
 __all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "publish", "push_from_args",
            "quant_summary", "record_path"]
@@ -99,13 +105,22 @@ def push_from_args(args: argparse.Namespace) -> PushOptions | None:
     return PushOptions(args.push_to_hub, args.private, args.push_revision, large)
 
 
-def check_push(push: PushOptions) -> None:
+def check_push(push: PushOptions, several: bool = False) -> None:
     """Refuse a target that cannot be pushed to, before anything is converted.
 
+    Args:
+        push: where to push.
+        several: a run of several targets (``push.repo_id`` is then an organisation or user).
+
     Raises:
-        UsageError: USE-001, the repo is not ``org/name``, or the branch is empty or holds blanks.
+        UsageError: USE-001, the repo is not ``org/name`` (with ``several``: not an organisation or user name),
+            or the branch is empty or holds blanks.
     """
-    if not is_repo_name(push.repo_id) or ".." in push.repo_id:
+    if several and not is_owner_name(push.repo_id):
+        raise UsageError("--push-to-hub with several --to targets takes an organisation or user: each output goes "
+                         "to a repo of its own, ORG/<its name>", expected="org", found=push.repo_id,
+                         hint="give the owner only (my-org), or push one target with --push-to-hub org/name")
+    if not several and (not is_repo_name(push.repo_id) or ".." in push.repo_id):
         raise UsageError("--push-to-hub needs a Hub repo id", expected="org/name", found=push.repo_id)
     if push.revision is not None and (not push.revision.strip() or any(c.isspace() for c in push.revision)):
         raise UsageError("--push-revision needs a branch name", expected="a name without blanks",
@@ -138,14 +153,13 @@ def publish(options: ConvertOptions, push: PushOptions, argv: Sequence[str] | No
         HubUploadError: HUB-003, the upload failed; the output is complete, in place and recorded.
         ConvertBnbError, OSError: as :func:`convert.job.convert`.
     """
-    check_push(push)
-    if options.to.family == "multi":  # (a model page is one output: push each on its own)
-        raise UsageError("--push-to-hub works with one --to target", found=f"--to {options.to.name}",
-                         hint="convert the targets in one run, then push each output with its own run: the same "
-                              "command with one --to finds it in place and only uploads it")
+    several = options.to.family == "multi"
+    check_push(push, several)
+    if several:
+        return _publish_set(options, push, argv)
     if options.dry_run:
         result = convert(options)
-        _plan_push(result, options, push, argv)
+        result.plan_text += "\n  push: " + _plan_push(result, options, push, argv)
         return result
     result, record = _convert_or_keep(options)
     out = Path(result.output)
@@ -159,6 +173,66 @@ def publish(options: ConvertOptions, push: PushOptions, argv: Sequence[str] | No
         if isinstance(exc, InterruptedAfterCommit):
             raise
         raise InterruptedAfterCommit(out) from exc
+
+
+def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str] | None) -> ConvertResult:
+    """:func:`publish` of a run of several targets: each output to ``ORG/NAME`` (see the module docstring).
+
+    Returns:
+        the run's result, each output's with its ``details["push"]`` (a dry run: its plan's ``push``); an
+        output an earlier run made is kept (no tensors counted, a note saying so).
+
+    Raises:
+        UsageError: as :func:`convert.job.member_options`.
+        TargetsFailedError: OUT-006, some targets failed; the complete outputs are recorded, not uploaded (the
+            same command uploads them once the others are made).
+        HubUploadError: HUB-003, an upload failed; every output is complete and recorded, those uploaded before
+            it stay pushed, and the same command uploads the rest.
+    """
+    subs = member_options(options)[0]
+    planned = convert(replace(options, dry_run=True, progress=False))
+    pushes = [replace(push, repo_id=f"{push.repo_id}/{output_repo_name(Path(o.output).name)}")
+              for o in planned.outputs]
+    if options.dry_run:
+        for sub, o, p in zip(subs, planned.outputs, pushes, strict=True):
+            if o.error is None:
+                planned.plan_text += f"\n  push {Path(o.output).name}: " + _plan_push(o, sub, p, argv)
+        return planned
+    kept = [_kept_at(sub, o) if o.error is None else None for sub, o in zip(subs, planned.outputs, strict=True)]
+    outputs: list[ConvertResult | None] = [k[0] if k is not None else None for k in kept]
+    records = [k[1] if k is not None else None for k in kept]
+    todo = [i for i, k in enumerate(kept) if k is None]
+    result = ConvertResult(source=planned.source, to=options.to.name, output=planned.output, commit=planned.commit)
+    failed: TargetsFailedError | None = None
+    if todo:
+        members = tuple(subs[i].to for i in todo)
+        rest = replace(options, to=Target(",".join(t.name for t in members), "multi", "auto", members=members),
+                       list_files=True)
+        try:
+            result = convert(rest)
+        except TargetsFailedError as exc:
+            failed, result = exc, exc.result
+        for i, made in zip(todo, result.outputs, strict=True):
+            outputs[i] = made
+            if made.error is None:
+                records[i] = _new_record(subs[i], made)
+                write_json(record_path(Path(made.output)), records[i])
+        result.to = options.to.name
+    if len(todo) < len(subs):
+        result.notes.append(f"{len(subs) - len(todo)} of {len(subs)} outputs made by an earlier run with the same "
+                            "settings: kept, not converted again")
+    result.outputs = [o for o in outputs if o is not None]
+    if failed is not None:
+        raise failed
+    for i, (sub, out, record) in enumerate(zip(subs, outputs, records, strict=True)):
+        assert out is not None and record is not None
+        try:
+            _push(out, record, sub, pushes[i], argv, converted=i in todo)
+        except KeyboardInterrupt as exc:  # every output is complete and in place: say so
+            if isinstance(exc, InterruptedAfterCommit):
+                raise
+            raise InterruptedAfterCommit(Path(out.output)) from exc
+    return result
 
 
 def _convert_or_keep(options: ConvertOptions) -> tuple[ConvertResult, dict[str, Any] | None]:
@@ -181,7 +255,11 @@ def _kept_output(options: ConvertOptions) -> tuple[ConvertResult, dict[str, Any]
 
     The output's path is the one the run would write (a dry run plans it: nothing is downloaded or written).
     """
-    planned = convert(replace(options, dry_run=True, progress=False))
+    return _kept_at(options, convert(replace(options, dry_run=True, progress=False)))
+
+
+def _kept_at(options: ConvertOptions, planned: ConvertResult) -> tuple[ConvertResult, dict[str, Any]] | None:
+    """:func:`_kept_output` of the output a dry run of ``options`` planned."""
     out = Path(planned.output)
     record = _load_record(record_path(out))
     if record is None or record.get("key") != _key(options, planned):
@@ -389,9 +467,9 @@ def _message(record: dict[str, Any], options: ConvertOptions) -> str:
     return f"convert-bnb {__version__}: {record['source']['name']} --to {options.to}"
 
 
-def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions, argv: Sequence[str] | None) -> None:
+def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions, argv: Sequence[str] | None) -> str:
     """A dry run's push plan, into its plan (``push``: the upload plan and the card, whose files and figures
-    are known after the conversion) and its text."""
+    are known after the conversion); returns what the plan text says of it."""
     assert result.dry_run is not None
     repo, rev = parse_repo_spec(options.src) if result.commit is not None else (None, None)
     src_path = Path(result.source)
@@ -408,9 +486,8 @@ def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions
     result.dry_run["push"] = {**plan, "card": card}
     branch = f"branch {push.revision}" if push.revision is not None else "the default branch"
     how = ("the resumable folder upload" if plan["method"] == "large-folder" else "one commit")
-    result.plan_text += (f"\n  push: {push.repo_id} ({branch}{', private' if push.private else ''}) after the "
-                         f"conversion, in {how} (outputs over {_size_text(push.large_size)} go up resumably)")
-
+    return (f"{push.repo_id} ({branch}{', private' if push.private else ''}) after the "
+            f"conversion, in {how} (outputs over {_size_text(push.large_size)} go up resumably)")
 
 
 #: The sha256 of a planned file, known once it is written.

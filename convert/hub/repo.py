@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["is_hub_exception", "is_repo_id", "is_repo_name", "parse_repo_spec"]
+__all__ = ["is_hub_exception", "is_owner_name", "is_repo_id", "is_repo_name", "output_repo_name", "parse_repo_spec"]
 
 
-_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+_OWNER = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}"
+_REPO_RE = re.compile(rf"^{_OWNER}/{_OWNER}$")
+_OWNER_RE = re.compile(rf"^{_OWNER}$")
 
 
 def is_repo_id(text: str) -> bool:
@@ -41,6 +43,21 @@ def parse_repo_spec(spec: str) -> tuple[str, str | None]:
 def is_repo_name(text: str) -> bool:
     """Whether ``text`` has the syntax of a Hub repo id, ``org/name`` (whatever is on disk)."""
     return bool(_REPO_RE.match(text))
+
+
+def is_owner_name(text: str) -> bool:
+    """Whether ``text`` has the syntax of a Hub organisation or user name (the ``org`` of ``org/name``)."""
+    return bool(_OWNER_RE.match(text)) and ".." not in text
+
+
+def output_repo_name(name: str) -> str:
+    """The name of the repo an output is pushed to when only the organisation is given (``batch
+    --push-to-hub ORG``, several ``--to`` targets): the output's name without a ``.gguf`` or
+    ``.safetensors`` extension (a file output: the repo holds it under its own name)."""
+    for ext in (".gguf", ".safetensors"):
+        if name.endswith(ext) and len(name) > len(ext):
+            return name[: -len(ext)]
+    return name
 
 
 def is_hub_exception(exc: BaseException) -> bool:

@@ -386,3 +386,69 @@ def test_published_command_shows_local_paths_by_their_last_component(tmp_path: P
             str(tmp_path), f"--report={tmp_path}/r.json", "--push-to-hub", "me/m", "--revision", "v2"]
     assert published_command(argv) == (f"convert-bnb 'model dir' --to bf16 -o m-bf16/ --merge-lora {tmp_path.name} "
                                        "--report=r.json --push-to-hub me/m --revision v2")
+
+
+def test_several_targets_push_each_output_to_a_repo_of_its_own(hub: FakeHub, tmp_path: Path) -> None:
+    """--push-to-hub ORG with several targets: each output to ORG/<its name> with its own card and record; a
+    refused upload keeps every output recorded; the same command then uploads without converting; a missing
+    output is made again alone and only it is uploaded."""
+    out = tmp_path / "set"
+    args = ["org/m", "--to", "bf16,gguf:q8_0", "-o", str(out), "--push-to-hub", "me"]
+    env = _env(tmp_path, hub)
+    hub.refuse_commits = 403
+    r = run_cli(args, env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m-bf16' (")
+    bf16, gguf = out / "m-bf16", out / "org-m-2.0M-Q8_0.gguf"
+    for o in (bf16, gguf):  # both complete and recorded before the first upload
+        assert json.loads((out / f".{o.name}{RECORD_MARK}").read_text())["files"] == file_manifest(o)
+    plain = run_cli(["org/m", "--to", "gguf:q8_0", "-o", str(tmp_path / "one.gguf")], env)
+    assert plain.returncode == 0, plain.stderr
+    assert gguf.read_bytes() == (tmp_path / "one.gguf").read_bytes()  # a single run's bytes
+    before = {**_stat(bf16), **_stat(gguf)}
+    hub.refuse_commits = None
+    r = run_cli([*args, "--json"], env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert [o["to"] for o in res["outputs"]] == ["bf16", "gguf:q8_0"]
+    assert [(o["push"]["repo"], o["push"]["converted"], o["push"]["uploaded"]) for o in res["outputs"]] == [
+        ("me/m-bf16", False, True), ("me/org-m-2.0M-Q8_0", False, True)]
+    assert {**_stat(bf16), **_stat(gguf)} == before  # not converted again
+    assert {k: v for k, v in _pushed(hub, "me/m-bf16").items() if k != "README.md"} == {
+        p.name: p.read_bytes() for p in bf16.iterdir() if p.name != "README.md"}
+    assert set(_pushed(hub, "me/org-m-2.0M-Q8_0")) == {gguf.name, "README.md"}
+    assert _pushed(hub, "me/org-m-2.0M-Q8_0")[gguf.name] == gguf.read_bytes()
+    data, text = _card(_pushed(hub, "me/org-m-2.0M-Q8_0")["README.md"].decode())
+    assert data == {"base_model": "org/m", "base_model_relation": "quantized", "library_name": "gguf",
+                    "license": "apache-2.0", "tags": ["convert-bnb", "gguf"]}
+    assert f"```\nconvert-bnb org/m --to bf16,gguf:q8_0 -o set --push-to-hub me --json\n```" in text
+    assert _card(_pushed(hub, "me/m-bf16")["README.md"].decode())[0]["library_name"] == "transformers"
+    assert [c["summary"] for c in hub.commits] == ["convert-bnb 0.1.0: org/m --to bf16",
+                                                   "convert-bnb 0.1.0: org/m --to gguf:q8_0"]
+    # one output gone: only it is made (alone) and uploaded; the other is kept and already pushed
+    gguf.unlink()
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    assert "already pushed to me/m-bf16" in r.stderr and f"kept {bf16}: " in r.stderr
+    assert "note: 1 of 2 outputs made by an earlier run with the same settings" in r.stderr
+    assert "wrote 1 output into" in r.stderr and _stat(bf16) == {k: before[k] for k in _stat(bf16)}
+    assert gguf.read_bytes() == (tmp_path / "one.gguf").read_bytes()
+    assert len(hub.commits) == 3 and hub.commits[-1]["summary"].endswith("--to gguf:q8_0")
+    r = run_cli(args, env)  # everything pushed: nothing converted or uploaded
+    assert r.returncode == 0 and r.stderr.endswith(f"kept 2 outputs in {out}, made by an earlier run\n"
+                                                   f"note: 2 of 2 outputs made by an earlier run with the same "
+                                                   "settings: kept, not converted again\n"), r.stderr
+    assert len(hub.commits) == 3
+
+
+def test_several_targets_dry_run_plans_each_push(tmp_path: Path) -> None:
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
+    out = tmp_path / "set"
+    r = run_cli([str(src), "--to", "bf16,gguf:q8_0", "-o", str(out), "--push-to-hub", "me", "--dry-run"],
+                offline_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith(
+        "\n  push m-bf16: me/m-bf16 (the default branch) after the conversion, in one commit (outputs over 5GB go up "
+        "resumably)\n  push M-2.0M-Q8_0.gguf: me/M-2.0M-Q8_0 (the default branch) after the conversion, in one "
+        f"commit (outputs over 5GB go up resumably)\n  output: {out}\n"), r.stdout
+    assert not out.exists() and not list(tmp_path.glob(f"**/.*{RECORD_MARK}"))
