@@ -79,7 +79,7 @@ from formats.mapping import check_inputs
 from formats.peft import Adapter, is_adapter_dir, open_adapter
 
 __all__ = ["ConvertResult", "ResolvedSource", "base_model", "check_adapter_options", "check_options", "convert",
-           "job_key", "member_options", "resolve_source"]
+           "job_key", "member_options", "plan_set", "resolve_source"]
 
 @dataclass
 class ConvertResult:
@@ -866,12 +866,7 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
         UsageError: from :func:`member_options`, or ``-o`` naming a file (:func:`convert.output.set_output_path`).
     """
     subs, shared = member_options(options)
-    repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
-    if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
-        folder = Path(options.output or options.src)
-    else:
-        folder = set_output_path(options.output, default_set_output(None if repo else Path(options.src), repo,
-                                                                    options.revision or rev))
+    folder = _set_folder(options)
     weights: WeightMode = ("headers" if options.dry_run
                            else "auto" if all(t.family == "float" for t in options.to.targets) else "download")
     source = resolve_source(options.src, options.revision, to=options.to.name, output=folder,
@@ -880,6 +875,40 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
         return _run_set(options, subs, shared, source, folder, committed, t0)
     finally:
         source.close()
+
+
+def _set_folder(options: ConvertOptions) -> Path:
+    """The folder of a run of several targets: ``-o``, or :func:`convert.output.default_set_output` of SRC (a SRC
+    that is neither a path nor a repo id: itself, for :func:`resolve_source` to name it)."""
+    repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
+    if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
+        return Path(options.output or options.src)
+    return set_output_path(options.output, default_set_output(None if repo else Path(options.src), repo,
+                                                              options.revision or rev))
+
+
+def plan_set(options: ConvertOptions, source: ResolvedSource) -> ConvertResult:
+    """The dry run of a run of several targets from a source its caller resolved already (a batch job's
+    Hub snapshot in the cache, or its local path): only headers are read, nothing is downloaded or written.
+
+    Args:
+        options: the run (``to`` of several targets); its ``revision`` is the one :func:`convert` would resolve
+            the source at, so the outputs are named as that run names them (a Hub repo's revision is part of
+            the names: :func:`convert.output.default_output`).
+        source: the source, resolved at any revision of the same commit.
+
+    Returns:
+        the dry run's result: each target's planned result in ``outputs`` (``output``: its path in the folder).
+
+    Raises:
+        UsageError: as :func:`member_options`.
+        TargetsFailedError: OUT-006, some targets cannot be planned; the input's own error when none can.
+    """
+    options = replace(options, dry_run=True, progress=False)
+    subs, shared = member_options(options)
+    if source.hub is not None and source.hub.revision != options.revision:  # (the names carry the revision)
+        source = replace(source, hub=replace(source.hub, revision=options.revision))
+    return _run_set(options, subs, shared, source, _set_folder(options), [], time.perf_counter())
 
 
 def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, source: ResolvedSource,

@@ -58,8 +58,8 @@ from convert.units import format_bytes, parse_size
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, OutputExistsError, TargetsFailedError, UsageError
 
-__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "publish", "push_from_args",
-           "quant_summary", "record_path"]
+__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "planned_outputs", "publish",
+           "push_from_args", "quant_summary", "record_path"]
 
 #: The record of a pushed run's output, beside it: ``.NAME`` + this.
 RECORD_MARK = ".convert-bnb-push.json"
@@ -480,7 +480,7 @@ def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions
               "figures": ["(measured by the conversion)"], "merged": [Path(p).name for p in options.merge_lora]}
     if result.dry_run.get("adapter") is not None:
         record["adapter"] = _card_adapter(result.dry_run["adapter"])
-    outputs = _planned_outputs(result)
+    outputs = planned_outputs(result)
     card = _card(record, options, push, argv, outputs)
     plan = build_upload_plan(push, outputs, card, _message(record, options))
     result.dry_run["push"] = {**plan, "card": card}
@@ -494,13 +494,14 @@ def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions
 _LATER = "(after conversion)"
 
 
-def _planned_outputs(result: ConvertResult) -> list[tuple[Path, dict[str, dict[str, Any]]]]:
+def planned_outputs(result: ConvertResult) -> list[tuple[Path, dict[str, dict[str, Any]]]]:
     """A dry run's outputs with their planned manifests, as the upload would take them: the model's files with
     their planned bytes (a float or NF4/FP4 output: each shard's tensor data, the index as 0 bytes, a local
     source directory's other files as they are; a GGUF: its tensor data, per part when split), the
     ``--mmproj`` file's tensor data and the ``--modelfile`` text's exact bytes and sha256. Sizes leave out
     the headers, which are known once written; the sha256 of every file but the Modelfile is
-    ``(after conversion)``."""
+    ``(after conversion)``. (A single run's push plan, and ``batch --dry-run``'s for each output of a job of
+    several targets.)"""
     plan = result.dry_run or {}
     out = Path(result.output)
     files: dict[str, dict[str, Any]]
