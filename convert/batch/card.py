@@ -13,6 +13,13 @@ Pushing
     job again that was pushed to the same repo with the same key. A push the Hub refuses raises
     :class:`~formats.errors.HubError`; the conversion stays done.
 
+    A job of several targets (``--to bf16,gguf:q8_0``) pushes each output of its folder to a repo of its own,
+    ``ORG/<its name>`` (:func:`convert.hub.repo.output_repo_name`), as a single run of several targets does: the
+    outputs and their targets are those a dry run of the job's conversion plans (:func:`set_outputs`), each
+    output's files are its part of the job's manifest (:func:`member_files`), its card is the job's card with
+    its own target and name, and its push is recorded under ``pushed_outputs[NAME]``. Outputs are pushed in
+    ``--to`` order; a refused upload stops there, and a re-run uploads the outputs not recorded as pushed.
+
 Dry run
     :func:`plan_batch` converts, downloads and writes nothing: for each job it resolves the source
     (a Hub repo to its commit only, from the cache when offline), says whether a run would skip it
@@ -20,12 +27,15 @@ Dry run
     fail it: a job it would convert is checked as the run checks it (BATCH-005 and BATCH-006 by the worker's
     own :func:`convert.batch.state.check_replaceable`), and its input as ``convert-bnb check SRC --to TARGET``
     checks it, when its files are here (a Hub repo not in the cache is planned ``convert (not checked: not
-    downloaded)``). With ``--push-to-hub`` it gives the card and the upload plan (:func:`build_upload_plan`).
+    downloaded)``). With ``--push-to-hub`` it gives the card and the upload plan (:func:`build_upload_plan`);
+    for a job of several targets each output's (its files planned as a single run plans them,
+    :func:`convert.hub.publish.planned_outputs`), when the source's files are here to name them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +46,19 @@ from convert.check import check_source
 from convert.hub import card as hub_card
 from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
-from convert.hub.publish import quant_summary
+from convert.hub.publish import planned_outputs, quant_summary
 from convert.hub.repo import output_repo_name
 from convert.hub.upload import PushOptions, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
-from convert.job import ResolvedSource, job_key, resolve_source
+from convert.job import ConvertResult, ResolvedSource, job_key, plan_set, resolve_source
+from convert.options import ConvertOptions, Target
 from convert.output import recorded_shards
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError
 
-__all__ = ["build_upload_plan", "model_card", "plan_batch", "push_output", "repo_name"]
+__all__ = ["JobRepo", "build_upload_plan", "job_repos", "member_files", "model_card", "plan_batch", "push_output",
+           "repo_name", "set_outputs"]
 
 
 def repo_name(job: Job) -> str:
@@ -55,7 +67,8 @@ def repo_name(job: Job) -> str:
 
 
 def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
-               quantization: Iterable[str] = (), license: dict[str, str] | None = None) -> str:
+               quantization: Iterable[str] = (), license: dict[str, str] | None = None,
+               output: tuple[str, Target] | None = None) -> str:
     """The model card (``README.md``) pushed with a job's output: :func:`convert.hub.card.model_card` with the
     job's source, settings (``--max-shard-size``, ``--mmproj``) and the command that reproduces it.
 
@@ -66,6 +79,8 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
             ``{path: {"bytes", "sha256"}}``.
         quantization: lines describing the source's quantized layers.
         license: the source card's license keys (:func:`convert.hub.card.source_license`), or None.
+        output: one output of a job of several targets: its name in the job's folder and its target (the
+            card's title and target; the command stays the job's, which makes the whole folder).
 
     Returns:
         the card text. A local source is named by its folder only: a pushed card must not publish this
@@ -79,11 +94,12 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
     cmd = f"convert-bnb {shown}" + (f" --revision {commit}" if commit else "")
     cmd += f" --to {job.to} --max-shard-size {job.max_shard_size}" + (f" --mmproj {job.mmproj}" if job.mmproj else "")
     cmd += " --modelfile" if job.modelfile else ""
-    return hub_card.model_card(repo_name(job), job.to, source, files, settings=settings, command=cmd)
+    name, to = output or (job.name, job.to)
+    return hub_card.model_card(output_repo_name(name), to, source, files, settings=settings, command=cmd)
 
 
 def build_upload_plan(org: str, job: Job, outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]],
-                      card: str, private: bool) -> dict[str, Any]:
+                      card: str, private: bool, output: tuple[str, Target] | None = None) -> dict[str, Any]:
     """What ``--push-to-hub ORG`` does for one job (:func:`convert.hub.upload.build_upload_plan`): create
     ``ORG/NAME`` and upload every file of its outputs and the card (one commit, or the resumable folder upload
     for an output over :data:`convert.hub.upload.LARGE_UPLOAD` bytes).
@@ -92,46 +108,129 @@ def build_upload_plan(org: str, job: Job, outputs: list[tuple[Path, dict[str, di
         outputs: each output of the job (the text model, then its ``--mmproj`` file) with its manifest
             ``{path relative to the output: {"bytes", "sha256"}}`` (a file output: its own name), or None
             when not known yet.
+        output: one output of a job of several targets (its name and target): to ``ORG/<its name>``.
     """
-    return plan_upload(PushOptions(f"{org}/{repo_name(job)}", private), outputs, card,
-                       f"convert-bnb {__version__}: {job.src} --to {job.to}")
+    name, to = output or (job.name, job.to)
+    return plan_upload(PushOptions(f"{org}/{output_repo_name(name)}", private), outputs, card,
+                       f"convert-bnb {__version__}: {job.src} --to {to}")
 
 
-def push_output(job: Job, final: Path, state: dict[str, Any], state_path: Path, spec: dict[str, Any],
-                commit: str | None, quantization: list[str], license: dict[str, str] | None = None) -> str:
-    """Push a done job's output to ``ORG/NAME`` with its model card (:func:`convert.hub.upload.upload`), unless
-    the state records a push to that repo with the same key; record the push in the state file.
+@dataclass(frozen=True)
+class JobRepo:
+    """One repo a job pushes to: the job's output (with its ``--mmproj`` and ``--modelfile`` files) to
+    ``ORG/NAME``, or one output of a job of several targets to ``ORG/<its name>``.
+
+    Attributes:
+        name: the output's name (the job's NAME, or the output's in the job's folder); the repo's is
+            :func:`convert.hub.repo.output_repo_name` of it.
+        to: the output's target.
+        outputs: what goes up: each output path with its manifest ``{path relative to the output: {"bytes",
+            "sha256"}}``, or None when not known yet.
+        member: one output of a job of several targets (its push is recorded in the state's
+            ``pushed_outputs[name]``, a job's own in ``pushed``).
+    """
+
+    name: str
+    to: Target
+    outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]
+    member: bool = False
+
+    def card_and_plan(self, org: str, job: Job, private: bool, commit: str | None, quantization: Iterable[str],
+                      license: dict[str, str] | None) -> tuple[str, dict[str, Any]]:
+        """Its model card (:func:`model_card`) and upload plan (:func:`build_upload_plan`)."""
+        output = (self.name, self.to) if self.member else None
+        card = model_card(job, commit, _card_files(self.outputs), quantization, license, output=output)
+        return card, build_upload_plan(org, job, self.outputs, card, private, output=output)
+
+
+def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource) -> list[tuple[Target, ConvertResult]]:
+    """Each output of a job of several targets with its target, in ``--to`` order, named as the job's conversion
+    names them: the outputs a dry run of it plans (:func:`convert.job.plan_set`; headers only).
+
+    Args:
+        job: the job (``to`` of several targets).
+        options: its options (:func:`convert.batch.jobs.job_options`, at the resolved commit).
+        source: its source, resolved (its files here: a local path, or the Hub snapshot in the cache).
+
+    Raises:
+        ConvertBnbError: a target cannot be planned (the run would fail on it too).
+    """
+    return list(zip(job.to.targets, plan_set(options, source).outputs, strict=True))
+
+
+def member_files(files: dict[str, dict[str, Any]], name: str) -> dict[str, dict[str, Any]]:
+    """One output's part of the manifest of a job of several targets, relative to the output as its own
+    manifest is: the job's manifest holds a directory output's files under ``NAME/`` and a file output by its
+    name (:func:`convert.job.convert`'s result of a set; a batch job writes no split GGUF)."""
+    prefix = f"{name}/"
+    inside = {rel[len(prefix):]: rec for rel, rec in files.items() if rel.startswith(prefix)}
+    return inside or {rel: rec for rel, rec in files.items() if rel == name}
+
+
+def job_repos(job: Job, out_dir: Path, state: dict[str, Any],
+              members: list[tuple[Target, ConvertResult]] | None = None) -> list[JobRepo]:
+    """The repos a done job pushes to, each with the manifests its state records.
 
     Args:
         job: the job.
-        final: its output.
-        state: its state (``key``, ``files``, ``pushed``); updated with ``pushed``.
+        out_dir: the batch's out dir.
+        state: the job's state (``files``, ``mmproj_files``, ``modelfile_files``).
+        members: a job of several targets: its outputs (:func:`set_outputs`); None for a job of one target.
+    """
+    if members is None:
+        return [JobRepo(job.name, job.to, [(out_dir / name, state.get(f, {})) for name, f in job.outputs()])]
+    repos = []
+    for to, planned in members:
+        name = Path(planned.output).name
+        repos.append(JobRepo(name, to, [(out_dir / job.name / name, member_files(state.get("files") or {}, name))],
+                             member=True))
+    return repos
+
+
+def push_output(job: Job, out_dir: Path, state: dict[str, Any], state_path: Path, spec: dict[str, Any],
+                commit: str | None, quantization: list[str], license: dict[str, str] | None = None,
+                members: list[tuple[Target, ConvertResult]] | None = None) -> str:
+    """Push a done job's output to ``ORG/NAME`` with its model card (:func:`convert.hub.upload.upload`), or each
+    output of a job of several targets to ``ORG/<its name>`` (:func:`job_repos`), unless the state records a push
+    to that repo with the same key; record each push in the state file as it is done.
+
+    Args:
+        job: the job.
+        out_dir: the batch's out dir.
+        state: its state (``key``, ``files``, ``pushed``, ``pushed_outputs``); updated with each push.
         state_path: the state file.
         spec: the batch settings (``push_to_hub``: ORG, ``private``).
         commit: the source commit (None for a local source).
         quantization: lines describing the source's quantized layers, for the card.
         license: the source card's license keys, for the card, or None.
+        members: a job of several targets: its outputs (:func:`set_outputs`).
 
     Returns:
-        the repo id pushed to (now or before).
+        the repo id pushed to (now or before); a job of several targets: its repo ids, joined by ``, ``.
 
     Raises:
-        HubUploadError: HUB-003, the upload failed (network, no write access, the Hub refused).
+        HubUploadError: HUB-003, an upload failed (network, no write access, the Hub refused); the outputs
+            pushed before it stay recorded.
     """
     org = spec["push_to_hub"]
-    target = f"{org}/{repo_name(job)}"
-    pushed = state.get("pushed")
-    if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
-        return target
-    outputs = [(final.parent / name, state.get(f, {})) for name, f in job.outputs()]
-    card = model_card(job, commit, _card_files(outputs), quantization, license)
-    plan = build_upload_plan(org, job, outputs, card, bool(spec.get("private")))
-    oid = upload(plan, card, upload_folder_path(final),
-                 hint="the conversion is kept; check the network and HF_TOKEN's write access, then run the batch "
-                      "again to retry the upload")
-    state["pushed"] = {"repo": target, "key": state.get("key"), "commit": oid}
-    save_state(state_path, state)
-    return target
+    targets = []
+    for repo in job_repos(job, out_dir, state, members):
+        target = f"{org}/{output_repo_name(repo.name)}"
+        targets.append(target)
+        pushed = (state.get("pushed_outputs") or {}).get(repo.name) if repo.member else state.get("pushed")
+        if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
+            continue
+        card, plan = repo.card_and_plan(org, job, bool(spec.get("private")), commit, quantization, license)
+        oid = upload(plan, card, upload_folder_path(repo.outputs[0][0]),
+                     hint="the conversion is kept; check the network and HF_TOKEN's write access, then run the "
+                          "batch again to retry the upload")
+        record = {"repo": target, "key": state.get("key"), "commit": oid}
+        if repo.member:
+            state.setdefault("pushed_outputs", {})[repo.name] = record
+        else:
+            state["pushed"] = record
+        save_state(state_path, state)
+    return ", ".join(targets)
 
 
 def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private: bool,
@@ -157,7 +256,9 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
         one entry per job: ``name``, ``src``, ``revision``, ``to``, ``max_shard_size``, ``output``, ``commit``,
         ``action`` (``skip (already converted)``, ``convert`` with what it resumes or what was not checked,
         or ``fail``); a failing job's ``error`` (the message), ``rule`` and, from the input check, every
-        ``problems`` line; with ``push_to_hub`` the ``card`` and the ``upload`` plan of a job that would not fail.
+        ``problems`` line; with ``push_to_hub`` the ``card`` and the ``upload`` plan of a job that would not fail
+        (a job of several targets: ``outputs``, each output's ``name``, ``to``, ``output``, ``card`` and
+        ``upload``; or, its source not downloaded, ``push``: a line saying the outputs are named later).
 
     Raises:
         HubError: a repo cannot be resolved.
@@ -174,7 +275,6 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
         except ConvertBnbError as exc:
             _fail(entry, [exc])
             continue
-        src = source.path
         commit = source.hub.commit if source.hub is not None else None
         entry["commit"] = commit
         state_file = state_path(out_dir, job.name)
@@ -186,29 +286,66 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
             entry["mmproj"] = str(out_dir / job.mmproj)
         if job.modelfile:
             entry["modelfile"] = str(out_dir / job.modelfile)
-        outputs: list[tuple[Path, dict[str, dict[str, Any]] | None]]
-        if (state.get("key") == key and state.get("status") == "done"
-                and all((out_dir / name).exists() for name, _ in job.outputs())):
+        done = (state.get("key") == key and state.get("status") == "done"
+                and all((out_dir / name).exists() for name, _ in job.outputs()))
+        if done:
             entry["action"] = "skip (already converted)"
-            outputs = [(out_dir / name, state.get(f)) for name, f in job.outputs()]
         else:
             problems = _convert_problems(job, source, out_dir, state, state_file, key, overwrite)
             if problems:
                 _fail(entry, problems)
                 continue
-            done = len(recorded_shards(final, {**(options.resume_key or {}), "job": key}))
-            entry["action"] = "convert" + (f" (resume: {done} shard(s) done)" if done else "")
+            kept = len(recorded_shards(final, {**(options.resume_key or {}), "job": key}))
+            entry["action"] = "convert" + (f" (resume: {kept} shard(s) done)" if kept else "")
             if source.hub is not None and source.hub.missing:
                 entry["action"] += " (not checked: not downloaded)"
-            outputs = [(final, _planned_files(src, job))]
-            outputs += [(out_dir / name, _not_written_yet(name)) for name, _ in job.outputs()[1:]]  # mmproj, Modelfile
         if push_to_hub:
-            quant = quant_summary(src) if src.exists() else []
-            lic = source_license(src if src.is_dir() else None, job.src if job.is_repo else None, commit)
-            card = model_card(job, commit, _card_files(outputs), quant, lic)
-            entry["card"] = card
-            entry["upload"] = build_upload_plan(push_to_hub, job, outputs, card, private)
+            _plan_push(entry, job, out_dir, state, source, options, done, push_to_hub, private)
     return out
+
+
+def _plan_push(entry: dict[str, Any], job: Job, out_dir: Path, state: dict[str, Any], source: ResolvedSource,
+               options: ConvertOptions, done: bool, org: str, private: bool) -> None:
+    """``--push-to-hub`` in a job's plan: its ``card`` and ``upload`` plan; for a job of several targets, each
+    output's (``outputs``: ``name``, ``to``, ``output``, ``card``, ``upload``), when the source's files are here
+    to plan them (else ``push`` says when they are named). A done job's files are those its state records, a
+    job to convert its planned ones. An output that cannot be planned fails the job's plan, as it fails the run.
+    """
+    src = source.path
+    commit = source.hub.commit if source.hub is not None else None
+    several = job.to.family == "multi"
+    if several and not _files_here(source):
+        entry["push"] = (f"each output to {org}/<its name>, named once the source is downloaded (a GGUF file's "
+                         "name comes from the model's config)")
+        return
+    if several:
+        try:
+            members = set_outputs(job, options, source)
+        except ConvertBnbError as exc:
+            _fail(entry, [exc])
+            return
+        repos = job_repos(job, out_dir, state, members) if done else [
+            JobRepo(Path(o.output).name, to, [(path, files) for path, files in planned_outputs(o)], member=True)
+            for to, o in members]
+    elif done:
+        repos = job_repos(job, out_dir, state)
+    else:
+        repos = [JobRepo(job.name, job.to, [(out_dir / job.name, _planned_files(src, job))]
+                         + [(out_dir / name, _not_written_yet(name)) for name, _ in job.outputs()[1:]])]
+    quant = quant_summary(src) if src.exists() else []
+    lic = source_license(src if src.is_dir() else None, job.src if job.is_repo else None, commit)
+    plans = [(repo, *repo.card_and_plan(org, job, private, commit, quant, lic)) for repo in repos]
+    if several:
+        entry["outputs"] = [{"name": r.name, "to": r.to.name, "output": str(r.outputs[0][0]), "card": card,
+                             "upload": upload_plan} for r, card, upload_plan in plans]
+    else:
+        _, entry["card"], entry["upload"] = plans[0]
+
+
+def _files_here(source: ResolvedSource) -> bool:
+    """Whether the source's files are here to read (a local path, or its Hub snapshot in the cache): a dry
+    run downloads nothing."""
+    return source.hub is None or (not source.hub.missing and source.path.is_dir())
 
 
 def _convert_problems(job: Job, source: ResolvedSource, out_dir: Path, state: dict[str, Any], state_file: Path,
@@ -221,7 +358,7 @@ def _convert_problems(job: Job, source: ResolvedSource, out_dir: Path, state: di
         check_replaceable(outputs, state, state_file, key, overwrite)
     except ConvertBnbError as exc:
         return [exc]
-    if source.hub is not None and (source.hub.missing or not source.path.is_dir()):
+    if not _files_here(source):
         return []  # not downloaded: a dry run fetches nothing to check
     name = source.hub.repo_id if source.hub is not None else None  # as the conversion names the model
     return check_source(source.path, job.to, name, mix=job.mix).problems

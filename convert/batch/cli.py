@@ -84,7 +84,8 @@ Re-running the same command skips finished jobs and finished shards (state in OU
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="default largest output shard (default: 5GB)")
     p.add_argument("--push-to-hub", metavar="ORG", default=None,
-                   help="create ORG/NAME repos and upload each output with a model card")
+                   help="create ORG/NAME repos and upload each output with a model card (a job of several --to "
+                   "targets: each output of its folder to ORG/<its name>)")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create private repos")
     p.add_argument("--dry-run", action="store_true",
                    help="convert nothing: print each job's plan (and with --push-to-hub the card and upload plan); "
@@ -104,7 +105,8 @@ Re-running the same command skips finished jobs and finished shards (state in OU
 
 def _print_plan(plan: list[dict[str, Any]]) -> None:
     """Print a ``--dry-run`` plan (:func:`convert.batch.card.plan_batch`): a line per job with its action (a
-    failing job's error names its rule), then any further problem of its input, its upload plan and card."""
+    failing job's error names its rule), then any further problem of its input, its upload plan and card (a job
+    of several targets: each output's)."""
     for e in plan:
         print(f"{e['name']}: {e['src']}" + (f"@{e['commit']}" if e.get("commit") else "")
               + f" --to {e['to']}" + "".join(f" {o}" for o in e.get("options", [])) + f" -> {e['output']}"
@@ -115,15 +117,24 @@ def _print_plan(plan: list[dict[str, Any]]) -> None:
         for line in e.get("problems", [])[1:]:
             print(f"  also: {line}")
         if "upload" in e:
-            up = e["upload"]
-            how = "one commit" if up["method"] == "commit" else "the resumable folder upload, message"
-            print(f"  upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
-                  f"exist_ok), {how} '{up['commit']['commit_message']}':")
-            for op in up["commit"]["operations"]:
-                size = f"{op['bytes']:>14,d} B" if op["bytes"] is not None else "(after conversion)"
-                print(f"    {op['path_in_repo']:<40} {size:>16}  <- {op['from']}")
-            print("  model card:")
-            print("    " + e["card"].replace("\n", "\n    ").rstrip())
+            _print_push(e["upload"], e["card"], "  ")
+        for o in e.get("outputs", []):  # a job of several targets: each output to a repo of its own
+            print(f"  output {o['name']} (--to {o['to']}):")
+            _print_push(o["upload"], o["card"], "    ")
+        if "push" in e:
+            print(f"  push: {e['push']}")
+
+
+def _print_push(up: dict[str, Any], card: str, indent: str) -> None:
+    """Print an upload plan and its card, indented by ``indent``."""
+    how = "one commit" if up["method"] == "commit" else "the resumable folder upload, message"
+    print(f"{indent}upload: create {up['create_repo']['repo_id']} (private={up['create_repo']['private']}, "
+          f"exist_ok), {how} '{up['commit']['commit_message']}':")
+    for op in up["commit"]["operations"]:
+        size = f"{op['bytes']:>14,d} B" if op["bytes"] is not None else "(after conversion)"
+        print(f"{indent}  {op['path_in_repo']:<40} {size:>16}  <- {op['from']}")
+    print(f"{indent}model card:")
+    print(f"{indent}  " + card.replace("\n", f"\n{indent}  ").rstrip())
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -131,10 +142,6 @@ def run_command(args: argparse.Namespace) -> int:
     fail)."""
     check_executor(args.executor, args.ray_address)
     jobs = parse_jobs(args.jobs_file, args)
-    several = next((j for j in jobs if j.to.family == "multi"), None)
-    if args.push_to_hub and several is not None:  # (a model page is one output)
-        raise UsageError("--push-to-hub pushes jobs of one --to target", found=f"{several.where}: --to {several.to}",
-                         hint="give each target to push a job line of its own")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
     out_dir: Path = args.out_dir

@@ -16,7 +16,8 @@ Format
     ``NAME`` defaults to the name a single conversion would give its output
     (:func:`convert.output.default_output`: the repo's, folder's or file's name with the target's
     suffix, and a file's extension for a single-file source); it is a plain name under the batch's DIR
-    and the name of the pushed repo.
+    and the name of the pushed repo (a job of several targets: the folder of its outputs, each pushed to a
+    repo of its own name).
     ``--mmproj`` (GGUF jobs of a multimodal model) also writes the vision projector GGUF, as
     ``convert-bnb SRC --to gguf:T --mmproj DIR/MMNAME`` does; MMNAME defaults to ``mmproj-NAME`` (the
     prefix llama.cpp's converter gives it) and is pushed into the same repo as NAME.
@@ -86,7 +87,8 @@ class Job:
         revision: branch, tag or commit (Hub only), or None (the default branch).
         to: the ``--to`` target.
         max_shard_size: largest output shard in bytes.
-        name: the output name under the batch's out dir (also the pushed repo's name).
+        name: the output name under the batch's out dir (also the pushed repo's name; a job of several
+            targets: the folder of its outputs, each pushed to a repo named after it).
         where: ``FILE:LINE`` (or ``FILE[i]``) the job came from, for messages.
         mmproj: the vision projector GGUF's file name under the out dir (``--mmproj``), or None.
         mix: llama-quantize's options for a ``gguf:TYPE`` job of its types (a list of option words, as

@@ -92,8 +92,9 @@ Pushing
     ``--push-to-hub ORG`` creates ``ORG/NAME`` (``exist_ok``, ``--private``) after a job is done and
     uploads the output in one commit with a model card (``README.md``) recording the source repo and
     commit, the settings and the converter version. The push is recorded in the state file; a re-run
-    does not push a job again once pushed to the same repo with the same key. A failed push is the job's
-    own outcome, ``upload-failed`` (HUB-003, exit 3): the conversion stays done and kept, and a re-run
+    does not push a job again once pushed to the same repo with the same key. A job of several targets pushes
+    each output of its folder to ``ORG/<its name>``, with its own card, each push recorded on its own. A failed
+    push is the job's own outcome, ``upload-failed`` (HUB-003, exit 3): the conversion stays done and kept, and a re-run
     uploads it without converting again. ``--dry-run`` converts nothing and prints each job's plan,
     the card and the upload plan; it makes :func:`check_batch` and, for each job it would convert, the
     worker's BATCH-005/006 check and ``check``'s rules on the input, and exits with

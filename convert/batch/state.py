@@ -9,7 +9,12 @@ new one) holds::
      "modelfile_files": {"<MFNAME>": {"bytes": N, "sha256": "..."}},  # once done, with --modelfile
      "source": {"repo", "revision", "commit"},                        # a Hub source, once done
      "pushed": {"repo", "key", "commit"},                             # once pushed
+     "pushed_outputs": {"<output name>": {"repo", "key", "commit"}},  # several targets: each output pushed
      "error": "..." | null}
+
+A job of several targets (``--to bf16,gguf:q8_0``) writes the folder NAME: ``files`` holds every file in it
+(a directory output's under its name, a file output by its name), and each output pushed to its own repo is
+recorded in ``pushed_outputs`` under its name.
 
 Beside it, ``DIR/.convert-bnb/NAME.files.json`` is the manifest of the job's last conversion, written
 by :func:`convert.job.convert` just before it commits the output (``NAME.mmproj_files.json`` that of

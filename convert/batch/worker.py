@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from convert import signals
-from convert.batch.card import push_output
+from convert.batch.card import push_output, set_outputs
 from convert.batch.jobs import Job, job_options
 from convert.batch.state import (
     STATE_DIR,
@@ -70,7 +70,8 @@ class JobResult:
         error: the error line when failed.
         error_class: the error's class name when failed (``OutputBusyError``, ...).
         rule: the error's rule when failed (``OUT-004``, ...).
-        pushed: the Hub repo pushed to (this run or before), or None.
+        pushed: the Hub repo pushed to (this run or before), or None; a job of several targets: the repo of
+            each output, joined by ``, ``.
         notes: the conversion's notes (first its float16 line, when it has one).
     """
 
@@ -150,10 +151,9 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             result.notes = ["the output was committed by an earlier run that stopped before recording it"]
         else:
             overwrite = check_replaceable(outputs, state, state_file, key, bool(spec.get("overwrite")))
-            pushed = state.get("pushed") if state.get("key") == key else None
-            state = {"version": STATE_VERSION, "key": key, "job": job.to_dict(), "status": "running"}
-            if pushed:
-                state["pushed"] = pushed
+            same = state.get("key") == key  # (the same key makes the same bytes: what was pushed stays pushed)
+            pushed = {k: state[k] for k in ("pushed", "pushed_outputs") if same and k in state}
+            state = {"version": STATE_VERSION, "key": key, "job": job.to_dict(), "status": "running", **pushed}
             save_state(state_file, state)
             done = convert(replace(options, overwrite=overwrite,
                                    on_progress=_progress_writer(progress_path(out_dir, job.name))))
@@ -176,8 +176,9 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             try:
                 lic = source_license(source.path if source.path.is_dir() else None,
                                      source.hub.repo_id if source.hub is not None else None, commit)
-                result.pushed = push_output(job, final, state, state_file, spec, commit, quant_summary(source.path),
-                                            lic)
+                members = set_outputs(job, options, source) if job.to.family == "multi" else None
+                result.pushed = push_output(job, out_dir, state, state_file, spec, commit,
+                                            quant_summary(source.path), lic, members)
             except HubUploadError as exc:  # the conversion is done and kept: its own outcome, not a failed job
                 result.status, result.error_class, result.rule = "upload-failed", type(exc).__name__, exc.rule
                 result.error = f"converted, upload failed: {exc}"

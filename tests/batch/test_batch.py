@@ -616,6 +616,126 @@ def _dry_run_card(jobs: Path, out: Path, env: dict[str, str]) -> str:
     return json.loads(r.stdout)[0]["card"]
 
 
+def _head(hub: object, repo_id: str) -> dict[str, bytes]:
+    """The files of a fake Hub repo's main branch."""
+    repo = hub.repos[repo_id]  # type: ignore[attr-defined]
+    return repo["commits"][repo["refs"]["main"]]
+
+
+def test_online_batch_pushes_each_output_of_a_job_of_several_targets(tmp_path: Path) -> None:
+    """A job of several targets with --push-to-hub ORG: each output of its folder to ORG/<its name> with the card
+    the dry run shows for it; a refused upload keeps the job done and the next run uploads without converting;
+    then a re-run pushes nothing. Before the download a dry run says the outputs are named later."""
+    from tests.helpers.fakehub import FakeHub
+
+    hub = FakeHub()
+    hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
+    url = hub.start()
+    try:
+        env = offline_env(tmp_path, tmp_path / "hub")
+        del env["HF_HUB_OFFLINE"]
+        env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        jobs = tmp_path / "jobs.txt"
+        jobs.write_text("org/a --to bf16,gguf:q8_0 --max-shard-size 1MB\n")
+        out = tmp_path / "out"
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+        (plan,) = json.loads(r.stdout)
+        assert plan["action"] == "convert (not checked: not downloaded)" and "outputs" not in plan, r.stderr
+        assert plan["push"] == ("each output to me/<its name>, named once the source is downloaded (a GGUF file's "
+                                "name comes from the model's config)")
+        # (a Hub source's outputs carry its commit: the job converts it at its resolved commit)
+        bf16, gguf = f"a-{A[:12]}-bf16", f"org-a-2.0M-{A[:12]}-Q8_0.gguf"
+        bf16_repo, gguf_repo = f"me/{bf16}", f"me/{gguf.removesuffix('.gguf')}"
+        hub.refuse_commits = 403
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--json")
+        assert r.returncode == 3, r.stderr
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["rule"], res["pushed"]) == ("upload-failed", "HUB-003", None)
+        assert res["error"].startswith(f"converted, upload failed: HUB-003 cannot push to '{bf16_repo}' (")
+        folder = out / "a"
+        assert sorted(p.name for p in folder.iterdir()) == [bf16, gguf]
+        state = json.loads((out / ".convert-bnb" / "a.json").read_text())
+        assert state["status"] == "done" and "pushed_outputs" not in state and hub.commits == []
+        before = (_stat(folder), _stat(folder / bf16))
+
+        hub.refuse_commits = None
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--json")
+        assert r.returncode == 0, r.stderr + (out / ".convert-bnb" / "a.log").read_text()
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"]) == ("skipped", f"{bf16_repo}, {gguf_repo}")
+        assert (_stat(folder), _stat(folder / bf16)) == before  # uploaded, not converted again
+        assert [c["summary"] for c in hub.commits] == ["convert-bnb 0.1.0: org/a --to bf16",
+                                                       "convert-bnb 0.1.0: org/a --to gguf:q8_0"]
+        pushed_bf16, pushed_gguf = _head(hub, bf16_repo), _head(hub, gguf_repo)
+        assert {k: v for k, v in pushed_bf16.items() if k != "README.md"} == _files(folder / bf16)
+        assert set(pushed_gguf) == {gguf, "README.md"} and pushed_gguf[gguf] == (folder / gguf).read_bytes()
+        state = json.loads((out / ".convert-bnb" / "a.json").read_text())
+        assert state["pushed_outputs"] == {
+            bf16: {"repo": bf16_repo, "key": state["key"], "commit": hub.commits[0]["commit"]},
+            gguf: {"repo": gguf_repo, "key": state["key"], "commit": hub.commits[1]["commit"]}}
+        # each card is the one the dry run shows for its output: its own target and files, the job's command
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+        (plan,) = json.loads(r.stdout)
+        assert plan["action"] == "skip (already converted)"
+        assert [(o["name"], o["to"], o["output"]) for o in plan["outputs"]] == [
+            (bf16, "bf16", str(folder / bf16)), (gguf, "gguf:q8_0", str(folder / gguf))]
+        assert [o["card"] for o in plan["outputs"]] == [pushed_bf16["README.md"].decode(),
+                                                        pushed_gguf["README.md"].decode()]
+        card = pushed_gguf["README.md"].decode()
+        assert card.startswith("---\nbase_model: org/a\nlibrary_name: gguf\ntags:\n- convert-bnb\n- gguf\n"
+                               "base_model_relation: quantized\n---\n")
+        assert f"\n# {gguf.removesuffix('.gguf')}\n" in card and "| --to | gguf:q8_0 |" in card
+        assert f"convert-bnb org/a --revision {A} --to bf16,gguf:q8_0 --max-shard-size 1000000\n" in card
+        rec = state["files"][gguf]
+        assert f"| {gguf} | {rec['bytes']} | {rec['sha256']} |" in card and "| --to | bf16 |" not in card
+        card = pushed_bf16["README.md"].decode()
+        assert f"\n# {bf16}\n" in card and "| --to | bf16 |" in card and "library_name: transformers" in card
+        inside = {rel.removeprefix(f"{bf16}/"): rec for rel, rec in state["files"].items() if rel != gguf}
+        assert len(inside) == len(state["files"]) - 1 == len(_files(folder / bf16))
+        for rel, rec in inside.items():  # the bf16 output's part of the job's manifest, as in its folder
+            assert f"| {rel} | {rec['bytes']} | {rec['sha256']} |" in card
+        assert {o["path_in_repo"]: o["from"] for o in plan["outputs"][1]["upload"]["commit"]["operations"]} == {
+            gguf: str(folder / gguf), "README.md": "model card"}
+        # a re-run neither converts nor pushes
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--json")
+        (res,) = json.loads(r.stdout)
+        assert (res["status"], res["pushed"]) == ("skipped", f"{bf16_repo}, {gguf_repo}") and len(hub.commits) == 2
+    finally:
+        hub.stop()
+
+
+def test_push_dry_run_plans_each_output_of_a_job_of_several_targets(tmp_path: Path) -> None:
+    """--dry-run --push-to-hub before a job of several targets is converted: each output's repo, planned files
+    and card, named as the run names them; nothing written."""
+    env = offline_env(tmp_path)
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --to bf16,gguf:q8_0 --name set\n")
+    out = tmp_path / "out"
+    r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    (plan,) = json.loads(r.stdout)
+    bf16, gguf = "llama_nf4_dq-bf16", "Llama_Nf4_Dq-2.0M-Q8_0.gguf"
+    assert plan["action"] == "convert" and "card" not in plan and "upload" not in plan
+    assert [(o["name"], o["to"], o["output"]) for o in plan["outputs"]] == [
+        (bf16, "bf16", str(out / "set" / bf16)), (gguf, "gguf:q8_0", str(out / "set" / gguf))]
+    ups = [o["upload"] for o in plan["outputs"]]
+    assert [u["create_repo"]["repo_id"] for u in ups] == ["me/llama_nf4_dq-bf16", "me/Llama_Nf4_Dq-2.0M-Q8_0"]
+    ops = [{o["path_in_repo"]: (o["bytes"], o["from"]) for o in u["commit"]["operations"]} for u in ups]
+    assert ops[0]["model.safetensors"] == (3975680, str(out / "set" / bf16 / "model.safetensors"))
+    assert ops[0]["config.json"][1] == str(out / "set" / bf16 / "config.json")
+    assert set(ops[1]) == {gguf, "README.md"} and ops[1][gguf][1] == str(out / "set" / gguf)
+    assert "| model.safetensors | 3975680 | (after conversion) |" in plan["outputs"][0]["card"]
+    assert f"| {gguf} | {ops[1][gguf][0]} | (after conversion) |" in plan["outputs"][1]["card"]
+    text = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run").stdout
+    assert (f"  output {gguf} (--to gguf:q8_0):\n    upload: create me/Llama_Nf4_Dq-2.0M-Q8_0 (private=False, "
+            "exist_ok), one commit 'convert-bnb 0.1.0: ") in text
+    assert "\n    model card:\n      ---\n      library_name: gguf\n" in text
+    assert not out.exists()  # a dry run writes nothing
+    # the run names its outputs as planned
+    assert _batch(jobs, out, env).returncode == 0
+    assert sorted(p.name for p in (out / "set").iterdir()) == [gguf, bf16]
+
+
 def test_sigterm_stops_the_workers_and_keeps_finished_shards(tmp_path: Path) -> None:
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --max-shard-size 1MB --name a\n"
