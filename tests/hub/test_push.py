@@ -421,7 +421,7 @@ def test_several_targets_push_each_output_to_a_repo_of_its_own(hub: FakeHub, tmp
     data, text = _card(_pushed(hub, "me/org-m-2.0M-Q8_0")["README.md"].decode())
     assert data == {"base_model": "org/m", "base_model_relation": "quantized", "library_name": "gguf",
                     "license": "apache-2.0", "tags": ["convert-bnb", "gguf"]}
-    assert f"```\nconvert-bnb org/m --to bf16,gguf:q8_0 -o set --push-to-hub me --json\n```" in text
+    assert "```\nconvert-bnb org/m --to bf16,gguf:q8_0 -o set --push-to-hub me --json\n```" in text
     assert _card(_pushed(hub, "me/m-bf16")["README.md"].decode())[0]["library_name"] == "transformers"
     assert [c["summary"] for c in hub.commits] == ["convert-bnb 0.1.0: org/m --to bf16",
                                                    "convert-bnb 0.1.0: org/m --to gguf:q8_0"]
