@@ -80,7 +80,8 @@ def add_push_arguments(p: argparse.ArgumentParser) -> None:
                    "missing (default: the default branch; --revision is the SOURCE's revision)")
     g.add_argument("--push-large-size", metavar="SIZE", type=parse_size, default=None,
                    help="with --push-to-hub: outputs larger than SIZE go up with huggingface_hub's resumable folder "
-                   f"upload (several commits), smaller ones in one commit (default: {_size_text(LARGE_UPLOAD)})")
+                   "upload (upload_folder: several commits with hf_xet), smaller ones in one commit (default: "
+                   f"{_size_text(LARGE_UPLOAD)})")
 
 
 def _size_text(n: int) -> str:

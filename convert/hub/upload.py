@@ -7,14 +7,19 @@ run (:mod:`convert.hub.publish`) and of a batch (:mod:`convert.batch.card`).
 2. with a target branch (``--push-revision``), ``create_branch`` (``exist_ok``: from the default branch's head
    when new);
 3. an output of at most :data:`LARGE_UPLOAD` bytes (``--push-large-size``) goes up in one ``create_commit``:
-   the repo gets every file and the card at once. A larger one goes up with huggingface_hub's resumable
-   upload of a folder: ``upload_large_folder`` (huggingface_hub 0.25 to 1.x: files hashed and uploaded by
-   several workers, progress kept in the folder's ``.cache/huggingface/``, several commits) or, where that
-   is gone (huggingface_hub 2.x), ``upload_folder``, which with ``hf_xet`` streams the files in several
-   commits and resumes a re-run (committed files are skipped, uploaded chunks deduplicated); without
-   ``hf_xet`` it is one ``create_commit``. The folder is ``.NAME.convert-bnb-upload`` beside the output:
-   links to the output's files and the card (the output itself is never written into); it is kept when the
-   upload fails (the next run resumes from it) and removed once the upload is done.
+   the repo gets every file and the card at once. A larger one goes up with ``upload_folder`` from
+   ``.NAME.convert-bnb-upload`` beside the output: links to the output's files and the card (the output itself
+   is never written into). With ``hf_xet`` (huggingface_hub 1.20 on) that is huggingface_hub's resumable
+   upload: the files streamed in several commits, a re-run skipping committed files and deduplicating
+   uploaded chunks; before 1.20, or without ``hf_xet``, it is one ``create_commit`` whose re-run does not
+   send again the LFS or Xet contents the Hub already has. The folder is kept when the upload fails (the next
+   run uploads from it) and removed once the upload is done.
+
+   Not ``upload_large_folder`` (huggingface_hub 0.25 to 1.x): through 1.31 its workers retry a refused commit
+   or pre-upload (a read-only token on an existing repo, a storage limit) for ever, logging every try to
+   stderr, and SIGTERM does not end the process (the workers go on; huggingface_hub#3325); 1.22 on deprecate
+   it for ``upload_folder`` (a ``FutureWarning`` on stderr), 1.32 on give up after 8 errors in a row. It also
+   prints its report to stdout (into ``--json``) and commits with its own message.
 
 Any failure (offline, no token, 401/403, the network down, the Hub refusing) is
 :class:`~formats.errors.HubUploadError` (HUB-003), one line naming the repo and huggingface_hub's error.
@@ -153,15 +158,9 @@ def upload(plan: dict[str, Any], card: str, folder: Path, *, hint: str, progress
             info = api.create_commit(repo_id, ops, commit_message=commit["commit_message"], revision=branch)
             return getattr(info, "oid", None)
         _stage(folder, commit["operations"], card)
-        large = getattr(api, "upload_large_folder", None)
-        if large is not None:  # huggingface_hub 0.25 to 1.x
-            large(repo_id=repo_id, folder_path=folder, repo_type="model", revision=branch,
-                  private=plan["create_repo"]["private"], print_report=progress)
-            oid = api.repo_info(repo_id, revision=branch).sha
-        else:  # huggingface_hub 2.x: upload_folder is the resumable multi-commit upload (with hf_xet)
-            info = api.upload_folder(repo_id=repo_id, folder_path=folder, revision=branch,
-                                     commit_message=commit["commit_message"])
-            oid = getattr(info, "oid", None)
+        info = api.upload_folder(repo_id=repo_id, folder_path=folder, revision=branch,
+                                 commit_message=commit["commit_message"])
+        oid = getattr(info, "oid", None)
     except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors, and its HTTP and socket libraries'
         first = (str(exc).strip().splitlines() or [""])[0]
         where = f"'{repo_id}'" + (f" branch '{branch}'" if branch is not None else "")
@@ -172,15 +171,14 @@ def upload(plan: dict[str, Any], card: str, folder: Path, *, hint: str, progress
 
 
 def _stage(folder: Path, operations: list[dict[str, Any]], card: str) -> None:
-    """Make ``folder`` hold what the repo gets: a symlink to each output file under its path in the repo, and
-    the card. What an earlier try left there is kept when it still fits (a large upload's progress in
-    ``.cache/``); links that point elsewhere and files the upload no longer has are removed."""
+    """Make ``folder`` hold what the repo gets and nothing else: a symlink to each output file under its path in
+    the repo, and the card. Links an earlier try left there are kept when they still fit; links that point
+    elsewhere and anything else (files the upload no longer has, an older version's ``.cache/``) are
+    removed."""
     folder.mkdir(exist_ok=True)
     want = {o["path_in_repo"]: Path(o["from"]).resolve() for o in operations if o["from"] != "model card"}
     for p in sorted(folder.rglob("*"), reverse=True):  # deepest first: a folder emptied is removed after its files
         rel = p.relative_to(folder).as_posix()
-        if rel == ".cache" or rel.startswith(".cache/"):
-            continue
         if p.is_symlink() or p.is_file():
             if rel not in want or not p.is_symlink() or Path(os.readlink(p)) != want[rel]:
                 p.unlink()

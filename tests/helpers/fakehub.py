@@ -123,8 +123,9 @@ class FakeHub:
                 if path == "/api/repos/create":
                     req = json.loads(body)
                     repo_id = f"{req['organization']}/{req['name']}"
-                    hub.created.append({"repo_id": repo_id, "private": req.get("visibility") == "private",
-                                        "type": req.get("type")})
+                    # (newer huggingface_hub sends "visibility", older ones (0.x, early 1.x) "private": true)
+                    private = req.get("visibility", "private" if req.get("private") else "public") == "private"
+                    hub.created.append({"repo_id": repo_id, "private": private, "type": req.get("type")})
                     hub.repos.setdefault(repo_id, {"refs": {}, "commits": {}})
                     return self._json({"url": f"{hub.url}/{repo_id}", "name": repo_id, "id": repo_id})
                 if path == "/api/validate-yaml":

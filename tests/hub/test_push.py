@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,9 +134,14 @@ def test_merged_gguf_to_a_private_branch(hub: FakeHub, tmp_path: Path) -> None:
 
 
 def test_large_outputs_go_up_through_the_folder_upload(hub: FakeHub, tmp_path: Path) -> None:
-    """Over --push-large-size the output goes up from a folder of links beside it (huggingface_hub 2.x:
-    upload_folder; without hf_xet, as here, one commit); a refused upload keeps that folder, a done one
-    removes it. The output is never written into."""
+    """Over --push-large-size the output goes up with upload_folder from a folder of links beside it and the card;
+    the output is never written into. A refused upload keeps that folder (one line, no commit) and the same
+    command uploads from it without converting; a done one removes it. What an earlier try or an older version
+    left in the folder (a stale link, upload_large_folder's ``.cache/huggingface/``) is not uploaded.
+
+    The same path under every huggingface_hub (0.23 on): the fake Hub speaks no Xet (HF_HUB_DISABLE_XET), so
+    upload_folder is one create_commit with the run's message everywhere; the streamed several-commit upload
+    it makes with hf_xet (huggingface_hub 1.20 on) is not exercised here."""
     src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m-nf4")
     out = tmp_path / "m-4bit"
     args = [str(src), "--to", "nf4", "--requantize", "-o", str(out), "--push-to-hub", "me/m-nf4", "--push-large-size",
@@ -143,20 +149,32 @@ def test_large_outputs_go_up_through_the_folder_upload(hub: FakeHub, tmp_path: P
     env = _env(tmp_path, hub)
     hub.refuse_commits = 403
     r = run_cli(args, env)
-    assert r.returncode == 2 and "HUB-003 cannot push to 'me/m-nf4' (HfHubHTTPError: 403" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m-nf4' (HfHubHTTPError: 403 "), r.stderr
+    assert hub.commits == [] and json.loads(r.stdout)["rule"] == "HUB-003"
     folder = tmp_path / f".m-4bit{UPLOAD_MARK}"
     links = {p.name: os.readlink(p) for p in folder.iterdir() if p.is_symlink()}
     assert links == {p.name: str(p) for p in out.iterdir()}  # links to the output's files, and the card
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*links, "README.md"])
     assert (folder / "README.md").read_text().startswith("---\nlibrary_name: transformers\n")
+    stale = folder / ".cache" / "huggingface" / "upload" / "config.json.metadata"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("an older convert-bnb's upload_large_folder progress\n")
+    (folder / "old.bin").symlink_to(src / "config.json")
     before = _stat(out)
     hub.refuse_commits = None
     r = run_cli(args, env)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and r.stderr == "", r.stderr
     push = json.loads(r.stdout)["push"]
-    assert (push["method"], push["converted"], push["uploaded"]) == ("large-folder", False, True)
+    (commit,) = hub.commits
+    assert (commit["summary"], commit["revision"]) == ("convert-bnb 0.1.0: m-nf4 --to nf4", "main")
+    assert (push["method"], push["converted"], push["uploaded"], push["commit"]) == (
+        "large-folder", False, True, commit["commit"])
+    assert json.loads((tmp_path / f".m-4bit{RECORD_MARK}").read_text())["pushed"]["commit"] == commit["commit"]
     assert not folder.exists() and _stat(out) == before
     pushed = _pushed(hub, "me/m-nf4")
     assert {k: v for k, v in pushed.items() if k != "README.md"} == {p.name: p.read_bytes() for p in out.iterdir()}
+    assert push["files"] == len(pushed) and push["bytes"] == sum(len(b) for b in pushed.values())
     data, text = _card(pushed["README.md"].decode())
     assert "base_model" not in data and "base_model_relation" not in data  # a local source: no Hub base model
     assert data["tags"] == ["convert-bnb", "bitsandbytes", "4-bit", "nf4"]
@@ -172,7 +190,10 @@ def test_refused_push_keeps_the_output_and_the_same_command_only_uploads(hub: Fa
     hub.refuse = 401  # no token, or one that may not write
     r = run_cli(args, env)
     assert r.returncode == 2
-    assert r.stderr.count("\n") == 1 and "401 Unauthorized" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    # huggingface_hub's words: "Client error '401 Unauthorized' for url" (1.x on), "401 Client Error: Unauthorized
+    # for url" (0.x)
+    assert re.search(r"\(HfHubHTTPError: [^)]*\b401\b[^)]*Unauthorized", r.stderr), r.stderr
     assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m' (HfHubHTTPError: ")
     assert f"Hint: the output is kept ({out}): run the same command again to upload it without converting" in r.stderr
     reference = run_cli([str(src), "--to", "bf16", "-o", str(tmp_path / "plain")], env)
