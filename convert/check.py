@@ -125,7 +125,7 @@ def check_source(path: str | os.PathLike[str], to: Target | str = AUTO, model_na
     except ConvertBnbError as exc:  # reported where the target's planning would be
         target = exc
     if is_adapter_dir(path):
-        _check_adapter(report, path, target, base)
+        _check_adapter(report, path, target, base, model_name)
         return report
     try:
         ckpt = open_checkpoint(path, problems)
@@ -213,7 +213,7 @@ def _check_target(ckpt: Checkpoint, target: Target | ConvertBnbError, model_name
 
 
 def _check_adapter(report: CheckReport, path: str | os.PathLike[str], target: Target | ConvertBnbError,
-                   base: str | None) -> None:
+                   base: str | None, model_name: str | None = None) -> None:
     """A PEFT LoRA adapter directory: its rules (LORA-001..013), and with ``--to gguf[:TYPE]`` its GGUF adapter
     planned against its base's config.json (:func:`convert.job.base_model`) and every value read (LORA-014), as
     the conversion would; the first problem joins the report."""
@@ -227,7 +227,7 @@ def _check_adapter(report: CheckReport, path: str | os.PathLike[str], target: Ta
             report.files, report.tensors = 1, len(adapter.tensors)
             report.plain = report.tensors
             if target.family == "gguf":
-                job = ADAPTER_JOB(adapter, base_model(base, adapter), options)
+                job = ADAPTER_JOB(adapter, base_model(base, adapter), options, model_name)
                 for t in job.plan.tensors:
                     t.source.produce(0, t.numel, t.dtype)  # LORA-014, as when it is written
     except ConvertBnbError as exc:

@@ -7,7 +7,8 @@ call :func:`convert`; there is no other path to an output. The steps:
 2. resolve the source: a local path, or a Hub repo id fetched into the HF cache (:mod:`convert.hub.download`),
    or read in place: headers only for ``dry_run``, one shard at a time for ``low_disk``
    (:mod:`convert.hub.shards`, whose :class:`~convert.hub.shards.ShardLifetime` the pipeline tells
-   when each tensor is about to be made and when it is written);
+   when each tensor is about to be made and when it is written); a PEFT LoRA adapter (a local directory, or a
+   Hub repo holding ``adapter_config.json``) becomes its GGUF LoRA adapter instead (:func:`_convert_adapter`);
 3. open the checkpoint (:func:`formats.checkpoint.open_checkpoint`) and plan the dequantization
    (:func:`convert.stream.plan.make_plan`): every output tensor with the source that produces it;
 4. merge LoRA adapters into the plan (:func:`convert.lora.apply.apply_lora`), when asked;
@@ -200,13 +201,20 @@ class ResolvedSource:
         return self.hub.repo_id if self.hub is not None else _absolute(self.path)
 
     @property
+    def is_adapter(self) -> bool:
+        """Whether the input is a PEFT LoRA adapter (:func:`formats.peft.is_adapter_dir`; a Hub repo: what its
+        listing said, :attr:`convert.hub.download.HubSource.adapter`), not a model."""
+        return self.hub.adapter if self.hub is not None else is_adapter_dir(self.path)
+
+    @property
     def low_disk_shards(self) -> HubShards | None:
         """A low-disk run's input shards (fetched one at a time into a staging folder), else None."""
         return self.hub.shards if self.hub is not None and self.hub.staging is not None else None
 
-    def model_name(self, ckpt: Checkpoint) -> str:
-        """The model's name, as llama.cpp's ``general.name`` takes it: the repo id, or the folder's name."""
-        return self.hub.repo_id if self.hub is not None else ckpt.source.resolve().name
+    def model_name(self, local: Path) -> str:
+        """The model's (or adapter's) name, as llama.cpp's ``general.name`` takes it: the repo id, or the name of
+        ``local`` (the folder or file opened)."""
+        return self.hub.repo_id if self.hub is not None else local.resolve().name
 
     def notes(self) -> list[str]:
         """What the user should know about where the input came from (a Hub repo: its commit, the bytes
@@ -242,7 +250,8 @@ def check_options(options: ConvertOptions) -> None:
             a ``report`` / ``quant_report`` path that names a directory, sits in a missing directory or
             cannot be written (checked now: the report is written after the whole output); a GGUF split
             option without a GGUF target, both of them, or a value below 1
-            (:func:`convert.options.check_split_options`).
+            (:func:`convert.options.check_split_options`); ``base`` with a local SRC that is not an adapter
+            (a Hub repo is checked once its listing is known: :func:`_check_base_repo`).
         ImatrixRequiredError: IMX-004, a llama-quantize type that needs an importance matrix without ``--imatrix``.
     """
     check_split_options(options)
@@ -283,13 +292,37 @@ def check_options(options: ConvertOptions) -> None:
     for flag, value in (("--report", options.report), ("--quant-report", options.quant.quant_report)):
         if value is not None:
             _check_report_path(flag, Path(value))
-    if options.base is not None and not is_adapter_dir(options.src):
-        raise UsageError("--base applies to a PEFT LoRA adapter directory as SRC (its GGUF LoRA adapter)",
-                         path=options.src, expected="a directory with adapter_config.json and adapter weights",
-                         hint="to merge an adapter into a model, give the model as SRC with --merge-lora ADAPTER")
+    if options.base is not None and os.path.lexists(options.src) and not is_adapter_dir(options.src):
+        raise _base_without_adapter(options)  # (a Hub repo is known to be a model once it is resolved)
     if options.low_disk and options.to.family != "float":
         raise UsageError("--low-disk works with --to auto, bf16, fp16 or fp32", found=f"--to {options.to}",
                          hint="convert without --low-disk (the whole repo is downloaded into the cache first)")
+
+
+def _base_without_adapter(options: ConvertOptions) -> UsageError:
+    """USE-001: ``--base`` with a model as SRC (a local one, or a Hub repo once resolved)."""
+    return UsageError("--base applies to a PEFT LoRA adapter as SRC (its GGUF LoRA adapter)",
+                      path=options.src, expected="a directory or Hub repo with adapter_config.json and adapter weights",
+                      hint="to merge an adapter into a model, give the model as SRC with --merge-lora ADAPTER")
+
+
+def _check_base_repo(options: ConvertOptions, repo: str | None, revision: str | None) -> None:
+    """``--base`` with a Hub repo id as SRC: USE-001 when the repo is a model, known from its listing before anything
+    is downloaded (:func:`convert.hub.download.resolve_repo` with ``download=False``; offline, from the cache).
+
+    Raises:
+        UsageError: USE-001 (:func:`_base_without_adapter`). HubError, NoWeightsError: as resolving the repo.
+    """
+    if options.base is None or repo is None or not is_repo_id(repo):
+        return
+    if not resolve_repo(repo, options.revision or revision, download=False, progress=False).adapter:
+        raise _base_without_adapter(options)
+
+
+def _adapter_one_target(options: ConvertOptions) -> UsageError:
+    """USE-001: several ``--to`` targets with a PEFT LoRA adapter as SRC (a local one, or a Hub repo once resolved)."""
+    return UsageError("SRC is a PEFT LoRA adapter: it becomes one GGUF LoRA adapter, one --to target",
+                      path=options.src, expected="--to gguf[:TYPE]", found=f"--to {options.to.name}")
 
 
 def _check_report_path(flag: str, path: Path) -> None:
@@ -331,7 +364,9 @@ def resolve_source(src: str, revision: str | None = None, *, to: str = "auto", o
     Raises:
         UsageError: ``revision`` with a local path; ``weights="low-disk"`` with a local path.
         SourceNotFoundError: no such path, and not a repo id (CKPT-010).
-        HubError, DiskSpaceError: from :func:`convert.hub.download.resolve_repo`.
+        HubError, DiskSpaceError, NoWeightsError, NoAdapterWeightsError: from
+            :func:`convert.hub.download.resolve_repo` (a repo that is neither a model nor an adapter: CKPT-005; an
+            adapter's config without its weights: LORA-005).
     """
     if os.path.lexists(src):  # a symlink loop or a dangling link is local too (open_checkpoint says which)
         if revision:
@@ -364,6 +399,9 @@ def job_key(options: ConvertOptions, source: ResolvedSource) -> dict[str, Any]:
         "to": options.to.name,
         "max_shard_size": options.max_shard_size,
         "merge_lora": [os.path.realpath(p) for p in options.merge_lora],  # (a symlink loop stays a path)
+        # a LoRA adapter's base model (its config.json names the tensors): a folder by its real path, a repo as given
+        **({"base": os.path.realpath(options.base) if os.path.lexists(options.base) else options.base}
+           if options.base is not None else {}),
         **({"metadata": os.path.realpath(options.metadata)} if options.metadata is not None else {}),
         # llama-quantize's per-tensor options, when given (a key without them stays as earlier runs stored it)
         **({"mix": options.mix.flags()} if options.mix.flags() else {}),
@@ -407,7 +445,7 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
     # 1. the options against each other, and the output path as far as it is known before reading
     check_options(options)
     if is_adapter_dir(options.src):
-        return _convert_adapter(options, committed, t0)
+        return _convert_adapter(options, ResolvedSource(Path(options.src)), committed, t0)
     repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         default = out = Path(options.output or options.src)
@@ -417,9 +455,14 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
     # 2. the source, local or fetched from the Hub (weights read as the target needs them)
     weights: WeightMode = ("headers" if options.dry_run else "low-disk" if options.low_disk
                            else "auto" if options.to.family == "float" else "download")
+    _check_base_repo(options, repo, rev)
     source = resolve_source(options.src, options.revision, to=options.to.name, output=out, progress=options.progress,
                             weights=weights)
     try:
+        if source.is_adapter:  # a Hub repo that holds a PEFT LoRA adapter: its GGUF LoRA adapter
+            return _convert_adapter(options, source, committed, t0)
+        if options.base is not None:
+            raise _base_without_adapter(options)
         return _convert_source(options, source, default, out, committed, t0)
     finally:
         source.close()
@@ -446,7 +489,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             _merge_threads(options, lora, 1)  # USE-001 before any work, in a dry run too
             plan.notes += source.notes()
             # 5. the target's job, from the static table; a dry run stops with its plan
-            job = TARGETS[options.to.family](plan, options, source.model_name(ckpt))
+            job = TARGETS[options.to.family](plan, options, source.model_name(ckpt.source))
             if job.naming is not None:  # a GGUF file is named by llama.cpp's convention from its general.* keys
                 default = _named_default(options, source, job.naming)
                 default = default if folder is None else folder / default.name
@@ -454,7 +497,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
             parts = job.output_parts(out)  # a split GGUF: its files, the first one standing for the output
             out = parts[0] if parts else out
             result.output = str(out)
-            mmproj = MmprojJob(plan, options, source.model_name(ckpt)) if options.mmproj is not None else None
+            mmproj = MmprojJob(plan, options, source.model_name(ckpt.source)) if options.mmproj is not None else None
             mm_out = _mmproj_output(options, out, mmproj.naming if mmproj is not None else None,
                                     source.hub.revision if source.hub is not None else None)
             modelfile = plan_modelfile(options, job.gplan, ckpt.source, out, parts,
@@ -505,20 +548,27 @@ def _done(result: ConvertResult, job: TargetJob, notes: list[str], t0: float) ->
 
 
 #: Options of a model conversion that mean nothing for a LoRA adapter as SRC (its GGUF adapter is one file made
-#: from the adapter alone).
-_MODEL_ONLY = (("--merge-lora", "merge_lora"), ("--mmproj", "mmproj"), ("--revision", "revision"),
-               ("--low-disk", "low_disk"), ("--split-max-size", "split_max_size"),
-               ("--split-max-tensors", "split_max_tensors"), ("--modelfile", "modelfile"))
+#: from the adapter alone). ``--revision`` is a Hub adapter's, never a local one's.
+_MODEL_ONLY = (("--merge-lora", "merge_lora"), ("--mmproj", "mmproj"), ("--low-disk", "low_disk"),
+               ("--split-max-size", "split_max_size"), ("--split-max-tensors", "split_max_tensors"),
+               ("--modelfile", "modelfile"))
 
 
-def check_adapter_options(options: ConvertOptions) -> None:
+def check_adapter_options(options: ConvertOptions, *, hub: bool = False) -> None:
     """Refuse what a LoRA adapter as SRC cannot be converted with: a target other than GGUF, an option of a model
-    conversion (:data:`_MODEL_ONLY`).
+    conversion (:data:`_MODEL_ONLY`), ``--revision`` with a local adapter directory.
+
+    Args:
+        options: the run's options (``src`` the adapter).
+        hub: the adapter is a Hub repo (``--revision`` is its revision).
 
     Raises:
         UsageError: USE-001.
     """
     src = Path(options.src)
+    if options.revision and not hub:
+        raise UsageError("--revision applies to a Hub repo id, but SRC is a local adapter directory", path=src,
+                         found=f"--revision {options.revision}")
     if options.to.family != "gguf":
         raise UsageError("SRC is a PEFT LoRA adapter: it becomes a GGUF LoRA adapter (--to gguf[:f32|f16|bf16|q8_0])",
                          path=src, expected="--to gguf[:TYPE]", found=f"--to {options.to.name}",
@@ -529,22 +579,28 @@ def check_adapter_options(options: ConvertOptions) -> None:
                              hint="a GGUF LoRA adapter is one file made from the adapter and its base's config.json")
 
 
-def _convert_adapter(options: ConvertOptions, committed: list[Path], t0: float) -> ConvertResult:
-    """A PEFT LoRA adapter directory as SRC: its GGUF LoRA adapter (:mod:`convert.gguf.adapter`), planned from the
-    adapter and its base model's config.json (:func:`base_model`), named by llama.cpp's convention next to SRC,
-    written, verified and committed as every output.
+def _convert_adapter(options: ConvertOptions, source: ResolvedSource, committed: list[Path], t0: float
+                     ) -> ConvertResult:
+    """A PEFT LoRA adapter as SRC, a directory or a Hub repo's snapshot (``source``, resolved): its GGUF LoRA adapter
+    (:mod:`convert.gguf.adapter`), planned from the adapter and its base model's config.json (:func:`base_model`),
+    named by llama.cpp's convention (the ``general.*`` name: the folder's, or the repo id as for a Hub model) next to
+    a local SRC or in the working directory for a Hub repo (:func:`convert.output.default_output`), written,
+    verified and committed as every output. A Hub adapter's weights may be read in place (a dry run).
 
     Raises:
         UsageError: USE-001, a target other than GGUF, or an option of a model conversion (:data:`_MODEL_ONLY`).
         AdapterError, UnsupportedError, HubError: the adapter, its base, or what a GGUF adapter cannot hold.
     """
-    src = Path(options.src)
-    check_adapter_options(options)
-    with open_adapter(src) as adapter:
+    hub = source.hub
+    check_adapter_options(options, hub=hub is not None)
+    shards = hub.shards if hub is not None else None
+    with open_adapter(source.path, remote=shards.open if shards is not None else None) as adapter:
         base = base_model(options.base, adapter, progress=options.progress)
-        job = ADAPTER_JOB(adapter, base, options)
-        out = output_path(options.output, default_output(src, options.to, naming=job.naming), is_dir=False)
-        result = ConvertResult(source=_absolute(src), to=options.to.name, output=str(out))
+        job = ADAPTER_JOB(adapter, base, options, source.model_name(source.path))
+        job.plan.notes += source.notes()
+        out = output_path(options.output, _named_default(options, source, job.naming), is_dir=False)
+        result = ConvertResult(source=source.ref, to=options.to.name, output=str(out),
+                               commit=hub.commit if hub is not None else None)
         if options.dry_run:
             result.dry_run, result.plan_text = job.plan_dict(), job.describe()
             result.output_exists = out.exists()
@@ -553,7 +609,7 @@ def _convert_adapter(options: ConvertOptions, committed: list[Path], t0: float) 
         run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress, label=out.name,
                           on_progress=options.on_progress, processes=options.processes)
         result.timings["plan"] = time.perf_counter() - t0
-        _write_output(job, options, ResolvedSource(src), src, out, run, result, committed)
+        _write_output(job, options, source, source.path, out, run, result, committed)
         return _done(result, job, [], t0)
 
 
@@ -808,8 +864,7 @@ def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
     families = {t.family for t in members}
     ggufs = [t for t in members if t.family == "gguf"]
     if is_adapter_dir(options.src):
-        raise UsageError("SRC is a PEFT LoRA adapter: it becomes one GGUF LoRA adapter, one --to target",
-                         path=options.src, expected="--to gguf[:TYPE]", found=f"--to {options.to.name}")
+        raise _adapter_one_target(options)
     for flag, given, one_gguf in (("--mmproj", options.mmproj is not None, True),
                                   ("--modelfile", options.modelfile is not None, True),
                                   ("--low-disk", options.low_disk, False)):
@@ -869,9 +924,14 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
     folder = _set_folder(options)
     weights: WeightMode = ("headers" if options.dry_run
                            else "auto" if all(t.family == "float" for t in options.to.targets) else "download")
+    _check_base_repo(options, repo, rev)
     source = resolve_source(options.src, options.revision, to=options.to.name, output=folder,
                             progress=options.progress, weights=weights)
     try:
+        if source.is_adapter:  # a Hub repo that holds an adapter
+            raise _adapter_one_target(options)
+        if options.base is not None:
+            raise _base_without_adapter(options)
         return _run_set(options, subs, shared, source, folder, committed, t0)
     finally:
         source.close()

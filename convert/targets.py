@@ -109,5 +109,5 @@ TARGETS: dict[str, Callable[[Plan, ConvertOptions, str], TargetJob]] = {
     "gguf": GgufJob,
 }
 
-#: ``--to gguf[:TYPE]`` of a PEFT LoRA adapter: ``(adapter, base model, options) -> TargetJob``.
+#: ``--to gguf[:TYPE]`` of a PEFT LoRA adapter: ``(adapter, base model, options, adapter's name) -> TargetJob``.
 ADAPTER_JOB = GgufAdapterJob

@@ -29,7 +29,8 @@ Rules checked here, each with its own subclass of :class:`~formats.errors.Adapte
 and LORA-003 for weights with no supported merge (trained ``lora_B`` biases, DoRA on an embedding).
 
 ========  ==========================================================================================
-LORA-005  the directory holds adapter weights (adapter_model.safetensors)
+LORA-005  the directory holds adapter weights (adapter_model.safetensors); a folder (or Hub repo) with
+          adapter_config.json and neither adapter nor model weights is an adapter whose weights are missing
 LORA-006  every adapter key has the prefix ``base_model.model.`` and a known suffix
 LORA-007  every adapter key lands on a tensor of the base model
 LORA-008  every targeted module has lora_A and lora_B (and a magnitude vector with DoRA)
@@ -44,14 +45,14 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from .checkpoint import READERS, ContainerReader, TensorRecord
+from .checkpoint import READERS, WEIGHT_FILES, ContainerReader, RemoteOpener, TensorRecord
 from .errors import (
     AdapterConfigError,
     AdapterKeyNameError,
@@ -69,19 +70,26 @@ from .errors import (
 from .peft_config import ADAPTER_CONFIG, LoraConfig, load_lora_config
 
 __all__ = [
+    "ADAPTER_EXTRA_FILES",
     "ADAPTER_WEIGHTS",
     "KEY_PREFIX",
     "Adapter",
     "AdapterKey",
     "AdapterModule",
+    "adapter_weights_file",
     "check_finite",
     "is_adapter_dir",
+    "is_adapter_listing",
     "open_adapter",
     "parse_adapter_key",
 ]
 
 #: Weight file names, in order of preference (``.bin`` goes through the reader registered for it).
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+#: The other files of an adapter directory a conversion reads when they are there: the model card (a GGUF
+#: adapter's ``general.*`` keys, a pushed card's license), generation_config.json (``general.*`` sampling values)
+#: and config.json (its ``_name_or_path``). A Hub adapter repo is fetched with these, its config and its weights.
+ADAPTER_EXTRA_FILES = ("README.md", "config.json", "generation_config.json")
 #: The exact prefix PEFT puts before every module name of a LoRA adapter.
 KEY_PREFIX = "base_model.model."
 
@@ -324,11 +332,51 @@ def _show_targets(t: tuple[str, ...] | str | None) -> str:
     return repr(list(t)) if isinstance(t, tuple) else repr(t)
 
 
+def is_adapter_listing(names: Collection[str]) -> bool:
+    """Whether a folder's (or a Hub repo's) top-level file names make it a PEFT adapter: ``adapter_config.json``
+    with adapter weights (:data:`ADAPTER_WEIGHTS`), or with no model weights either
+    (:data:`formats.checkpoint.WEIGHT_FILES`): an adapter whose weights are missing (LORA-005, not a model without
+    weights). A model directory that kept an adapter's config beside its own weights is a model."""
+    present = set(names)
+    if ADAPTER_CONFIG not in present:
+        return False
+    return any(w in present for w in ADAPTER_WEIGHTS) or not any(w in present for w, _ in WEIGHT_FILES)
+
+
 def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a PEFT adapter directory: it holds ``adapter_config.json`` and adapter weights
-    (:data:`ADAPTER_WEIGHTS`). A model directory that only kept an adapter's config is not one."""
+    """Whether ``path`` is a PEFT adapter directory (:func:`is_adapter_listing` of its regular files)."""
     p = Path(path)
-    return p.is_dir() and (p / ADAPTER_CONFIG).is_file() and any((p / w).is_file() for w in ADAPTER_WEIGHTS)
+    if not p.is_dir():
+        return False
+    names = (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, *(w for w, _ in WEIGHT_FILES))
+    return is_adapter_listing([n for n in names if (p / n).is_file()])
+
+
+def adapter_weights_file(names: Collection[str], where: str | os.PathLike[str]) -> str:
+    """The weights file of an adapter folder or Hub repo holding the files ``names``: the first of
+    :data:`ADAPTER_WEIGHTS` among them.
+
+    Args:
+        names: the folder's (repo's) top-level file names.
+        where: the folder (or ``org/name`` of the repo), for the error.
+
+    Raises:
+        NoAdapterWeightsError: LORA-005, none of them is there (naming ``where``, the expected names and the files
+            found).
+    """
+    for name in ADAPTER_WEIGHTS:
+        if name in names:
+            return name
+    raise _no_weights(names, where)
+
+
+def _no_weights(names: Collection[str], where: str | os.PathLike[str]) -> NoAdapterWeightsError:
+    return NoAdapterWeightsError(
+        "adapter weights not found",
+        path=where,
+        expected=" or ".join(ADAPTER_WEIGHTS),
+        found=sorted(names) or "an empty directory",
+    )
 
 
 def check_finite(rec: TensorRecord, values: npt.NDArray[np.floating], offset: int = 0) -> None:
@@ -354,9 +402,12 @@ def check_finite(rec: TensorRecord, values: npt.NDArray[np.floating], offset: in
     )
 
 
-def _open_weights(directory: Path) -> tuple[Path, ContainerReader]:
+def _open_weights(directory: Path, remote: RemoteOpener | None) -> tuple[Path, ContainerReader]:
     for name in ADAPTER_WEIGHTS:
         p = directory / name
+        far = remote(p) if remote is not None and not p.is_file() else None
+        if far is not None:
+            return p, far
         if p.is_file():
             reader = READERS.get(p.suffix.lower())
             if reader is None:
@@ -367,15 +418,10 @@ def _open_weights(directory: Path) -> tuple[Path, ContainerReader]:
                     found=p.suffix,
                 )
             return p, reader(p)
-    raise NoAdapterWeightsError(
-        "adapter weights not found",
-        path=directory,
-        expected=" or ".join(ADAPTER_WEIGHTS),
-        found=sorted(q.name for q in directory.iterdir()) or "an empty directory",
-    )
+    raise _no_weights([q.name for q in directory.iterdir()], directory)
 
 
-def open_adapter(path: str | os.PathLike[str]) -> Adapter:
+def open_adapter(path: str | os.PathLike[str], *, remote: RemoteOpener | None = None) -> Adapter:
     """Open a PEFT LoRA adapter directory and group its tensors by module.
 
     Checks everything that can be checked without the base model: the config (LORA-001..004), every
@@ -385,6 +431,8 @@ def open_adapter(path: str | os.PathLike[str]) -> Adapter:
 
     Args:
         path: the adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+        remote: opens an adapter weights file that is not on disk (a Hub repo's, read from its header in place:
+            :data:`formats.checkpoint.RemoteOpener`), or None.
 
     Returns:
         an :class:`Adapter`; close it when done.
@@ -405,7 +453,7 @@ def open_adapter(path: str | os.PathLike[str]) -> Adapter:
                 found="not a directory",
             )
     config = load_lora_config(directory)
-    wfile, reader = _open_weights(directory)
+    wfile, reader = _open_weights(directory, remote)
     try:
         tensors = {
             name: TensorRecord(name, info.dtype, tuple(info.shape), info.nbytes, reader)

@@ -24,7 +24,9 @@ What is written is what llama.cpp's ``convert_lora_to_gguf.py`` writes (at the p
   parameter count of a LoRA), ``adapter.lora.alpha`` (float32) and ``general.quantization_version``; no
   ``general.file_type``, no hyperparameters, no tokenizer;
 - the default file name: gguf-py's naming convention with the ``LoRA`` kind, ``Adapter-F16-LoRA.gguf``, next to
-  the adapter directory (the converter writes it inside; the input is never touched here).
+  the adapter directory (the converter writes it inside; the input is never touched here); a Hub adapter repo
+  (``org/name``, fetched as :mod:`convert.hub.download` fetches an adapter) is named as a Hub model is: the repo id
+  as ``general.name``, ``org-name-F16-LoRA.gguf`` in the working directory.
 
 The base model (:class:`BaseModel`: ``--base``, by default the adapter config's ``base_model_name_or_path``,
 a local directory or a Hub repo) gives its ``config.json`` alone: the architecture, the layer count, the head
@@ -392,7 +394,7 @@ def _lora_counts(tensors: Sequence[GGUFTensor]) -> tuple[int, int, int, int]:
 
 
 def plan_adapter(adapter: Adapter, base: BaseModel, output_type: str | None = None, *,
-                 metadata: str | os.PathLike[str] | None = None) -> AdapterPlan:
+                 metadata: str | os.PathLike[str] | None = None, model_id: str | None = None) -> AdapterPlan:
     """Plan the GGUF adapter of ``adapter`` for ``base`` from headers alone (see the module docstring).
 
     Args:
@@ -400,6 +402,8 @@ def plan_adapter(adapter: Adapter, base: BaseModel, output_type: str | None = No
         base: the base model's config.
         output_type: one of :data:`ADAPTER_TYPES` (default ``f16``).
         metadata: a ``--metadata`` file of ``general.*`` values, or None.
+        model_id: the adapter's id for its ``general.*`` keys (:class:`convert.gguf.general.MetadataSource`): a Hub
+            repo's ``org/name`` (its ``general.name``, as for a Hub model), or None for the directory's name.
 
     Returns:
         the :class:`AdapterPlan`; no tensor data has been read.
@@ -471,7 +475,7 @@ def plan_adapter(adapter: Adapter, base: BaseModel, output_type: str | None = No
 
     counts = _lora_counts(planned)
     own_config = adapter.path / "config.json"
-    source = MetadataSource(adapter.path, adapter.path.resolve().name,
+    source = MetadataSource(adapter.path, model_id or adapter.path.resolve().name,
                             read_config(own_config) if own_config.is_file() else None,
                             Path(metadata) if metadata is not None else None)
     general, general_notes = model_metadata(source, counts)
@@ -518,12 +522,15 @@ class GgufAdapterJob(GgufJob):
         base: the base model's config.
         options: ``to`` (``gguf`` or ``gguf:`` one of :data:`ADAPTER_TYPES`), ``metadata``, ``merge_report`` (exact
             error figures), ``dry_run``.
+        model_name: the adapter's id (:func:`plan_adapter`'s ``model_id``): a Hub repo's ``org/name``, or None for
+            the directory's name.
 
     Raises:
         as :func:`plan_adapter`.
     """
 
-    def __init__(self, adapter: Adapter, base: BaseModel, options: ConvertOptions) -> None:
+    def __init__(self, adapter: Adapter, base: BaseModel, options: ConvertOptions, model_name: str | None = None
+                 ) -> None:
         assert options.to.gguf_type is not None
         self.adapter = adapter
         self.base = base
@@ -532,7 +539,7 @@ class GgufAdapterJob(GgufJob):
         self.to = options.to.name
         self.mmproj = None
         self.split = None
-        self.aplan = plan_adapter(adapter, base, self.out_type, metadata=options.metadata)
+        self.aplan = plan_adapter(adapter, base, self.out_type, metadata=options.metadata, model_id=model_name)
         self.gplan = self.aplan.gguf
         ckpt = Checkpoint(adapter.path, True, [adapter.weights_file], dict(adapter.tensors))
         self.plan = Plan(ckpt, self.to, [self.aplan.tensors[t.source] for t in self.gplan.tensors

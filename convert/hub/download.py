@@ -15,6 +15,14 @@ Only what the conversion needs is fetched (top-level files only):
   tokenizer, generation config, chat template, README, LICENSE, remote-code ``.py``, ...), the same
   online and offline.
 
+A repo that holds a PEFT LoRA adapter (:func:`formats.peft.is_adapter_listing`: ``adapter_config.json`` with
+adapter weights, or with no model weights at all) is an adapter: only ``adapter_config.json``, its weights file
+(the first of :data:`formats.peft.ADAPTER_WEIGHTS`) and the few files its conversion reads
+(:data:`formats.peft.ADAPTER_EXTRA_FILES`: the card, config.json, generation_config.json) are fetched, and
+:attr:`HubSource.adapter` says so; its weights are downloaded (or, with ``headers``, read in place), never in a
+low-disk run. A repo with ``adapter_config.json`` and neither weights is LORA-005, one with no weights of either
+kind CKPT-005.
+
 Online, the repo's file list and sizes come from the Hub API first (``model_info`` with file
 metadata), so the disk pre-flight can count the bytes to download (files not yet in the cache),
 and, when the cache and the output share a filesystem, the estimated output too
@@ -61,6 +69,8 @@ from formats.errors import (
     NoWeightsError,
     UsageError,
 )
+from formats.peft import ADAPTER_EXTRA_FILES, ADAPTER_WEIGHTS, adapter_weights_file, is_adapter_dir, is_adapter_listing
+from formats.peft_config import ADAPTER_CONFIG
 
 __all__ = [
     "DownloadPlan",
@@ -117,6 +127,7 @@ class DownloadPlan:
         files: the files to fetch (weights, index, small files).
         weight_files: the subset holding weights.
         offline: resolved from the cache alone (``HF_HUB_OFFLINE``): nothing to download.
+        adapter: the repo is a PEFT LoRA adapter (``files``: its config, weights and card).
     """
 
     repo_id: str
@@ -125,6 +136,7 @@ class DownloadPlan:
     files: list[RepoFile]
     weight_files: list[str] = field(default_factory=list)
     offline: bool = False
+    adapter: bool = False
 
     @property
     def download_bytes(self) -> int:
@@ -159,7 +171,7 @@ class DownloadPlan:
         """JSON-ready dict."""
         return {
             "repo": self.repo_id, "revision": self.revision, "commit": self.commit, "offline": self.offline,
-            "download_bytes": self.download_bytes,
+            "adapter": self.adapter, "download_bytes": self.download_bytes,
             "files": [{"name": f.name, "bytes": f.size, "cached": f.cached} for f in self.files],
         }
 
@@ -182,6 +194,8 @@ class HubSource:
         low_disk: why the run is low-disk (a note), or None.
         missing: with ``download=False`` online, the files a conversion needs that are not in the cache
             yet (a conversion would download them); empty otherwise.
+        adapter: the repo is a PEFT LoRA adapter (``path`` holds its config, and its weights unless ``shards``
+            reads them in place), not a model.
     """
 
     repo_id: str
@@ -194,6 +208,7 @@ class HubSource:
     staging: Path | None = None
     low_disk: str | None = None
     missing: tuple[str, ...] = ()
+    adapter: bool = False
 
     def close(self) -> None:
         """Remove the low-disk staging folder and all in it (nothing otherwise)."""
@@ -266,29 +281,57 @@ def _load_index(path: str | Path) -> Any:
     return jsonfile.load_json_file(path, jsonfile.INDEX, IndexJsonError, "the index")
 
 
-def choose_weight_files(names: list[str], read_index: Callable[[str], Any]) -> list[str]:
+def choose_weight_files(names: list[str], read_index: Callable[[str], Any], repo_id: str | None = None) -> list[str]:
     """Pick exactly the weight files a conversion reads: the first of :data:`formats.checkpoint.WEIGHT_FILES`
     present, as :func:`formats.checkpoint.open_checkpoint` takes it from a directory.
 
     Args:
         names: the repo's top-level file names.
         read_index: loads an index file by name (returns its parsed JSON).
+        repo_id: ``org/name``, named by the error, or None.
 
     Returns:
         the index followed by the shards its ``weight_map`` names, or the one single weight file.
 
     Raises:
         IndexJsonError: CKPT-001, the repo's index has no ``weight_map`` object of strings.
-        NoWeightsError: CKPT-005, the repo has no weights convert-bnb can read (names the weight-like files
-            found).
+        NoWeightsError: CKPT-005, the repo has no weights convert-bnb can read, neither a model's nor a PEFT
+            LoRA adapter's (names the weight-like files found).
     """
     present = set(names)
     for name, is_index in WEIGHT_FILES:
         if name in present:
             return [name, *dict.fromkeys(weight_map(read_index(name), name).values())] if is_index else [name]
     weightish = sorted(n for n in names if any(fnmatch.fnmatch(n, g) for g in _WEIGHT_GLOBS))
-    raise NoWeightsError("the repo has no weights convert-bnb can read", expected=WEIGHT_FILES_EXPECTED,
+    raise NoWeightsError("the repo holds neither a model's weights nor a PEFT LoRA adapter convert-bnb can read",
+                         path=repo_id, expected=f"{WEIGHT_FILES_EXPECTED} (a model), or {ADAPTER_CONFIG} with "
+                                  f"{' or '.join(ADAPTER_WEIGHTS)} (a PEFT LoRA adapter)",
                          found=weightish or "no weight files")
+
+
+def choose_files(names: list[str], read_index: Callable[[str], Any], repo_id: str) -> tuple[list[str], list[str], bool]:
+    """The files a conversion of a repo holding the top-level files ``names`` fetches.
+
+    Args:
+        names: the repo's top-level file names.
+        read_index: loads an index file by name (returns its parsed JSON).
+        repo_id: ``org/name``, for the errors.
+
+    Returns:
+        (the weights: :func:`choose_weight_files`' for a model, ``adapter_config.json`` and its weights file for a
+        PEFT LoRA adapter; the other files: every :func:`formats.checkpoint.is_extra_file` of a model, the
+        :data:`formats.peft.ADAPTER_EXTRA_FILES` an adapter has; whether it is an adapter
+        (:func:`formats.peft.is_adapter_listing`)).
+
+    Raises:
+        NoAdapterWeightsError: LORA-005, an adapter's config without its weights (nor a model's).
+        IndexJsonError, NoWeightsError: CKPT-001, CKPT-005 (:func:`choose_weight_files`).
+    """
+    if is_adapter_listing(names):
+        weights = [ADAPTER_CONFIG, adapter_weights_file(names, repo_id)]
+        return weights, [n for n in ADAPTER_EXTRA_FILES if n in names], True
+    weights = choose_weight_files(names, read_index, repo_id)
+    return weights, sorted(n for n in names if n not in weights and is_extra_file(n)), False
 
 
 def plan_download(
@@ -314,6 +357,7 @@ def plan_download(
         HubError: the repo or revision does not exist or may not be read.
         _Unreachable: the Hub could not be reached (:func:`_network_failure`).
         IndexJsonError, NoWeightsError: the repo holds no readable weights (CKPT-001, CKPT-005).
+        NoAdapterWeightsError: LORA-005, the repo holds an adapter's config without its weights.
     """
     if _offline():
         return None
@@ -339,8 +383,8 @@ def plan_download(
                 return _load_index(hf_hub_download(repo_id, name, revision=commit, local_dir=local_dir))
             return _load_index(hf_hub_download(repo_id, name, revision=commit, cache_dir=cache_dir))
 
-        weights = choose_weight_files(top, read_index)
-    except HubError:
+        weights, small, adapter = choose_files(top, read_index, repo_id)
+    except ConvertBnbError:
         raise
     except Exception as exc:
         if _network_failure(exc):
@@ -348,13 +392,14 @@ def plan_download(
         if is_hub_exception(exc):
             raise _hub_error(exc, repo_id, revision) from None
         raise
-    wanted = list(weights) + sorted(n for n in top if n not in weights and is_extra_file(n))
+    wanted = weights + small
     files = []
     for n in wanted:
         hit = None if local_dir is not None else try_to_load_from_cache(repo_id, n, cache_dir=cache_dir,
                                                                         revision=commit)
         files.append(RepoFile(n, sizes.get(n), isinstance(hit, str) and n not in fetched))
-    return DownloadPlan(repo_id, revision, commit, files, [w for w in weights if not w.endswith(".json")])
+    return DownloadPlan(repo_id, revision, commit, files, [w for w in weights if not w.endswith(".json")],
+                        adapter=adapter)
 
 
 def estimate_output_bytes(headers: Mapping[str, tuple[str, list[int] | tuple[int, ...], int]], to: str) -> int | None:
@@ -433,8 +478,7 @@ def _offline_patterns(repo_id: str, revision: str | None, cache_dir: str | Path 
                            "the Hub could not be reached (the connection failed); fetch it once the Hub is reachable")
         return _load_index(hit)
 
-    weights = choose_weight_files(top, read_index)
-    small = [n for n in top if n not in weights and is_extra_file(n)]
+    weights, small, _ = choose_files(top, read_index, repo_id)
     return [glob.escape(n) for n in weights + small]
 
 
@@ -542,9 +586,10 @@ def resolve_repo(
     Raises:
         HubError: not found, gated, revision unknown, offline without the snapshot (or its index).
         IndexJsonError, NoWeightsError: the repo holds no readable weights (CKPT-001, CKPT-005).
+        NoAdapterWeightsError: LORA-005, the repo holds a PEFT adapter's config without its weights.
         DiskSpaceError: the download (and output, on the same disk) does not fit; with ``low-disk``, the
             output and the two largest shards do not fit.
-        UsageError: ``low-disk`` without ``out``, or for a repo without safetensors weights.
+        UsageError: ``low-disk`` without ``out``, or for a repo without safetensors weights or a LoRA adapter.
     """
     # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import constants
@@ -652,12 +697,12 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
         return HubSource(repo_id, revision, plan.commit, snap, 0,
-                         missing=tuple(f.name for f in plan.files if not f.cached))
+                         missing=tuple(f.name for f in plan.files if not f.cached), adapter=plan.adapter)
     mode: WeightMode = "download"
     note = None
     if plan is not None:
         remote = remote_files(plan)
-        est = _remote_output_estimate(remote, to) if out is not None else None
+        est = _remote_output_estimate(remote, to) if out is not None and not plan.adapter else None
         mode, note = _choose_mode(plan, weights, cache, out, est)
         if mode == "low-disk":
             assert out is not None
@@ -687,13 +732,13 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
         first = (str(unreachable).strip().splitlines() or [""])[0]
         fallback = (f"the Hub could not be reached ({type(unreachable).__name__}: {first}); used the cached "
                     f"snapshot {repo_id}@{snap.name}, as huggingface_hub does")
-    if plan is None:
-        return HubSource(repo_id, revision, snap.name, snap, 0, fallback)
+    if plan is None:  # offline, or the Hub unreachable: the cached snapshot says what the repo is
+        return HubSource(repo_id, revision, snap.name, snap, 0, fallback, adapter=is_adapter_dir(snap))
     if mode == "headers":
         small = sum(f.size or 0 for f in plan.files if not f.cached and f.name not in plan.weight_files)
         return HubSource(repo_id, revision, snap.name, snap, small,
-                         shards=HubShards(repo_id, plan.commit, snap, remote))
-    return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes)
+                         shards=HubShards(repo_id, plan.commit, snap, remote), adapter=plan.adapter)
+    return HubSource(repo_id, revision, snap.name, snap, plan.download_bytes, adapter=plan.adapter)
 
 
 def _choose_mode(plan: DownloadPlan, weights: WeightMode, cache: Path, out: str | Path | None,
@@ -702,8 +747,12 @@ def _choose_mode(plan: DownloadPlan, weights: WeightMode, cache: Path, out: str 
 
     Raises:
         DiskSpaceError: the chosen mode does not fit the disk (:func:`check_disk`).
-        UsageError: ``low-disk`` for weights that cannot be read in place.
+        UsageError: ``low-disk`` for weights that cannot be read in place, or for a LoRA adapter.
     """
+    if plan.adapter and weights == "low-disk":
+        raise UsageError("--low-disk applies to a model repo; this repo is a PEFT LoRA adapter",
+                         path=plan.repo_id, expected="a model repo", found=ADAPTER_CONFIG,
+                         hint="convert without --low-disk (an adapter's few files are downloaded into the cache)")
     if weights == "headers":
         return ("headers" if plan.reads_in_place else "download"), None
     if weights == "low-disk":
@@ -725,7 +774,7 @@ def _choose_mode(plan: DownloadPlan, weights: WeightMode, cache: Path, out: str 
         check_disk(plan.download_bytes, cache, out, est)
         return "download", None
     except DiskSpaceError as full:
-        if weights != "auto" or out is None or not plan.reads_in_place:
+        if weights != "auto" or out is None or not plan.reads_in_place or plan.adapter:
             raise
         try:
             check_disk(plan.low_disk_bytes, _existing(Path(out).absolute().parent), out, est)

@@ -57,6 +57,7 @@ from convert.output import InterruptedAfterCommit, sha256_file, write_json
 from convert.units import format_bytes, parse_size
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, OutputExistsError, TargetsFailedError, UsageError
+from formats.peft_config import ADAPTER_CONFIG
 
 __all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "planned_outputs", "publish",
            "push_from_args", "quant_summary", "record_path"]
@@ -368,7 +369,7 @@ def _cached_snapshot(repo: str, commit: str) -> Path | None:
     # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import try_to_load_from_cache
 
-    for name in ("config.json", "README.md", "model.safetensors.index.json", "model.safetensors"):
+    for name in ("config.json", "README.md", "model.safetensors.index.json", "model.safetensors", ADAPTER_CONFIG):
         found = try_to_load_from_cache(repo, name, revision=commit)
         if isinstance(found, str):
             return Path(found).parent

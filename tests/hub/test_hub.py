@@ -11,6 +11,7 @@ from convert.hub.download import (
     DownloadPlan,
     RepoFile,
     check_disk,
+    choose_files,
     choose_weight_files,
     estimate_output_bytes,
     resolve_repo,
@@ -20,7 +21,7 @@ from convert.options import target_for
 from convert.output import default_output
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
-from formats.errors import DiskSpaceError, HubError, NoWeightsError
+from formats.errors import DiskSpaceError, HubError, NoAdapterWeightsError, NoWeightsError
 from tests.helpers.fixtures import MODELS, REFERENCES, assert_same_tensors, load_all, read_safetensors
 from tests.helpers.hubcache import add_model_dir, commit_sha, offline_env, run_cli
 
@@ -196,6 +197,29 @@ def test_choose_weight_files_reads_the_index() -> None:
     with pytest.raises(NoWeightsError) as ei:
         choose_weight_files(["config.json", "model.gguf"], lambda n: {})
     assert type(ei.value) is NoWeightsError and ei.value.rule == "CKPT-005"
+
+
+def test_choose_files_tells_an_adapter_from_a_model() -> None:
+    """adapter_config.json with adapter weights (or with no weights of either kind: LORA-005) is an adapter: its
+    config, weights (safetensors first) and the card, config and generation config, never the tokenizer; beside a
+    model's weights and no adapter weights, a model; with neither, CKPT-005 naming the repo and both layouts."""
+    never = lambda n: pytest.fail(f"no index to read: {n}")  # noqa: E731
+    extras = ["README.md", "tokenizer.json", "config.json", "training_args.bin", "generation_config.json"]
+    adapter = ["adapter_config.json", "adapter_model.bin", "adapter_model.safetensors", *extras]
+    assert choose_files(adapter, never, "org/a") == (["adapter_config.json", "adapter_model.safetensors"],
+                                                     ["README.md", "config.json", "generation_config.json"], True)
+    assert choose_files(["adapter_model.bin", "adapter_config.json"], never, "org/a") == (
+        ["adapter_config.json", "adapter_model.bin"], [], True)
+    merged = ["adapter_config.json", "model.safetensors", "README.md", "tokenizer.json"]
+    assert choose_files(merged, never, "org/m") == (["model.safetensors"],
+                                                    ["README.md", "adapter_config.json", "tokenizer.json"], False)
+    with pytest.raises(NoAdapterWeightsError) as ei:
+        choose_files(["adapter_config.json", "README.md"], never, "org/a")
+    assert ei.value.rule == "LORA-005" and ei.value.path == "org/a"
+    assert ei.value.expected == "adapter_model.safetensors or adapter_model.bin"
+    with pytest.raises(NoWeightsError) as ei:
+        choose_files(["README.md", "tokenizer.json"], never, "org/x")
+    assert ei.value.rule == "CKPT-005" and ei.value.path == "org/x" and "(a PEFT LoRA adapter)" in ei.value.expected
 
 
 @pytest.mark.parametrize("model", ["llama_nf4_dq", "llama_fp4_nodq", "llama_nf4_dq_qsbf16", "llama_nf4_dq_sharded"])

@@ -346,6 +346,43 @@ def test_a_pushed_gguf_lora_adapter_has_an_adapters_card(hub: FakeHub, tmp_path:
     assert "- scale:" not in text and str(tmp_path) not in text and str(MODELS) not in text
 
 
+def test_a_hub_adapter_s_card_names_its_repo_and_a_rerun_keeps_it(hub: FakeHub, tmp_path: Path) -> None:
+    """A Hub adapter as SRC: the card names the adapter repo (revision, commit) as the source and carries its card's
+    license, the base repo as base_model; the same command again finds the output recorded under the repo's key
+    (job_key: the repo id and commit) and pushed, and does nothing; another --base is another key (OUT-001)."""
+    card = (ADAPTER / "README.md").read_text().replace("---\n", "---\nlicense: mit\n", 1)
+    commit = commit_sha("hub-adapter")
+    hub.add("org/ad", commit, {"adapter_config.json": ADAPTER / "adapter_config.json",
+                               "adapter_model.safetensors": ADAPTER / "adapter_model.safetensors",
+                               "README.md": card.encode()}, refs=("main", "v1"))
+    env = _env(tmp_path, hub)
+    args = ["org/ad@v1", "--to", "gguf:q8_0", "--base", "org/m", "-o", str(tmp_path / "a.gguf"), "--push-to-hub",
+            "me/a", "--json"]
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["push"]["converted"] is True
+    pushed = _pushed(hub, "me/a")
+    assert sorted(pushed) == ["README.md", "a.gguf"] and pushed["a.gguf"] == (tmp_path / "a.gguf").read_bytes()
+    data, text = _card(pushed["README.md"].decode())
+    assert data == {"base_model": "org/m", "base_model_relation": "adapter", "library_name": "gguf", "license": "mit",
+                    "tags": ["convert-bnb", "gguf", "lora"]}
+    assert "The PEFT LoRA adapter [org/ad](https://huggingface.co/org/ad) converted by convert-bnb" in text
+    assert f"## Source\n\n- repo: org/ad\n- revision: v1\n- commit: {commit}\n- base model: org/m\n" in text
+    assert hub.commits[-1]["summary"] == "convert-bnb 0.1.0: org/ad --to gguf:q8_0"
+    record = json.loads((tmp_path / f".a.gguf{RECORD_MARK}").read_text())
+    assert (record["key"]["source"], record["key"]["commit"], record["key"]["base"]) == ("org/ad", commit, "org/m")
+    before = _stat(tmp_path / "a.gguf")
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    push = json.loads(r.stdout)["push"]
+    assert (push["converted"], push["uploaded"]) == (False, False) and len(hub.commits) == 1
+    assert _stat(tmp_path / "a.gguf") == before
+    local_base = [a if a != "org/m" else str(MODELS / "llama_orig_bf16") for a in args]
+    r = run_cli(local_base, env)
+    assert r.returncode == 2 and "OUT-001 output exists" in r.stderr, r.stderr
+    assert len(hub.commits) == 1
+
+
 def test_dry_run_plans_the_outputs_files_with_their_planned_sizes(tmp_path: Path) -> None:
     """--dry-run --json with --push-to-hub: the operations are the output's files with their planned bytes (the
     Modelfile's exact bytes and sha256), and the method follows their total."""

@@ -497,6 +497,153 @@ def test_an_unreachable_hub_base_says_why(tmp_path: Path) -> None:
     assert not (tmp_path / "n.gguf").exists()
 
 
+# ------------------------------------------------------------------------------------------ a Hub adapter as SRC
+
+HUB_ADAPTER = "org/my-qlora-adapter"
+#: What the adapter repo holds besides the fixture's three files, never fetched: a tokenizer and PEFT's training
+#: leftovers.
+HUB_EXTRAS = {"tokenizer.json": b'{"version": "1.0"}', "training_args.bin": b"\x80\x04N."}
+
+
+@pytest.fixture
+def adapter_hub(tmp_path: Path):
+    """A fake Hub with the fixture adapter as ``org/my-qlora-adapter`` (branches main and v2) and the fixture base as
+    ``org/base``; yields (hub, env for the CLI online, the working directory)."""
+    from tests.helpers.fakehub import FakeHub
+    from tests.helpers.hubcache import commit_sha, offline_env
+
+    hub = FakeHub()
+    hub.add(HUB_ADAPTER, commit_sha("adapter"), {**{p.name: p for p in ADAPTER.iterdir()}, **HUB_EXTRAS},
+            refs=("main", "v2"))
+    hub.add("org/base", commit_sha("base"), {p.name: p for p in BASE.iterdir() if p.is_file()})
+    url = hub.start()
+    env = offline_env(tmp_path, tmp_path / "hub")
+    del env["HF_HUB_OFFLINE"]
+    env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server",
+               HF_HUB_ETAG_TIMEOUT="30", HF_HUB_DOWNLOAD_TIMEOUT="30")
+    work = tmp_path / "work"
+    work.mkdir()
+    try:
+        yield hub, env, work
+    finally:
+        hub.stop()
+
+
+def test_a_hub_adapter_is_converted_as_its_folder(tmp_path: Path, adapter_hub) -> None:
+    """``org/name`` holding adapter_config.json is an adapter: a dry run fetches its config and card alone (the
+    weights' header read in place), the conversion its weights too (never the tokenizer or other files), into the
+    HF cache; the GGUF is the local folder's byte for byte but general.name, the repo id as for a Hub model (the
+    local folder given that name by --metadata: every byte equal); named as a Hub model's GGUF is, in the working
+    directory; offline, the cached snapshot gives the same bytes."""
+    from tests.helpers.hubcache import commit_sha, run_cli
+
+    hub, env, work = adapter_hub
+    commit = commit_sha("adapter")
+    r = run_cli([HUB_ADAPTER, "--to", "gguf:q8_0", "--base", "org/base", "--dry-run", "--json"], env, cwd=work)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["output"] == str(work / "org-my-qlora-adapter-Q8_0-LoRA.gguf") and not plan["output_exists"]
+    assert plan["adapter"]["base"] == f"org/base@{commit_sha('base')}"
+    assert sorted(hub.full_downloads) == ["org/base/config.json", f"{HUB_ADAPTER}/README.md",
+                                          f"{HUB_ADAPTER}/adapter_config.json"]
+    assert list(work.iterdir()) == []
+    r = run_cli([HUB_ADAPTER, "--to", "gguf:q8_0", "--base", "org/base", "--json"], env, cwd=work)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    out = work / "org-my-qlora-adapter-Q8_0-LoRA.gguf"
+    assert (res["source"], res["commit"], res["output"]) == (f"{HUB_ADAPTER}@{commit}", commit, str(out))
+    assert res["verified"] and [p.name for p in work.iterdir()] == [out.name]
+    assert f"source: Hub repo {HUB_ADAPTER}@{commit} ({(ADAPTER / 'adapter_model.safetensors').stat().st_size} " \
+           "bytes downloaded)" in res["notes"]
+    assert sorted(set(hub.full_downloads)) == ["org/base/config.json"] + [
+        f"{HUB_ADAPTER}/{n}" for n in ("README.md", "adapter_config.json", "adapter_model.safetensors")]
+    snap = tmp_path / "hub" / "models--org--my-qlora-adapter" / "snapshots" / commit
+    assert sorted(p.name for p in snap.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    # the local folder of the same name: the same file but general.name; with that name given, every byte
+    local = tmp_path / "my-qlora-adapter"
+    shutil.copytree(ADAPTER, local)
+    plain = ours(local, BASE, "gguf:q8_0", tmp_path / "plain.gguf")
+    assert fields(out) == {**fields(plain), "general.name": HUB_ADAPTER} and fields(plain)["general.name"] != \
+        HUB_ADAPTER
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"general.name": HUB_ADAPTER}))
+    assert_same_file(out, ours(local, BASE, "gguf:q8_0", tmp_path / "named.gguf", "--metadata", str(meta)))
+    # a revision names the default output; offline, the cached snapshot gives the same bytes, nothing fetched
+    r = run_cli([f"{HUB_ADAPTER}@v2", "--to", "gguf:q8_0", "--base", "org/base", "--dry-run", "--json"], env, cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["output"] == str(work / "org-my-qlora-adapter-v2-Q8_0-LoRA.gguf")
+    fetched = len(hub.downloads)
+    r = run_cli([HUB_ADAPTER, "--to", "gguf:q8_0", "--base", "org/base", "-o", str(tmp_path / "offline.gguf")],
+                dict(env, HF_HUB_OFFLINE="1"), cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert len(hub.downloads) == fetched and (tmp_path / "offline.gguf").read_bytes() == out.read_bytes()
+
+
+def test_a_hub_adapter_s_errors(tmp_path: Path, adapter_hub) -> None:
+    """Named errors, exit 2, one line: a repo that is neither a model nor an adapter (CKPT-005), an adapter repo
+    without its weights (LORA-005), offline with nothing cached (HUB-001), and the adapter's own usage rules once
+    the repo is known to be one (USE-001: a float target, several targets, --low-disk, --base with a model repo)."""
+    from tests.helpers.hubcache import commit_sha, offline_env, run_cli
+
+    hub, env, work = adapter_hub
+    hub.add("org/card-only", commit_sha("card"), {"README.md": b"# x\n", "config.json": (BASE / "config.json")})
+    hub.add("org/no-weights", commit_sha("now"), {"README.md": (ADAPTER / "README.md"),
+                                                  "adapter_config.json": (ADAPTER / "adapter_config.json"),
+                                                  "tokenizer.json": b"{}"})
+    hub.add("org/model", commit_sha("model"), {p.name: p for p in QUANT.iterdir() if p.is_file()})
+    cases = [
+        (["org/card-only", "--to", "gguf"], env,
+         ["CKPT-005 the repo holds neither a model's weights nor a PEFT LoRA adapter", "Failed to read 'org/card-only'",
+          "or adapter_config.json with adapter_model.safetensors or adapter_model.bin (a PEFT LoRA adapter)"]),
+        (["org/no-weights", "--to", "gguf", "--base", str(BASE)], env,
+         ["Failed to read 'org/no-weights': LORA-005 adapter weights not found",
+          "expected 'adapter_model.safetensors or adapter_model.bin', found ['README.md', 'adapter_config.json', "
+          "'tokenizer.json']"]),
+        ([HUB_ADAPTER, "--to", "gguf"], offline_env(tmp_path, tmp_path / "empty-cache"),
+         [f"HUB-001 cannot fetch Hub repo '{HUB_ADAPTER}'", "HF_HUB_OFFLINE is set and the repo/revision is not in "
+          "the cache"]),
+        ([HUB_ADAPTER, "--to", "bf16"], env, ["USE-001 SRC is a PEFT LoRA adapter: it becomes a GGUF LoRA adapter"]),
+        ([HUB_ADAPTER, "--to", "gguf,gguf:q8_0"], env, ["USE-001 SRC is a PEFT LoRA adapter: it becomes one GGUF LoRA "
+                                                        "adapter, one --to target"]),
+        ([HUB_ADAPTER, "--to", "bf16", "--low-disk"], env, ["USE-001 --low-disk applies to a model repo; this repo is "
+                                                            "a PEFT LoRA adapter"]),
+        (["org/model", "--to", "gguf", "--base", str(BASE)], env, ["USE-001 --base applies to a PEFT LoRA adapter as "
+                                                                    "SRC"]),
+    ]
+    for argv, e, parts in cases:
+        r = run_cli(argv, e, cwd=work)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (argv, r.stderr)
+        assert all(p in r.stderr for p in parts), (argv, r.stderr)
+    assert list(work.iterdir()) == []
+    assert not any(d.startswith(("org/card-only/", "org/model/")) for d in hub.downloads)  # refused from the listing
+    assert f"{HUB_ADAPTER}/tokenizer.json" not in hub.downloads
+
+
+def test_an_adapter_folder_without_weights_is_lora_005(tmp_path: Path) -> None:
+    """adapter_config.json and no weights at all: an adapter whose weights are missing (LORA-005, naming the folder
+    and the files expected), not a model without weights (CKPT-005); with a model's weights beside it, a model."""
+    from convert.check import check_source
+
+    d = tmp_path / "half"
+    d.mkdir()
+    shutil.copy(ADAPTER / "adapter_config.json", d)
+    shutil.copy(ADAPTER / "README.md", d)
+    with pytest.raises(AdapterError) as err:
+        convert(ConvertOptions(str(d), to="gguf", base=str(BASE), output=tmp_path / "o.gguf"))
+    assert err.value.rule == "LORA-005" and err.value.path == str(d)
+    assert str(err.value) == (f"Failed to read '{d}': LORA-005 adapter weights not found (expected "
+                              "'adapter_model.safetensors or adapter_model.bin', found ['README.md', "
+                              "'adapter_config.json'])")
+    assert main([str(d), "--to", "gguf", "-o", str(tmp_path / "o.gguf")]) == 2
+    assert [p.rule for p in check_source(d, "gguf", base=str(BASE)).problems] == ["LORA-005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["half"]
+    model = tmp_path / "model"  # a merged model that kept its adapter's config: a model
+    shutil.copytree(BASE, model)
+    shutil.copy(ADAPTER / "adapter_config.json", model)
+    assert convert(ConvertOptions(str(model), to="gguf:f32", dry_run=True)).plan_text.startswith(
+        f"{model} -> GGUF llama, f32: 21 tensors")
+
+
 # ------------------------------------------------------------------------------------------ refused
 
 
