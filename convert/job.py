@@ -306,6 +306,12 @@ def _base_without_adapter(options: ConvertOptions) -> UsageError:
                       hint="to merge an adapter into a model, give the model as SRC with --merge-lora ADAPTER")
 
 
+def _src_repo_spec(src: str) -> tuple[str | None, str | None]:
+    """SRC as ``(repo, revision)`` when it is no local path (:func:`convert.hub.repo.parse_repo_spec`), else
+    ``(None, None)``."""
+    return parse_repo_spec(src) if not os.path.lexists(src) else (None, None)
+
+
 def _check_base_repo(options: ConvertOptions, repo: str | None, revision: str | None) -> None:
     """``--base`` with a Hub repo id as SRC: USE-001 when the repo is a model, known from its listing before anything
     is downloaded (:func:`convert.hub.download.resolve_repo` with ``download=False``; offline, from the cache).
@@ -446,7 +452,7 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
     check_options(options)
     if is_adapter_dir(options.src):
         return _convert_adapter(options, ResolvedSource(Path(options.src)), committed, t0)
-    repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
+    repo, rev = _src_repo_spec(options.src)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         default = out = Path(options.output or options.src)
     else:
@@ -924,7 +930,7 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
     folder = _set_folder(options)
     weights: WeightMode = ("headers" if options.dry_run
                            else "auto" if all(t.family == "float" for t in options.to.targets) else "download")
-    _check_base_repo(options, repo, rev)
+    _check_base_repo(options, *_src_repo_spec(options.src))
     source = resolve_source(options.src, options.revision, to=options.to.name, output=folder,
                             progress=options.progress, weights=weights)
     try:
@@ -940,7 +946,7 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
 def _set_folder(options: ConvertOptions) -> Path:
     """The folder of a run of several targets: ``-o``, or :func:`convert.output.default_set_output` of SRC (a SRC
     that is neither a path nor a repo id: itself, for :func:`resolve_source` to name it)."""
-    repo, rev = parse_repo_spec(options.src) if not os.path.lexists(options.src) else (None, None)
+    repo, rev = _src_repo_spec(options.src)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
         return Path(options.output or options.src)
     return set_output_path(options.output, default_set_output(None if repo else Path(options.src), repo,
