@@ -573,15 +573,13 @@ def test_summary_table_rows() -> None:
 
 
 def test_online_batch_fetches_converts_and_pushes(tmp_path: Path) -> None:
-    from tests.helpers.fakehub import FakeHub
+    from tests.helpers.fakehub import FakeHub, push_env
 
     hub = FakeHub()
     hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
     url = hub.start()
     try:
-        env = offline_env(tmp_path, tmp_path / "hub")
-        del env["HF_HUB_OFFLINE"]
-        env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        env = push_env(offline_env(tmp_path, tmp_path / "hub"), url)
         jobs = tmp_path / "jobs.txt"
         jobs.write_text("org/a --max-shard-size 1MB\n")
         out = tmp_path / "out"
@@ -626,15 +624,13 @@ def test_online_batch_pushes_each_output_of_a_job_of_several_targets(tmp_path: P
     """A job of several targets with --push-to-hub ORG: each output of its folder to ORG/<its name> with the card
     the dry run shows for it; a refused upload keeps the job done and the next run uploads without converting;
     then a re-run pushes nothing. Before the download a dry run says the outputs are named later."""
-    from tests.helpers.fakehub import FakeHub
+    from tests.helpers.fakehub import FakeHub, push_env
 
     hub = FakeHub()
     hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
     url = hub.start()
     try:
-        env = offline_env(tmp_path, tmp_path / "hub")
-        del env["HF_HUB_OFFLINE"]
-        env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        env = push_env(offline_env(tmp_path, tmp_path / "hub"), url)
         jobs = tmp_path / "jobs.txt"
         jobs.write_text("org/a --to bf16,gguf:q8_0 --max-shard-size 1MB\n")
         out = tmp_path / "out"
@@ -1074,15 +1070,13 @@ def test_dry_run_checks_a_cached_hub_snapshot_and_not_an_uncached_repo(setup: tu
     assert r.returncode == 3, r.stderr
     assert [(e["action"], e.get("rule")) for e in json.loads(r.stdout)] == [
         ("convert", None), ("fail", "BNB-009"), ("convert", None)]
-    from tests.helpers.fakehub import FakeHub
+    from tests.helpers.fakehub import FakeHub, push_env
 
     hub = FakeHub()
     hub.add("org/new", commit_sha("new"), {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
     url = hub.start()
     try:
-        online = offline_env(tmp_path, tmp_path / "empty-hub")
-        del online["HF_HUB_OFFLINE"]
-        online.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        online = push_env(offline_env(tmp_path, tmp_path / "empty-hub"), url)
         jobs.write_text("org/new\n")
         r = _batch(jobs, tmp_path / "out", online, "--dry-run", "--json")
         assert r.returncode == 0, r.stderr

@@ -699,7 +699,7 @@ def test_batch_modelfile_needs_a_gguf_job(tmp_path: Path) -> None:
 
 
 def test_batch_pushes_the_modelfile_with_the_gguf(tmp_path: Path) -> None:
-    from tests.helpers.fakehub import FakeHub
+    from tests.helpers.fakehub import FakeHub, push_env
 
     src = chat_model(tmp_path, "phi3_nf4_dq", "microsoft-Phi-3.5-mini-instruct.jinja")
     jobs = tmp_path / "jobs.txt"
@@ -707,9 +707,7 @@ def test_batch_pushes_the_modelfile_with_the_gguf(tmp_path: Path) -> None:
     hub = FakeHub()
     url = hub.start()
     try:
-        env = offline_env(tmp_path, tmp_path / "hub")
-        del env["HF_HUB_OFFLINE"]
-        env.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+        env = push_env(offline_env(tmp_path, tmp_path / "hub"), url)
         out = tmp_path / "out"
         r = _batch(jobs, out, env, "--push-to-hub", "me", "--json")
         assert r.returncode == 0, r.stderr

@@ -30,6 +30,14 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 
+def push_env(env: dict[str, str], url: str) -> dict[str, str]:
+    """``env`` (an offline test environment) made to reach the fake Hub at ``url`` with a token, Xet off (the fake
+    Hub speaks none)."""
+    online = {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}
+    online.update(HF_ENDPOINT=url, HF_HUB_DISABLE_XET="1", HF_TOKEN="hf_fake_token_for_the_local_server")
+    return online
+
+
 class _Server(ThreadingHTTPServer):
     """A request still being answered when its client (a test that stopped reading) went away raises in
     its own thread, possibly after the test: not printed into a later test's stderr. Other errors are."""
