@@ -21,6 +21,7 @@ from convert.cli import main
 from convert.output import sha256_file
 from formats.errors import UsageError
 from tests.helpers.batch import broken_model, kill_batch_at_pause, paused_env
+from tests.helpers.fakehub import FakeHub, push_env
 from tests.helpers.fixtures import MODELS, REFERENCES, ROOT, assert_same_tensors, load_all, read_safetensors
 from tests.helpers.hubcache import add_model_dir, commit_sha, offline_env, run_cli
 from tests.helpers.imatrix import write_dat_imatrix
@@ -572,14 +573,18 @@ def test_summary_table_rows() -> None:
 # ---------------------------------------------------------------- online: fetch and push through a local fake Hub
 
 
-def test_online_batch_fetches_converts_and_pushes(tmp_path: Path) -> None:
-    from tests.helpers.fakehub import FakeHub, push_env
-
+def _hub_with_a() -> FakeHub:
+    """A started fake Hub holding ``org/a`` at commit ``A`` (the tiny Llama NF4 fixture)."""
     hub = FakeHub()
     hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
-    url = hub.start()
+    hub.start()
+    return hub
+
+
+def test_online_batch_fetches_converts_and_pushes(tmp_path: Path) -> None:
+    hub = _hub_with_a()
     try:
-        env = push_env(offline_env(tmp_path, tmp_path / "hub"), url)
+        env = push_env(offline_env(tmp_path, tmp_path / "hub"), hub.url)
         jobs = tmp_path / "jobs.txt"
         jobs.write_text("org/a --max-shard-size 1MB\n")
         out = tmp_path / "out"
@@ -624,13 +629,9 @@ def test_online_batch_pushes_each_output_of_a_job_of_several_targets(tmp_path: P
     """A job of several targets with --push-to-hub ORG: each output of its folder to ORG/<its name> with the card
     the dry run shows for it; a refused upload keeps the job done and the next run uploads without converting;
     then a re-run pushes nothing. Before the download a dry run says the outputs are named later."""
-    from tests.helpers.fakehub import FakeHub, push_env
-
-    hub = FakeHub()
-    hub.add("org/a", A, {p.name: p for p in (MODELS / "llama_nf4_dq").iterdir() if p.is_file()})
-    url = hub.start()
+    hub = _hub_with_a()
     try:
-        env = push_env(offline_env(tmp_path, tmp_path / "hub"), url)
+        env = push_env(offline_env(tmp_path, tmp_path / "hub"), hub.url)
         jobs = tmp_path / "jobs.txt"
         jobs.write_text("org/a --to bf16,gguf:q8_0 --max-shard-size 1MB\n")
         out = tmp_path / "out"
