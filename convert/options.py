@@ -178,9 +178,20 @@ def target_arg(text: str) -> Target:
             raise argparse.ArgumentTypeError(f"{exc.reason} (found {text.strip().lower()!r})") from None
         choices = ", ".join(map(repr, target_names()))
         close = f"; {exc.hint}" if exc.hint else ""
-        bad = str(exc.found) if "," in text else text.strip().lower()
+        bad = _bad_member(text) if "," in text else text.strip().lower()
         raise argparse.ArgumentTypeError(
             f"invalid choice: {bad!r}{close} (choose from {choices}; several: comma-separated)") from None
+
+
+def _bad_member(text: str) -> str:
+    """The first member of a comma-separated ``--to`` that :func:`target_for` refuses, whole and as a single
+    ``--to`` names it (``gguf:q9_9``, not the type alone), or the whole list when none is refused alone."""
+    for part in text.split(","):
+        try:
+            target_for(part)
+        except ConvertBnbError:
+            return part.strip().lower()
+    return text.strip().lower()
 
 
 #: ``--to auto``: each quantized tensor in its QuantState dtype, the others as they are.

@@ -203,6 +203,9 @@ def test_cli_prints_one_line_per_failed_target(tmp_path: Path, capsys: pytest.Ca
     ("gguf,gguf:f16", "(gguf and gguf:f16 write the same output)"),
     ("bf16,,nf4", "--to lists an empty target"),
     ("bf16,int3", "invalid choice: 'int3'"),
+    # an unknown GGUF type is named as given, with its prefix (its error, GGUF-002, holds the type alone)
+    ("bf16,gguf:q9_9", "invalid choice: 'gguf:q9_9' (choose from 'auto'"),
+    ("bf16,GGUF:Q4km,nf4", "invalid choice: 'gguf:q4km'; did you mean 'gguf:q4_k_m'? (choose from"),
 ])
 def test_target_lists_are_checked_where_parsed(to: str, message: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
