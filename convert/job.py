@@ -326,9 +326,10 @@ def _check_base_repo(options: ConvertOptions, repo: str | None, revision: str | 
 
 
 def _adapter_one_target(options: ConvertOptions) -> UsageError:
-    """USE-001: several ``--to`` targets with a PEFT LoRA adapter as SRC (a local one, or a Hub repo once resolved)."""
+    """USE-001: several ``--to`` targets with a PEFT LoRA adapter as SRC (a local one, or a Hub repo once resolved):
+    a usage error's plain line (no path: nothing failed to be read)."""
     return UsageError("SRC is a PEFT LoRA adapter: it becomes one GGUF LoRA adapter, one --to target",
-                      path=options.src, expected="--to gguf[:TYPE]", found=f"--to {options.to.name}")
+                      expected="--to gguf[:TYPE]", found=f"--to {options.to.name}")
 
 
 def _check_report_path(flag: str, path: Path) -> None:

@@ -746,6 +746,22 @@ def test_usage_errors(tmp_path: Path, argv: list[str], error: type, part: str) -
     assert main([str(ADAPTER), *argv, *base, "-o", str(tmp_path / "o.gguf")]) == 2
 
 
+@pytest.mark.parametrize("to", ["bf16,gguf:q8_0", "gguf:q8_0,gguf:f16"])
+def test_an_adapter_with_several_targets_is_a_plain_usage_line(to: str, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Several --to targets with an adapter directory as SRC: USE-001 as every usage error prints it (no "Failed to
+    read" prefix: the adapter was not misread), exit 2, nothing written."""
+    with pytest.raises(UsageError) as info:
+        convert(ConvertOptions(str(ADAPTER), to=to, base=str(BASE), output=tmp_path / "set"))
+    assert (info.value.rule, info.value.path) == ("USE-001", None)
+    line = ("convert-bnb: error: USE-001 SRC is a PEFT LoRA adapter: it becomes one GGUF LoRA adapter, one --to "
+            f"target (expected '--to gguf[:TYPE]', found '--to {to}')\n")
+    assert str(info.value) + "\n" == line.removeprefix("convert-bnb: error: ")
+    assert main([str(ADAPTER), "--to", to, "--base", str(BASE), "-o", str(tmp_path / "set")]) == 2
+    assert capsys.readouterr().err == line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_base_needs_an_adapter_as_src(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--base applies to a PEFT LoRA adapter"):
         convert(ConvertOptions(str(QUANT), to="gguf", base=str(BASE), output=tmp_path / "o.gguf"))
