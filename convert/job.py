@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import functools
 import json
 import os
 import threading
@@ -71,7 +72,11 @@ from formats.errors import (
     ConvertBnbError,
     DiskSpaceError,
     ImatrixRequiredError,
+    OutputBusyError,
     OutputExistsError,
+    OutputInsideInputError,
+    OutputKindError,
+    OverwriteRefusedError,
     SourceNotFoundError,
     TargetsFailedError,
     UsageError,
@@ -477,11 +482,12 @@ def _convert(options: ConvertOptions, committed: list[Path]) -> ConvertResult:
 
 def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Path, out: Path,
                     committed: list[Path], t0: float, folder: Path | None = None,
-                    share: Consumer | None = None) -> ConvertResult:
+                    share: Consumer | None = None, on_checked: Callable[[], None] | None = None) -> ConvertResult:
     """Steps 3-7 of :func:`convert`, once the source is resolved (the caller removes its staging folder).
 
-    A target of a run of several (:func:`_convert_set`): its output named as alone but in ``folder``, and its
-    dequantized weights read through ``share`` once every target is planned."""
+    A target of a run of several (:func:`_convert_set`): its output named as alone but in ``folder``, its
+    dequantized weights read through ``share`` once every target is planned, and ``on_checked`` called once its
+    output is claimed and checked, before it is written (:class:`_OutputGate`)."""
     result = ConvertResult(source=source.ref, to=options.to.name, output=str(out),
                            commit=source.hub.commit if source.hub else None)
     with source.open() as ckpt:
@@ -527,7 +533,7 @@ def _convert_source(options: ConvertOptions, source: ResolvedSource, default: Pa
                 share.ready()
             run, notes = _run_settings(options, plan, source, out.name, lora)
             result.timings["plan"] = time.perf_counter() - t0
-            _write_output(job, options, source, ckpt.source, out, run, result, committed, parts)
+            _write_output(job, options, source, ckpt.source, out, run, result, committed, parts, on_checked)
             if mmproj is not None:
                 notes += _write_mmproj(mmproj, options, source, ckpt.source, mm_out, run, result, committed)
             if modelfile is not None:
@@ -702,16 +708,17 @@ def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, l
 
 
 def _write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSource, input_path: Path, out: Path,
-                  run: RunSettings, result: ConvertResult, committed: list[Path], parts: list[Path] | None = None
-                  ) -> None:
+                  run: RunSettings, result: ConvertResult, committed: list[Path], parts: list[Path] | None = None,
+                  on_checked: Callable[[], None] | None = None) -> None:
     """Claim ``out`` (with ``parts``: the files of a split output, ``out`` the first), write the job into its
     staging path, verify, list the files, commit; the figures go into ``result`` (timings, bytes out, files,
-    shards written and reused, what the claim recovered)."""
+    shards written and reused, what the claim recovered). ``on_checked``: the claim's
+    (:class:`convert.output.OutputClaim`), called once the output is checked, before anything is written."""
     timings = result.timings
     resume_key = None if options.resume_key is None else {**options.resume_key, "job": job_key(options, source)}
     with OutputClaim(out, is_dir=job.is_dir, nbytes=job.disk_nbytes, inputs=[input_path],
                      overwrite=options.overwrite, resume_key=resume_key, file_suffix=job.file_suffix,
-                     parts=parts) as claim:
+                     parts=parts, on_checked=on_checked) as claim:
         try:
             t = time.perf_counter()
             result.shards_written, result.shards_reused = job.write(claim.staging, run, claim.ledger)
@@ -921,7 +928,13 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
     thread of its own, reading each dequantized weight from the blocks the first target to need them made
     (:class:`convert.stream.shared.SharedProducts`), and committed on its own.
 
+    Every target's output is claimed and checked before any target writes (:class:`_OutputGate`).
+
     Raises:
+        OutputExistsError, OutputBusyError, OverwriteRefusedError, DiskSpaceError, OutputKindError,
+            OutputInsideInputError: OUT-001, OUT-004, OUT-005, OUT-002, USE-003, USE-002: an output refused before
+            anything was written (an existing one without ``overwrite``, another run's lock, ...: what a single
+            run checks); nothing is converted or written (:func:`_refused_set`).
         TargetsFailedError: OUT-006, some targets failed (each with its own error in ``failures``); the
             others' outputs are committed and complete. When every target failed with one and the same
             error (a broken input), that error instead, as a single run raises it.
@@ -986,15 +999,19 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
                                         hub.revision if hub else None).name for sub in subs]
     existed = os.path.lexists(folder)  # (each output's claim makes the folder, after its own checks)
     products = SharedProducts(shared, len(subs))
+    gate = _OutputGate(len(subs))
     try:
         if options.dry_run:
             outcomes = [_attempt(sub, source, d, committed, t0, folder, None)
                         for sub, d in zip(subs, defaults, strict=True)]
         else:
-            outcomes = _write_set(subs, defaults, source, folder, products, committed, t0, options.on_progress)
+            outcomes = _write_set(subs, defaults, source, folder, products, gate, committed, t0,
+                                  options.on_progress)
     finally:
         if not existed and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()  # (every target failed, or the run was stopped before a commit: nothing left behind)
+    if gate.refused:  # an output refused before any was written: the run is refused, as a single run would be
+        raise _refused_set(subs, gate.refused)
     result = _set_result(options, subs, defaults, outcomes, source, folder, products, shared, t0)
     if options.manifest is not None and not options.dry_run:  # (what was committed: a batch's record of its own)
         write_json(options.manifest, result.files)
@@ -1016,30 +1033,117 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
 
 
 def _attempt(sub: ConvertOptions, source: ResolvedSource, default: Path, committed: list[Path], t0: float,
-             folder: Path, share: Consumer | None) -> ConvertResult | BaseException:
-    """One target of a set (:func:`_convert_source`): its result, or the exception that ended it."""
+             folder: Path, share: Consumer | None, gate: tuple[_OutputGate, int] | None = None
+             ) -> ConvertResult | BaseException:
+    """One target of a set (:func:`_convert_source`): its result, or the exception that ended it. With ``gate``
+    (the run's :class:`_OutputGate` and this target's index) its output is written only once every target's is
+    checked."""
     try:
-        return _convert_source(sub, source, default, default, committed, t0, folder, share)
+        on_checked = functools.partial(gate[0].checked, gate[1]) if gate is not None else None
+        return _convert_source(sub, source, default, default, committed, t0, folder, share, on_checked)
     except BaseException as exc:  # noqa: BLE001 - each target's own outcome; the run reports them all
+        if gate is not None:
+            gate[0].failed(gate[1], exc)
         return exc
     finally:
         if share is not None:
             share.withdraw()
 
 
+#: What refuses an output before it is written (:class:`convert.output.OutputClaim`'s checks, and an existing
+#: ``--mmproj`` or ``--modelfile`` file, found while the target is planned): one of them refuses every target of
+#: a run of several (:class:`_OutputGate`).
+_OUTPUT_REFUSALS: tuple[type[ConvertBnbError], ...] = (
+    OutputExistsError, OutputBusyError, OutputKindError, OutputInsideInputError, OverwriteRefusedError,
+    DiskSpaceError)
+
+
+class _RefusedWithOthers(Exception):
+    """A target of a set whose output passed its checks, stopped before writing because another target's output
+    was refused (:class:`_OutputGate`); never raised out of :func:`convert`."""
+
+
+class _OutputGate:
+    """Every output of a run of several targets checked before any is written.
+
+    Each target plans, then claims and checks its output (:class:`convert.output.OutputClaim`, up to its staging:
+    the kind, the input, another run's lock OUT-004, an existing output OUT-001, OUT-005, the disk OUT-002) and
+    waits in :meth:`checked` until every other target has done so or has failed. When an output was refused
+    (:data:`_OUTPUT_REFUSALS`, there or while its target was planned), every target stops before writing and
+    :attr:`refused` holds each refusal; a target that failed otherwise (an input rule) leaves the others to go on,
+    as before.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._cond = threading.Condition()
+        self._n = n
+        self._arrived: set[int] = set()
+        self._cancelled = False
+        #: target index -> the error that refused its output, before any output was written
+        self.refused: dict[int, ConvertBnbError] = {}
+
+    def checked(self, i: int) -> None:
+        """Target ``i``'s output is claimed and checked: wait until every target's is, or has failed.
+
+        Raises:
+            _RefusedWithOthers: another target's output was refused (this one is not written).
+            KeyboardInterrupt: the run was stopped (:meth:`cancel`).
+        """
+        with self._cond:
+            self._arrived.add(i)
+            self._cond.notify_all()
+            while len(self._arrived) < self._n:
+                if self._cancelled:
+                    raise KeyboardInterrupt("stopped")
+                self._cond.wait()
+            if self.refused:
+                raise _RefusedWithOthers(f"{len(self.refused)} other output(s) refused")
+
+    def failed(self, i: int, exc: BaseException) -> None:
+        """Target ``i`` ended by ``exc``; before its output was checked, it arrives here (refused, when ``exc``
+        is one of :data:`_OUTPUT_REFUSALS`); after, nothing changes (every output was checked by then)."""
+        with self._cond:
+            if i in self._arrived:
+                return
+            self._arrived.add(i)
+            if isinstance(exc, _OUTPUT_REFUSALS):
+                self.refused[i] = exc
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """Stop the run: a target waiting in :meth:`checked` raises ``KeyboardInterrupt``."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+
+
+def _refused_set(subs: list[ConvertOptions], refused: dict[int, ConvertBnbError]) -> ConvertBnbError:
+    """The one error of a run of several targets whose outputs were refused before any was written: the first
+    refused target's (its class and rule, path and hint), naming its target and the other outputs refused."""
+    order = sorted(refused)
+    first = refused[order[0]]
+    also = ", ".join(f"{Path(refused[i].path).name if refused[i].path else subs[i].to.name} ({refused[i].rule})"
+                     for i in order[1:])
+    reason = (f"{first.reason} (--to {subs[order[0]].to.name}{f'; also refused: {also}' if also else ''}); nothing "
+              f"converted: every output of the {len(subs)} targets is checked before any is written")
+    return type(first)(reason, path=first.path, tensor=first.tensor, expected=first.expected, found=first.found,
+                       hint=first.hint, action=first.action)
+
+
 def _write_set(subs: list[ConvertOptions], defaults: list[Path], source: ResolvedSource, folder: Path,
-               products: SharedProducts, committed: list[Path], t0: float,
+               products: SharedProducts, gate: _OutputGate, committed: list[Path], t0: float,
                on_progress: Callable[[int, int], None] | None) -> list[ConvertResult | BaseException]:
     """Every target of a set planned, written, verified and committed, each in a thread of its own, reading
-    through ``products``; the outcome of each. An interrupt (in the calling thread, the main one) cancels them
-    all: each stops at its next chunk, leaves no temporary behind, and the interrupt is raised here."""
+    through ``products``, none written before every output is checked (``gate``); the outcome of each. An
+    interrupt (in the calling thread, the main one) cancels them all: each stops at its next chunk, leaves no
+    temporary behind, and the interrupt is raised here."""
     consumers = [products.consumer() for _ in subs]
     outcomes: list[ConvertResult | BaseException] = [KeyboardInterrupt()] * len(subs)
     progress = _SetProgress(len(subs), products, on_progress)
 
     def run(i: int) -> None:
         sub = replace(subs[i], on_progress=progress.reporter(i))
-        outcomes[i] = _attempt(sub, source, defaults[i], committed, t0, folder, consumers[i])
+        outcomes[i] = _attempt(sub, source, defaults[i], committed, t0, folder, consumers[i], (gate, i))
 
     threads = [threading.Thread(target=run, args=(i,), name=f"convert-bnb --to {sub.to.name}")
                for i, sub in enumerate(subs)]
@@ -1051,6 +1155,7 @@ def _write_set(subs: list[ConvertOptions], defaults: list[Path], source: Resolve
                 th.join(0.25)
     except KeyboardInterrupt:
         products.cancel()
+        gate.cancel()
         for th in threads:
             th.join()
         raise

@@ -45,6 +45,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -528,6 +529,9 @@ class OutputClaim:
         parts: the files of an output written as several files beside each other (a split GGUF's parts, in
             order; ``final`` is the first), or None. They are staged in one temporary directory under their
             own names (``staging / part.name``; never resumable), checked (OUT-001) and installed together.
+        on_checked: called once the claim is held and every pre-flight check has passed, before the staging
+            is made, or None. What it raises undoes the claim as any error does (a run of several targets
+            waits there until every target's output is checked: :func:`convert.job.convert`).
 
     Raises (on enter):
         OutputKindError: USE-003; OutputInsideInputError: USE-002; OutputBusyError: OUT-004;
@@ -536,7 +540,7 @@ class OutputClaim:
 
     def __init__(self, final: Path, *, is_dir: bool, nbytes: int, inputs: list[Path], overwrite: bool = False,
                  resume_key: dict[str, Any] | None = None, file_suffix: str = ".safetensors",
-                 parts: list[Path] | None = None) -> None:
+                 parts: list[Path] | None = None, on_checked: Callable[[], None] | None = None) -> None:
         self.final = Path(final)
         self.parts = [Path(p) for p in parts] if parts else None
         assert self.parts is None or (self.parts[0] == self.final and not is_dir
@@ -547,6 +551,7 @@ class OutputClaim:
         self.overwrite = overwrite
         self.resume_key = resume_key
         self.file_suffix = file_suffix
+        self.on_checked = on_checked
         self.recovered: list[str] = []
         self.ledger: ShardLedger | None = None
         self.staging = (_hidden(self.final, PARTIAL_MARK) if resume_key is not None and not self.parts
@@ -581,6 +586,8 @@ class OutputClaim:
         if self.final.is_dir() and not self.final.is_symlink():
             self._check_replaceable()
         self._check_disk()
+        if self.on_checked is not None:
+            self.on_checked()
         if self.resume_key is not None and self.is_dir:
             self.staging.mkdir(exist_ok=True)
             self.ledger = ShardLedger.open(self.staging, self.resume_key)

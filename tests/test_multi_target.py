@@ -21,7 +21,13 @@ from convert.job import ConvertResult, convert
 from convert.options import ConvertOptions, target_for
 from convert.stream import shared as shared_mod
 from convert.stream.sources import Dequant4Source
-from formats.errors import TargetsFailedError, UnsupportedArchitectureError, UsageError
+from formats.errors import (
+    OutputBusyError,
+    OutputExistsError,
+    TargetsFailedError,
+    UnsupportedArchitectureError,
+    UsageError,
+)
 from tests.helpers.fixtures import FIXTURES, MODELS, ROOT
 from tests.helpers.rss import run_measured
 
@@ -298,10 +304,91 @@ def test_existing_outputs_need_overwrite(tmp_path: Path, capsys: pytest.CaptureF
     before = _tree(out)
     assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(out), "-q"]) == 2
     err = capsys.readouterr().err
-    assert "OUT-001" in err and len(err.splitlines()) == 2 and _tree(out) == before
+    assert err == (f"convert-bnb: error: Failed to write '{out / 'llama_nf4_dq-bf16'}': OUT-001 output exists (--to "
+                   "bf16; also refused: Llama_Nf4_Dq-2.0M-Q8_0.gguf (OUT-001)); nothing converted: every output of the "
+                   "2 targets is checked before any is written. Hint: pass --overwrite to replace it, or choose -o\n")
+    assert _tree(out) == before
     assert main([str(LLAMA), "--to", "bf16,gguf:q8_0,nf4", "-o", str(out), "-q", "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["Llama_Nf4_Dq-2.0M-Q8_0.gguf", "llama_nf4_dq-bf16",
                                                      "llama_nf4_dq-nf4"]
+
+
+def _count_dequantized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the weights dequantized from now on (either kernel: in a dtype, or exact float32 products)."""
+    made: list[str] = []
+    for kernel in ("dequant_into", "exact_into"):
+        real = getattr(Dequant4Source, kernel)
+
+        def counted(self: Dequant4Source, *a: Any, _real: Any = real, **k: Any) -> Any:
+            made.append(self.name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(Dequant4Source, kernel, counted)
+    return made
+
+
+def _hidden_and_all(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder``, hidden ones too (locks, temporaries), by relative path."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("order", ["bf16,gguf:q8_0,nf4", "gguf:q8_0,nf4,bf16"])
+def test_one_existing_output_refuses_the_run_before_anything_is_converted(
+        order: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder holding one of the outputs, without --overwrite: every output is checked before any target converts,
+    so the run is refused with that output's own error (OUT-001, one line, exit 2), and nothing is written, whatever
+    the order of the targets (the other writers never start)."""
+    out = tmp_path / "set"
+    convert(ConvertOptions(str(LLAMA), to="bf16", output=out / "llama_nf4_dq-bf16"))
+    before = _hidden_and_all(out)
+    made = _count_dequantized(monkeypatch)
+    with pytest.raises(OutputExistsError) as info:
+        convert(ConvertOptions(str(LLAMA), to=order, output=out, threads=2))
+    exc = info.value
+    assert (exc.rule, exc.path, exc.hint) == ("OUT-001", str(out / "llama_nf4_dq-bf16"),
+                                              "pass --overwrite to replace it, or choose -o")
+    assert str(exc) == (f"Failed to write '{out / 'llama_nf4_dq-bf16'}': OUT-001 output exists (--to bf16); nothing "
+                        "converted: every output of the 3 targets is checked before any is written. Hint: pass "
+                        "--overwrite to replace it, or choose -o")
+    assert made == [] and _hidden_and_all(out) == before
+    assert main([str(LLAMA), "--to", order, "-o", str(out), "--json"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err == f"convert-bnb: error: {exc}\n"
+    assert {k: json.loads(cap.out)[k] for k in ("ok", "error", "rule")} == {
+        "ok": False, "error": "OutputExistsError", "rule": "OUT-001"}
+    assert made == [] and _hidden_and_all(out) == before
+    assert main([str(LLAMA), "--to", order, "-o", str(out), "-q", "--overwrite"]) == 0  # --overwrite: all written
+    assert sorted(p.name for p in out.iterdir()) == ["Llama_Nf4_Dq-2.0M-Q8_0.gguf", "llama_nf4_dq-bf16",
+                                                     "llama_nf4_dq-nf4"]
+
+
+def test_another_runs_lock_or_an_existing_modelfile_refuses_the_run(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a single run checks before writing refuses every target of a set: another run's claim on one output
+    (OUT-004), or a file of one target's (its Modelfile, found while it is planned) that exists (OUT-001)."""
+    import fcntl
+
+    made = _count_dequantized(monkeypatch)
+    out = tmp_path / "set"
+    out.mkdir()
+    lock = out / ".llama_nf4_dq-nf4.convert-bnb-lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another run writing the nf4 output
+        with pytest.raises(OutputBusyError) as info:
+            convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0,nf4", output=out, threads=2))
+    finally:
+        os.close(fd)
+    assert (info.value.rule, info.value.path) == ("OUT-004", str(out / "llama_nf4_dq-nf4"))
+    assert "(--to nf4); nothing converted: every output of the 3 targets is checked" in str(info.value)
+    assert made == [] and [p.name for p in out.iterdir()] == [lock.name]
+    lock.unlink()
+    (out / "Modelfile").write_text("FROM x\n")
+    with pytest.raises(OutputExistsError) as info:
+        convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0", output=out, modelfile="Modelfile"))
+    assert (info.value.rule, info.value.path) == ("OUT-001", str(out / "Modelfile"))
+    assert "(--to gguf:q8_0); nothing converted" in str(info.value)
+    assert made == [] and _hidden_and_all(out) == {"Modelfile": b"FROM x\n"}
 
 
 def _bench_model(tmp_path: Path) -> Path:

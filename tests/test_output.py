@@ -250,6 +250,27 @@ def test_claim_is_exclusive_and_released(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
 
 
+@pytest.mark.parametrize("is_dir", [False, True], ids=["file", "directory"])
+def test_on_checked_runs_after_the_checks_and_before_the_staging(tmp_path: Path, is_dir: bool) -> None:
+    """``on_checked`` is called under the claim once every check passed, before the staging exists (not at all when
+    a check refuses the output); what it raises undoes the claim: no staging, no lock file left."""
+    final = tmp_path / ("m" if is_dir else "x.safetensors")
+    seen: list[tuple[bool, bool]] = []
+
+    def checked() -> None:
+        lock = tmp_path / f".{final.name}.convert-bnb-lock"
+        seen.append((lock.exists(), any(".convert-bnb-tmp-" in p.name for p in tmp_path.iterdir())))
+        raise KeyError("another output was refused")
+
+    with pytest.raises(KeyError):
+        OutputClaim(final, is_dir=is_dir, nbytes=0, inputs=[], on_checked=checked).__enter__()
+    assert seen == [(True, False)] and list(tmp_path.iterdir()) == []
+    final.mkdir() if is_dir else final.write_bytes(b"x")
+    with pytest.raises(OutputExistsError, match="OUT-001"):
+        OutputClaim(final, is_dir=is_dir, nbytes=0, inputs=[], on_checked=checked).__enter__()
+    assert seen == [(True, False)] and [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
 def test_failed_run_keeps_the_old_output_and_a_resumable_staging(tmp_path: Path) -> None:
     final = tmp_path / "out"
     final.mkdir()
