@@ -40,7 +40,14 @@ from convert.hub.download import HubSource, WeightMode, resolve_config, resolve_
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.hub.shards import HubShards, ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
-from convert.options import DEFAULT_MIX, MIN_MEMORY, ConvertOptions, QuantOptions, check_split_options
+from convert.options import (
+    DEFAULT_MIX,
+    FLOAT_TARGETS,
+    MIN_MEMORY,
+    ConvertOptions,
+    QuantOptions,
+    check_split_options,
+)
 from convert.output import (
     GgufNaming,
     InterruptedAfterCommit,
@@ -945,6 +952,13 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
     weights: WeightMode = ("headers" if options.dry_run
                            else "auto" if all(t.family == "float" for t in options.to.targets) else "download")
     _check_base_repo(options, *_src_repo_spec(options.src))
+    if _auto_beside_float(options):  # from the headers alone (a Hub repo's read in place): before any download
+        probe = resolve_source(options.src, options.revision, to=options.to.name, output=folder, weights="headers")
+        try:
+            if not probe.is_adapter:
+                _check_auto_twin(options, probe)
+        finally:
+            probe.close()
     source = resolve_source(options.src, options.revision, to=options.to.name, output=folder,
                             progress=options.progress, weights=weights)
     try:
@@ -955,6 +969,44 @@ def _convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> C
         return _run_set(options, subs, shared, source, folder, committed, t0)
     finally:
         source.close()
+
+
+def _auto_beside_float(options: ConvertOptions) -> bool:
+    """Whether a run of several targets asks for ``auto`` and another float target (bf16, fp16, fp32), which may
+    write the same output (:func:`_check_auto_twin`)."""
+    floats = [t.name for t in options.to.targets if t.family == "float"]
+    return "auto" in floats and len(floats) > 1
+
+
+def _check_auto_twin(options: ConvertOptions, source: ResolvedSource) -> None:
+    """Refuse ``auto`` beside a float target that writes the same output for this input, as a ``--to`` naming one
+    target twice is refused (:func:`convert.options.target_for`): ``auto`` resolved from the headers (every tensor's
+    dtype in the plan of each, and the config.json each writes), before any weight is read or anything written.
+
+    An input that cannot be planned is left to the run, whose targets report its error as a single run does.
+
+    Raises:
+        UsageError: USE-001, ``auto`` and a float target of the list write the same tensors and config.json.
+    """
+    others = [t.name for t in options.to.targets if t.family == "float" and t.name != "auto"]
+    twin = None
+    try:
+        with source.open() as ckpt:
+            auto = _plan_outline(make_plan(ckpt, "auto", max_shard_size=options.max_shard_size))
+            twin = next((name for name in others
+                         if _plan_outline(make_plan(ckpt, name, max_shard_size=options.max_shard_size)) == auto), None)
+    except (ConvertBnbError, OSError):
+        return
+    if twin is not None:
+        raise UsageError(f"--to names the target {twin} twice (auto and {twin} write the same output: every tensor of "
+                         f"this input is {FLOAT_TARGETS[twin]} in auto)", expected="each target once",
+                         found=options.to.name, hint=f"drop auto or {twin}")
+
+
+def _plan_outline(plan: Plan) -> tuple[Any, ...]:
+    """What a float output's bytes follow from: each tensor's name, dtype and shape, the shards, the config.json."""
+    return ([(t.name, t.dtype.name, tuple(t.shape)) for t in plan.tensors], plan.shards,
+            json.dumps(plan.config, sort_keys=True))
 
 
 def _set_folder(options: ConvertOptions) -> Path:
@@ -986,6 +1038,8 @@ def plan_set(options: ConvertOptions, source: ResolvedSource) -> ConvertResult:
     """
     options = replace(options, dry_run=True, progress=False)
     subs, shared = member_options(options)
+    if _auto_beside_float(options) and not source.is_adapter:
+        _check_auto_twin(options, source)
     if source.hub is not None and source.hub.revision != options.revision:  # (the names carry the revision)
         source = replace(source, hub=replace(source.hub, revision=options.revision))
     return _run_set(options, subs, shared, source, _set_folder(options), [], time.perf_counter())

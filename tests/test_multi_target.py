@@ -225,6 +225,75 @@ def test_target_lists_are_checked_where_parsed(to: str, message: str, tmp_path: 
             target_for(to)
 
 
+@pytest.mark.parametrize("to", ["auto,bf16", "bf16,gguf:q8_0,AUTO"])
+def test_auto_beside_the_float_target_it_resolves_to_is_a_duplicate(to: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``auto`` of an input whose every tensor it keeps in bf16 writes what bf16 writes: refused as bf16,bf16 is (the
+    same class and rule, USE-001, the same words), from the headers, before any weight is dequantized or anything
+    written; in a dry run too."""
+    made = _count_dequantized(monkeypatch)
+    with pytest.raises(UsageError) as twice:
+        target_for("bf16,bf16")
+    out = tmp_path / "set"
+    for dry_run in (True, False):
+        with pytest.raises(UsageError) as info:
+            convert(ConvertOptions(str(LLAMA), to=to, output=out, dry_run=dry_run))
+        exc = info.value
+        assert (type(exc), exc.rule) == (type(twice.value), twice.value.rule) == (UsageError, "USE-001")
+        assert exc.reason.startswith(twice.value.reason + " (auto and bf16 write the same output: every tensor of "
+                                                          "this input is bfloat16 in auto)")
+        assert (exc.expected, exc.found) == ("each target once", to.lower())
+    assert main([str(LLAMA), "--to", to, "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        "convert-bnb: error: USE-001 --to names the target bf16 twice (auto and bf16 write the same output: every "
+        f"tensor of this input is bfloat16 in auto) (expected 'each target once', found '{to.lower()}'). Hint: drop "
+        "auto or bf16\n")
+    assert made == [] and list(tmp_path.iterdir()) == []
+
+
+def test_auto_beside_a_float_target_is_kept_where_their_outputs_differ(tmp_path: Path) -> None:
+    """``auto`` resolves per input: a float16 model's auto is fp16 (refused beside fp16, kept beside bf16); with a
+    float32 tensor kept as it is, auto differs from every cast and both outputs are written."""
+    import numpy as np
+
+    from tests.helpers.malformed import layer, model_dir
+
+    cfg = {"model_type": "llama", "torch_dtype": "float16"}
+    fp16 = model_dir(tmp_path / "fp16", {"model.safetensors": layer(shape=(64, 64), dtype="float16")}, config=cfg)
+    with pytest.raises(UsageError, match=r"USE-001 --to names the target fp16 twice \(auto and fp16 write the same "
+                                         r"output: every tensor of this input is float16 in auto\)"):
+        convert(ConvertOptions(str(fp16), to="auto,fp16", output=tmp_path / "o1"))
+    assert convert(ConvertOptions(str(fp16), to="auto,bf16", output=tmp_path / "o1", dry_run=True)).dry_run["ok"]
+    norm = ("F32", [64], np.ones(64, np.float32).tobytes())
+    mixed = model_dir(tmp_path / "mixed", {"model.safetensors": {**layer(shape=(64, 64), dtype="float16"),
+                                                                 "model.norm.weight": norm}}, config=cfg)
+    result = convert(ConvertOptions(str(mixed), to="auto,fp16", output=tmp_path / "o2"))
+    auto, cast = (Path(o.output) for o in result.outputs)
+    assert (auto.name, cast.name) == ("mixed-dequantized", "mixed-fp16")
+    assert (auto / "model.safetensors").read_bytes() != (cast / "model.safetensors").read_bytes()
+
+
+def test_auto_beside_bf16_of_a_hub_repo_is_refused_before_any_download(tmp_path: Path) -> None:
+    """A Hub repo: auto is resolved from the headers read in place; the weights are never downloaded."""
+    from tests.helpers.fakehub import FakeHub
+    from tests.helpers.hubcache import commit_sha, offline_env, run_cli
+
+    hub = FakeHub()
+    hub.add("org/m", commit_sha("auto-twin"), {p.name: p for p in LLAMA.iterdir() if p.is_file()})
+    hub.start()
+    try:
+        env = {k: v for k, v in offline_env(tmp_path, tmp_path / "cache").items() if k != "HF_HUB_OFFLINE"}
+        env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1")
+        r = run_cli(["org/m", "--to", "auto,bf16", "-o", str(tmp_path / "set")], env)
+    finally:
+        hub.stop()
+    assert r.returncode == 2 and r.stderr.startswith(
+        "convert-bnb: error: USE-001 --to names the target bf16 twice (auto and bf16 write the same output"), r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "set").exists()
+    assert "org/m/model.safetensors" not in hub.full_downloads
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["-o", "{tmp}/model.gguf"], "with several --to targets, -o names the folder their outputs go into"),
     (["-o", "{tmp}/file"], "found 'an existing file'"),
