@@ -31,6 +31,8 @@ its final path only complete, and an existing output is replaced only when asked
    fsynced after the renames. SIGINT/SIGTERM/SIGHUP arriving during the renames is held until they
    are done (:func:`convert.signals.deferred`), so an interrupted commit is reported as such: the new
    output in place (:class:`InterruptedAfterCommit`), and an old one set aside left to step 3.
+   A ``--push-to-hub`` record of the output replaced (``.<name>.convert-bnb-push.json``: it describes the old
+   files) is removed with the renames; a run that pushes writes its own once the commit is done.
 
 On any error or interruption the temporary is removed (a resumable staging directory is kept) and
 the claim released; the input is never opened for writing.
@@ -73,6 +75,7 @@ __all__ = [
     "InterruptedAfterCommit",
     "MODELFILE_NAME",
     "OutputClaim",
+    "RECORD_MARK",
     "ShardLedger",
     "default_output",
     "default_set_output",
@@ -98,6 +101,9 @@ TMP_MARK = ".convert-bnb-tmp-"
 OLD_MARK = ".convert-bnb-old-"
 LOCK_MARK = ".convert-bnb-lock"
 PARTIAL_MARK = ".convert-bnb-partial"
+#: The record of a ``--push-to-hub`` run's output (:mod:`convert.hub.publish`), ``.NAME`` + this beside it: it
+#: describes that output, so a commit of another output at the same path removes it.
+RECORD_MARK = ".convert-bnb-push.json"
 #: Free space required beyond the planned bytes of the output's files (which count their headers, index,
 #: config and copied files): the file system's rounding up of each file's last block (4 KiB blocks: 256
 #: files), the claim's lock and the resume ledger.
@@ -778,6 +784,7 @@ class OutputClaim:
             else:
                 os.replace(self.staging, self.final)
             self._committed = True
+            remove_path(_hidden(self.final, RECORD_MARK))  # (a stale record of the output replaced, if any)
             _fsync_dir(parent)
         if old is not None:
             remove_path(old)  # (if interrupted, the next run's _recover removes the rest)

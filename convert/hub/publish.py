@@ -14,7 +14,10 @@
   pushed to the same repo and branch with the same key. An output without such a record is refused as before
   (OUT-001: it may be someone else's).
 - an upload that fails (offline, no token, 401/403, the network down) is HUB-003: the output stays, recorded,
-  and the command exits 2; run it again to upload.
+  and the command exits 2; run it again (the same ``--push-to-hub``) to upload only: its hint names the record.
+- a commit of another output at the same path (``--overwrite``, by a run with or without ``--push-to-hub``)
+  removes the record of the output it replaces (:class:`convert.output.OutputClaim`); a run that pushes then
+  writes its own.
 
 A run of several targets (``--to bf16,gguf:q8_0 --push-to-hub ORG``) takes an organisation or user, as ``batch
 --push-to-hub ORG`` does: each output goes to its own repo ``ORG/NAME`` (:func:`convert.hub.repo.output_repo_name`:
@@ -53,7 +56,7 @@ from convert.hub.upload import (
 from convert.inspection import InspectOptions, inspect_checkpoint
 from convert.job import ConvertResult, ResolvedSource, convert, job_key, member_options
 from convert.options import ConvertOptions, Target
-from convert.output import InterruptedAfterCommit, sha256_file, write_json
+from convert.output import RECORD_MARK, InterruptedAfterCommit, sha256_file, write_json
 from convert.units import format_bytes, parse_size
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, OutputExistsError, TargetsFailedError, UsageError
@@ -62,8 +65,6 @@ from formats.peft_config import ADAPTER_CONFIG
 __all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "planned_outputs", "publish",
            "push_from_args", "quant_summary", "record_path"]
 
-#: The record of a pushed run's output, beside it: ``.NAME`` + this.
-RECORD_MARK = ".convert-bnb-push.json"
 #: The ``version`` of the records this module reads and writes.
 RECORD_VERSION = 1
 
@@ -170,7 +171,7 @@ def publish(options: ConvertOptions, push: PushOptions, argv: Sequence[str] | No
         record = _new_record(options, result)
         write_json(record_path(out), record)
     try:
-        return _push(result, record, options, push, argv, converted)
+        return _push(result, record, options, push, argv, converted, _retry_hint([out]))
     except KeyboardInterrupt as exc:  # the output is complete and in place: say so
         if isinstance(exc, InterruptedAfterCommit):
             raise
@@ -229,12 +230,24 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
     for i, (sub, out, record) in enumerate(zip(subs, outputs, records, strict=True)):
         assert out is not None and record is not None
         try:
-            _push(out, record, sub, pushes[i], argv, converted=i in todo)
+            _push(out, record, sub, pushes[i], argv, i in todo, _retry_hint([Path(out.output)]))
         except KeyboardInterrupt as exc:  # every output is complete and in place: say so
             if isinstance(exc, InterruptedAfterCommit):
                 raise
             raise InterruptedAfterCommit(Path(out.output)) from exc
     return result
+
+
+def _retry_hint(outs: list[Path]) -> str:
+    """The hint of a refused push (HUB-003): the outputs are kept and recorded (the records named), and the same
+    command, with the same ``--push-to-hub``, only uploads them."""
+    records = [record_path(o) for o in outs]
+    if len(outs) == 1:
+        kept, it = f"the output is kept ({outs[0]}) and recorded in '{records[0]}'", "it"
+    else:
+        kept, it = ("the outputs are kept and recorded in " + ", ".join(f"'{r.name}'" for r in records)
+                    + f" (in '{records[0].parent}')", "them")
+    return f"{kept}: run the same command again, with the same --push-to-hub, to upload {it} only (no conversion)"
 
 
 def _convert_or_keep(options: ConvertOptions) -> tuple[ConvertResult, dict[str, Any] | None]:
@@ -420,9 +433,13 @@ def card_figures(result: ConvertResult) -> list[str]:
 
 
 def _push(result: ConvertResult, record: dict[str, Any], options: ConvertOptions, push: PushOptions,
-          argv: Sequence[str] | None, converted: bool) -> ConvertResult:
+          argv: Sequence[str] | None, converted: bool, hint: str) -> ConvertResult:
     """Upload the recorded output (unless the record says it was pushed there with this key), record the push,
-    and put what was done into ``result.details["push"]``."""
+    and put what was done into ``result.details["push"]``.
+
+    Raises:
+        HubUploadError: HUB-003, the upload failed (with ``hint``: how to retry); the output and its record stay.
+    """
     out = Path(result.output)
     target = {"repo": push.repo_id, "revision": push.revision, "key": record["key"]}
     outputs = [(out, record["files"]), *_extra_outputs(result.details, record)]
@@ -435,9 +452,7 @@ def _push(result: ConvertResult, record: dict[str, Any], options: ConvertOptions
         return result
     card = _card(record, options, push, argv, outputs)
     plan = build_upload_plan(push, outputs, card, _message(record, options))
-    commit = upload(plan, card, upload_folder_path(out), progress=options.progress,
-                    hint=f"the output is kept ({out}): run the same command again to upload it without converting "
-                         "again")
+    commit = upload(plan, card, upload_folder_path(out), progress=options.progress, hint=hint)
     record["pushed"] = {**target, "commit": commit, "method": plan["method"]}
     write_json(record_path(out), record)
     result.details["push"] = {**done, "method": plan["method"], "commit": commit, "bytes": plan["bytes"],

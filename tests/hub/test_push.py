@@ -195,7 +195,9 @@ def test_refused_push_keeps_the_output_and_the_same_command_only_uploads(hub: Fa
     # for url" (0.x)
     assert re.search(r"\(HfHubHTTPError: [^)]*\b401\b[^)]*Unauthorized", r.stderr), r.stderr
     assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m' (HfHubHTTPError: ")
-    assert f"Hint: the output is kept ({out}): run the same command again to upload it without converting" in r.stderr
+    record = tmp_path / f".m-bf16{RECORD_MARK}"
+    assert r.stderr.endswith(f". Hint: the output is kept ({out}) and recorded in '{record}': run the same command "
+                             "again, with the same --push-to-hub, to upload it only (no conversion)\n"), r.stderr
     reference = run_cli([str(src), "--to", "bf16", "-o", str(tmp_path / "plain")], env)
     assert reference.returncode == 0, reference.stderr
     assert file_manifest(out) == file_manifest(tmp_path / "plain")  # complete: a plain run's bytes
@@ -236,14 +238,48 @@ def _size(hub: FakeHub, repo: str) -> str:
 def test_offline_push_is_one_line_exit_2_and_keeps_the_output(tmp_path: Path) -> None:
     src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
     out = tmp_path / "m-bf16"
+    record = tmp_path / f".m-bf16{RECORD_MARK}"
     r = run_cli([str(src), "--to", "bf16", "-o", str(out), "--push-to-hub", "me/m", "--json"], offline_env(tmp_path))
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(
         "convert-bnb: error: HUB-003 cannot push to 'me/m' (OfflineModeIsEnabled: ")
     fail = json.loads(r.stdout)
     assert (fail["ok"], fail["rule"], fail["error"]) == (False, "HUB-003", "HubUploadError")
+    assert fail["hint"] == (f"the output is kept ({out}) and recorded in '{record}': run the same command again, with "
+                            "the same --push-to-hub, to upload it only (no conversion)")
     assert (out / "model.safetensors").is_file()
-    assert json.loads((tmp_path / f".m-bf16{RECORD_MARK}").read_text())["files"] == file_manifest(out)
+    assert json.loads(record.read_text())["files"] == file_manifest(out)
+
+
+def test_an_output_replaced_without_push_loses_its_stale_record(tmp_path: Path) -> None:
+    """The record of a refused push describes its output: a run without --push-to-hub refused (OUT-001) keeps it;
+    one that replaces the output (--overwrite) removes it, so the push command no longer takes the new output for
+    the recorded one (OUT-001, as any output without a record). Several targets: the records of the outputs
+    replaced go, the others stay."""
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
+    out = tmp_path / "m-bf16"
+    record = tmp_path / f".m-bf16{RECORD_MARK}"
+    push = [str(src), "--to", "bf16", "-o", str(out), "--push-to-hub", "me/m"]
+    env = offline_env(tmp_path)
+    assert run_cli(push, env).returncode == 2 and record.is_file()
+    r = run_cli([str(src), "--to", "bf16", "-o", str(out)], env)
+    assert r.returncode == 2 and "OUT-001 output exists" in r.stderr and record.is_file()
+    r = run_cli([str(src), "--to", "bf16", "-o", str(out), "--overwrite", "--max-shard-size", "1MB"], env)
+    assert r.returncode == 0, r.stderr
+    assert not record.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m", "m-bf16"]
+    r = run_cli(push, env)
+    assert r.returncode == 2 and "OUT-001 output exists" in r.stderr and not record.exists()
+    folder = tmp_path / "set"
+    several = [str(src), "--to", "bf16,gguf:q8_0", "-o", str(folder)]
+    r = run_cli([*several, "--push-to-hub", "me"], env)
+    assert r.returncode == 2 and "HUB-003" in r.stderr
+    records = sorted(p.name for p in folder.glob(f".*{RECORD_MARK}"))
+    assert records == [f".M-2.0M-Q8_0.gguf{RECORD_MARK}", f".m-bf16{RECORD_MARK}"]
+    r = run_cli([str(src), "--to", "gguf:q8_0", "-o", str(folder / "M-2.0M-Q8_0.gguf"), "--overwrite"], env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in folder.glob(f".*{RECORD_MARK}")) == [f".m-bf16{RECORD_MARK}"]
+    assert run_cli([*several, "--overwrite"], env).returncode == 0
+    assert list(folder.glob(f".*{RECORD_MARK}")) == []
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -457,6 +493,9 @@ def test_several_targets_push_each_output_to_a_repo_of_its_own(hub: FakeHub, tmp
     r = run_cli(args, env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m-bf16' (")
+    assert r.stderr.endswith(f". Hint: the output is kept ({out / 'm-bf16'}) and recorded in "
+                             f"'{out / ('.m-bf16' + RECORD_MARK)}': run the same command again, with the same "
+                             "--push-to-hub, to upload it only (no conversion)\n"), r.stderr
     bf16, gguf = out / "m-bf16", out / "org-m-2.0M-Q8_0.gguf"
     for o in (bf16, gguf):  # both complete and recorded before the first upload
         assert json.loads((out / f".{o.name}{RECORD_MARK}").read_text())["files"] == file_manifest(o)
