@@ -23,7 +23,8 @@ A run of several targets (``--to bf16,gguf:q8_0 --push-to-hub ORG``) takes an or
 --push-to-hub ORG`` does: each output goes to its own repo ``ORG/NAME`` (:func:`convert.hub.repo.output_repo_name`:
 the output's name without its extension; one quantization a repo, as gguf-my-repo names them), with its own
 card and record. Outputs an earlier run of the same settings finished and recorded are kept; the others are made
-in one run of those targets; then each is uploaded unless its record says it was pushed there.
+in one run of those targets; then each is uploaded unless its record says it was pushed there. Every output is
+tried: one HUB-003 names every repo not pushed.
 
 A run killed between the output's commit and the record's write leaves an output without a record: the next
 run refuses it (OUT-001) like any other existing output.
@@ -59,7 +60,7 @@ from convert.options import ConvertOptions, Target
 from convert.output import RECORD_MARK, InterruptedAfterCommit, sha256_file, write_json
 from convert.units import format_bytes, parse_size
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError, OutputExistsError, TargetsFailedError, UsageError
+from formats.errors import ConvertBnbError, HubUploadError, OutputExistsError, TargetsFailedError, UsageError
 from formats.peft_config import ADAPTER_CONFIG
 
 __all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "planned_outputs", "publish",
@@ -189,8 +190,8 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
         UsageError: as :func:`convert.job.member_options`.
         TargetsFailedError: OUT-006, some targets failed; the complete outputs are recorded, not uploaded (the
             same command uploads them once the others are made).
-        HubUploadError: HUB-003, an upload failed; every output is complete and recorded, those uploaded before
-            it stay pushed, and the same command uploads the rest.
+        HubUploadError: HUB-003, some uploads failed (every output is tried), naming each repo not pushed; every
+            output is complete and recorded, those uploaded stay pushed, and the same command uploads the rest.
     """
     subs = member_options(options)[0]
     planned = convert(replace(options, dry_run=True, progress=False))
@@ -227,14 +228,23 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
     result.outputs = [o for o in outputs if o is not None]
     if failed is not None:
         raise failed
+    refused: list[tuple[Path, HubUploadError]] = []
     for i, (sub, out, record) in enumerate(zip(subs, outputs, records, strict=True)):
         assert out is not None and record is not None
         try:
             _push(out, record, sub, pushes[i], argv, i in todo, _retry_hint([Path(out.output)]))
+        except HubUploadError as exc:  # the others are tried too: the error names every repo not pushed
+            refused.append((Path(out.output), exc))
         except KeyboardInterrupt as exc:  # every output is complete and in place: say so
             if isinstance(exc, InterruptedAfterCommit):
                 raise
             raise InterruptedAfterCommit(Path(out.output)) from exc
+    if refused:
+        pushed = [p.repo_id for p, o in zip(pushes, outputs, strict=True)
+                  if o is not None and all(Path(o.output) != path for path, _ in refused)]
+        hint = _retry_hint([path for path, _ in refused])
+        raise HubUploadError("; ".join(exc.reason for _, exc in refused), action="push",
+                             hint=hint + (f" ({', '.join(pushed)} pushed)" if pushed else ""))
     return result
 
 

@@ -9,7 +9,7 @@ Not a mock of huggingface_hub: the real client talks HTTP to it through ``HF_END
 It records every GET of file content (and the bytes served per file), every repo and branch created and
 every commit, so tests can check what was downloaded and uploaded; ``refuse`` answers every write (create,
 branch, preupload, commit) with that HTTP status (401, 403: a missing or read-only token), ``refuse_commits``
-only the commits. ``delays``
+only the commits, ``refuse_repos`` the commits to the repos it names (403). ``delays``
 slows whole-file GETs of files by name suffix (so a test can watch a download's folder or interrupt it),
 and a file named in ``withheld`` answers 404 to HEAD and whole-file GET while range reads still work (a
 shard that vanished between the headers being read and the file being fetched).
@@ -61,6 +61,7 @@ class FakeHub:
         self.branches: list[dict] = []  # create_branch calls
         self.refuse: int | None = None  # an HTTP status answering every write, or None
         self.refuse_commits: int | None = None  # an HTTP status answering commits only, or None
+        self.refuse_repos: set[str] = set()  # repos whose commits are answered 403
         self.served: dict[str, int] = {}  # "repo/path" -> bytes of content sent (full and ranged GETs)
         self.delays: dict[str, float] = {}  # file name suffix -> seconds to wait before answering a whole-file GET
         self.withheld: set[str] = set()  # "repo/path" answering 404 except to range reads
@@ -166,8 +167,8 @@ class FakeHub:
                     repo = hub.repos[repo_id]
                     if rev != "main" and rev not in repo["refs"]:
                         return self._not_found("RevisionNotFound")
-                    if hub.refuse_commits is not None:
-                        return self._send(hub.refuse_commits, b'{"error": "commit refused by the fake Hub"}',
+                    if hub.refuse_commits is not None or repo_id in hub.refuse_repos:
+                        return self._send(hub.refuse_commits or 403, b'{"error": "commit refused by the fake Hub"}',
                                           {"Content-Type": "application/json"})
                     parent = repo["commits"].get(repo["refs"].get(rev, ""), {})
                     files = dict(parent)

@@ -492,10 +492,12 @@ def test_several_targets_push_each_output_to_a_repo_of_its_own(hub: FakeHub, tmp
     hub.refuse_commits = 403
     r = run_cli(args, env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m-bf16' (")
-    assert r.stderr.endswith(f". Hint: the output is kept ({out / 'm-bf16'}) and recorded in "
-                             f"'{out / ('.m-bf16' + RECORD_MARK)}': run the same command again, with the same "
-                             "--push-to-hub, to upload it only (no conversion)\n"), r.stderr
+    # every repo not pushed is named, each with its own error; the hint names each record
+    assert re.match(r"convert-bnb: error: HUB-003 cannot push to 'me/m-bf16' \(HfHubHTTPError: [^;]*\b403\b[^;]*\); "
+                    r"cannot push to 'me/org-m-2.0M-Q8_0' \(HfHubHTTPError: [^;]*\b403\b[^;]*\)\. Hint: ", r.stderr)
+    assert r.stderr.endswith(f". Hint: the outputs are kept and recorded in '.m-bf16{RECORD_MARK}', "
+                             f"'.org-m-2.0M-Q8_0.gguf{RECORD_MARK}' (in '{out}'): run the same command again, with the "
+                             "same --push-to-hub, to upload them only (no conversion)\n"), r.stderr
     bf16, gguf = out / "m-bf16", out / "org-m-2.0M-Q8_0.gguf"
     for o in (bf16, gguf):  # both complete and recorded before the first upload
         assert json.loads((out / f".{o.name}{RECORD_MARK}").read_text())["files"] == file_manifest(o)
@@ -536,6 +538,27 @@ def test_several_targets_push_each_output_to_a_repo_of_its_own(hub: FakeHub, tmp
                                                    f"note: 2 of 2 outputs made by an earlier run with the same "
                                                    "settings: kept, not converted again\n"), r.stderr
     assert len(hub.commits) == 3
+
+
+def test_several_targets_a_refused_repo_does_not_stop_the_others(hub: FakeHub, tmp_path: Path) -> None:
+    """One repo refusing its commit (the first): the other output is still pushed, and the error names only the repo
+    not pushed, its record, and the repo that was; the same command then uploads that one alone."""
+    out = tmp_path / "set"
+    args = ["org/m", "--to", "bf16,gguf:q8_0", "-o", str(out), "--push-to-hub", "me"]
+    env = _env(tmp_path, hub)
+    hub.refuse_repos = {"me/m-bf16"}
+    r = run_cli(args, env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("convert-bnb: error: HUB-003 cannot push to 'me/m-bf16' (HfHubHTTPError: "), r.stderr
+    assert "me/org-m-2.0M-Q8_0' (" not in r.stderr
+    assert r.stderr.endswith(f". Hint: the output is kept ({out / 'm-bf16'}) and recorded in "
+                             f"'{out / ('.m-bf16' + RECORD_MARK)}': run the same command again, with the same "
+                             "--push-to-hub, to upload it only (no conversion) (me/org-m-2.0M-Q8_0 pushed)\n"), r.stderr
+    assert [c["repo_id"] for c in hub.commits] == ["me/org-m-2.0M-Q8_0"]
+    hub.refuse_repos = set()
+    r = run_cli(args, env)
+    assert r.returncode == 0, r.stderr
+    assert [c["repo_id"] for c in hub.commits] == ["me/org-m-2.0M-Q8_0", "me/m-bf16"]
 
 
 def test_several_targets_dry_run_plans_each_push(tmp_path: Path) -> None:
