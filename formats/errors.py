@@ -1033,11 +1033,19 @@ class HubShardError(HubError):
 class HubUploadError(HubError):
     """A finished output could not be uploaded with ``--push-to-hub`` (offline, no token or a read-only one,
     the network down, the Hub refusing the repo, branch or commit); the conversion is kept and recorded (a
-    single run's record beside the output, a batch job's state as done)."""
+    single run's record beside the output, a batch job's state as done).
+
+    Attributes:
+        refused: ``(the repo as the message names it, huggingface_hub's error)`` of each push that failed.
+    """
 
     default_rule = "HUB-003"
     advice = ("Check the network and that HF_TOKEN may write to the repo or organisation, then run the same command "
               "(or batch) again: it uploads the kept output without converting it again.")
+
+    def __init__(self, message: str, *, refused: list[tuple[str, str]] | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.refused = refused or []
 
 
 # ------------------------------------------------------------------------------------------- GGUF

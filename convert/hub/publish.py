@@ -24,7 +24,7 @@ A run of several targets (``--to bf16,gguf:q8_0 --push-to-hub ORG``) takes an or
 the output's name without its extension; one quantization a repo, as gguf-my-repo names them), with its own
 card and record. Outputs an earlier run of the same settings finished and recorded are kept; the others are made
 in one run of those targets; then each is uploaded unless its record says it was pushed there. Every output is
-tried: one HUB-003 names every repo not pushed.
+tried: one HUB-003 names every repo not pushed (:func:`convert.hub.upload.push_refused`).
 
 A run killed between the output's commit and the record's write leaves an output without a record: the next
 run refuses it (OUT-001) like any other existing output.
@@ -50,6 +50,7 @@ from convert.hub.upload import (
     PushOptions,
     build_upload_plan,
     local_file,
+    push_refused,
     repo_files,
     upload,
     upload_folder_path,
@@ -243,8 +244,8 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
         pushed = [p.repo_id for p, o in zip(pushes, outputs, strict=True)
                   if o is not None and all(Path(o.output) != path for path, _ in refused)]
         hint = _retry_hint([path for path, _ in refused])
-        raise HubUploadError("; ".join(exc.reason for _, exc in refused), action="push",
-                             hint=hint + (f" ({', '.join(pushed)} pushed)" if pushed else ""))
+        raise push_refused([r for _, exc in refused for r in exc.refused],
+                           hint + (f" ({', '.join(pushed)} pushed)" if pushed else ""))
     return result
 
 

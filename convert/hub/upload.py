@@ -35,8 +35,8 @@ from typing import Any
 
 from formats.errors import HubUploadError
 
-__all__ = ["LARGE_UPLOAD", "UPLOAD_MARK", "PushOptions", "build_upload_plan", "local_file", "repo_files",
-           "upload", "upload_folder_path"]
+__all__ = ["LARGE_UPLOAD", "UPLOAD_MARK", "PushOptions", "build_upload_plan", "local_file", "push_refused",
+           "repo_files", "upload", "upload_folder_path"]
 
 #: Outputs larger than this many bytes (files and card) are uploaded with the resumable folder upload, smaller
 #: ones in one commit: 5 GB, transformers' default shard size, so a model of one shard goes up in one commit.
@@ -163,11 +163,26 @@ def upload(plan: dict[str, Any], card: str, folder: Path, *, hint: str, progress
         oid = getattr(info, "oid", None)
     except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors, and its HTTP and socket libraries'
         first = (str(exc).strip().splitlines() or [""])[0]
-        where = f"'{repo_id}'" + (f" branch '{branch}'" if branch is not None else "")
-        raise HubUploadError(f"cannot push to {where} ({type(exc).__name__}: {first})", action="push",
-                             hint=hint) from None
+        raise push_refused([(_where(repo_id, branch), f"{type(exc).__name__}: {first}")], hint) from None
     shutil.rmtree(folder, ignore_errors=True)
     return oid
+
+
+def _where(repo_id: str, branch: str | None) -> str:
+    """A push target as HUB-003 names it: ``'org/name'``, with `` branch 'b'`` when one was asked for."""
+    return f"'{repo_id}'" + (f" branch '{branch}'" if branch is not None else "")
+
+
+def push_refused(refused: list[tuple[str, str]], hint: str) -> HubUploadError:
+    """HUB-003 for the pushes that failed: ``(where, cause)`` each, ``where`` the repo (and branch) as
+    :func:`_where` names it, ``cause`` huggingface_hub's error (``Type: first line``). Targets that failed for one
+    and the same cause share it (``cannot push to 'a', 'b' (cause)``), else each has its own."""
+    causes = {cause for _, cause in refused}
+    if len(causes) == 1:
+        reason = f"cannot push to {', '.join(w for w, _ in refused)} ({causes.pop()})"
+    else:
+        reason = "; ".join(f"cannot push to {w} ({cause})" for w, cause in refused)
+    return HubUploadError(reason, action="push", hint=hint, refused=refused)
 
 
 def _stage(folder: Path, operations: list[dict[str, Any]], card: str) -> None:

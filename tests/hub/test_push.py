@@ -492,9 +492,9 @@ def test_several_targets_push_each_output_to_a_repo_of_its_own(hub: FakeHub, tmp
     hub.refuse_commits = 403
     r = run_cli(args, env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    # every repo not pushed is named, each with its own error; the hint names each record
-    assert re.match(r"convert-bnb: error: HUB-003 cannot push to 'me/m-bf16' \(HfHubHTTPError: [^;]*\b403\b[^;]*\); "
-                    r"cannot push to 'me/org-m-2.0M-Q8_0' \(HfHubHTTPError: [^;]*\b403\b[^;]*\)\. Hint: ", r.stderr)
+    # every repo not pushed is named (one cause, given once); the hint names each record
+    assert re.match(r"convert-bnb: error: HUB-003 cannot push to 'me/m-bf16', 'me/org-m-2.0M-Q8_0' \(HfHubHTTPError: "
+                    r"[^;]*\b403\b[^;]*\)\. Hint: ", r.stderr), r.stderr
     assert r.stderr.endswith(f". Hint: the outputs are kept and recorded in '.m-bf16{RECORD_MARK}', "
                              f"'.org-m-2.0M-Q8_0.gguf{RECORD_MARK}' (in '{out}'): run the same command again, with the "
                              "same --push-to-hub, to upload them only (no conversion)\n"), r.stderr
@@ -559,6 +559,20 @@ def test_several_targets_a_refused_repo_does_not_stop_the_others(hub: FakeHub, t
     r = run_cli(args, env)
     assert r.returncode == 0, r.stderr
     assert [c["repo_id"] for c in hub.commits] == ["me/org-m-2.0M-Q8_0", "me/m-bf16"]
+
+
+def test_push_refused_names_every_repo_and_each_cause_once() -> None:
+    from convert.hub.upload import push_refused
+    from formats.errors import HubUploadError
+
+    refused = [("'me/a'", "OfflineModeIsEnabled: offline"), ("'me/b' branch 'v2'", "OfflineModeIsEnabled: offline")]
+    same = push_refused(refused, "run it again")
+    assert (type(same), same.rule, same.refused) == (HubUploadError, "HUB-003", refused)
+    assert str(same) == ("HUB-003 cannot push to 'me/a', 'me/b' branch 'v2' (OfflineModeIsEnabled: offline). Hint: "
+                         "run it again")
+    differ = push_refused([("'me/a'", "HfHubHTTPError: 401"), ("'me/b'", "HfHubHTTPError: 403")], "h")
+    assert str(differ) == ("HUB-003 cannot push to 'me/a' (HfHubHTTPError: 401); cannot push to 'me/b' "
+                           "(HfHubHTTPError: 403). Hint: h")
 
 
 def test_several_targets_dry_run_plans_each_push(tmp_path: Path) -> None:
