@@ -16,6 +16,10 @@ bytes by HTTP range requests, its small files into the cache, no weights downloa
   :func:`convert.stream.plan.make_plan`, exactly what the pipeline would write), plus targets other modules
   register in :data:`OUTPUT_SIZERS`.
 
+A PEFT LoRA adapter directory (or Hub repo) as SRC gets its own report (:func:`inspect_adapter`): its scale
+settings, its modules by rank and PEFT scale, its tensors by dtype, and what the two routes of an adapter do
+with it (``--merge-lora`` onto a base; ``--to gguf`` as a GGUF LoRA adapter, or the rule that refuses it).
+
 ``--stats`` reads only the absmax vectors (nested quantization undone; for LLM.int8 the per-row
 ``SCB``) and reports per layer ``max absmax / median absmax`` and the share of blocks whose absmax
 exceeds ``outlier_factor`` times the layer's median; a layer whose max/median reaches
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,7 +44,8 @@ from convert.stream.sources import Dequant4Source
 from convert.units import format_bytes, parse_size
 from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
 from formats.bnb_layers import group_layers
-from formats.errors import ConvertBnbError, UsageError
+from formats.errors import ConvertBnbError, GgufAdapterError, UsageError
+from formats.peft import Adapter, open_adapter
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: this module loads at CLI start-up
     import numpy as np
@@ -47,7 +53,8 @@ if TYPE_CHECKING:  # heavy imports stay inside the functions: this module loads 
     from formats.bnb import Int8Layer, QuantizedLayer
     from formats.checkpoint import Checkpoint
 
-__all__ = ["OUTPUT_SIZERS", "InspectOptions", "absmax_stats", "format_report", "inspect_checkpoint"]
+__all__ = ["OUTPUT_SIZERS", "InspectOptions", "absmax_stats", "format_adapter_report", "format_report",
+           "inspect_adapter", "inspect_checkpoint"]
 
 #: Extra ``--to`` targets: name -> function(checkpoint) -> planned output bytes. Other modules add theirs.
 OUTPUT_SIZERS: dict[str, Callable[[Checkpoint], int]] = {}
@@ -195,6 +202,86 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
     if opts.stats:
         report["stats"] = absmax_stats(layers.values(), opts)
     return report
+
+
+def inspect_adapter(adapter: Adapter) -> dict[str, Any]:
+    """What a PEFT LoRA adapter holds, from its config and tensor headers (no weight data read).
+
+    Returns:
+        ``kind`` ``"lora-adapter"``; ``base_model`` (``base_model_name_or_path``, or None); ``r``, ``lora_alpha``,
+        ``use_rslora``, ``use_dora``, ``rank_pattern``, ``alpha_pattern`` (as the config gives them),
+        ``target_modules``, ``modules_to_save``; ``modules``: LoRA modules; ``ranks`` and ``scales``: modules per
+        rank and per PEFT scale (:meth:`formats.peft_config.LoraConfig.scale_for`: ``alpha / r``, or
+        ``alpha / sqrt(r)`` with rsLoRA), sorted; ``tensors``, ``tensor_bytes`` and ``dtypes`` (tensors per dtype
+        name); ``gguf_adapter``: None when ``--to gguf`` can write it as a GGUF LoRA adapter as far as the adapter
+        alone tells (its fit to the base is checked when converting), else ``{"rule", "reason", "tensor"}`` of the
+        refusal (LORA-015, :func:`convert.gguf.adapter.lora_modules`).
+    """
+    from convert.gguf.adapter import lora_modules  # (heavy: gguf; only an adapter's report needs it)
+
+    cfg = adapter.config
+    lora = [m for m in adapter.modules.values() if m.has_lora]
+    ranks = Counter(cfg.rank_for(m.module) for m in lora)
+    scales = Counter(cfg.scale_for(m.module) for m in lora)
+    dtypes = Counter(rec.dtype.name for rec in adapter.tensors.values())
+    refusal = None
+    try:
+        lora_modules(adapter)
+    except GgufAdapterError as exc:
+        refusal = {"rule": exc.rule, "reason": exc.reason, "tensor": exc.tensor}
+    targets = cfg.target_modules
+    return {
+        "kind": "lora-adapter",
+        "path": str(adapter.path),
+        "weights_file": adapter.weights_file.name,
+        "base_model": cfg.base_model,
+        "r": cfg.r,
+        "lora_alpha": cfg.lora_alpha,
+        "use_rslora": cfg.use_rslora,
+        "use_dora": cfg.use_dora,
+        "rank_pattern": dict(cfg.rank_pattern),
+        "alpha_pattern": dict(cfg.alpha_pattern),
+        "target_modules": list(targets) if isinstance(targets, tuple) else targets,
+        "modules_to_save": list(cfg.modules_to_save),
+        "modules": len(lora),
+        "ranks": {str(r): n for r, n in sorted(ranks.items())},
+        "scales": {repr(s): n for s, n in sorted(scales.items())},
+        "tensors": len(adapter.tensors),
+        "tensor_bytes": sum(rec.nbytes for rec in adapter.tensors.values()),
+        "dtypes": dict(sorted(dtypes.items())),
+        "gguf_adapter": refusal,
+    }
+
+
+def format_adapter_report(report: dict[str, Any]) -> str:
+    """:func:`inspect_adapter`'s report as text."""
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} ({n} module{'s' if n != 1 else ''})" for k, n in d.items()) or "none"
+
+    targets = report["target_modules"]
+    lines = [
+        f"{report['path']}: PEFT LoRA adapter, {report['modules']} LoRA modules, {report['tensors']} tensors, "
+        f"{format_bytes(report['tensor_bytes'])} in {report['weights_file']}",
+        f"  base model: {report['base_model'] or 'not named (give --base)'}",
+        f"  r {report['r']}, lora_alpha {report['lora_alpha']:g}"
+        + (", rsLoRA (scale alpha / sqrt(r))" if report["use_rslora"] else " (scale alpha / r)")
+        + (", DoRA" if report["use_dora"] else ""),
+        f"  ranks: {counts(report['ranks'])}",
+        f"  scales: {counts(report['scales'])}",
+        "  targets: " + (", ".join(targets) if isinstance(targets, list) else str(targets)),
+        "  tensors by dtype: " + ", ".join(f"{k}: {n}" for k, n in report["dtypes"].items()),
+    ]
+    if report["modules_to_save"]:
+        lines.append("  modules_to_save: " + ", ".join(report["modules_to_save"]))
+    lines.append("what it can become:")
+    lines.append("  convert-bnb BASE --merge-lora ADAPTER --to bf16|nf4|gguf:...   merged into the base")
+    refusal = report["gguf_adapter"]
+    if refusal is None:
+        lines.append("  convert-bnb ADAPTER --to gguf[:f16|f32|bf16|q8_0]           a GGUF LoRA adapter for llama.cpp")
+    else:
+        lines.append(f"  --to gguf: refused, {refusal['rule']} {refusal['reason']} ({refusal['tensor']}): "
+                     "merge it instead")
+    return "\n".join(lines)
 
 
 def _component(name: str, split: set[str]) -> str:
@@ -385,12 +472,22 @@ def run_command(args: argparse.Namespace) -> int:
                          found=f"{args.outlier_factor}, {args.flag_ratio}")
     src = resolve_source(args.src, args.revision, weights="headers")  # a Hub repo's headers, not its weights
     opts = InspectOptions(args.stats, args.outlier_factor, args.flag_ratio, args.max_shard_size)
-    with src.open() as ckpt:
-        report = inspect_checkpoint(ckpt, opts)
+    if src.is_adapter:
+        if args.stats:
+            raise UsageError("--stats reads a 4-bit model's absmax; an adapter has none", path=src.path,
+                             found="a PEFT LoRA adapter", hint="inspect the adapter without --stats")
+        shards = src.hub.shards if src.hub is not None else None
+        with open_adapter(src.path, remote=shards.open if shards is not None else None) as adapter:
+            report = inspect_adapter(adapter)
+        text = format_adapter_report
+    else:
+        with src.open() as ckpt:
+            report = inspect_checkpoint(ckpt, opts)
+        text = format_report
     if src.hub is not None:
         report["hub"] = {"repo": src.hub.repo_id, "revision": src.hub.revision, "commit": src.hub.commit}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_report(report))
+        print(text(report))
     return 0

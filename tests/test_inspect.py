@@ -220,3 +220,65 @@ def test_inspect_a_hub_repo_offline(tmp_path: Path) -> None:
     assert [(g["quant_type"], g["blocksize"], g["nested"]) for g in rep["quantized"]] == [("fp4", 64, False)]
     r = run_cli(["inspect", "org/llama-fp4"], offline_env(tmp_path, cache))
     assert r.stdout.splitlines()[0] == f"Hub repo org/llama-fp4 at main = commit {commit_sha('fp4')}"
+
+
+# ----------------------------------------------------------------------------------------------- a LoRA adapter
+
+def test_inspect_the_fixture_adapter(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """PEFT 0.21's fixture adapter (r 8, alpha 16, q/v of two layers, float32): its report from the headers."""
+    from tests.lora.test_gguf_adapter import ADAPTER
+
+    assert main(["inspect", str(ADAPTER), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert {k: rep[k] for k in ("kind", "base_model", "r", "lora_alpha", "use_rslora", "use_dora", "target_modules",
+                                "modules", "ranks", "scales", "tensors", "tensor_bytes", "dtypes", "gguf_adapter")} == {
+        "kind": "lora-adapter", "base_model": "../models/llama_orig_bf16", "r": 8, "lora_alpha": 16,
+        "use_rslora": False, "use_dora": False, "target_modules": ["q_proj", "v_proj"], "modules": 4,
+        "ranks": {"8": 4}, "scales": {"2.0": 4}, "tensors": 8,
+        "tensor_bytes": sum(4 * math.prod(a.shape) for a in read_safetensors(ADAPTER / "adapter_model.safetensors")
+                            .values()),
+        "dtypes": {"float32": 8}, "gguf_adapter": None}
+    assert main(["inspect", str(ADAPTER)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0] == f"{ADAPTER}: PEFT LoRA adapter, 4 LoRA modules, 8 tensors, 56.00 KiB in adapter_model.safetensors"
+    assert "  r 8, lora_alpha 16 (scale alpha / r)" in text and "  scales: 2.0 (4 modules)" in text
+    assert any(line.startswith("  convert-bnb ADAPTER --to gguf") for line in text)
+    # --stats reads absmax, which an adapter has not: USE-001, one line, exit 2
+    assert main(["inspect", str(ADAPTER), "--stats"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "USE-001 --stats reads a 4-bit model's absmax; an adapter has none" in err
+
+
+def test_inspect_adapter_scales_and_refusal(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """rsLoRA with a rank_pattern: each module's PEFT scale (alpha / sqrt(r)); DoRA: the GGUF route's LORA-015."""
+    from tests.lora.test_gguf_adapter import P, fixture_config, fixture_tensors, make_adapter, v_rank4
+
+    rs = make_adapter(tmp_path / "rs", fixture_config(use_rslora=True, rank_pattern={"v_proj": 4}),
+                      v_rank4(fixture_tensors()))
+    assert main(["inspect", str(rs), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ranks"] == {"4": 2, "8": 2} and rep["rank_pattern"] == {"v_proj": 4}
+    assert rep["scales"] == {repr(16 / math.sqrt(8)): 2, "8.0": 2} and rep["use_rslora"] is True
+    dora = make_adapter(tmp_path / "dora", fixture_config(use_dora=True), {
+        **fixture_tensors(), **{f"{P}model.layers.{i}.self_attn.{m}.lora_magnitude_vector": np.ones(n, np.float32)
+                                for i in (0, 1) for m, n in (("q_proj", 256), ("v_proj", 128))}})
+    assert main(["inspect", str(dora), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["use_dora"] is True and rep["tensors"] == 12
+    assert rep["gguf_adapter"]["rule"] == "LORA-015"
+    assert rep["gguf_adapter"]["reason"].startswith("DoRA magnitude vector")
+    assert rep["gguf_adapter"]["tensor"].endswith("lora_magnitude_vector")
+    assert main(["inspect", str(dora)]) == 0
+    assert "  --to gguf: refused, LORA-015 DoRA magnitude vector" in capsys.readouterr().out
+
+
+def test_inspect_a_hub_adapter_offline(tmp_path: Path) -> None:
+    from tests.lora.test_gguf_adapter import ADAPTER
+
+    cache = tmp_path / "hub"
+    add_model_dir(cache, "org/adapter", ADAPTER, commit_sha("adapter"))
+    r = run_cli(["inspect", "org/adapter", "--json"], offline_env(tmp_path, cache))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["kind"] == "lora-adapter" and rep["modules"] == 4
+    assert rep["hub"] == {"repo": "org/adapter", "revision": None, "commit": commit_sha("adapter")}

@@ -107,7 +107,7 @@ from formats.gguf import tensor_nbytes
 from formats.peft import Adapter, AdapterModule, check_finite, parse_adapter_key
 
 __all__ = ["ADAPTER_TYPES", "AdapterTensorSource", "BaseModel", "GgufAdapterJob", "adapter_order", "gguf_scales",
-           "plan_adapter"]
+           "lora_modules", "plan_adapter"]
 
 GT = gguf.GGMLQuantizationType
 _F32 = BY_CODE["F32"]
@@ -289,7 +289,7 @@ def _refuse(message: str, adapter: Adapter, key: str, **kw: Any) -> GgufAdapterE
     return GgufAdapterError(message, path=adapter.weights_file, tensor=key, hint=kw.pop("hint", _MERGE_HINT), **kw)
 
 
-def _lora_modules(adapter: Adapter) -> list[AdapterModule]:
+def lora_modules(adapter: Adapter) -> list[AdapterModule]:
     """The LoRA modules in the converter's order, after refusing what a GGUF adapter cannot hold of the adapter
     alone (LORA-015: a DoRA magnitude vector, a full tensor that is not a LoRA module's ``base_layer`` copy)."""
     order: dict[str, AdapterModule] = {}
@@ -431,7 +431,7 @@ def plan_adapter(adapter: Adapter, base: BaseModel, output_type: str | None = No
     tied = hp.get("tie_word_embeddings") is True
     wfile = str(adapter.weights_file)
     adapter.check_targets()
-    modules = _lora_modules(adapter)
+    modules = lora_modules(adapter)
     alpha, factors = gguf_scales(adapter, {m.module: m.lora_A.shape[0] for m in modules if m.lora_A is not None})
 
     planned: list[GGUFTensor] = []

@@ -685,14 +685,12 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
     # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
     from huggingface_hub import snapshot_download
 
-
     unreachable: BaseException | None = None
     try:
         plan = plan_download(repo_id, revision, cache_dir=cache_dir, local_dir=staging)
     except _Unreachable as exc:  # as huggingface_hub does: use the cached snapshot, if there is one
         plan, unreachable = None, exc.cause
     if plan is not None and not download:
-        # (heavy: huggingface_hub's API takes ~170 ms to import; only Hub paths need it)
         from huggingface_hub.file_download import repo_folder_name
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
@@ -720,8 +718,10 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
     else:
         patterns = _offline_patterns(repo_id, revision, cache_dir)
     try:
+        # (plan None: offline or unreachable, the cache alone; huggingface_hub 1.x lists a commit's tree even
+        # with HF_HUB_OFFLINE set unless told so)
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
-                                 local_files_only=unreachable is not None)
+                                 local_files_only=plan is None)
     except Exception as exc:
         if is_hub_exception(exc):
             raise _hub_error(unreachable or exc, repo_id, revision) from None
