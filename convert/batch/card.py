@@ -39,14 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convert import __version__
 from convert.batch.jobs import Job, job_options
 from convert.batch.state import check_replaceable, load_state, save_state, state_path
 from convert.check import check_source
 from convert.hub import card as hub_card
 from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
-from convert.hub.publish import planned_outputs, quant_summary
+from convert.hub.publish import commit_message, planned_outputs, quant_summary
 from convert.hub.repo import output_repo_name
 from convert.hub.upload import PushOptions, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
@@ -86,7 +85,7 @@ def model_card(job: Job, commit: str | None, files: dict[str, dict[str, Any]],
         the card text. A local source is named by its folder only: a pushed card must not publish this
         machine's paths.
     """
-    shown = job.src if job.is_repo else Path(job.src).name
+    shown = _shown(job)
     source = CardSource(job.src if job.is_repo else None, shown, job.revision, commit, tuple(quantization),
                         license or {})
     settings = [("--max-shard-size", f"{job.max_shard_size} bytes")] + [("--mmproj", job.mmproj)] * bool(job.mmproj)
@@ -112,7 +111,13 @@ def build_upload_plan(org: str, job: Job, outputs: list[tuple[Path, dict[str, di
     """
     name, to = output or (job.name, job.to)
     return plan_upload(PushOptions(f"{org}/{output_repo_name(name)}", private), outputs, card,
-                       f"convert-bnb {__version__}: {job.src} --to {to}")
+                       commit_message(_shown(job), to))
+
+
+def _shown(job: Job) -> str:
+    """How a job's source is named on the Hub (card, commit): a repo by its id, a local source by its own name
+    only (a pushed card or commit must not publish this machine's paths)."""
+    return job.src if job.is_repo else Path(job.src).name
 
 
 @dataclass(frozen=True)

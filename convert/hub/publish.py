@@ -64,8 +64,8 @@ from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, HubUploadError, OutputExistsError, TargetsFailedError, UsageError
 from formats.peft_config import ADAPTER_CONFIG
 
-__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "planned_outputs", "publish",
-           "push_from_args", "quant_summary", "record_path"]
+__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "commit_message", "planned_outputs",
+           "publish", "push_from_args", "quant_summary", "record_path"]
 
 #: The ``version`` of the records this module reads and writes.
 RECORD_VERSION = 1
@@ -491,8 +491,14 @@ def _command(options: ConvertOptions, argv: Sequence[str] | None) -> str:
 
 
 def _message(record: dict[str, Any], options: ConvertOptions) -> str:
-    """The commit message: the converter, the source's name and the target."""
-    return f"convert-bnb {__version__}: {record['source']['name']} --to {options.to}"
+    """The commit message of a single run's push (:func:`commit_message`)."""
+    return commit_message(record["source"]["name"], options.to)
+
+
+def commit_message(source_name: str, to: object) -> str:
+    """The commit message of a push: the converter, the source's name (a repo id, or a local source's own name:
+    a pushed commit must not publish this machine's paths) and the target."""
+    return f"convert-bnb {__version__}: {source_name} --to {to}"
 
 
 def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions, argv: Sequence[str] | None) -> str:

@@ -717,6 +717,9 @@ def test_push_dry_run_plans_each_output_of_a_job_of_several_targets(tmp_path: Pa
         (bf16, "bf16", str(out / "set" / bf16)), (gguf, "gguf:q8_0", str(out / "set" / gguf))]
     ups = [o["upload"] for o in plan["outputs"]]
     assert [u["create_repo"]["repo_id"] for u in ups] == ["me/llama_nf4_dq-bf16", "me/Llama_Nf4_Dq-2.0M-Q8_0"]
+    # a local source is named by its own name in the commit, as in the card: no path of this machine is pushed
+    assert [u["commit"]["commit_message"] for u in ups] == [
+        "convert-bnb 0.1.0: llama_nf4_dq --to bf16", "convert-bnb 0.1.0: llama_nf4_dq --to gguf:q8_0"]
     ops = [{o["path_in_repo"]: (o["bytes"], o["from"]) for o in u["commit"]["operations"]} for u in ups]
     assert ops[0]["model.safetensors"] == (3975680, str(out / "set" / bf16 / "model.safetensors"))
     assert ops[0]["config.json"][1] == str(out / "set" / bf16 / "config.json")
