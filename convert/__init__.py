@@ -2,7 +2,9 @@
 
 Reads through :mod:`formats`; ``formats`` never imports ``convert``. The ``convert-bnb`` command is
 :func:`convert.__main__.main`; a library user calls :func:`convert.job.convert` with a
-:class:`convert.options.ConvertOptions`. This module holds data only (no imports): every module may
+:class:`convert.options.ConvertOptions`, which hands the run to its part in :mod:`convert.run` (the source
+resolved, one target's run, a PEFT adapter as SRC, several targets from one read, the
+:class:`~convert.run.result.ConvertResult`). This module holds data only (no imports): every module may
 import it.
 """
 

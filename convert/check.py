@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from convert.job import base_model, check_adapter_options, resolve_source
 from convert.options import AUTO, DEFAULT_MIX, ConvertOptions, MixOptions, Target, target_for
+from convert.run.adapter import base_model, check_adapter_options
+from convert.run.source import resolve_source
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
 from convert.targets import ADAPTER_JOB, TARGETS
@@ -215,7 +216,7 @@ def _check_target(ckpt: Checkpoint, target: Target | ConvertBnbError, model_name
 def _check_adapter(report: CheckReport, path: str | os.PathLike[str], target: Target | ConvertBnbError,
                    base: str | None, model_name: str | None = None) -> None:
     """A PEFT LoRA adapter directory: its rules (LORA-001..013), and with ``--to gguf[:TYPE]`` its GGUF adapter
-    planned against its base's config.json (:func:`convert.job.base_model`) and every value read (LORA-014), as
+    planned against its base's config.json (:func:`convert.run.adapter.base_model`) and every value read (LORA-014), as
     the conversion would; the first problem joins the report."""
     try:
         if not isinstance(target, Target):

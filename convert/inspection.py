@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from convert.job import resolve_source
 from convert.options import FLOAT_TARGETS
+from convert.run.source import resolve_source
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
 from convert.units import format_bytes, parse_size

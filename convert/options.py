@@ -23,7 +23,7 @@ T1,T2,...                  multi   each member as it is alone                   
 
 Several targets, comma-separated (``--to bf16,gguf:q4_k_m,gguf:q8_0,nf4``), make one :class:`Target` of family
 ``multi`` whose :attr:`Target.members` are the single targets in the order given: one run reads and dequantizes
-each weight once for all of them (:func:`convert.job.convert`).
+each weight once for all of them (:func:`convert.run.several.convert_set`).
 """
 
 from __future__ import annotations

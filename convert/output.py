@@ -59,6 +59,7 @@ from convert import signals
 from convert.options import Target
 from formats.checkpoint import path_kind
 from formats.errors import (
+    ConvertBnbError,
     DiskSpaceError,
     OutputBusyError,
     OutputExistsError,
@@ -74,6 +75,7 @@ __all__ = [
     "GgufNaming",
     "InterruptedAfterCommit",
     "MODELFILE_NAME",
+    "OUTPUT_REFUSALS",
     "OutputClaim",
     "RECORD_MARK",
     "ShardLedger",
@@ -515,6 +517,14 @@ class InterruptedAfterCommit(KeyboardInterrupt):
         self.path = path
 
 
+#: What refuses an output before it is written (:class:`OutputClaim`'s checks, and an existing ``--mmproj`` or
+#: ``--modelfile`` file, found while the target is planned): one of them refuses every target of a run of several
+#: (:class:`convert.run.several._OutputGate`).
+OUTPUT_REFUSALS: tuple[type[ConvertBnbError], ...] = (
+    OutputExistsError, OutputBusyError, OutputKindError, OutputInsideInputError, OverwriteRefusedError,
+    DiskSpaceError)
+
+
 class OutputClaim:
     """Owns one output path for a run: pre-flight, exclusive claim, recovery, staging and commit.
 
@@ -537,7 +547,7 @@ class OutputClaim:
             own names (``staging / part.name``; never resumable), checked (OUT-001) and installed together.
         on_checked: called once the claim is held and every pre-flight check has passed, before the staging
             is made, or None. What it raises undoes the claim as any error does (a run of several targets
-            waits there until every target's output is checked: :func:`convert.job.convert`).
+            waits there until every target's output is checked: :func:`convert.run.several.convert_set`).
 
     Raises (on enter):
         OutputKindError: USE-003; OutputInsideInputError: USE-002; OutputBusyError: OUT-004;

@@ -107,12 +107,12 @@ def test_unexpected_exception_and_out_of_memory_are_one_line(tmp_path: Path, mon
                                                              code: int, line: str) -> None:
     """An unexpected exception is a bug (exit 1, asking for a report); running out of memory is the
     environment's (exit 2, naming the caps to lower). One line each, no output left."""
-    import convert.job
+    import convert.run.single
 
     def fail(*a: object, **k: object) -> None:
         raise exc
 
-    monkeypatch.setattr(convert.job, "make_plan", fail)
+    monkeypatch.setattr(convert.run.single, "make_plan", fail)
     src = one_file(layer())(tmp_path)
     assert main([str(src), "-o", str(tmp_path / "o.safetensors")]) == code
     assert capsys.readouterr().err == line + "\n"

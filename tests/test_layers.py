@@ -209,17 +209,18 @@ LAYERS: dict[str, set[str]] = {
     "convert.gguf": {"convert", "convert.dequant", "convert.options", "convert.output", "convert.signals",
                      "convert.stream"},
     "convert.targets": {"convert.bnb4", "convert.gguf", "convert.options", "convert.output", "convert.stream"},
-    # one conversion, and the commands around it
-    "convert.job": {"convert", "convert.hub", "convert.lora", "convert.options", "convert.output", "convert.stream",
+    # one conversion: the parts of a run, and the entry that hands each run to its part; the commands around it
+    "convert.run": {"convert", "convert.hub", "convert.lora", "convert.options", "convert.output", "convert.stream",
                     "convert.targets", "convert.units"},
-    "convert.check": {"convert.job", "convert.options", "convert.stream", "convert.targets"},
-    "convert.inspection": {"convert.job", "convert.options", "convert.stream", "convert.units"},
+    "convert.job": {"convert.hub", "convert.options", "convert.output", "convert.run"},
+    "convert.check": {"convert.options", "convert.run", "convert.stream", "convert.targets"},
+    "convert.inspection": {"convert.options", "convert.run", "convert.stream", "convert.units"},
     # a conversion then its upload (--push-to-hub): built on the one conversion, as the commands are
     "convert.hub.publish": {"convert", "convert.hub", "convert.inspection", "convert.job", "convert.options",
-                            "convert.output", "convert.units"},
+                            "convert.output", "convert.run", "convert.units"},
     "convert.batch": {"convert", "convert.check", "convert.hub", "convert.hub.publish", "convert.inspection",
-                      "convert.job", "convert.options", "convert.output", "convert.signals", "convert.stream",
-                      "convert.units"},
+                      "convert.job", "convert.options", "convert.output", "convert.run", "convert.signals",
+                      "convert.stream", "convert.units"},
     "convert.cli": {"convert", "convert.batch", "convert.bnb4", "convert.check", "convert.hub.publish",
                     "convert.inspection", "convert.job",
                     "convert.lora", "convert.options", "convert.output", "convert.signals", "convert.units"},
@@ -293,7 +294,7 @@ def test_the_targets_stand_apart() -> None:
         if module.startswith("convert.bnb4"):
             assert "gguf" not in parts, module
         if module.startswith(("convert.stream", "convert.dequant", "convert.lora")):
-            assert not parts & {"bnb4", "gguf", "targets", "job"}, module
+            assert not parts & {"bnb4", "gguf", "targets", "job", "run"}, module
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -372,4 +373,4 @@ def test_convert_keeps_a_handful_of_modules_at_its_top() -> None:
     top = sorted(p.stem for p in (ROOT / "convert").glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(top) <= 12, top
     folders = sorted(p.name for p in (ROOT / "convert").iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert folders == ["batch", "bnb4", "dequant", "gguf", "hub", "lora", "stream"]
+    assert folders == ["batch", "bnb4", "dequant", "gguf", "hub", "lora", "run", "stream"]

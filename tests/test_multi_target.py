@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from convert import job as job_mod
 from convert.cli import main
-from convert.job import ConvertResult, convert
+from convert.job import convert
 from convert.options import ConvertOptions, target_for
+from convert.run import several as several_mod
+from convert.run.result import ConvertResult
 from convert.stream import shared as shared_mod
 from convert.stream.sources import Dequant4Source
 from formats.errors import (
@@ -86,8 +87,8 @@ def test_small_blocks_and_a_tiny_shared_budget_write_the_same_bytes(budget: int,
     three blocks (readers wait for room; the orders of fp4 and GGUF differ from bf16's, so blocks are dropped and
     made again) or of ten: the bytes never change, and nothing waits for ever."""
     monkeypatch.setattr(shared_mod, "BLOCK_ELEMENTS", 1024)
-    real = job_mod.share_memory
-    monkeypatch.setattr(job_mod, "share_memory", lambda m, n: (real(m, n)[0], budget))
+    real = several_mod.share_memory
+    monkeypatch.setattr(several_mod, "share_memory", lambda m, n: (real(m, n)[0], budget))
     to = "bf16,fp4,gguf:q8_0,gguf:q4_k_m"
     result = convert(ConvertOptions(str(LLAMA), to=to, output=tmp_path / "set", threads=2))
     shared = result.details["shared"]

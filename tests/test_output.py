@@ -437,12 +437,12 @@ def test_other_write_errors_name_the_output(tmp_path: Path, monkeypatch: pytest.
 @pytest.mark.parametrize("flag", ["--report", "--quant-report"])
 def test_report_paths_are_checked_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str], flag: str) -> None:
-    import convert.job
+    import convert.run.source
 
     def no_work(*a, **k):
         raise AssertionError("the input was opened before the report path was checked")
 
-    monkeypatch.setattr(convert.job, "open_checkpoint", no_work)
+    monkeypatch.setattr(convert.run.source, "open_checkpoint", no_work)
     extra = (["--merge-lora", str(MODELS.parent / "lora" / "adapter")] if flag == "--report" else ["--to", "nf4"])
     base = [str(MODELS / "llama_nf4_dq"), "-o", str(tmp_path / "out"), "-q"] + extra
     if flag == "--report":

@@ -49,9 +49,12 @@ from convert.hub.publish import commit_message, planned_outputs, quant_summary
 from convert.hub.repo import output_repo_name
 from convert.hub.upload import PushOptions, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
-from convert.job import ConvertResult, ResolvedSource, job_key, plan_set, resolve_source
 from convert.options import ConvertOptions, Target
 from convert.output import recorded_shards
+from convert.run.result import ConvertResult
+from convert.run.several import plan_set
+from convert.run.single import job_key
+from convert.run.source import ResolvedSource, resolve_source
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError
@@ -150,7 +153,7 @@ class JobRepo:
 
 def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource) -> list[tuple[Target, ConvertResult]]:
     """Each output of a job of several targets with its target, in ``--to`` order, named as the job's conversion
-    names them: the outputs a dry run of it plans (:func:`convert.job.plan_set`; headers only).
+    names them: the outputs a dry run of it plans (:func:`convert.run.several.plan_set`; headers only).
 
     Args:
         job: the job (``to`` of several targets).
@@ -390,7 +393,7 @@ def _not_written_yet(name: str) -> dict[str, dict[str, Any]]:
 
 
 def _resolve_without_download(job: Job) -> Any:
-    """The job's source as a :class:`~convert.job.ResolvedSource`; a Hub repo resolved to its commit only."""
+    """The job's source as a :class:`~convert.run.source.ResolvedSource`; a Hub repo resolved to its commit only."""
 
     if not job.is_repo:
         return resolve_source(job.src, job.revision)

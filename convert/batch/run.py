@@ -70,7 +70,7 @@ Done
     error ``failed`` with the error.
 
 Resuming
-    The state's ``key`` is :func:`convert.job.job_key` (source and resolved commit, ``--to``,
+    The state's ``key`` is :func:`convert.run.single.job_key` (source and resolved commit, ``--to``,
     ``--max-shard-size``, converter version, ...). A re-run skips a job whose state is ``done`` with
     the same key and whose output holds exactly the recorded files with their recorded sizes and
     sha256. Otherwise the job runs again: a directory output resumes from its

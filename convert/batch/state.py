@@ -23,7 +23,7 @@ and saving the state as done leaves an installed, complete output that the state
 yet; the next run recognises it by this manifest (same key, files match) and records it as done
 instead of refusing the files as foreign.
 
-``key`` is :func:`convert.job.job_key` (source and resolved commit, ``--to``, ``--max-shard-size``,
+``key`` is :func:`convert.run.single.job_key` (source and resolved commit, ``--to``, ``--max-shard-size``,
 every other setting that changes the bytes written, converter version). A state file of another
 ``version``, or one that does not parse, counts as no record.
 
@@ -190,7 +190,7 @@ def check_replaceable(outputs: list[tuple[Path, str]], state: dict[str, Any], st
             ``mmproj_files``), as :meth:`convert.batch.jobs.Job.outputs` names them under the out dir.
         state: the job's state (:func:`load_state`; ``{}`` for none).
         state_file: its path (the manifests of the last conversion lie beside it).
-        key: the job's key now (:func:`convert.job.job_key`).
+        key: the job's key now (:func:`convert.run.single.job_key`).
         overwrite: ``--overwrite`` was given.
 
     Returns:

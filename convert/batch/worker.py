@@ -38,8 +38,10 @@ from convert.batch.state import (
 )
 from convert.hub.card import source_license
 from convert.hub.publish import quant_summary
-from convert.job import convert, job_key, resolve_source
+from convert.job import convert
 from convert.output import PARTIAL_MARK, write_json
+from convert.run.single import job_key
+from convert.run.source import resolve_source
 from convert.stream.pipeline import peak_rss_bytes
 from formats.errors import ConvertBnbError, HubUploadError
 from formats.mapping import changed_input

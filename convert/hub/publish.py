@@ -4,7 +4,7 @@
 (:func:`convert.hub.upload.upload`) with its card (:func:`convert.hub.card.model_card`):
 
 - the record ``.NAME.convert-bnb-push.json`` beside the output (written atomically) holds the run's key
-  (:func:`convert.job.job_key`: source and commit, every setting that changes the bytes, the converter
+  (:func:`convert.run.single.job_key`: source and commit, every setting that changes the bytes, the converter
   version), the output's files with their sizes and sha256, what the card says of the source (its
   quantization, its card's license) and the figures the run measured, and, once uploaded, ``pushed``
   (repo, branch, key, Hub commit);
@@ -56,9 +56,13 @@ from convert.hub.upload import (
     upload_folder_path,
 )
 from convert.inspection import InspectOptions, inspect_checkpoint
-from convert.job import ConvertResult, ResolvedSource, convert, job_key, member_options
+from convert.job import convert
 from convert.options import ConvertOptions, Target
 from convert.output import RECORD_MARK, InterruptedAfterCommit, sha256_file, write_json
+from convert.run.result import ConvertResult
+from convert.run.several import member_options
+from convert.run.single import job_key
+from convert.run.source import ResolvedSource
 from convert.units import format_bytes, parse_size
 from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, HubUploadError, OutputExistsError, TargetsFailedError, UsageError
@@ -147,7 +151,7 @@ def publish(options: ConvertOptions, push: PushOptions, argv: Sequence[str] | No
             or None (the card gives ``convert-bnb SRC --to T``).
 
     Returns:
-        the conversion's :class:`~convert.job.ConvertResult` (of the earlier run's output when it was kept:
+        the conversion's :class:`~convert.run.result.ConvertResult` (of the earlier run's output when it was kept:
         no tensors counted, a note saying so) with ``details["push"]``: ``repo``, ``revision``, ``private``,
         ``method`` (``commit``, ``large-folder``, or ``none`` when already pushed), ``commit`` (the Hub's),
         ``files``, ``bytes``, ``converted`` (False: an earlier run's output) and ``uploaded``. A dry run's
@@ -188,7 +192,7 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
         output an earlier run made is kept (no tensors counted, a note saying so).
 
     Raises:
-        UsageError: as :func:`convert.job.member_options`.
+        UsageError: as :func:`convert.run.several.member_options`.
         TargetsFailedError: OUT-006, some targets failed; the complete outputs are recorded, not uploaded (the
             same command uploads them once the others are made).
         HubUploadError: HUB-003, some uploads failed (every output is tried), naming each repo not pushed; every
@@ -340,7 +344,7 @@ def _in_place(out: Path, files: Any) -> bool:
 
 
 def _key(options: ConvertOptions, result: ConvertResult) -> dict[str, Any]:
-    """:func:`convert.job.job_key` of a run, from its result (the source it read and the commit)."""
+    """:func:`convert.run.single.job_key` of a run, from its result (the source it read and the commit)."""
     if result.commit is None:
         return job_key(options, ResolvedSource(Path(result.source)))
     repo = result.source.rpartition("@")[0]

@@ -1,8 +1,8 @@
 """Several targets from one read: each weight dequantized once, its values handed to every target's writer
 (:class:`SharedProducts`).
 
-A run of several targets (``--to bf16,gguf:q8_0,nf4``: :func:`convert.job.convert`) runs each target as a
-single run does, in a thread of its own: its own plan, sources, job and chunk loop
+A run of several targets (``--to bf16,gguf:q8_0,nf4``: :func:`convert.run.several.convert_set`) runs each target as
+a single run does, in a thread of its own: its own plan, sources, job and chunk loop
 (:func:`convert.stream.pipeline.ordered_chunks`), so each output has the bytes of its single run. The
 sources that dequantize (:class:`~convert.stream.sources.Dequant4Source`,
 :class:`~convert.stream.sources.Int8Source`) of every target are linked to one :class:`SharedProducts`

@@ -737,7 +737,7 @@ def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
         def finish(self):
             self.base.finish()
 
-    import convert.job
+    import convert.run.single
 
     def shifted_plan(*args, **kwargs):
         plan = make_plan(*args, **kwargs)
@@ -746,7 +746,7 @@ def test_cli_gguf_composes_with_plan_hooks(tmp_path, monkeypatch):
                 t.source = Shifted(t.source)
         return plan
 
-    monkeypatch.setattr(convert.job, "make_plan", shifted_plan)
+    monkeypatch.setattr(convert.run.single, "make_plan", shifted_plan)
     out = tmp_path / "m.gguf"
     assert main([str(MODELS / "llama_nf4_dq"), "--to", "gguf:f16", "-o", str(out), "-q"]) == 0
     r = gguf.GGUFReader(out)

@@ -206,7 +206,7 @@ def test_bad_split_options_are_usage_errors_before_any_work(tmp_path: Path, caps
 
 
 def test_library_options_are_checked_too(tmp_path: Path) -> None:
-    from convert.job import check_options
+    from convert.run.single import check_options
 
     for kwargs, words in (({"to": "bf16", "split_max_tensors": 2}, "needs --to gguf"),
                           ({"to": "gguf", "split_max_tensors": 2, "split_max_size": 10**9}, "not both"),
