@@ -41,6 +41,7 @@ from convert.options import FLOAT_TARGETS
 from convert.run.source import resolve_source
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
+from convert.targets import check_adapter_alone
 from convert.units import format_bytes, parse_size
 from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
 from formats.bnb_layers import group_layers
@@ -215,10 +216,8 @@ def inspect_adapter(adapter: Adapter) -> dict[str, Any]:
         ``alpha / sqrt(r)`` with rsLoRA), sorted; ``tensors``, ``tensor_bytes`` and ``dtypes`` (tensors per dtype
         name); ``gguf_adapter``: None when ``--to gguf`` can write it as a GGUF LoRA adapter as far as the adapter
         alone tells (its fit to the base is checked when converting), else ``{"rule", "reason", "tensor"}`` of the
-        refusal (LORA-015, :func:`convert.gguf.adapter.lora_modules`).
+        refusal (LORA-015, :data:`convert.targets.check_adapter_alone`).
     """
-    from convert.gguf.adapter import lora_modules  # (heavy: gguf; only an adapter's report needs it)
-
     cfg = adapter.config
     lora = [m for m in adapter.modules.values() if m.has_lora]
     ranks = Counter(cfg.rank_for(m.module) for m in lora)
@@ -226,7 +225,7 @@ def inspect_adapter(adapter: Adapter) -> dict[str, Any]:
     dtypes = Counter(rec.dtype.name for rec in adapter.tensors.values())
     refusal = None
     try:
-        lora_modules(adapter)
+        check_adapter_alone(adapter)
     except GgufAdapterError as exc:
         refusal = {"rule": exc.rule, "reason": exc.reason, "tensor": exc.tensor}
     targets = cfg.target_modules

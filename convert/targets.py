@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convert.bnb4.target import Bnb4Job
-from convert.gguf.adapter import BaseModel, GgufAdapterJob
+from convert.gguf.adapter import BaseModel, GgufAdapterJob, lora_modules
 from convert.gguf.modelfile import ModelfileJob, check_name, plan_modelfile
 from convert.gguf.target import GgufJob, MmprojJob
 from convert.options import ConvertOptions
@@ -41,11 +41,16 @@ from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
 from convert.stream.sources import Source
 
-__all__ = ["ADAPTER_JOB", "TARGETS", "BaseModel", "MmprojJob", "ModelfileJob", "TargetJob", "check_modelfile_name",
-           "plan_modelfile"]
+__all__ = ["ADAPTER_JOB", "TARGETS", "BaseModel", "MmprojJob", "ModelfileJob", "TargetJob", "check_adapter_alone",
+           "check_modelfile_name", "plan_modelfile"]
 
 #: ``--modelfile``'s name check (:func:`convert.gguf.modelfile.check_name`), for the options check before any I/O.
 check_modelfile_name = check_name
+
+#: What :data:`ADAPTER_JOB` refuses of an adapter alone, before its base is known
+#: (:func:`convert.gguf.adapter.lora_modules`: LORA-015, a DoRA magnitude, a modules_to_save module, a full
+#: tensor), for ``inspect``'s report of an adapter.
+check_adapter_alone = lora_modules
 
 
 class TargetJob(Protocol):

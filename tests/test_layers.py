@@ -214,7 +214,7 @@ LAYERS: dict[str, set[str]] = {
                     "convert.targets", "convert.units"},
     "convert.job": {"convert.hub", "convert.options", "convert.output", "convert.run"},
     "convert.check": {"convert.options", "convert.run", "convert.stream", "convert.targets"},
-    "convert.inspection": {"convert.options", "convert.run", "convert.stream", "convert.units"},
+    "convert.inspection": {"convert.options", "convert.run", "convert.stream", "convert.targets", "convert.units"},
     # a conversion then its upload (--push-to-hub): built on the one conversion, as the commands are
     "convert.hub.publish": {"convert", "convert.hub", "convert.inspection", "convert.job", "convert.options",
                             "convert.output", "convert.run", "convert.units"},

@@ -231,6 +231,8 @@ def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubErr
     kind = type(exc).__name__
     rev = revision or "main"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else kind
+    if kind == "LocalEntryNotFoundError":  # what happened; its advice is a library caller's (local_files_only=False)
+        first = first.split(". ")[0].rstrip(".") + "."
     hints = {
         "RepositoryNotFoundError": "check the repo id; for a private or gated repo set HF_TOKEN or run `hf auth login`",
         "GatedRepoError": "accept the repo's terms on the Hub and set HF_TOKEN",
@@ -691,7 +693,7 @@ def _resolve(repo_id: str, revision: str | None, cache_dir: str | Path | None, c
     except _Unreachable as exc:  # as huggingface_hub does: use the cached snapshot, if there is one
         plan, unreachable = None, exc.cause
     if plan is not None and not download:
-        from huggingface_hub.file_download import repo_folder_name
+        from huggingface_hub.file_download import repo_folder_name  # (heavy, as above)
 
         snap = cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / plan.commit
         return HubSource(repo_id, revision, plan.commit, snap, 0,

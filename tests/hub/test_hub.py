@@ -96,7 +96,10 @@ def test_offline_missing_repo_is_one_clear_line(cache: Path, tmp_path: Path) -> 
     assert r.returncode == 2
     line = r.stderr.strip()
     assert line.count("\n") == 0
-    assert "cannot fetch Hub repo 'org/absent' at revision 'main' (LocalEntryNotFoundError" in line
+    assert ("cannot fetch Hub repo 'org/absent' at revision 'main' (LocalEntryNotFoundError: Cannot find an "
+            "appropriate cached snapshot folder for the specified revision on the local disk and outgoing traffic "
+            "has been disabled.) (expected") in line
+    assert "local_files_only" not in line  # (huggingface_hub's advice to a library caller is left out)
     assert "Hint: HF_HUB_OFFLINE is set" in line
     assert not (tmp_path / "o").exists()
 
