@@ -16,6 +16,7 @@ The CLI prints that line and exits with code 2; the library never prints or exit
 
 from __future__ import annotations
 
+import copy
 import os
 import reprlib
 from typing import Any
@@ -189,6 +190,13 @@ class ConvertBnbError(Exception):
         self.action = action
         super().__init__(self._render())
         self.args = (self._render(),)  # OSError subclasses keep their own args otherwise
+
+    def with_reason(self, reason: str) -> ConvertBnbError:
+        """A copy of this error (its class, rule, path, tensor, expected/found and hint) saying ``reason`` instead."""
+        error = copy.copy(self)
+        error.reason = reason
+        error.args = (error._render(),)
+        return error
 
     def _render(self) -> str:
         parts: list[str] = []

@@ -375,8 +375,8 @@ def test_existing_outputs_need_overwrite(tmp_path: Path, capsys: pytest.CaptureF
     assert main([str(LLAMA), "--to", "bf16,gguf:q8_0", "-o", str(out), "-q"]) == 2
     err = capsys.readouterr().err
     assert err == (f"convert-bnb: error: Failed to write '{out / 'llama_nf4_dq-bf16'}': OUT-001 output exists (--to "
-                   "bf16; also refused: Llama_Nf4_Dq-2.0M-Q8_0.gguf (OUT-001)); nothing converted: every output of the "
-                   "2 targets is checked before any is written. Hint: pass --overwrite to replace it, or choose -o\n")
+                   "bf16; also refused: Llama_Nf4_Dq-2.0M-Q8_0.gguf (OUT-001)); nothing converted: each of the 2 "
+                   "targets is checked before any converts. Hint: pass --overwrite to replace it, or choose -o\n")
     assert _tree(out) == before
     assert main([str(LLAMA), "--to", "bf16,gguf:q8_0,nf4", "-o", str(out), "-q", "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["Llama_Nf4_Dq-2.0M-Q8_0.gguf", "llama_nf4_dq-bf16",
@@ -418,7 +418,7 @@ def test_one_existing_output_refuses_the_run_before_anything_is_converted(
     assert (exc.rule, exc.path, exc.hint) == ("OUT-001", str(out / "llama_nf4_dq-bf16"),
                                               "pass --overwrite to replace it, or choose -o")
     assert str(exc) == (f"Failed to write '{out / 'llama_nf4_dq-bf16'}': OUT-001 output exists (--to bf16); nothing "
-                        "converted: every output of the 3 targets is checked before any is written. Hint: pass "
+                        "converted: each of the 3 targets is checked before any converts. Hint: pass "
                         "--overwrite to replace it, or choose -o")
     assert made == [] and _hidden_and_all(out) == before
     assert main([str(LLAMA), "--to", order, "-o", str(out), "--json"]) == 2
@@ -450,7 +450,7 @@ def test_another_runs_lock_or_an_existing_modelfile_refuses_the_run(tmp_path: Pa
     finally:
         os.close(fd)
     assert (info.value.rule, info.value.path) == ("OUT-004", str(out / "llama_nf4_dq-nf4"))
-    assert "(--to nf4); nothing converted: every output of the 3 targets is checked" in str(info.value)
+    assert "(--to nf4); nothing converted: each of the 3 targets is checked" in str(info.value)
     assert made == [] and [p.name for p in out.iterdir()] == [lock.name]
     lock.unlink()
     (out / "Modelfile").write_text("FROM x\n")
@@ -562,3 +562,23 @@ def test_a_signal_stops_every_target_and_leaves_nothing(sig: int, tmp_path: Path
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and err == "convert-bnb: interrupted; no output was left behind\n", err
     assert not out.exists() and _tree(src) == before
+
+
+@pytest.mark.parametrize(("extra", "to", "rule", "part"), [
+    (["--metadata", "{missing}"], "bf16,gguf:q8_0,nf4", "USE-001", "--metadata file cannot be read"),
+    (["--tensor-type", "attn_v=iq2_xxs"], "bf16,gguf:q4_k_m", "IMX-004", "needs an importance matrix"),
+], ids=["metadata-missing", "imatrix-needed"])
+def test_an_option_one_target_cannot_take_refuses_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          extra: list[str], to: str, rule: str, part: str) -> None:
+    """A usage error met by one target while it is planned (a --metadata file missing, a --tensor-type that needs an
+    importance matrix) refuses the whole run before any target converts: one line, exit 2, no folder; an input
+    rule of one target (GGUF-001 above) fails that target only."""
+    out = tmp_path / "set"
+    argv = [str(LLAMA), "--to", to, "-o", str(out), "-q", *[a.format(missing=tmp_path / "no.json") for a in extra]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{rule} " in err and part in err
+    gguf = to.split(",")[1]
+    assert f"(--to {gguf}); nothing converted: each of the {len(to.split(','))} targets is checked before any " \
+           "converts" in err
+    assert not out.exists()

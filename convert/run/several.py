@@ -29,7 +29,7 @@ from convert.stream.pipeline import peak_rss_bytes, share_memory
 from convert.stream.plan import Plan, make_plan
 from convert.stream.shared import Consumer, SharedProducts
 from convert.units import format_bytes
-from formats.errors import ConvertBnbError, TargetsFailedError, UsageError
+from formats.errors import ConvertBnbError, ImatrixRequiredError, TargetsFailedError, UsageError
 from formats.peft import is_adapter_dir
 
 __all__ = ["convert_set", "member_options", "plan_set"]
@@ -286,15 +286,21 @@ class _RefusedWithOthers(Exception):
     was refused (:class:`_OutputGate`); never raised out of :func:`convert.job.convert`."""
 
 
+#: What refuses a whole run of several targets when a target meets it before any output is written: an output
+#: refused (:data:`convert.output.OUTPUT_REFUSALS`), or an option the target cannot take (a usage error: a
+#: ``--metadata`` file missing or broken; IMX-004, a ``--tensor-type`` needing an importance matrix). An input
+#: rule a target fails at planning (GGUF-001, GGUF-004: this model cannot be that target) fails that target only.
+_RUN_REFUSALS: tuple[type[BaseException], ...] = (*OUTPUT_REFUSALS, UsageError, ImatrixRequiredError)
+
+
 class _OutputGate:
     """Every output of a run of several targets checked before any is written.
 
     Each target plans, then claims and checks its output (:class:`convert.output.OutputClaim`, up to its staging:
     the kind, the input, another run's lock OUT-004, an existing output OUT-001, OUT-005, the disk OUT-002) and
-    waits in :meth:`checked` until every other target has done so or has failed. When an output was refused
-    (:data:`convert.output.OUTPUT_REFUSALS`, there or while its target was planned), every target stops before
-    writing and :attr:`refused` holds each refusal; a target that failed otherwise (an input rule) leaves the others
-    to go on, as before.
+    waits in :meth:`checked` until every other target has done so or has failed. When a target met one of
+    :data:`_RUN_REFUSALS` (there or while it was planned), every target stops before writing and :attr:`refused`
+    holds each refusal; a target that failed otherwise (an input rule) leaves the others to go on.
     """
 
     def __init__(self, n: int) -> None:
@@ -324,12 +330,12 @@ class _OutputGate:
 
     def failed(self, i: int, exc: BaseException) -> None:
         """Target ``i`` ended by ``exc``; before its output was checked, it arrives here (refused, when ``exc``
-        is one of :data:`convert.output.OUTPUT_REFUSALS`); after, nothing changes (every output was checked by then)."""
+        is one of :data:`_RUN_REFUSALS`); after, nothing changes (every output was checked by then)."""
         with self._cond:
             if i in self._arrived:
                 return
             self._arrived.add(i)
-            if isinstance(exc, OUTPUT_REFUSALS):
+            if isinstance(exc, _RUN_REFUSALS):
                 self.refused[i] = exc
             self._cond.notify_all()
 
@@ -347,10 +353,11 @@ def _refused_set(subs: list[ConvertOptions], refused: dict[int, ConvertBnbError]
     first = refused[order[0]]
     also = ", ".join(f"{Path(refused[i].path).name if refused[i].path else subs[i].to.name} ({refused[i].rule})"
                      for i in order[1:])
-    reason = (f"{first.reason} (--to {subs[order[0]].to.name}{f'; also refused: {also}' if also else ''}); nothing "
-              f"converted: every output of the {len(subs)} targets is checked before any is written")
-    return type(first)(reason, path=first.path, tensor=first.tensor, expected=first.expected, found=first.found,
-                       hint=first.hint, action=first.action)
+    if len(order) == len(subs) and len({(type(e), str(e)) for e in refused.values()}) == 1:
+        return first  # one refusal for all (an option none can take): as a single run gives it
+    also = f"; also refused: {also}" if also else ""
+    return first.with_reason(f"{first.reason} (--to {subs[order[0]].to.name}{also}); nothing converted: each of the "
+                             f"{len(subs)} targets is checked before any converts")
 
 
 def _write_set(subs: list[ConvertOptions], defaults: list[Path], source: ResolvedSource, folder: Path,
