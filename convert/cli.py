@@ -332,9 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except InterruptedAfterCommit as exc:  # the output was already complete and in place
         signals.settle()  # (a second signal would cut this report)
-        print(f"convert-bnb: interrupted after the output was complete: {exc.path}", file=sys.stderr)
-        _print_failure(as_json, {"error": "KeyboardInterrupt", "rule": None,
-                                 "message": f"interrupted after the output was complete: {exc.path}"})
+        print(f"convert-bnb: {exc.message()}", file=sys.stderr)
+        _print_failure(as_json, {"error": "KeyboardInterrupt", "rule": None, "message": exc.message()})
         return 130
     except KeyboardInterrupt:
         signals.settle()

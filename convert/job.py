@@ -62,7 +62,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
         return _convert(options, committed)
     except KeyboardInterrupt as exc:
         if committed and not isinstance(exc, InterruptedAfterCommit):  # the output is in place and complete
-            raise InterruptedAfterCommit(committed[0]) from exc
+            several = options.to.family == "multi"
+            raise InterruptedAfterCommit(committed[0], tuple(committed) if several else (),
+                                         len(options.to.targets) if several else 1) from exc
         raise
 
 

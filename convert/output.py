@@ -510,11 +510,24 @@ class InterruptedAfterCommit(KeyboardInterrupt):
 
     Attributes:
         path: the output (its final name).
+        done: in a run of several targets, every output committed before the interrupt (``path`` first).
+        targets: the run's targets (1: a single run); those not in ``done`` were not written.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, done: tuple[Path, ...] = (), targets: int = 1) -> None:
         super().__init__(f"interrupted after {path} was complete")
         self.path = path
+        self.done = done or (path,)
+        self.targets = targets
+
+    def message(self) -> str:
+        """What the command line says: the output complete, or which of a set's outputs are and that the others
+        were not written."""
+        if self.targets <= 1:
+            return f"interrupted after the output was complete: {self.path}"
+        left = self.targets - len(self.done)
+        return (f"interrupted after {len(self.done)} of {self.targets} outputs were complete: "
+                + ", ".join(str(p) for p in self.done) + (f"; the other {left} were not written" if left else ""))
 
 
 #: What refuses an output before it is written (:class:`OutputClaim`'s checks, and an existing ``--mmproj`` or

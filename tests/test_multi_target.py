@@ -564,6 +564,43 @@ def test_a_signal_stops_every_target_and_leaves_nothing(sig: int, tmp_path: Path
     assert not out.exists() and _tree(src) == before
 
 
+#: :data:`_SLOW`, and the bf16 target's clean-up, once stopped, taking a while (a large temporary): the run must wait
+#: for it (on CPython 3.11 a ``Thread.join`` cut by the signal counts the thread as ended).
+_SLOW_CLEANUP = _SLOW.replace("from convert.cli import main", """from convert import output
+_remove = output.remove_path
+def slow_remove(p):
+    if p.name.startswith(".model-bf16.convert-bnb-tmp-"):
+        time.sleep(1)
+    _remove(p)
+output.remove_path = slow_remove
+from convert.cli import main""")
+
+
+def test_a_signal_after_one_output_is_committed_leaves_that_one_alone(tmp_path: Path) -> None:
+    """The nf4 output (the input's packed weights copied) is committed while the float targets still write: a
+    signal then stops them, removes their temporaries and locks (none left behind, the threads' clean-up waited
+    for), keeps the nf4 output, and the line says which outputs are complete and that the others were not written."""
+    from tests.helpers.malformed import layer, model_dir
+
+    src = model_dir(tmp_path / "in" / "model", {"model.safetensors": layer(shape=(4096, 4096), bs=64,
+                                                                           dtype="bfloat16")})
+    out = tmp_path / "set"
+    argv = [str(src), "--to", "bf16,nf4,fp16", "--no-double-quant", "-o", str(out), "--max-memory", "64MiB",
+            "--threads", "1"]  # (the layer is not nested: nf4 copies it as it is)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CLEANUP, *argv], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
+    while not ((out / "model-nf4").is_dir() and any(".convert-bnb-tmp-" in p.name for p in out.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (130, f"convert-bnb: interrupted after 1 of 3 outputs were complete: "
+                                           f"{out / 'model-nf4'}; the other 2 were not written\n")
+    assert sorted(p.name for p in out.iterdir()) == ["model-nf4"]
+
+
 @pytest.mark.parametrize(("extra", "to", "rule", "part"), [
     (["--metadata", "{missing}"], "bf16,gguf:q8_0,nf4", "USE-001", "--metadata file cannot be read"),
     (["--tensor-type", "attn_v=iq2_xxs"], "bf16,gguf:q4_k_m", "IMX-004", "needs an importance matrix"),

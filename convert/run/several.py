@@ -371,23 +371,28 @@ def _write_set(subs: list[ConvertOptions], defaults: list[Path], source: Resolve
     outcomes: list[ConvertResult | BaseException] = [KeyboardInterrupt()] * len(subs)
     progress = _SetProgress(len(subs), products, on_progress)
 
-    def run(i: int) -> None:
-        sub = replace(subs[i], on_progress=progress.reporter(i))
-        outcomes[i] = _attempt(sub, source, defaults[i], committed, t0, folder, consumers[i], (gate, i))
+    ended = [threading.Event() for _ in subs]
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"convert-bnb --to {sub.to.name}")
-               for i, sub in enumerate(subs)]
-    for th in threads:
-        th.start()
+    def run(i: int) -> None:
+        try:
+            sub = replace(subs[i], on_progress=progress.reporter(i))
+            outcomes[i] = _attempt(sub, source, defaults[i], committed, t0, folder, consumers[i], (gate, i))
+        finally:
+            ended[i].set()
+
+    for i, sub in enumerate(subs):
+        threading.Thread(target=run, args=(i,), name=f"convert-bnb --to {sub.to.name}").start()
+    # (each target's end is an Event, not Thread.join: on CPython 3.11 a join cut by KeyboardInterrupt can leave the
+    # thread counted as ended, and the run would return while a target still removes its temporary)
     try:
-        for th in threads:
-            while th.is_alive():
-                th.join(0.25)
+        for done in ended:
+            while not done.wait(0.25):
+                pass
     except KeyboardInterrupt:
         products.cancel()
         gate.cancel()
-        for th in threads:
-            th.join()
+        for done in ended:
+            done.wait()
         raise
     return outcomes
 
