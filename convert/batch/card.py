@@ -47,7 +47,7 @@ from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
 from convert.hub.publish import commit_message, planned_outputs, quant_summary
 from convert.hub.repo import output_repo_name
-from convert.hub.upload import PushOptions, repo_files, upload, upload_folder_path
+from convert.hub.upload import PushOptions, push_refused, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
 from convert.options import ConvertOptions, Target
 from convert.output import recorded_shards
@@ -57,7 +57,7 @@ from convert.run.single import job_key
 from convert.run.source import ResolvedSource, resolve_source
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError
+from formats.errors import ConvertBnbError, HubUploadError
 
 __all__ = ["JobRepo", "build_upload_plan", "job_repos", "member_files", "model_card", "plan_batch", "push_output",
            "repo_name", "set_outputs"]
@@ -221,7 +221,10 @@ def push_output(job: Job, out_dir: Path, state: dict[str, Any], state_path: Path
             pushed before it stay recorded.
     """
     org = spec["push_to_hub"]
-    targets = []
+    targets: list[str] = []
+    refused: list[tuple[str, str]] = []
+    hint = ("the conversion is kept; check the network and HF_TOKEN's write access, then run the batch again to "
+            "retry the upload")
     for repo in job_repos(job, out_dir, state, members):
         target = f"{org}/{output_repo_name(repo.name)}"
         targets.append(target)
@@ -229,15 +232,19 @@ def push_output(job: Job, out_dir: Path, state: dict[str, Any], state_path: Path
         if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
             continue
         card, plan = repo.card_and_plan(org, job, bool(spec.get("private")), commit, quantization, license)
-        oid = upload(plan, card, upload_folder_path(repo.outputs[0][0]),
-                     hint="the conversion is kept; check the network and HF_TOKEN's write access, then run the "
-                          "batch again to retry the upload")
+        try:
+            oid = upload(plan, card, upload_folder_path(repo.outputs[0][0]), hint=hint)
+        except HubUploadError as exc:  # the job's other outputs are tried too: the error names every repo not pushed
+            refused += exc.refused
+            continue
         record = {"repo": target, "key": state.get("key"), "commit": oid}
         if repo.member:
             state.setdefault("pushed_outputs", {})[repo.name] = record
         else:
             state["pushed"] = record
         save_state(state_path, state)
+    if refused:
+        raise push_refused(refused, hint)
     return ", ".join(targets)
 
 

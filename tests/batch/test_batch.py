@@ -648,7 +648,9 @@ def test_online_batch_pushes_each_output_of_a_job_of_several_targets(tmp_path: P
         assert r.returncode == 3, r.stderr
         (res,) = json.loads(r.stdout)
         assert (res["status"], res["rule"], res["pushed"]) == ("upload-failed", "HUB-003", None)
-        assert res["error"].startswith(f"converted, upload failed: HUB-003 cannot push to '{bf16_repo}' (")
+        # every output is tried: the line names each repo not pushed (one cause, said once)
+        assert res["error"].startswith(f"converted, upload failed: HUB-003 cannot push to '{bf16_repo}', "
+                                       f"'{gguf_repo}' (")
         folder = out / "a"
         assert sorted(p.name for p in folder.iterdir()) == [bf16, gguf]
         state = json.loads((out / ".convert-bnb" / "a.json").read_text())
