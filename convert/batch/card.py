@@ -34,13 +34,14 @@ Dry run
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from convert.batch.jobs import Job, job_options
-from convert.batch.state import check_replaceable, load_state, save_state, state_path
+from convert.batch.state import STATE_DIR, check_replaceable, load_state, save_state, state_path
 from convert.check import check_source
 from convert.hub import card as hub_card
 from convert.hub.card import CardSource, source_license
@@ -57,7 +58,7 @@ from convert.run.single import job_key
 from convert.run.source import ResolvedSource, resolve_source
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
-from formats.errors import ConvertBnbError, HubUploadError
+from formats.errors import BatchNameClashError, ConvertBnbError, HubUploadError
 
 __all__ = ["JobRepo", "build_upload_plan", "job_repos", "member_files", "model_card", "plan_batch", "push_output",
            "repo_name", "set_outputs"]
@@ -219,6 +220,7 @@ def push_output(job: Job, out_dir: Path, state: dict[str, Any], state_path: Path
     Raises:
         HubUploadError: HUB-003, an upload failed (network, no write access, the Hub refused); the outputs
             pushed before it stay recorded.
+        BatchNameClashError: BATCH-004, another job of the batch has pushed to one of its repos.
     """
     org = spec["push_to_hub"]
     targets: list[str] = []
@@ -231,6 +233,9 @@ def push_output(job: Job, out_dir: Path, state: dict[str, Any], state_path: Path
         pushed = (state.get("pushed_outputs") or {}).get(repo.name) if repo.member else state.get("pushed")
         if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):
             continue
+        other = _claim_repo(out_dir, job.name, target)
+        if other is not None:
+            raise _shared_repo(job.name, target, other)
         card, plan = repo.card_and_plan(org, job, bool(spec.get("private")), commit, quantization, license)
         try:
             oid = upload(plan, card, upload_folder_path(repo.outputs[0][0]), hint=hint)
@@ -246,6 +251,51 @@ def push_output(job: Job, out_dir: Path, state: dict[str, Any], state_path: Path
     if refused:
         raise push_refused(refused, hint)
     return ", ".join(targets)
+
+
+def _claim_repo(out_dir: Path, name: str, repo_id: str) -> str | None:
+    """Claim ``repo_id`` for job ``name`` of the batch in ``out_dir`` before its first upload: a file per repo under
+    the batch's state folder, ``REPO-ID.repo-owner`` (``/`` as ``--``), holding the job's name, made atomically (a
+    hard link of a written file: two workers of ``--jobs 2`` cannot both claim it). None when the repo is this
+    job's (claimed now or by an earlier run), else the job that holds it."""
+    folder = out_dir / STATE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{repo_id.replace('/', '--')}.repo-owner"
+    temp = folder / f".{path.name}.{os.getpid()}"
+    temp.write_text(name, encoding="utf-8")
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        owner = path.read_text(encoding="utf-8")
+        return None if owner == name else owner
+    finally:
+        temp.unlink()
+    return None
+
+
+def _shared_repo(name: str, repo_id: str, other: str) -> BatchNameClashError:
+    """BATCH-004: job ``name`` would push to ``repo_id``, which job ``other`` of the batch pushes to (two models,
+    one repo: the later upload would replace the other's files)."""
+    return BatchNameClashError(f"job {name} would push to '{repo_id}', which job {other} of this batch pushes to",
+                               hint="a repo is named after its output: give one job its own --name (a job of "
+                                    "several targets names its outputs after its source: give the sources distinct "
+                                    "names, or push with another --push-to-hub ORG)")
+
+
+def _flag_shared_repos(entries: list[dict[str, Any]]) -> None:
+    """A planned push to a repo an earlier job of the plan pushes to: that job is planned ``fail`` (BATCH-004),
+    without its card and upload plan, as the run fails it."""
+    owner: dict[str, str] = {}
+    for entry in entries:
+        uploads = [o["upload"] for o in entry.get("outputs", [])] + ([entry["upload"]] if "upload" in entry else [])
+        repos = [u["create_repo"]["repo_id"] for u in uploads]
+        clash = next((r for r in repos if r in owner), None)
+        if clash is not None:
+            for key in ("card", "upload", "outputs"):
+                entry.pop(key, None)
+            _fail(entry, [_shared_repo(entry["name"], clash, owner[clash])])
+            continue
+        owner.update((r, entry["name"]) for r in repos)
 
 
 def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private: bool,
@@ -316,6 +366,7 @@ def plan_batch(jobs: list[Job], out_dir: Path, push_to_hub: str | None, private:
                 entry["action"] += " (not checked: not downloaded)"
         if push_to_hub:
             _plan_push(entry, job, out_dir, state, source, options, done, push_to_hub, private)
+    _flag_shared_repos(out)
     return out
 
 

@@ -1169,3 +1169,39 @@ def test_dry_run_plans_a_jobs_importance_matrix_and_options_as_the_run(tmp_path:
     (tmp_path / "j.json").write_text(json.dumps([{"src": str(src), "to": "gguf:q4_k_m", "imatrix": ""}]))
     with pytest.raises(UsageError, match="BATCH-003 .*--imatrix needs a file name"):
         parse_jobs(tmp_path / "j.json", _defaults())
+
+
+@pytest.mark.parametrize("parallel", ["1", "2"])
+def test_two_jobs_pushing_to_one_repo_are_refused(tmp_path: Path, parallel: str) -> None:
+    """Two jobs of several targets whose sources have one name push their outputs to the same repos: the dry run
+    plans the second ``fail`` (BATCH-004, no upload plan); the run pushes one, converts the other but does not push
+    it over the first's files (BATCH-004, its conversion kept), also with both jobs running at once."""
+    srcs = []
+    for d in ("x1", "x2"):
+        shutil.copytree(MODELS / "llama_nf4_dq", tmp_path / d / "llama", ignore=shutil.ignore_patterns("reference"))
+        srcs.append(tmp_path / d / "llama")
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{srcs[0]} --to bf16,gguf:q8_0 --name s1\n{srcs[1]} --to bf16,gguf:q8_0 --name s2\n")
+    out = tmp_path / "out"
+    hub = FakeHub()
+    hub.start()
+    try:
+        env = push_env(offline_env(tmp_path), hub.url)
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--dry-run", "--json")
+        first, second = json.loads(r.stdout)
+        assert first["action"] == "convert" and len(first["outputs"]) == 2, r.stderr
+        assert (second["action"], second["rule"]) == ("fail", "BATCH-004") and "outputs" not in second
+        assert second["error"].startswith("BATCH-004 job s2 would push to 'me/llama-bf16', which job s1 of this "
+                                          "batch pushes to")
+        r = _batch(jobs, out, env, "--push-to-hub", "me", "--json", "--jobs", parallel)
+        assert r.returncode == 3, r.stderr
+        res = {x["name"]: x for x in json.loads(r.stdout)}
+        pushed, refused = sorted(res, key=lambda n: res[n]["status"] != "converted")
+        assert res[pushed]["status"] == "converted" and res[pushed]["pushed"] == "me/llama-bf16, me/Llama-2.0M-Q8_0"
+        assert (res[refused]["status"], res[refused]["rule"]) == ("failed", "BATCH-004")
+        assert f"which job {pushed} of this batch pushes to" in res[refused]["error"]
+        assert [c["summary"] for c in hub.commits] == ["convert-bnb 0.1.0: llama --to bf16",
+                                                       "convert-bnb 0.1.0: llama --to gguf:q8_0"]
+        assert sorted(p.name for p in (out / refused).iterdir()) == ["Llama-2.0M-Q8_0.gguf", "llama-bf16"]
+    finally:
+        hub.stop()

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import struct
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -659,11 +660,14 @@ def _hub_upload_offline(src: Path, out: Path) -> None:
     from convert.batch.card import push_output
     from convert.batch.jobs import Job
 
-    final = src / "model.safetensors"
-    state = {"key": {"to": "bf16"}, "files": {"model.safetensors": {"bytes": final.stat().st_size, "sha256": "0"}}}
-    with mock.patch.object(constants, "HF_HUB_OFFLINE", True):
-        push_output(Job(str(src), None, "bf16", 10**9, "model.safetensors"), final, state, out.parent / "state.json",
-                    {"push_to_hub": "org"}, None, [])
+    with tempfile.TemporaryDirectory() as tmp:  # the batch's out dir, holding the finished output
+        batch = Path(tmp)
+        final = Path(shutil.copy(src / "model.safetensors", batch / "model.safetensors"))
+        state = {"key": {"to": "bf16"},
+                 "files": {"model.safetensors": {"bytes": final.stat().st_size, "sha256": "0"}}}
+        with mock.patch.object(constants, "HF_HUB_OFFLINE", True):
+            push_output(Job(str(src), None, "bf16", 10**9, "model.safetensors"), batch, state, batch / "state.json",
+                        {"push_to_hub": "org"}, None, [])
 
 
 def _hub_shard_withheld(src: Path, out: Path) -> None:
