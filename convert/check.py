@@ -28,6 +28,7 @@ import numpy as np
 
 from convert.options import AUTO, DEFAULT_MIX, ConvertOptions, MixOptions, Target, target_for
 from convert.run.adapter import base_model, check_adapter_options
+from convert.run.several import auto_twin
 from convert.run.source import resolve_source
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
@@ -204,6 +205,12 @@ def _check_target(ckpt: Checkpoint, target: Target | ConvertBnbError, model_name
     if not isinstance(target, Target):
         problems.append(target)
         return
+    try:
+        twin = auto_twin(ckpt, target)  # (auto beside the float target it comes to: refused as a run refuses it)
+    except ConvertBnbError:
+        twin = None  # (the targets' own planning below reports it)
+    if twin is not None:
+        problems.append(twin)
     for one in target.targets:
         try:
             options = ConvertOptions(src=str(ckpt.source), to=one, mix=mix if one.llama_quantize else DEFAULT_MIX)

@@ -251,6 +251,12 @@ def test_auto_beside_the_float_target_it_resolves_to_is_a_duplicate(to: str, tmp
         f"tensor of this input is bfloat16 in auto) (expected 'each target once', found '{to.lower()}'). Hint: drop "
         "auto or bf16\n")
     assert made == [] and list(tmp_path.iterdir()) == []
+    # `check` (and so a batch dry run, which checks each job's input with it) finds the same problem
+    from convert.check import check_source
+
+    problems = check_source(LLAMA, to).problems
+    assert [(p.rule, str(p)) for p in problems] == [("USE-001", str(exc))]
+    assert check_source(LLAMA, "auto,fp16").ok
 
 
 def test_auto_beside_a_float_target_is_kept_where_their_outputs_differ(tmp_path: Path) -> None:

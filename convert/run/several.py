@@ -20,7 +20,7 @@ from typing import Any
 
 from convert.hub.download import WeightMode
 from convert.hub.repo import is_repo_id
-from convert.options import DEFAULT_MIX, FLOAT_TARGETS, MIN_MEMORY, ConvertOptions, QuantOptions
+from convert.options import DEFAULT_MIX, FLOAT_TARGETS, MIN_MEMORY, ConvertOptions, QuantOptions, Target
 from convert.output import OUTPUT_REFUSALS, default_output, default_set_output, set_output_path, write_json
 from convert.run.result import ConvertResult
 from convert.run.single import base_without_adapter, check_base_repo, check_options, convert_source
@@ -29,10 +29,11 @@ from convert.stream.pipeline import peak_rss_bytes, share_memory
 from convert.stream.plan import Plan, make_plan
 from convert.stream.shared import Consumer, SharedProducts
 from convert.units import format_bytes
+from formats.checkpoint import Checkpoint
 from formats.errors import ConvertBnbError, ImatrixRequiredError, TargetsFailedError, UsageError
 from formats.peft import is_adapter_dir
 
-__all__ = ["convert_set", "member_options", "plan_set"]
+__all__ = ["auto_twin", "convert_set", "member_options", "plan_set"]
 
 
 def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
@@ -156,28 +157,42 @@ def _auto_beside_float(options: ConvertOptions) -> bool:
 
 
 def _check_auto_twin(options: ConvertOptions, source: ResolvedSource) -> None:
-    """Refuse ``auto`` beside a float target that writes the same output for this input, as a ``--to`` naming one
-    target twice is refused (:func:`convert.options.target_for`): ``auto`` resolved from the headers (every tensor's
-    dtype in the plan of each, and the config.json each writes), before any weight is read or anything written.
-
-    An input that cannot be planned is left to the run, whose targets report its error as a single run does.
+    """Refuse ``auto`` beside a float target that writes the same output for this input (:func:`auto_twin`), from
+    the headers, before any weight is read or anything written. An input that cannot be planned is left to the
+    run, whose targets report its error as a single run does.
 
     Raises:
         UsageError: USE-001, ``auto`` and a float target of the list write the same tensors and config.json.
     """
-    others = [t.name for t in options.to.targets if t.family == "float" and t.name != "auto"]
-    twin = None
     try:
         with source.open() as ckpt:
-            auto = _plan_outline(make_plan(ckpt, "auto", max_shard_size=options.max_shard_size))
-            twin = next((name for name in others
-                         if _plan_outline(make_plan(ckpt, name, max_shard_size=options.max_shard_size)) == auto), None)
+            error = auto_twin(ckpt, options.to, options.max_shard_size)
     except (ConvertBnbError, OSError):
         return
-    if twin is not None:
-        raise UsageError(f"--to names the target {twin} twice (auto and {twin} write the same output: every tensor of "
-                         f"this input is {FLOAT_TARGETS[twin]} in auto)", expected="each target once",
-                         found=options.to.name, hint=f"drop auto or {twin}")
+    if error is not None:
+        raise error
+
+
+def auto_twin(ckpt: Checkpoint, to: Target, max_shard_size: int = 5 * 10**9) -> UsageError | None:
+    """USE-001 when ``to`` (several targets) holds ``auto`` and a float target that write the same output for
+    ``ckpt``, as a ``--to`` naming one target twice is refused (:func:`convert.options.target_for`): ``auto``
+    resolved from the headers (every tensor's dtype in the plan of each, and the config.json each writes); else
+    None. Also ``convert-bnb check``'s (and so a batch dry run's).
+
+    Raises:
+        ConvertBnbError: the input cannot be planned (:func:`convert.stream.plan.make_plan`).
+    """
+    floats = [t.name for t in to.targets if t.family == "float"]
+    if "auto" not in floats or len(floats) < 2:
+        return None
+    auto = _plan_outline(make_plan(ckpt, "auto", max_shard_size=max_shard_size))
+    twin = next((name for name in floats if name != "auto"
+                 and _plan_outline(make_plan(ckpt, name, max_shard_size=max_shard_size)) == auto), None)
+    if twin is None:
+        return None
+    return UsageError(f"--to names the target {twin} twice (auto and {twin} write the same output: every tensor of "
+                      f"this input is {FLOAT_TARGETS[twin]} in auto)", expected="each target once", found=to.name,
+                      hint=f"drop auto or {twin}")
 
 
 def _plan_outline(plan: Plan) -> tuple[Any, ...]:

@@ -1205,3 +1205,16 @@ def test_two_jobs_pushing_to_one_repo_are_refused(tmp_path: Path, parallel: str)
         assert sorted(p.name for p in (out / refused).iterdir()) == ["Llama-2.0M-Q8_0.gguf", "llama-bf16"]
     finally:
         hub.stop()
+
+
+def test_dry_run_plans_auto_beside_its_float_target_as_a_failure(tmp_path: Path) -> None:
+    """A job ``--to auto,bf16`` of a model auto keeps in bf16: the dry run plans it ``fail`` with the USE-001 the run
+    gives (``check``'s), exit 3, nothing written."""
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{MODELS / 'llama_nf4_dq'} --to auto,bf16 --name s\n")
+    out = tmp_path / "out"
+    r = _batch(jobs, out, offline_env(tmp_path), "--dry-run", "--json")
+    (plan,) = json.loads(r.stdout)
+    assert r.returncode == 3 and (plan["action"], plan["rule"]) == ("fail", "USE-001"), r.stderr
+    assert plan["error"].startswith("USE-001 --to names the target bf16 twice (auto and bf16 write the same output")
+    assert not out.exists()
