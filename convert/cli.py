@@ -214,8 +214,11 @@ def _report(args: argparse.Namespace, result: Any) -> int:
         if args.json:
             print(json.dumps(result.to_dict(), indent=2))
         else:
-            exists = " (exists: --overwrite needed)" if result.output_exists else ""
-            print(f"{result.plan_text}\n  output: {result.output}{exists}")
+            if result.outputs:  # several targets: each output's line is in its plan; then the folder they go into
+                print(f"{result.plan_text}\nfolder: {result.output}")
+            else:
+                exists = " (exists: --overwrite needed)" if result.output_exists else ""
+                print(f"{result.plan_text}\n  output: {result.output}{exists}")
         return 0
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -625,3 +625,20 @@ def test_an_option_one_target_cannot_take_refuses_the_run(tmp_path: Path, capsys
     assert f"(--to {gguf}); nothing converted: each of the {len(to.split(','))} targets is checked before any " \
            "converts" in err
     assert not out.exists()
+
+
+def test_dry_run_into_an_existing_folder_says_which_outputs_exist(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The set's folder existing is no reason for --overwrite (the run writes into it): the dry run says so of an
+    output that exists only, and ends with the folder, not an output line."""
+    out = tmp_path / "set"
+    out.mkdir()
+    assert main([str(LLAMA), "--to", "bf16,nf4", "-o", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "--overwrite needed" not in text and text.endswith(f"\nfolder: {out}\n")
+    assert main([str(LLAMA), "--to", "bf16,nf4", "-o", str(out), "-q"]) == 0  # (as the dry run said: no --overwrite)
+    assert main([str(LLAMA), "--to", "bf16,nf4", "-o", str(out), "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["output_exists"] is True
+    assert main([str(LLAMA), "--to", "bf16,nf4", "-o", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert f"  output: {out / 'llama_nf4_dq-bf16'} (exists: --overwrite needed)" in text

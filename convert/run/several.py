@@ -449,7 +449,7 @@ def _set_result(options: ConvertOptions, subs: list[ConvertOptions], defaults: l
     done = [o for o in result.outputs if o.error is None]
     if options.dry_run:
         result.dry_run = {"source": result.source, "to": result.to, "ok": len(done) == len(result.outputs)}
-        result.output_exists = folder.exists()
+        result.output_exists = any(o.output_exists for o in done)  # (the folder itself may exist: it holds them)
         result.plan_text = "\n".join(
             f"{o.plan_text}\n  output: {o.output}" + (" (exists: --overwrite needed)" if o.output_exists else "")
             for o in done)
