@@ -427,7 +427,7 @@ def _convert_problems(job: Job, source: ResolvedSource, out_dir: Path, state: di
     if not _files_here(source):
         return []  # not downloaded: a dry run fetches nothing to check
     name = source.hub.repo_id if source.hub is not None else None  # as the conversion names the model
-    return check_source(source.path, job.to, name, mix=job.mix).problems
+    return check_source(source.path, job.to, name, base=job.base, mix=job.mix).problems
 
 
 def _fail(entry: dict[str, Any], problems: list[ConvertBnbError]) -> None:

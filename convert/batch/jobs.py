@@ -2,7 +2,8 @@
 
 Format
     A text file with one job per line: ``SRC[@REVISION] [--to T] [--revision R] [--max-shard-size S]
-    [--name NAME] [--mmproj [MMNAME]] [--modelfile [MFNAME]] [llama-quantize's options]`` (``--tensor-type``,
+    [--name NAME] [--mmproj [MMNAME]] [--modelfile [MFNAME]] [--base MODEL] [llama-quantize's options]``
+    (``--tensor-type``,
     ``--output-tensor-type``, ``--token-embedding-type``, ``--pure``, ``--leave-output-tensor``, ``--imatrix``,
     ``--include-weights``, ``--exclude-weights``, as on the command line; in an object, the same names with
     ``_``: ``"tensor_type": ["attn_v=q8_0"]``, ``"pure": true``), where SRC is a Hub repo id (``org/name``)
@@ -10,7 +11,7 @@ Format
     starts a comment; blank lines are
     skipped. Or a JSON list (``.json``, or text starting with ``[``), or a YAML list
     (``.yaml``/``.yml``, when PyYAML is installed), whose items are such lines or objects ``{"src",
-    "revision", "to", "max_shard_size", "name", "mmproj", "modelfile"}`` (``repo`` is accepted for ``src``;
+    "revision", "to", "max_shard_size", "name", "mmproj", "modelfile", "base"}`` (``repo`` is accepted for ``src``;
     ``max_shard_size`` is bytes or a size such as ``"2GB"``; ``mmproj`` and ``modelfile`` are ``true`` or a name).
     Options a job leaves out come from the command line (``--to``, ``--max-shard-size``).
     ``NAME`` defaults to the name a single conversion would give its output
@@ -24,6 +25,9 @@ Format
     ``--modelfile`` (GGUF jobs) also writes an Ollama Modelfile beside NAME, as ``convert-bnb --modelfile`` does
     (:mod:`convert.gguf.modelfile`); MFNAME defaults to NAME with ``.Modelfile`` for ``.gguf`` (one per GGUF in
     DIR), and it is pushed with NAME.
+    ``--base MODEL`` (a PEFT LoRA adapter as SRC, ``--to gguf[:TYPE]``): the base model whose config.json the
+    GGUF LoRA adapter is planned with, as ``convert-bnb ADAPTER --base MODEL`` (a local path made absolute, as SRC;
+    default: the adapter config's ``base_model_name_or_path``).
 
 Rules, checked before any job runs (each a :class:`~formats.errors.UsageError` subclass naming the
 file and the line ``FILE:LINE`` or item ``FILE[i]``):
@@ -72,7 +76,7 @@ __all__ = ["Job", "job_options", "parse_jobs", "target_names"]
 #: llama-quantize's options a job may give (``--tensor-type`` ... on a line; these keys in a JSON/YAML object).
 _MIX_FIELDS = ["tensor_type", "output_tensor_type", "token_embedding_type", "pure", "leave_output_tensor", "imatrix",
                "include_weights", "exclude_weights"]
-_FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj", *_MIX_FIELDS, "modelfile"]
+_FIELDS = ["src", "revision", "to", "max_shard_size", "name", "mmproj", *_MIX_FIELDS, "modelfile", "base"]
 #: The longest NAME (UTF-8 bytes): 255, the file name limit, less what the longest file beside the output
 #: adds (``.NAME.gguf.convert-bnb-old-PID``, ``NAME.mmproj_files.json``).
 MAX_NAME_BYTES = 200
@@ -94,6 +98,7 @@ class Job:
         mix: llama-quantize's options for a ``gguf:TYPE`` job of its types (a list of option words, as
             :meth:`~convert.gguf.types.MixOptions.argv` gives, is parsed here).
         modelfile: the Ollama Modelfile's file name beside NAME (``--modelfile``), or None.
+        base: a PEFT LoRA adapter job's base model (``--base``: a Hub repo id or an absolute path), or None.
     """
 
     src: str
@@ -105,6 +110,7 @@ class Job:
     mmproj: str | None = None
     mix: MixOptions = DEFAULT_MIX
     modelfile: str | None = None
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.to, str):  # a --to string (a worker's spec file, a library caller): parsed here, once
@@ -153,7 +159,8 @@ def job_options(job: Job, spec: dict[str, Any], *, revision: str | None = None,
                           mmproj=out_dir / job.mmproj if job.mmproj else None,
                           mmproj_manifest=manifest_path(state, "mmproj_files") if job.mmproj else None, mix=job.mix,
                           modelfile=job.modelfile,
-                          modelfile_manifest=manifest_path(state, "modelfile_files") if job.modelfile else None)
+                          modelfile_manifest=manifest_path(state, "modelfile_files") if job.modelfile else None,
+                          base=job.base)
 
 
 def _job_parser() -> argparse.ArgumentParser:
@@ -165,6 +172,7 @@ def _job_parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.add_argument("--mmproj", nargs="?", const=True)
     p.add_argument("--modelfile", nargs="?", const=True)
+    p.add_argument("--base")
     add_mix_arguments(p)
     return p
 
@@ -263,8 +271,13 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
         if to.family == "multi" and fields.get(flag) not in (None, False):
             raise bad(f"--{flag} needs a job of one GGUF target", expected="--to gguf[:TYPE]", found=f"--to {to.name}",
                       hint="give the GGUF target that needs it a job line of its own")
+    base = fields.get("base")
+    if base is not None and (not isinstance(base, str) or not base.strip()):
+        raise bad("base must be a Hub repo id or a path", found=base)
+    if base is not None and os.path.exists(base):  # a local path: absolute, as SRC
+        base = os.path.abspath(base)
     return Job(src, revision, to, int(mss), name, where, _mmproj_name(fields.get("mmproj"), name, to, bad),
-               _job_mix(fields, to, bad), _modelfile_name(fields.get("modelfile"), name, to, bad))
+               _job_mix(fields, to, bad), _modelfile_name(fields.get("modelfile"), name, to, bad), base)
 
 
 def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOptionError]) -> str | None:
@@ -324,7 +337,7 @@ def _parse_line(text: str, defaults: argparse.Namespace, where: str, path: Path)
         raise BatchOptionError(f"{where}: {exc}", path=path) from None
     if rest:
         raise BatchOptionError(f"{where}: unknown job options", path=path,
-                               expected="--to, --revision, --max-shard-size, --name, --mmproj, --modelfile, "
+                               expected="--to, --revision, --max-shard-size, --name, --mmproj, --modelfile, --base, "
                                "llama-quantize's options (--tensor-type ... --imatrix)", found=rest)
     fields = {k: v for k, v in vars(ns).items() if v is not None and v is not False and v != []}
     return _make_job(fields, defaults, where, path)

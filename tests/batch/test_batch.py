@@ -1218,3 +1218,26 @@ def test_dry_run_plans_auto_beside_its_float_target_as_a_failure(tmp_path: Path)
     assert r.returncode == 3 and (plan["action"], plan["rule"]) == ("fail", "USE-001"), r.stderr
     assert plan["error"].startswith("USE-001 --to names the target bf16 twice (auto and bf16 write the same output")
     assert not out.exists()
+
+
+def test_an_adapter_job_takes_its_base(tmp_path: Path) -> None:
+    """A PEFT adapter job with ``--base`` (its config's base is a relative path no worker can resolve): planned and
+    converted as ``convert-bnb ADAPTER --to gguf --base MODEL`` (the same bytes); without it the dry run plans the
+    USE-001 the run gives; ``--base`` that is not text in a JSON job is BATCH-003."""
+    adapter, base = ROOT / "tests" / "fixtures" / "lora" / "adapter", MODELS / "llama_orig_bf16"
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{adapter} --to gguf --base {base} --name ad.gguf\n{adapter} --to gguf --name bare.gguf\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    with_base, bare = json.loads(_batch(jobs, out, env, "--dry-run", "--json").stdout)
+    assert with_base["action"] == "convert"
+    assert (bare["action"], bare["rule"]) == ("fail", "USE-001") and "give --base" in bare["error"]
+    jobs.write_text(f"{adapter} --to gguf --base {base} --name ad.gguf\n")
+    r = _batch(jobs, out, env, "--json")
+    assert r.returncode == 0, r.stderr
+    assert main([str(adapter), "--to", "gguf", "--base", str(base), "-o", str(tmp_path / "one.gguf"), "-q"]) == 0
+    assert (out / "ad.gguf").read_bytes() == (tmp_path / "one.gguf").read_bytes()
+    bad = tmp_path / "jobs.json"
+    bad.write_text(json.dumps([{"src": str(adapter), "to": "gguf", "base": 3}]))
+    r = _batch(bad, tmp_path / "o2", env)
+    assert r.returncode == 2 and "BATCH-003" in r.stderr and "base must be a Hub repo id or a path" in r.stderr
