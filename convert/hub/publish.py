@@ -521,11 +521,14 @@ def _plan_push(result: ConvertResult, options: ConvertOptions, push: PushOptions
     outputs = planned_outputs(result)
     card = _card(record, options, push, argv, outputs)
     plan = build_upload_plan(push, outputs, card, _message(record, options))
-    result.dry_run["push"] = {**plan, "card": card}
+    kept = not options.overwrite and _kept_at(options, result) is not None
+    result.dry_run["push"] = {**plan, "card": card, "kept": kept}
     branch = f"branch {push.revision}" if push.revision is not None else "the default branch"
     how = ("the resumable folder upload" if plan["method"] == "large-folder" else "one commit")
-    return (f"{push.repo_id} ({branch}{', private' if push.private else ''}) after the "
-            f"conversion, in {how} (outputs over {_size_text(push.large_size)} go up resumably)")
+    when = ("without converting: the output in place is an earlier run's with these settings (its record "
+            f"{record_path(Path(result.output)).name} and files match)" if kept else "after the conversion")
+    return (f"{push.repo_id} ({branch}{', private' if push.private else ''}) {when}, in {how} (outputs over "
+            f"{_size_text(push.large_size)} go up resumably)")
 
 
 #: The sha256 of a planned file, known once it is written.

@@ -206,6 +206,11 @@ def test_refused_push_keeps_the_output_and_the_same_command_only_uploads(hub: Fa
     assert (hub.created, hub.commits) == ([], [])
     before = _stat(out)
     hub.refuse = None
+    # the dry run says what the run does: upload the recorded output as it is (no --overwrite needed)
+    r = run_cli([*args, "--dry-run"], env)
+    assert r.returncode == 0 and "--overwrite needed" not in r.stdout, r.stdout
+    assert ("me/m (the default branch) without converting: the output in place is an earlier run's with these "
+            f"settings (its record .m-bf16{RECORD_MARK} and files match)") in r.stdout
     r = run_cli(args, env)
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith(f"kept {out}: 3.87 MiB, made by an earlier run\n")
@@ -584,5 +589,5 @@ def test_several_targets_dry_run_plans_each_push(tmp_path: Path) -> None:
     assert r.stdout.endswith(
         "\n  push m-bf16: me/m-bf16 (the default branch) after the conversion, in one commit (outputs over 5GB go up "
         "resumably)\n  push M-2.0M-Q8_0.gguf: me/M-2.0M-Q8_0 (the default branch) after the conversion, in one "
-        f"commit (outputs over 5GB go up resumably)\n  output: {out}\n"), r.stdout
+        f"commit (outputs over 5GB go up resumably)\nfolder: {out}\n"), r.stdout
     assert not out.exists() and not list(tmp_path.glob(f"**/.*{RECORD_MARK}"))
