@@ -246,8 +246,8 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     if isinstance(to, str):
         try:
             to = target_for(to)  # any letter case, as on the command line
-        except ConvertBnbError:
-            to = to.strip().lower()
+        except ConvertBnbError as exc:  # its own words: an unknown value, a target named twice, an empty one
+            raise bad(exc.reason, expected=exc.expected, found=exc.found) from None
     if not isinstance(to, Target):
         raise bad(f"unknown --to value '{to}'", expected=target_names(), found=to)
     mss = fields.get("max_shard_size")

@@ -542,6 +542,10 @@ def test_local_paths_become_absolute(tmp_path: Path) -> None:
         ("j.json", '[{"to": "bf16"}]', "BATCH-002", "a job needs a source"),
         ("j.txt", "org/a --bogus 1\n", "BATCH-003", "j.txt:1: unknown job options"),
         ("j.txt", "\norg/a --to int4\n", "BATCH-003", "j.txt:2: unknown --to value 'int4'"),
+        # a list's own words, as the command line gives them (not "unknown --to value")
+        ("j.txt", "org/a --to bf16,bf16\n", "BATCH-003", "j.txt:1: --to names the target bf16 twice"),
+        ("j.txt", "org/a --to bf16,,nf4\n", "BATCH-003", "j.txt:1: --to lists an empty target"),
+        ("j.txt", "org/a --to bf16,gguf:q9_9\n", "BATCH-003", "j.txt:1: GGUF output type not supported (expected "),
         ("j.txt", "org/a --max-shard-size lots\n", "BATCH-003", "not a size: 'lots'"),
         ("j.json", '[{"src": "org/a", "colour": "red"}]', "BATCH-003", "unknown job fields"),
         ("j.txt", "org/a --name ../x\n", "BATCH-003", "name must be a plain directory name"),
