@@ -1,6 +1,6 @@
 """A run of several targets (``--to bf16,gguf:q8_0,nf4``): each target as the options of its single run
-(:func:`member_options`), the source resolved once (:func:`convert_set`), every target planned and its output
-checked before any is written (:class:`_OutputGate`), then each written by its single run
+(:func:`member_options`), the source resolved once (:func:`convert_set`), every target planned and its options and
+output checked before any is written (:class:`_OutputGate`), then each written by its single run
 (:func:`convert.run.single.convert_source`) in a thread of its own, reading each dequantized weight from the
 blocks the first target to need them made (:class:`convert.stream.shared.SharedProducts`); the run's result
 (:func:`_set_result`) and its errors. :func:`plan_set` is its dry run from a source resolved already (a batch
@@ -297,8 +297,8 @@ def _attempt(sub: ConvertOptions, source: ResolvedSource, default: Path, committ
 
 
 class _RefusedWithOthers(Exception):
-    """A target of a set whose output passed its checks, stopped before writing because another target's output
-    was refused (:class:`_OutputGate`); never raised out of :func:`convert.job.convert`."""
+    """A target of a set whose output passed its checks, stopped before writing because another target was refused
+    (:data:`_RUN_REFUSALS`, :class:`_OutputGate`); never raised out of :func:`convert.job.convert`."""
 
 
 #: What refuses a whole run of several targets when a target meets it before any output is written: an output
@@ -330,7 +330,7 @@ class _OutputGate:
         """Target ``i``'s output is claimed and checked: wait until every target's is, or has failed.
 
         Raises:
-            _RefusedWithOthers: another target's output was refused (this one is not written).
+            _RefusedWithOthers: another target was refused (this one is not written).
             KeyboardInterrupt: the run was stopped (:meth:`cancel`).
         """
         with self._cond:
@@ -341,7 +341,7 @@ class _OutputGate:
                     raise KeyboardInterrupt("stopped")
                 self._cond.wait()
             if self.refused:
-                raise _RefusedWithOthers(f"{len(self.refused)} other output(s) refused")
+                raise _RefusedWithOthers(f"{len(self.refused)} other target(s) refused")
 
     def failed(self, i: int, exc: BaseException) -> None:
         """Target ``i`` ended by ``exc``; before its output was checked, it arrives here (refused, when ``exc``
