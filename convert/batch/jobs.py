@@ -237,8 +237,7 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     if not isinstance(src, str) or not src.strip():
         raise BatchJobError(f"{where}: a job needs a source (repo id or path)", path=path, found=fields)
     src, rev_in_src = parse_repo_spec(src.strip())
-    if os.path.exists(src):  # a local path: absolute, so every worker reads the same one
-        src = os.path.abspath(src)
+    src = _absolute_if_local(src)
     revision = fields.get("revision") or rev_in_src
     if revision is not None and not isinstance(revision, str):
         raise bad("revision must be a string", found=revision)
@@ -274,10 +273,16 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     base = fields.get("base")
     if base is not None and (not isinstance(base, str) or not base.strip()):
         raise bad("base must be a Hub repo id or a path", found=base)
-    if base is not None and os.path.exists(base):  # a local path: absolute, as SRC
-        base = os.path.abspath(base)
+    if base is not None:
+        base = _absolute_if_local(base)
     return Job(src, revision, to, int(mss), name, where, _mmproj_name(fields.get("mmproj"), name, to, bad),
                _job_mix(fields, to, bad), _modelfile_name(fields.get("modelfile"), name, to, bad), base)
+
+
+def _absolute_if_local(spec: str) -> str:
+    """A job's SRC or ``--base``: a local path made absolute, so every worker (another process, or a Ray task's
+    machine sharing the folder) reads the same one; anything else (a Hub repo id) as it is."""
+    return os.path.abspath(spec) if os.path.exists(spec) else spec
 
 
 def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOptionError]) -> str | None:
