@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -348,6 +349,11 @@ class ConvertOptions:
             object.__setattr__(self, "to", target_for(self.to))
         if isinstance(self.split_max_size, str):  # llama-gguf-split's N(M|G), parsed where it enters
             object.__setattr__(self, "split_max_size", parse_split_size(self.split_max_size))
+
+    @property
+    def worker_threads(self) -> int:
+        """The worker threads asked for: :attr:`threads`, or this machine's cores when None (at least 1)."""
+        return max(1, self.threads or os.cpu_count() or 1)
 
 
 def add_mix_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -70,6 +70,9 @@ class TargetJob(Protocol):
     tensors: int
     elements: int
     in_nbytes: int
+    #: CPU the writer spends per weight, relative to a float output's (dequantize, write), one thread: a run of
+    #: several targets shares out its threads by it (:func:`convert.stream.shared.allot_threads`)
+    work_per_weight: float
 
     def plan_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``--dry-run --json``)."""

@@ -126,6 +126,28 @@ def test_each_weight_is_dequantized_once(to: str, held: str, tmp_path: Path, mon
     assert result.details["shared"]["values_shared"] == readers * sum(weights.values())
 
 
+@pytest.mark.parametrize(("threads", "want"), [(2, {"bf16": 1, "gguf:q8_0": 2, "nf4": 1}),
+                                              (8, {"bf16": 3, "gguf:q8_0": 6, "nf4": 1})])
+def test_threads_are_shared_out_by_each_targets_work(threads: int, want: dict[str, int], tmp_path: Path) -> None:
+    """The targets move in step, so --threads goes to them by the CPU each spends on the weights it reads: Q8_0
+    2.5 per weight against bf16's 1, the nf4 of an nf4 model copies its layers (reads none: one thread); the bytes
+    are each single run's."""
+    result = convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0,nf4", output=tmp_path / "set", threads=threads))
+    assert result.details["shared"]["threads"] == want
+    assert result.notes[0].endswith("; threads " + ", ".join(f"{t} {n}" for t, n in want.items())
+                                    + f" (--threads {threads} shared out by each target's work)")
+    _singles(LLAMA, result, tmp_path / "alone", threads=threads)
+
+
+def test_allot_threads() -> None:
+    """ceil(threads * work / total), at least one; nothing shared: each target its threads, as alone."""
+    assert shared_mod.allot_threads(2, {0: 1.0, 1: 2.5, 2: 0.0}) == {0: 1, 1: 2, 2: 1}
+    assert shared_mod.allot_threads(8, {0: 1.0, 1: 2.5, 2: 0.0}) == {0: 3, 1: 6, 2: 1}
+    assert shared_mod.allot_threads(4, {0: 1.0, 1: 1.0}) == {0: 2, 1: 2}
+    assert shared_mod.allot_threads(2, {0: 1.0, 1: 60.0, 2: 2.5}) == {0: 1, 1: 2, 2: 1}
+    assert shared_mod.allot_threads(3, {0: 0.0, 1: 0.0}) == {0: 3, 1: 3}
+
+
 def _unsupported_arch(tmp_path: Path) -> Path:
     src = tmp_path / "foo_nf4_dq"
     shutil.copytree(LLAMA, src, ignore=shutil.ignore_patterns("reference"))

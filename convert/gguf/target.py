@@ -18,7 +18,7 @@ from typing import Any
 
 import gguf
 
-from convert.gguf.encode import TensorReport, check_encoders, chunks_held, write_gguf
+from convert.gguf.encode import SEARCH_TYPES, TensorReport, check_encoders, chunks_held, write_gguf
 from convert.gguf.general import MetadataSource
 from convert.gguf.mix import mix_summary
 from convert.gguf.mmproj import mmproj_type, plan_mmproj
@@ -101,6 +101,16 @@ def _model(plan: Plan, options: ConvertOptions, model_name: str) -> MetadataSour
     return MetadataSource(ckpt.source, model_name, plan.config or ckpt.config, options.metadata)
 
 
+GT = gguf.GGMLQuantizationType
+#: CPU per weight of each GGML type's writer, relative to a float output's (:attr:`GgufJob.work_per_weight`): single
+#: runs on the bench model, one thread, CPU beyond the start (bf16 safetensors 1.15 s, gguf:f16 1.3, gguf:q8_0 2.9,
+#: gguf:q4_0 6.8 s); the searching types from their encoders alone (25-107 ns a value against Q8_0's 3.3).
+WORK_PER_WEIGHT: dict[gguf.GGMLQuantizationType, float] = {
+    GT.F32: 1.0, GT.F16: 1.0, GT.BF16: 1.0, GT.Q8_0: 2.5, GT.Q4_0: 6.0, GT.Q4_1: 6.0, GT.Q5_0: 6.0, GT.Q5_1: 6.0,
+    **dict.fromkeys(SEARCH_TYPES, 60.0),
+}
+
+
 class GgufJob:
     """The GGUF writer of one conversion (a :class:`convert.targets.TargetJob`).
 
@@ -156,6 +166,14 @@ class GgufJob:
         )
         self.split = plan_split(self.gplan, max_tensors=options.split_max_tensors, max_size=options.split_max_size)
         self._sizes(options.dry_run)
+
+    @property
+    def work_per_weight(self) -> float:
+        """:attr:`convert.targets.TargetJob.work_per_weight`: :data:`WORK_PER_WEIGHT` of each tensor's type, weighed
+        by its elements (a llama-quantize mix holds several types)."""
+        n = sum(math.prod(t.shape) for t in self.gplan.tensors)
+        work = sum(math.prod(t.shape) * WORK_PER_WEIGHT.get(t.ggml_type, 60.0) for t in self.gplan.tensors)
+        return work / n if n else 1.0
 
     def _sizes(self, dry_run: bool) -> None:
         """The planned figures of ``self.gplan`` (bytes out, tensors, values, input bytes read: each source

@@ -83,7 +83,7 @@ def convert_adapter(options: ConvertOptions, source: ResolvedSource, committed: 
             result.dry_run, result.plan_text = job.plan_dict(), job.describe()
             result.output_exists = out.exists()
             return result
-        threads = max(1, options.threads or os.cpu_count() or 1)
+        threads = options.worker_threads
         run = RunSettings(threads=threads, max_memory=options.max_memory, progress=options.progress, label=out.name,
                           on_progress=options.on_progress, processes=options.processes)
         result.timings["plan"] = time.perf_counter() - t0

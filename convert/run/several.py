@@ -244,7 +244,7 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
     defaults = [folder / default_output(None if hub else Path(options.src), sub.to, hub.repo_id if hub else None,
                                         hub.revision if hub else None).name for sub in subs]
     existed = os.path.lexists(folder)  # (each output's claim makes the folder, after its own checks)
-    products = SharedProducts(shared, len(subs))
+    products = SharedProducts(shared, len(subs), threads=options.worker_threads)
     gate = _OutputGate(len(subs))
     try:
         if options.dry_run:
@@ -468,12 +468,17 @@ def _set_result(options: ConvertOptions, subs: list[ConvertOptions], defaults: l
         for path, files in [(Path(o.output), o.files)] + [(Path(d["output"]), d.get("files", {})) for d in extras if d]:
             if path.parent == folder:
                 result.files.update({(f"{path.name}/{k}" if path.is_dir() else k): v for k, v in files.items()})
+    threads = {sub.to.name: products.allotted[i] for i, sub in enumerate(subs) if i in products.allotted}
     result.details["shared"] = {"budget_bytes": shared, "peak_bytes": products.peak, "blocks_made": products.made,
-                                "values_shared": products.hits, "blocks_dropped": products.dropped}
+                                "values_shared": products.hits, "blocks_dropped": products.dropped,
+                                "threads": threads}
     result.notes = [f"{len(subs)} targets from one read: {products.made} blocks of dequantized weights made once "
                     f"and shared, at most {format_bytes(products.peak)} of them held (of "
                     f"{format_bytes(shared)})" + (f"; {products.dropped} dropped for room and made again"
-                                                  if products.dropped else "")]
+                                                  if products.dropped else "")
+                    + ("; threads " + ", ".join(f"{t} {n}" for t, n in threads.items())
+                       + f" (--threads {options.worker_threads} shared out by each target's work)"
+                       if len(set(threads.values())) > 1 else "")]
     result.seconds = result.timings["total"] = time.perf_counter() - t0
     result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
     result.peak_rss_bytes = peak_rss_bytes()

@@ -225,10 +225,11 @@ def convert_source(options: ConvertOptions, source: ResolvedSource, default: Pat
                         "\n  Modelfile exists: --overwrite needed" if exists and not options.overwrite else "")
                 return result
             # 6. claim the output, write it into staging, verify, commit
+            threads = options.worker_threads
             if share is not None:  # (every target planned before the first shared block is made)
-                share.link(job.sources(), options.to.dequantize_to)
-                share.ready()
-            run, notes = _run_settings(options, plan, source, out.name, lora)
+                share.link(job.sources(), options.to.dequantize_to, job.work_per_weight)
+                threads = share.ready()  # (its share of the run's threads)
+            run, notes = _run_settings(options, plan, source, out.name, lora, threads)
             result.timings["plan"] = time.perf_counter() - t0
             write_output(job, options, source, ckpt.source, out, run, result, committed, parts, on_checked)
             if mmproj is not None:
@@ -279,20 +280,21 @@ def _merge_threads(options: ConvertOptions, lora: LoraRun | None, threads: int) 
     return threads
 
 
-def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, label: str, lora: LoraRun | None
-                  ) -> tuple[RunSettings, list[str]]:
-    """How the job writes: threads (lowered, with a note, where their chunks, or the merges' working
+def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, label: str, lora: LoraRun | None,
+                  asked: int) -> tuple[RunSettings, list[str]]:
+    """How the job writes: ``asked`` threads (lowered, with a note, where their chunks, or the merges' working
     copies, would not fit ``max_memory``: :func:`_merge_threads`), the cap for the chunks (``max_memory``
     less what the merges of the tensors in flight hold beside them), progress, and a low-disk run's shard
     lifetime."""
     notes = []
-    asked = max(1, options.threads or os.cpu_count() or 1)
     threads = _merge_threads(options, lora, asked)
     reserved = lora.held_nbytes(2 * threads + 1) if lora is not None else 0
     max_memory = options.max_memory - reserved
     threads = min(threads, max_threads(max_memory, max((t.source.unit for t in plan.tensors), default=1)))
     if threads < asked:
-        notes.append(f"--threads {asked} lowered to {threads}: more threads' chunks would not fit "
+        given = f"--threads {asked}" if asked == options.worker_threads else (
+            f"{asked} threads (this target's share of --threads {options.worker_threads})")
+        notes.append(f"{given} lowered to {threads}: more threads' chunks would not fit "
                      f"--max-memory {format_bytes(options.max_memory)}")
         reserved = lora.held_nbytes(2 * threads + 1) if lora is not None else 0
         max_memory = options.max_memory - reserved

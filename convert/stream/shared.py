@@ -27,13 +27,15 @@ and nothing waits for ever. A block that no other target will read is not held: 
 straight in its own dtype, as a single run does.
 
 The run's threads: :meth:`Consumer.ready` holds each target until every target is planned (or has failed)
-before the first block is made; :meth:`Consumer.withdraw` takes a finished or failed target out, so no block
-waits for it; :meth:`SharedProducts.cancel` makes every waiting and later call raise ``KeyboardInterrupt``
-(a stopped run).
+before the first block is made, and gives it its share of the run's worker threads (:func:`allot_threads`:
+the targets move in step, so each gets threads in proportion to the CPU it spends on what it reads);
+:meth:`Consumer.withdraw` takes a finished or failed target out, so no block waits for it;
+:meth:`SharedProducts.cancel` makes every waiting and later call raise ``KeyboardInterrupt`` (a stopped run).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -50,13 +52,28 @@ from formats.dtypes import BY_NAME, DType
 if TYPE_CHECKING:
     from convert.stream.sources import Source
 
-__all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "shared_leaves"]
+__all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "allot_threads", "shared_leaves"]
 
 #: Elements of a shared block, about (a multiple of the source's chunk unit): 4 MiB of float32.
 BLOCK_ELEMENTS = 1 << 20
 #: Seconds a read waits for room with nothing changing in the cache before it makes its block for itself
 #: (a guard: the wait rule above ends every wait sooner).
 STALL_SECONDS = 30.0
+
+
+def allot_threads(threads: int, work: dict[int, float]) -> dict[int, int]:
+    """The worker threads of each target of a run of ``threads``: ``work`` is each target's CPU for what it
+    reads from the shared blocks (its weights times its CPU per weight). The targets move in step (a block is
+    held until every target has read it), so the run goes at the pace of the target with the least threads for
+    its work: each gets ``ceil(threads * work / total)``, at least 1 (a target whose layers are copied as they
+    are reads nothing: 1). No work at all (nothing is shared): each gets ``threads``, as alone.
+
+    Example: ``--to bf16,gguf:q8_0,nf4`` of an NF4 model, 2 threads: works 1, 2.5 and 0 per weight give
+    1, 2 and 1 threads (each target alone would take 2)."""
+    total = sum(work.values())
+    if total <= 0:
+        return dict.fromkeys(work, threads)
+    return {c: max(1, math.ceil(threads * w / total - 1e-9)) for c, w in work.items()}
 
 
 def shared_leaves(sources: Iterable[Source]) -> list[Source]:
@@ -122,11 +139,16 @@ class SharedProducts:
         budget: bytes of blocks held at once, at most.
         consumers: the number of targets (each takes one :meth:`consumer`).
         block: elements of a block, about (default :data:`BLOCK_ELEMENTS`).
+        threads: the run's worker threads, shared out among the targets (:func:`allot_threads`).
     """
 
-    def __init__(self, budget: int, consumers: int, block: int | None = None) -> None:
+    def __init__(self, budget: int, consumers: int, block: int | None = None, threads: int = 1) -> None:
         self.budget = budget
         self.block = max(1, BLOCK_ELEMENTS if block is None else block)
+        self.threads = threads
+        self._work: dict[int, float] = {}  # reader -> its CPU for the weights it reads (link)
+        #: reader -> its worker threads, set once every target is ready (:func:`allot_threads`)
+        self.allotted: dict[int, int] = {}
         self._cond = threading.Condition()
         self._keys: dict[str, _Key] = {}
         self._blocks: dict[tuple[str, int], _Block] = {}  # insertion order: oldest first
@@ -163,9 +185,11 @@ class SharedProducts:
 
     # --- called through Consumer ------------------------------------------------------------------
 
-    def _link(self, c: int, sources: Iterable[Source], dequantize_to: str) -> None:
+    def _link(self, c: int, sources: Iterable[Source], dequantize_to: str, work: float) -> None:
         with self._cond:
-            for src in shared_leaves(sources):
+            leaves = shared_leaves(sources)
+            self._work[c] = work * sum(src.numel for src in leaves)
+            for src in leaves:
                 unit = max(1, src.unit)
                 key = self._keys.get(src.name)
                 if key is None:
@@ -177,7 +201,7 @@ class SharedProducts:
                 key.wants[c] = _asked(src, dequantize_to)
                 src.shared = _Link(self, c)
 
-    def _arrive(self, c: int) -> None:
+    def _arrive(self, c: int) -> int:
         with self._cond:
             self._ready.add(c)
             self._cond.notify_all()
@@ -185,6 +209,9 @@ class SharedProducts:
                 if self._cancelled:
                     raise KeyboardInterrupt("stopped")
                 self._cond.wait()
+            if not self.allotted:  # (the first target past the wait: the others ready are those that share)
+                self.allotted = allot_threads(self.threads, {r: self._work.get(r, 0.0) for r in self._ready})
+            return self.allotted.get(c, self.threads)
 
     def _leave(self, c: int) -> None:
         with self._cond:
@@ -373,19 +400,23 @@ class Consumer:
     def __init__(self, products: SharedProducts, reader: int) -> None:
         self.products, self.reader = products, reader
 
-    def link(self, sources: Iterable[Source], dequantize_to: str) -> None:
+    def link(self, sources: Iterable[Source], dequantize_to: str, work: float = 1.0) -> None:
         """Read the dequantized weights under ``sources`` (the target's job's: its
         :meth:`~convert.targets.TargetJob.sources`) through the shared blocks from now on; the target dequantizes
-        to ``dequantize_to`` (:attr:`convert.options.Target.dequantize_to`)."""
-        self.products._link(self.reader, sources, dequantize_to)
+        to ``dequantize_to`` (:attr:`convert.options.Target.dequantize_to`) and spends ``work`` CPU per weight
+        (:attr:`~convert.targets.TargetJob.work_per_weight`: its share of the threads, :func:`allot_threads`)."""
+        self.products._link(self.reader, sources, dequantize_to, work)
 
-    def ready(self) -> None:
+    def ready(self) -> int:
         """Wait until every target of the run is linked (or has left).
+
+        Returns:
+            this target's worker threads (:func:`allot_threads`).
 
         Raises:
             KeyboardInterrupt: the run was cancelled.
         """
-        self.products._arrive(self.reader)
+        return self.products._arrive(self.reader)
 
     def withdraw(self) -> None:
         """The target is done (written or failed): no block waits for it any more."""
