@@ -148,6 +148,43 @@ def test_allot_threads() -> None:
     assert shared_mod.allot_threads(3, {0: 0.0, 1: 0.0}) == {0: 3, 1: 3}
 
 
+def test_gguf_rows_of_one_shared_block_are_read_without_a_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """The blocks of a 2-D weight are whole rows and a GGUF target's row chunks whole blocks: the Q8_0 target reads
+    every 4-bit weight as a read-only view of the block the bf16 target copies from (only bf16's values are
+    copied); the bytes are each single run's."""
+    copied: list[int] = []
+    views: list[bool] = []
+    real_round, real_view = shared_mod._round_into, shared_mod.SharedProducts._view
+
+    def count_round(x: Any, dtype: Any, out: Any, counts: Any) -> None:
+        copied.append(x.size)
+        real_round(x, dtype, out, counts)
+
+    def count_view(self: shared_mod.SharedProducts, *args: Any) -> Any:
+        v = real_view(self, *args)
+        if v is not None:
+            views.append(v.flags.writeable)
+        return v
+
+    monkeypatch.setattr(shared_mod, "_round_into", count_round)
+    monkeypatch.setattr(shared_mod.SharedProducts, "_view", count_view)
+    result = convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0", output=tmp_path / "set", threads=2))
+    shared = result.details["shared"]
+    assert views and not any(views)  # read-only
+    assert sum(copied) * 2 == shared["values_shared"]  # one reader of two copied
+    _singles(LLAMA, result, tmp_path / "alone", threads=2)
+
+
+def test_shared_blocks_are_whole_rows_where_rows_are_whole_units() -> None:
+    assert shared_mod._grid(1 << 20, 64, 4096) == 256 * 4096
+    assert shared_mod._grid(1 << 20, 64, 11008) == 95 * 11008  # (not a power of two: still whole rows)
+    assert shared_mod._grid(1 << 20, 4096, 4096) == 256 * 4096  # an int8 layer: its unit is a row
+    assert shared_mod._grid(1 << 20, 64, 100) == (1 << 20) // 64 * 64  # rows are not whole blocksizes
+    assert shared_mod._grid(1 << 20, 64, 0) == 1 << 20  # row unknown
+    assert shared_mod._grid(1024, 64, 4096) == 4096  # a block of at least one row
+
+
 def _unsupported_arch(tmp_path: Path) -> Path:
     src = tmp_path / "foo_nf4_dq"
     shutil.copytree(LLAMA, src, ignore=shutil.ignore_patterns("reference"))

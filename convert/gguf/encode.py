@@ -565,6 +565,9 @@ def _chunk_tasks(
         align = math.lcm(align, row_align)
     step = max(1, chunk_elements // max(cols, 1))
     step = -(-step // align) * align
+    grid = src.source.view_grid()  # a run of several targets: chunks of whole shared blocks are read without a copy
+    if grid and cols and grid % cols == 0 and (grid // cols) % align == 0 and step >= grid // cols:
+        step = grid // cols
     importance = plan_importance.get(t.name) if codec(t.ggml_type).uses_imatrix else None
     # with an importance matrix, a chunk holds rows of one expert only (each has its own row of weights)
     per_expert = rows // len(importance) if importance is not None else rows

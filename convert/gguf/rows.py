@@ -43,8 +43,9 @@ class RowReader:
     def rows(self, t: PlannedTensor, r0: int, r1: int, place: int | None = None) -> np.ndarray:
         """Rows [r0, r1) of ``t`` as ``(r1 - r0, *t.shape[1:])``: the source's flat elements, block-aligned,
         read in pieces, input pages released as they are consumed (the rows returned are an array of their
-        own, never a view of released pages). Called by the writer's worker threads (the parallelism is
-        across row chunks, so this never waits on the pool).
+        own, never a view of released pages; in a run of several targets, rows inside one shared block are a
+        read-only view of it: :meth:`~convert.stream.sources.Source.produce_view`). Called by the writer's
+        worker threads (the parallelism is across row chunks, so this never waits on the pool).
 
         A bfloat16 tensor written as F16 comes as float16 where the source's 4-bit codes give it exactly
         (:func:`convert.dequant.kernels_f16.dequantize_4bit_f16_of_bf16`: the writer stores those bits,
@@ -64,6 +65,8 @@ class RowReader:
         flat = None
         if t.name in self.as_f16 and t.dtype.name == "bfloat16":
             flat = self._f16(src, a0, spans, None if place is None else place - (start - a0) * 2)
+        if flat is None:  # (a run of several targets: rows inside one shared block, read from it without a copy)
+            flat = src.produce_view(a0, a1, t.dtype)
         if flat is None and src.writes_in_place:  # (not all exact: every span as bf16, one dtype for the rows)
             at = 0 if place is None else place - (start - a0) * t.dtype.itemsize  # (the rows' bytes as they are)
             flat = self.memory.empty((a1 - a0) * t.dtype.itemsize, at).view(t.dtype.numpy)
@@ -72,10 +75,10 @@ class RowReader:
         elif flat is None:
             parts = [src.produce(s, e, t.dtype) for s, e in spans]
             flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if not flat.flags.writeable:
-            # a read-only view of the input file (a source that does not cast): the caller reads it after
-            # the release below, which would map those pages again, for good (RSS growing to the file size)
-            flat = flat.copy()
+            if not flat.flags.writeable:
+                # a read-only view of the input file (a source that does not cast): the caller reads it after
+                # the release below, which would map those pages again, for good (RSS growing to the file size)
+                flat = flat.copy()
         for s, e in spans:
             src.release(s, e)
         return flat[start - a0 : stop - a0].reshape(r1 - r0, *t.shape[1:])

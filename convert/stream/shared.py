@@ -193,7 +193,7 @@ class SharedProducts:
                 unit = max(1, src.unit)
                 key = self._keys.get(src.name)
                 if key is None:
-                    key = _Key(src.numel, max(unit, self.block // unit * unit))
+                    key = _Key(src.numel, _grid(self.block, unit, src.row_elements))
                     self._keys[src.name] = key
                 if key.numel != src.numel or key.grid % unit:  # (never for one checkpoint: not shared then)
                     continue
@@ -329,6 +329,34 @@ class SharedProducts:
                         self._free((name, j))
                     self._cond.notify_all()
 
+    def _view(self, c: int, src: Source, start: int, stop: int, dtype: DType) -> np.ndarray | None:
+        """Elements [start, stop) of ``src`` for reader ``c`` as a view of the one held block that holds them in
+        ``dtype`` (made now if no reader has), read at once (the view keeps the values alive after the block
+        leaves the cache); None when they span blocks, are held in another dtype, or ``c`` makes them itself
+        (:meth:`_get`)."""
+        name = src.name
+        key = self._keys[name]
+        j = start // key.grid
+        b0, b1 = j * key.grid, min(key.numel, (j + 1) * key.grid)
+        if stop > b1 or stop <= start:
+            return None
+        with self._cond:
+            if key.held_dtype() != dtype:
+                return None
+            self._inside[c] = self._inside.get(c, 0) + 1
+        try:
+            b = self._get(c, src, name, j, b0, b1, dtype)
+            if b is None:
+                return None
+            assert b.data is not None
+            view = b.data[start - b0 : stop - b0]
+            view.flags.writeable = False  # (the other readers' values)
+            self._done(c, name, j, stop - start, b)
+            return view
+        finally:
+            with self._cond:
+                self._inside[c] -= 1
+
     def _read(self, c: int, src: Source, start: int, stop: int, dtype: DType, out: np.ndarray) -> None:
         name = src.name
         key = self._keys[name]
@@ -353,6 +381,15 @@ class SharedProducts:
         finally:
             with self._cond:
                 self._inside[c] -= 1
+
+
+def _grid(block: int, unit: int, row: int) -> int:
+    """Elements of a weight's shared blocks: about ``block``, a multiple of ``unit`` (a chunk boundary of the
+    source); whole rows of ``row`` elements when a row is whole units (a GGUF writer's row chunks can then be
+    whole blocks, handed out without a copy: :meth:`SharedProducts.view`)."""
+    if row and row % unit == 0:
+        return max(1, block // row) * row
+    return max(unit, block // unit * unit)
 
 
 def _asked(src: Source, dequantize_to: str) -> str:
@@ -392,6 +429,15 @@ class _Link:
         """Elements [start, stop) of ``src`` as ``dtype`` into ``out`` (flat, C-contiguous), from the shared
         blocks (or made by ``src`` itself where no other target reads them)."""
         self.products._read(self.reader, src, start, stop, dtype, out)
+
+    def view(self, src: Source, start: int, stop: int, dtype: DType) -> np.ndarray | None:
+        """Elements [start, stop) of ``src`` as a view of the shared block holding them in ``dtype`` (not to be
+        written into), or None where :meth:`read` has to make or round them."""
+        return self.products._view(self.reader, src, start, stop, dtype)
+
+    def grid(self, src: Source) -> int:
+        """Elements of ``src``'s shared blocks (from its first element)."""
+        return self.products._keys[src.name].grid
 
 
 class Consumer:

@@ -88,6 +88,9 @@ class Source:
     #: A run of several targets: the shared blocks this source reads its values from
     #: (:mod:`convert.stream.shared`; set on the sources that dequantize), else None.
     shared: _Link | None = None
+    #: Elements of one row of the weight (a 2-D layer's columns), or 0 when not known: a run of several targets cuts
+    #: its shared blocks on whole rows where rows are whole units (:mod:`convert.stream.shared`).
+    row_elements: int = 0
 
     def __init__(self) -> None:
         self.stats = np.zeros(2, dtype=np.int64)
@@ -102,6 +105,18 @@ class Source:
         the writer): here a copy of the bytes :meth:`produce` returns (a copying source's raw bytes, too); a
         source whose kernel writes in place overrides it."""
         np.copyto(out.reshape(-1).view(np.uint8), bytes_of(self.produce(start, stop, dtype)))
+
+    def produce_view(self, start: int, stop: int, dtype: DType) -> np.ndarray | None:
+        """Elements [start, stop) as ``dtype.numpy[stop - start]`` without a copy, where they are in memory
+        already: in a run of several targets, a range inside one shared block held in ``dtype``
+        (:meth:`convert.stream.shared.SharedProducts.view`; the caller must not write into it); else None
+        (:meth:`produce_into` makes them)."""
+        return None if self.shared is None else self.shared.view(self, start, stop, dtype)
+
+    def view_grid(self) -> int:
+        """Elements of the pieces :meth:`produce_view` hands out whole (from the tensor's start: the shared
+        block grid of a run of several targets), or 0 when it hands out none."""
+        return 0 if self.shared is None else self.shared.grid(self)
 
     def codes_4bit(self, start: int, stop: int) -> Codes4 | None:
         """The 4-bit codes and absmax behind elements [start, stop) (``start`` a multiple of ``unit``) when
@@ -144,6 +159,7 @@ class Dequant4Source(Source):
         self.name = layer.name
         self.numel = st.numel
         self.unit = st.blocksize
+        self.row_elements = st.numel // st.shape[0] if len(st.shape) >= 2 and st.shape[0] else 0
         self.in_nbytes = sum(
             t.nbytes for t in (layer.packed, layer.absmax, layer.quant_map, layer.nested_absmax,
                                layer.nested_quant_map) if t is not None
@@ -422,7 +438,7 @@ class Int8Source(Source):
         self.name = layer.name
         rows, cols = layer.shape
         self.numel = rows * cols
-        self.unit = max(cols, 1)
+        self.unit = self.row_elements = max(cols, 1)
         self.in_nbytes = layer.weight.nbytes + layer.scb.nbytes
         self.kind = "dequant int8 row"
         self._scb: npt.NDArray[np.float32] | None = None
