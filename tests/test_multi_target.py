@@ -369,7 +369,11 @@ def test_auto_beside_bf16_of_a_hub_repo_is_refused_before_any_download(tmp_path:
      "--mmproj works with one --to target (or one GGUF target among several)"),
     (["--to", "gguf:q8_0,gguf:f16", "--modelfile"], "--modelfile works with one --to target"),
     (["--low-disk"], "--low-disk works with one --to target"),
-    (["--max-memory", "32MiB"], "--max-memory is too small"),
+    (["--max-memory", "32MiB"], "--max-memory is too small for 2 targets (expected '>= 112.00 MiB (64.00 MiB, and "
+                                "48.00 MiB for each target after the first"),
+    (["--max-memory", "111MiB"], "--max-memory is too small for 2 targets"),
+    (["--to", "bf16,fp16,nf4,gguf:q8_0,gguf:f16,gguf:bf16", "--max-memory", "300MiB"],
+     "--max-memory is too small for 6 targets (expected '>= 304.00 MiB"),
     (["--push-to-hub", "org/name"], "--push-to-hub with several --to targets takes an organisation or user: each "
                                     "output goes to a repo of its own, ORG/<its name> (expected 'org', found "
                                     "'org/name')"),
@@ -614,7 +618,7 @@ def test_a_signal_stops_every_target_and_leaves_nothing(sig: int, tmp_path: Path
                                                                            dtype="bfloat16")})
     before = _tree(src)
     out = tmp_path / "set"
-    argv = [str(src), "--to", "bf16,fp32,fp16", "-o", str(out), "--max-memory", "64MiB", "--threads", "1"]
+    argv = [str(src), "--to", "bf16,fp32,fp16", "-o", str(out), "--max-memory", "160MiB", "--threads", "1"]
     proc = subprocess.Popen([sys.executable, "-c", _SLOW, *argv], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120  # a guard against a broken test, not a speed check
@@ -650,7 +654,7 @@ def test_a_signal_after_one_output_is_committed_leaves_that_one_alone(tmp_path: 
     src = model_dir(tmp_path / "in" / "model", {"model.safetensors": layer(shape=(4096, 4096), bs=64,
                                                                            dtype="bfloat16")})
     out = tmp_path / "set"
-    argv = [str(src), "--to", "bf16,nf4,fp16", "--no-double-quant", "-o", str(out), "--max-memory", "64MiB",
+    argv = [str(src), "--to", "bf16,nf4,fp16", "--no-double-quant", "-o", str(out), "--max-memory", "160MiB",
             "--threads", "1"]  # (the layer is not nested: nf4 copies it as it is)
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CLEANUP, *argv], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,

@@ -25,7 +25,7 @@ from convert.output import OUTPUT_REFUSALS, default_output, default_set_output, 
 from convert.run.result import ConvertResult
 from convert.run.single import base_without_adapter, check_base_repo, check_options, convert_source
 from convert.run.source import ResolvedSource, resolve_source, src_repo_spec
-from convert.stream.pipeline import peak_rss_bytes, share_memory
+from convert.stream.pipeline import SET_TARGET_MEMORY, min_memory, peak_rss_bytes, share_memory
 from convert.stream.plan import Plan, make_plan
 from convert.stream.shared import Consumer, SharedProducts
 from convert.units import format_bytes
@@ -64,9 +64,13 @@ def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
             one = " (or one GGUF target among several)" if one_gguf else ""
             raise UsageError(f"{flag} works with one --to target{one}", found=f"--to {options.to.name}",
                              hint=f"run the target that needs {flag} on its own")
-    if options.max_memory < MIN_MEMORY:
-        raise UsageError("--max-memory is too small", expected=f">= {format_bytes(MIN_MEMORY)}",
-                         found=format_bytes(options.max_memory))
+    least = min_memory(len(members))
+    if options.max_memory < least:
+        raise UsageError(f"--max-memory is too small for {len(members)} targets",
+                         expected=f">= {format_bytes(least)} ({format_bytes(MIN_MEMORY)}, and "
+                                  f"{format_bytes(SET_TARGET_MEMORY)} for each target after the first: its output "
+                                  "stream and chunks)",
+                         found=format_bytes(options.max_memory), hint="raise --max-memory or convert fewer targets")
     needs = [(options.mix.flags()[0].split()[0] if options.mix.flags() else None,
               any(t.llama_quantize for t in members), "a gguf:TYPE of llama-quantize's types (gguf:q4_0 ... q6_k)"),
              (options.quant.given()[0] if options.quant.given() else None, "bnb4" in families, "nf4 or fp4"),

@@ -20,11 +20,12 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from convert.options import MIN_MEMORY
 from convert.stream.plan import PlannedTensor
 from formats.writeback import BUFFER_BYTES, BUFFERS, IN_PLACE_WRITES, PlacedMemory
 
-__all__ = ["FENCE", "Chunk", "InputLifetime", "RunSettings", "chunk_elements", "chunk_size", "max_threads",
-           "ordered_chunks", "peak_rss_bytes", "placed_memory", "ranges", "share_memory"]
+__all__ = ["FENCE", "SET_TARGET_MEMORY", "Chunk", "InputLifetime", "RunSettings", "chunk_elements", "chunk_size",
+           "max_threads", "min_memory", "ordered_chunks", "peak_rss_bytes", "placed_memory", "ranges", "share_memory"]
 
 #: Bytes of working memory per element in flight (fp32 value + output + temporaries).
 _BYTES_PER_ELEMENT = 16
@@ -156,6 +157,18 @@ def chunk_elements(unit: int, max_memory: int, threads: int) -> int:
     return max(unit, (n // unit) * unit)
 
 
+#: What each target of a run of several adds to the least ``max_memory`` the run keeps to (:func:`min_memory`): its
+#: output stream's buffers and the floor of its chunks (:func:`share_memory`).
+SET_TARGET_MEMORY = BUFFERS * BUFFER_BYTES + 16 * 1024 * 1024
+
+
+def min_memory(writers: int) -> int:
+    """The least ``max_memory`` a run of ``writers`` targets keeps to (its peak within the cap and the project's
+    100 MiB allowance, as a single run at :data:`convert.options.MIN_MEMORY`): that minimum, and
+    :data:`SET_TARGET_MEMORY` for each target after the first (6 targets: 304 MiB)."""
+    return MIN_MEMORY + (max(1, writers) - 1) * SET_TARGET_MEMORY
+
+
 def share_memory(max_memory: int, writers: int) -> tuple[int, int]:
     """One cap for a run of several targets, each writing in threads of its own: ``(each writer's cap, bytes of
     the shared blocks)`` (:class:`convert.stream.shared.SharedProducts`). The interpreter's baseline is counted
@@ -163,8 +176,8 @@ def share_memory(max_memory: int, writers: int) -> tuple[int, int]:
     :data:`~formats.writeback.BUFFER_BYTES`); each further writer's stream is taken off first; of the rest an
     eighth holds the shared blocks and the writers split the other seven eighths, each given its part plus the
     baseline as its own ``max_memory`` (which :func:`chunk_elements` takes off again). Each writer's chunks
-    are at least :func:`chunk_elements`'s floor of 16 MiB: below about 100 MiB a target (the baseline, the
-    shared blocks, and per further target its stream and that floor) a run holds more than ``max_memory``.
+    are at least :func:`chunk_elements`'s floor of 16 MiB, so a run holds more than ``max_memory`` below
+    :func:`min_memory` (which a run of several targets refuses: USE-001).
     """
     streams = (max(1, writers) - 1) * BUFFERS * BUFFER_BYTES
     budget = max(max_memory - _BASELINE - streams, 16 * 1024 * 1024)

@@ -161,11 +161,13 @@ def raw_file(data: bytes, name: str = "model.safetensors") -> Callable[[Path], P
 
 
 def convert(src: Path, out: Path, *, to: str = "auto", overwrite: bool = False) -> None:
-    """The conversion as the CLI runs it, through the library."""
+    """The conversion as the CLI runs it, through the library, at the least memory its targets take."""
     from convert.job import convert as run
     from convert.options import ConvertOptions
+    from convert.stream.pipeline import min_memory
 
-    run(ConvertOptions(str(src), to=to, output=out, threads=1, max_memory=64 << 20, overwrite=overwrite))
+    run(ConvertOptions(str(src), to=to, output=out, threads=1, max_memory=min_memory(len(to.split(","))),
+                       overwrite=overwrite))
 
 
 @dataclass
