@@ -217,9 +217,7 @@ def _report(args: argparse.Namespace, result: Any) -> int:
             if result.outputs:  # several targets: each output's line is in its plan; then the folder they go into
                 print(f"{result.plan_text}\nfolder: {result.output}")
             else:
-                kept = ((result.dry_run or {}).get("push") or {}).get("kept")  # (uploaded as it is: no --overwrite)
-                exists = " (exists: --overwrite needed)" if result.output_exists and not kept else ""
-                print(f"{result.plan_text}\n  output: {result.output}{exists}")
+                print(f"{result.plan_text}\n{result.output_line()}")
         return 0
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -60,7 +60,7 @@ from convert.job import convert
 from convert.options import ConvertOptions, Target
 from convert.output import RECORD_MARK, InterruptedAfterCommit, sha256_file, write_json
 from convert.run.result import ConvertResult
-from convert.run.several import member_options
+from convert.run.several import member_options, set_plan_text
 from convert.run.single import job_key
 from convert.run.source import ResolvedSource
 from convert.units import format_bytes, parse_size
@@ -203,9 +203,9 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
     pushes = [replace(push, repo_id=f"{push.repo_id}/{output_repo_name(Path(o.output).name)}")
               for o in planned.outputs]
     if options.dry_run:
-        for sub, o, p in zip(subs, planned.outputs, pushes, strict=True):
-            if o.error is None:
-                planned.plan_text += f"\n  push {Path(o.output).name}: " + _plan_push(o, sub, p, argv)
+        lines = [f"\n  push {Path(o.output).name}: " + _plan_push(o, sub, p, argv)
+                 for sub, o, p in zip(subs, planned.outputs, pushes, strict=True) if o.error is None]
+        planned.plan_text = set_plan_text(planned) + "".join(lines)  # (an output only uploaded needs no --overwrite)
         return planned
     kept = [_kept_at(sub, o) if o.error is None else None for sub, o in zip(subs, planned.outputs, strict=True)]
     outputs: list[ConvertResult | None] = [k[0] if k is not None else None for k in kept]

@@ -33,7 +33,7 @@ from formats.checkpoint import Checkpoint
 from formats.errors import ConvertBnbError, ImatrixRequiredError, TargetsFailedError, UsageError
 from formats.peft import is_adapter_dir
 
-__all__ = ["auto_twin", "convert_set", "member_options", "plan_set"]
+__all__ = ["auto_twin", "convert_set", "member_options", "plan_set", "set_plan_text"]
 
 
 def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
@@ -101,6 +101,12 @@ def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
         check_options(sub)
         subs.append(sub)
     return subs, shared
+
+
+def set_plan_text(result: ConvertResult) -> str:
+    """A dry run of several targets as text: each planned target's plan and output line
+    (:meth:`~convert.run.result.ConvertResult.output_line`), in ``--to`` order."""
+    return "\n".join(f"{o.plan_text}\n{o.output_line()}" for o in result.outputs if o.error is None)
 
 
 def _adapter_one_target(options: ConvertOptions) -> UsageError:
@@ -454,9 +460,7 @@ def _set_result(options: ConvertOptions, subs: list[ConvertOptions], defaults: l
     if options.dry_run:
         result.dry_run = {"source": result.source, "to": result.to, "ok": len(done) == len(result.outputs)}
         result.output_exists = any(o.output_exists for o in done)  # (the folder itself may exist: it holds them)
-        result.plan_text = "\n".join(
-            f"{o.plan_text}\n  output: {o.output}" + (" (exists: --overwrite needed)" if o.output_exists else "")
-            for o in done)
+        result.plan_text = set_plan_text(result)
         return result
     result.tensors = sum(o.tensors for o in done)
     result.elements = max((o.elements for o in done), default=0)

@@ -580,6 +580,24 @@ def test_push_refused_names_every_repo_and_each_cause_once() -> None:
                            "(HfHubHTTPError: 403). Hint: h")
 
 
+def test_several_targets_dry_run_over_recorded_outputs_only_uploads(tmp_path: Path) -> None:
+    """A set whose push was refused (offline) left its outputs complete and recorded: the dry run of the same
+    command says each is uploaded without converting, and no output line asks for --overwrite (without
+    --push-to-hub, each does)."""
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
+    out = tmp_path / "set"
+    args = [str(src), "--to", "bf16,gguf:q8_0", "-o", str(out), "--push-to-hub", "me"]
+    env = offline_env(tmp_path)
+    r = run_cli(args, env)
+    assert r.returncode == 2 and "HUB-003" in r.stderr, r.stderr
+    r = run_cli([*args, "--dry-run"], env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("without converting: the output in place is an earlier run's") == 2, r.stdout
+    assert f"  output: {out / 'm-bf16'}\n" in r.stdout and "--overwrite needed" not in r.stdout, r.stdout
+    r = run_cli([*args[:-2], "--dry-run"], env)
+    assert r.stdout.count("(exists: --overwrite needed)") == 2, r.stdout
+
+
 def test_several_targets_dry_run_plans_each_push(tmp_path: Path) -> None:
     src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "m")
     out = tmp_path / "set"
