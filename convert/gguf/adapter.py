@@ -529,6 +529,8 @@ class GgufAdapterJob(GgufJob):
         as :func:`plan_adapter`.
     """
 
+    weights = "the adapter's weights as PEFT scales them"
+
     def __init__(self, adapter: Adapter, base: BaseModel, options: ConvertOptions, model_name: str | None = None
                  ) -> None:
         assert options.to.gguf_type is not None

@@ -66,14 +66,15 @@ def _tower_notes(towers: list[str], mmproj: Path | None = None) -> list[str]:
             f"first: {towers[0]})"]
 
 
-def _error_notes(out_type: str, reports: list[TensorReport], sample: int) -> list[str]:
+def _error_notes(out_type: str, reports: list[TensorReport], sample: int, weights: str) -> list[str]:
+    """The summary's error notes; ``weights``: what the tensors were made from (:attr:`GgufJob.weights`)."""
     # (a sampled tensor, of a block type, may differ outside its sample where it did not inside)
     changed = [r for r in reports if r.max_abs_error > 0 or r.sampled]
     if not changed:
-        return [f"gguf {out_type}: every tensor equals the float weight (dequantized, merged) exactly"]
+        return [f"gguf {out_type}: every tensor equals {weights} exactly"]
     worst = sorted(changed, key=lambda r: r.rel_rms_error, reverse=True)
     notes = [
-        f"gguf {out_type}: {len(changed)} of {len(reports)} tensors differ from the dequantized weight "
+        f"gguf {out_type}: {len(changed)} of {len(reports)} tensors differ from {weights} "
         f"(rounding to each tensor's type); relative RMS error per tensor up to {worst[0].rel_rms_error:.3g}, "
         "worst tensors below (all in --json)"
         + (f"; the quantized tensors' figures are measured on a fixed 1/{sample} sample of each (every "
@@ -137,6 +138,8 @@ class GgufJob:
 
     is_dir = False
     file_suffix = ".gguf"
+    #: what its tensors are made from, as its error notes name it
+    weights = "the dequantized weights"
     #: the default file name's parts (llama.cpp's naming convention: :func:`convert.output.gguf_file_name`)
     naming: GgufNaming | None
 
@@ -274,9 +277,7 @@ class GgufJob:
                  + ", ".join(f"{p['file']} ({p['tensors']} tensors, {p['bytes']} bytes)" for p in parts[:4])
                  + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")] if parts else []
         return self._plan_notes() + split + _type_notes(
-            self.out_type, self.gplan.tensors) + _error_notes(
-            self.out_type, self.reports, self.sample
-        )
+            self.out_type, self.gplan.tensors) + _error_notes(self.out_type, self.reports, self.sample, self.weights)
 
     def details(self) -> dict[str, Any]:
         return {"gguf": {

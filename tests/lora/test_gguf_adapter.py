@@ -434,6 +434,18 @@ def test_default_name_dry_run_and_an_existing_output(tmp_path: Path) -> None:
     convert(ConvertOptions(str(adapter), to="gguf", base=str(BASE), overwrite=True))
 
 
+def test_error_notes_name_the_adapters_weights(tmp_path: Path) -> None:
+    """An adapter's F16 differs from its own weights (as PEFT scales them), not from a dequantized weight; its F32
+    equals them."""
+    f16 = convert(ConvertOptions(str(ADAPTER), to="gguf", base=str(BASE), output=tmp_path / "a.gguf"))
+    assert any(n.startswith("gguf f16: 8 of 8 tensors differ from the adapter's weights as PEFT scales them "
+                            "(rounding to each tensor's type)") for n in f16.notes), f16.notes
+    f32 = convert(ConvertOptions(str(ADAPTER), to="gguf:f32", base=str(BASE), output=tmp_path / "b.gguf"))
+    assert "gguf f32: every tensor equals the adapter's weights as PEFT scales them exactly" in f32.notes
+    model = convert(ConvertOptions(str(QUANT), to="gguf:f32", output=tmp_path / "m.gguf"))
+    assert "gguf f32: every tensor equals the dequantized weights exactly" in model.notes
+
+
 def test_the_base_comes_from_the_adapter_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --base: base_model_name_or_path, as a path from the working directory (the fixture's, relative)."""
     monkeypatch.chdir(FIXTURES / "lora")  # where the fixture's ../models/llama_orig_bf16 was written from
