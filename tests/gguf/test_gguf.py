@@ -200,8 +200,8 @@ def test_float_tensors_equal_the_dequantized_weight_rounded_once(tmp_path, out_t
         from convert.gguf.target import _error_notes
 
         assert "F16 tensors' relative error is over the weight's RMS on a fixed 1/8 sample" in _error_notes(
-            "f16", sampled, 8)[0]
-        assert "relative error is over" not in _error_notes("f16", reports, 8)[0]
+            "f16", sampled, 8, "the dequantized weights")[0]
+        assert "relative error is over" not in _error_notes("f16", reports, 8, "the dequantized weights")[0]
 
 
 @pytest.mark.parametrize(
