@@ -13,8 +13,8 @@ bytes by HTTP range requests, its small files into the cache, no weights downloa
   nested_quant_map), ``quant_map``, ``quant_state`` (the JSON), ``int8_weight``, ``int8_scale``
   (SCB + weight_format) and ``unquantized:<dtype>`` per safetensors dtype code;
 - the planned output for each ``--to`` target (tensor bytes and file count, from
-  :func:`convert.stream.plan.make_plan`, exactly what the pipeline would write), plus targets other modules
-  register in :data:`OUTPUT_SIZERS`.
+  :func:`convert.stream.plan.make_plan`, exactly what the pipeline would write), and for the GGUF types of
+  :data:`GGUF_SIZED` (the GGUF writer's plan: its tensor data, or the rule that refuses the checkpoint).
 
 A PEFT LoRA adapter directory (or Hub repo) as SRC gets its own report (:func:`inspect_adapter`): its scale
 settings, its modules by rank and PEFT scale, its tensors by dtype, and what the two routes of an adapter do
@@ -31,17 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from convert.options import FLOAT_TARGETS
+from convert.options import FLOAT_TARGETS, ConvertOptions, target_for
 from convert.run.source import resolve_source
 from convert.stream.plan import make_plan
 from convert.stream.sources import Dequant4Source
-from convert.targets import check_adapter_alone
+from convert.targets import TARGETS, check_adapter_alone
 from convert.units import format_bytes, parse_size
 from formats.bnb import Int8Layer, QuantizedLayer, is_int8_config
 from formats.bnb_layers import group_layers
@@ -54,11 +53,11 @@ if TYPE_CHECKING:  # heavy imports stay inside the functions: this module loads 
     from formats.bnb import Int8Layer, QuantizedLayer
     from formats.checkpoint import Checkpoint
 
-__all__ = ["OUTPUT_SIZERS", "InspectOptions", "absmax_stats", "format_adapter_report", "format_report",
+__all__ = ["GGUF_SIZED", "InspectOptions", "absmax_stats", "format_adapter_report", "format_report",
            "inspect_adapter", "inspect_checkpoint"]
 
-#: Extra ``--to`` targets: name -> function(checkpoint) -> planned output bytes. Other modules add theirs.
-OUTPUT_SIZERS: dict[str, Callable[[Checkpoint], int]] = {}
+#: The GGUF targets whose planned size the report gives beside the float ones: llama.cpp's common picks.
+GGUF_SIZED = ("gguf:f16", "gguf:q8_0", "gguf:q4_k_m")
 
 
 @dataclass(frozen=True)
@@ -172,9 +171,12 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
             outputs[to] = {"bytes": plan.out_nbytes, "files": len(plan.shards)}
         except ConvertBnbError as exc:
             outputs[to] = {"error": exc.reason}
-    for to, sizer in OUTPUT_SIZERS.items():
-        try:
-            outputs[to] = {"bytes": int(sizer(ckpt)), "files": 1}
+    for to in GGUF_SIZED:
+        target = target_for(to)
+        try:  # (a dry run's plan: headers and config.json; the tokenizer's size is not counted, as for the others)
+            plan = make_plan(ckpt, target.dequantize_to)
+            job = TARGETS["gguf"](plan, ConvertOptions(str(ckpt.source), to=target, dry_run=True), ckpt.source.name)
+            outputs[to] = {"bytes": job.out_nbytes, "files": 1}
         except ConvertBnbError as exc:
             outputs[to] = {"error": exc.reason}
 
@@ -419,9 +421,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("planned output (tensor data):")
     for to, o in report["outputs"].items():
         if "error" in o:
-            lines.append(f"  --to {to:<6} not possible: {o['error']}")
+            lines.append(f"  --to {to:<12} not possible: {o['error']}")
         else:
-            lines.append(f"  --to {to:<6} {o['bytes']:>14,d}  {format_bytes(o['bytes'])} in {o['files']} file(s)")
+            lines.append(f"  --to {to:<12} {o['bytes']:>14,d}  {format_bytes(o['bytes'])} in {o['files']} file(s)")
     for n in report.get("notes", []):
         lines.append(f"note: {n}")
     st = report.get("stats")

@@ -196,7 +196,7 @@ def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert ("nf4 blocksize 64, nested (blocksize 256, float32), dtype bfloat16, storage BF16, absmax U8: "
             "14 layers, 1.47 M weights, 4.223 bits/weight") in text
-    assert "--to fp32        7,951,360  7.58 MiB in 1 file(s)" in text
+    assert "--to fp32              7,951,360  7.58 MiB in 1 file(s)" in text
     assert main(["inspect", str(MODELS / "llama_nf4_dq"), "--json", "--stats"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["stats"]["outlier_factor"] == 4.0 and len(rep["stats"]["layers"]) == 14
@@ -282,3 +282,19 @@ def test_inspect_a_hub_adapter_offline(tmp_path: Path) -> None:
     rep = json.loads(r.stdout)
     assert rep["kind"] == "lora-adapter" and rep["modules"] == 4
     assert rep["hub"] == {"repo": "org/adapter", "revision": None, "commit": commit_sha("adapter")}
+
+
+@pytest.mark.parametrize("to", ["gguf:f16", "gguf:q8_0", "gguf:q4_k_m"])
+def test_planned_gguf_sizes_are_the_written_tensor_data(to: str, tmp_path: Path) -> None:
+    """inspect's GGUF sizes are the GGUF writer's plan: the tensor data a conversion then writes, byte for byte;
+    a lone weight file (no config.json) names the rule that refuses it."""
+    import gguf
+
+    from convert.job import convert
+    from convert.options import ConvertOptions
+
+    rep = _inspect(MODELS / "llama_nf4_dq")
+    out = convert(ConvertOptions(str(MODELS / "llama_nf4_dq"), to=to, output=tmp_path / "m.gguf")).output
+    assert rep["outputs"][to] == {"bytes": sum(int(t.n_bytes) for t in gguf.GGUFReader(out).tensors), "files": 1}
+    lone = _inspect(MODELS / "llama_nf4_dq" / "model.safetensors")
+    assert lone["outputs"][to] == {"error": "GGUF output needs the model's config.json and tokenizer"}
