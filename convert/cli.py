@@ -67,7 +67,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         _print_failure(self.json_errors, {"error": "UsageError", "rule": "USE-001", "message": message})
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: USE-001 {message} (see '{self.prog} --help')\n")
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

@@ -278,7 +278,7 @@ def test_target_lists_are_checked_where_parsed(to: str, message: str, tmp_path: 
     with pytest.raises(SystemExit) as exit_:
         main([str(LLAMA), "--to", to, "-o", str(tmp_path / "o")])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith("convert-bnb: error: argument --to: ")
+    assert exit_.value.code == 2 and err.startswith("convert-bnb: error: USE-001 argument --to: ")
     assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
     if "invalid" not in message:
         with pytest.raises(UsageError, match="USE-001"):
