@@ -217,7 +217,7 @@ def _report(args: argparse.Namespace, result: Any) -> int:
             if result.outputs:  # several targets: each output's line is in its plan; then the folder they go into
                 print(f"{result.plan_text}\nfolder: {result.output}")
             else:
-                print(f"{result.plan_text}\n{result.output_line()}")
+                print(f"{result.plan_text}\n{result.output_line(args.overwrite)}")
         return 0
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

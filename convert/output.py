@@ -558,6 +558,9 @@ class OutputClaim:
         parts: the files of an output written as several files beside each other (a split GGUF's parts, in
             order; ``final`` is the first), or None. They are staged in one temporary directory under their
             own names (``staging / part.name``; never resumable), checked (OUT-001) and installed together.
+        others: files of the same output in another layout beside ``final`` (a GGUF split into another number of
+            parts, or not split): they count as the output existing (OUT-001 without ``overwrite``) and the commit
+            removes them once the new output is in place.
         on_checked: called once the claim is held and every pre-flight check has passed, before the staging
             is made, or None. What it raises undoes the claim as any error does (a run of several targets
             waits there until every target's output is checked: :func:`convert.run.several.convert_set`).
@@ -569,9 +572,11 @@ class OutputClaim:
 
     def __init__(self, final: Path, *, is_dir: bool, nbytes: int, inputs: list[Path], overwrite: bool = False,
                  resume_key: dict[str, Any] | None = None, file_suffix: str = ".safetensors",
-                 parts: list[Path] | None = None, on_checked: Callable[[], None] | None = None) -> None:
+                 parts: list[Path] | None = None, on_checked: Callable[[], None] | None = None,
+                 others: list[Path] | None = None) -> None:
         self.final = Path(final)
         self.parts = [Path(p) for p in parts] if parts else None
+        self.others = [Path(p) for p in others or ()]
         assert self.parts is None or (self.parts[0] == self.final and not is_dir
                                       and all(p.parent == self.final.parent for p in self.parts))
         self.is_dir = is_dir
@@ -608,7 +613,7 @@ class OutputClaim:
         """:meth:`__enter__`'s steps 2-4 (the lock, recovery, pre-flight, staging)."""
         self._acquire()
         self.recovered = self._recover()
-        existing = [p for p in self.parts or [self.final] if p.exists() or p.is_symlink()]
+        existing = [p for p in [*(self.parts or [self.final]), *self.others] if p.exists() or p.is_symlink()]
         if existing and not self.overwrite:
             raise OutputExistsError("output exists", path=existing[0], action="write",
                                     hint="pass --overwrite to replace it, or choose -o")
@@ -807,6 +812,8 @@ class OutputClaim:
             else:
                 os.replace(self.staging, self.final)
             self._committed = True
+            for p in self.others:  # (the output in its earlier layout: replaced by this one)
+                remove_path(p)
             remove_path(_hidden(self.final, RECORD_MARK))  # (a stale record of the output replaced, if any)
             _fsync_dir(parent)
         if old is not None:

@@ -85,6 +85,11 @@ class TargetJob(Protocol):
         ``OUT-00001-of-0000N.gguf`` ..., in order), committed together; None for one file or a directory.
         Called once the output path is known, before :meth:`write` and the plan's text."""
 
+    def other_layouts(self, out: Path, parts: list[Path] | None) -> list[Path]:
+        """The existing files of the same output in another layout beside ``out`` (``parts``: this output's files,
+        :meth:`output_parts`): a GGUF split into another number of parts, or not split. They count as the output
+        existing (OUT-001 without ``--overwrite``) and an ``--overwrite`` commit removes them."""
+
     def sources(self) -> list[Source]:
         """The stream sources the output is made from (a run of several targets shares what they dequantize:
         :mod:`convert.stream.shared`)."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,17 @@ def split_name(prefix: str, index: int, count: int) -> str:
     """The file name of part ``index`` (0-based) of ``count``: ``PREFIX-00001-of-00003.gguf``, as llama.cpp's
     ``llama_split_path`` names it (gguf-py's ``SHARD_NAME_FORMAT``)."""
     return SHARD_NAME_FORMAT.format(prefix, index + 1, count)
+
+
+def split_files(out: Path) -> list[Path]:
+    """The existing files beside ``out`` that are parts of a split of it, whatever their count
+    (``PREFIX-00002-of-00004.gguf``, :func:`split_name`; the prefix is ``out`` without a ``.gguf`` suffix), sorted."""
+    prefix = out.name[: -len(".gguf")] if out.name.lower().endswith(".gguf") else out.name
+    pattern = re.compile(re.escape(prefix) + r"-[0-9]{5}-of-[0-9]{5}\.gguf")
+    try:
+        return sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name))
+    except FileNotFoundError:
+        return []
 
 
 def split_layouts(layout: FileLayout, counts: Sequence[int]) -> list[GGUFPart]:

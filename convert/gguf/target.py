@@ -30,7 +30,7 @@ from convert.stream.pipeline import RunSettings, placed_memory
 from convert.stream.plan import Plan, make_plan
 from convert.stream.sources import Source
 from formats.errors import TokenizerError
-from formats.gguf import GGUFPart, file_nbytes
+from formats.gguf import GGUFPart, file_nbytes, split_files
 from formats.gguf import verify_gguf as _verify_gguf
 
 GT = gguf.GGMLQuantizationType
@@ -229,6 +229,12 @@ class GgufJob:
             return None
         self.part_files = part_paths(out, self.split)
         return self.part_files
+
+    def other_layouts(self, out: Path, parts: list[Path] | None) -> list[Path]:
+        """The existing files of ``out`` in another layout (:meth:`convert.targets.TargetJob.other_layouts`): the
+        parts of a split of it into another number of parts, and ``out`` itself when this output is split."""
+        mine = set(parts or [out])
+        return [p for p in [*([out] if parts and out.exists() else []), *split_files(out)] if p not in mine]
 
     def sources(self) -> list[Source]:
         """The planned tensors' sources the file is made of (a tensor, or the slices a tensor stacks)."""

@@ -205,7 +205,7 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
     if options.dry_run:
         lines = [f"\n  push {Path(o.output).name}: " + _plan_push(o, sub, p, argv)
                  for sub, o, p in zip(subs, planned.outputs, pushes, strict=True) if o.error is None]
-        planned.plan_text = set_plan_text(planned) + "".join(lines)  # (an output only uploaded needs no --overwrite)
+        planned.plan_text = set_plan_text(planned, options.overwrite) + "".join(lines)  # (kept: no --overwrite)
         return planned
     kept = [_kept_at(sub, o) if o.error is None else None for sub, o in zip(subs, planned.outputs, strict=True)]
     outputs: list[ConvertResult | None] = [k[0] if k is not None else None for k in kept]

@@ -75,12 +75,14 @@ class ConvertResult:
     outputs: list[ConvertResult] = field(default_factory=list)
     error: dict[str, Any] | None = None
 
-    def output_line(self) -> str:
-        """A dry run's line of where the output goes: ``  output: PATH``, and ``(exists: --overwrite needed)`` when
-        it exists and the run would not only upload it (``--push-to-hub`` over an earlier run's output with these
-        settings: its push plan's ``kept``)."""
+    def output_line(self, overwrite: bool) -> str:
+        """A dry run's line of where the output goes: ``  output: PATH``, and when it exists and the run would not
+        only upload it (``--push-to-hub`` over an earlier run's output with these settings: its push plan's
+        ``kept``) ``(exists: --overwrite needed)``, or with ``overwrite`` ``(exists: --overwrite replaces it)``."""
         kept = ((self.dry_run or {}).get("push") or {}).get("kept")
-        return f"  output: {self.output}" + (" (exists: --overwrite needed)" if self.output_exists and not kept else "")
+        if not self.output_exists or kept:
+            return f"  output: {self.output}"
+        return f"  output: {self.output} (exists: --overwrite {'replaces it' if overwrite else 'needed'})"
 
     def fp16_line(self) -> str | None:
         """The summary's float16 line (values that overflowed to inf, non-zero values flushed to zero),

@@ -103,10 +103,10 @@ def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
     return subs, shared
 
 
-def set_plan_text(result: ConvertResult) -> str:
+def set_plan_text(result: ConvertResult, overwrite: bool) -> str:
     """A dry run of several targets as text: each planned target's plan and output line
     (:meth:`~convert.run.result.ConvertResult.output_line`), in ``--to`` order."""
-    return "\n".join(f"{o.plan_text}\n{o.output_line()}" for o in result.outputs if o.error is None)
+    return "\n".join(f"{o.plan_text}\n{o.output_line(overwrite)}" for o in result.outputs if o.error is None)
 
 
 def _adapter_one_target(options: ConvertOptions) -> UsageError:
@@ -460,7 +460,7 @@ def _set_result(options: ConvertOptions, subs: list[ConvertOptions], defaults: l
     if options.dry_run:
         result.dry_run = {"source": result.source, "to": result.to, "ok": len(done) == len(result.outputs)}
         result.output_exists = any(o.output_exists for o in done)  # (the folder itself may exist: it holds them)
-        result.plan_text = set_plan_text(result)
+        result.plan_text = set_plan_text(result, options.overwrite)
         return result
     result.tensors = sum(o.tensors for o in done)
     result.elements = max((o.elements for o in done), default=0)

@@ -205,6 +205,7 @@ def convert_source(options: ConvertOptions, source: ResolvedSource, default: Pat
                 default = default if folder is None else folder / default.name
             out = output_path(options.output, default, is_dir=job.is_dir)
             parts = job.output_parts(out)  # a split GGUF: its files, the first one standing for the output
+            others = job.other_layouts(out, parts)  # (the output split otherwise, or not split: it exists)
             out = parts[0] if parts else out
             result.output = str(out)
             mmproj = MmprojJob(plan, options, source.model_name(ckpt.source)) if options.mmproj is not None else None
@@ -214,7 +215,7 @@ def convert_source(options: ConvertOptions, source: ResolvedSource, default: Pat
                                        mm_out if mmproj is not None else None) if options.modelfile else None
             if options.dry_run:
                 result.dry_run, result.plan_text = job.plan_dict(), job.describe()
-                result.output_exists = any(p.exists() for p in parts or [out])
+                result.output_exists = bool(others) or any(p.exists() for p in parts or [out])
                 if mmproj is not None:
                     result.dry_run["mmproj"] = {**mmproj.plan_dict(), "output": str(mm_out)}
                     result.plan_text += f"\n{mmproj.describe()}\n  mmproj output: {mm_out}"
@@ -231,7 +232,7 @@ def convert_source(options: ConvertOptions, source: ResolvedSource, default: Pat
                 threads = share.ready()  # (its share of the run's threads)
             run, notes = _run_settings(options, plan, source, out.name, lora, threads)
             result.timings["plan"] = time.perf_counter() - t0
-            write_output(job, options, source, ckpt.source, out, run, result, committed, parts, on_checked)
+            write_output(job, options, source, ckpt.source, out, run, result, committed, parts, on_checked, others)
             if mmproj is not None:
                 notes += _write_mmproj(mmproj, options, source, ckpt.source, mm_out, run, result, committed)
             if modelfile is not None:
@@ -310,16 +311,17 @@ def _run_settings(options: ConvertOptions, plan: Plan, source: ResolvedSource, l
 
 def write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSource, input_path: Path, out: Path,
                  run: RunSettings, result: ConvertResult, committed: list[Path], parts: list[Path] | None = None,
-                 on_checked: Callable[[], None] | None = None) -> None:
+                 on_checked: Callable[[], None] | None = None, others: list[Path] | None = None) -> None:
     """Claim ``out`` (with ``parts``: the files of a split output, ``out`` the first), write the job into its
     staging path, verify, list the files, commit; the figures go into ``result`` (timings, bytes out, files,
     shards written and reused, what the claim recovered). ``on_checked``: the claim's
-    (:class:`convert.output.OutputClaim`), called once the output is checked, before anything is written."""
+    (:class:`convert.output.OutputClaim`), called once the output is checked, before anything is written;
+    ``others``: the output's files in another layout (:meth:`convert.targets.TargetJob.other_layouts`)."""
     timings = result.timings
     resume_key = None if options.resume_key is None else {**options.resume_key, "job": job_key(options, source)}
     with OutputClaim(out, is_dir=job.is_dir, nbytes=job.disk_nbytes, inputs=[input_path],
                      overwrite=options.overwrite, resume_key=resume_key, file_suffix=job.file_suffix,
-                     parts=parts, on_checked=on_checked) as claim:
+                     parts=parts, on_checked=on_checked, others=others) as claim:
         try:
             t = time.perf_counter()
             result.shards_written, result.shards_reused = job.write(claim.staging, run, claim.ledger)

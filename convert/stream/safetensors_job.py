@@ -344,6 +344,9 @@ class SafetensorsJob:
     def output_parts(self, out: Path) -> list[Path] | None:
         return None  # (one file, or a directory)
 
+    def other_layouts(self, out: Path, parts: list[Path] | None) -> list[Path]:
+        return []  # (one layout: the file or the directory)
+
     def sources(self) -> list[Source]:
         return [t.source for t in self.plan.tensors]
 

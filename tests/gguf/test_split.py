@@ -306,6 +306,35 @@ def test_an_existing_part_is_refused_unless_overwrite(tmp_path: Path, capsys: py
     assert len(list(tmp_path.iterdir())) == 3 and gguf.GGUFReader(other).fields["split.no"].contents() == 1
 
 
+def test_the_output_in_another_layout_is_the_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A split of ``m.gguf`` into 3 parts, then into 2, then not split, then into 2 again: each earlier layout is
+    the output existing (OUT-001, naming its first file, nothing written) and an --overwrite removes its files once
+    the new ones are in place (no part of another count is left beside them)."""
+    out = tmp_path / "m.gguf"
+    base = [str(LLAMA), "--to", "gguf:q8_0", "-o", str(out), "-q"]
+    three = ["m-00001-of-00003.gguf", "m-00002-of-00003.gguf", "m-00003-of-00003.gguf"]
+    steps = [(["--split-max-tensors", "8"], three),
+             (["--split-max-tensors", "12"], ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]),
+             ([], ["m.gguf"]),
+             (["--split-max-tensors", "12"], ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"])]
+    assert main([*base, *steps[0][0]]) == 0
+    for (argv, names), (_, before) in zip(steps[1:], steps[:-1], strict=True):
+        assert main([*base, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"convert-bnb: error: Failed to write '{tmp_path / before[0]}': OUT-001 output exists. Hint: "
+                       "pass --overwrite to replace it, or choose -o\n")
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        assert main([*base, *argv, "--overwrite"]) == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == names
+    assert main([*base, *steps[1][0], "--dry-run"]) == 0  # (its own layout: exists as it is)
+    first = tmp_path / "m-00001-of-00002.gguf"
+    assert capsys.readouterr().out.endswith(f"output: {first} (exists: --overwrite needed)\n")
+    assert main([*base, *steps[0][0], "--dry-run"]) == 0  # (another layout: the output exists all the same)
+    assert capsys.readouterr().out.endswith("(exists: --overwrite needed)\n")
+    assert main([*base, *steps[0][0], "--dry-run", "--overwrite"]) == 0
+    assert capsys.readouterr().out.endswith("(exists: --overwrite replaces it)\n")
+
+
 # ----------------------------------------------------------------------------------------- all or nothing
 
 
