@@ -606,6 +606,12 @@ class _ZeroCopy:
         view.flags.writeable = False
         return view
 
+    def produce_view(self, start: int, stop: int, dtype: object) -> None:
+        return None  # (a view of shared blocks: a run of several targets only)
+
+    def view_grid(self) -> int:
+        return 0
+
     def release(self, start: int, stop: int) -> None:
         self.log.append(("release", start, stop))
 
