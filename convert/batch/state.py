@@ -10,11 +10,14 @@ new one) holds::
      "source": {"repo", "revision", "commit"},                        # a Hub source, once done
      "pushed": {"repo", "key", "commit"},                             # once pushed
      "pushed_outputs": {"<output name>": {"repo", "key", "commit"}},  # several targets: each output pushed
+     "partial_files": {"<relative path>": {...}},                     # several targets, some failed
      "error": "..." | null}
 
 A job of several targets (``--to bf16,gguf:q8_0``) writes the folder NAME: ``files`` holds every file in it
 (a directory output's under its name, a file output by its name), and each output pushed to its own repo is
-recorded in ``pushed_outputs`` under its name.
+recorded in ``pushed_outputs`` under its name. When some of its targets fail, the files of the outputs that were
+committed are recorded in ``partial_files`` (the batch's own: the next run replaces them) and the job is failed
+(its manifest below is written only once every target is committed).
 
 Beside it, ``DIR/.convert-bnb/NAME.files.json`` is the manifest of the job's last conversion, written
 by :func:`convert.job.convert` just before it commits the output (``NAME.mmproj_files.json`` that of
@@ -45,6 +48,7 @@ from convert.output import sha256_file, write_json
 from formats.errors import ForeignFilesError, JobSettingsChangedError, VerificationError
 
 __all__ = [
+    "PARTIAL_FILES",
     "STATE_DIR",
     "STATE_VERSION",
     "check_complete",
@@ -63,6 +67,8 @@ __all__ = [
 STATE_DIR = ".convert-bnb"
 #: The ``version`` of the state files this module reads and writes.
 STATE_VERSION = 1
+#: The state field of a job of several targets that failed in part: the files of its committed outputs.
+PARTIAL_FILES = "partial_files"
 
 
 def load_state(path: Path) -> dict[str, Any]:
@@ -209,7 +215,8 @@ def check_replaceable(outputs: list[tuple[Path, str]], state: dict[str, Any], st
         if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
             replace = True  # an empty folder holds nothing to lose or to check
         elif path.exists() or path.is_symlink():
-            ours = {**installed_manifest(state_file, f), **((state.get(f) or {}) if done_state else {})}
+            ours = {**installed_manifest(state_file, f), **((state.get(f) or {}) if done_state else {}),
+                    **((state.get(PARTIAL_FILES) or {}) if f == "files" else {})}
             foreign = foreign_files(path, ours)
             if foreign:
                 raise ForeignFilesError(

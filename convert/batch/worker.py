@@ -26,6 +26,7 @@ from convert import signals
 from convert.batch.card import push_output, set_outputs
 from convert.batch.jobs import Job, job_options
 from convert.batch.state import (
+    PARTIAL_FILES,
     STATE_DIR,
     STATE_VERSION,
     check_complete,
@@ -43,7 +44,7 @@ from convert.output import PARTIAL_MARK, write_json
 from convert.run.single import job_key
 from convert.run.source import resolve_source
 from convert.stream.pipeline import peak_rss_bytes
-from formats.errors import ConvertBnbError, HubUploadError
+from formats.errors import ConvertBnbError, HubUploadError, TargetsFailedError
 from formats.mapping import changed_input
 
 __all__ = ["JobResult", "execute_job", "failed_result", "interrupted_message", "progress_path", "read_progress",
@@ -187,6 +188,8 @@ def run_job(spec: dict[str, Any]) -> JobResult:
     except BaseException as exc:
         if state.get("status") != "done":  # a failed push leaves a finished conversion done
             state["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        if isinstance(exc, TargetsFailedError) and exc.result is not None:  # the complete outputs are the batch's
+            state[PARTIAL_FILES] = exc.result.files
         state["error"] = interrupted_message(out_dir, job.name) if isinstance(exc, KeyboardInterrupt) else (
             str(exc) or type(exc).__name__)
         if state.get("version"):

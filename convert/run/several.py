@@ -269,8 +269,9 @@ def _run_set(options: ConvertOptions, subs: list[ConvertOptions], shared: int, s
     if gate.refused:  # an output refused before any was written: the run is refused, as a single run would be
         raise _refused_set(subs, gate.refused)
     result = _set_result(options, subs, defaults, outcomes, source, folder, products, shared, t0)
-    if options.manifest is not None and not options.dry_run:  # (what was committed: a batch's record of its own)
-        write_json(options.manifest, result.files)
+    complete = not any(isinstance(o, BaseException) for o in outcomes)
+    if options.manifest is not None and not options.dry_run and complete:
+        write_json(options.manifest, result.files)  # (the whole set committed: a batch's record of its own)
     internal = next((o for o in outcomes if isinstance(o, BaseException)
                      and not isinstance(o, (ConvertBnbError, OSError, MemoryError))), None)
     if internal is not None:
