@@ -617,10 +617,21 @@ def test_batch_jobs_with_several_targets(tmp_path: Path) -> None:
     assert [x["status"] for x in json.loads(r.stdout)] == ["converted", "skipped"], r.stderr
     assert _tree(folder) == _tree(Path(direct.output))
     for line, part in ((f"{LLAMA} --to bf16,gguf:q8_0 --mmproj", "--mmproj needs a job of one GGUF target"),
-                       (f"{LLAMA} --to bf16,nf4 --pure", "--pure needs a gguf:TYPE of llama-quantize's types")):
+                       (f"{LLAMA} --to bf16,nf4 --pure", "--pure needs a gguf:TYPE of llama-quantize's types"),
+                       (f"{LLAMA} --to bf16,gguf:q8_0 --name x.gguf",
+                        "the name of a job of several targets names the folder their outputs go into")):
         jobs.write_text(line + "\n")
         r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o2")], env)
         assert r.returncode == 2 and "BATCH-003" in r.stderr and part in r.stderr, r.stderr
+    assert not (tmp_path / "o2").exists()
+    jobs.write_text(f"{LLAMA} --to bf16,gguf:q8_0,nf4\n{LLAMA} --to nf4 --name n\n")  # (160 MiB for 3 targets)
+    for extra in ([], ["--dry-run"]):
+        r = run_cli(["batch", str(jobs), "--out-dir", str(tmp_path / "o2"), "--jobs", "2", "--max-memory", "300MiB",
+                     *extra], env)
+        assert r.returncode == 2 and r.stderr == (
+            "convert-bnb: error: USE-001 --max-memory split over --jobs leaves job llama_nf4_dq-converted "
+            f"({jobs.name}:1) less than its 3 targets keep to (expected '>= 160.00 MiB per job', found '150.00 MiB "
+            "per job'). Hint: raise --max-memory, lower --jobs, or split the job's targets\n"), r.stderr
     assert not (tmp_path / "o2").exists()
 
 

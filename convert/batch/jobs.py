@@ -262,6 +262,9 @@ def _make_job(fields: dict[str, Any], defaults: argparse.Namespace, where: str, 
     name = fields.get("name") or _default_name(src, to, revision)
     if not _plain_name(name):
         raise bad("name must be a plain directory name", expected=_PLAIN_NAME, found=name)
+    if to.family == "multi" and name.lower().endswith((".gguf", ".safetensors")):
+        raise bad("the name of a job of several targets names the folder their outputs go into", found=name,
+                  hint="give a folder name (without a file suffix)")
     name = with_target_suffix(name, to)  # --name model -> model.gguf for a GGUF job, as default names
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
