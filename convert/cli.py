@@ -384,8 +384,10 @@ def _report_targets(args: argparse.Namespace, exc: TargetsFailedError) -> None:
     """A run of several targets of which some failed: what the others did (their summaries or plans, or the
     JSON object of the whole run), then one line per failed target on stderr."""
     result = exc.result
-    if getattr(args, "json", False):
-        print(json.dumps(result.to_dict() if result is not None else {"ok": False, **exc.to_dict()}, indent=2))
+    if getattr(args, "json", False):  # (the whole run, with the error's class, rule and message as every failure)
+        failure = {"error": type(exc).__name__, "rule": exc.rule, "message": str(exc)}
+        print(json.dumps({**result.to_dict(), "ok": False, **failure} if result is not None
+                         else {"ok": False, **exc.to_dict()}, indent=2))
     elif result is not None and result.dry_run is not None:
         print(f"{result.plan_text}")
     elif result is not None and not args.quiet:

@@ -260,6 +260,9 @@ def test_cli_prints_one_line_per_failed_target(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr()
     d = json.loads(out.out)
     assert d["ok"] is False and [o["ok"] for o in d["outputs"]] == [True, False]
+    assert (d["error"], d["rule"]) == ("TargetsFailedError", "OUT-006") and d["message"] == (
+        f"Failed to write '{tmp_path / 'set2'}': OUT-006 1 of 2 targets failed: gguf:q8_0 (GGUF-001); the 1 other "
+        "output is complete")
     assert d["outputs"][1]["rule"] == "GGUF-001" and d["outputs"][0]["files"]
     assert len(out.err.splitlines()) == 1
 
