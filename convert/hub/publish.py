@@ -68,8 +68,8 @@ from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, HubUploadError, OutputExistsError, TargetsFailedError, UsageError
 from formats.peft_config import ADAPTER_CONFIG
 
-__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "commit_message", "planned_outputs",
-           "publish", "push_from_args", "quant_summary", "record_path"]
+__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "check_repo_id", "commit_message",
+           "planned_outputs", "publish", "push_from_args", "quant_summary", "record_path"]
 
 #: The ``version`` of the records this module reads and writes.
 RECORD_VERSION = 1
@@ -125,15 +125,37 @@ def check_push(push: PushOptions, several: bool = False) -> None:
         UsageError: USE-001, the repo is not ``org/name`` (with ``several``: not an organisation or user name),
             or the branch is empty or holds blanks.
     """
-    if several and not is_owner_name(push.repo_id):
+    if several and "/" in push.repo_id:
         raise UsageError("--push-to-hub with several --to targets takes an organisation or user: each output goes "
                          "to a repo of its own, ORG/<its name>", expected="org", found=push.repo_id,
                          hint="give the owner only (my-org), or push one target with --push-to-hub org/name")
-    if not several and (not is_repo_name(push.repo_id) or ".." in push.repo_id):
-        raise UsageError("--push-to-hub needs a Hub repo id", expected="org/name", found=push.repo_id)
+    if several:
+        check_repo_id(f"{push.repo_id}/x", push.repo_id, "an organisation or user name")
+    else:
+        check_repo_id(push.repo_id, push.repo_id, "org/name")
     if push.revision is not None and (not push.revision.strip() or any(c.isspace() for c in push.revision)):
         raise UsageError("--push-revision needs a branch name", expected="a name without blanks",
                          found=repr(push.revision))
+
+
+def check_repo_id(repo_id: str, given: str, expected: str) -> None:
+    """Refuse ``repo_id`` unless it is a Hub repo id as huggingface_hub validates it (``validate_repo_id``) and
+    has the ``org/name`` form, before anything is converted.
+
+    Raises:
+        UsageError: USE-001 naming ``given`` (what ``--push-to-hub`` said) and huggingface_hub's reason.
+    """
+    # (heavy: huggingface_hub's API takes ~170 ms to import; only a push needs it)
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+        ok = is_repo_name(repo_id) and is_owner_name(repo_id.split("/")[0])
+        reason = "not of the form org/name"
+    except HFValidationError as exc:
+        ok, reason = False, str(exc).split(":")[0]
+    if not ok:
+        raise UsageError(f"--push-to-hub needs a Hub repo id ({reason})", expected=expected, found=given)
 
 
 def record_path(out: Path) -> Path:
@@ -202,6 +224,8 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
     planned = convert(replace(options, dry_run=True, progress=False))
     pushes = [replace(push, repo_id=f"{push.repo_id}/{output_repo_name(Path(o.output).name)}")
               for o in planned.outputs]
+    for p in pushes:  # (an output's name the Hub refuses: before anything is converted)
+        check_repo_id(p.repo_id, p.repo_id, "ORG/<the output's name>")
     if options.dry_run:
         lines = [f"\n  push {Path(o.output).name}: " + _plan_push(o, sub, p, argv)
                  for sub, o, p in zip(subs, planned.outputs, pushes, strict=True) if o.error is None]

@@ -342,6 +342,27 @@ def test_push_dry_run_prints_card_and_upload_plan(setup: tuple[Path, Path, dict[
     assert not (out / "c-main-fp16").exists()  # a dry run writes nothing
 
 
+@pytest.mark.parametrize(("org", "jobs_text", "message"), [
+    ("a--b", "org/a\n", "USE-001 --push-to-hub needs a Hub repo id (Cannot have -- or .. in repo_id) (expected 'an "
+                        "organisation or user name', found 'a--b')"),
+    ("me/x", "org/a\n", "(expected 'an organisation or user name', found 'me/x')"),
+    ("me", "org/a --name a--b\n", "USE-001 --push-to-hub needs a Hub repo id (Cannot have -- or .. in repo_id) "
+                                  "(expected \"ORG/<the job's name> (job jobs.txt:1)\", found 'me/a--b')"),
+])
+def test_push_repos_the_hub_refuses_are_refused_before_any_job(setup: tuple[Path, Path, dict[str, str]],
+                                                              tmp_path: Path, org: str, jobs_text: str,
+                                                              message: str) -> None:
+    """huggingface_hub's repo id rules, checked before any job runs (the dry run too): not a job converted and then
+    its upload refused."""
+    jobs, _cache, env = setup
+    jobs.write_text(jobs_text)
+    out = tmp_path / "out"
+    for extra in ([], ["--dry-run"]):
+        r = _batch(jobs, out, env, "--push-to-hub", org, *extra)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert not out.exists()
+
+
 def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
     jobs, _cache, env = setup
     jobs.write_text("org/a\n")

@@ -290,14 +290,36 @@ def test_an_output_replaced_without_push_loses_its_stale_record(tmp_path: Path) 
 @pytest.mark.parametrize(("args", "message"), [
     (["--private"], "USE-001 --private needs --push-to-hub REPO"),
     (["--push-revision", "dev"], "USE-001 --push-revision needs --push-to-hub REPO"),
-    (["--push-to-hub", "not-a-repo"], "USE-001 --push-to-hub needs a Hub repo id (expected 'org/name', found "
-                                      "'not-a-repo')"),
+    (["--push-to-hub", "not-a-repo"], "USE-001 --push-to-hub needs a Hub repo id (not of the form org/name) "
+                                      "(expected 'org/name', found 'not-a-repo')"),
+    # (huggingface_hub's validate_repo_id: what the upload would refuse after the conversion)
+    (["--push-to-hub", "a--b/x"], "USE-001 --push-to-hub needs a Hub repo id (Cannot have -- or .. in repo_id) "
+                                  "(expected 'org/name', found 'a--b/x')"),
+    (["--push-to-hub", "me/bad name"], "USE-001 --push-to-hub needs a Hub repo id (Repo id must use alphanumeric"),
+    (["--push-to-hub", "a" * 100 + "/x"], "the maximum length is 96"),
     (["--push-to-hub", "me/m", "--push-revision", "a b"], "USE-001 --push-revision needs a branch name"),
+    (["--to", "bf16,nf4", "--push-to-hub", "a--b"], "USE-001 --push-to-hub needs a Hub repo id (Cannot have -- or .. "
+                                                    "in repo_id) (expected 'an organisation or user name', found "
+                                                    "'a--b')"),
+    (["--to", "bf16,nf4", "--push-to-hub", "me/x"], "USE-001 --push-to-hub with several --to targets takes an "
+                                                    "organisation or user"),
 ])
 def test_push_options_are_checked_before_anything_is_converted(tmp_path: Path, args: list[str], message: str) -> None:
     out = tmp_path / "o"
     r = run_cli([str(MODELS / "llama_nf4_dq"), "--to", "bf16", "-o", str(out), *args], offline_env(tmp_path))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_an_output_name_the_hub_refuses_is_refused_before_converting(tmp_path: Path) -> None:
+    """Several targets pushed to ORG/<each output's name>: a name the Hub refuses (a source named ``my--model``)
+    is refused before anything is converted."""
+    src = copy_model(MODELS / "llama_nf4_dq", tmp_path / "my--model")
+    out = tmp_path / "o"
+    r = run_cli([str(src), "--to", "bf16,nf4", "-o", str(out), "--push-to-hub", "me"], offline_env(tmp_path))
+    assert r.returncode == 2 and r.stderr == (
+        "convert-bnb: error: USE-001 --push-to-hub needs a Hub repo id (Cannot have -- or .. in repo_id) (expected "
+        "\"ORG/<the output's name>\", found 'me/my--model-bf16')\n"), r.stderr
     assert not out.exists()
 
 
