@@ -135,8 +135,19 @@ def test_threads_are_shared_out_by_each_targets_work(threads: int, want: dict[st
     result = convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0,nf4", output=tmp_path / "set", threads=threads))
     assert result.details["shared"]["threads"] == want
     assert result.notes[0].endswith("; threads " + ", ".join(f"{t} {n}" for t, n in want.items())
-                                    + f" (--threads {threads} shared out by each target's work)")
+                                    + f" (each target's share of --threads {threads} by the work it does per "
+                                      "weight, rounded up)")
     _singles(LLAMA, result, tmp_path / "alone", threads=threads)
+
+
+def test_the_note_says_when_a_target_got_fewer_threads(tmp_path: Path) -> None:
+    """Two targets of equal work at 2 threads get 1 each: the note says so; at 1 thread nothing was shared out."""
+    two = convert(ConvertOptions(str(LLAMA), to="bf16,fp16", output=tmp_path / "a", threads=2))
+    assert two.details["shared"]["threads"] == {"bf16": 1, "fp16": 1}
+    assert two.notes[0].endswith("; threads bf16 1, fp16 1 (each target's share of --threads 2 by the work it does "
+                                 "per weight, rounded up)")
+    one = convert(ConvertOptions(str(LLAMA), to="bf16,fp16", output=tmp_path / "b", threads=1))
+    assert one.details["shared"]["threads"] == {"bf16": 1, "fp16": 1} and "threads" not in one.notes[0]
 
 
 def test_allot_threads() -> None:

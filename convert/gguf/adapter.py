@@ -529,7 +529,7 @@ class GgufAdapterJob(GgufJob):
         as :func:`plan_adapter`.
     """
 
-    weights = "the adapter's weights as PEFT scales them"
+    weights = "the adapter's weights"
 
     def __init__(self, adapter: Adapter, base: BaseModel, options: ConvertOptions, model_name: str | None = None
                  ) -> None:
@@ -550,7 +550,8 @@ class GgufAdapterJob(GgufJob):
         self._sizes(options.dry_run)
 
     def describe(self) -> str:
-        return super().describe().replace(" -> GGUF ", " -> GGUF LoRA adapter for ", 1)
+        head, _, rest = super().describe().replace(" -> GGUF ", " -> GGUF LoRA adapter for ", 1).partition("\n")
+        return f"{head}\n  adapter.lora.alpha = {self.aplan.alpha:g}\n{rest}"
 
     def adapter_info(self) -> dict[str, Any]:
         """What a plan, a result and a pushed card say of the adapter: ``base`` (its ref), ``base_name`` (the

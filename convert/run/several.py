@@ -486,8 +486,8 @@ def _set_result(options: ConvertOptions, subs: list[ConvertOptions], defaults: l
                     f"{format_bytes(shared)})" + (f"; {products.dropped} dropped for room and made again"
                                                   if products.dropped else "")
                     + ("; threads " + ", ".join(f"{t} {n}" for t, n in threads.items())
-                       + f" (--threads {options.worker_threads} shared out by each target's work)"
-                       if len(set(threads.values())) > 1 else "")]
+                       + f" (each target's share of --threads {options.worker_threads} by the work it does per "
+                         "weight, rounded up)" if any(n < options.worker_threads for n in threads.values()) else "")]
     result.seconds = result.timings["total"] = time.perf_counter() - t0
     result.gelem_per_s = result.elements / result.seconds / 1e9 if result.seconds > 0 else 0.0
     result.peak_rss_bytes = peak_rss_bytes()

@@ -422,6 +422,8 @@ def test_default_name_dry_run_and_an_existing_output(tmp_path: Path) -> None:
     assert [t["name"] for t in plan.dry_run["tensors"]][:2] == ["blk.0.attn_q.weight.lora_a",
                                                                "blk.0.attn_q.weight.lora_b"]
     assert "GGUF LoRA adapter for llama" in plan.plan_text
+    alpha = json.loads((ADAPTER / "adapter_config.json").read_text())["lora_alpha"]
+    assert plan.plan_text.splitlines()[1] == f"  adapter.lora.alpha = {alpha:g}"  # (docs/lora.md: the dry run says it)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
     before = sorted(p.name for p in adapter.iterdir())
     result = convert(ConvertOptions(str(adapter), to="gguf", base=str(BASE)))
@@ -435,13 +437,12 @@ def test_default_name_dry_run_and_an_existing_output(tmp_path: Path) -> None:
 
 
 def test_error_notes_name_the_adapters_weights(tmp_path: Path) -> None:
-    """An adapter's F16 differs from its own weights (as PEFT scales them), not from a dequantized weight; its F32
-    equals them."""
+    """An adapter's F16 differs from its own weights, not from a dequantized weight; its F32 equals them."""
     f16 = convert(ConvertOptions(str(ADAPTER), to="gguf", base=str(BASE), output=tmp_path / "a.gguf"))
-    assert any(n.startswith("gguf f16: 8 of 8 tensors differ from the adapter's weights as PEFT scales them "
-                            "(rounding to each tensor's type)") for n in f16.notes), f16.notes
+    assert any(n.startswith("gguf f16: 8 of 8 tensors differ from the adapter's weights (rounding to each tensor's "
+                            "type)") for n in f16.notes), f16.notes
     f32 = convert(ConvertOptions(str(ADAPTER), to="gguf:f32", base=str(BASE), output=tmp_path / "b.gguf"))
-    assert "gguf f32: every tensor equals the adapter's weights as PEFT scales them exactly" in f32.notes
+    assert "gguf f32: every tensor equals the adapter's weights exactly" in f32.notes
     model = convert(ConvertOptions(str(QUANT), to="gguf:f32", output=tmp_path / "m.gguf"))
     assert "gguf f32: every tensor equals the dequantized weights exactly" in model.notes
 
