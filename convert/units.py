@@ -13,7 +13,7 @@ import re
 
 __all__ = ["format_bytes", "parse_size"]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)  # (ASCII digits only)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -34,8 +34,8 @@ def parse_size(text: str) -> int:
     """
     m = _SIZE_RE.match(text)
     unit = (m.group(2) or "").lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: '{text}' (examples: 1GiB, 512MiB, 5GB)")
+    if m is None or unit not in _UNITS or (_UNITS[unit] == 1 and "." in m.group(1)):  # (no fraction of a byte)
+        raise argparse.ArgumentTypeError(f"not a size: '{text[:40]}' (examples: 1GiB, 512MiB, 5GB)")
     value = float(m.group(1)) * _UNITS[unit]
     if not value < MAX_SIZE:
         raise argparse.ArgumentTypeError(f"not a size: '{text[:40]}' is larger than 2**63 bytes")

@@ -308,3 +308,13 @@ def test_config_values_transformers_cannot_use_are_refused(edit: dict, part: str
     assert main([str(src), "--to", "bf16", "-o", str(tmp_path / "o")]) == 2
     assert part in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [["--to", "bf16"], ["--to", "bf16", "--dry-run"]])
+def test_json_names_a_local_source_by_its_absolute_path(argv: list[str], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``source`` in --json is the absolute path, in a dry run as in a run (SRC given relative)."""
+    monkeypatch.chdir(MODELS)
+    assert main(["llama_nf4_dq", *argv, "-o", str(tmp_path / "o"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == str(MODELS / "llama_nf4_dq")

@@ -97,8 +97,10 @@ class ConvertResult:
         flattened in (a dry run gives the plan)."""
         if self.error is not None:
             return {"ok": False, "to": self.to, "output": self.output, **self.error}
-        if self.dry_run is not None:
-            return {**self.dry_run, "output": self.output, "output_exists": self.output_exists,
+        if self.dry_run is not None:  # (a local source by its absolute path, as a run's result names it)
+            local = self.commit is None and self.source
+            return {**self.dry_run, **({"source": self.source} if local else {}), "output": self.output,
+                    "output_exists": self.output_exists,
                     **({"outputs": [o.to_dict() for o in self.outputs]} if self.outputs else {})}
         d: dict[str, Any] = {"ok": all(o.error is None for o in self.outputs),
                              "converter": f"convert-bnb {__version__}"}
