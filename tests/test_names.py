@@ -58,7 +58,7 @@ def test_parse_size(text: str, n: int) -> None:
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "1 XB", "-1GiB", "1e9", "9" * 400, "8EiB", "9223372036854775808",
-                                  "1.5", "1.5B", "\u0661\u0666\u0660MiB"])  # (a fraction of a byte; Arabic-Indic digits)
+                                  "1.5", "1.5B", "\u0661\u0666\u0660MiB"])  # (a fraction of a byte; not ASCII digits)
 def test_parse_size_refuses(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_size(text)
