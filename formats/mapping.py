@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -58,6 +59,9 @@ class InputMap:
             st = os.fstat(f.fileno())
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._stamp = (st.st_ino, st.st_mtime_ns)
+        # (check and close exclude each other: another thread's check_inputs must not fstat the map's descriptor
+        # while close closes it, which gave EBADF, or a file opened meanwhile under the same number)
+        self._lock = threading.Lock()
         _LIVE[self._mm] = self.path
         _MAPS.add(self)
         self.check()
@@ -70,11 +74,17 @@ class InputMap:
     def check(self) -> None:
         """Raise if the file's size differs from the size its header was read with.
 
+        A map closed meanwhile (by another thread: its reader is done) is read no more: nothing to check.
+
         Raises:
             InputChangedError: CKPT-012, naming the file, the size read and the size now.
         """
-        now = self._mm.size()  # fstat of the map's own descriptor: the inode being read, even if renamed
-        if now != self.size or len(self._mm) != self.size:
+        with self._lock:
+            if self._mm.closed:
+                return
+            now = self._mm.size()  # fstat of the map's own descriptor: the inode being read, even if renamed
+            mapped = len(self._mm)
+        if now != self.size or mapped != self.size:
             raise InputChangedError("the file changed while it was read (another program rewrote or truncated "
                                     "it); its size in bytes", path=self.path, expected=self.size, found=now)
         try:
@@ -106,10 +116,11 @@ class InputMap:
     def close(self) -> None:
         """Unmap the file, unless a view handed out is still alive (the mapping then goes with it)."""
         _MAPS.discard(self)
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        with self._lock:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
 
 
 def check_inputs() -> None:
@@ -124,7 +135,7 @@ def check_inputs() -> None:
             im.check()
         except InputChangedError:
             raise
-        except ValueError:  # closed meanwhile by another thread (a run of several targets): it is read no more
+        except ValueError:  # (closed: InputMap.check returns for a closed map; kept for a map closed otherwise)
             if not im.buffer.closed:
                 raise
 

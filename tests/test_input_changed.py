@@ -148,3 +148,44 @@ def test_check_inputs_before_commit_sees_a_rewrite_after_the_last_read(tmp_path:
         check_inputs()
     m.close()
     check_inputs()  # a closed map is no longer an input of the run
+
+
+def test_check_inputs_while_another_thread_closes_its_maps(tmp_path: Path) -> None:
+    """A run of several targets: one target's commit checks every open input (check_inputs) while another
+    target, done, closes its maps. The check used to fstat a descriptor the close had just closed (EBADF, the
+    bf16 target of ``--to bf16,nf4`` failing now and then with "Bad file descriptor"), or a file opened meanwhile
+    under the same number; now a map closed meanwhile is skipped and nothing fails."""
+    import threading
+    import time
+
+    from formats.mapping import InputMap, check_inputs
+
+    paths = []
+    for i in range(4):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(b"x" * 8192)
+        paths.append(p)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn(p: Path) -> None:
+        while not stop.is_set():
+            InputMap(p, 8192).close()
+            os.close(os.open(paths[0], os.O_RDONLY))  # (a new file under the number just freed)
+
+    def check() -> None:
+        end = time.monotonic() + 3  # (before the fix: about 7 failures a second here; it stops at the first)
+        while time.monotonic() < end and not errors:
+            try:
+                check_inputs()
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                errors.append(exc)
+        stop.set()
+
+    threads = [threading.Thread(target=churn, args=(p,)) for p in paths[1:]] + [
+        threading.Thread(target=check) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
