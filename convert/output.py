@@ -301,17 +301,25 @@ def set_output_path(given: str | os.PathLike[str] | None, default: Path) -> Path
 
     Raises:
         UsageError: USE-001, ``-o`` names a file (an existing one, or a name ending in ``.gguf`` or
-            ``.safetensors``: the outputs are several), or no folder of its own (``.``, ``..``, ``/``, empty).
+            ``.safetensors``: the outputs are several), or no folder of its own (``.``, ``..``, ``/``, empty); the
+            folder (given or default) is a model's (config.json or model weights at its top).
     """
-    if given is None:
-        return default
-    text = os.fspath(given)
-    path = Path(text)
-    if path.suffix.lower() in (".gguf", ".safetensors") or (os.path.lexists(path) and not path.is_dir()):
-        raise UsageError("with several --to targets, -o names the folder their outputs go into", path=text,
-                         action="write", expected="a folder (each output inside it gets its single run's name)",
-                         found="an existing file" if os.path.lexists(path) else f"a {path.suffix} file name")
-    return output_path(given, default, is_dir=True)
+    if given is not None:
+        text = os.fspath(given)
+        path = Path(text)
+        if path.suffix.lower() in (".gguf", ".safetensors") or (os.path.lexists(path) and not path.is_dir()):
+            raise UsageError("with several --to targets, -o names the folder their outputs go into", path=text,
+                             action="write", expected="a folder (each output inside it gets its single run's name)",
+                             found="an existing file" if os.path.lexists(path) else f"a {path.suffix} file name")
+    folder = default if given is None else output_path(given, default, is_dir=True)
+    model = [n for n in ("config.json", "model.safetensors", "model.safetensors.index.json")
+             if folder.is_dir() and (folder / n).is_file()]
+    if model:  # (a model's folder: the outputs inside it would make it a model --overwrite refuses to replace)
+        raise UsageError("the folder of several --to targets' outputs is a model" + (
+            "" if given is not None else " (the default folder: the input's name without its quantization words)"),
+            path=folder, action="write", expected="a folder for the outputs", found=f"a model folder ({model[0]})",
+            hint="choose another folder with -o")
+    return folder
 
 
 def output_path(given: str | os.PathLike[str] | None, default: Path, *, is_dir: bool) -> Path:

@@ -402,6 +402,24 @@ def test_options_a_set_refuses(argv: list[str], message: str, tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_a_model_folder_is_not_the_sets_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """-o naming a model's folder (a single run's output), or a default folder that is one (the original model
+    beside its -bnb-4bit copy): refused, nothing written into it (its outputs inside would make it a model that
+    --overwrite refuses to replace)."""
+    src = tmp_path / "tiny-bnb-4bit"
+    shutil.copytree(LLAMA, src, ignore=shutil.ignore_patterns("reference"))
+    model = tmp_path / "tiny"
+    assert main([str(src), "--to", "bf16", "-o", str(model), "-q"]) == 0
+    before = sorted(p.name for p in model.iterdir())
+    for argv in ([str(src), "--to", "bf16,gguf:q8_0", "-o", str(model)], [str(src), "--to", "bf16,nf4"],
+                 [str(src), "--to", "bf16,nf4", "--dry-run"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"convert-bnb: error: Failed to write '{model}': USE-001 the folder of several --to "
+                              "targets' outputs is a model") and "found 'a model folder (config.json)'" in err, err
+        assert sorted(p.name for p in model.iterdir()) == before
+
+
 def test_default_folder_is_named_after_the_input(tmp_path: Path) -> None:
     src = tmp_path / "tiny-llama-bnb-4bit"
     shutil.copytree(LLAMA, src, ignore=shutil.ignore_patterns("reference"))
