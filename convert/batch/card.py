@@ -46,7 +46,7 @@ from convert.check import check_source
 from convert.hub import card as hub_card
 from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
-from convert.hub.publish import commit_message, planned_outputs, quant_summary
+from convert.hub.publish import check_repo_id, commit_message, planned_outputs, quant_summary
 from convert.hub.repo import output_repo_name
 from convert.hub.upload import PushOptions, push_refused, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
@@ -152,7 +152,8 @@ class JobRepo:
         return card, build_upload_plan(org, job, self.outputs, card, private, output=output)
 
 
-def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource) -> list[tuple[Target, ConvertResult]]:
+def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource, org: str | None = None
+                ) -> list[tuple[Target, ConvertResult]]:
     """Each output of a job of several targets with its target, in ``--to`` order, named as the job's conversion
     names them: the outputs a dry run of it plans (:func:`convert.run.several.plan_set`; headers only).
 
@@ -160,11 +161,17 @@ def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource) -> li
         job: the job (``to`` of several targets).
         options: its options (:func:`convert.batch.jobs.job_options`, at the resolved commit).
         source: its source, resolved (its files here: a local path, or the Hub snapshot in the cache).
+        org: ``--push-to-hub`` ORG: each output's repo, ``ORG/<its name>``, is checked as the Hub checks it.
 
     Raises:
-        ConvertBnbError: a target cannot be planned (the run would fail on it too).
+        ConvertBnbError: a target cannot be planned (the run would fail on it too); UsageError (USE-001): an
+            output's repo is not a Hub repo id (:func:`convert.hub.publish.check_repo_id`).
     """
-    return list(zip(job.to.targets, plan_set(options, source).outputs, strict=True))
+    members = list(zip(job.to.targets, plan_set(options, source).outputs, strict=True))
+    for _, o in members if org is not None else ():
+        repo = f"{org}/{output_repo_name(Path(o.output).name)}"
+        check_repo_id(repo, repo, f"ORG/<the output's name> (job {job.where})")
+    return members
 
 
 def member_files(files: dict[str, dict[str, Any]], name: str) -> dict[str, dict[str, Any]]:
@@ -386,7 +393,7 @@ def _plan_push(entry: dict[str, Any], job: Job, out_dir: Path, state: dict[str, 
         return
     if several:
         try:
-            members = set_outputs(job, options, source)
+            members = set_outputs(job, options, source, org)
         except ConvertBnbError as exc:
             _fail(entry, [exc])
             return

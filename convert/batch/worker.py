@@ -153,6 +153,8 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             result.status = "skipped"
             result.notes = ["the output was committed by an earlier run that stopped before recording it"]
         else:
+            if spec.get("push_to_hub") and job.to.family == "multi":  # (each output's repo, before the work)
+                set_outputs(job, options, source, spec["push_to_hub"])
             overwrite = check_replaceable(outputs, state, state_file, key, bool(spec.get("overwrite")))
             same = state.get("key") == key  # (the same key makes the same bytes: what was pushed stays pushed)
             pushed = {k: state[k] for k in ("pushed", "pushed_outputs") if same and k in state}

@@ -363,6 +363,28 @@ def test_push_repos_the_hub_refuses_are_refused_before_any_job(setup: tuple[Path
     assert not out.exists()
 
 
+def test_a_set_jobs_output_repo_the_hub_refuses_fails_it_before_converting(tmp_path: Path) -> None:
+    """A job of several targets pushes each output to ORG/<its name>: an output name the Hub refuses (a source
+    named ``x--y``) fails the job's plan and the job itself before anything is converted."""
+    import shutil
+
+    src = tmp_path / "x--y"
+    shutil.copytree(MODELS / "llama_nf4_dq", src, ignore=shutil.ignore_patterns("reference"))
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"{src} --to bf16,nf4\n")
+    out = tmp_path / "out"
+    env = offline_env(tmp_path)
+    message = ("USE-001 --push-to-hub needs a Hub repo id (Cannot have -- or .. in repo_id) (expected \"ORG/<the "
+               "output's name> (job jobs.txt:1)\", found 'me/x--y-bf16')")
+    r = run_cli(["batch", str(jobs), "--out-dir", str(out), "--push-to-hub", "me", "--dry-run", "--json"], env)
+    (entry,) = json.loads(r.stdout)
+    assert r.returncode == 3 and entry["action"] == "fail" and entry["error"] == message, r.stdout
+    r = run_cli(["batch", str(jobs), "--out-dir", str(out), "--push-to-hub", "me", "--json"], env)
+    (res,) = json.loads(r.stdout)
+    assert r.returncode == 3 and (res["status"], res["rule"]) == ("failed", "USE-001") and message in res["error"]
+    assert [p.name for p in out.iterdir()] == [".convert-bnb"]
+
+
 def test_push_offline_fails_the_push_only(setup: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
     jobs, _cache, env = setup
     jobs.write_text("org/a\n")
