@@ -38,7 +38,7 @@ import numpy as np
 
 from convert.options import FLOAT_TARGETS, ConvertOptions, target_for
 from convert.run.source import resolve_source
-from convert.stream.plan import make_plan
+from convert.stream.plan import Plan, make_plan
 from convert.stream.sources import Dequant4Source
 from convert.targets import TARGETS, check_adapter_alone
 from convert.units import format_bytes, parse_size
@@ -165,16 +165,17 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
         _add(by_kind, f"unquantized:{rec.dtype.code}", rec.nbytes)
 
     outputs: dict[str, dict[str, Any]] = {}
+    plans: dict[str, Plan] = {}  # (a float target's plan is the one a GGUF target dequantizing to it plans from)
     for to in FLOAT_TARGETS:
         try:
-            plan = make_plan(ckpt, to, max_shard_size=opts.max_shard_size)
-            outputs[to] = {"bytes": plan.out_nbytes, "files": len(plan.shards)}
+            plans[to] = make_plan(ckpt, to, max_shard_size=opts.max_shard_size)
+            outputs[to] = {"bytes": plans[to].out_nbytes, "files": len(plans[to].shards)}
         except ConvertBnbError as exc:
             outputs[to] = {"error": exc.reason}
     for to in GGUF_SIZED:
         target = target_for(to)
         try:  # (a dry run's plan: headers and config.json; the tokenizer's size is not counted, as for the others)
-            plan = make_plan(ckpt, target.dequantize_to)
+            plan = plans.get(target.dequantize_to) or make_plan(ckpt, target.dequantize_to)
             job = TARGETS["gguf"](plan, ConvertOptions(str(ckpt.source), to=target, dry_run=True), ckpt.source.name)
             outputs[to] = {"bytes": job.out_nbytes, "files": 1}
         except ConvertBnbError as exc:

@@ -47,7 +47,7 @@ from convert.hub import card as hub_card
 from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
 from convert.hub.publish import check_repo_id, commit_message, planned_outputs, quant_summary
-from convert.hub.repo import output_repo_name
+from convert.hub.repo import output_repo_id, output_repo_name
 from convert.hub.upload import PushOptions, push_refused, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
 from convert.options import ConvertOptions, Target
@@ -114,7 +114,7 @@ def build_upload_plan(org: str, job: Job, outputs: list[tuple[Path, dict[str, di
         output: one output of a job of several targets (its name and target): to ``ORG/<its name>``.
     """
     name, to = output or (job.name, job.to)
-    return plan_upload(PushOptions(f"{org}/{output_repo_name(name)}", private), outputs, card,
+    return plan_upload(PushOptions(output_repo_id(org, name), private), outputs, card,
                        commit_message(_shown(job), to))
 
 
@@ -169,7 +169,7 @@ def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource, org: 
     """
     members = list(zip(job.to.targets, plan_set(options, source).outputs, strict=True))
     for _, o in members if org is not None else ():
-        repo = f"{org}/{output_repo_name(Path(o.output).name)}"
+        repo = output_repo_id(org, Path(o.output).name)
         check_repo_id(repo, repo, f"ORG/<the output's name> (job {job.where})")
     return members
 
@@ -235,7 +235,7 @@ def push_output(job: Job, out_dir: Path, state: dict[str, Any], state_path: Path
     hint = ("the conversion is kept; check the network and HF_TOKEN's write access, then run the batch again to "
             "retry the upload")
     for repo in job_repos(job, out_dir, state, members):
-        target = f"{org}/{output_repo_name(repo.name)}"
+        target = output_repo_id(org, repo.name)
         targets.append(target)
         pushed = (state.get("pushed_outputs") or {}).get(repo.name) if repo.member else state.get("pushed")
         if isinstance(pushed, dict) and pushed.get("repo") == target and pushed.get("key") == state.get("key"):

@@ -14,8 +14,8 @@ from convert.batch.card import plan_batch
 from convert.batch.jobs import parse_jobs
 from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, check_batch, check_executor, run_batch
 from convert.batch.worker import JobResult
-from convert.hub.publish import check_repo_id
-from convert.hub.repo import output_repo_name
+from convert.hub.publish import check_owner, check_repo_id
+from convert.hub.repo import output_repo_id
 from convert.options import target_arg
 from convert.units import format_bytes, parse_size
 from formats.errors import UsageError
@@ -147,10 +147,10 @@ def run_command(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1", found=args.threads)
     if args.push_to_hub is not None:  # (the owner, then each job's repo: what the Hub would refuse after the work)
-        check_repo_id(f"{args.push_to_hub}/x", args.push_to_hub, "an organisation or user name")
+        check_owner(args.push_to_hub)
         for job in jobs:
             if job.to.family != "multi":
-                repo = f"{args.push_to_hub}/{output_repo_name(job.name)}"
+                repo = output_repo_id(args.push_to_hub, job.name)
                 check_repo_id(repo, repo, f"ORG/<the job's name> (job {job.where})")
     out_dir: Path = args.out_dir
     if args.dry_run:

@@ -40,7 +40,9 @@ from convert.batch.state import (
 from convert.hub.card import source_license
 from convert.hub.publish import quant_summary
 from convert.job import convert
+from convert.options import Target
 from convert.output import PARTIAL_MARK, write_json
+from convert.run.result import ConvertResult
 from convert.run.single import job_key
 from convert.run.source import resolve_source
 from convert.stream.pipeline import peak_rss_bytes
@@ -128,6 +130,7 @@ def run_job(spec: dict[str, Any]) -> JobResult:
     outputs = [(out_dir / name, field) for name, field in job.outputs()]  # the text model's first
     result = JobResult(job.name, job.src, "failed", str(final),
                        mmproj=str(out_dir / job.mmproj) if job.mmproj else None)
+    members: list[tuple[Target, ConvertResult]] | None = None  # a job of several targets' outputs, once planned
     try:
         source = resolve_source(job.src, job.revision, to=job.to.name, output=final)
         commit = source.hub.commit if source.hub is not None else None
@@ -154,7 +157,7 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             result.notes = ["the output was committed by an earlier run that stopped before recording it"]
         else:
             if spec.get("push_to_hub") and job.to.family == "multi":  # (each output's repo, before the work)
-                set_outputs(job, options, source, spec["push_to_hub"])
+                members = set_outputs(job, options, source, spec["push_to_hub"])
             overwrite = check_replaceable(outputs, state, state_file, key, bool(spec.get("overwrite")))
             same = state.get("key") == key  # (the same key makes the same bytes: what was pushed stays pushed)
             pushed = {k: state[k] for k in ("pushed", "pushed_outputs") if same and k in state}
@@ -181,7 +184,8 @@ def run_job(spec: dict[str, Any]) -> JobResult:
             try:
                 lic = source_license(source.path if source.path.is_dir() else None,
                                      source.hub.repo_id if source.hub is not None else None, commit)
-                members = set_outputs(job, options, source) if job.to.family == "multi" else None
+                if members is None and job.to.family == "multi":  # (a skipped job: not planned above)
+                    members = set_outputs(job, options, source)
                 result.pushed = push_output(job, out_dir, state, state_file, spec, commit,
                                             quant_summary(source.path), lic, members)
             except HubUploadError as exc:  # the conversion is done and kept: its own outcome, not a failed job

@@ -44,7 +44,7 @@ from typing import Any
 from convert import __version__
 from convert.hub.card import CardSource, model_card, published_command, source_license
 from convert.hub.download import HubSource
-from convert.hub.repo import is_owner_name, is_repo_name, output_repo_name, parse_repo_spec
+from convert.hub.repo import is_owner_name, is_repo_name, output_repo_id, parse_repo_spec
 from convert.hub.upload import (
     LARGE_UPLOAD,
     PushOptions,
@@ -68,7 +68,8 @@ from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, HubUploadError, OutputExistsError, TargetsFailedError, UsageError
 from formats.peft_config import ADAPTER_CONFIG
 
-__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "check_repo_id", "commit_message",
+__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_owner", "check_push", "check_repo_id",
+           "commit_message",
            "planned_outputs", "publish", "push_from_args", "quant_summary", "record_path"]
 
 #: The ``version`` of the records this module reads and writes.
@@ -130,12 +131,22 @@ def check_push(push: PushOptions, several: bool = False) -> None:
                          "to a repo of its own, ORG/<its name>", expected="org", found=push.repo_id,
                          hint="give the owner only (my-org), or push one target with --push-to-hub org/name")
     if several:
-        check_repo_id(f"{push.repo_id}/x", push.repo_id, "an organisation or user name")
+        check_owner(push.repo_id)
     else:
         check_repo_id(push.repo_id, push.repo_id, "org/name")
     if push.revision is not None and (not push.revision.strip() or any(c.isspace() for c in push.revision)):
         raise UsageError("--push-revision needs a branch name", expected="a name without blanks",
                          found=repr(push.revision))
+
+
+def check_owner(org: str) -> None:
+    """Refuse ``--push-to-hub ORG`` (several targets, batch) unless ``ORG/<a name>`` is a Hub repo id
+    (:func:`check_repo_id`).
+
+    Raises:
+        UsageError: USE-001 naming ``org`` and huggingface_hub's reason.
+    """
+    check_repo_id(f"{org}/x", org, "an organisation or user name")
 
 
 def check_repo_id(repo_id: str, given: str, expected: str) -> None:
@@ -222,8 +233,7 @@ def _publish_set(options: ConvertOptions, push: PushOptions, argv: Sequence[str]
     """
     subs = member_options(options)[0]
     planned = convert(replace(options, dry_run=True, progress=False))
-    pushes = [replace(push, repo_id=f"{push.repo_id}/{output_repo_name(Path(o.output).name)}")
-              for o in planned.outputs]
+    pushes = [replace(push, repo_id=output_repo_id(push.repo_id, Path(o.output).name)) for o in planned.outputs]
     for p in pushes:  # (an output's name the Hub refuses: before anything is converted)
         check_repo_id(p.repo_id, p.repo_id, "ORG/<the output's name>")
     if options.dry_run:

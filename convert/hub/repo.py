@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["is_hub_exception", "is_owner_name", "is_repo_id", "is_repo_name", "output_repo_name", "parse_repo_spec"]
+__all__ = ["is_hub_exception", "is_owner_name", "is_repo_id", "is_repo_name", "output_repo_id",
+           "output_repo_name", "parse_repo_spec"]
 
 
 _OWNER = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}"
@@ -48,6 +49,12 @@ def is_repo_name(text: str) -> bool:
 def is_owner_name(text: str) -> bool:
     """Whether ``text`` has the syntax of a Hub organisation or user name (the ``org`` of ``org/name``)."""
     return bool(_OWNER_RE.match(text)) and ".." not in text
+
+
+def output_repo_id(org: str, name: str) -> str:
+    """The repo an output named ``name`` is pushed to when only the organisation ``org`` is given:
+    ``ORG/`` + :func:`output_repo_name`."""
+    return f"{org}/{output_repo_name(name)}"
 
 
 def output_repo_name(name: str) -> str:
