@@ -29,7 +29,8 @@ from convert.hub.publish import add_push_arguments, publish, push_from_args
 from convert.job import convert
 from convert.lora.report import format_table
 from convert.options import ConvertOptions, QuantOptions, add_mix_arguments, mix_from_args, target_arg, target_names
-from convert.output import MODELFILE_NAME, InterruptedAfterCommit, user_path
+from convert.output import InterruptedAfterCommit, user_path
+from convert.output_names import MODELFILE_NAME
 from convert.units import format_bytes, parse_size
 from formats.errors import ConvertBnbError, TargetsFailedError
 from formats.mapping import changed_input

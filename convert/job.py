@@ -33,7 +33,8 @@ from pathlib import Path
 from convert.hub.download import WeightMode
 from convert.hub.repo import is_repo_id
 from convert.options import ConvertOptions
-from convert.output import InterruptedAfterCommit, default_output, output_path
+from convert.output import InterruptedAfterCommit
+from convert.output_names import default_output, output_path
 from convert.run.adapter import convert_adapter
 from convert.run.result import ConvertResult
 from convert.run.several import convert_set

@@ -249,8 +249,8 @@ class ConvertOptions:
             ``org/name`` (``org/name@rev``).
         to: the target (:class:`Target`); a ``--to`` string (``auto``, ``bf16``, ``fp16``, ``fp32``, ``nf4``,
             ``fp4``, ``gguf``, ``gguf:TYPE``, any letter case) is parsed here, once, by :func:`target_for`.
-        output: the output path (None: :func:`convert.output.default_output`); a str ending in a path
-            separator names the directory a one-file output goes into (:func:`convert.output.output_path`).
+        output: the output path (None: :func:`convert.output_names.default_output`); a str ending in a path
+            separator names the directory a one-file output goes into (:func:`convert.output_names.output_path`).
         revision: with a Hub repo id: branch, tag or commit sha.
         max_memory: the working-memory cap in bytes (>= 64 MiB).
         threads: worker threads (None: all cores).

@@ -35,7 +35,8 @@ from convert.gguf.adapter import BaseModel, GgufAdapterJob, lora_modules
 from convert.gguf.modelfile import ModelfileJob, check_name, plan_modelfile
 from convert.gguf.target import GgufJob, MmprojJob
 from convert.options import ConvertOptions
-from convert.output import GgufNaming, ShardLedger
+from convert.output import ShardLedger
+from convert.output_names import GgufNaming
 from convert.stream.pipeline import RunSettings
 from convert.stream.plan import Plan
 from convert.stream.safetensors_job import SafetensorsJob
@@ -59,7 +60,7 @@ class TargetJob(Protocol):
     #: whether the output is a directory (else one file), and the suffix of a file output
     is_dir: bool
     file_suffix: str
-    #: a GGUF file's default name parts, known once planned (:func:`convert.output.default_output`), or None
+    #: a GGUF file's default name parts, known once planned (:func:`convert.output_names.default_output`), or None
     naming: GgufNaming | None
     #: planned bytes of the output, tensors written, values converted (the model's, in its dequantized
     #: shapes), tensor bytes read

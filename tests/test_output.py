@@ -15,7 +15,8 @@ import pytest
 
 from convert.cli import main
 from convert.options import target_for
-from convert.output import OutputClaim, ShardLedger, default_output, output_name
+from convert.output import OutputClaim, ShardLedger
+from convert.output_names import default_output, output_name
 from formats.errors import OutputBusyError, OutputExistsError
 from tests.helpers.fixtures import MODELS, REFERENCES, ROOT, assert_same_tensors, load_all, read_safetensors
 

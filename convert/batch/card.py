@@ -46,8 +46,8 @@ from convert.check import check_source
 from convert.hub import card as hub_card
 from convert.hub.card import CardSource, source_license
 from convert.hub.download import resolve_repo
-from convert.hub.publish import check_repo_id, commit_message, planned_outputs, quant_summary
-from convert.hub.repo import output_repo_id, output_repo_name
+from convert.hub.publish import commit_message, planned_outputs, quant_summary
+from convert.hub.repo import check_repo_id, output_repo_id, output_repo_name
 from convert.hub.upload import PushOptions, push_refused, repo_files, upload, upload_folder_path
 from convert.hub.upload import build_upload_plan as plan_upload
 from convert.options import ConvertOptions, Target
@@ -165,7 +165,7 @@ def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource, org: 
 
     Raises:
         ConvertBnbError: a target cannot be planned (the run would fail on it too); UsageError (USE-001): an
-            output's repo is not a Hub repo id (:func:`convert.hub.publish.check_repo_id`).
+            output's repo is not a Hub repo id (:func:`convert.hub.repo.check_repo_id`).
     """
     members = list(zip(job.to.targets, plan_set(options, source).outputs, strict=True))
     for _, o in members if org is not None else ():

@@ -14,8 +14,7 @@ from convert.batch.card import plan_batch
 from convert.batch.jobs import parse_jobs
 from convert.batch.run import EXECUTORS, EXIT_JOBS_FAILED, BatchProgress, check_batch, check_executor, run_batch
 from convert.batch.worker import JobResult
-from convert.hub.publish import check_owner, check_repo_id
-from convert.hub.repo import output_repo_id
+from convert.hub.repo import check_owner, check_repo_id, output_repo_id
 from convert.options import target_arg
 from convert.units import format_bytes, parse_size
 from formats.errors import UsageError

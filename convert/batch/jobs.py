@@ -15,7 +15,7 @@ Format
     ``max_shard_size`` is bytes or a size such as ``"2GB"``; ``mmproj`` and ``modelfile`` are ``true`` or a name).
     Options a job leaves out come from the command line (``--to``, ``--max-shard-size``).
     ``NAME`` defaults to the name a single conversion would give its output
-    (:func:`convert.output.default_output`: the repo's, folder's or file's name with the target's
+    (:func:`convert.output_names.default_output`: the repo's, folder's or file's name with the target's
     suffix, and a file's extension for a single-file source); it is a plain name under the batch's DIR
     and the name of the pushed repo (a job of several targets: the folder of its outputs, each pushed to a
     repo of its own name).
@@ -66,7 +66,7 @@ from convert.options import (
     target_for,
     target_names,
 )
-from convert.output import default_output, default_set_output, modelfile_name, with_target_suffix
+from convert.output_names import default_output, default_set_output, modelfile_name, with_target_suffix
 from convert.units import parse_size
 from formats import jsonfile
 from formats.errors import BatchFileError, BatchJobError, BatchNameClashError, BatchOptionError, ConvertBnbError
@@ -304,7 +304,7 @@ def _mmproj_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOpti
 
 def _modelfile_name(value: Any, name: str, to: Target, bad: Callable[..., BatchOptionError]) -> str | None:
     """A job's ``--modelfile``: None (absent or false), NAME with ``.Modelfile`` for ``.gguf`` (true:
-    :func:`convert.output.modelfile_name`), or the given plain file name."""
+    :func:`convert.output_names.modelfile_name`), or the given plain file name."""
     if value is None or value is False:
         return None
     if to.family != "gguf":

@@ -97,7 +97,7 @@ from convert.gguf.plan import GGUFPlan, GGUFTensor
 from convert.gguf.target import GgufJob
 from convert.gguf.types import OUTPUT_TYPES, parse_output_type
 from convert.options import SUMMARY_SAMPLE, ConvertOptions
-from convert.output import GgufNaming, gguf_encoding
+from convert.output_names import GgufNaming, gguf_encoding
 from convert.stream.plan import Plan, PlannedTensor
 from convert.stream.sources import Source
 from formats.checkpoint import Checkpoint, TensorRecord, read_config

@@ -12,12 +12,12 @@
    written (:func:`parameter_counts`) when neither the card, the name nor the override gave one;
 4. ``gguf.Metadata.set_gguf_meta_model(writer)`` adds the keys (:func:`convert.gguf.plan.plan_gguf`, and
    :func:`convert.gguf.mmproj.plan_mmproj` with the projector's own parameters), and the file's default
-   name is gguf-py's ``naming_convention`` of them (:func:`naming`, :func:`convert.output.gguf_file_name`).
+   name is gguf-py's ``naming_convention`` of them (:func:`naming`, :func:`convert.output_names.gguf_file_name`).
 
 What convert-bnb adds for bnb checkpoints, and for inputs gguf-py would stop on:
 
 - The name gguf-py reads is the folder's (or the repo's) without its quantization words
-  (:func:`convert.output.strip_quant_suffix`), and so is config.json's ``_name_or_path``: the GGUF of
+  (:func:`convert.output_names.strip_quant_suffix`), and so is config.json's ``_name_or_path``: the GGUF of
   ``llama-3-8b-bnb-4bit`` is the converter's GGUF of ``llama-3-8b``. gguf-py reads a directory, so it is
   given a private one of that name (:class:`_View`) holding links to the model card and the generation
   config and a config.json with that ``_name_or_path`` alone (the one config key it reads).
@@ -52,7 +52,7 @@ from typing import Any
 import gguf
 import yaml
 
-from convert.output import GgufNaming, gguf_encoding, strip_quant_suffix
+from convert.output_names import GgufNaming, gguf_encoding, strip_quant_suffix
 from formats import jsonfile
 from formats.checkpoint import path_kind
 from formats.errors import ConvertBnbError, UsageError

@@ -92,7 +92,7 @@ from convert.gguf.mix import MixModel, mix_types, requires_imatrix
 from convert.gguf.rope import llama3_rope_freqs, longrope_factors, rope_choice_note, rope_metadata
 from convert.gguf.tokenizer import add_tokenizer
 from convert.gguf.types import DEFAULT_MIX, FILE_TYPES, OUTPUT_TYPES, MixOptions, parse_output_type
-from convert.output import GgufNaming
+from convert.output_names import GgufNaming
 from formats.errors import GgufConfigError, ImatrixRequiredError, RopeScalingError
 from formats.gguf import tensor_nbytes
 

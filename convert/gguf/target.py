@@ -25,7 +25,8 @@ from convert.gguf.mmproj import mmproj_type, plan_mmproj
 from convert.gguf.plan import GGUFTensor, plan_gguf
 from convert.gguf.split import part_paths, plan_split
 from convert.options import SUMMARY_SAMPLE, ConvertOptions
-from convert.output import GgufNaming, ShardLedger
+from convert.output import ShardLedger
+from convert.output_names import GgufNaming
 from convert.stream.pipeline import RunSettings, placed_memory
 from convert.stream.plan import Plan, make_plan
 from convert.stream.sources import Source
@@ -140,7 +141,7 @@ class GgufJob:
     file_suffix = ".gguf"
     #: what its tensors are made from, as its error notes name it
     weights = "the dequantized weights"
-    #: the default file name's parts (llama.cpp's naming convention: :func:`convert.output.gguf_file_name`)
+    #: the default file name's parts (llama.cpp's naming convention: :func:`convert.output_names.gguf_file_name`)
     naming: GgufNaming | None
 
     def __init__(self, plan: Plan, options: ConvertOptions, model_name: str) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 from convert import __version__
 from convert.hub.card import CardSource, model_card, published_command, source_license
 from convert.hub.download import HubSource
-from convert.hub.repo import is_owner_name, is_repo_name, output_repo_id, parse_repo_spec
+from convert.hub.repo import check_owner, check_repo_id, output_repo_id, parse_repo_spec
 from convert.hub.upload import (
     LARGE_UPLOAD,
     PushOptions,
@@ -68,8 +68,7 @@ from formats.checkpoint import open_checkpoint
 from formats.errors import ConvertBnbError, HubUploadError, OutputExistsError, TargetsFailedError, UsageError
 from formats.peft_config import ADAPTER_CONFIG
 
-__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_owner", "check_push", "check_repo_id",
-           "commit_message",
+__all__ = ["RECORD_MARK", "add_push_arguments", "card_figures", "check_push", "commit_message",
            "planned_outputs", "publish", "push_from_args", "quant_summary", "record_path"]
 
 #: The ``version`` of the records this module reads and writes.
@@ -137,36 +136,6 @@ def check_push(push: PushOptions, several: bool = False) -> None:
     if push.revision is not None and (not push.revision.strip() or any(c.isspace() for c in push.revision)):
         raise UsageError("--push-revision needs a branch name", expected="a name without blanks",
                          found=repr(push.revision))
-
-
-def check_owner(org: str) -> None:
-    """Refuse ``--push-to-hub ORG`` (several targets, batch) unless ``ORG/<a name>`` is a Hub repo id
-    (:func:`check_repo_id`).
-
-    Raises:
-        UsageError: USE-001 naming ``org`` and huggingface_hub's reason.
-    """
-    check_repo_id(f"{org}/x", org, "an organisation or user name")
-
-
-def check_repo_id(repo_id: str, given: str, expected: str) -> None:
-    """Refuse ``repo_id`` unless it is a Hub repo id as huggingface_hub validates it (``validate_repo_id``) and
-    has the ``org/name`` form, before anything is converted.
-
-    Raises:
-        UsageError: USE-001 naming ``given`` (what ``--push-to-hub`` said) and huggingface_hub's reason.
-    """
-    # (heavy: huggingface_hub's API takes ~170 ms to import; only a push needs it)
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-        ok = is_repo_name(repo_id) and is_owner_name(repo_id.split("/")[0])
-        reason = "not of the form org/name"
-    except HFValidationError as exc:
-        ok, reason = False, str(exc).split(":")[0]
-    if not ok:
-        raise UsageError(f"--push-to-hub needs a Hub repo id ({reason})", expected=expected, found=given)
 
 
 def record_path(out: Path) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 from convert.hub.download import resolve_config
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.options import ConvertOptions
-from convert.output import output_path
+from convert.output_names import output_path
 from convert.run.result import ConvertResult
 from convert.run.single import done, named_default, write_output
 from convert.run.source import ResolvedSource, absolute
@@ -62,7 +62,7 @@ def convert_adapter(options: ConvertOptions, source: ResolvedSource, committed: 
     """A PEFT LoRA adapter as SRC, a directory or a Hub repo's snapshot (``source``, resolved): its GGUF LoRA adapter
     (:mod:`convert.gguf.adapter`), planned from the adapter and its base model's config.json (:func:`base_model`),
     named by llama.cpp's convention (the ``general.*`` name: the folder's, or the repo id as for a Hub model) next to
-    a local SRC or in the working directory for a Hub repo (:func:`convert.output.default_output`), written,
+    a local SRC or in the working directory for a Hub repo (:func:`convert.output_names.default_output`), written,
     verified and committed as every output. A Hub adapter's weights may be read in place (a dry run).
 
     Raises:

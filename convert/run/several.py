@@ -21,7 +21,8 @@ from typing import Any
 from convert.hub.download import WeightMode
 from convert.hub.repo import is_repo_id
 from convert.options import DEFAULT_MIX, FLOAT_TARGETS, MIN_MEMORY, ConvertOptions, QuantOptions, Target
-from convert.output import OUTPUT_REFUSALS, default_output, default_set_output, set_output_path, write_json
+from convert.output import OUTPUT_REFUSALS, write_json
+from convert.output_names import default_output, default_set_output, set_output_path
 from convert.run.result import ConvertResult
 from convert.run.single import base_without_adapter, check_base_repo, check_options, convert_source
 from convert.run.source import ResolvedSource, resolve_source, src_repo_spec
@@ -118,7 +119,7 @@ def _adapter_one_target(options: ConvertOptions) -> UsageError:
 
 def convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> ConvertResult:
     """A run of several targets (``--to bf16,gguf:q8_0,nf4``): each target's output exactly as its single run
-    writes it, named as alone, in one folder (``-o``, or :func:`convert.output.default_set_output`); the
+    writes it, named as alone, in one folder (``-o``, or :func:`convert.output_names.default_set_output`); the
     source resolved once; every target planned first, then all written at once, each by its own writer in a
     thread of its own, reading each dequantized weight from the blocks the first target to need them made
     (:class:`convert.stream.shared.SharedProducts`), and committed on its own.
@@ -133,7 +134,7 @@ def convert_set(options: ConvertOptions, committed: list[Path], t0: float) -> Co
         TargetsFailedError: OUT-006, some targets failed (each with its own error in ``failures``); the
             others' outputs are committed and complete. When every target failed with one and the same
             error (a broken input), that error instead, as a single run raises it.
-        UsageError: from :func:`member_options`, or ``-o`` naming a file (:func:`convert.output.set_output_path`).
+        UsageError: from :func:`member_options`, or ``-o`` naming a file (:func:`convert.output_names.set_output_path`).
     """
     subs, shared = member_options(options)
     folder = _set_folder(options)
@@ -212,7 +213,7 @@ def _plan_outline(plan: Plan) -> tuple[Any, ...]:
 
 
 def _set_folder(options: ConvertOptions) -> Path:
-    """The folder of a run of several targets: ``-o``, or :func:`convert.output.default_set_output` of SRC (a SRC
+    """The folder of a run of several targets: ``-o``, or :func:`convert.output_names.default_set_output` of SRC (a SRC
     that is neither a path nor a repo id: itself, for :func:`~convert.run.source.resolve_source` to name it)."""
     repo, rev = src_repo_spec(options.src)
     if repo is not None and not is_repo_id(repo):  # resolve_source names the missing SRC
@@ -228,7 +229,7 @@ def plan_set(options: ConvertOptions, source: ResolvedSource) -> ConvertResult:
     Args:
         options: the run (``to`` of several targets); its ``revision`` is the one :func:`convert.job.convert` would
             resolve the source at, so the outputs are named as that run names them (a Hub repo's revision is part
-            of the names: :func:`convert.output.default_output`).
+            of the names: :func:`convert.output_names.default_output`).
         source: the source, resolved at any revision of the same commit.
 
     Returns:

@@ -23,7 +23,8 @@ from convert.hub.repo import is_repo_id
 from convert.hub.shards import ShardLifetime
 from convert.lora.apply import LoraRun, apply_lora
 from convert.options import MIN_MEMORY, ConvertOptions, check_split_options
-from convert.output import GgufNaming, OutputClaim, default_output, gguf_file_name, output_path, sha256_file, write_json
+from convert.output import OutputClaim, sha256_file, write_json
+from convert.output_names import GgufNaming, default_output, gguf_file_name, output_path
 from convert.run.result import ConvertResult
 from convert.run.source import ResolvedSource
 from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
@@ -347,7 +348,7 @@ def write_output(job: TargetJob, options: ConvertOptions, source: ResolvedSource
 
 
 def named_default(options: ConvertOptions, source: ResolvedSource, naming: GgufNaming | None) -> Path:
-    """:func:`convert.output.default_output` of this run's source, with a GGUF job's ``naming`` (None: the
+    """:func:`convert.output_names.default_output` of this run's source, with a GGUF job's ``naming`` (None: the
     name known before the input was read)."""
     hub = source.hub
     return default_output(None if hub is not None else Path(options.src), options.to,
@@ -359,7 +360,7 @@ def _mmproj_output(options: ConvertOptions, out: Path, naming: GgufNaming | None
     """The ``--mmproj`` path, checked against the text model's output before anything is written: a file
     path, or a directory (an existing one, or a path ending in a separator; ``.`` for the working directory)
     that the file goes into under its default name (``mmproj-`` + llama.cpp's naming convention:
-    :func:`convert.output.gguf_file_name`).
+    :func:`convert.output_names.gguf_file_name`).
 
     Args:
         options: ``mmproj`` and ``overwrite``/``dry_run``.

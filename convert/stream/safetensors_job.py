@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from convert.output import GgufNaming, ShardLedger
+from convert.output import ShardLedger
+from convert.output_names import GgufNaming
 from convert.stream.pipeline import FENCE, Chunk, RunSettings, chunk_size, ordered_chunks, placed_memory, ranges
 from convert.stream.plan import Plan, PlannedTensor
 from convert.stream.sources import CastSource, Source, cast_run
@@ -321,7 +322,7 @@ class SafetensorsJob:
     """
 
     file_suffix = ".safetensors"
-    naming: GgufNaming | None = None  # (named by the input: convert.output.default_output)
+    naming: GgufNaming | None = None  # (named by the input: convert.output_names.default_output)
     #: (:attr:`convert.targets.TargetJob.work_per_weight`: the unit; bf16 on the bench model: 1.15 s of CPU beyond
     #: the start for 0.61 G weights, one thread)
     work_per_weight = 1.0

@@ -26,7 +26,7 @@ from convert.cli import main
 from convert.gguf.general import OVERRIDE_KEYS, MetadataSource, model_metadata, naming, parameter_counts
 from convert.job import convert
 from convert.options import ConvertOptions
-from convert.output import gguf_file_name, strip_quant_suffix
+from convert.output_names import gguf_file_name, strip_quant_suffix
 from formats.errors import UsageError
 from tests.helpers.fixtures import MODELS
 from tests.helpers.llama_tools import llama_script
@@ -438,6 +438,6 @@ def test_a_hub_repo_is_named_after_the_repo_and_its_revision(tmp_path: Path) -> 
     ("", "2M-Q8_0.gguf"),
 ])
 def test_names_from_cards_or_metadata_make_plain_file_names(name: str, want: str) -> None:
-    from convert.output import GgufNaming
+    from convert.output_names import GgufNaming
 
     assert gguf_file_name(GgufNaming(name, None, None, None, "2M", "Q8_0")) == want

@@ -19,7 +19,7 @@ from convert.hub.download import (
 )
 from convert.hub.repo import is_repo_id, parse_repo_spec
 from convert.options import target_for
-from convert.output import default_output
+from convert.output_names import default_output
 from convert.stream.plan import make_plan
 from formats.checkpoint import open_checkpoint
 from formats.errors import DiskSpaceError, HubError, NoAdapterWeightsError, NoWeightsError
