@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import yaml
+import yaml  # (PyYAML: installed with gguf and huggingface_hub, which require it)
 
 from convert.output_names import GgufNaming, gguf_encoding, strip_quant_suffix
 from formats import jsonfile
