@@ -31,7 +31,6 @@ __all__ = [
     "Codec",
     "bitmask",
     "HALF_DOWN",
-    "block_absmax",
     "block_minmax",
     "block_signed_absmax",
     "encode_by_chunks",
@@ -44,7 +43,7 @@ __all__ = [
     "nearest_int_bits",
     "reduce_axis0_is_sequential",
     "reference_blocks",
-    "round_half_away_into",
+    "round_half_away_abs_into",
     "select",
     "seq_sum",
     "seq_sum0",
@@ -306,14 +305,15 @@ def encode_by_chunks(x: F32, block: int, type_size: int, encode: Callable[[F32],
 
 def encode_into_by_chunks(
     x: F32, block: int, type_size: int, encode_into: Callable[[F32, U8], object], chunk: int, first: int = 0,
-    out: U8 | None = None,
+    out: U8 | None = None, widen: bool = True,
 ) -> U8:
     """:func:`encode_by_chunks` for an encoder that writes its blocks in place.
 
     ``encode_into(xb, ob)``: float32 ``(blocks, block)`` (``blocks <= chunk``) -> fills uint8
     ``(blocks, type_size)`` ``ob``, a slice of the output (no per-chunk result array, no copy); what
     it returns is ignored. ``x`` may be bfloat16 or float16: each chunk is widened (exactly) into one
-    float32 scratch, in cache, instead of the whole array into a float32 copy. ``first``: blocks of a
+    float32 scratch, in cache, instead of the whole array into a float32 copy; with ``widen`` False the
+    chunks of such an ``x`` are handed over as they are (an encoder that reads their bits). ``first``: blocks of a
     grid of ``chunk``-block chunks that lie before ``x`` (its offset in a larger tensor): the chunks are
     cut on that grid (the first may be shorter), so they are the same pieces however the tensor is split.
     ``out``: optional C-contiguous uint8 array of the result's size to encode into (returned, reshaped).
@@ -328,7 +328,7 @@ def encode_into_by_chunks(
         raise ValueError(f"expected float32 (..., n) with n a multiple of {block}, got {x.shape}")
     flat = x.reshape(-1, block)
     out = np.empty((flat.shape[0], type_size), dtype=np.uint8) if out is None else out.reshape(-1, type_size)
-    scratch = None if x.dtype == np.float32 else np.empty((min(chunk, flat.shape[0]), block), np.float32)
+    scratch = None if x.dtype == np.float32 or not widen else np.empty((min(chunk, flat.shape[0]), block), np.float32)
     with np.errstate(all="ignore"):
         n = flat.shape[0]
         cuts = [0, *range(-first % chunk or chunk, n, chunk), n] if n else []  # the grid's lines in x, its ends
@@ -345,17 +345,6 @@ def encode_into_by_chunks(
 #: Input dtypes :func:`encode_into_by_chunks` widens chunk by chunk (float32 itself, and the two whose
 #: float32 values are exact); any other is converted whole first.
 _WIDENED = frozenset({np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
-
-
-def block_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:
-    """``abs(xb).max(axis=1)`` of float32 ``(blocks, block)`` (``block`` a power of two) -> float32 ``(blocks,)``.
-
-    Exact for input without NaN (+0.0 for an all-zero row): the sign bits are cleared into
-    ``scratch`` (int32, at least ``1.75 * xb.size`` elements) and those bit patterns, which order as
-    the non-negative floats they are, go through :func:`block_max_bits`.
-    """
-    a = np.bitwise_and(xb.reshape(-1).view(np.int32), np.int32(0x7FFFFFFF), out=scratch[: xb.size])
-    return block_max_bits(a, xb.shape[0], scratch).view(np.float32)
 
 
 def block_signed_absmax(xb: F32, scratch: npt.NDArray[np.int32]) -> F32:
@@ -418,35 +407,33 @@ def inverse_scale(d: F32) -> tuple[F32, npt.NDArray[np.bool_]]:
 
 def reference_blocks(ggml_type: gguf.GGMLQuantizationType, xb: F32, ob: U8, rows: npt.NDArray[np.bool_]) -> None:
     """Overwrite ``ob[rows]`` with gguf-py's encoding of ``xb[rows]`` (the rare rows of
-    :func:`inverse_scale`): float32 ``(blocks, block)``, uint8 ``(blocks, type_size)``, bool ``(blocks,)``."""
+    :func:`inverse_scale`): float32, bfloat16 or float16 ``(blocks, block)`` (widened exactly), uint8
+    ``(blocks, type_size)``, bool ``(blocks,)``."""
     if np.count_nonzero(rows):  # (C-level: ndarray.any() goes through a Python wrapper, per chunk)
-        ob[rows] = gguf.quants.quantize(np.ascontiguousarray(xb[rows]), ggml_type).reshape(-1, ob.shape[1])
+        wide = np.ascontiguousarray(xb[rows], dtype=np.float32)
+        ob[rows] = gguf.quants.quantize(wide, ggml_type).reshape(-1, ob.shape[1])
 
 
-#: The float32 just below 0.5 (``0.5 - 2**-25``): ``trunc(v + copysign(HALF_DOWN, v))`` rounds half away.
+#: The float32 just below 0.5 (``0.5 - 2**-25``): ``trunc(|v| + HALF_DOWN)`` rounds ``|v|`` half away from zero.
 HALF_DOWN = np.float32(0.49999997)
 
 
-def round_half_away_into(v: F32, out: F32) -> F32:
-    """``out = v + copysign(0.49999997, v)``: float32 whose truncation toward zero is gguf-py's
-    ``np_roundf(v)`` (round half away from zero) for every finite float32 ``v``; same shape.
+def round_half_away_abs_into(a: F32) -> F32:
+    """``a += 0.49999997`` in place, for float32 ``a >= 0`` (magnitudes): its truncation toward zero is gguf-py's
+    ``np_roundf(a)`` (round half away from zero) for every finite non-negative float32, and for a signed ``v``
+    ``np_roundf(v)`` is ``trunc(|v| + 0.49999997)`` with ``v``'s sign (float32 rounding is symmetric in sign, so
+    ``|x| * s`` is ``|x * s|`` for ``s >= 0``). Returns ``a``.
 
-    Why exact (``a = |v|``, ``c = 0.5 - 2**-25``, sums rounded to nearest even): for ``a < 0.5``,
-    ``a <= 0.5 - 2**-25`` and ``a + c <= 1 - 2**-24`` (exact or rounded down) truncates to 0; for
-    ``a = k + 0.5`` the exact sum ``k + 1 - 2**-25`` is within half an ulp of ``k + 1`` (a tie only
-    at ``k = 0``, which rounds to the even 1.0) and truncates to ``k + 1``; otherwise ``a`` is at
-    least one ulp (``>= 2**-24``) from ``k + 0.5`` and ``a + c`` rounds within ``[k, k + 1)`` or
-    ``[k + 1, k + 2)`` as ``a`` is below or above ``k + 0.5``; for ``a >= 2**23`` (integers) ``c``
-    is under half an ulp and the sum is ``a``. ``tests/gguf/codecs/test_legacy.py`` checks every float32
-    in ``[0, 4)`` and the neighbours of every ``k + 0.5`` up to ``2**24``. The copysign is two
-    integer passes (sign bit of ``v`` OR the bits of ``c``), NumPy's ``copysign`` being ~1 ns an
-    element. ``v`` and ``out`` must not overlap.
+    Why exact (``c = 0.5 - 2**-25``, sums rounded to nearest even): for ``a < 0.5``, ``a <= 0.5 - 2**-25`` and
+    ``a + c <= 1 - 2**-24`` (exact or rounded down) truncates to 0; for ``a = k + 0.5`` the exact sum
+    ``k + 1 - 2**-25`` is within half an ulp of ``k + 1`` (a tie only at ``k = 0``, which rounds to the even 1.0)
+    and truncates to ``k + 1``; otherwise ``a`` is at least one ulp (``>= 2**-24``) from ``k + 0.5`` and ``a + c``
+    rounds within ``[k, k + 1)`` or ``[k + 1, k + 2)`` as ``a`` is below or above ``k + 0.5``; for ``a >= 2**23``
+    (integers) ``c`` is under half an ulp and the sum is ``a``. ``tests/gguf/codecs/test_legacy.py`` checks every
+    float32 in ``[0, 4)`` and the neighbours of every ``k + 0.5`` up to ``2**24``, both signs.
     """
-    o = out.view(np.int32)
-    np.bitwise_and(v.view(np.int32), np.int32(-0x80000000), out=o)
-    o |= HALF_DOWN.view(np.int32)
-    out += v
-    return out
+    a += HALF_DOWN
+    return a
 
 
 def fp16_bytes(x: F32) -> U8:

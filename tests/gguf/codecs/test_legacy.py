@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from convert.gguf.codecs import CODECS
-from convert.gguf.codecs.base import round_half_away_into
+from convert.gguf.codecs.base import round_half_away_abs_into
 from convert.gguf.codecs.legacy import CHUNK_BLOCKS, SAMPLE_BLOCKS
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py's own, on inf/NaN
@@ -30,8 +30,8 @@ def np_roundf(v: np.ndarray) -> np.ndarray:
 
 
 def _rha(v: np.ndarray) -> np.ndarray:
-    out = np.empty_like(v)
-    return np.trunc(round_half_away_into(v, out))
+    """Q8_0's rounding: the magnitude's, with the value's sign."""
+    return np.copysign(np.trunc(round_half_away_abs_into(np.abs(v))), v)
 
 
 def test_round_half_away_exhaustive_binades() -> None:
@@ -297,3 +297,47 @@ def test_quantize_measured_widens_16_bit_input_chunk_by_chunk(t: GT, dtype: str)
     assert np.array_equal(got[0], want[0]) and got[1:] == want[1:]
     x[5, 7] = np.inf
     assert CODECS[t].quantize_measured(x).sq_ref == np.inf
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_q8_0_reads_every_16_bit_pattern(dtype: str) -> None:
+    """Q8_0 encodes bf16/f16 chunks from their bits (magnitudes, signs): every one of the 65536 patterns
+    (inf, NaN, subnormals, -0.0 among them), shuffled into blocks, gives gguf-py's bytes for the widened
+    values, through quantize and quantize_measured (whose figures are the float32 input's)."""
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    pats = np.random.default_rng(16).permutation(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16))
+    x = pats.view(dt).reshape(-1, 256)
+    wide = x.astype(np.float32)
+    want = gguf.quants.quantize(wide, GT.Q8_0)
+    assert np.array_equal(CODECS[GT.Q8_0].quantize(x), want)
+    finite = x[np.isfinite(wide).all(axis=1)]
+    got, ref = CODECS[GT.Q8_0].quantize_measured(finite), CODECS[GT.Q8_0].quantize_measured(finite.astype(np.float32))
+    assert np.array_equal(got.data, gguf.quants.quantize(finite.astype(np.float32), GT.Q8_0))
+    assert np.array_equal(np.array(got[1:]), np.array(ref[1:]), equal_nan=True) and got.measured == finite.size
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_q8_0_16_bit_ties_round_away_from_zero(dtype: str) -> None:
+    """Blocks whose largest magnitude is 127 * 2**e hold the exact ties k + 0.5 (times 2**e) of 1 / d = 2**-e:
+    each rounds away from zero, by sign, as gguf-py's np_roundf; -0.0 and 0.0 give 0."""
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    k = np.arange(0, 127, dtype=np.float32) + np.float32(0.5)
+    ties = np.concatenate([k, -k, [0.0, -0.0]]).astype(np.float32)
+    rows = []
+    for e in (-12, -3, 0, 4):
+        for part in np.array_split(ties, -(-ties.size // 31)):
+            row = np.zeros(32, np.float32)
+            row[0] = 127 * 2.0**e
+            row[1 : 1 + part.size] = part * np.float32(2.0**e)
+            rows.append(row)
+    x = np.stack(rows).astype(dt)
+    assert np.array_equal(x.astype(np.float32), np.stack(rows))  # every value exact in the 16-bit type
+    data = CODECS[GT.Q8_0].quantize(x)
+    assert np.array_equal(data, gguf.quants.quantize(x.astype(np.float32), GT.Q8_0))
+    qs = data.reshape(-1, 34)[:, 2:].view(np.int8).astype(np.float32)
+    want = np.copysign(np.floor(np.abs(np.stack(rows) / (np.stack(rows)[:, :1])) * 127 + 0.5), np.stack(rows))
+    assert np.array_equal(qs, want)
