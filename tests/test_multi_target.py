@@ -9,10 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from convert.cli import main
@@ -159,11 +161,10 @@ def test_allot_threads() -> None:
     assert shared_mod.allot_threads(3, {0: 0.0, 1: 0.0}) == {0: 3, 1: 3}
 
 
-def test_gguf_rows_of_one_shared_block_are_read_without_a_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                ) -> None:
-    """The blocks of a 2-D weight are whole rows and a GGUF target's row chunks whole blocks: the Q8_0 target reads
-    every 4-bit weight as a read-only view of the block the bf16 target copies from (only bf16's values are
-    copied); the bytes are each single run's."""
+def test_rows_of_one_shared_block_are_read_without_a_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks of a 2-D weight are whole rows, a GGUF target's row chunks and a safetensors target's chunks whole
+    blocks: both targets read every 4-bit weight as read-only views of the blocks held in their dtype (nothing is
+    copied out of a block); the bytes are each single run's."""
     copied: list[int] = []
     views: list[bool] = []
     real_round, real_view = shared_mod._round_into, shared_mod.SharedProducts._view
@@ -183,8 +184,58 @@ def test_gguf_rows_of_one_shared_block_are_read_without_a_copy(tmp_path: Path, m
     result = convert(ConvertOptions(str(LLAMA), to="bf16,gguf:q8_0", output=tmp_path / "set", threads=2))
     shared = result.details["shared"]
     assert views and not any(views)  # read-only
-    assert sum(copied) * 2 == shared["values_shared"]  # one reader of two copied
+    assert not copied and shared["values_shared"] > 0
     _singles(LLAMA, result, tmp_path / "alone", threads=2)
+
+
+class _Counting:
+    """A stand-in dequantizing source: element i is i (as the dtype asked for); counts what it makes."""
+
+    unit, row_elements, numel, shared, layer = 64, 256, 1 << 15, None, None
+
+    def __init__(self) -> None:
+        self.name, self.made = "w", 0
+
+    def reads(self) -> list[Any]:
+        return []
+
+    def exact_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        self.dequant_into(start, stop, None, out)
+
+    def dequant_into(self, start: int, stop: int, dtype: Any, out: np.ndarray) -> None:
+        self.made += stop - start
+        out[...] = np.arange(start, stop)
+
+
+def test_a_shared_block_is_made_where_the_writer_places_it() -> None:
+    """A block made for a view given the file offset it goes to lies at that offset modulo ALIGN (the safetensors
+    writer then sends it to the disk from there, without a copy); the other target's view of it is the same
+    memory, made once; a block another target made first is handed out where it lies."""
+    from formats.dtypes import BY_NAME
+    from formats.writeback import ALIGN
+
+    products = shared_mod.SharedProducts(budget=1 << 24, consumers=2, block=1 << 14, threads=1)
+    srcs = [_Counting(), _Counting()]
+    for c, src in zip((products.consumer(), products.consumer()), srcs, strict=True):
+        c.link([src], "bf16")
+    waiter = threading.Thread(target=products._arrive, args=(1,))
+    waiter.start()
+    products._arrive(0)
+    waiter.join()
+    bf16 = BY_NAME["bfloat16"]
+    at = 5 * ALIGN + 136  # (the bf16 file's offset of element 0 of the block)
+    first = srcs[0].shared.view(srcs[0], 0, 1 << 14, bf16, at)
+    assert first is not None and not first.flags.writeable
+    assert (first.ctypes.data - at) % ALIGN == 0
+    assert np.array_equal(first, np.arange(1 << 14).astype(bf16.numpy))
+    other = srcs[1].shared.view(srcs[1], 4096, 8192, bf16)
+    assert other is not None and np.shares_memory(other, first)
+    assert (srcs[0].made, srcs[1].made) == (1 << 14, 0)
+    # the next block made by the other target first: where it lies (page-aligned), not at the first's offset
+    later = srcs[1].shared.view(srcs[1], 1 << 14, 2 << 14, bf16)
+    again = srcs[0].shared.view(srcs[0], 1 << 14, 2 << 14, bf16, at)
+    assert later is not None and again is not None and np.shares_memory(later, again)
+    assert (srcs[0].made, srcs[1].made) == (1 << 14, 1 << 14)
 
 
 def test_shared_blocks_are_whole_rows_where_rows_are_whole_units() -> None:

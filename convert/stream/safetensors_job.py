@@ -6,8 +6,10 @@ later commits; naming, pre-flight, claims and renames are not done here):
 
 1. Each output file's header first (from the plan), then each tensor in block-aligned chunks.
    Chunks are computed by ``threads`` workers (NumPy releases the GIL) and written in order, so the
-   bytes are the same for every thread count; a barrier source's chunks (made from what earlier tensors
-   left, e.g. a nested absmax) are made by the writing thread when their turn comes. Consumed input
+   bytes are the same for every thread count (in a run of several targets, a weight's chunks are the
+   shared blocks themselves, written from where they lie: :func:`_produce_shared`); a barrier source's
+   chunks (made from what earlier tensors left, e.g. a nested absmax) are made by the writing thread when
+   their turn comes. Consumed input
    pages are released (``madvise``), so the resident set stays near ``max_memory`` whatever the model
    size.
 2. Each finished file is fsynced in the background while the next is written; with a
@@ -171,7 +173,14 @@ def _shard_chunks(tensors: list[PlannedTensor], writer: SafetensorsWriter, memor
                             else np.empty(0, dtype=t.dtype.numpy))
             continue
         at = writer.offset(k - 1)
-        for s, e in ranges(t, chunk_size(t, run)):
+        chunk = chunk_size(t, run)
+        grid = t.source.view_grid()  # a run of several targets: chunks of whole shared blocks, written from them
+        if grid and grid <= chunk:
+            for s, e in ranges(t, grid):
+                yield Chunk((t, s, e, True), functools.partial(_produce_shared, memory, t.source, s, e, t.dtype,
+                                                               at + s * t.dtype.itemsize))
+            continue
+        for s, e in ranges(t, chunk):
             if t.source.writes_in_place:
                 yield Chunk((t, s, e, True), functools.partial(_produce_placed, memory, t.source, s, e, t.dtype,
                                                                at + s * t.dtype.itemsize))
@@ -186,6 +195,16 @@ def _produce_placed(memory: PlacedMemory, source: Source, start: int, stop: int,
     out = memory.empty((stop - start) * dtype.itemsize, offset).view(dtype.numpy)
     source.produce_into(start, stop, dtype, out)
     return out
+
+
+def _produce_shared(memory: PlacedMemory, source: Source, start: int, stop: int, dtype: DType,
+                    offset: int) -> np.ndarray:
+    """Elements [start, stop) of ``source`` as the shared block holding them in ``dtype`` (a run of several
+    targets: :meth:`~convert.stream.sources.Source.produce_view`, made placed for file offset ``offset`` when this
+    target makes it, so the writer sends it to the disk without a copy), else made in ``memory``
+    (:func:`_produce_placed`)."""
+    view = source.produce_view(start, stop, dtype, offset)
+    return view if view is not None else _produce_placed(memory, source, start, stop, dtype, offset)
 
 
 def _small_cast_run(tensors: list[PlannedTensor], k: int) -> int:

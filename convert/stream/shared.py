@@ -12,9 +12,12 @@ dtype it would alone (the ``dequantize_to`` of each target is unchanged: a bf16 
 F16/BF16/Q8_0 take the checkpoint's dtype, the llama-quantize types the exact float32 products), so a block
 is held as the exact float32 products (:meth:`~convert.stream.sources.Dequant4Source.exact_into`), which
 each reader rounds once to its dtype as the source's own kernel would, or, where every reader asks for
-bfloat16, as bfloat16 made by the kernel and copied to each. Nothing else is shared: plain tensors are read
-from the input by each target (a copy or a cast, no dequantization), and a LoRA merge is made by each target
-in its own dtype from the shared base.
+bfloat16, as bfloat16 made by the kernel, which each reader takes as a read-only view where its chunks are whole
+blocks (a GGUF target's row chunks, a safetensors target's chunks: :meth:`~convert.stream.sources.Source.produce_view`)
+and copies elsewhere. A block is made in reused memory (:class:`formats.writeback.PlacedMemory`), placed at the file
+offset of the safetensors target that asks for it first, whose writer sends it to the disk from there. Nothing
+else is shared: plain tensors are read from the input by each target (a copy or a cast, no dequantization), and a
+LoRA merge is made by each target in its own dtype from the shared base.
 
 Order and memory. The targets write their files in their own orders, which agree for the dequantized
 weights of a transformers checkpoint (tensor names in order) and differ where a format sorts otherwise
@@ -48,14 +51,22 @@ import numpy.typing as npt
 from convert.dequant.kernels_f16 import count_f16_loss
 from convert.options import FLOAT_TARGETS
 from formats.dtypes import BY_NAME, DType
+from formats.writeback import PlacedMemory
 
 if TYPE_CHECKING:
     from convert.stream.sources import Source
 
 __all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "allot_threads", "shared_leaves"]
 
-#: Elements of a shared block, about (a multiple of the source's chunk unit): 4 MiB of float32.
-BLOCK_ELEMENTS = 1 << 20
+#: Elements of a shared block, about (a multiple of the source's chunk unit): 8 MiB of bfloat16, 16 MiB of float32.
+#: A safetensors target writes each block with one direct write (a virtual disk takes large writes faster), and every
+#: block costs each target a few hand-offs between threads: with blocks of 2^21 elements ``--to bf16,gguf:q8_0,nf4``
+#: of the bench model took 1.047x the wall time (paired, n=7) and 0.76x the peak RSS (210 vs 275 MiB), with 2^20
+#: 1.158x and 0.66x (n=5; docs/performance.md).
+BLOCK_ELEMENTS = 1 << 22
+#: Free slabs of the blocks' memory kept for the next blocks (:class:`formats.writeback.PlacedMemory`; 3 and 8 ran
+#: alike).
+KEPT_SLABS = 4
 #: Seconds a read waits for room with nothing changing in the cache before it makes its block for itself
 #: (a guard: the wait rule above ends every wait sooner).
 STALL_SECONDS = 30.0
@@ -145,6 +156,7 @@ class SharedProducts:
     def __init__(self, budget: int, consumers: int, block: int | None = None, threads: int = 1) -> None:
         self.budget = budget
         self.block = max(1, BLOCK_ELEMENTS if block is None else block)
+        self._memory = PlacedMemory(keep=KEPT_SLABS)  # the blocks' memory, used again
         self.threads = threads
         self._work: dict[int, float] = {}  # reader -> its CPU for the weights it reads (link)
         #: reader -> its worker threads, set once every target is ready (:func:`allot_threads`)
@@ -258,10 +270,12 @@ class SharedProducts:
             self.dropped += 1
         return self._used + nbytes <= self.budget
 
-    def _get(self, c: int, src: Source, name: str, j: int, b0: int, b1: int, dtype: DType) -> _Block | None:
+    def _get(self, c: int, src: Source, name: str, j: int, b0: int, b1: int, dtype: DType,
+             at: int = 0) -> _Block | None:
         """Block ``j`` of ``name`` (elements [b0, b1)) for reader ``c`` asking for ``dtype``, held and marked used;
         None when ``c`` makes its part itself (nobody else reads it, no room, or the blocks are held in a dtype
-        ``dtype`` is not made from)."""
+        ``dtype`` is not made from). A block made here lies in memory at ``at`` modulo
+        :data:`formats.writeback.ALIGN` (a writer's file offset for it: written from there without a copy)."""
         k = (name, j)
         with self._cond:
             held = self._keys[name].held_dtype()
@@ -297,7 +311,7 @@ class SharedProducts:
                 finally:
                     self._waiting[c] -= 1
         try:
-            data = np.empty(b1 - b0, dtype=held.numpy)
+            data = self._memory.empty(nbytes, at).view(held.numpy)
             if held.name == "float32":
                 src.exact_into(b0, b1, data)  # type: ignore[attr-defined]
             else:
@@ -329,10 +343,11 @@ class SharedProducts:
                         self._free((name, j))
                     self._cond.notify_all()
 
-    def _view(self, c: int, src: Source, start: int, stop: int, dtype: DType) -> np.ndarray | None:
+    def _view(self, c: int, src: Source, start: int, stop: int, dtype: DType, at: int = 0) -> np.ndarray | None:
         """Elements [start, stop) of ``src`` for reader ``c`` as a view of the one held block that holds them in
-        ``dtype`` (made now if no reader has), read at once (the view keeps the values alive after the block
-        leaves the cache); None when they span blocks, are held in another dtype, or ``c`` makes them itself
+        ``dtype`` (made now if no reader has, placed so that ``start`` lies at ``at`` modulo
+        :data:`formats.writeback.ALIGN`), read at once (the view keeps the values alive after the block leaves
+        the cache); None when they span blocks, are held in another dtype, or ``c`` makes them itself
         (:meth:`_get`)."""
         name = src.name
         key = self._keys[name]
@@ -345,7 +360,7 @@ class SharedProducts:
                 return None
             self._inside[c] = self._inside.get(c, 0) + 1
         try:
-            b = self._get(c, src, name, j, b0, b1, dtype)
+            b = self._get(c, src, name, j, b0, b1, dtype, at - (start - b0) * dtype.itemsize)
             if b is None:
                 return None
             assert b.data is not None
@@ -386,7 +401,7 @@ class SharedProducts:
 def _grid(block: int, unit: int, row: int) -> int:
     """Elements of a weight's shared blocks: about ``block``, a multiple of ``unit`` (a chunk boundary of the
     source); whole rows of ``row`` elements when a row is whole units (a GGUF writer's row chunks can then be
-    whole blocks, handed out without a copy: :meth:`SharedProducts.view`)."""
+    whole blocks, handed out without a copy: :meth:`~convert.stream.sources.Source.produce_view`)."""
     if row and row % unit == 0:
         return max(1, block // row) * row
     return max(unit, block // unit * unit)
@@ -430,10 +445,10 @@ class _Link:
         blocks (or made by ``src`` itself where no other target reads them)."""
         self.products._read(self.reader, src, start, stop, dtype, out)
 
-    def view(self, src: Source, start: int, stop: int, dtype: DType) -> np.ndarray | None:
+    def view(self, src: Source, start: int, stop: int, dtype: DType, at: int = 0) -> np.ndarray | None:
         """Elements [start, stop) of ``src`` as a view of the shared block holding them in ``dtype`` (not to be
         written into), or None where :meth:`read` has to make or round them."""
-        return self.products._view(self.reader, src, start, stop, dtype)
+        return self.products._view(self.reader, src, start, stop, dtype, at)
 
     def grid(self, src: Source) -> int:
         """Elements of ``src``'s shared blocks (from its first element)."""

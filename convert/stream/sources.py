@@ -106,12 +106,13 @@ class Source:
         source whose kernel writes in place overrides it."""
         np.copyto(out.reshape(-1).view(np.uint8), bytes_of(self.produce(start, stop, dtype)))
 
-    def produce_view(self, start: int, stop: int, dtype: DType) -> np.ndarray | None:
+    def produce_view(self, start: int, stop: int, dtype: DType, at: int = 0) -> np.ndarray | None:
         """Elements [start, stop) as ``dtype.numpy[stop - start]`` without a copy, where they are in memory
         already: in a run of several targets, a range inside one shared block held in ``dtype``
-        (:meth:`convert.stream.shared.SharedProducts.view`; the caller must not write into it); else None
+        (:mod:`convert.stream.shared`; the caller must not write into it; a block made for it lies at ``at``
+        modulo :data:`formats.writeback.ALIGN`, the file offset it goes to); else None
         (:meth:`produce_into` makes them)."""
-        return None if self.shared is None else self.shared.view(self, start, stop, dtype)
+        return None if self.shared is None else self.shared.view(self, start, stop, dtype, at)
 
     def view_grid(self) -> int:
         """Elements of the pieces :meth:`produce_view` hands out whole (from the tensor's start: the shared
