@@ -56,7 +56,7 @@ from formats.writeback import PlacedMemory
 if TYPE_CHECKING:
     from convert.stream.sources import Source
 
-__all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "allot_threads", "shared_leaves"]
+__all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "allot_threads", "block_elements", "shared_leaves"]
 
 #: Elements of a shared block, about (a multiple of the source's chunk unit): 8 MiB of bfloat16, 16 MiB of float32.
 #: A safetensors target writes each block with one direct write (a virtual disk takes large writes faster), and every
@@ -64,12 +64,23 @@ __all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "allot_threads", "sha
 #: of the bench model took 1.047x the wall time (paired, n=7) and 0.76x the peak RSS (210 vs 275 MiB), with 2^20
 #: 1.158x and 0.66x (n=5; docs/performance.md).
 BLOCK_ELEMENTS = 1 << 22
+#: Float32 blocks the shared budget holds at least (:func:`block_elements`: smaller blocks under a small budget).
+HELD_BLOCKS = 6
+#: The least elements of a block under a small budget.
+MIN_BLOCK_ELEMENTS = 1 << 16
 #: Free slabs of the blocks' memory kept for the next blocks (:class:`formats.writeback.PlacedMemory`; 3 and 8 ran
 #: alike).
 KEPT_SLABS = 4
 #: Seconds a read waits for room with nothing changing in the cache before it makes its block for itself
 #: (a guard: the wait rule above ends every wait sooner).
 STALL_SECONDS = 30.0
+
+
+def block_elements(budget: int) -> int:
+    """Elements of the shared blocks of a run whose blocks are held within ``budget`` bytes: :data:`BLOCK_ELEMENTS`,
+    or fewer where :data:`HELD_BLOCKS` blocks of float32 would not fit (a small ``--max-memory``: 12 MiB of blocks
+    for three targets at 256 MiB), at least :data:`MIN_BLOCK_ELEMENTS`."""
+    return min(BLOCK_ELEMENTS, max(MIN_BLOCK_ELEMENTS, budget // (HELD_BLOCKS * 4)))
 
 
 def allot_threads(threads: int, work: dict[int, float]) -> dict[int, int]:
@@ -149,13 +160,13 @@ class SharedProducts:
     Args:
         budget: bytes of blocks held at once, at most.
         consumers: the number of targets (each takes one :meth:`consumer`).
-        block: elements of a block, about (default :data:`BLOCK_ELEMENTS`).
+        block: elements of a block, about (default :func:`block_elements` of ``budget``).
         threads: the run's worker threads, shared out among the targets (:func:`allot_threads`).
     """
 
     def __init__(self, budget: int, consumers: int, block: int | None = None, threads: int = 1) -> None:
         self.budget = budget
-        self.block = max(1, BLOCK_ELEMENTS if block is None else block)
+        self.block = max(1, block_elements(budget) if block is None else block)
         self._memory = PlacedMemory(keep=KEPT_SLABS)  # the blocks' memory, used again
         self.threads = threads
         self._work: dict[int, float] = {}  # reader -> its CPU for the weights it reads (link)
