@@ -239,12 +239,12 @@ def test_a_shared_block_is_made_where_the_writer_places_it() -> None:
 
 
 def test_blocks_are_smaller_under_a_small_budget() -> None:
-    """Six float32 blocks fit the shared budget: 108 MiB (three targets at 1 GiB) takes the full 2^22 elements,
-    12 MiB (three at 256 MiB) 2^19, a tiny budget the floor of 2^16."""
+    """Four float32 blocks fit the shared budget: 108 MiB (three targets at 1 GiB) takes the full 2^22 elements,
+    44 MiB (three at 512 MiB) 2.75 Mi, 12 MiB (three at 256 MiB) and less the floor of 2^20."""
     assert shared_mod.block_elements(108 << 20) == shared_mod.BLOCK_ELEMENTS == 1 << 22
-    assert shared_mod.block_elements(12 << 20) == 1 << 19
-    assert shared_mod.block_elements(1 << 20) == 1 << 16
-    assert shared_mod.SharedProducts(12 << 20, 2).block == 1 << 19
+    assert shared_mod.block_elements(44 << 20) == (44 << 20) // 16
+    assert shared_mod.block_elements(12 << 20) == shared_mod.block_elements(0) == 1 << 20
+    assert shared_mod.SharedProducts(44 << 20, 2).block == (44 << 20) // 16
 
 
 def test_shared_blocks_are_whole_rows_where_rows_are_whole_units() -> None:

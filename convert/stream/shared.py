@@ -65,9 +65,9 @@ __all__ = ["BLOCK_ELEMENTS", "Consumer", "SharedProducts", "allot_threads", "blo
 #: 1.158x and 0.66x (n=5; docs/performance.md).
 BLOCK_ELEMENTS = 1 << 22
 #: Float32 blocks the shared budget holds at least (:func:`block_elements`: smaller blocks under a small budget).
-HELD_BLOCKS = 6
-#: The least elements of a block under a small budget.
-MIN_BLOCK_ELEMENTS = 1 << 16
+HELD_BLOCKS = 4
+#: The least elements of a block under a small budget (smaller blocks cost more in hand-offs than they share).
+MIN_BLOCK_ELEMENTS = 1 << 20
 #: Free slabs of the blocks' memory kept for the next blocks (:class:`formats.writeback.PlacedMemory`; 3 and 8 ran
 #: alike).
 KEPT_SLABS = 4
@@ -78,8 +78,9 @@ STALL_SECONDS = 30.0
 
 def block_elements(budget: int) -> int:
     """Elements of the shared blocks of a run whose blocks are held within ``budget`` bytes: :data:`BLOCK_ELEMENTS`,
-    or fewer where :data:`HELD_BLOCKS` blocks of float32 would not fit (a small ``--max-memory``: 12 MiB of blocks
-    for three targets at 256 MiB), at least :data:`MIN_BLOCK_ELEMENTS`."""
+    or fewer where :data:`HELD_BLOCKS` blocks of float32 would not fit (a smaller ``--max-memory``: 44 MiB of blocks
+    for three targets at 512 MiB), at least :data:`MIN_BLOCK_ELEMENTS` (three targets at 256 MiB, 12 MiB: blocks
+    of 2^22 would hold no float32 block, and of 2^16 cost the run at 160 MiB 1.4x the wall time of 2^20)."""
     return min(BLOCK_ELEMENTS, max(MIN_BLOCK_ELEMENTS, budget // (HELD_BLOCKS * 4)))
 
 
