@@ -31,15 +31,14 @@ float32 quotient, ``id = 1 / d`` or 0, the products and sums in gguf-py's order)
 :func:`convert.gguf.codecs.base.round_half_away_abs_into` (equal to ``np_roundf`` for every finite
 float32) and its sign put back in int8, and the others' float -> uint8 truncation by NumPy's cast, as gguf-py.
 Q8_0 reads bfloat16 and float16 input as it is (no widened copy): the block maxima from the 16-bit
-magnitudes' bits, the products of the magnitudes widened by the multiply itself. The block maxima
-come from :func:`convert.dequant.block_reduce.block_max_bits` trees (Q8_0's on the magnitudes' bits,
-:func:`convert.gguf.codecs.base.block_signed_absmax` and :func:`~convert.gguf.codecs.base.block_minmax`), equal to
-NumPy's reductions. Rare
-blocks are handed to gguf-py itself (:func:`convert.gguf.codecs.base.reference_blocks`): those whose ``d``
-or ``id`` is not finite (``d < 2**-128``, a block of subnormals; ``max - min`` overflowing), where
-the reference casts NaN to an integer and we might cast inf (the same byte on x86-64, but NumPy
-does not promise it), and for Q4_1/Q5_1 those whose min or max is a zero (the sign of the zero
-NumPy's ``min``/``max`` return when a block holds both is NumPy's choice).
+magnitudes' bits, the products of the magnitudes widened by the multiply itself. The block maxima come
+from :func:`convert.dequant.block_reduce.block_max_bits` trees (Q8_0's on the magnitudes' bits,
+:func:`convert.gguf.codecs.base.block_signed_absmax`, :func:`~convert.gguf.codecs.base.block_minmax`), equal
+to NumPy's reductions. Rare blocks are handed to gguf-py itself
+(:func:`convert.gguf.codecs.base.reference_blocks`): those whose ``d`` or ``id`` is not finite (``d < 2**-128``,
+a block of subnormals; ``max - min`` overflowing), where the reference casts NaN to an integer and we might cast
+inf (the same byte on x86-64, but NumPy does not promise it), and for Q4_1/Q5_1 those whose min or max is a zero
+(the sign of the zero NumPy's ``min``/``max`` return when a block holds both is NumPy's choice).
 
 With an importance matrix (``weights``, llama-quantize --imatrix), Q4_0, Q4_1, Q5_0 and Q5_1 follow
 ``ggml_quantize_chunk`` -> ``quantize_q4_0`` & co. -> ``quantize_row_q4_0_impl`` & co. (ggml-quants.c of the
@@ -228,8 +227,9 @@ class _LegacyCodec(Codec):
     def quantize_measured(cls, x: np.ndarray, sample: int = 1, start: int = 0, out: U8 | None = None,
                           weights: F32 | None = None) -> Measured:
         """:meth:`Codec.quantize_measured`: each chunk of :data:`CHUNK_BLOCKS` blocks (on a grid from the
-        tensor's first value: ``start``) widened to float32 and encoded (with ``weights``, the importance
-        matrix row, as :meth:`quantize`); the tensor's pieces of :data:`SAMPLE_BLOCKS` blocks (on the same
+        tensor's first value: ``start``) widened to float32 (a 16-bit chunk read as it is with
+        :attr:`reads_16_bit`) and encoded (with ``weights``, the importance matrix row, as :meth:`quantize`);
+        the tensor's pieces of :data:`SAMPLE_BLOCKS` blocks (on the same
         grid) ``0, sample, 2 * sample, ...`` also summed and their error (:meth:`_chunk_error`) measured
         while in cache. inf/NaN rows go to the reference encoder (:func:`reference_blocks`; with weights,
         their ``sigma2`` is not finite), which is how an unmeasured piece's inf/NaN is seen: every block
