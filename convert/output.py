@@ -286,8 +286,9 @@ class InterruptedAfterCommit(KeyboardInterrupt):
         if self.targets <= 1:
             return f"interrupted after the output was complete: {self.path}"
         left = self.targets - len(self.done)
+        rest = {0: "", 1: "; the other was not written"}.get(left, f"; the other {left} were not written")
         return (f"interrupted after {len(self.done)} of {self.targets} outputs were complete: "
-                + ", ".join(str(p) for p in self.done) + (f"; the other {left} were not written" if left else ""))
+                + ", ".join(str(p) for p in self.done) + rest)
 
 
 #: What refuses an output before it is written (:class:`OutputClaim`'s checks, and an existing ``--mmproj`` or

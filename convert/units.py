@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["format_bytes", "parse_size"]
+__all__ = ["format_bytes", "format_short_of", "parse_size"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)  # (ASCII digits only)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -51,3 +51,10 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == _BINARY[-1]:
             break
     return f"{n:.2f} {unit}"
+
+
+def format_short_of(n: int, limit: int) -> str:
+    """``n`` bytes found short of ``limit`` (an error's "found" beside its "expected >= limit"): :func:`format_bytes`,
+    or the exact bytes where it would read as the limit itself (167772159 against 160 MiB: ``167772159 B``)."""
+    shown = format_bytes(n)
+    return f"{int(n)} B" if shown == format_bytes(limit) else shown

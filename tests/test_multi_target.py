@@ -446,6 +446,8 @@ def test_auto_beside_bf16_of_a_hub_repo_is_refused_before_any_download(tmp_path:
     (["--max-memory", "32MiB"], "--max-memory is too small for 2 targets (expected '>= 112.00 MiB (64.00 MiB, and "
                                 "48.00 MiB for each target after the first"),
     (["--max-memory", "111MiB"], "--max-memory is too small for 2 targets"),
+    (["--max-memory", "117440511"], "(expected '>= 112.00 MiB"),
+    (["--max-memory", "117440511"], "found '117440511 B'"),
     (["--to", "bf16,fp16,nf4,gguf:q8_0,gguf:f16,gguf:bf16", "--max-memory", "300MiB"],
      "--max-memory is too small for 6 targets (expected '>= 304.00 MiB"),
     (["--push-to-hub", "org/name"], "--push-to-hub with several --to targets takes an organisation or user: each "

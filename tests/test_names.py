@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from convert.units import format_bytes, parse_size
+from convert.units import format_bytes, format_short_of, parse_size
 from formats.bnb import component_name, int8_scale_name, is_component, split_component, state_key
 from formats.dtypes import float_dtype_name
 from tests.helpers.fixtures import MODELS, read_safetensors
@@ -48,6 +48,12 @@ def test_float_dtype_name(value: object, name: str | None) -> None:
     (5 * 2**40, "5.00 TiB"), (2**60, "1048576.00 TiB"), (-2048, "-2.00 KiB")])
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
+
+
+def test_a_size_short_of_a_limit_never_reads_as_the_limit() -> None:
+    """One byte under 160 MiB rounds to '160.00 MiB': the error's "found" says the bytes instead."""
+    assert format_short_of((160 << 20) - 1, 160 << 20) == "167772159 B"
+    assert format_short_of(150 << 20, 160 << 20) == "150.00 MiB"
 
 
 @pytest.mark.parametrize(("text", "n"), [

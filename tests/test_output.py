@@ -15,7 +15,7 @@ import pytest
 
 from convert.cli import main
 from convert.options import target_for
-from convert.output import OutputClaim, ShardLedger
+from convert.output import InterruptedAfterCommit, OutputClaim, ShardLedger
 from convert.output_names import default_output, output_name
 from formats.errors import OutputBusyError, OutputExistsError
 from tests.helpers.fixtures import MODELS, REFERENCES, ROOT, assert_same_tensors, load_all, read_safetensors
@@ -549,3 +549,14 @@ def test_disk_preflight_asks_for_the_output_files_bytes_and_1mib(src: str, to: s
             assert f"OUT-002 not enough free disk space for the output (expected '>= {size + DISK_HEADROOM} bytes " \
                    f"free', found '{free} bytes free')" in err
             assert not out.exists()
+
+
+def test_the_interrupt_message_counts_the_outputs_not_written() -> None:
+    one, two = Path("a"), Path("b")
+    assert InterruptedAfterCommit(one).message() == "interrupted after the output was complete: a"
+    assert InterruptedAfterCommit(one, (one, two), 3).message() == (
+        "interrupted after 2 of 3 outputs were complete: a, b; the other was not written")
+    assert InterruptedAfterCommit(one, (one,), 3).message() == (
+        "interrupted after 1 of 3 outputs were complete: a; the other 2 were not written")
+    assert InterruptedAfterCommit(one, (one, two), 2).message() == (
+        "interrupted after 2 of 2 outputs were complete: a, b")

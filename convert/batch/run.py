@@ -123,7 +123,7 @@ from convert.batch.state import (
 from convert.batch.worker import JobResult, interrupted_message, progress_path, read_progress
 from convert.options import MIN_MEMORY
 from convert.stream.pipeline import min_memory
-from convert.units import format_bytes
+from convert.units import format_bytes, format_short_of
 from formats.errors import (
     OutputInsideInputError,
     OutputKindError,
@@ -286,14 +286,15 @@ def check_batch(jobs: list[Job], out_dir: Path, n_jobs: int, max_memory: int) ->
     per_memory = max_memory // min(n_jobs, max(1, len(jobs)))  # (no more jobs run at once than there are)
     if per_memory < MIN_MEMORY:
         raise UsageError(f"--max-memory split over --jobs leaves a worker less than {format_bytes(MIN_MEMORY)}",
-                         expected=f">= {format_bytes(MIN_MEMORY)} per job", found=f"{format_bytes(per_memory)} per job",
+                         expected=f">= {format_bytes(MIN_MEMORY)} per job",
+                         found=f"{format_short_of(per_memory, MIN_MEMORY)} per job",
                          hint="raise --max-memory or lower --jobs")
     for job in jobs:  # a job of several targets keeps to more (:func:`convert.stream.pipeline.min_memory`)
         least = min_memory(len(job.to.targets))
         if per_memory < least:
             raise UsageError(f"--max-memory split over --jobs leaves job {job.name} ({job.where}) less than its "
                              f"{len(job.to.targets)} targets keep to", expected=f">= {format_bytes(least)} per job",
-                             found=f"{format_bytes(per_memory)} per job",
+                             found=f"{format_short_of(per_memory, least)} per job",
                              hint="raise --max-memory, lower --jobs, or split the job's targets")
     existing = next(p for p in (out_dir, *out_dir.parents) if p.exists() or p.is_symlink())
     if not existing.is_dir():  # the out dir, or the nearest of its parents that exists, is a file

@@ -29,7 +29,7 @@ from convert.run.source import ResolvedSource, resolve_source, src_repo_spec
 from convert.stream.pipeline import SET_TARGET_MEMORY, min_memory, peak_rss_bytes, share_memory
 from convert.stream.plan import Plan, make_plan
 from convert.stream.shared import Consumer, SharedProducts
-from convert.units import format_bytes
+from convert.units import format_bytes, format_short_of
 from formats.checkpoint import Checkpoint
 from formats.errors import ConvertBnbError, ImatrixRequiredError, TargetsFailedError, UsageError
 from formats.peft import is_adapter_dir
@@ -71,7 +71,8 @@ def member_options(options: ConvertOptions) -> tuple[list[ConvertOptions], int]:
                          expected=f">= {format_bytes(least)} ({format_bytes(MIN_MEMORY)}, and "
                                   f"{format_bytes(SET_TARGET_MEMORY)} for each target after the first: its output "
                                   "stream and chunks)",
-                         found=format_bytes(options.max_memory), hint="raise --max-memory or convert fewer targets")
+                         found=format_short_of(options.max_memory, least),
+                         hint="raise --max-memory or convert fewer targets")
     needs = [(options.mix.flags()[0].split()[0] if options.mix.flags() else None,
               any(t.llama_quantize for t in members), "a gguf:TYPE of llama-quantize's types (gguf:q4_0 ... q6_k)"),
              (options.quant.given()[0] if options.quant.given() else None, "bnb4" in families, "nf4 or fp4"),

@@ -31,7 +31,7 @@ from convert.stream.pipeline import RunSettings, max_threads, peak_rss_bytes
 from convert.stream.plan import Plan, make_plan
 from convert.stream.shared import Consumer
 from convert.targets import TARGETS, MmprojJob, ModelfileJob, TargetJob, check_modelfile_name, plan_modelfile
-from convert.units import format_bytes
+from convert.units import format_bytes, format_short_of
 from formats.checkpoint import path_kind
 from formats.errors import ConvertBnbError, DiskSpaceError, ImatrixRequiredError, OutputExistsError, UsageError
 from formats.mapping import check_inputs
@@ -79,7 +79,7 @@ def check_options(options: ConvertOptions) -> None:
         raise UsageError("--max-shard-size must be at least 1 byte", found=options.max_shard_size)
     if options.max_memory < MIN_MEMORY:
         raise UsageError("--max-memory is too small", expected=f">= {format_bytes(MIN_MEMORY)}",
-                         found=format_bytes(options.max_memory))
+                         found=format_short_of(options.max_memory, MIN_MEMORY))
     if not options.merge_lora:
         for flag, value in (("--report", options.report), ("--original", options.original)):
             if value is not None:
@@ -277,7 +277,7 @@ def _merge_threads(options: ConvertOptions, lora: LoraRun | None, threads: int) 
     if need > options.max_memory:
         raise UsageError("--max-memory is too small for this merge: the adapters' working copies of the tensors "
                          "in flight, held beside the chunks, would take more than half of it",
-                         expected=f">= {format_bytes(need)}", found=format_bytes(options.max_memory),
+                         expected=f">= {format_bytes(need)}", found=format_short_of(options.max_memory, need),
                          hint="raise --max-memory")
     return threads
 
