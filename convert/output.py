@@ -287,6 +287,8 @@ class InterruptedAfterCommit(KeyboardInterrupt):
             return f"interrupted after the output was complete: {self.path}"
         left = self.targets - len(self.done)
         rest = {0: "", 1: "; the other was not written"}.get(left, f"; the other {left} were not written")
+        if left:  # (a rerun of the same targets meets the complete ones: OUT-001)
+            rest += f" (convert {'it' if left == 1 else 'them'} alone, or all again with --overwrite)"
         return (f"interrupted after {len(self.done)} of {self.targets} outputs were complete: "
                 + ", ".join(str(p) for p in self.done) + rest)
 

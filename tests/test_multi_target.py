@@ -801,7 +801,8 @@ def test_a_signal_after_one_output_is_committed_leaves_that_one_alone(tmp_path: 
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (130, f"convert-bnb: interrupted after 1 of 3 outputs were complete: "
-                                           f"{out / 'model-nf4'}; the other 2 were not written\n")
+                                           f"{out / 'model-nf4'}; the other 2 were not written (convert them "
+                                           "alone, or all again with --overwrite)\n")
     assert sorted(p.name for p in out.iterdir()) == ["model-nf4"]
 
 

@@ -555,8 +555,10 @@ def test_the_interrupt_message_counts_the_outputs_not_written() -> None:
     one, two = Path("a"), Path("b")
     assert InterruptedAfterCommit(one).message() == "interrupted after the output was complete: a"
     assert InterruptedAfterCommit(one, (one, two), 3).message() == (
-        "interrupted after 2 of 3 outputs were complete: a, b; the other was not written")
+        "interrupted after 2 of 3 outputs were complete: a, b; the other was not written (convert it alone, or "
+        "all again with --overwrite)")
     assert InterruptedAfterCommit(one, (one,), 3).message() == (
-        "interrupted after 1 of 3 outputs were complete: a; the other 2 were not written")
+        "interrupted after 1 of 3 outputs were complete: a; the other 2 were not written (convert them alone, or all "
+        "again with --overwrite)")
     assert InterruptedAfterCommit(one, (one, two), 2).message() == (
         "interrupted after 2 of 2 outputs were complete: a, b")
