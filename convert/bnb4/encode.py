@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
 
-from convert.dequant.block_reduce import block_max_bits
+from convert.dequant.block_reduce import block_magnitudes
 from convert.dequant.kernels import dequantize_4bit
 from convert.dequant.products import PIECE
 from formats.bnb import BLOCKSIZES, QUANT_TABLES
@@ -76,11 +76,6 @@ def _finite_absmax(absmax: npt.NDArray[np.float32]) -> None:
                                    hint="fix or skip this tensor (--skip-modules)")
 
 
-#: 16-bit float dtype name -> its magnitude bits (uint16, sign cleared) as float32 values.
-_MAGNITUDE_BITS: dict[str, Callable[[npt.NDArray[np.uint16]], npt.NDArray[np.float32]]] = {
-    "float16": lambda bits: bits.view(np.float16).astype(np.float32),
-    "bfloat16": lambda bits: (bits.astype(np.uint32) << 16).view(np.float32),
-}
 
 
 def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32]:
@@ -104,19 +99,15 @@ def blockwise_absmax(x: npt.ArrayLike, blocksize: int) -> npt.NDArray[np.float32
     nb_full = m // blocksize
     out = np.empty(-(-m // blocksize), dtype=_F32)
     piece = max(1, PIECE // blocksize)
-    to_f32 = _MAGNITUDE_BITS.get(x.dtype.name)
-    if to_f32 is not None:
+    if x.dtype.name in ("float16", "bfloat16"):
         # sign-magnitude: |x| orders as the 16-bit pattern without its sign (NaN and inf above every
         # finite value, so the finite check below still sees them); the blocks (a power of two) reduced
         # by block_max_bits' tree of strided maxima: 0.54 ns a value against 0.76 for NumPy's row
         # reduction of the same uint16 patterns (itself ~3x faster than float rows) on the bench's EPYC
         scratch = np.empty(min(nb_full, piece) * blocksize * 7 // 8 + 1, np.int32)  # 1.75x the uint16 piece
-        bits = scratch.view(np.uint16)
         for b in range(0, nb_full, piece):
             e = min(nb_full, b + piece)
-            v = x[b * blocksize : e * blocksize].view(np.uint16)
-            a = np.bitwise_and(v, 0x7FFF, out=bits[: v.size])
-            out[b:e] = to_f32(block_max_bits(a, e - b, scratch))
+            out[b:e] = block_magnitudes(x[b * blocksize : e * blocksize], e - b, scratch)[1]
     else:
         for b in range(0, nb_full, piece):
             e = min(nb_full, b + piece)

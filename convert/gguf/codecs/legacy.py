@@ -32,7 +32,7 @@ float32 quotient, ``id = 1 / d`` or 0, the products and sums in gguf-py's order)
 float32) and its sign put back in int8, and the others' float -> uint8 truncation by NumPy's cast, as gguf-py.
 Q8_0 reads bfloat16 and float16 input as it is (no widened copy): the block maxima from the 16-bit
 magnitudes' bits, the products of the magnitudes widened by the multiply itself. The block maxima come
-from :func:`convert.dequant.block_reduce.block_max_bits` trees (Q8_0's on the magnitudes' bits,
+from :func:`convert.dequant.block_reduce.block_max_bits` trees (Q8_0's by ``block_magnitudes``,
 :func:`convert.gguf.codecs.base.block_signed_absmax`, :func:`~convert.gguf.codecs.base.block_minmax`), equal
 to NumPy's reductions. Rare blocks are handed to gguf-py itself
 (:func:`convert.gguf.codecs.base.reference_blocks`): those whose ``d`` or ``id`` is not finite (``d < 2**-128``,
@@ -63,7 +63,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from convert.dequant.block_reduce import block_max_bits
+from convert.dequant.block_reduce import block_magnitudes
 from convert.gguf.codecs.base import (
     Codec,
     Measured,
@@ -116,8 +116,6 @@ WEIGHTED_BLOCKS = 4096
 QK = 32
 #: ggml-quants.c's ``GROUP_MAX_EPS``: a block whose largest ``|x|`` is below it is all zero for ``make_qx_quants``.
 GROUP_MAX_EPS = np.float32(1e-15)
-#: Per item size of a float input: the unsigned integers of its bits and the mask clearing its sign bit.
-_MAGNITUDE_BITS = {2: (np.uint16, np.int16, np.uint16(0x7FFF)), 4: (np.uint32, np.int32, np.uint32(0x7FFFFFFF))}
 #: Below this ``|t|``, ``np.rint(t)`` is C's ``nearest_int(t)`` (valid up to ``2**22``; margin for the bound).
 _RINT_SAFE = np.float32(2.0**21)
 
@@ -515,26 +513,23 @@ class Q8_0Codec(_LegacyCodec):
 
     @classmethod
     def _encode_into(cls, xb: F32, ob: U8, w: _Work) -> npt.NDArray[np.bool_]:
-        """gguf-py's ``d = max|x| / 127``, ``qs = np_roundf(x * (1 / d or 0))`` by magnitudes: the sign bits
-        of ``xb`` (float32, bfloat16 or float16) cleared into ``w.ints`` (whose bit patterns order as the
-        magnitudes: the block maxima by :func:`convert.dequant.block_reduce.block_max_bits`), the magnitudes
+        """gguf-py's ``d = max|x| / 127``, ``qs = np_roundf(x * (1 / d or 0))`` by magnitudes: those of ``xb``
+        (float32, bfloat16 or float16) and their block maxima in ``w.ints``
+        (:func:`convert.dequant.block_reduce.block_magnitudes`), the magnitudes
         (widened to float32 by the multiply itself) times ``1 / d`` rounded half away as magnitudes
         (:func:`convert.gguf.codecs.base.round_half_away_abs_into`), truncated to bytes in ``w.q``, and each
         negative value's byte negated in int8 (``(q ^ -s) + s`` with ``s`` 1 for a set sign bit; -0.0 gives
         0 as gguf-py). ~2.0 ns a value on 16-bit input where widening first and rounding signed values took ~2.6.
         """
         n, size = xb.shape[0], xb.size
-        unsigned, signed, mask = _MAGNITUDE_BITS[xb.itemsize]
-        bits = xb.reshape(-1).view(unsigned)
-        mags = np.bitwise_and(bits, mask, out=w.ints.view(unsigned)[:size])
-        d = block_max_bits(mags, n, w.ints).view(xb.dtype).astype(np.float32)
+        mags, d = block_magnitudes(xb, n, w.ints)
         d /= np.float32(127)
         inv, bad = inverse_scale(d)
-        v = np.multiply(mags.view(xb.dtype).reshape(n, QK), inv[:, None], out=w.v[:n], dtype=np.float32)
+        v = np.multiply(mags.reshape(n, QK), inv[:, None], out=w.v[:n], dtype=np.float32)
         round_half_away_abs_into(v)
         q = w.q[:n].view(np.int8)
         np.copyto(q, v, casting="unsafe")  # truncation toward zero: 0..127
-        negative = np.less(bits.view(signed), 0, out=w.t.reshape(-1).view(np.bool_)[:size])
+        negative = np.less(xb.reshape(-1).view(f"i{xb.itemsize}"), 0, out=w.t.reshape(-1).view(np.bool_)[:size])
         s = negative.view(np.int8).reshape(n, QK)
         q ^= np.negative(s)
         q += s
