@@ -168,9 +168,10 @@ def set_outputs(job: Job, options: ConvertOptions, source: ResolvedSource, org: 
             output's repo is not a Hub repo id (:func:`convert.hub.repo.check_repo_id`).
     """
     members = list(zip(job.to.targets, plan_set(options, source).outputs, strict=True))
-    for _, o in members if org is not None else ():
-        repo = output_repo_id(org, Path(o.output).name)
-        check_repo_id(repo, repo, f"ORG/<the output's name> (job {job.where})")
+    if org is not None:
+        for _, o in members:
+            repo = output_repo_id(org, Path(o.output).name)
+            check_repo_id(repo, repo, f"ORG/<the output's name> (job {job.where})")
     return members
 
 
