@@ -13,7 +13,8 @@ is one class and one row in :data:`CODECS` (as gguf-py's ``gguf/quants.py``).
   0.3.36 (IQ4_NL / IQ4_XS: ``quantize_iq4_nl`` / ``quantize_iq4_xs``); decoding is gguf-py's ``dequantize``.
 - With an importance matrix row (``quantize(x, weights)``, ``Codec.uses_imatrix``): Q2_K..Q6_K, Q4_0..Q5_1,
   IQ4_NL and IQ4_XS encode as ggml's ``quantize_row_*_impl`` with ``quant_weights`` (what ``llama-quantize
-  --imatrix`` runs); the other types ignore it, as ``ggml_quantize_chunk`` does.
+  --imatrix`` runs; Q4_0..Q5_1's weighted scale search: :mod:`convert.gguf.codecs.legacy_imatrix`); the other types
+  ignore it, as ``ggml_quantize_chunk`` does.
 
 Shapes: ``quantize`` takes float32 ``(rows, n_per_row)`` (``n_per_row`` a multiple of the block
 size) and returns uint8 ``(rows, n_per_row // block_size * type_size)``; ``dequantize`` inverts it

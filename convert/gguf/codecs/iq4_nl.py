@@ -49,7 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convert.gguf.codecs.base import GT, Codec, bitmask, encode_by_chunks, first_absmax, fp16_bytes, select, seq_sum0
-from convert.gguf.codecs.legacy import imatrix_blocks
+from convert.gguf.codecs.legacy_imatrix import imatrix_blocks
 
 __all__ = ["IQ4_NLCodec", "KVALUES_IQ4NL", "best_index_iq4nl", "block_scales", "encode_weighted", "imatrix_weights"]
 

@@ -20,6 +20,7 @@ import pytest
 import convert.gguf.codecs.iq4_nl as iq4_nl
 import convert.gguf.codecs.iq4_xs as iq4_xs
 import convert.gguf.codecs.legacy as legacy
+import convert.gguf.codecs.legacy_imatrix as legacy_imatrix
 from convert.gguf.codecs import CODECS
 from tests.gguf.codecs.test_kquant_scale import _edge_blocks, _golden_input, _nonfinite
 from tests.helpers.fixtures import REFERENCES, read_safetensors
@@ -177,7 +178,7 @@ def test_wild_magnitudes(oracle: Oracle, t: GT) -> None:
 def test_nonfinite(oracle: Oracle, t: GT) -> None:
     """NaN (payloads, signalling, both signs), +-inf and x*x overflow in rows: C's bytes, NaN signs of ``d``
     included (a legacy row's sigma2 is then NaN or inf: every block of the row goes through NaN/inf
-    arithmetic; which NaN C's row sum ends on is its loop's, see ``legacy._sum_nan``)."""
+    arithmetic; which NaN C's row sum ends on is its loop's, see ``legacy_imatrix._sum_nan``)."""
     rng = np.random.default_rng(21)
     _check(oracle, t, _nonfinite(rng), _lognormal(rng, 512), "kquant_scale's rows")
     x = rng.standard_normal((48, 512)).astype(np.float32)
@@ -213,7 +214,7 @@ def test_ragged_chunks(oracle: Oracle, t: GT, monkeypatch: pytest.MonkeyPatch) -
     """Chunks and pieces that cut rows anywhere (the block -> column and block -> row maps), one-block
     pieces (sums by the explicit loop), single rows and single blocks."""
     monkeypatch.setattr(legacy, "CHUNK_BLOCKS", 13)
-    monkeypatch.setattr(legacy, "WEIGHTED_BLOCKS", 5)
+    monkeypatch.setattr(legacy_imatrix, "WEIGHTED_BLOCKS", 5)
     monkeypatch.setattr(iq4_nl, "CHUNK_BLOCKS", 11)
     monkeypatch.setattr(iq4_xs, "CHUNK_BLOCKS", 3)
     rng = np.random.default_rng(31)
@@ -221,7 +222,7 @@ def test_ragged_chunks(oracle: Oracle, t: GT, monkeypatch: pytest.MonkeyPatch) -
     qw = _lognormal(rng, 768)
     _check(oracle, t, x, qw, "ragged")
     _check(oracle, t, x[:1], qw, "one row")
-    monkeypatch.setattr(legacy, "WEIGHTED_BLOCKS", 1)
+    monkeypatch.setattr(legacy_imatrix, "WEIGHTED_BLOCKS", 1)
     _check(oracle, t, x[:2], qw, "one-block pieces")
     if t != GT.IQ4_XS:
         _check(oracle, t, x[:3, :32], qw[:32], "one block a row")
